@@ -1,0 +1,34 @@
+"""The device behind one small interface: `get_accelerator()` returns CUDA or the CPU.
+
+`INFINITY_ACCELERATOR=cpu|cuda` forces a choice; otherwise CUDA is used when torch sees it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from infinity.accelerator.base import Accelerator, Event, Stream
+from infinity.accelerator.cpu import CpuAccelerator
+
+__all__ = ["Accelerator", "Event", "Stream", "CpuAccelerator", "get_accelerator", "cuda_available"]
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def get_accelerator(kind: str | None = None) -> Accelerator:
+    kind = (kind or os.environ.get("INFINITY_ACCELERATOR") or "auto").lower()
+    if kind not in ("auto", "cpu", "cuda"):
+        raise ValueError(
+            f"unknown accelerator {kind!r}; use 'cpu', 'cuda' or 'auto' (INFINITY_ACCELERATOR)"
+        )
+    if kind == "cpu" or (kind == "auto" and not cuda_available()):
+        return CpuAccelerator()
+    from infinity.accelerator.cuda import CudaAccelerator
+
+    return CudaAccelerator()

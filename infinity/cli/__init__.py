@@ -1,0 +1,1 @@
+"""The `infinity` command: argument parsing and printing. All work is done by the library."""

@@ -1,0 +1,84 @@
+"""The architecture as a test: torch.cuda stays in the accelerator, imports point down."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "infinity"
+
+# A module may import only from packages of a lower rank, or from its own package.
+RANKS = {
+    "accelerator": 0,
+    "config": 0,
+    "_aio": 0,
+    "_cpu_adam": 0,
+    "utils": 0,
+    "swap": 1,
+    "optim": 1,
+    "zero": 2,
+    "checkpoint": 3,
+    "models": 3,
+    "engine": 4,
+    "data": 4,
+    "cli": 5,
+}
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        yield path, path.relative_to(PKG).with_suffix("").parts
+
+
+def _top(parts) -> str:
+    return parts[0]
+
+
+def test_torch_cuda_only_in_accelerator():
+    offenders = []
+    for path, parts in _modules():
+        if parts[0] == "accelerator":
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if "torch.cuda" in line and not line.lstrip().startswith("#"):
+                offenders.append(f"{path.relative_to(PKG.parent)}:{lineno}: {line.strip()}")
+    assert not offenders, "torch.cuda outside infinity/accelerator:\n" + "\n".join(offenders)
+
+
+def _imported_tops(path: pathlib.Path, parts) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = list(parts[:-1])[: len(parts) - node.level]
+                names = [".".join(["infinity", *base, node.module or ""]).rstrip(".")]
+            else:
+                names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            bits = name.split(".")
+            if bits[0] == "infinity" and len(bits) > 1:
+                found.add(bits[1])
+    return found
+
+
+@pytest.mark.parametrize("path,parts", list(_modules()), ids=lambda v: str(v))
+def test_imports_point_down(path, parts):
+    if parts == ("__init__",):
+        return  # the package root re-exports the public API
+    top = _top(parts)
+    assert top in RANKS, f"infinity/{top} has no rank in tests/test_layering.py: add one"
+    for target in _imported_tops(path, parts):
+        assert target in RANKS, f"{path}: imports infinity.{target}, which has no rank"
+        if target == top:
+            continue
+        assert RANKS[target] < RANKS[top], (
+            f"{path.relative_to(PKG.parent)} imports infinity.{target}: imports must point down "
+            f"(rank {RANKS[top]} -> {RANKS[target]})"
+        )
