@@ -1,18 +1,17 @@
-"""Typed configuration, read once and handed down section by section.
+"""The typed sections: the contract every component codes against.
 
-DeepSpeed's JSON key names (and its `stage3_` prefixes) are accepted here, at the edge, and
-mapped onto these dataclasses; nothing below this module sees raw dicts. `AUTO` marks values
-that are derived later from the model or the world size (see `Config.resolve`).
+Each component receives only its own section. Values may be `AUTO` until `Config.resolve`
+derives them; parsing, emitting and resolving live in the sibling modules.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-AUTO = "auto"
+from infinity.config.values import AUTO
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -31,6 +30,8 @@ class OffloadParamConfig:
     """Number of pinned staging buffers for NVMe parameter reads."""
     buffer_size: int | str = AUTO
     """Elements per staging buffer; "auto" = at least the largest parameter."""
+    max_in_cpu: int = 1_000_000_000
+    """Elements of parameters kept in host memory when device is "nvme" (DeepSpeed's key)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,6 +46,12 @@ class OffloadOptimizerConfig:
     """Directory on a fast SSD for the optimizer swap store; required when device is "nvme"."""
     buffer_count: int = 4
     """Sub-groups in flight in the NVMe optimizer pipeline (read, step, write)."""
+    pipeline_read: bool = False
+    """Overlap reading the next sub-group's state with the current step (NVMe)."""
+    pipeline_write: bool = False
+    """Overlap writing the previous sub-group's state with the current step (NVMe)."""
+    fast_init: bool = False
+    """Initialize NVMe optimizer state without a round trip through host memory."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,8 +70,10 @@ class ZeroConfig:
     """A parameter reused within this many elements of later gathers is kept, not released."""
     param_persistence_threshold: int | str = 100_000
     """Parameters with fewer elements stay resident on the device."""
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int | str = 1_000_000_000
     """Elements per optimizer sub-group (the unit of CPU-Adam and NVMe swapping)."""
+    gather_16bit_weights_on_model_save: bool = False
+    """Gather full 16-bit weights when saving the model (DeepSpeed's stage3_ key)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,6 +81,7 @@ class FP16Config:
     """fp16 mixed precision with dynamic (or static) loss scaling."""
 
     enabled: bool | str = False
+    """Train with fp16 weights and activations; "auto" resolves to false."""
     loss_scale: float = 0.0
     """0 means dynamic loss scaling; any other value is a static scale."""
     initial_scale_power: int = 16
@@ -93,6 +103,7 @@ class BF16Config:
     """bf16 mixed precision (no loss scaling needed)."""
 
     enabled: bool | str = False
+    """Train with bf16 weights and activations; "auto" resolves to false."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,11 +111,22 @@ class OptimizerConfig:
     """The optimizer, run by CPU-Adam on the fp32 master weights."""
 
     type: Literal["Adam", "AdamW"] = "AdamW"
+    """Case-insensitive in the JSON. See `adamw_mode` for which weight decay applies."""
     lr: float | str = 1e-3
     betas: tuple[float, float] | str = (0.9, 0.999)
     eps: float | str = 1e-8
     weight_decay: float | str = 0.0
     bias_correction: bool = True
+    adam_w_mode: bool = True
+    """DeepSpeed's flag: decoupled (AdamW) weight decay even when type is "Adam"."""
+    torch_adam: bool = False
+    """Use the torch reference step instead of the native CPU-Adam kernel."""
+
+    @property
+    def adamw_mode(self) -> bool:
+        """Decoupled weight decay? As in DeepSpeed: type "AdamW", or "Adam" with adam_w_mode
+        (which defaults to true, so a DeepSpeed "Adam" config trains with AdamW)."""
+        return self.type == "AdamW" or self.adam_w_mode
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,117 +136,6 @@ class SchedulerConfig:
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] | None = None
     params: dict[str, Any] = field(default_factory=dict)
     """DeepSpeed's parameters for `type` (see `SCHEDULER_PARAMS`); missing ones take defaults."""
-
-
-WARMUP_TYPES = ("log", "linear")
-
-# name -> (kind, default); kinds are checked by `check_scheduler_params`. `None` as a default
-# means "required" except for warmup_max_lr, where it means "the optimizer's lr".
-_WARMUP_PARAMS: dict[str, tuple[str, Any]] = {
-    "warmup_min_lr": ("lr", 0.0),
-    "warmup_max_lr": ("lr", None),
-    "warmup_num_steps": ("steps", 1000),
-    "warmup_type": ("warmup_type", "log"),
-    "last_batch_iteration": ("iteration", -1),
-}
-SCHEDULER_PARAMS: dict[str, dict[str, tuple[str, Any]]] = {
-    "WarmupLR": dict(_WARMUP_PARAMS),
-    "WarmupDecayLR": {**_WARMUP_PARAMS, "total_num_steps": ("steps", None)},
-    "WarmupCosineLR": {
-        "total_num_steps": ("steps", None),
-        "warmup_min_ratio": ("ratio", 0.0),
-        "warmup_num_steps": ("steps", 1000),
-        "cos_min_ratio": ("ratio", 0.0001),
-        "warmup_type": ("warmup_type", "log"),
-        "last_batch_iteration": ("iteration", -1),
-    },
-}
-"""Every parameter each schedule accepts, with DeepSpeed's defaults."""
-
-
-def check_scheduler_params(
-    kind: str, params: Any, *, path: str = "scheduler.params", allow_auto: bool = True
-) -> dict[str, Any]:
-    """Validate one schedule's parameters; return them normalized (only those given).
-
-    Numbers given as strings ("1e-4") are converted; "auto" is kept when `allow_auto`.
-    Raises ValueError/TypeError naming `path.<param>`, the value and what is allowed.
-    """
-    spec = SCHEDULER_PARAMS[kind]
-    if not isinstance(params, dict):
-        raise TypeError(f"{path}: expected an object of parameters, got {params!r}")
-    out: dict[str, Any] = {}
-    for name, value in params.items():
-        if name not in spec:
-            raise ValueError(
-                f"{path}.{name}: unknown parameter for {kind}{_suggest(name, spec)}; "
-                f"allowed: {', '.join(sorted(spec))}"
-            )
-        if value == AUTO and name not in ("warmup_type", "last_batch_iteration"):
-            if not allow_auto:
-                raise ValueError(
-                    f"{path}.{name}: 'auto' must be resolved first; call Config.resolve()"
-                )
-            out[name] = AUTO
-            continue
-        out[name] = _check_schedule_value(spec[name][0], value, f"{path}.{name}")
-    warmup, total = (
-        out.get("warmup_num_steps", spec["warmup_num_steps"][1]),
-        out.get("total_num_steps"),
-    )
-    if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
-        raise ValueError(
-            f"{path}.total_num_steps: {total} is less than warmup_num_steps ({warmup}); "
-            f"the schedule would end inside its warmup: raise total_num_steps or lower "
-            f"warmup_num_steps"
-        )
-    return out
-
-
-def _check_schedule_value(kind: str, value: Any, path: str) -> Any:
-    if kind == "warmup_type":
-        if value not in WARMUP_TYPES:
-            raise ValueError(f"{path}: {value!r} is not one of 'log', 'linear'")
-        return value
-    if kind in ("steps", "iteration"):
-        low = 1 if kind == "steps" else -1
-        number = _to_int(value, path)
-        if number < low:
-            raise ValueError(f"{path}: {number} is below the minimum {low}")
-        return number
-    number = _to_float(value, path)
-    if kind == "ratio" and not 0.0 <= number <= 1.0:
-        raise ValueError(f"{path}: {number} is not a ratio in [0, 1]")
-    if kind == "lr" and not number >= 0.0:
-        raise ValueError(f"{path}: {number} is negative; a learning rate must be >= 0")
-    return number
-
-
-def _suggest(name: str, known) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _to_float(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise TypeError(f"{path}: expected a number, got {value!r} ({type(value).__name__})")
-    try:
-        number = float(value)
-    except ValueError:
-        raise TypeError(f"{path}: expected a number, got {value!r}") from None
-    if not math.isfinite(number):
-        raise ValueError(f"{path}: {value!r} is not finite; give a finite number")
-    return number
-
-
-def _to_int(value: Any, path: str) -> int:
-    """An integer; integral floats (1e7, JSON's 5e8) and numeric strings ("1e5") are accepted."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    number = _to_float(value, path)
-    if number != int(number):
-        raise TypeError(f"{path}: expected an integer, got {value!r}")
-    return int(number)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -241,7 +152,7 @@ class AioConfig:
     """Submit requests one at a time rather than in batches."""
     overlap_events: bool = True
     """Reap completions while submitting (keeps the queue full)."""
-    backend: str = "auto"
+    backend: Literal["auto", "io_uring", "aio", "posix"] = "auto"
     """"auto", "io_uring", "aio" or "posix"."""
 
 
@@ -250,8 +161,11 @@ class Config:
     """The whole run configuration. Build it with `Config.load(path_or_dict)`."""
 
     train_batch_size: int | str = AUTO
+    """Samples per optimizer step over all ranks: micro batch * accumulation * world size."""
     train_micro_batch_size_per_gpu: int | str = AUTO
+    """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: int | str = AUTO
+    """Micro batches per optimizer step; the loss is scaled by 1/this."""
     gradient_clipping: float | str = 0.0
     """Clip gradients to this global L2 norm; 0 disables clipping."""
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -262,3 +176,72 @@ class Config:
     aio: AioConfig = field(default_factory=AioConfig)
     seed: int = 1234
     steps_per_print: int = 10
+    """Log progress every this many optimizer steps."""
+    wall_clock_breakdown: bool = False
+    """Log the time spent in forward, backward and step."""
+
+    @classmethod
+    def load(cls, source: str | os.PathLike | Mapping[str, Any] | Config) -> Config:
+        """Read a DeepSpeed-style JSON file, a dict, or copy a Config; validate everything."""
+        if isinstance(source, Config):
+            return cls.from_dict(source.to_dict())
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if isinstance(source, (str, os.PathLike)):
+            from infinity.config.parse import read_json
+
+            return cls.from_dict(read_json(os.fspath(source)))
+        raise TypeError(
+            f"Config.load: expected a path to a JSON file, a dict or a Config, "
+            f"got {type(source).__name__}"
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        """Build from DeepSpeed keys. ValueError/TypeError name the key path and what is allowed."""
+        from infinity.config.parse import parse
+
+        return parse(cls, data, "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """DeepSpeed-style keys, JSON-serializable; `Config.from_dict` reads it back unchanged."""
+        from infinity.config.parse import emit
+
+        return emit(self)
+
+    def validate(self) -> None:
+        """Check a Config built in code (load/from_dict already validate)."""
+        from infinity.config.parse import parse
+
+        parse(Config, self.to_dict(), "")
+
+    def resolve(
+        self,
+        *,
+        world_size: int = 1,
+        hidden_size: int | None = None,
+        total_num_steps: int | None = None,
+        warmup_num_steps: int | None = None,
+        largest_param_numel: int | None = None,
+    ) -> Config:
+        """A new Config with every "auto" replaced; `self` is unchanged.
+
+        The batch triple is made consistent (train = micro * accumulation * world_size; any two
+        determine the third; one alone: accumulation 1; none: micro 1 and accumulation 1).
+        With `hidden_size`, zero sizes follow the Hugging Face integration (prefetch
+        0.9*h*h, persistence threshold 10*h). Scheduler "auto"s: warmup_min_lr 0,
+        warmup_max_lr the optimizer's lr, warmup_num_steps `warmup_num_steps` (else 1000,
+        capped at the total), total_num_steps `total_num_steps` (required if "auto").
+        `largest_param_numel` sizes offload_param.buffer_size (else 1e8, DeepSpeed's default).
+        Everything else takes its default.
+        """
+        from infinity.config.resolve import resolve
+
+        return resolve(
+            self,
+            world_size=world_size,
+            hidden_size=hidden_size,
+            total_num_steps=total_num_steps,
+            warmup_num_steps=warmup_num_steps,
+            largest_param_numel=largest_param_numel,
+        )

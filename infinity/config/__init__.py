@@ -1,0 +1,38 @@
+"""Typed configuration, read once and handed down section by section.
+
+DeepSpeed's JSON key names (and its `stage3_` prefixes) are accepted here, at the edge, and
+mapped onto these dataclasses; nothing below this package sees raw dicts. `AUTO` marks values
+that are derived later from the model or the world size (see `Config.resolve`).
+"""
+
+from infinity.config.scheduler_params import SCHEDULER_PARAMS, WARMUP_TYPES, check_scheduler_params
+from infinity.config.sections import (
+    AioConfig,
+    BF16Config,
+    Config,
+    FP16Config,
+    OffloadDevice,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+from infinity.config.values import AUTO
+
+__all__ = [
+    "AUTO",
+    "SCHEDULER_PARAMS",
+    "WARMUP_TYPES",
+    "AioConfig",
+    "BF16Config",
+    "Config",
+    "FP16Config",
+    "OffloadDevice",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+    "check_scheduler_params",
+]

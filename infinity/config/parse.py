@@ -1,0 +1,337 @@
+"""DeepSpeed JSON <-> typed sections: key names, checks with key paths, and back to a dict.
+
+[Note: keys] Each field is read from any of its keys (the first is the one `to_dict` writes);
+two keys of one field with different values are an error. Ignored keys are DeepSpeed settings
+that do not apply here and change nothing; they are accepted and logged at debug level.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
+from typing import Any, Literal
+
+from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
+from infinity.config.sections import (
+    AioConfig,
+    Config,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+from infinity.config.values import AUTO, suggest, to_float, to_int
+
+logger = logging.getLogger(__name__)
+
+
+_KEYS: dict[type, dict[str, tuple[str, ...]]] = {
+    ZeroConfig: {
+        "max_live_parameters": ("stage3_max_live_parameters", "max_live_parameters"),
+        "prefetch_bucket_size": ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+        "max_reuse_distance": ("stage3_max_reuse_distance", "max_reuse_distance"),
+        "param_persistence_threshold": (
+            "stage3_param_persistence_threshold",
+            "param_persistence_threshold",
+        ),
+        "gather_16bit_weights_on_model_save": (
+            "stage3_gather_16bit_weights_on_model_save",
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+        ),
+    },
+    AioConfig: {"thread_count": ("intra_op_parallelism", "thread_count")},
+    Config: {"bf16": ("bf16", "bfloat16")},
+}
+
+_IGNORED: dict[type, frozenset[str]] = {
+    Config: frozenset(
+        {
+            "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer",
+            "memory_breakdown",
+            "dump_state",
+            "flops_profiler",
+            "tensorboard",
+            "wandb",
+            "csv_monitor",
+            "comet",
+            "comms_logger",
+            "activation_checkpointing",
+            "prescale_gradients",
+            "gradient_predivide_factor",
+        }
+    ),
+    ZeroConfig: frozenset(
+        {
+            "overlap_comm",
+            "contiguous_gradients",
+            "reduce_bucket_size",
+            "reduce_scatter",
+            "allgather_partitions",
+            "allgather_bucket_size",
+            "round_robin_gradients",
+            "load_from_fp32_weights",
+            "elastic_checkpoint",
+            "ignore_unused_parameters",
+            "memory_efficient_linear",
+            "log_trace_cache_warnings",
+        }
+    ),
+    AioConfig: frozenset({"use_gds"}),  # checked to be false in _after_aio
+}
+
+# (class, field) -> (bound, strict): values must be >= bound (> bound when strict).
+_MINIMUM: dict[tuple[type, str], tuple[float, bool]] = {
+    (Config, "train_batch_size"): (1, False),
+    (Config, "train_micro_batch_size_per_gpu"): (1, False),
+    (Config, "gradient_accumulation_steps"): (1, False),
+    (Config, "gradient_clipping"): (0, False),
+    (Config, "steps_per_print"): (1, False),
+    (FP16Config, "loss_scale"): (0, False),
+    (FP16Config, "initial_scale_power"): (0, False),
+    (FP16Config, "loss_scale_window"): (1, False),
+    (FP16Config, "hysteresis"): (1, False),
+    (FP16Config, "min_loss_scale"): (0, True),
+    (OptimizerConfig, "lr"): (0, False),
+    (OptimizerConfig, "eps"): (0, False),
+    (OptimizerConfig, "weight_decay"): (0, False),
+    (OffloadParamConfig, "buffer_count"): (1, False),
+    (OffloadParamConfig, "buffer_size"): (1, False),
+    (OffloadParamConfig, "max_in_cpu"): (0, False),
+    (OffloadOptimizerConfig, "buffer_count"): (1, False),
+    (ZeroConfig, "max_live_parameters"): (1, False),
+    (ZeroConfig, "prefetch_bucket_size"): (0, False),
+    (ZeroConfig, "max_reuse_distance"): (0, False),
+    (ZeroConfig, "param_persistence_threshold"): (0, False),
+    (ZeroConfig, "sub_group_size"): (1, False),
+    (AioConfig, "block_size"): (1, False),
+    (AioConfig, "queue_depth"): (1, False),
+    (AioConfig, "thread_count"): (1, False),
+}
+
+
+def _keys_of(cls: type) -> dict[str, str]:
+    """JSON key -> field name, for every accepted key of `cls`."""
+    names = _KEYS.get(cls, {})
+    return {key: f.name for f in fields(cls) for key in names.get(f.name, (f.name,))}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Field values of `cls` from mapping `data`; every key and value is checked."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{path or 'config'}: expected an object, got {data!r}")
+    keys, ignored = _keys_of(cls), _IGNORED.get(cls, frozenset())
+    values: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for key, raw in data.items():
+        where = _join(path, str(key))
+        if key in ignored:
+            logger.debug("%s: a DeepSpeed setting that does not apply here; ignored", where)
+            continue
+        name = keys.get(key)
+        if name is None or name in skip:
+            known = sorted(k for k, n in keys.items() if n not in skip) + sorted(ignored)
+            raise ValueError(f"{where}: unknown key{suggest(str(key), known)}")
+        value = _convert(raw, _hints(cls)[name], where)
+        _check_minimum(cls, name, value, where)
+        if name in values and values[name] != value:
+            raise ValueError(
+                f"{path or 'config'}: {seen[name]!r} ({values[name]!r}) and {key!r} ({value!r}) "
+                f"are the same setting with different values; keep one of them"
+            )
+        values[name], seen[name] = value, key
+    return values
+
+
+def parse(cls: type, data: Any, path: str) -> Any:
+    special = _PARSERS.get(cls)
+    obj = special(data, path) if special else cls(**_parse_fields(cls, data, path))
+    after = _AFTER.get(cls)
+    if after:
+        after(obj, path)
+    return obj
+
+
+def _convert(raw: Any, hint: Any, path: str, auto: bool = False) -> Any:
+    """`raw` as the type `hint` describes; `auto` says "auto" was also allowed (for messages)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if raw is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        if str in rest and len(rest) > 1:  # "X or auto"
+            if raw == AUTO:
+                return AUTO
+            rest.remove(str)
+            auto = True
+        return _convert(raw, rest[0], path, auto)
+    or_auto = " or 'auto'" if auto else ""
+    if origin is Literal:
+        for allowed in args:
+            if isinstance(raw, str) and raw.lower() == allowed.lower():
+                return allowed
+        allowed_list = ", ".join(repr(a) for a in args)
+        hint_text = suggest(raw, args) if isinstance(raw, str) else ""
+        raise ValueError(f"{path}: {raw!r} is not one of {allowed_list}{or_auto}{hint_text}")
+    if is_dataclass(hint):
+        return parse(hint, raw, path)
+    if hint is bool:
+        if not isinstance(raw, bool):
+            raise TypeError(f"{path}: expected true or false{or_auto}, got {raw!r}")
+        return raw
+    if hint is int:
+        return to_int(raw, path, or_auto)
+    if hint is float:
+        return to_float(raw, path, or_auto)
+    if hint is str:
+        if isinstance(raw, os.PathLike):
+            return os.fspath(raw)
+        if not isinstance(raw, str):
+            raise TypeError(f"{path}: expected a string, got {raw!r}")
+        return raw
+    if origin is tuple:
+        if not isinstance(raw, (list, tuple)) or len(raw) != len(args):
+            raise TypeError(f"{path}: expected a list of {len(args)} numbers{or_auto}, got {raw!r}")
+        return tuple(
+            _convert(x, a, f"{path}[{i}]") for i, (x, a) in enumerate(zip(raw, args, strict=True))
+        )
+    if origin is dict:
+        if not isinstance(raw, Mapping):
+            raise TypeError(f"{path}: expected an object, got {raw!r}")
+        return dict(raw)
+    raise AssertionError(f"no conversion for {hint!r} at {path}")
+
+
+def _check_minimum(cls: type, name: str, value: Any, path: str) -> None:
+    bound = _MINIMUM.get((cls, name))
+    if bound is None or value is None or value == AUTO:
+        return
+    low, strict = bound
+    if value < low or (strict and value == low):
+        need = f"> {low}" if strict else f">= {low}"
+        raise ValueError(f"{path}: {value!r} is out of range; it must be {need}")
+
+
+def _parse_optimizer(data: Any, path: str) -> OptimizerConfig:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{path}: expected an object with 'type' and 'params', got {data!r}")
+    for key in data:
+        if key not in ("type", "params"):
+            raise ValueError(f"{_join(path, key)}: unknown key{suggest(key, ['type', 'params'])}")
+    values = _parse_fields(
+        OptimizerConfig, data.get("params", {}), f"{path}.params", skip=("type",)
+    )
+    if "type" in data:
+        values["type"] = _convert(data["type"], _hints(OptimizerConfig)["type"], f"{path}.type")
+    return OptimizerConfig(**values)
+
+
+def _parse_scheduler(data: Any, path: str) -> SchedulerConfig:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{path}: expected an object with 'type' and 'params', got {data!r}")
+    values = _parse_fields(SchedulerConfig, data, path)
+    kind, params = values.get("type"), values.get("params", {})
+    if kind is None and params:
+        raise ValueError(
+            f"{path}.params: given without {path}.type; set the type to one of "
+            f"{', '.join(SCHEDULER_PARAMS)} or remove the params"
+        )
+    if kind is not None:
+        values["params"] = check_scheduler_params(kind, params, path=f"{path}.params")
+    return SchedulerConfig(**values)
+
+
+def _after_zero(zero: ZeroConfig, path: str) -> None:
+    if zero.stage != 3:
+        raise ValueError(
+            f"{_join(path, 'stage')}: {zero.stage} is not supported; Infinity implements ZeRO "
+            f"stage 3 only (parameters, gradients and optimizer states partitioned and "
+            f"offloaded): set it to 3"
+        )
+
+
+def _after_offload(offload: OffloadParamConfig | OffloadOptimizerConfig, path: str) -> None:
+    if offload.device == "nvme" and not offload.nvme_path:
+        raise ValueError(
+            f"{_join(path, 'nvme_path')}: required when {_join(path, 'device')} is 'nvme'; "
+            f"set it to a directory on a fast local SSD"
+        )
+
+
+def _after_config(cfg: Config, path: str) -> None:
+    if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
+        raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+
+
+def _parse_aio(data: Any, path: str) -> AioConfig:
+    if isinstance(data, Mapping) and data.get("use_gds", False) is not False:
+        raise ValueError(
+            f"{_join(path, 'use_gds')}: {data['use_gds']!r} is not supported; GPUDirect Storage "
+            f"is not implemented: set it to false or remove it"
+        )
+    return AioConfig(**_parse_fields(AioConfig, data, path))
+
+
+_PARSERS = {
+    OptimizerConfig: _parse_optimizer,
+    SchedulerConfig: _parse_scheduler,
+    AioConfig: _parse_aio,
+}
+_AFTER = {
+    ZeroConfig: _after_zero,
+    OffloadParamConfig: _after_offload,
+    OffloadOptimizerConfig: _after_offload,
+    Config: _after_config,
+}
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value):
+        return emit(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def emit(obj: Any) -> dict[str, Any]:
+    names = _KEYS.get(type(obj), {})
+    out = {names.get(f.name, (f.name,))[0]: _plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, OptimizerConfig):
+        return {"type": out.pop("type"), "params": out}
+    if isinstance(obj, Config) and obj.scheduler.type is None and not obj.scheduler.params:
+        del out["scheduler"]
+    return out
+
+
+def read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"config file {path!r} does not exist; give the path of a DeepSpeed-style JSON file"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"config file {path!r} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None

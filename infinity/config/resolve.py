@@ -1,0 +1,116 @@
+"""`Config.resolve`: every "auto" replaced by a number, as DeepSpeed and its HF integration do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
+from infinity.config.sections import Config
+from infinity.config.values import AUTO
+
+
+def resolve(cfg: Config, **kw: Any) -> Config:
+    world_size, hidden = kw["world_size"], kw["hidden_size"]
+    for name in (
+        "world_size",
+        "hidden_size",
+        "total_num_steps",
+        "warmup_num_steps",
+        "largest_param_numel",
+    ):
+        value = kw[name]
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"Config.resolve: {name} must be a positive integer, got {value!r}")
+    out = Config.from_dict(cfg.to_dict())  # a validated deep copy
+    _resolve_batch(out, world_size)
+    default = Config()
+    _fill(out, default, ("gradient_clipping",))
+    _fill(out.fp16, default.fp16, ("enabled",))
+    _fill(out.bf16, default.bf16, ("enabled",))
+    _fill(out.optimizer, default.optimizer, ("lr", "betas", "eps", "weight_decay"))
+    zero, dzero = out.zero_optimization, default.zero_optimization
+    if hidden is not None:
+        if zero.prefetch_bucket_size == AUTO:
+            zero.prefetch_bucket_size = int(0.9 * hidden * hidden)
+        if zero.param_persistence_threshold == AUTO:
+            zero.param_persistence_threshold = 10 * hidden
+    names = ("max_live_parameters", "prefetch_bucket_size", "max_reuse_distance")
+    _fill(zero, dzero, (*names, "param_persistence_threshold", "sub_group_size"))
+    if zero.offload_param.buffer_size == AUTO:
+        zero.offload_param.buffer_size = kw["largest_param_numel"] or 100_000_000
+    _resolve_scheduler(out, kw["total_num_steps"], kw["warmup_num_steps"])
+    out.validate()
+    return out
+
+
+def _fill(section: Any, default: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(section, name) == AUTO:
+            setattr(section, name, getattr(default, name))
+
+
+def _resolve_batch(cfg: Config, world: int) -> None:
+    train, micro, accum = (
+        None if v == AUTO else v
+        for v in (
+            cfg.train_batch_size,
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps,
+        )
+    )
+    if train is not None and micro is not None and accum is not None:
+        if train != micro * accum * world:
+            raise ValueError(
+                f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu ({micro}) "
+                f"* gradient_accumulation_steps ({accum}) * world_size ({world}) = "
+                f'{micro * accum * world}; change one of them or set one to "auto"'
+            )
+    elif train is not None:
+        if micro is None and accum is None:
+            accum = 1
+        known, name = (
+            (micro, "train_micro_batch_size_per_gpu")
+            if micro
+            else (accum, "gradient_accumulation_steps")
+        )
+        if train % (known * world):
+            raise ValueError(
+                f"train_batch_size ({train}) is not divisible by {name} ({known}) * world_size "
+                f"({world}) = {known * world}; change one of them so it divides"
+            )
+        if micro is None:
+            micro = train // (accum * world)
+        else:
+            accum = train // (micro * world)
+    else:
+        micro, accum = micro or 1, accum or 1
+        train = micro * accum * world
+    cfg.train_batch_size = train
+    cfg.train_micro_batch_size_per_gpu = micro
+    cfg.gradient_accumulation_steps = accum
+
+
+def _resolve_scheduler(cfg: Config, total: int | None, warmup: int | None) -> None:
+    sched = cfg.scheduler
+    if sched.type is None:
+        return
+    params = dict(sched.params)
+    if params.get("total_num_steps") == AUTO:
+        if total is None:
+            raise ValueError(
+                "scheduler.params.total_num_steps: 'auto' needs the run length; pass "
+                "Config.resolve(total_num_steps=...) or set it in the config"
+            )
+        params["total_num_steps"] = total
+    if params.get("warmup_num_steps") == AUTO:
+        if warmup is None:
+            warmup = SCHEDULER_PARAMS[sched.type]["warmup_num_steps"][1]
+            run = params.get("total_num_steps")
+            warmup = min(warmup, run) if isinstance(run, int) else warmup
+        params["warmup_num_steps"] = warmup
+    for name, (_, default) in SCHEDULER_PARAMS[sched.type].items():
+        if params.get(name) == AUTO:
+            params[name] = cfg.optimizer.lr if name == "warmup_max_lr" else default
+    sched.params = check_scheduler_params(sched.type, params, allow_auto=False)

@@ -1,0 +1,44 @@
+"""Value helpers shared by the config modules: "auto", numbers from JSON, key suggestions."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any
+
+AUTO = "auto"
+"""Marks a value derived later from the model or the world size (see `Config.resolve`)."""
+
+
+def suggest(name: str, known) -> str:
+    """ " (did you mean 'x'?)" for the closest of `known`, or ""."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def to_float(value: Any, path: str, or_auto: str = "") -> float:
+    """A finite number; numeric strings ("1e-4") are accepted, booleans are not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"{path}: expected a number{or_auto}, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise TypeError(f"{path}: expected a number{or_auto}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{path}: {value!r} is not finite; give a finite number")
+    return number
+
+
+def to_int(value: Any, path: str, or_auto: str = "") -> int:
+    """An integer; integral floats (JSON's 5e8) and numeric strings ("1e5") are accepted."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (float, str)):
+        raise TypeError(f"{path}: expected an integer{or_auto}, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise TypeError(f"{path}: expected an integer{or_auto}, got {value!r}") from None
+    if not math.isfinite(number) or number != int(number):
+        raise TypeError(f"{path}: expected an integer{or_auto}, got {value!r}")
+    return int(number)
