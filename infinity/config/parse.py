@@ -86,7 +86,7 @@ _IGNORED: dict[type, frozenset[str]] = {
             "log_trace_cache_warnings",
         }
     ),
-    AioConfig: frozenset({"use_gds"}),  # checked to be false in _after_aio
+    AioConfig: frozenset({"use_gds"}),  # checked to be false in _parse_aio
 }
 
 # (class, field) -> (bound, strict): values must be >= bound (> bound when strict).
@@ -153,9 +153,10 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
         value = _convert(raw, _hints(cls)[name], where)
         _check_minimum(cls, name, value, where)
         if name in values and values[name] != value:
+            shown = "" if is_dataclass(value) else f" ({values[name]!r} and {value!r})"
             raise ValueError(
-                f"{path or 'config'}: {seen[name]!r} ({values[name]!r}) and {key!r} ({value!r}) "
-                f"are the same setting with different values; keep one of them"
+                f"{path or 'config'}: {seen[name]!r} and {key!r} are the same setting, given "
+                f"with different values{shown}; keep one of them"
             )
         values[name], seen[name] = value, key
     return values
@@ -240,7 +241,19 @@ def _parse_optimizer(data: Any, path: str) -> OptimizerConfig:
         OptimizerConfig, data.get("params", {}), f"{path}.params", skip=("type",)
     )
     if "type" in data:
-        values["type"] = _convert(data["type"], _hints(OptimizerConfig)["type"], f"{path}.type")
+        kind = data["type"]
+        if not (isinstance(kind, str) and kind.lower() in ("adam", "adamw")):
+            raise ValueError(
+                f"{path}.type: {kind!r} is not one of 'Adam', 'AdamW' (any case); Infinity "
+                f"steps the fp32 master weights with CPU-Adam"
+            )
+        values["type"] = _convert(kind, _hints(OptimizerConfig)["type"], f"{path}.type")
+    betas = values.get("betas")
+    for i, beta in enumerate(betas if isinstance(betas, tuple) else ()):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(
+                f"{path}.params.betas[{i}]: {beta!r} is out of range; it must be in [0, 1)"
+            )
     return OptimizerConfig(**values)
 
 

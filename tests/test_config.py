@@ -1,0 +1,656 @@
+"""Config: DeepSpeed JSON in, typed sections out, errors that name the key path, "auto"."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+import infinity
+from infinity.config import (
+    AUTO,
+    Config,
+    OffloadParamConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+
+# A ZeRO-Infinity config as DeepSpeed users write it: both offloads on NVMe, aio settings,
+# float literals for sizes, and harmless DeepSpeed-only keys.
+ZERO_INFINITY = """
+{
+  "train_batch_size": 64,
+  "train_micro_batch_size_per_gpu": 4,
+  "gradient_accumulation_steps": 16,
+  "gradient_clipping": 1.0,
+  "steps_per_print": 50,
+  "wall_clock_breakdown": true,
+  "zero_allow_untested_optimizer": true,
+  "fp16": {
+    "enabled": true,
+    "loss_scale": 0,
+    "loss_scale_window": 500,
+    "initial_scale_power": 12,
+    "hysteresis": 3,
+    "min_loss_scale": 0.5
+  },
+  "optimizer": {
+    "type": "Adam",
+    "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+  },
+  "scheduler": {
+    "type": "WarmupCosineLR",
+    "params": {"total_num_steps": 20000, "warmup_num_steps": 500, "cos_min_ratio": 0.1}
+  },
+  "zero_optimization": {
+    "stage": 3,
+    "offload_param": {
+      "device": "nvme",
+      "nvme_path": "/local_nvme",
+      "pin_memory": true,
+      "buffer_count": 6,
+      "buffer_size": 1e8,
+      "max_in_cpu": 1e9
+    },
+    "offload_optimizer": {
+      "device": "nvme",
+      "nvme_path": "/local_nvme",
+      "pin_memory": true,
+      "buffer_count": 4,
+      "pipeline_read": true,
+      "pipeline_write": true,
+      "fast_init": false
+    },
+    "overlap_comm": true,
+    "contiguous_gradients": true,
+    "reduce_bucket_size": 5e8,
+    "sub_group_size": 1e8,
+    "stage3_prefetch_bucket_size": 5e7,
+    "stage3_param_persistence_threshold": 1e5,
+    "stage3_max_live_parameters": 3e8,
+    "stage3_max_reuse_distance": 1e9,
+    "stage3_gather_16bit_weights_on_model_save": true
+  },
+  "aio": {
+    "block_size": 1048576,
+    "queue_depth": 16,
+    "intra_op_parallelism": 2,
+    "single_submit": false,
+    "overlap_events": true,
+    "use_gds": false
+  }
+}
+"""
+
+# The Hugging Face Trainer's ZeRO-3 offload template: "auto" almost everywhere.
+HF_ZERO3 = {
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+
+
+def _autos(tree, path=""):
+    """Every key path in a to_dict() tree whose value is "auto" (aio.backend's "auto" is a
+    choice made at run time, not a placeholder)."""
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in _autos(v, f"{path}.{k}")]
+    return [path] if tree == AUTO and path != ".aio.backend" else []
+
+
+def _assert_given_values_kept(given, emitted, path=""):
+    """Each key given (that to_dict writes under the same name) comes back with its value."""
+    for key, value in given.items():
+        if key not in emitted:
+            continue
+        if isinstance(value, dict):
+            _assert_given_values_kept(value, emitted[key], f"{path}.{key}")
+        else:
+            assert emitted[key] == value, f"{path}.{key}: {emitted[key]!r} != {value!r}"
+
+
+# --- round trips -------------------------------------------------------------------------------
+
+
+def test_defaults_round_trip_through_json():
+    cfg = Config()
+    data = json.loads(json.dumps(cfg.to_dict()))
+    assert Config.from_dict(data) == cfg
+    assert data["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000
+    assert data["optimizer"] == {
+        "type": "AdamW",
+        "params": {
+            "lr": 1e-3,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "weight_decay": 0.0,
+            "bias_correction": True,
+            "adam_w_mode": True,
+            "torch_adam": False,
+        },
+    }
+    assert "scheduler" not in data  # no schedule: nothing DeepSpeed would reject
+
+
+def test_zero_infinity_json_loads_unchanged(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(ZERO_INFINITY)
+    given = json.loads(ZERO_INFINITY)
+    for source in (path, str(path), given):
+        cfg = Config.load(source)
+        zero = cfg.zero_optimization
+        assert zero.offload_param.device == "nvme" and zero.offload_param.nvme_path == "/local_nvme"
+        assert zero.offload_param.buffer_size == 100_000_000
+        assert isinstance(zero.offload_param.buffer_size, int)
+        assert zero.offload_optimizer.pipeline_read is True
+        assert zero.max_live_parameters == 300_000_000
+        assert zero.prefetch_bucket_size == 50_000_000
+        assert zero.sub_group_size == 100_000_000
+        assert zero.gather_16bit_weights_on_model_save is True
+        assert cfg.aio.thread_count == 2 and cfg.aio.queue_depth == 16
+        assert cfg.fp16.initial_scale_power == 12 and cfg.fp16.min_loss_scale == 0.5
+        assert cfg.optimizer.type == "Adam" and cfg.optimizer.betas == (0.9, 0.95)
+        assert cfg.optimizer.adamw_mode  # DeepSpeed's "Adam" defaults to decoupled decay
+        assert cfg.scheduler.params["cos_min_ratio"] == 0.1
+        assert cfg.wall_clock_breakdown is True
+        emitted = cfg.to_dict()
+        _assert_given_values_kept(given, emitted)
+        assert Config.from_dict(json.loads(json.dumps(emitted))) == cfg
+    assert cfg.resolve() == cfg  # nothing to resolve: already consistent
+
+
+def test_every_field_changed_round_trips():
+    cfg = Config.from_dict(
+        {
+            "train_batch_size": 8,
+            "gradient_clipping": 0.5,
+            "seed": 7,
+            "fp16": {"enabled": True, "loss_scale": 128, "consecutive_hysteresis": True},
+            "optimizer": {
+                "type": "adam",
+                "params": {"bias_correction": False, "adam_w_mode": False, "torch_adam": True},
+            },
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}},
+            "zero_optimization": {
+                "max_live_parameters": 123,
+                "offload_param": {"device": "none", "pin_memory": False},
+                "offload_optimizer": {"device": "CPU"},
+            },
+            "aio": {"thread_count": 3, "backend": "posix", "single_submit": True},
+        }
+    )
+    assert cfg.optimizer.type == "Adam" and not cfg.optimizer.adamw_mode
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.fp16.loss_scale == 128.0 and isinstance(cfg.fp16.loss_scale, float)
+    assert Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert Config.load(cfg) == cfg and Config.load(cfg) is not cfg
+
+
+def test_hf_template_loads_and_resolves():
+    cfg = Config.load(HF_ZERO3)
+    assert cfg.train_batch_size == AUTO and cfg.optimizer.lr == AUTO
+    assert len(_autos(cfg.to_dict())) == 17  # 16 given + offload_param.buffer_size
+    out = cfg.resolve(world_size=1, hidden_size=512, total_num_steps=300)
+    assert _autos(out.to_dict()) == []
+    assert (out.train_batch_size, out.train_micro_batch_size_per_gpu) == (1, 1)
+    assert out.gradient_accumulation_steps == 1 and out.gradient_clipping == 0.0
+    assert out.fp16.enabled is False and out.bf16.enabled is False
+    assert out.optimizer == OptimizerConfig()
+    assert out.zero_optimization.prefetch_bucket_size == int(0.9 * 512 * 512)
+    assert out.zero_optimization.param_persistence_threshold == 10 * 512
+    assert out.scheduler.params == {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": out.optimizer.lr,
+        "warmup_num_steps": 300,  # DeepSpeed's 1000, capped at the run
+        "total_num_steps": 300,
+    }
+    assert cfg.optimizer.lr == AUTO  # resolve returns a new Config
+    assert out.resolve(world_size=1) == out
+
+
+# --- DeepSpeed spellings ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "max_live_parameters",
+        "prefetch_bucket_size",
+        "max_reuse_distance",
+        "param_persistence_threshold",
+    ],
+)
+def test_stage3_prefix_is_optional(key):
+    with_prefix = Config.from_dict({"zero_optimization": {f"stage3_{key}": 4096}})
+    without = Config.from_dict({"zero_optimization": {key: 4096}})
+    assert with_prefix == without and getattr(without.zero_optimization, key) == 4096
+    both = Config.from_dict({"zero_optimization": {f"stage3_{key}": 4096, key: 4096.0}})
+    assert both == without
+    with pytest.raises(
+        ValueError,
+        match=rf"zero_optimization: 'stage3_{key}' and '{key}' are the same setting"
+        r".*\(4096 and 8\)",
+    ):
+        Config.from_dict({"zero_optimization": {f"stage3_{key}": 4096, key: 8}})
+
+
+def test_aliases():
+    assert Config.from_dict({"bfloat16": {"enabled": True}}).bf16.enabled is True
+    assert Config.from_dict({"aio": {"thread_count": 4}}).aio.thread_count == 4
+    with pytest.raises(ValueError, match="'bfloat16' and 'bf16' are the same setting"):
+        Config.from_dict({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}})
+    with pytest.raises(ValueError, match="'intra_op_parallelism' and 'thread_count'"):
+        Config.from_dict({"aio": {"intra_op_parallelism": 2, "thread_count": 1}})
+
+
+def test_numbers_as_strings_and_floats():
+    cfg = Config.from_dict(
+        {
+            "train_micro_batch_size_per_gpu": "2",
+            "optimizer": {"params": {"lr": "1e-4", "betas": ["0.8", 0.9]}},
+            "zero_optimization": {"sub_group_size": "1e5", "stage3_prefetch_bucket_size": 2e6},
+        }
+    )
+    assert cfg.train_micro_batch_size_per_gpu == 2
+    assert cfg.optimizer.lr == 1e-4 and cfg.optimizer.betas == (0.8, 0.9)
+    assert cfg.zero_optimization.sub_group_size == 100_000
+    assert type(cfg.zero_optimization.prefetch_bucket_size) is int
+
+
+def test_ignored_keys_are_logged(caplog):
+    with caplog.at_level(logging.DEBUG, logger="infinity.config"):
+        cfg = Config.from_dict(
+            {"zero_optimization": {"overlap_comm": True, "round_robin_gradients": True}}
+        )
+    assert cfg.zero_optimization == ZeroConfig()
+    assert "zero_optimization.round_robin_gradients" in caplog.text
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+ERRORS = [
+    # values outside the allowed set
+    (
+        {"zero_optimization": {"offload_param": {"device": "gpu"}}},
+        ValueError,
+        r"^zero_optimization\.offload_param\.device: 'gpu' is not one of 'none', 'cpu', 'nvme'",
+    ),
+    (
+        {"aio": {"backend": "uring"}},
+        ValueError,
+        r"aio\.backend: 'uring' is not one of .*'io_uring'",
+    ),
+    (
+        {"optimizer": {"type": "Lamb"}},
+        ValueError,
+        r"optimizer\.type: 'Lamb' is not one of 'Adam', 'AdamW'",
+    ),
+    (
+        {"scheduler": {"type": "WarmupCosine"}},
+        ValueError,
+        r"scheduler\.type: 'WarmupCosine' is not one of .*did you mean 'WarmupCosineLR'",
+    ),
+    (
+        {"zero_optimization": {"stage": 2}},
+        ValueError,
+        r"zero_optimization\.stage: 2 is not supported.*stage 3 only",
+    ),
+    ({"aio": {"use_gds": True}}, ValueError, r"aio\.use_gds: True is not supported"),
+    # wrong types
+    (
+        {"fp16": {"enabled": "yes"}},
+        TypeError,
+        r"fp16\.enabled: expected true or false or 'auto', got 'yes'",
+    ),
+    ({"fp16": {"hysteresis": True}}, TypeError, r"fp16\.hysteresis: expected an integer, got True"),
+    (
+        {"train_batch_size": "big"},
+        TypeError,
+        r"train_batch_size: expected an integer or 'auto', got 'big'",
+    ),
+    (
+        {"train_batch_size": 2.5},
+        TypeError,
+        r"train_batch_size: expected an integer or 'auto', got 2.5",
+    ),
+    (
+        {"optimizer": {"params": {"betas": [0.9]}}},
+        TypeError,
+        r"optimizer\.params\.betas: expected a list of 2",
+    ),
+    (
+        {"optimizer": {"params": {"eps": [1]}}},
+        TypeError,
+        r"optimizer\.params\.eps: expected a number or 'auto'",
+    ),
+    (
+        {"zero_optimization": {"offload_param": "cpu"}},
+        TypeError,
+        r"zero_optimization\.offload_param: expected an object",
+    ),
+    (
+        {"zero_optimization": {"offload_param": {"nvme_path": 3}}},
+        TypeError,
+        r"nvme_path: expected a string",
+    ),
+    ({"gradient_clipping": float("inf")}, ValueError, r"gradient_clipping: inf is not finite"),
+    ({"scheduler": "WarmupLR"}, TypeError, r"scheduler: expected an object"),
+    # ranges
+    ({"train_batch_size": 0}, ValueError, r"train_batch_size: 0 is out of range; it must be >= 1"),
+    (
+        {"fp16": {"min_loss_scale": 0}},
+        ValueError,
+        r"fp16\.min_loss_scale: 0\.0 is out of range; it must be > 0",
+    ),
+    (
+        {"optimizer": {"params": {"betas": [0.9, 1.0]}}},
+        ValueError,
+        r"optimizer\.params\.betas\[1\]: 1\.0 is out of range",
+    ),
+    (
+        {"optimizer": {"params": {"lr": -1}}},
+        ValueError,
+        r"optimizer\.params\.lr: -1\.0 is out of range",
+    ),
+    (
+        {"zero_optimization": {"sub_group_size": 0}},
+        ValueError,
+        r"sub_group_size: 0 is out of range",
+    ),
+    # unknown keys, with the closest known key
+    (
+        {"steps_per_prnt": 1},
+        ValueError,
+        r"^steps_per_prnt: unknown key \(did you mean 'steps_per_print'\?\)",
+    ),
+    (
+        {"zero_optimization": {"stage3_prefetch_bucket": 1}},
+        ValueError,
+        r"zero_optimization\.stage3_prefetch_bucket: unknown key "
+        r"\(did you mean 'stage3_prefetch_bucket_size'\?\)",
+    ),
+    ({"zero_optimization": {"offload_params": {}}}, ValueError, r"did you mean 'offload_param'"),
+    (
+        {"optimizer": {"params": {"weight_decayy": 0.1}}},
+        ValueError,
+        r"optimizer\.params\.weight_decayy: unknown key \(did you mean 'weight_decay'\?\)",
+    ),
+    (
+        {"optimizer": {"type": "Adam", "param": {}}},
+        ValueError,
+        r"optimizer\.param: unknown key \(did you mean 'params'\?\)",
+    ),
+    (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_min": 0}}},
+        ValueError,
+        r"scheduler\.params\.warmup_min: unknown parameter for WarmupLR "
+        r"\(did you mean 'warmup_min_lr'\?\)",
+    ),
+    (
+        {"aio": {"queue_dept": 4}},
+        ValueError,
+        r"aio\.queue_dept: unknown key \(did you mean 'queue_depth'\?\)",
+    ),
+    # combinations
+    (
+        {"zero_optimization": {"offload_param": {"device": "nvme"}}},
+        ValueError,
+        r"zero_optimization\.offload_param\.nvme_path: required when "
+        r"zero_optimization\.offload_param\.device is 'nvme'",
+    ),
+    (
+        {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": ""}}},
+        ValueError,
+        r"offload_optimizer\.nvme_path: required",
+    ),
+    (
+        {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+        ValueError,
+        r"fp16\.enabled and bf16\.enabled are both true",
+    ),
+    (
+        {"scheduler": {"params": {"warmup_num_steps": 5}}},
+        ValueError,
+        r"scheduler\.params: given without scheduler\.type",
+    ),
+    (
+        {
+            "scheduler": {
+                "type": "WarmupDecayLR",
+                "params": {"total_num_steps": 10, "warmup_num_steps": 20},
+            }
+        },
+        ValueError,
+        r"scheduler\.params\.total_num_steps: 10 is less than warmup_num_steps \(20\)",
+    ),
+]
+
+
+@pytest.mark.parametrize("data,exc,match", ERRORS, ids=[str(i) for i in range(len(ERRORS))])
+def test_errors_name_the_key_path(data, exc, match):
+    with pytest.raises(exc, match=match):
+        Config.from_dict(data)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"missing\.json' does not exist"):
+        Config.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "train_batch_size": 4,\n}')
+    with pytest.raises(ValueError, match=r"bad\.json' is not valid JSON: .* line 3"):
+        Config.load(bad)
+    with pytest.raises(TypeError, match="expected a path to a JSON file, a dict or a Config"):
+        Config.load([("train_batch_size", 4)])
+    with pytest.raises(TypeError, match="config: expected an object"):
+        Config.from_dict([1])
+
+
+def test_validate_checks_configs_built_in_code():
+    Config().validate()
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage: 1 is not supported"):
+        Config(zero_optimization=ZeroConfig(stage=1)).validate()
+    bad = Config(zero_optimization=ZeroConfig(offload_param=OffloadParamConfig(device="nvme")))
+    with pytest.raises(ValueError, match="nvme_path: required"):
+        bad.validate()
+    with pytest.raises(ValueError, match="resolve|unknown parameter"):
+        Config(scheduler=SchedulerConfig(type="WarmupLR", params={"nope": 1})).validate()
+
+
+# --- "auto" -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "train,micro,accum,world,want",
+    [
+        (AUTO, AUTO, AUTO, 1, (1, 1, 1)),
+        (AUTO, AUTO, AUTO, 4, (4, 1, 1)),
+        (64, AUTO, AUTO, 4, (64, 16, 1)),
+        (AUTO, 3, AUTO, 2, (6, 3, 1)),
+        (AUTO, AUTO, 5, 2, (10, 1, 5)),
+        (48, 4, AUTO, 2, (48, 4, 6)),
+        (48, AUTO, 3, 2, (48, 8, 3)),
+        (AUTO, 4, 3, 2, (24, 4, 3)),
+        (24, 4, 3, 2, (24, 4, 3)),
+    ],
+)
+def test_batch_triple(train, micro, accum, world, want):
+    cfg = Config(
+        train_batch_size=train,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accum,
+    )
+    out = cfg.resolve(world_size=world)
+    got = (
+        out.train_batch_size,
+        out.train_micro_batch_size_per_gpu,
+        out.gradient_accumulation_steps,
+    )
+    assert got == want
+    assert got[0] == got[1] * got[2] * world
+
+
+@pytest.mark.parametrize(
+    "train,micro,accum,world,match",
+    [
+        (
+            32,
+            4,
+            3,
+            2,
+            r"train_batch_size \(32\) must equal .*\(4\) \* .*\(3\) \* world_size \(2\) = 24",
+        ),
+        (
+            30,
+            4,
+            AUTO,
+            2,
+            r"train_batch_size \(30\) is not divisible by train_micro_batch_size_per_gpu \(4\) "
+            r"\* world_size \(2\) = 8",
+        ),
+        (30, AUTO, 4, 1, r"not divisible by gradient_accumulation_steps \(4\)"),
+        (
+            6,
+            AUTO,
+            AUTO,
+            4,
+            r"train_batch_size \(6\) is not divisible by gradient_accumulation_steps \(1\) "
+            r"\* world_size \(4\)",
+        ),
+    ],
+)
+def test_batch_triple_inconsistent(train, micro, accum, world, match):
+    cfg = Config(
+        train_batch_size=train,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accum,
+    )
+    with pytest.raises(ValueError, match=match):
+        cfg.resolve(world_size=world)
+
+
+def test_resolve_zero_sizes_without_hidden_size_take_defaults():
+    cfg = Config.load(
+        {
+            "zero_optimization": {
+                "stage3_prefetch_bucket_size": "auto",
+                "param_persistence_threshold": "auto",
+                "sub_group_size": "auto",
+            }
+        }
+    )
+    out = cfg.resolve()
+    zero, default = out.zero_optimization, ZeroConfig()
+    assert zero.prefetch_bucket_size == default.prefetch_bucket_size
+    assert zero.param_persistence_threshold == default.param_persistence_threshold
+    assert zero.sub_group_size == default.sub_group_size
+    assert zero.offload_param.buffer_size == 100_000_000
+    assert (
+        cfg.resolve(largest_param_numel=12345).zero_optimization.offload_param.buffer_size == 12345
+    )
+
+
+def test_resolve_scheduler_autos():
+    cfg = Config.load(
+        {
+            "optimizer": {"params": {"lr": 5e-4}},
+            "scheduler": {
+                "type": "WarmupCosineLR",
+                "params": {
+                    "total_num_steps": "auto",
+                    "warmup_num_steps": "auto",
+                    "cos_min_ratio": "auto",
+                },
+            },
+        }
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"total_num_steps: 'auto' needs the run length; "
+        r"pass Config\.resolve\(total_num_steps=\.\.\.\)",
+    ):
+        cfg.resolve()
+    out = cfg.resolve(total_num_steps=5000, warmup_num_steps=100)
+    assert out.scheduler.params == {
+        "total_num_steps": 5000,
+        "warmup_num_steps": 100,
+        "cos_min_ratio": 0.0001,
+    }
+    warm = Config.load(
+        {
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+            }
+        }
+    )
+    assert warm.resolve().scheduler.params == {"warmup_max_lr": 1e-3, "warmup_num_steps": 1000}
+
+
+def test_resolve_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+        Config().resolve(world_size=0)
+    with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
+        Config().resolve(hidden_size=1.5)
+
+
+def test_fp16_auto_with_bf16_on_resolves():
+    out = Config.load({"fp16": {"enabled": "auto"}, "bf16": {"enabled": True}}).resolve()
+    assert out.fp16.enabled is False and out.bf16.enabled is True
+
+
+# --- the package root -------------------------------------------------------------------------
+
+
+def test_exported_lazily_and_import_stays_cheap():
+    assert infinity.Config is Config
+    assert "Config" in dir(infinity) and infinity.__version__
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        infinity.nope  # noqa: B018
+    code = (
+        "import sys, infinity\n"
+        "assert 'torch' not in sys.modules and 'infinity.config' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
