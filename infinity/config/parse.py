@@ -163,6 +163,7 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
 
 
 def parse(cls: type, data: Any, path: str) -> Any:
+    """An instance of section `cls` from DeepSpeed-style `data` found at key path `path`."""
     special = _PARSERS.get(cls)
     obj = special(data, path) if special else cls(**_parse_fields(cls, data, path))
     after = _AFTER.get(cls)
@@ -327,6 +328,7 @@ def _plain(value: Any) -> Any:
 
 
 def emit(obj: Any) -> dict[str, Any]:
+    """A section as DeepSpeed-style, JSON-serializable data (the inverse of `parse`)."""
     names = _KEYS.get(type(obj), {})
     out = {names.get(f.name, (f.name,))[0]: _plain(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, OptimizerConfig):
@@ -337,6 +339,7 @@ def emit(obj: Any) -> dict[str, Any]:
 
 
 def read_json(path: str) -> Any:
+    """The JSON at `path`; errors name the file and, for bad JSON, the line."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)

@@ -9,40 +9,54 @@ from infinity.config.sections import Config
 from infinity.config.values import AUTO
 
 
-def resolve(cfg: Config, **kw: Any) -> Config:
-    world_size, hidden = kw["world_size"], kw["hidden_size"]
-    for name in (
-        "world_size",
-        "hidden_size",
-        "total_num_steps",
-        "warmup_num_steps",
-        "largest_param_numel",
-    ):
-        value = kw[name]
+def resolve(
+    cfg: Config,
+    *,
+    world_size: int,
+    hidden_size: int | None,
+    total_num_steps: int | None,
+    warmup_num_steps: int | None,
+    largest_param_numel: int | None,
+) -> Config:
+    """See `Config.resolve`."""
+    given = dict(
+        world_size=world_size,
+        hidden_size=hidden_size,
+        total_num_steps=total_num_steps,
+        warmup_num_steps=warmup_num_steps,
+        largest_param_numel=largest_param_numel,
+    )
+    for name, value in given.items():
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
             raise ValueError(f"Config.resolve: {name} must be a positive integer, got {value!r}")
     out = Config.from_dict(cfg.to_dict())  # a validated deep copy
-    _resolve_batch(out, world_size)
     default = Config()
+    _resolve_batch(out, world_size)
     _fill(out, default, ("gradient_clipping",))
     _fill(out.fp16, default.fp16, ("enabled",))
     _fill(out.bf16, default.bf16, ("enabled",))
     _fill(out.optimizer, default.optimizer, ("lr", "betas", "eps", "weight_decay"))
-    zero, dzero = out.zero_optimization, default.zero_optimization
-    if hidden is not None:
+    _resolve_zero(out, hidden_size, largest_param_numel)
+    _resolve_scheduler(out, total_num_steps, warmup_num_steps)
+    out.validate()
+    return out
+
+
+def _resolve_zero(cfg: Config, hidden: int | None, largest_param_numel: int | None) -> None:
+    zero = cfg.zero_optimization
+    if hidden is not None:  # the Hugging Face integration's sizes
         if zero.prefetch_bucket_size == AUTO:
             zero.prefetch_bucket_size = int(0.9 * hidden * hidden)
         if zero.param_persistence_threshold == AUTO:
             zero.param_persistence_threshold = 10 * hidden
     names = ("max_live_parameters", "prefetch_bucket_size", "max_reuse_distance")
-    _fill(zero, dzero, (*names, "param_persistence_threshold", "sub_group_size"))
+    _fill(
+        zero, Config().zero_optimization, (*names, "param_persistence_threshold", "sub_group_size")
+    )
     if zero.offload_param.buffer_size == AUTO:
-        zero.offload_param.buffer_size = kw["largest_param_numel"] or 100_000_000
-    _resolve_scheduler(out, kw["total_num_steps"], kw["warmup_num_steps"])
-    out.validate()
-    return out
+        zero.offload_param.buffer_size = largest_param_numel or 100_000_000  # DeepSpeed: 1e8
 
 
 def _fill(section: Any, default: Any, names: tuple[str, ...]) -> None:

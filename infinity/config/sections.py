@@ -153,7 +153,8 @@ class AioConfig:
     overlap_events: bool = True
     """Reap completions while submitting (keeps the queue full)."""
     backend: Literal["auto", "io_uring", "aio", "posix"] = "auto"
-    """"auto", "io_uring", "aio" or "posix"."""
+    """I/O engine. "auto" picks the fastest one available when the swapper starts: a run-time
+    choice, not a placeholder, so `Config.resolve` keeps it."""
 
 
 @dataclass(kw_only=True, slots=True)

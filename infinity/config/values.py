@@ -11,7 +11,7 @@ AUTO = "auto"
 
 
 def suggest(name: str, known) -> str:
-    """ " (did you mean 'x'?)" for the closest of `known`, or ""."""
+    """A message suffix naming the closest of `known` ("did you mean ..."), or ""."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
