@@ -452,6 +452,11 @@ ERRORS = [
         r"fp16\.enabled and bf16\.enabled are both true",
     ),
     (
+        {"scheduler": {"type": "WarmupCosineLR"}},
+        ValueError,
+        r"scheduler\.params\.total_num_steps: required by WarmupCosineLR",
+    ),
+    (
         {"scheduler": {"params": {"warmup_num_steps": 5}}},
         ValueError,
         r"scheduler\.params: given without scheduler\.type",

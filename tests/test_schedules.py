@@ -156,7 +156,11 @@ def test_string_numbers_are_accepted():
         ("WarmupLR", {"warmup_max_lrr": 1e-3}, r"warmup_max_lrr.*did you mean 'warmup_max_lr'"),
         ("WarmupLR", {"total_num_steps": 10}, r"total_num_steps: unknown parameter for WarmupLR"),
         ("WarmupDecayLR", {"warmup_num_steps": 100, "total_num_steps": 10}, r"less than warmup"),
-        ("WarmupCosineLR", {"total_num_steps": 10}, r"less than warmup_num_steps \(1000\)"),
+        (
+            "WarmupCosineLR",
+            {"total_num_steps": 10},
+            r"less than warmup_num_steps \(1000, the default\)",
+        ),
         ("WarmupDecayLR", {"warmup_num_steps": 10}, r"total_num_steps: required"),
         ("WarmupLR", {"warmup_type": "cosine"}, r"warmup_type: 'cosine' is not one of"),
         ("WarmupLR", {"warmup_num_steps": 0}, r"warmup_num_steps: 0 is below the minimum 1"),

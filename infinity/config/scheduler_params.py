@@ -62,13 +62,17 @@ def check_scheduler_params(
             out[name] = AUTO
             continue
         out[name] = _check_schedule_value(spec[name][0], value, f"{path}.{name}")
-    warmup, total = (
-        out.get("warmup_num_steps", spec["warmup_num_steps"][1]),
-        out.get("total_num_steps"),
-    )
-    if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
+    if "total_num_steps" in spec and "total_num_steps" not in out:
         raise ValueError(
-            f"{path}.total_num_steps: {total} is less than warmup_num_steps ({warmup}); "
+            f"{path}.total_num_steps: required by {kind}; set it to the number of optimizer "
+            f'steps of the run (or "auto" and pass it to Config.resolve)'
+        )
+    total = out.get("total_num_steps")
+    warmup = out.get("warmup_num_steps", spec["warmup_num_steps"][1])
+    if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
+        default = "" if "warmup_num_steps" in out else ", the default"
+        raise ValueError(
+            f"{path}.total_num_steps: {total} is less than warmup_num_steps ({warmup}{default}); "
             f"the schedule would end inside its warmup: raise total_num_steps or lower "
             f"warmup_num_steps"
         )

@@ -137,6 +137,11 @@ def build_schedule(cfg: SchedulerConfig, base_lr: float) -> Schedule:
     `base_lr` is the optimizer's lr: WarmupCosineLR scales it, and WarmupLR/WarmupDecayLR use it
     when warmup_max_lr is not given (DeepSpeed's WarmupDecayLR would use 0.001 there instead).
     """
+    if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or base_lr < 0:
+        raise ValueError(
+            f"build_schedule: base_lr must be a number >= 0, got {base_lr!r} "
+            f"(an 'auto' lr is replaced by Config.resolve())"
+        )
     if cfg.type is None:
         if cfg.params:
             raise ValueError(
@@ -156,6 +161,4 @@ def build_schedule(cfg: SchedulerConfig, base_lr: float) -> Schedule:
             f"scheduler.params.total_num_steps: required by {cfg.type}; set it to the number "
             f"of optimizer steps of the run"
         )
-    if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or base_lr < 0:
-        raise ValueError(f"build_schedule: base_lr must be a number >= 0, got {base_lr!r}")
     return Schedule(cfg.type, params, base_lr)
