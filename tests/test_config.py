@@ -659,3 +659,12 @@ def test_exported_lazily_and_import_stays_cheap():
         "assert 'torch' not in sys.modules and 'infinity.config' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_precision():
+    assert Config().precision == "fp32"
+    assert Config.load({"fp16": {"enabled": True}}).precision == "fp16"
+    assert Config.load({"bfloat16": {"enabled": True}}).precision == "bf16"
+    with pytest.raises(ValueError, match="resolve"):
+        _ = Config.load({"bf16": {"enabled": "auto"}}).precision
+    assert Config.load({"bf16": {"enabled": "auto"}}).resolve().precision == "fp32"

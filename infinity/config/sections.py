@@ -181,6 +181,15 @@ class Config:
     wall_clock_breakdown: bool = False
     """Log the time spent in forward, backward and step."""
 
+    @property
+    def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        """ "fp16", "bf16" or "fp32", from the enabled flags (resolve "auto" first)."""
+        if AUTO in (self.fp16.enabled, self.bf16.enabled):
+            raise ValueError(
+                "fp16/bf16.enabled: 'auto' must be resolved first; call Config.resolve()"
+            )
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
     @classmethod
     def load(cls, source: str | os.PathLike | Mapping[str, Any] | Config) -> Config:
         """Read a DeepSpeed-style JSON file, a dict, or copy a Config; validate everything."""
