@@ -6,12 +6,13 @@ rules against formulas written out independently.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
-from infinity.config import FP16Config, SchedulerConfig
+from infinity.config import Config, FP16Config, SchedulerConfig
 from infinity.optim import build_loss_scaler, build_schedule
 
 lr_schedules = pytest.importorskip(
@@ -140,3 +141,45 @@ def test_raises_at_the_same_step_as_deepspeed(monkeypatch, hysteresis):
         if ds_step is not None or ours_step is not None:
             break
     assert ds_step is not None and ds_step == ours_step
+
+
+def _zero_sections():
+    from test_config import HF_ZERO3, ZERO_INFINITY
+
+    given = json.loads(ZERO_INFINITY)
+    resolved = Config.load(HF_ZERO3).resolve(hidden_size=256, total_num_steps=100)
+    return [
+        ("zero-infinity as written", given),
+        ("zero-infinity via Infinity", Config.load(given).to_dict()),
+        ("hf template resolved", resolved.to_dict()),
+        ("defaults", Config().resolve().to_dict()),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name,data", _zero_sections(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_zero_and_aio_sections_read_the_same_in_deepspeed(name, data):
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    aio_config = pytest.importorskip("deepspeed.runtime.swap_tensor.aio_config")
+    ds = zero_config.DeepSpeedZeroConfig(**data["zero_optimization"])  # rejects unknown keys
+    ours = Config.load(data).zero_optimization
+    for field in (
+        "stage",
+        "max_live_parameters",
+        "prefetch_bucket_size",
+        "max_reuse_distance",
+        "param_persistence_threshold",
+        "sub_group_size",
+        "gather_16bit_weights_on_model_save",
+    ):
+        assert getattr(ds, field) == getattr(ours, field), field
+    for section in ("offload_param", "offload_optimizer"):
+        ds_section, our_section = getattr(ds, section), getattr(ours, section)
+        assert getattr(ds_section.device, "value", ds_section.device) == our_section.device
+        assert ds_section.buffer_count == our_section.buffer_count
+        assert ds_section.pin_memory == our_section.pin_memory
+    aio = aio_config.get_aio_config(data)
+    if "aio" in data:
+        assert aio["intra_op_parallelism"] == Config.load(data).aio.thread_count
+        assert aio["queue_depth"] == Config.load(data).aio.queue_depth
