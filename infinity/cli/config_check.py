@@ -1,0 +1,47 @@
+"""`infinity config FILE`: check a DeepSpeed-style config and print it as Infinity reads it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from infinity.config import Config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "config",
+        help="check a DeepSpeed-style JSON config and print it with every value filled in",
+        description=(
+            "Load and validate a config (errors name the key path and the fix), then print "
+            'it as JSON with DeepSpeed\'s key names. With --resolve, every "auto" is '
+            "replaced the way training would replace it."
+        ),
+    )
+    parser.add_argument("path", help="the JSON config file")
+    parser.add_argument("--resolve", action="store_true", help='replace every "auto"')
+    parser.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
+    parser.add_argument("--hidden-size", type=int, help="model hidden size, for zero sizes")
+    parser.add_argument("--total-steps", type=int, help="optimizer steps of the run")
+    parser.add_argument("--warmup-steps", type=int, help="warmup optimizer steps")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = Config.load(args.path)
+        if args.resolve:
+            config = config.resolve(
+                world_size=args.world_size,
+                hidden_size=args.hidden_size,
+                total_num_steps=args.total_steps,
+                warmup_num_steps=args.warmup_steps,
+            )
+    except TypeError as exc:  # a wrong type in the file: bad input like a ValueError
+        raise ValueError(f"{args.path}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{args.path}: {exc}") from None
+    json.dump(config.to_dict(), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
