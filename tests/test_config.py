@@ -487,6 +487,10 @@ def test_load_errors(tmp_path):
     bad.write_text('{\n  "train_batch_size": 4,\n}')
     with pytest.raises(ValueError, match=r"bad\.json' is not valid JSON: .* line 3"):
         Config.load(bad)
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"zero_optimization": {"stage": 3, "sub_group_size": 1, "stage": 3}}')
+    with pytest.raises(ValueError, match=r"twice\.json': key 'stage' appears twice"):
+        Config.load(twice)
     with pytest.raises(TypeError, match="expected a path to a JSON file, a dict or a Config"):
         Config.load([("train_batch_size", 4)])
     with pytest.raises(TypeError, match="config: expected an object"):

@@ -342,7 +342,7 @@ def read_json(path: str) -> Any:
     """The JSON at `path`; errors name the file and, for bad JSON, the line."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=functools.partial(_no_duplicates, path))
     except FileNotFoundError:
         raise FileNotFoundError(
             f"config file {path!r} does not exist; give the path of a DeepSpeed-style JSON file"
@@ -351,3 +351,16 @@ def read_json(path: str) -> Any:
         raise ValueError(
             f"config file {path!r} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
         ) from None
+
+
+def _no_duplicates(path: str, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of two equal keys silently; a config with both is a mistake.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(
+                f"config file {path!r}: key {key!r} appears twice in one object "
+                f"({out[key]!r} and {value!r}); keep one"
+            )
+        out[key] = value
+    return out
