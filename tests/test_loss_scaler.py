@@ -179,6 +179,10 @@ def test_has_overflow_edge_cases():
     assert not has_overflow([torch.empty(0), torch.arange(5)])  # integers are always finite
     big = torch.full((1000,), 3e38)  # finite, though their sum would overflow
     assert not has_overflow([big])
+    assert has_overflow([big, torch.tensor([float("nan")])])  # the real one is still found
+    assert has_overflow([torch.tensor([float("inf"), float("-inf")])])  # sum is NaN
+    assert not has_overflow([torch.full((4096,), 60000.0, dtype=torch.float16)])  # fp32 sum
+    assert not has_overflow([torch.full((10,), 3e38, dtype=torch.bfloat16)])
     mixed = [torch.ones(3, dtype=torch.float16), torch.tensor([1.0, float("nan")])]
     assert has_overflow(mixed)
     assert not has_overflow(t for t in [torch.ones(2), torch.zeros(2, 2)])

@@ -196,16 +196,15 @@ def build_loss_scaler(fp16: FP16Config) -> LossScaler:
 def has_overflow(tensors: Iterable[torch.Tensor]) -> bool:
     """True when any element of any floating-point tensor is inf or NaN.
 
-    One host synchronization for the whole list. Exact (no false positives from a sum that
-    overflows): per tensor, aminmax reads it once and propagates NaN and inf; the per-tensor
-    results are checked together.
+    Exact, one read of each tensor, one host synchronization for the whole list: the min and
+    max of a tensor are finite only if every element is (NaN and inf propagate to them). A sum
+    would be as fast but reports finite values whose total leaves the fp32 range as overflow.
+    Measured against the alternatives in benchmarks/overflow_check_bench.py.
     """
     extremes = []
     for t in tensors:
-        if t.numel() == 0 or not t.is_floating_point():
-            continue
-        low, high = torch.aminmax(t)
-        extremes += (low, high)
+        if t.numel() > 0 and t.is_floating_point():
+            extremes.append(torch.stack(torch.aminmax(t)))
     if not extremes:
         return False
     first = extremes[0]
