@@ -12,7 +12,9 @@ lr of applied step number `step` is DeepSpeed's `get_lr()` at
 `last_batch_iteration = step - 1`. Consequences kept on purpose, to match DeepSpeed: the first
 step of WarmupLR/WarmupDecayLR uses `warmup_min_lr` and so does the second (log(1) = 0 and
 0 / warmup are both 0); the first step of WarmupCosineLR uses lr 0. Steps skipped on overflow
-must not be counted in `step`.
+must not be counted in `step`. A `last_batch_iteration` parameter k shifts the whole schedule:
+step s uses DeepSpeed's iteration k + s (DeepSpeed itself leaves the optimizer's lr in place
+for the first step when k != -1).
 """
 
 from __future__ import annotations
