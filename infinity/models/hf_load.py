@@ -1,0 +1,189 @@
+"""Stream Hugging Face safetensors weights, one tensor at a time, into a caller's sink.
+
+`stream_hf_weights(dir, expected, sink)` checks every name and shape from the file headers
+before reading any data, then calls `sink(name, tensor)` per tensor. `from_pretrained_dir`
+builds the model on the meta device and uses a sink that materializes each parameter; the
+engine passes its own sink to write straight into partitions (see infinity.init).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from infinity.models.config import LlamaConfig, load_config
+from infinity.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+Sink = Callable[[str, torch.Tensor], None]
+
+
+def weight_map(model_dir: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (single file or sharded with an index)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"{index} is not a valid safetensors index ({exc!r}); re-download it"
+            ) from None
+        files = {f: model_dir / f for f in set(mapping.values())}
+        for f, path in files.items():
+            if not path.is_file():
+                raise FileNotFoundError(f"{index} lists {f}, which is missing; re-download it")
+        return {name: files[f] for name, f in mapping.items()}
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+        p.name for p in model_dir.glob("*.pt*")
+    )
+    hint = (
+        f" (found {others[:3]}: pickle-based weights are not loaded; convert them with "
+        "`model.save_pretrained(dir, safe_serialization=True)`)"
+        if others
+        else ""
+    )
+    raise FileNotFoundError(f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Shapes from the safetensors headers only (no tensor data is read)."""
+    shapes = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            for name in names:
+                if name not in keys:
+                    raise ValueError(f"the index says {name!r} is in {path}, but it is not there")
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _ignorable(name: str, config: LlamaConfig | None) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True  # older exports saved the RoPE buffer; it is recomputed here
+    return bool(config and config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def check_names_and_shapes(
+    model_dir: Path,
+    files: dict[str, Path],
+    expected: dict[str, tuple[int, ...]],
+    config: LlamaConfig | None = None,
+) -> list[str]:
+    """The names to load, after checking none is missing, unexpected or of the wrong shape."""
+    shapes = tensor_shapes(files)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(n for n in set(shapes) - set(expected) if not _ignorable(n, config))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s) {missing[:5]}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s) {unexpected[:5]}")
+        raise ValueError(
+            f"the weights in {model_dir} do not match the model its config.json describes: "
+            f"{'; '.join(parts)}; check that config.json belongs to these weights (a Llama "
+            "LlamaForCausalLM checkpoint)"
+        )
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != tuple(shape):
+            raise ValueError(
+                f"tensor {name!r} in {files[name]} has shape {list(shapes[name])} but config.json "
+                f"implies {list(shape)}; the config and the weights come from different models"
+            )
+    return [n for n in shapes if n in expected]
+
+
+def iter_hf_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) reading one tensor at a time, file by file."""
+    wanted = set(names)
+    for path in sorted(set(files.values())):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in wanted:
+                    yield name, f.get_tensor(name)
+
+
+def stream_hf_weights(
+    model_dir: str | os.PathLike,
+    expected: dict[str, tuple[int, ...]],
+    sink: Sink,
+    *,
+    config: LlamaConfig | None = None,
+) -> int:
+    """Check names/shapes against `expected`, then `sink(name, tensor)` for each. Returns count."""
+    model_dir = Path(model_dir)
+    files = weight_map(model_dir)
+    names = check_names_and_shapes(model_dir, files, expected, config)
+    count = 0
+    for name, tensor in iter_hf_tensors(files, names):
+        sink(name, tensor)
+        del tensor
+        count += 1
+    return count
+
+
+def materializing_sink(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Sink:
+    """A sink that replaces each (meta) parameter of `model` by the loaded tensor."""
+    owners = {}
+    for mod_name, module in model.named_modules():
+        for leaf, _ in module.named_parameters(recurse=False):
+            owners[f"{mod_name}.{leaf}" if mod_name else leaf] = (module, leaf)
+
+    def sink(name: str, tensor: torch.Tensor) -> None:
+        module, leaf = owners[name]
+        old = module._parameters[leaf]
+        data = tensor.to(dtype or old.dtype)
+        module._parameters[leaf] = torch.nn.Parameter(data, requires_grad=old.requires_grad)
+
+    return sink
+
+
+def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Unique parameter names (tied weights once, under their first name) and shapes."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def from_pretrained_dir(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    sink: Sink | None = None,
+) -> LlamaForCausalLM:
+    """Build a LlamaForCausalLM from a local HF directory, streaming its weights.
+
+    The model is built on the meta device. With no `sink`, each parameter is materialized on
+    the CPU as its tensor is read, cast to `dtype` (default fp32, the dtype the model was
+    built in). With a `sink`, every tensor goes there as stored and the returned model keeps
+    meta parameters for the caller to fill (the engine's partitions).
+    """
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, init_weights=False)
+    n = stream_hf_weights(
+        model_dir, expected_shapes(model), sink or materializing_sink(model, dtype), config=config
+    )
+    model.tie_weights()
+    if sink is None:
+        left = [name for name, p in model.named_parameters() if p.is_meta]
+        assert not left, f"parameters not loaded: {left[:5]}"
+    log.info("loaded %d tensors from %s", n, model_dir)
+    return model

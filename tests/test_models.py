@@ -1,0 +1,232 @@
+"""The Llama model: HF names and numerics, streaming load, export, errors, presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from infinity.models import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    expected_shapes,
+    export_hf,
+    from_pretrained_dir,
+    preset,
+    stream_hf_weights,
+)
+
+HF_NAMES_LAYER0 = {
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.0.mlp.gate_proj.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.0.post_attention_layernorm.weight",
+}
+
+SMALL = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=120,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def _ids(vocab, B=2, T=17, seed=0):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_parameter_names_match_hf_layout():
+    model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    names = set(dict(model.named_parameters()))
+    assert names >= HF_NAMES_LAYER0
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= names
+    assert len(names) == 3 + 9 * 2
+    tied = LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=True))
+    assert "lm_head.weight" not in dict(tied.named_parameters())
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-1b", "llama-7b", "llama-13b"])
+def test_presets_count_parameters(name):
+    cfg = preset(name)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params
+    if name == "llama-7b":
+        assert 6.7e9 < cfg.num_params < 6.8e9
+
+
+def test_loss_and_activation_checkpointing_match():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL)).train()
+    ids = _ids(300)
+    labels = _ids(300, seed=1)
+    loss = model(ids, labels)
+    ref = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_gradient_checkpointing(True)
+    model(ids, labels).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        from_pretrained_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        from_pretrained_dir(tmp_path / "nope")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        from_pretrained_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL, "num_key_value_heads": 3}))
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        from_pretrained_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        from_pretrained_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="pickle-based weights are not loaded"):
+        from_pretrained_dir(tmp_path)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("llama-70b")
+
+
+def _export_ours(tmp_path, cfg, **kw):
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg).eval()
+    out = export_hf(model.named_parameters(), cfg, tmp_path / "out", **kw)
+    return model, out
+
+
+def test_export_shards_index_and_round_trip(tmp_path):
+    cfg = LlamaConfig(**SMALL, tie_word_embeddings=True)
+    model, out = _export_ours(tmp_path, cfg, dtype="fp32", max_shard_bytes=60_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n > 2 and files[0] == f"model-00001-of-{n:05d}.safetensors"
+    assert "lm_head.weight" not in index["weight_map"]
+    assert not list(tmp_path.glob(".tmp*"))
+    loaded = from_pretrained_dir(out).eval()
+    ids = _ids(300)
+    torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    with pytest.raises(FileExistsError, match="already exists"):
+        export_hf(model.named_parameters(), cfg, out)
+
+
+def test_export_bf16_single_file_and_failure_leaves_nothing(tmp_path):
+    cfg = LlamaConfig(**SMALL)
+    _, out = _export_ours(tmp_path, cfg)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded = from_pretrained_dir(out, dtype=torch.bfloat16)
+    assert loaded.model.norm.weight.dtype == torch.bfloat16
+
+    def entries():
+        yield "a", torch.ones(3)
+        raise RuntimeError("swap-in failed")
+
+    with pytest.raises(RuntimeError, match="swap-in failed"):
+        export_hf(entries(), cfg, tmp_path / "broken")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with pytest.raises(ValueError, match="export dtype"):
+        export_hf([], cfg, tmp_path / "x", dtype="int8")
+
+
+def test_sink_receives_each_tensor_once_and_mismatches_are_named(tmp_path):
+    cfg = LlamaConfig(**SMALL)
+    model, out = _export_ours(tmp_path, cfg, dtype="fp32", max_shard_bytes=100_000)
+    seen = {}
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cfg)
+    n = stream_hf_weights(out, expected_shapes(meta), lambda k, t: seen.setdefault(k, t.sum()))
+    assert n == len(seen) == len(expected_shapes(meta))
+    assert all(p.is_meta for p in meta.parameters())  # a custom sink owns the data
+    ref = dict(model.named_parameters())
+    assert all(torch.allclose(seen[k], ref[k].sum()) for k in seen)
+
+    bigger = LlamaConfig(**{**SMALL, "intermediate_size": 128})
+    (out / "config.json").write_text(json.dumps(bigger.to_hf_dict()))
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.mlp.gate_proj.weight'.*\[120, 64\].*implies \[128, 64\]"
+    ):
+        from_pretrained_dir(out)
+    deeper = LlamaConfig(**{**SMALL, "num_hidden_layers": 3})
+    (out / "config.json").write_text(json.dumps(deeper.to_hf_dict()))
+    with pytest.raises(ValueError, match=r"missing 9 tensor\(s\) \['model.layers.2"):
+        from_pretrained_dir(out)
+    shallower = LlamaConfig(**{**SMALL, "num_hidden_layers": 1})
+    (out / "config.json").write_text(json.dumps(shallower.to_hf_dict()))
+    with pytest.raises(ValueError, match=r"unexpected 9 tensor\(s\) \['model.layers.1"):
+        from_pretrained_dir(out)
+
+
+# --- against transformers --------------------------------------------------------------
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[dev]')"
+)
+
+HF_VARIANTS = {
+    "gqa": {},
+    "tied_mha": dict(tie_word_embeddings=True, num_key_value_heads=4),
+    "llama3_rope": dict(
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+    ),
+}
+
+
+def _hf_model(variant, tmp_path, **save_kw):
+    cfg = transformers.LlamaConfig(**{**SMALL, **HF_VARIANTS[variant]})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norms, so a swapped name would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True, **save_kw)
+    return model
+
+
+@pytest.mark.parametrize("variant", list(HF_VARIANTS))
+def test_hf_checkpoint_loads_with_same_logits(tmp_path, variant):
+    hf = _hf_model(variant, tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    ours = from_pretrained_dir(tmp_path / "hf").eval()
+    ids = _ids(300, T=33)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "tied_mha"])
+def test_export_loads_in_transformers_with_same_logits(tmp_path, variant):
+    _hf_model(variant, tmp_path)
+    ours = from_pretrained_dir(tmp_path / "hf").eval()
+    out = export_hf(
+        ours.named_parameters(), ours.config, tmp_path / "exp", dtype="fp32", max_shard_bytes=50_000
+    )
+    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    ids = _ids(300, T=29, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
