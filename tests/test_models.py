@@ -175,6 +175,15 @@ def test_sink_receives_each_tensor_once_and_mismatches_are_named(tmp_path):
         from_pretrained_dir(out)
 
 
+def test_truncated_hf_shard_is_named(tmp_path):
+    cfg = LlamaConfig(**SMALL)
+    _, out = _export_ours(tmp_path, cfg, dtype="fp32", max_shard_bytes=100_000)
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"{shard.name} is truncated"):
+        from_pretrained_dir(out)
+
+
 # --- against transformers --------------------------------------------------------------
 
 transformers = pytest.importorskip(

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from infinity.checkpoint import layout
-from infinity.utils.safetensors_stream import file_digests
+from infinity.utils.safetensors_stream import SafetensorsReader, file_digests
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -128,19 +127,17 @@ class Checkpoint:
                 )
 
     def tensor_names(self, rank: int = 0) -> list[str]:
-        with safe_open(self.shard_path(rank), framework="pt") as f:
-            return list(f.keys())
+        with SafetensorsReader(self.shard_path(rank)) as f:
+            return f.names()
 
     def tensors(self, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) in file order, one tensor read at a time."""
-        with safe_open(self.shard_path(rank), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+        with SafetensorsReader(self.shard_path(rank)) as f:
+            for name in f.names():
                 yield name, f.get_tensor(name)
 
     def get_tensor(self, name: str, rank: int = 0) -> torch.Tensor:
-        with safe_open(self.shard_path(rank), framework="pt") as f:
-            if name not in f.keys():  # noqa: SIM118
-                raise KeyError(f"tensor {name!r} is not in {self.shard_path(rank)}")
+        with SafetensorsReader(self.shard_path(rank)) as f:
             return f.get_tensor(name)
 
 

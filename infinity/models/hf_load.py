@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from infinity.models.config import LlamaConfig, load_config
 from infinity.models.llama import LlamaForCausalLM
+from infinity.utils.safetensors_stream import SafetensorsReader
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ def weight_map(model_dir: str | os.PathLike) -> dict[str, Path]:
         return {name: files[f] for name, f in mapping.items()}
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), single)
+        with SafetensorsReader(single) as f:
+            return dict.fromkeys(f.names(), single)
     others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
         p.name for p in model_dir.glob("*.pt*")
     )
@@ -67,12 +67,12 @@ def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt") as f:
-            keys = set(f.keys())
+        with SafetensorsReader(path) as f:
+            keys = set(f.names())
             for name in names:
                 if name not in keys:
                     raise ValueError(f"the index says {name!r} is in {path}, but it is not there")
-                shapes[name] = tuple(f.get_slice(name).get_shape())
+                shapes[name] = f.shape(name)
     return shapes
 
 
@@ -116,8 +116,8 @@ def iter_hf_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[
     """Yield (name, tensor) reading one tensor at a time, file by file."""
     wanted = set(names)
     for path in sorted(set(files.values())):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+        with SafetensorsReader(path) as f:
+            for name in f.names():
                 if name in wanted:
                     yield name, f.get_tensor(name)
 
