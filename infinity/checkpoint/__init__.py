@@ -5,6 +5,7 @@ Owns the on-disk layout (see `layout`), atomic saving (`writer`), verified loadi
 engine hands it (name, tensor-or-callable) iterators and a JSON-able state dict.
 """
 
+from infinity.checkpoint import layout
 from infinity.checkpoint.layout import step_tag
 from infinity.checkpoint.reader import (
     Checkpoint,
@@ -33,6 +34,7 @@ __all__ = [
     "capture_rng_state",
     "clean_stale",
     "latest_tag",
+    "layout",
     "list_checkpoints",
     "load_checkpoint",
     "restore_rng_state",

@@ -20,6 +20,8 @@ METADATA = "checkpoint.json"
 TMP_PREFIX = ".tmp."
 LOCK = ".lock"
 
+PARAM_PREFIX = "param/"
+
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 
 

@@ -14,7 +14,7 @@ import sys
 from infinity import __version__
 
 # Top-level commands, in the order `infinity --help` lists them.
-COMMANDS = ["infinity.cli.bench"]
+COMMANDS = ["infinity.cli.bench", "infinity.cli.export"]
 
 
 def build_parser() -> argparse.ArgumentParser:
