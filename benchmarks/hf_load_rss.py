@@ -1,8 +1,9 @@
 """Peak RSS of loading and exporting a Hugging Face model, against the model's size.
 
 Claim: streaming a HF safetensors directory into a sink (here: a flat "home" file written
-with pwrite, as the NVMe swap store would) and exporting it back keeps peak RSS near one
-tensor above the interpreter's baseline, far below the model's size in bytes. Peer, in the
+with pwrite, as the NVMe swap store would), exporting it back, and saving + loading a
+checkpoint from that home keep peak RSS near one tensor above the interpreter's baseline,
+far below the model's size in bytes. Peer, in the
 same run: `safetensors.torch.load_file` on every shard (the whole state dict in RAM).
 
 Each measurement runs in a fresh subprocess and reads its own peak RSS (VmHWM). Run under the
@@ -116,21 +117,54 @@ def child_export(model_dir: Path, home: Path, out_dir: Path, max_shard_bytes: in
     layout = _layout(shapes, dtype)
     baseline = _peak_rss_bytes()
     fd = os.open(home, os.O_RDONLY)
-
-    def entries():
-        for name, (off, shape) in layout.items():
-
-            def swap_in(off=off, shape=shape):
-                t = torch.empty(shape, dtype=dtype)
-                os.preadv(fd, [memoryview(t.view(-1).view(torch.uint8).numpy())], off)
-                return t
-
-            yield name, swap_in
-
     t0 = time.perf_counter()
-    export_hf(entries(), config, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    export_hf(
+        _home_entries(fd, layout, dtype),
+        config,
+        out_dir,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+    )
     os.close(fd)
     return {"baseline_rss_bytes": baseline, "seconds": time.perf_counter() - t0}
+
+
+def _home_entries(fd: int, layout: dict, dtype: torch.dtype, prefix: str = ""):
+    """(name, callable) pairs that swap one tensor in from the home file when called."""
+    for name, (off, shape) in layout.items():
+
+        def swap_in(off=off, shape=shape):
+            t = torch.empty(shape, dtype=dtype)
+            os.preadv(fd, [memoryview(t.view(-1).view(torch.uint8).numpy())], off)
+            return t
+
+        yield prefix + name, swap_in
+
+
+def child_ckpt(model_dir: Path, home: Path, save_dir: Path) -> dict:
+    """Save a checkpoint streamed from the home file, then load it back (verified) into it."""
+    from infinity.checkpoint import load_checkpoint, save_checkpoint
+
+    config = load_config(model_dir)
+    shapes = expected_shapes(_meta_model(config))
+    dtype = _stored_dtype(config)
+    layout = _layout(shapes, dtype)
+    baseline = _peak_rss_bytes()
+    fd = os.open(home, os.O_RDWR)
+    t0 = time.perf_counter()
+    save_checkpoint(save_dir, _home_entries(fd, layout, dtype), step=1, state={"step": 1})
+    t1 = time.perf_counter()
+    ckpt = load_checkpoint(save_dir)  # verifies SHA-256 of the shard
+    for name, tensor in ckpt.tensors():
+        data = tensor.view(-1).view(torch.uint8).numpy()
+        os.pwrite(fd, memoryview(data), layout[name][0])
+        del tensor, data
+    os.close(fd)
+    return {
+        "baseline_rss_bytes": baseline,
+        "save_seconds": t1 - t0,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def child_peer(model_dir: Path) -> dict:
@@ -201,6 +235,9 @@ def main() -> None:
         model_dir = Path(args.model_dir)
         if args.child == "load":
             rec = child_load(model_dir, work / "home.bin")
+        elif args.child == "checkpoint":
+            shutil.rmtree(work / "ckpt", ignore_errors=True)
+            rec = child_ckpt(model_dir, work / "home.bin", work / "ckpt")
         elif args.child == "export":
             shutil.rmtree(work / "export", ignore_errors=True)
             rec = child_export(model_dir, work / "home.bin", work / "export", args.max_shard_bytes)
@@ -219,7 +256,7 @@ def main() -> None:
     model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     config = load_config(model_dir)
     results = {}
-    for mode in ("load", "export", "peer_load_file"):
+    for mode in ("load", "export", "checkpoint", "peer_load_file"):
         runs = [run_child(args, mode, model_dir, work) for _ in range(args.repeats)]
         runs.sort(key=lambda r: r["peak_rss_bytes"])
         med = runs[len(runs) // 2]
