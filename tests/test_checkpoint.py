@@ -115,8 +115,12 @@ def test_lock_and_existing_tag(tmp_path):
         begin_save(tmp_path, "b")
     pending.write_shard(0, [])
     pending.commit(step=0)
-    with pytest.raises(ValueError, match="already exists"):
+    with pytest.raises(ValueError, match="exists and is the latest"):
         save_checkpoint(tmp_path, [], step=0, tag="a")
+    save_checkpoint(tmp_path, [("v", torch.ones(1))], step=1, tag="b")
+    save_checkpoint(tmp_path, [("v", torch.zeros(1))], step=0, tag="a")  # a is superseded
+    assert latest_tag(tmp_path) == "a" and load_checkpoint(tmp_path).get_tensor("v") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "a", "b", "latest"]
     with pytest.raises(ValueError, match="tag"):
         save_checkpoint(tmp_path, [], step=0, tag="../evil")
 
@@ -212,10 +216,13 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
         assert ck.step == (2 if committed else 1), (at, points[at - 1])
         assert ck.state["loss_scale"] == (512.0 if committed else 1024.0)
         assert len(dict(ck.tensors())) == 4
-        # the next save cleans up whatever the crash left behind
-        save_checkpoint(save_dir, [("x", torch.ones(1))], step=3)
+        # the next save cleans up whatever the crash left behind; a resumed run that reaches
+        # step 2 again replaces an orphaned step2 (renamed but never named by `latest`)
+        nxt = 3 if committed else 2
+        save_checkpoint(save_dir, [("x", torch.ones(1))], step=nxt)
         assert not [p for p in save_dir.iterdir() if p.name.startswith(".") and p.name != ".lock"]
-        assert load_checkpoint(save_dir).step == 3
+        assert load_checkpoint(save_dir).step == nxt
+        assert load_checkpoint(save_dir, "step1").step == 1
 
 
 def test_file_size_limit_during_save_is_clean(tmp_path):

@@ -213,6 +213,24 @@ def clean_stale(save_dir: Path) -> list[Path]:
     return removed
 
 
+def _set_aside_existing(save_dir: Path, tag: str, pending: PendingCheckpoint) -> None:
+    """An existing `tag` that `latest` does not name is superseded: move it into the stale
+    area (removed next). That happens after a crash between rename and `latest`, or when a
+    run resumed from an earlier checkpoint reaches the same step again. The checkpoint
+    `latest` names is never moved: it is the one a crash must leave loadable.
+    """
+    if not (save_dir / tag).exists():
+        return
+    if _latest_or_none(save_dir) == tag:
+        pending.abort()
+        raise ValueError(
+            f"checkpoint {save_dir / tag} exists and is the latest; it cannot be replaced "
+            "without a moment where no complete checkpoint exists: save under another tag"
+        )
+    os.rename(save_dir / tag, save_dir / f"{layout.TMP_PREFIX}superseded.{tag}")
+    fsync_dir(save_dir)
+
+
 def begin_save(save_dir: str | os.PathLike, tag: str) -> PendingCheckpoint:
     """Rank 0: lock SAVE_DIR, clean stale temps and create `.tmp.<tag>` for the shards."""
     save_dir = Path(save_dir)
@@ -221,14 +239,10 @@ def begin_save(save_dir: str | os.PathLike, tag: str) -> PendingCheckpoint:
         save_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _save_error(save_dir, tag, exc) from exc
-    if (save_dir / tag).exists():
-        raise ValueError(
-            f"checkpoint {save_dir / tag} already exists; checkpoints are never overwritten in "
-            "place: pass another tag or remove it first"
-        )
     lock_fd = _lock(save_dir)
     pending = PendingCheckpoint(save_dir, tag, lock_fd=lock_fd)
     try:
+        _set_aside_existing(save_dir, tag, pending)
         clean_stale(save_dir)
         pending.tmp.mkdir()
         fsync_dir(save_dir)
