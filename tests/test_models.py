@@ -13,6 +13,7 @@ from infinity.models import (
     expected_shapes,
     export_hf,
     from_pretrained_dir,
+    param_shapes,
     preset,
     stream_hf_weights,
 )
@@ -153,8 +154,11 @@ def test_sink_receives_each_tensor_once_and_mismatches_are_named(tmp_path):
     seen = {}
     with torch.device("meta"):
         meta = LlamaForCausalLM(cfg)
-    n = stream_hf_weights(out, expected_shapes(meta), lambda k, t: seen.setdefault(k, t.sum()))
+    assert param_shapes(cfg) == expected_shapes(meta)
+    n = stream_hf_weights(out, param_shapes(cfg), lambda k, t: seen.setdefault(k, t.sum()))
     assert n == len(seen) == len(expected_shapes(meta))
+    sunk = from_pretrained_dir(out, sink=lambda k, t: None)
+    assert all(p.is_meta for p in sunk.parameters())
     assert all(p.is_meta for p in meta.parameters())  # a custom sink owns the data
     ref = dict(model.named_parameters())
     assert all(torch.allclose(seen[k], ref[k].sum()) for k in seen)

@@ -9,6 +9,7 @@ from infinity.models.hf_load import (
     expected_shapes,
     from_pretrained_dir,
     materializing_sink,
+    param_shapes,
     stream_hf_weights,
     weight_map,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "init_module",
     "load_config",
     "materializing_sink",
+    "param_shapes",
     "parse_dtype",
     "preset",
     "stream_hf_weights",

@@ -162,6 +162,13 @@ def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The HF names and shapes of a LlamaForCausalLM's unique parameters, from the config
+    alone (a meta model): what `stream_hf_weights` expects, however the model is built."""
+    with torch.device("meta"):
+        return expected_shapes(LlamaForCausalLM(config, init_weights=False))
+
+
 def from_pretrained_dir(
     model_dir: str | os.PathLike,
     *,
@@ -178,11 +185,11 @@ def from_pretrained_dir(
     config = load_config(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, init_weights=False)
-    n = stream_hf_weights(
-        model_dir, expected_shapes(model), sink or materializing_sink(model, dtype), config=config
-    )
+    own = sink is None
+    sink = materializing_sink(model, dtype) if own else sink
+    n = stream_hf_weights(model_dir, expected_shapes(model), sink, config=config)
     model.tie_weights()
-    if sink is None:
+    if own:
         left = [name for name, p in model.named_parameters() if p.is_meta]
         assert not left, f"parameters not loaded: {left[:5]}"
     log.info("loaded %d tensors from %s", n, model_dir)
