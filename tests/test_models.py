@@ -163,6 +163,18 @@ def test_sink_receives_each_tensor_once_and_mismatches_are_named(tmp_path):
     ref = dict(model.named_parameters())
     assert all(torch.allclose(seen[k], ref[k].sum()) for k in seen)
 
+    # a rank's partition: the second third of every flattened tensor, nothing else read
+    def third(name, shape):
+        n = torch.Size(shape).numel()
+        size = -(-n // 3)
+        return size, min(size, n - size)
+
+    parts = {}
+    stream_hf_weights(out, param_shapes(cfg), parts.__setitem__, part=third)
+    for k, v in ref.items():
+        start, numel = third(k, v.shape)
+        assert torch.equal(parts[k], v.detach().reshape(-1)[start : start + numel]), k
+
     bigger = LlamaConfig(**{**SMALL, "intermediate_size": 128})
     (out / "config.json").write_text(json.dumps(bigger.to_hf_dict()))
     with pytest.raises(

@@ -52,6 +52,11 @@ def test_reader_reads_library_files_and_rejects_damage(tmp_path):
     save_file({k: v.contiguous() for k, v in ts.items()}, str(path))
     with SafetensorsReader(path) as r:
         assert all(torch.equal(r.get_tensor(k), v) for k, v in ts.items())
+        flat = ts["t.3"].reshape(-1)
+        for start, numel in [(0, 0), (0, flat.numel()), (5, 7), (flat.numel() - 1, 1)]:
+            assert torch.equal(r.get_flat_slice("t.3", start, numel), flat[start : start + numel])
+        with pytest.raises(ValueError, match="outside 't.3'"):
+            r.get_flat_slice("t.3", 1, flat.numel())
         with pytest.raises(KeyError, match="'nope' is not in"):
             r.get_tensor("nope")
     raw = path.read_bytes()

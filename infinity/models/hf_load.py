@@ -26,6 +26,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 Sink = Callable[[str, torch.Tensor], None]
+PartFn = Callable[[str, tuple[int, ...]], "tuple[int, int] | None"]
 
 
 def weight_map(model_dir: str | os.PathLike) -> dict[str, Path]:
@@ -112,14 +113,26 @@ def check_names_and_shapes(
     return [n for n in shapes if n in expected]
 
 
-def iter_hf_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) reading one tensor at a time, file by file."""
+def iter_hf_tensors(
+    files: dict[str, Path], names: list[str], part: PartFn | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) reading one tensor at a time, file by file.
+
+    With `part`, each tensor is reduced to `part(name, shape) -> (start, numel)` of its
+    flattened elements and only those bytes are read (None skips the tensor).
+    """
     wanted = set(names)
     for path in sorted(set(files.values())):
         with SafetensorsReader(path) as f:
             for name in f.names():
-                if name in wanted:
+                if name not in wanted:
+                    continue
+                if part is None:
                     yield name, f.get_tensor(name)
+                    continue
+                span = part(name, f.shape(name))
+                if span is not None:
+                    yield name, f.get_flat_slice(name, *span)
 
 
 def stream_hf_weights(
@@ -128,13 +141,18 @@ def stream_hf_weights(
     sink: Sink,
     *,
     config: LlamaConfig | None = None,
+    part: PartFn | None = None,
 ) -> int:
-    """Check names/shapes against `expected`, then `sink(name, tensor)` for each. Returns count."""
+    """Check names/shapes against `expected`, then `sink(name, tensor)` for each. Returns count.
+
+    `part(name, shape) -> (start, numel) | None` makes the sink receive only that 1-D slice of
+    each flattened tensor (a rank's ZeRO partition), reading only its bytes from disk.
+    """
     model_dir = Path(model_dir)
     files = weight_map(model_dir)
     names = check_names_and_shapes(model_dir, files, expected, config)
     count = 0
-    for name, tensor in iter_hf_tensors(files, names):
+    for name, tensor in iter_hf_tensors(files, names, part):
         sink(name, tensor)
         del tensor
         count += 1

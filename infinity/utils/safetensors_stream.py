@@ -257,6 +257,27 @@ class SafetensorsReader:
         except KeyError:
             raise KeyError(f"tensor {name!r} is not in {self.path}") from None
 
+    def get_flat_slice(self, name: str, start: int, numel: int) -> torch.Tensor:
+        """Elements [start, start + numel) of the flattened tensor, reading only those bytes.
+
+        A rank loading its partition of a weight reads just its part, never the whole tensor.
+        """
+        e = self._entry(name)
+        total = int(torch.Size(e["shape"]).numel())
+        if start < 0 or numel < 0 or start + numel > total:
+            raise ValueError(
+                f"slice [{start}, {start + numel}) is outside {name!r} ({total} elements) in "
+                f"{self.path}"
+            )
+        out = torch.empty(numel, dtype=_NAME_DTYPES[e["dtype"]])
+        if numel:
+            item = out.element_size()
+            buf = memoryview(out.view(torch.uint8).numpy())
+            offset = self.data_start + e["data_offsets"][0] + start * item
+            if os.preadv(self._file.fileno(), [buf], offset) != numel * item:
+                raise ValueError(f"{self.path} is truncated inside tensor {name!r}")
+        return out
+
     def get_tensor(self, name: str) -> torch.Tensor:
         e = self._entry(name)
         start, end = e["data_offsets"]
