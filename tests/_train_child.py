@@ -4,7 +4,6 @@ checkpoint (+ RNG). Used by test_resume.py to check that a SIGKILLed run resumes
 usage: _train_child.py MODEL_DIR DATA SAVE_DIR STEPS SAVE_EVERY KILL_AT_STEP RESUME(0/1)
 """
 
-import json
 import os
 import signal
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from infinity.checkpoint import load_checkpoint, restore_rng_state, save_checkpoint
+from infinity.checkpoint import MetricsLog, load_checkpoint, restore_rng_state, save_checkpoint
 from infinity.data import open_dataset
 from infinity.models import from_pretrained_dir
 
@@ -24,7 +23,7 @@ model = from_pretrained_dir(model_dir)
 params = dict(model.named_parameters())
 opt = torch.optim.AdamW(params.values(), lr=1e-2)
 data = open_dataset(data_path, seq_len=16, seed=7, model_dir=model_dir, cache_dir=save_dir / "tok")
-metrics = save_dir / "metrics.jsonl"
+metrics = MetricsLog(save_dir)
 step = 0
 
 if resume:
@@ -47,8 +46,7 @@ if resume:
     data.load_state_dict(ck.state["data"])
     restore_rng_state(ck.rng_state(0))
     step = ck.step
-    kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
-    metrics.write_text("".join(line + "\n" for line in kept))
+    metrics.truncate_after(step)
 
 
 def entries():
@@ -67,8 +65,7 @@ while step < steps:
     loss.backward()
     opt.step()
     step += 1
-    with open(metrics, "a") as f:
-        f.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+    metrics.append({"step": step, "loss": loss.item()})
     if step == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
     if step % save_every == 0:

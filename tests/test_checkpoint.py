@@ -269,3 +269,19 @@ def test_state_must_be_json(tmp_path):
     with pytest.raises(TypeError, match="JSON-serializable"):
         save_checkpoint(tmp_path, [], step=1, state={"x": torch.ones(1)})
     assert latest_tag(tmp_path) is None and list_checkpoints(tmp_path) == []
+
+
+def test_metrics_log_truncates_after_resume_step(tmp_path):
+    from infinity.checkpoint import MetricsLog
+
+    log = MetricsLog(tmp_path)
+    for step in range(1, 8):
+        log.append({"step": step, "loss": 1.0 / step})
+    with open(log.path, "a") as f:
+        f.write('{"step": 8, "lo')  # a crash mid-append
+    assert [r["step"] for r in log.records()] == list(range(1, 8))
+    assert log.truncate_after(4) == 4
+    log.append({"step": 5, "loss": 0.5})
+    assert [r["step"] for r in log.records()] == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="needs a 'step'"):
+        log.append({"loss": 1.0})

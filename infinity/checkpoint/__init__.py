@@ -7,6 +7,7 @@ engine hands it (name, tensor-or-callable) iterators and a JSON-able state dict.
 
 from infinity.checkpoint import layout
 from infinity.checkpoint.layout import step_tag
+from infinity.checkpoint.metrics import MetricsLog
 from infinity.checkpoint.reader import (
     Checkpoint,
     CheckpointCorruptError,
@@ -26,6 +27,7 @@ from infinity.checkpoint.writer import (
 
 __all__ = [
     "Checkpoint",
+    "MetricsLog",
     "CheckpointCorruptError",
     "CheckpointNotFoundError",
     "PendingCheckpoint",

@@ -98,6 +98,16 @@ class LlamaConfig:
         emb = self.vocab_size * h
         return emb * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
 
+    def train_flops_per_token(self, seq_len: int) -> int:
+        """Forward + backward FLOPs per token, PaLM-style: 6 x matmul parameters plus
+        12 x layers x attention width x seq_len (attention scores and values, not halved
+        for causality). The embedding lookup is free; a tied lm_head is a matmul."""
+        matmul = self.num_params - (
+            0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        )
+        attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+        return 6 * matmul + attn
+
     @classmethod
     def from_hf_dict(cls, d: dict, *, source: str = "config") -> LlamaConfig:
         """Build from the keys of a Hugging Face config.json."""
