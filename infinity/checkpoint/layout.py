@@ -1,0 +1,48 @@
+"""Names and places inside a checkpoint directory; the one spot that knows the layout.
+
+SAVE_DIR/
+  latest                      the tag of the newest complete checkpoint (replaced last)
+  <tag>/checkpoint.json       metadata: step, engine state, per-rank RNG, shard checksums
+  <tag>/rank00000.safetensors one shard per rank, tensors written one at a time
+  .tmp.<tag>/                 a save in progress (or a crashed one, removed by the next save)
+  .lock                       held (flock) by the process saving into SAVE_DIR
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+FORMAT = "infinity-checkpoint"
+VERSION = 1
+LATEST = "latest"
+METADATA = "checkpoint.json"
+TMP_PREFIX = ".tmp."
+LOCK = ".lock"
+
+PARAM_PREFIX = "param/"
+
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+
+
+def check_tag(tag: str) -> str:
+    """A tag names a directory: letters, digits, `_.+-`, not starting with '.', not 'latest'."""
+    if not isinstance(tag, str) or not _TAG_RE.match(tag) or tag == LATEST or len(tag) > 200:
+        raise ValueError(
+            f"checkpoint tag {tag!r} is not allowed; use letters, digits and '_.+-' "
+            f"(not starting with '.', not 'latest'), e.g. 'step100'"
+        )
+    return tag
+
+
+def step_tag(step: int) -> str:
+    """The default tag for a checkpoint taken after `step` optimizer steps."""
+    return f"step{int(step)}"
+
+
+def shard_name(rank: int) -> str:
+    return f"rank{int(rank):05d}.safetensors"
+
+
+def tmp_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f"{TMP_PREFIX}{tag}"

@@ -1,0 +1,48 @@
+"""`SAVE_DIR/metrics.jsonl`: one JSON object per optimizer step, appended as training runs.
+
+On resume from a checkpoint taken at step S, the lines of steps after S (written by the
+run that died) are dropped first, so the file always reads as one run. The rewrite is
+atomic; an append that a crash cut short (a final line without its newline) is dropped too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from infinity.utils.fsio import write_file_atomic
+
+FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Append step records (dicts with at least "step") to a JSON-lines file."""
+
+    def __init__(self, save_dir: str | os.PathLike) -> None:
+        self.path = Path(save_dir) / FILE
+
+    def append(self, record: dict) -> None:
+        if "step" not in record:
+            raise ValueError(f"a metrics record needs a 'step', got keys {sorted(record)}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, allow_nan=True) + "\n")
+
+    def records(self) -> list[dict]:
+        """Every complete record, in order (a torn last line is skipped)."""
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text().split("\n"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # an empty or torn line
+        return out
+
+    def truncate_after(self, step: int) -> int:
+        """Keep records with step <= `step` (the checkpoint resumed from); returns how many."""
+        kept = [r for r in self.records() if r["step"] <= step]
+        write_file_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        return len(kept)

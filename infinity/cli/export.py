@@ -1,0 +1,130 @@
+"""`infinity export CKPT --out DIR`: a checkpoint's weights as a Hugging Face directory.
+
+Reads the `param/<name>` tensors of every rank's shard (see infinity.checkpoint.layout),
+joins the per-rank slices of one weight at a time, and streams them into `export_hf`, so
+memory stays near the largest weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from infinity.checkpoint import layout, load_checkpoint
+from infinity.models import LlamaConfig, export_hf
+from infinity.utils.safetensors_stream import SafetensorsReader
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+    t = text.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    try:
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; use e.g. 5GB, 500MB or bytes"
+        ) from None
+
+
+def _open_checkpoint(path: Path, tag: str | None):
+    if (path / layout.METADATA).is_file() and tag is None:
+        return load_checkpoint(path.parent, path.name)
+    return load_checkpoint(path, tag)
+
+
+def checkpoint_weights(ckpt) -> tuple[LlamaConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The model config and a (name, full tensor) stream from an engine checkpoint."""
+    model = ckpt.state.get("model")
+    if not model or "config" not in model or "param_shapes" not in model:
+        raise ValueError(
+            f"checkpoint {ckpt.path} has no model description (state['model'] with 'config' and "
+            "'param_shapes'); it was not written by `infinity train`, so it cannot be exported"
+        )
+    config = LlamaConfig.from_hf_dict(model["config"], source=f"{ckpt.path} model config")
+    shapes = {name: tuple(shape) for name, shape in model["param_shapes"].items()}
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        with contextlib.ExitStack() as stack:
+            readers = [
+                stack.enter_context(SafetensorsReader(ckpt.shard_path(r)))
+                for r in range(ckpt.world_size)
+            ]
+            names = [set(r.names()) for r in readers]
+            for name, shape in shapes.items():
+                key = layout.PARAM_PREFIX + name
+                pieces = [
+                    r.get_tensor(key) for r, n in zip(readers, names, strict=True) if key in n
+                ]
+                if not pieces:
+                    raise ValueError(
+                        f"checkpoint {ckpt.path} lists {name!r} but no shard holds {key!r}"
+                    )
+                full = pieces[0] if len(pieces) == 1 else torch.cat([p.reshape(-1) for p in pieces])
+                if full.numel() != torch.Size(shape).numel():
+                    raise ValueError(
+                        f"checkpoint {ckpt.path}: {name!r} has {full.numel()} elements across its "
+                        f"shards, its shape {list(shape)} needs {torch.Size(shape).numel()}"
+                    )
+                yield name, full.reshape(shape)
+                del full, pieces
+
+    return config, stream()
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = _open_checkpoint(Path(args.checkpoint), args.tag)
+    config, weights = checkpoint_weights(ckpt)
+    extra = [Path(p) for p in args.copy_files]
+    out = export_hf(
+        weights,
+        config,
+        args.out,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_size,
+        extra_files=extra,
+    )
+    print(f"exported {ckpt.path} (step {ckpt.step}) to {out}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="write a checkpoint's weights as a Hugging Face model directory",
+        description="Write config.json, sharded safetensors and an index, one tensor at a time.",
+    )
+    parser.add_argument(
+        "checkpoint", help="a --save-dir (uses its latest) or one checkpoint directory"
+    )
+    parser.add_argument("--out", required=True, help="new directory to create (must not exist)")
+    parser.add_argument("--tag", help="checkpoint tag inside the save dir (default: latest)")
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default="bf16",
+        help="dtype of the exported weights (default bf16)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=_parse_bytes,
+        default=5 * 10**9,
+        help="largest shard file, e.g. 5GB (default) or 500MB",
+    )
+    parser.add_argument(
+        "--copy-files",
+        nargs="*",
+        default=[],
+        metavar="FILE",
+        help="files to copy into the export, e.g. tokenizer.json",
+    )
+    parser.set_defaults(func=run)
+
+
+__all__ = ["checkpoint_weights", "register", "run"]

@@ -1,0 +1,118 @@
+"""Packed fixed-length sequences in a deterministic shuffled order, with an exact position.
+
+Sequence i is tokens[i*L : i*L + L + 1] (L = seq_len): inputs are its first L tokens and
+labels its last L, so sequences share their boundary token and no token is wasted. Each
+epoch visits every sequence once in an order drawn from (seed, epoch) alone, so the order
+needs no state beyond `DataState(epoch, index)`, which a checkpoint stores and restores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class DataState:
+    """Where the stream is: the next position `index` in epoch `epoch`'s order."""
+
+    epoch: int = 0
+    index: int = 0
+
+
+class PackedDataset:
+    """Batches of (input_ids, labels), each (micro_batch, seq_len) int64, in a seeded order.
+
+    With `world_size` > 1, each global step takes micro_batch * world_size sequences and rank
+    r gets its contiguous slice; all ranks share one DataState.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        seq_len: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        source: str = "data",
+    ) -> None:
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.num_sequences = max(0, (len(tokens) - 1) // seq_len)
+        if self.num_sequences == 0:
+            raise ValueError(
+                f"{source} has {len(tokens)} tokens, fewer than one sequence needs "
+                f"(seq_len + 1 = {seq_len + 1}); lower --seq-len or use more data"
+            )
+        self.state = DataState()
+        self.tokenizer = None
+        """The tokenizer that produced `tokens`, when known (set by open_dataset)."""
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The permutation of sequence indices for `epoch` (cached for the current one)."""
+        if epoch != self._order_epoch:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._order = rng.permutation(self.num_sequences)
+            self._order_epoch = epoch
+        return self._order
+
+    def sequence(self, i: int) -> np.ndarray:
+        start = i * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+    def _take(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            order = self.order(self.state.epoch)
+            k = min(n - len(out), self.num_sequences - self.state.index)
+            out.extend(order[self.state.index : self.state.index + k].tolist())
+            self.state.index += k
+            if self.state.index == self.num_sequences:
+                self.state.epoch += 1
+                self.state.index = 0
+        return out
+
+    def next_batch(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next (input_ids, labels), each (micro_batch, seq_len); advances state."""
+        if micro_batch <= 0:
+            raise ValueError(f"micro_batch must be positive, got {micro_batch}")
+        picks = self._take(micro_batch * self.world_size)
+        mine = picks[self.rank * micro_batch : (self.rank + 1) * micro_batch]
+        seqs = torch.from_numpy(np.stack([self.sequence(i) for i in mine]))  # (B, L+1)
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        """JSON-able position plus what it is valid for (checked by load_state_dict)."""
+        return {
+            **dataclasses.asdict(self.state),
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "num_sequences": self.num_sequences,
+            "num_tokens": len(self.tokens),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        for key in ("seed", "seq_len", "num_sequences", "num_tokens"):
+            mine = self.state_dict()[key]
+            if d.get(key) != mine:
+                raise ValueError(
+                    f"the checkpoint's data position was saved with {key}={d.get(key)} but the "
+                    f"data now has {key}={mine}; resume with the same --data, --seq-len and "
+                    "--seed (and the same tokenizer) as the saved run"
+                )
+        if not (0 <= d["index"] < self.num_sequences and d["epoch"] >= 0):
+            raise ValueError(f"data position {d} is out of range; the checkpoint is damaged")
+        self.state = DataState(epoch=d["epoch"], index=d["index"])

@@ -1,0 +1,33 @@
+"""Models Infinity knows by architecture: a Llama-style causal LM with Hugging Face names,
+its config (HF config.json keys, presets), streaming load of HF safetensors and export.
+Does not import `transformers`.
+"""
+
+from infinity.models.config import PRESETS, LlamaConfig, load_config, preset
+from infinity.models.hf_export import export_hf, parse_dtype
+from infinity.models.hf_load import (
+    expected_shapes,
+    from_pretrained_dir,
+    materializing_sink,
+    param_shapes,
+    stream_hf_weights,
+    weight_map,
+)
+from infinity.models.llama import LlamaForCausalLM, init_module
+
+__all__ = [
+    "PRESETS",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "expected_shapes",
+    "export_hf",
+    "from_pretrained_dir",
+    "init_module",
+    "load_config",
+    "materializing_sink",
+    "param_shapes",
+    "parse_dtype",
+    "preset",
+    "stream_hf_weights",
+    "weight_map",
+]

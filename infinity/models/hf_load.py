@@ -1,0 +1,214 @@
+"""Stream Hugging Face safetensors weights, one tensor at a time, into a caller's sink.
+
+`stream_hf_weights(dir, expected, sink)` checks every name and shape from the file headers
+before reading any data, then calls `sink(name, tensor)` per tensor. `from_pretrained_dir`
+builds the model on the meta device and uses a sink that materializes each parameter; the
+engine passes its own sink to write straight into partitions (see infinity.init).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from infinity.models.config import LlamaConfig, load_config
+from infinity.models.llama import LlamaForCausalLM
+from infinity.utils.safetensors_stream import SafetensorsReader
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+Sink = Callable[[str, torch.Tensor], None]
+PartFn = Callable[[str, tuple[int, ...]], "tuple[int, int] | None"]
+
+
+def weight_map(model_dir: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (single file or sharded with an index)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"{index} is not a valid safetensors index ({exc!r}); re-download it"
+            ) from None
+        files = {f: model_dir / f for f in set(mapping.values())}
+        for f, path in files.items():
+            if not path.is_file():
+                raise FileNotFoundError(f"{index} lists {f}, which is missing; re-download it")
+        return {name: files[f] for name, f in mapping.items()}
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        with SafetensorsReader(single) as f:
+            return dict.fromkeys(f.names(), single)
+    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+        p.name for p in model_dir.glob("*.pt*")
+    )
+    hint = (
+        f" (found {others[:3]}: pickle-based weights are not loaded; convert them with "
+        "`model.save_pretrained(dir, safe_serialization=True)`)"
+        if others
+        else ""
+    )
+    raise FileNotFoundError(f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Shapes from the safetensors headers only (no tensor data is read)."""
+    shapes = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with SafetensorsReader(path) as f:
+            keys = set(f.names())
+            for name in names:
+                if name not in keys:
+                    raise ValueError(f"the index says {name!r} is in {path}, but it is not there")
+                shapes[name] = f.shape(name)
+    return shapes
+
+
+def _ignorable(name: str, config: LlamaConfig | None) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True  # older exports saved the RoPE buffer; it is recomputed here
+    return bool(config and config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def check_names_and_shapes(
+    model_dir: Path,
+    files: dict[str, Path],
+    expected: dict[str, tuple[int, ...]],
+    config: LlamaConfig | None = None,
+) -> list[str]:
+    """The names to load, after checking none is missing, unexpected or of the wrong shape."""
+    shapes = tensor_shapes(files)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(n for n in set(shapes) - set(expected) if not _ignorable(n, config))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s) {missing[:5]}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s) {unexpected[:5]}")
+        raise ValueError(
+            f"the weights in {model_dir} do not match the model its config.json describes: "
+            f"{'; '.join(parts)}; check that config.json belongs to these weights (a Llama "
+            "LlamaForCausalLM checkpoint)"
+        )
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != tuple(shape):
+            raise ValueError(
+                f"tensor {name!r} in {files[name]} has shape {list(shapes[name])} but config.json "
+                f"implies {list(shape)}; the config and the weights come from different models"
+            )
+    return [n for n in shapes if n in expected]
+
+
+def iter_hf_tensors(
+    files: dict[str, Path], names: list[str], part: PartFn | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) reading one tensor at a time, file by file.
+
+    With `part`, each tensor is reduced to `part(name, shape) -> (start, numel)` of its
+    flattened elements and only those bytes are read (None skips the tensor).
+    """
+    wanted = set(names)
+    for path in sorted(set(files.values())):
+        with SafetensorsReader(path) as f:
+            for name in f.names():
+                if name not in wanted:
+                    continue
+                if part is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                span = part(name, f.shape(name))
+                if span is not None:
+                    yield name, f.get_flat_slice(name, *span)
+
+
+def stream_hf_weights(
+    model_dir: str | os.PathLike,
+    expected: dict[str, tuple[int, ...]],
+    sink: Sink,
+    *,
+    config: LlamaConfig | None = None,
+    part: PartFn | None = None,
+) -> int:
+    """Check names/shapes against `expected`, then `sink(name, tensor)` for each. Returns count.
+
+    `part(name, shape) -> (start, numel) | None` makes the sink receive only that 1-D slice of
+    each flattened tensor (a rank's ZeRO partition), reading only its bytes from disk.
+    """
+    model_dir = Path(model_dir)
+    files = weight_map(model_dir)
+    names = check_names_and_shapes(model_dir, files, expected, config)
+    count = 0
+    for name, tensor in iter_hf_tensors(files, names, part):
+        sink(name, tensor)
+        del tensor
+        count += 1
+    return count
+
+
+def materializing_sink(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Sink:
+    """A sink that replaces each (meta) parameter of `model` by the loaded tensor."""
+    owners = {}
+    for mod_name, module in model.named_modules():
+        for leaf, _ in module.named_parameters(recurse=False):
+            owners[f"{mod_name}.{leaf}" if mod_name else leaf] = (module, leaf)
+
+    def sink(name: str, tensor: torch.Tensor) -> None:
+        module, leaf = owners[name]
+        old = module._parameters[leaf]
+        data = tensor.to(dtype or old.dtype)
+        module._parameters[leaf] = torch.nn.Parameter(data, requires_grad=old.requires_grad)
+
+    return sink
+
+
+def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Unique parameter names (tied weights once, under their first name) and shapes."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The HF names and shapes of a LlamaForCausalLM's unique parameters, from the config
+    alone (a meta model): what `stream_hf_weights` expects, however the model is built."""
+    with torch.device("meta"):
+        return expected_shapes(LlamaForCausalLM(config, init_weights=False))
+
+
+def from_pretrained_dir(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    sink: Sink | None = None,
+) -> LlamaForCausalLM:
+    """Build a LlamaForCausalLM from a local HF directory, streaming its weights.
+
+    The model is built on the meta device. With no `sink`, each parameter is materialized on
+    the CPU as its tensor is read, cast to `dtype` (default fp32, the dtype the model was
+    built in). With a `sink`, every tensor goes there as stored and the returned model keeps
+    meta parameters for the caller to fill (the engine's partitions).
+    """
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, init_weights=False)
+    own = sink is None
+    sink = materializing_sink(model, dtype) if own else sink
+    n = stream_hf_weights(model_dir, expected_shapes(model), sink, config=config)
+    model.tie_weights()
+    if own:
+        left = [name for name, p in model.named_parameters() if p.is_meta]
+        assert not left, f"parameters not loaded: {left[:5]}"
+    log.info("loaded %d tensors from %s", n, model_dir)
+    return model

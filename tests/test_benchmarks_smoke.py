@@ -1,0 +1,38 @@
+"""Each benchmark in benchmarks/ runs end to end at a tiny size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_hf_load_rss_tiny(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "hf_load_rss.py"),
+            "--preset",
+            "tiny",
+            "--dtype",
+            "bf16",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(out.read_text())
+    assert rec["model_bytes"] > 2 * rec["num_params"]  # bf16 plus headers
+    assert set(rec["results"]) == {"load", "export", "checkpoint", "peer_load_file"}
+    assert rec["results"]["load"]["tensors"] == 21
+    assert rec["results"]["peer_load_file"]["state_bytes"] == 2 * rec["num_params"]
+    assert not (tmp_path / "w").exists()

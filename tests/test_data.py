@@ -1,0 +1,164 @@
+"""Data: tokenizers, token cache, packing, seeded order, exact resume, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from infinity.data import (
+    ByteTokenizer,
+    PackedDataset,
+    build_token_cache,
+    load_tokenizer,
+    open_dataset,
+)
+
+
+def _jsonl(path, docs, field="text"):
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def test_bytes_tokens_and_eos_per_document(tmp_path):
+    data = _jsonl(tmp_path / "d.jsonl", ["héllo", "", "ab"])
+    tokens = build_token_cache(data, ByteTokenizer(), cache_dir=tmp_path / "c")
+    eos = ByteTokenizer.eos_id
+    assert tokens.tolist() == [*"héllo".encode(), eos, eos, *b"ab", eos]
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
+
+
+def test_text_file_is_one_document_streamed_in_chunks(tmp_path, monkeypatch):
+    from infinity.data import source
+
+    monkeypatch.setattr(source, "CHUNK_BYTES", 10)
+    text = "".join(f"line {i} ✓\n" for i in range(50))
+    (tmp_path / "t.txt").write_text(text)
+    tokens = build_token_cache(tmp_path / "t.txt", ByteTokenizer(), cache_dir=tmp_path)
+    assert tokens.tolist() == [*text.encode(), ByteTokenizer.eos_id]
+
+
+def test_cache_is_reused_and_rebuilt_when_data_changes(tmp_path):
+    data = _jsonl(tmp_path / "d.jsonl", ["abc"])
+    a = build_token_cache(data, ByteTokenizer(), cache_dir=tmp_path / "c")
+    files = sorted(p.name for p in (tmp_path / "c").iterdir())
+    b = build_token_cache(data, ByteTokenizer(), cache_dir=tmp_path / "c")
+    assert a.filename == b.filename and sorted(p.name for p in (tmp_path / "c").iterdir()) == files
+    _jsonl(data, ["abcdef"])
+    c = build_token_cache(data, ByteTokenizer(), cache_dir=tmp_path / "c")
+    assert len(c) == 7 and c.filename != a.filename
+
+
+def _dataset(tmp_path, n_tokens=1001, seq_len=10, seed=3, **kw):
+    tokens = np.arange(n_tokens, dtype=np.uint32)
+    return PackedDataset(tokens, seq_len=seq_len, seed=seed, **kw)
+
+
+def test_packing_shift_and_epoch_coverage(tmp_path):
+    data = _dataset(tmp_path)
+    assert data.num_sequences == 100
+    seen = []
+    for _ in range(25):  # 100 sequences = one epoch of 25 batches of 4
+        x, y = data.next_batch(4)
+        assert x.shape == y.shape == (4, 10) and x.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        assert torch.all(x[:, 0] % 10 == 0)
+        seen += (x[:, 0] // 10).tolist()
+    assert sorted(seen) == list(range(100)) and seen != list(range(100))
+    assert (data.state.epoch, data.state.index) == (1, 0)
+    x2, _ = data.next_batch(4)  # epoch 1 has a different order
+    assert (x2[:, 0] // 10).tolist() != seen[:4]
+
+
+def test_same_seed_same_order_other_seed_differs(tmp_path):
+    a, b, c = _dataset(tmp_path), _dataset(tmp_path), _dataset(tmp_path, seed=4)
+    xa = [a.next_batch(3)[0] for _ in range(5)]
+    xb = [b.next_batch(3)[0] for _ in range(5)]
+    xc = [c.next_batch(3)[0] for _ in range(5)]
+    assert all(torch.equal(p, q) for p, q in zip(xa, xb, strict=True))
+    assert not all(torch.equal(p, q) for p, q in zip(xa, xc, strict=True))
+
+
+def test_resume_continues_with_identical_batches_across_epochs(tmp_path):
+    ref = _dataset(tmp_path, n_tokens=95)  # 9 sequences: batches of 4 straddle epochs
+    run = _dataset(tmp_path, n_tokens=95)
+    expect = [ref.next_batch(4) for _ in range(8)]
+    for i in range(3):
+        assert torch.equal(run.next_batch(4)[0], expect[i][0])
+    saved = json.loads(json.dumps(run.state_dict()))
+    resumed = _dataset(tmp_path, n_tokens=95)
+    resumed.load_state_dict(saved)
+    for i in range(3, 8):
+        x, y = resumed.next_batch(4)
+        assert torch.equal(x, expect[i][0]) and torch.equal(y, expect[i][1])
+    other = _dataset(tmp_path, n_tokens=95, seq_len=9)
+    with pytest.raises(ValueError, match="seq_len=10 but the data now has seq_len=9"):
+        other.load_state_dict(saved)
+
+
+def test_ranks_split_each_global_batch(tmp_path):
+    full = _dataset(tmp_path)
+    r0, r1 = (_dataset(tmp_path, rank=r, world_size=2) for r in (0, 1))
+    for _ in range(3):
+        both = full.next_batch(4)[0]
+        assert torch.equal(torch.cat([r0.next_batch(2)[0], r1.next_batch(2)[0]]), both)
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_dataset(tmp_path / "none.txt", seq_len=8, seed=0, cache_dir=tmp_path)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.txt is empty"):
+        open_dataset(tmp_path / "empty.txt", seq_len=8, seed=0, cache_dir=tmp_path)
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match="contains no text"):
+        open_dataset(tmp_path / "blank.jsonl", seq_len=8, seed=0, cache_dir=tmp_path)
+    (tmp_path / "latin.txt").write_bytes(b"good line\ncaf\xe9 au lait\n")
+    with pytest.raises(
+        ValueError, match=r"latin.txt is not valid UTF-8: byte 0xe9 at byte offset 13"
+    ):
+        open_dataset(tmp_path / "latin.txt", seq_len=8, seed=0, cache_dir=tmp_path)
+    _jsonl(tmp_path / "f.jsonl", ["a", "b"], field="body")
+    with pytest.raises(ValueError, match=r"line 1 has no field 'text' \(it has \['body', 'id'\]\)"):
+        open_dataset(tmp_path / "f.jsonl", seq_len=8, seed=0, cache_dir=tmp_path)
+    ok = open_dataset(tmp_path / "f.jsonl", seq_len=2, seed=0, cache_dir=tmp_path, field="body")
+    assert ok.num_sequences == 1
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(ValueError, match="line 2 .*not valid JSON"):
+        open_dataset(tmp_path / "bad.jsonl", seq_len=8, seed=0, cache_dir=tmp_path)
+    (tmp_path / "short.txt").write_text("hi")
+    with pytest.raises(
+        ValueError, match=r"has 3 tokens, fewer than one sequence needs \(seq_len \+ 1 = 9\)"
+    ):
+        open_dataset(tmp_path / "short.txt", seq_len=8, seed=0, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="data format 'csv'"):
+        open_dataset(tmp_path / "f.jsonl", seq_len=8, seed=0, cache_dir=tmp_path, fmt="csv")
+
+
+def test_model_directory_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = ["the cat sat on the mat", "the dog sat on the log"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    tok.save(str(model_dir / "tokenizer.json"))
+    loaded = load_tokenizer(model_dir)
+    assert loaded.eos_id == tok.token_to_id("</s>") and loaded.name.startswith("hf-")
+    _jsonl(tmp_path / "d.jsonl", corpus[:4])
+    data = open_dataset(
+        tmp_path / "d.jsonl", model_dir=model_dir, seq_len=4, seed=0, cache_dir=tmp_path / "c"
+    )
+    expect = []
+    for doc in corpus[:4]:
+        expect += tok.encode(doc, add_special_tokens=False).ids + [loaded.eos_id]
+    assert data.tokens.tolist() == expect
+    assert load_tokenizer(tmp_path).name == ByteTokenizer.name  # no tokenizer.json: bytes
+    (tmp_path / "tokenizer.model").write_bytes(b"x")
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)
