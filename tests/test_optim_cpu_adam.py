@@ -121,6 +121,25 @@ def test_tiles_and_threads_do_not_change_results(level):
         native_adam.set_num_threads(threads)
 
 
+@needs_native
+@pytest.mark.parametrize("level", LEVELS)
+def test_streamed_and_unaligned_half_copies_agree(level):
+    numel, cfg = 70_001, CONFIGS["adamw-wd"]
+    results = []
+    for offset, stream in ((0, True), (0, False), (1, True), (3, True)):
+        p, gen = _state(numel, seed=6)
+        m, v = torch.zeros(numel), torch.zeros(numel)
+        half = torch.empty(numel + offset, dtype=torch.bfloat16)[offset:]  # unaligned if offset
+        g = torch.randn(numel, generator=gen)
+        native_adam.adam_step_native(p, g, m, v, step=1, lr=1e-2, beta1=0.9, beta2=0.999,
+                                     eps=1e-8, bias_correction=True, half_out=half, simd=level,
+                                     stream_half=stream, tile_numel=4096, **cfg)  # fmt: skip
+        results.append((p, half.clone()))
+    for p, half in results[1:]:
+        assert torch.equal(p, results[0][0]) and torch.equal(half, results[0][1])
+    assert torch.equal(results[0][1], results[0][0].bfloat16())
+
+
 @pytest.mark.parametrize("half_dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
 def test_half_copy_is_round_to_nearest_even(impl, half_dtype):

@@ -35,6 +35,7 @@ struct AdamArgs {
     float bc2_sqrt = 1.0f;       // denom = sqrt(exp_avg_sq) / bc2_sqrt + eps
     float eps = 1e-8f;
     float neg_step_size = -1e-3f;  // param = param + (neg_step_size * exp_avg) / denom
+    bool stream_half = true;       // non-temporal stores for half_out when aligned
 };
 
 // Each updates elements [begin, end) of the buffers in `a`.

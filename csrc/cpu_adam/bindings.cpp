@@ -89,7 +89,7 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
                size_t numel, const std::string& grad_dtype, uintptr_t half_out,
                const std::string& half_dtype, long step, double lr, double beta1, double beta2,
                double eps, double weight_decay, bool adamw_mode, bool bias_correction,
-               double grad_scale, const std::string& simd, size_t tile_numel) {
+               double grad_scale, const std::string& simd, size_t tile_numel, bool stream_half) {
     AdamArgs a;
     a.grad_dtype = parse_dtype(grad_dtype, false, "gradient");
     a.half_dtype = parse_dtype(half_dtype, true, "half_out");
@@ -104,6 +104,7 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
     a.exp_avg = static_cast<float*>(as_ptr(exp_avg));
     a.exp_avg_sq = static_cast<float*>(as_ptr(exp_avg_sq));
     a.half_out = a.half_dtype == DType::none ? nullptr : as_ptr(half_out);
+    a.stream_half = stream_half;
 
     // Scalars as torch derives them: in double, then rounded to float by the fp32 kernels.
     const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
@@ -157,7 +158,7 @@ PYBIND11_MODULE(_cpu_adam, m) {
           py::arg("half_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
           py::arg("bias_correction"), py::arg("grad_scale"), py::arg("simd") = "auto",
-          py::arg("tile_numel") = 1 << 16,
+          py::arg("tile_numel") = 1 << 16, py::arg("stream_half") = true,
           "One Adam/AdamW step in place over numel elements; writes the new parameter to "
           "half_out (fp16/bf16, round to nearest-even) when half_dtype is not ''.");
     m.def("copy_bytes", &copy_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"),

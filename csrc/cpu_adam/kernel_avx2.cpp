@@ -33,9 +33,19 @@ struct V {
         const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
         return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
     }
-    static void store_f16(uint16_t* p, T x) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    template <bool NT>
+    static void store16(uint16_t* p, __m128i x) {
+        if constexpr (NT)
+            _mm_stream_si128(reinterpret_cast<__m128i*>(p), x);
+        else
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(p), x);
     }
+    static void fence() { _mm_sfence(); }
+    template <bool NT>
+    static void store_f16(uint16_t* p, T x) {
+        store16<NT>(p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+    template <bool NT>
     static void store_bf16(uint16_t* p, T x) {
         // Round to nearest-even: add 0x7fff plus the lowest kept bit, keep the top 16 bits.
         const __m256i u = _mm256_castps_si256(x);
@@ -46,7 +56,7 @@ struct V {
         r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
         // Values are < 2^16, so unsigned saturation packs them unchanged; fix the lane order.
         const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+        store16<NT>(p, _mm256_castsi256_si128(packed));
     }
     static T add(T a, T b) { return _mm256_add_ps(a, b); }
     static T sub(T a, T b) { return _mm256_sub_ps(a, b); }

@@ -34,10 +34,19 @@ struct V {
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     }
-    static void store_f16(uint16_t* p, T x) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    template <bool NT>
+    static void store16(uint16_t* p, __m256i x) {
+        if constexpr (NT)
+            _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x);
+        else
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
     }
+    static void fence() { _mm_sfence(); }
+    template <bool NT>
+    static void store_f16(uint16_t* p, T x) {
+        store16<NT>(p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    template <bool NT>
     static void store_bf16(uint16_t* p, T x) {
         // Round to nearest-even: add 0x7fff plus the lowest kept bit, keep the top 16 bits.
         const __m512i u = _mm512_castps_si512(x);
@@ -46,7 +55,7 @@ struct V {
             _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
         const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+        store16<NT>(p, _mm512_cvtepi32_epi16(r));
     }
     static T add(T a, T b) { return _mm512_add_ps(a, b); }
     static T sub(T a, T b) { return _mm512_sub_ps(a, b); }

@@ -21,7 +21,12 @@ struct V {
     static T load_bf16(const uint16_t* p) {
         return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
     }
-    static void store_f16(uint16_t* p, T x) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))); }
+    template <bool NT>
+    static void store_f16(uint16_t* p, T x) {
+        vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x)));
+    }
+    static void fence() {}
+    template <bool NT>
     static void store_bf16(uint16_t* p, T x) {
         const uint32x4_t u = vreinterpretq_u32_f32(x);
         const uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));

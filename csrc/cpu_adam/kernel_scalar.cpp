@@ -80,8 +80,15 @@ struct V {
         std::memcpy(&h, p, 2);
         return float_of(static_cast<uint32_t>(h) << 16);
     }
-    static void store_f16(uint16_t* p, T x) { *p = float_to_half(x); }
-    static void store_bf16(uint16_t* p, T x) { *p = float_to_bf16(x); }
+    template <bool NT>
+    static void store_f16(uint16_t* p, T x) {
+        *p = float_to_half(x);
+    }
+    template <bool NT>
+    static void store_bf16(uint16_t* p, T x) {
+        *p = float_to_bf16(x);
+    }
+    static void fence() {}
     static T add(T a, T b) { return a + b; }
     static T sub(T a, T b) { return a - b; }
     static T mul(T a, T b) { return a * b; }

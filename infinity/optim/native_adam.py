@@ -131,8 +131,13 @@ def adam_step_native(
     half_out: torch.Tensor | None,
     simd: str = "auto",
     tile_numel: int = 1 << 16,
+    stream_half: bool = True,
 ) -> None:
-    """One flat Adam step in the native kernel; buffers must already pass `check_buffers`."""
+    """One flat Adam step in the native kernel; buffers must already pass `check_buffers`.
+
+    `tile_numel` is the work unit handed to a thread; `stream_half` writes `half_out` with
+    non-temporal stores when it is aligned (both are tuning knobs with measured defaults).
+    """
     if _native is None:
         raise ValueError(f"backend='native' but infinity._cpu_adam is not built; {BUILD_HINT}")
     if simd not in SIMD_CHOICES:
@@ -157,6 +162,7 @@ def adam_step_native(
         float(grad_scale),
         simd,
         int(tile_numel),
+        bool(stream_half),
     )
 
 
