@@ -1,6 +1,7 @@
 // Persistent worker pool. Workers sleep on a condition variable between loops and pull tiles
 // from a shared atomic counter, so a core that is busy with something else simply takes fewer
-// tiles. The pool object is never destroyed (workers are detached): joining threads from a
+// tiles. Once the caller has run out of tiles the loop is closed: a worker that wakes up later
+// (its core was busy) skips it instead of making the caller wait for it. The pool object is never destroyed (workers are detached): joining threads from a
 // static destructor at interpreter exit can deadlock.
 #include "thread_pool.h"
 
@@ -45,13 +46,15 @@ class Pool {
             ntiles_ = ntiles;
             next_.store(0);
             participants_ = helpers;
-            finished_ = 0;
+            active_ = 0;
+            closed_ = false;
             ++generation_;
         }
         wake_.notify_all();
         run_tiles();
         std::unique_lock<std::mutex> lock(mutex_);
-        done_.wait(lock, [&] { return finished_ == participants_; });
+        closed_ = true;  // tiles are all taken: late workers skip this loop
+        done_.wait(lock, [&] { return active_ == 0; });
         fn_ = nullptr;
     }
 
@@ -77,11 +80,12 @@ class Pool {
                 std::unique_lock<std::mutex> lock(mutex_);
                 wake_.wait(lock, [&] { return generation_ != seen; });
                 seen = generation_;
-                if (index >= participants_) continue;  // not needed for this loop
+                if (index >= participants_ || closed_) continue;  // not needed for this loop
+                ++active_;
             }
             run_tiles();
             std::lock_guard<std::mutex> lock(mutex_);
-            if (++finished_ == participants_) done_.notify_one();
+            if (--active_ == 0) done_.notify_one();
         }
     }
 
@@ -94,7 +98,8 @@ class Pool {
     size_t ntiles_ = 0;
     std::atomic<size_t> next_{0};
     int participants_ = 0;
-    int finished_ = 0;
+    int active_ = 0;       // workers inside the current loop
+    bool closed_ = true;   // the current loop takes no more workers
     unsigned long generation_ = 0;
     int started_ = 0;
 };

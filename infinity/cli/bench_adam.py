@@ -77,16 +77,21 @@ def parse_count(text: str) -> int:
         ) from None
 
 
-def time_median(fn: Callable[[], None], warmup: int, repeats: int) -> tuple[float, list[float]]:
-    """Median and all timings of `fn` in seconds."""
+def time_interleaved(
+    fns: dict[str, Callable[[], None]], warmup: int, repeats: int
+) -> dict[str, list[float]]:
+    """Timings in seconds of each function, run round-robin (one call of each per round), so
+    that load from other processes falls on every candidate alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def machine_info() -> dict:
@@ -101,6 +106,8 @@ def machine_info() -> dict:
         "native": native_adam.available(),
         "simd_levels": native_adam.simd_levels(),
         "native_threads": native_adam.num_threads(),
+        # The machine may be shared: the load says how busy it was around the run.
+        "loadavg_1m_5m_15m": list(os.getloadavg()),
     }
     try:  # metadata only: importing deepspeed takes seconds
         info["deepspeed"] = importlib.metadata.version("deepspeed")
@@ -211,17 +218,18 @@ def bytes_per_param(dtype: str, half: bool) -> int:
     return 24 + DTYPES[dtype].itemsize + (2 if half else 0)
 
 
-def measure_copy(numel: int, cfg: BenchConfig) -> dict:
-    """STREAM-like copy of numel fp32 (bytes counted: read + write), torch and our pool."""
-    src, dst = torch.ones(numel), torch.empty(numel)
-    out = {}
-    t, _ = time_median(lambda: dst.copy_(src), cfg.warmup, cfg.repeats)
-    out["torch_copy_GBps"] = 2 * src.nbytes / t / 1e9
+# STREAM-like copy arrays: far larger than any cache, without doubling the benchmark's RAM.
+COPY_MAX_NUMEL = 100_000_000
+
+
+def copy_fns(numel: int) -> dict[str, Callable[[], None]]:
+    """Copies of fp32 arrays (bytes counted: read + write), with torch and with our pool."""
+    n = min(numel, COPY_MAX_NUMEL)
+    src, dst = torch.ones(n), torch.empty(n)
+    fns = {"torch_copy": lambda: dst.copy_(src)}
     if native_adam.available():
-        t, _ = time_median(lambda: native_adam.pool_copy(dst, src), cfg.warmup, cfg.repeats)
-        out["pool_copy_GBps"] = 2 * src.nbytes / t / 1e9
-    out["copy_GBps"] = max(v for k, v in out.items() if k.endswith("GBps"))
-    return out
+        fns["pool_copy"] = lambda: native_adam.pool_copy(dst, src)
+    return fns
 
 
 def _available(name: str) -> str | None:
@@ -237,35 +245,49 @@ def _available(name: str) -> str | None:
 
 
 def run(cfg: BenchConfig) -> dict:
-    """Measures every (peer, grad dtype, half copy) row; returns one JSON-able record."""
-    record = {"config": asdict(cfg), "machine": machine_info(), "rows": []}
-    record["copy"] = measure_copy(cfg.numel, cfg)
+    """Measures every (peer, grad dtype, half copy) row; returns one JSON-able record.
+
+    For each gradient dtype and half-copy setting, all implementations and the copies run
+    round-robin on the same buffers; each row reports the median of its repeats.
+    """
+    record = {"config": asdict(cfg), "machine": machine_info(), "rows": [], "copy": {}}
     buf = Buffers(cfg.numel, DTYPES[cfg.half_dtype])
+    copies = copy_fns(cfg.numel)
+    copy_times: dict[str, list[float]] = {name: [] for name in copies}
+    peers = []
     for name in cfg.peers:
         reason = _available(name)
-        if reason is not None:
+        if reason is None:
+            peers.append(name)
+        else:
             record["rows"].append({"impl": name, "skipped": reason})
             log.info("skipping %s: %s", name, reason)
-            continue
-        for dtype in cfg.dtypes:
-            for half in (False, True):
+    for dtype in cfg.dtypes:
+        for half in (False, True):
+            fns, how = dict(copies), {}
+            for name in peers:
                 if name == "infinity":
-                    fn, how = _ours(buf, dtype, half), "fused"
+                    fns[name], how[name] = _ours(buf, dtype, half), "fused"
                 else:
-                    fn, how = _theirs(name, buf, dtype, half)
-                try:
-                    t, times = time_median(fn, cfg.warmup, cfg.repeats)
-                except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
-                    record["rows"].append({"impl": name, "grad": dtype, "skipped": repr(exc)})
-                    continue
-                nbytes = bytes_per_param(dtype, half) * cfg.numel
+                    fns[name], how[name] = _theirs(name, buf, dtype, half)
+            log.info("measuring grad %s%s", dtype, " + half copy" if half else "")
+            times = time_interleaved(fns, cfg.warmup, cfg.repeats)
+            nbytes = bytes_per_param(dtype, half) * cfg.numel
+            for name in copies:
+                copy_times[name] += times.pop(name)
+            for name, ts in times.items():
+                t = statistics.median(ts)
                 record["rows"].append({
                     "impl": name, "grad": dtype, "half_copy": cfg.half_dtype if half else None,
-                    "how": how, "median_ms": t * 1e3, "times_ms": [x * 1e3 for x in times],
+                    "how": how[name], "median_ms": t * 1e3, "times_ms": [x * 1e3 for x in ts],
                     "params_per_s": cfg.numel / t, "bytes_per_param": nbytes // cfg.numel,
                     "GBps": nbytes / t / 1e9,
                 })  # fmt: skip
-                buf.param.grad = None
+            buf.param.grad = None
+    copy_numel = min(cfg.numel, COPY_MAX_NUMEL)
+    for name, ts in copy_times.items():
+        record["copy"][f"{name}_GBps"] = 2 * 4 * copy_numel / statistics.median(ts) / 1e9
+    record["copy"]["copy_GBps"] = max(record["copy"].values())
     return record
 
 
