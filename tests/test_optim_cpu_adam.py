@@ -193,3 +193,39 @@ def test_half_gradients_match_reference(impl, grad_dtype):
         adam_step_flat_reference(ref[0], g, ref[1], ref[2], **hyper)
     for a, b in zip(ours, ref, strict=True):
         assert_close_rel(a, b)
+
+
+@needs_native
+def test_step_works_in_a_forked_child():
+    """The pool's workers do not survive fork(): the child must run the step on its own."""
+    import os
+    import time
+
+    numel = 300_000  # several tiles, so the parent's pool has started its workers
+    p, gen = _state(numel, seed=7)
+    g = torch.randn(numel, generator=gen)
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    adam_step_flat(p, g, m, v, step=1, lr=1e-2, backend="native")
+    expected = p.clone()
+    adam_step_flat_reference(expected, g, m.clone(), v.clone(), step=2, lr=1e-2)
+    for t in (p, m, v):
+        t.share_memory_()  # the child's update lands where the parent can check it
+    pid = os.fork()
+    if pid == 0:  # child: no torch math here (its OpenMP runtime is not fork-safe)
+        code = 3
+        try:
+            adam_step_flat(p, g, m, v, step=2, lr=1e-2, backend="native")
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert_close_rel(p, expected)
+            return
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("adam_step_flat hung in a forked child")
