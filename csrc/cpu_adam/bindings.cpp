@@ -165,8 +165,12 @@ PYBIND11_MODULE(_cpu_adam, m) {
           py::arg("tile_bytes") = 1 << 20, "Parallel memcpy over the kernel's thread pool.");
     m.def("simd_levels", &simd_levels, "SIMD levels this CPU can run, fastest first.");
     m.def("num_threads", &pool_num_threads, "Threads used per step (workers + caller).");
-    m.def("set_num_threads", [](int n) {
-        if (n < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
-        pool_set_num_threads(n);
-    }, py::arg("n"));
+    m.def(
+        "set_num_threads",
+        [](int n) {
+            if (n < 1)
+                throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
+            pool_set_num_threads(n);
+        },
+        py::arg("n"));
 }

@@ -30,7 +30,8 @@ struct V {
         return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     }
     static T load_bf16(const uint16_t* p) {
-        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        const __m256i w = _mm256_cvtepu16_epi32(raw);
         return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
     }
     template <bool NT>

@@ -9,7 +9,8 @@
 #include "adam_kernel.h"
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))), apply_to = function)
+#pragma clang attribute push(                                      \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))), apply_to = function)
 #else
 // GCC 12 warns inside its own intrinsics headers (`__Y = __Y` placeholders): not our code.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

@@ -1,8 +1,9 @@
 // Persistent worker pool. Workers sleep on a condition variable between loops and pull tiles
 // from a shared atomic counter, so a core that is busy with something else simply takes fewer
 // tiles. Once the caller has run out of tiles the loop is closed: a worker that wakes up later
-// (its core was busy) skips it instead of making the caller wait for it. The pool object is never destroyed (workers are detached): joining threads from a
-// static destructor at interpreter exit can deadlock.
+// (its core was busy) skips it instead of making the caller wait for it. The pool object is
+// never destroyed (workers are detached): joining threads from a static destructor at
+// interpreter exit can deadlock.
 #include "thread_pool.h"
 
 #include <sched.h>
