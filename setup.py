@@ -34,9 +34,14 @@ class OptionalBuildExt(build_ext):
 
 def extension(name: str, folder: str, **kwargs) -> Pybind11Extension:
     sources = sorted(glob(os.path.join("csrc", folder, "*.cpp")))
+    # Headers and included loop bodies: a change to one rebuilds the extension.
+    depends = sorted(
+        glob(os.path.join("csrc", folder, "*.h")) + glob(os.path.join("csrc", folder, "*.inc"))
+    )
     return Pybind11Extension(
         name,
         sources,
+        depends=depends,
         cxx_std=17,
         extra_compile_args=["-O3", "-fvisibility=hidden", *kwargs.pop("extra_compile_args", [])],
         **kwargs,
@@ -45,7 +50,13 @@ def extension(name: str, folder: str, **kwargs) -> Pybind11Extension:
 
 ext_modules = [
     extension("infinity._aio", "aio", extra_link_args=["-pthread"]),
-    extension("infinity._cpu_adam", "cpu_adam", extra_link_args=["-pthread"]),
+    # fp-contract=off: the kernel's operation order is its contract (no implicit FMAs).
+    extension(
+        "infinity._cpu_adam",
+        "cpu_adam",
+        extra_compile_args=["-ffp-contract=off", "-pthread"],
+        extra_link_args=["-pthread"],
+    ),
 ]
 ext_modules = [e for e in ext_modules if e.sources]
 

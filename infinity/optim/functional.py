@@ -1,15 +1,26 @@
 """The flat Adam/AdamW step the engine calls on each optimizer sub-group.
 
-This module holds the reference implementation in torch. The native kernel
-(`infinity._cpu_adam`) implements the same contract; `infinity.optim.cpu_adam` dispatches
-between them. State (parameter, moments) lives in tensors the caller owns.
+This module holds the reference implementation in torch and `adam_step_flat`, which checks
+the buffers and dispatches to the native kernel (`infinity._cpu_adam`, same contract) or to
+the reference. State (parameter, moments) lives in tensors the caller owns.
+
+[Note: choosing the implementation] `backend` is "native", "torch" or "auto" (native when
+built); `simd` forces a native SIMD level ("avx512", "avx2", "neon", "scalar") or "auto" (the
+fastest this CPU runs). When an argument is None, the environment variables
+INFINITY_ADAM_BACKEND and INFINITY_ADAM_SIMD decide, then "auto". A forced SIMD level needs the
+native kernel, so it is an error when the kernel is not built rather than a silent fallback.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
+
+from infinity.optim import native_adam
+
+BACKENDS = ("auto", "native", "torch")
 
 
 def adam_step_flat_reference(
@@ -54,5 +65,74 @@ def adam_step_flat_reference(
         half_out.copy_(param)
 
 
-# Until the native kernel is wired in, the reference is the implementation.
-adam_step_flat = adam_step_flat_reference
+def resolve_backend(backend: str | None = None, simd: str | None = None) -> tuple[str, str]:
+    """The (backend, simd) a call would use: "native" or "torch", and the SIMD request."""
+    backend = backend if backend is not None else os.environ.get("INFINITY_ADAM_BACKEND", "auto")
+    simd = simd if simd is not None else os.environ.get("INFINITY_ADAM_SIMD", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if simd not in native_adam.SIMD_CHOICES:
+        raise ValueError(f"simd={simd!r} is not one of {', '.join(native_adam.SIMD_CHOICES)}")
+    if backend == "auto":
+        if native_adam.available():
+            backend = "native"
+        elif simd != "auto":
+            raise ValueError(
+                f"simd={simd!r} needs the native kernel, but infinity._cpu_adam is not built; "
+                f"{native_adam.BUILD_HINT}, or leave simd='auto'"
+            )
+        else:
+            backend = "torch"
+    elif backend == "native" and not native_adam.available():
+        raise ValueError(
+            f"backend='native' but infinity._cpu_adam is not built; {native_adam.BUILD_HINT}, "
+            "or pass backend='torch'"
+        )
+    return backend, simd
+
+
+def adam_step_flat(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    half_out: torch.Tensor | None = None,
+    backend: str | None = None,
+    simd: str | None = None,
+) -> None:
+    """`adam_step_flat_reference`'s contract, on the native kernel when available.
+
+    Buffers are checked first, for every backend: CPU, dense, contiguous, same numel, fp32
+    state, fp32/fp16/bf16 `grad`, fp16/bf16 `half_out`, no shared memory between them
+    (TypeError/ValueError otherwise). See [Note: choosing the implementation] for `backend`
+    and `simd`.
+    """
+    native_adam.check_buffers(param, grad, exp_avg, exp_avg_sq, half_out, step)
+    backend, simd = resolve_backend(backend, simd)
+    hyper = dict(
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        adamw_mode=adamw_mode,
+        bias_correction=bias_correction,
+        grad_scale=grad_scale,
+        half_out=half_out,
+    )
+    if backend == "native":
+        native_adam.adam_step_native(param, grad, exp_avg, exp_avg_sq, simd=simd, **hyper)
+        return
+    with torch.no_grad():  # buffers may be leaves that require grad (nn.Parameter)
+        adam_step_flat_reference(param, grad, exp_avg, exp_avg_sq, **hyper)

@@ -1,0 +1,53 @@
+// Shared declarations of the CPU-Adam kernel: argument record, dtype codes, per-ISA entries.
+//
+// The kernel is stateless: every buffer belongs to the caller. Each ISA file compiles the same
+// loop body (adam_body.inc) against its own SIMD type layer, with per-function target
+// attributes, so one binary carries every path and picks one at run time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace infinity_adam {
+
+enum class DType : int { none = -1, f32 = 0, f16 = 1, bf16 = 2 };
+
+// Per-call constants, derived once in double (like torch's Python-side scalars) and then
+// rounded to float, which is the precision torch's CPU kernels use for fp32 tensors.
+struct AdamArgs {
+    float* param = nullptr;
+    const void* grad = nullptr;
+    float* exp_avg = nullptr;
+    float* exp_avg_sq = nullptr;
+    void* half_out = nullptr;
+    DType grad_dtype = DType::f32;
+    DType half_dtype = DType::none;
+    float grad_scale = 1.0f;     // g = grad * grad_scale
+    float l2 = 0.0f;             // Adam: g = fma(param, l2, g)
+    float decay = 1.0f;          // AdamW: param *= decay (1 - lr * wd)
+    bool use_l2 = false;
+    bool use_decay = false;
+    bool use_grad_scale = false;
+    float lerp_coeff = 0.1f;     // exp_avg = fma(lerp_coeff, g - exp_avg, lerp_base)
+    bool lerp_base_is_grad = false;  // torch.lerp switches form when the weight is >= 0.5
+    float beta2 = 0.999f;        // exp_avg_sq = fma(one_minus_beta2 * g, g, exp_avg_sq * beta2)
+    float one_minus_beta2 = 0.001f;
+    float bc2_sqrt = 1.0f;       // denom = sqrt(exp_avg_sq) / bc2_sqrt + eps
+    float eps = 1e-8f;
+    float neg_step_size = -1e-3f;  // param = param + (neg_step_size * exp_avg) / denom
+    bool stream_half = true;       // non-temporal stores for half_out when aligned
+};
+
+// Each updates elements [begin, end) of the buffers in `a`.
+using KernelFn = void (*)(const AdamArgs& a, size_t begin, size_t end);
+
+void adam_scalar(const AdamArgs& a, size_t begin, size_t end);
+#if defined(__x86_64__) || defined(_M_X64)
+void adam_avx2(const AdamArgs& a, size_t begin, size_t end);
+void adam_avx512(const AdamArgs& a, size_t begin, size_t end);
+#endif
+#if defined(__aarch64__)
+void adam_neon(const AdamArgs& a, size_t begin, size_t end);
+#endif
+
+}  // namespace infinity_adam

@@ -1,0 +1,176 @@
+// Python binding of the CPU-Adam kernel: checks scalars, picks the SIMD path from the CPU's
+// features, splits the buffers into tiles over the thread pool, releases the GIL meanwhile.
+// Buffers arrive as raw addresses with an element count; infinity/optim/native_adam.py checks
+// the tensors (dtype, device, contiguity, sizes) before calling in.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "adam_kernel.h"
+#include "thread_pool.h"
+
+namespace py = pybind11;
+using namespace infinity_adam;
+
+namespace {
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+// The levels this CPU can run, fastest first; "scalar" is always last.
+std::vector<std::string> simd_levels() {
+    std::vector<std::string> out;
+    if (cpu_has_avx512()) out.push_back("avx512");
+    if (cpu_has_avx2()) out.push_back("avx2");
+#if defined(__aarch64__)
+    out.push_back("neon");
+#endif
+    out.push_back("scalar");
+    return out;
+}
+
+KernelFn kernel_for(const std::string& requested) {
+    static const std::vector<std::string> levels = simd_levels();
+    const std::string level = requested == "auto" ? levels.front() : requested;
+    bool supported = false;
+    for (const auto& l : levels) supported = supported || l == level;
+    if (!supported) {
+        std::string have;
+        for (const auto& l : levels) have += (have.empty() ? "" : ", ") + l;
+        throw std::invalid_argument("simd='" + requested + "' is not available on this CPU (" +
+                                    "it supports: " + have + "); pass one of those or 'auto'");
+    }
+#if defined(__x86_64__) || defined(_M_X64)
+    if (level == "avx512") return adam_avx512;
+    if (level == "avx2") return adam_avx2;
+#endif
+#if defined(__aarch64__)
+    if (level == "neon") return adam_neon;
+#endif
+    return adam_scalar;
+}
+
+DType parse_dtype(const std::string& name, bool allow_none, const char* what) {
+    if (name == "fp32" && !allow_none) return DType::f32;
+    if (name == "fp16") return DType::f16;
+    if (name == "bf16") return DType::bf16;
+    if (name.empty() && allow_none) return DType::none;
+    throw std::invalid_argument(std::string(what) + " dtype '" + name + "' is not supported; use " +
+                                (allow_none ? "'fp16', 'bf16' or '' (no copy)"
+                                            : "'fp32', 'fp16' or 'bf16'"));
+}
+
+void* as_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+               size_t numel, const std::string& grad_dtype, uintptr_t half_out,
+               const std::string& half_dtype, long step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool adamw_mode, bool bias_correction,
+               double grad_scale, const std::string& simd, size_t tile_numel, bool stream_half) {
+    AdamArgs a;
+    a.grad_dtype = parse_dtype(grad_dtype, false, "gradient");
+    a.half_dtype = parse_dtype(half_dtype, true, "half_out");
+    const KernelFn kernel = kernel_for(simd);
+    if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, after this update)");
+    if (tile_numel == 0) throw std::invalid_argument("tile_numel must be > 0");
+    if (numel == 0) return;
+    if (!param || !grad || !exp_avg || !exp_avg_sq || (a.half_dtype != DType::none && !half_out))
+        throw std::invalid_argument("null buffer address with numel > 0");
+    a.param = static_cast<float*>(as_ptr(param));
+    a.grad = as_ptr(grad);
+    a.exp_avg = static_cast<float*>(as_ptr(exp_avg));
+    a.exp_avg_sq = static_cast<float*>(as_ptr(exp_avg_sq));
+    a.half_out = a.half_dtype == DType::none ? nullptr : as_ptr(half_out);
+    a.stream_half = stream_half;
+
+    // Scalars as torch derives them: in double, then rounded to float by the fp32 kernels.
+    const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
+    const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
+    a.neg_step_size = static_cast<float>(-lr / bc1);
+    a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    a.eps = static_cast<float>(eps);
+    a.beta2 = static_cast<float>(beta2);
+    a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    const float weight = static_cast<float>(1.0 - beta1);
+    a.lerp_base_is_grad = !(std::fabs(weight) < 0.5f);  // torch.lerp's two forms
+    a.lerp_coeff = a.lerp_base_is_grad ? weight - 1.0f : weight;
+    a.use_grad_scale = grad_scale != 1.0;
+    a.grad_scale = static_cast<float>(grad_scale);
+    if (weight_decay != 0.0) {
+        a.use_decay = adamw_mode;
+        a.use_l2 = !adamw_mode;
+        a.decay = static_cast<float>(1.0 - lr * weight_decay);
+        a.l2 = static_cast<float>(weight_decay);
+    }
+
+    py::gil_scoped_release no_gil;
+    const size_t ntiles = (numel + tile_numel - 1) / tile_numel;
+    pool_parallel_for(ntiles, [&](size_t t) {
+        const size_t begin = t * tile_numel;
+        kernel(a, begin, std::min(numel, begin + tile_numel));
+    });
+}
+
+// STREAM-like copy over the same pool, to measure the bandwidth the kernel is held against.
+void copy_bytes(uintptr_t dst, uintptr_t src, size_t nbytes, size_t tile_bytes) {
+    if (tile_bytes == 0) throw std::invalid_argument("tile_bytes must be > 0");
+    if (nbytes == 0) return;
+    if (!dst || !src) throw std::invalid_argument("null buffer address with nbytes > 0");
+    py::gil_scoped_release no_gil;
+    auto* d = static_cast<char*>(as_ptr(dst));
+    const auto* s = static_cast<const char*>(as_ptr(src));
+    pool_parallel_for((nbytes + tile_bytes - 1) / tile_bytes, [&](size_t t) {
+        const size_t begin = t * tile_bytes;
+        std::memcpy(d + begin, s + begin, std::min(nbytes, begin + tile_bytes) - begin);
+    });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_adam, m) {
+    m.doc() = "Fused SIMD Adam/AdamW step over flat CPU buffers (raw addresses; see "
+              "infinity.optim.native_adam for the checked Python entry point).";
+    m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+          py::arg("exp_avg_sq"), py::arg("numel"), py::arg("grad_dtype"), py::arg("half_out"),
+          py::arg("half_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+          py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
+          py::arg("bias_correction"), py::arg("grad_scale"), py::arg("simd") = "auto",
+          py::arg("tile_numel") = 1 << 16, py::arg("stream_half") = true,
+          "One Adam/AdamW step in place over numel elements; writes the new parameter to "
+          "half_out (fp16/bf16, round to nearest-even) when half_dtype is not ''.");
+    m.def("copy_bytes", &copy_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+          py::arg("tile_bytes") = 1 << 20, "Parallel memcpy over the kernel's thread pool.");
+    m.def("simd_levels", &simd_levels, "SIMD levels this CPU can run, fastest first.");
+    m.def("num_threads", &pool_num_threads, "Threads used per step (workers + caller).");
+    m.def(
+        "set_num_threads",
+        [](int n) {
+            if (n < 1)
+                throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
+            pool_set_num_threads(n);
+        },
+        py::arg("n"));
+}

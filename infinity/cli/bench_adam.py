@@ -1,0 +1,345 @@
+"""`infinity bench adam`: CPU-Adam throughput next to its peers and the copy bandwidth.
+
+Measures one optimizer step over N fp32 parameters for CPUAdam's native kernel, torch AdamW
+(foreach and fused) and, where importable, DeepSpeed's DeepSpeedCPUAdam, all on the same
+buffers in one run, plus a STREAM-like copy; for each gradient dtype, and for "step +
+half-precision copy of the new weights" (ours fused, the peers' step then `copy_`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from infinity.optim import adam_step_flat, native_adam
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PEERS = ("infinity", "torch-fused", "torch-foreach", "deepspeed")
+HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    """What to measure."""
+
+    numel: int = 100_000_000
+    """Parameters per step (one flat fp32 buffer)."""
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
+    """Gradient dtypes to measure."""
+    half_dtype: str = "bf16"
+    """Dtype of the copy of the new weights in the "step + half copy" rows."""
+    peers: list[str] = field(default_factory=lambda: list(PEERS))
+    """Implementations to measure (unavailable ones are reported as skipped)."""
+    warmup: int = 2
+    """Untimed runs before the timed ones."""
+    repeats: int = 7
+    """Timed runs; the median is reported."""
+
+    def __post_init__(self) -> None:
+        if self.numel < 1:
+            raise ValueError(f"numel must be >= 1, got {self.numel}")
+        for d in self.dtypes:
+            if d not in DTYPES:
+                raise ValueError(f"dtype {d!r} is not one of {', '.join(DTYPES)}")
+        if self.half_dtype not in ("fp16", "bf16"):
+            raise ValueError(f"half_dtype must be fp16 or bf16, got {self.half_dtype!r}")
+        for p in self.peers:
+            if p not in PEERS:
+                raise ValueError(f"peer {p!r} is not one of {', '.join(PEERS)}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"need repeats >= 1 and warmup >= 0, got {self.repeats}/{self.warmup}")
+
+
+def parse_count(text: str) -> int:
+    """'100M' -> 100_000_000 (K, M, G are powers of ten: parameter counts)."""
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+    text = text.strip().upper().replace("_", "")
+    try:
+        if text and text[-1] in scale:
+            return int(float(text[:-1]) * scale[text[-1]])
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"cannot read {text!r} as a count; write e.g. 100M, 1.5G or 25000"
+        ) from None
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], None]], warmup: int, repeats: int
+) -> dict[str, list[float]]:
+    """Timings in seconds of each function, run round-robin (one call of each per round), so
+    that load from other processes falls on every candidate alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def machine_info() -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "native": native_adam.available(),
+        "simd_levels": native_adam.simd_levels(),
+        "native_threads": native_adam.num_threads(),
+        # The machine may be shared: the load says how busy it was around the run.
+        "loadavg_1m_5m_15m": list(os.getloadavg()),
+    }
+    try:  # metadata only: importing deepspeed takes seconds
+        info["deepspeed"] = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        info["deepspeed"] = None
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+class Buffers:
+    """The flat buffers every implementation steps over (shared: one set in RAM)."""
+
+    def __init__(self, numel: int, half_dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.param = torch.nn.Parameter(torch.randn(numel, generator=gen))
+        self.exp_avg = torch.zeros(numel)
+        self.exp_avg_sq = torch.zeros(numel)
+        self.grad32 = torch.randn(numel, generator=gen)
+        self.half = torch.empty(numel, dtype=half_dtype)
+        self.grads = {"fp32": self.grad32}
+
+    def grad(self, dtype: str) -> torch.Tensor:
+        if dtype not in self.grads:
+            self.grads = {"fp32": self.grad32}  # keep at most one 16-bit copy alive
+            self.grads[dtype] = self.grad32.to(DTYPES[dtype])
+        return self.grads[dtype]
+
+
+def _torch_step(buf: Buffers, fused: bool) -> Callable[[], None]:
+    kind = dict(fused=True) if fused else dict(foreach=True)
+    opt = torch.optim.AdamW([buf.param], **HYPER, **kind)
+    opt.state[buf.param] = {
+        "step": torch.tensor(0.0),
+        "exp_avg": buf.exp_avg,
+        "exp_avg_sq": buf.exp_avg_sq,
+    }
+    return opt.step
+
+
+def _deepspeed_step(buf: Buffers) -> Callable[[], None]:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 - optional peer
+
+    opt = DeepSpeedCPUAdam([buf.param], **HYPER, adamw_mode=True)
+    opt.state[buf.param] = {
+        "step": 0,
+        "exp_avg": buf.exp_avg,
+        "exp_avg_sq": buf.exp_avg_sq,
+    }
+    return opt.step
+
+
+def _peer_step(name: str, buf: Buffers) -> Callable[[], None]:
+    if name == "torch-fused":
+        return _torch_step(buf, fused=True)
+    if name == "torch-foreach":
+        return _torch_step(buf, fused=False)
+    return _deepspeed_step(buf)
+
+
+def _ours(buf: Buffers, dtype: str, half: bool) -> Callable[[], None]:
+    grad = buf.grad(dtype)
+    counter = [0]
+
+    def step() -> None:
+        counter[0] += 1
+        adam_step_flat(buf.param, grad, buf.exp_avg, buf.exp_avg_sq, step=counter[0],
+                       lr=HYPER["lr"], beta1=0.9, beta2=0.999, eps=HYPER["eps"],
+                       weight_decay=HYPER["weight_decay"], adamw_mode=True,
+                       half_out=buf.half if half else None, backend="native")  # fmt: skip
+
+    return step
+
+
+def _theirs(name: str, buf: Buffers, dtype: str, half: bool) -> tuple[Callable[[], None], str]:
+    """A peer's step, the half copy as a separate `copy_`. A 16-bit gradient is first upcast
+    into the fp32 grad: the peers need gradients in the parameter's dtype (torch refuses
+    others; DeepSpeed 0.19.8 reads a bf16 gradient of an fp32 parameter as fp32, out of
+    bounds, and crashes)."""
+    step = _peer_step(name, buf)
+    grad16 = buf.grad(dtype) if dtype != "fp32" else None
+    buf.param.grad = buf.grad32
+    notes = [f"grad {dtype}->fp32 copy_ then step"] if grad16 is not None else ["step"]
+    if half:
+        notes.append("then half copy_")
+
+    def run() -> None:
+        if grad16 is not None:
+            buf.grad32.copy_(grad16)
+        step()
+        if half:
+            buf.half.copy_(buf.param.detach())
+
+    return run, " ".join(notes)
+
+
+def bytes_per_param(dtype: str, half: bool) -> int:
+    """Logical traffic: read+write param, m, v (24) + read grad (+ write the half copy)."""
+    return 24 + DTYPES[dtype].itemsize + (2 if half else 0)
+
+
+# STREAM-like copy arrays: far larger than any cache, without doubling the benchmark's RAM.
+COPY_MAX_NUMEL = 100_000_000
+
+
+def copy_fns(numel: int) -> dict[str, Callable[[], None]]:
+    """Copies of fp32 arrays (bytes counted: read + write), with torch and with our pool."""
+    n = min(numel, COPY_MAX_NUMEL)
+    src, dst = torch.ones(n), torch.empty(n)
+    fns = {"torch_copy": lambda: dst.copy_(src)}
+    if native_adam.available():
+        fns["pool_copy"] = lambda: native_adam.pool_copy(dst, src)
+    return fns
+
+
+def _available(name: str) -> str | None:
+    """None if the peer can run here, else the reason it cannot."""
+    if name == "infinity":
+        return None if native_adam.available() else "infinity._cpu_adam is not built"
+    if name == "deepspeed":
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401, PLC0415
+        except Exception as exc:  # noqa: BLE001 - any failure means "not available"
+            return f"deepspeed not importable: {exc}"
+    return None
+
+
+def run(cfg: BenchConfig) -> dict:
+    """Measures every (peer, grad dtype, half copy) row; returns one JSON-able record.
+
+    For each gradient dtype and half-copy setting, all implementations and the copies run
+    round-robin on the same buffers; each row reports the median of its repeats.
+    """
+    record = {"config": asdict(cfg), "machine": machine_info(), "rows": [], "copy": {}}
+    buf = Buffers(cfg.numel, DTYPES[cfg.half_dtype])
+    copies = copy_fns(cfg.numel)
+    copy_times: dict[str, list[float]] = {name: [] for name in copies}
+    peers = []
+    for name in cfg.peers:
+        reason = _available(name)
+        if reason is None:
+            peers.append(name)
+        else:
+            record["rows"].append({"impl": name, "skipped": reason})
+            log.info("skipping %s: %s", name, reason)
+    for dtype in cfg.dtypes:
+        for half in (False, True):
+            fns, how = dict(copies), {}
+            for name in peers:
+                if name == "infinity":
+                    fns[name], how[name] = _ours(buf, dtype, half), "fused"
+                else:
+                    fns[name], how[name] = _theirs(name, buf, dtype, half)
+            log.info("measuring grad %s%s", dtype, " + half copy" if half else "")
+            times = time_interleaved(fns, cfg.warmup, cfg.repeats)
+            nbytes = bytes_per_param(dtype, half) * cfg.numel
+            for name in copies:
+                copy_times[name] += times.pop(name)
+            for name, ts in times.items():
+                t = statistics.median(ts)
+                record["rows"].append({
+                    "impl": name, "grad": dtype, "half_copy": cfg.half_dtype if half else None,
+                    "how": how[name], "median_ms": t * 1e3, "times_ms": [x * 1e3 for x in ts],
+                    "params_per_s": cfg.numel / t, "bytes_per_param": nbytes // cfg.numel,
+                    "GBps": nbytes / t / 1e9,
+                })  # fmt: skip
+            buf.param.grad = None
+    copy_numel = min(cfg.numel, COPY_MAX_NUMEL)
+    for name, ts in copy_times.items():
+        record["copy"][f"{name}_GBps"] = 2 * 4 * copy_numel / statistics.median(ts) / 1e9
+    record["copy"]["copy_GBps"] = max(record["copy"].values())
+    return record
+
+
+def format_table(record: dict) -> str:
+    copy = record["copy"]
+    lines = [
+        f"numel {record['config']['numel']:,}  machine {record['machine']['cpu']} "
+        f"({record['machine']['cores']} cores, {', '.join(record['machine']['simd_levels'])})",
+        "copy bandwidth: "
+        + ", ".join(f"{k.removesuffix('_GBps')} {v:.1f} GB/s" for k, v in copy.items()),
+        f"{'impl':<14}{'grad':<6}{'half':<6}{'ms':>9}{'Gparam/s':>10}{'GB/s':>8}{'%copy':>7}",
+    ]
+    for r in record["rows"]:
+        if "skipped" in r:
+            lines.append(f"{r['impl']:<14}{r.get('grad', ''):<6}skipped: {r['skipped']}")
+            continue
+        lines.append(
+            f"{r['impl']:<14}{r['grad']:<6}{r['half_copy'] or '-':<6}{r['median_ms']:>9.1f}"
+            f"{r['params_per_s'] / 1e9:>10.3f}{r['GBps']:>8.1f}"
+            f"{100 * r['GBps'] / copy['copy_GBps']:>6.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("adam", help="CPU-Adam throughput vs torch and DeepSpeed")
+    parser.add_argument("--numel", type=parse_count, default=100_000_000,
+                        help="parameters per step, e.g. 100M (default 100M)")  # fmt: skip
+    parser.add_argument("--dtype", action="append", choices=list(DTYPES),
+                        help="gradient dtype (repeatable; default all)")  # fmt: skip
+    parser.add_argument("--half-dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--peer", action="append", choices=list(PEERS),
+                        help="implementation to measure (repeatable; default all)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", metavar="FILE", help="write the record as JSON here")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = BenchConfig(
+        numel=args.numel,
+        dtypes=args.dtype or ["fp32", "bf16", "fp16"],
+        half_dtype=args.half_dtype,
+        peers=args.peer or list(PEERS),
+        warmup=args.warmup,
+        repeats=args.repeats,
+    )
+    record = run(cfg)
+    print(format_table(record))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0

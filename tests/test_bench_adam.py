@@ -1,0 +1,55 @@
+"""Smoke test: `infinity bench adam` and benchmarks/adam_bench.py at a tiny size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infinity.cli.bench_adam import BenchConfig, bytes_per_param, parse_count
+from infinity.cli.main import main
+from infinity.optim import native_adam
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cli_writes_json_with_every_row(tmp_path, capsys):
+    out = tmp_path / "adam.json"
+    argv = ["bench", "adam", "--numel", "3K", "--peer", "torch-fused", "--peer", "infinity",
+            "--warmup", "0", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["config"]["numel"] == 3000
+    assert record["copy"]["copy_GBps"] > 0
+    rows = [r for r in record["rows"] if "skipped" not in r]
+    impls = {"torch-fused"} | ({"infinity"} if native_adam.available() else set())
+    assert {r["impl"] for r in rows} == impls
+    assert len(rows) == len(impls) * 3 * 2  # three grad dtypes, with and without half copy
+    assert all(r["median_ms"] > 0 and r["GBps"] > 0 for r in rows)
+    assert "copy bandwidth" in capsys.readouterr().out
+
+
+def test_script_runs(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "adam_bench.py"), "--numel", "2K",
+           "--peer", "torch-foreach", "--dtype", "bf16", "--warmup", "0", "--repeats", "1",
+           "--json", str(out)]  # fmt: skip
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    assert records[0]["rows"][0]["grad"] == "bf16"
+
+
+def test_config_and_counts_are_checked():
+    assert parse_count("100M") == 100_000_000 and parse_count("1.5K") == 1500
+    assert bytes_per_param("fp32", False) == 28 and bytes_per_param("bf16", True) == 28
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_count("lots")
+    with pytest.raises(ValueError, match="dtype 'fp8'"):
+        BenchConfig(dtypes=["fp8"])
+    with pytest.raises(ValueError, match="peer"):
+        BenchConfig(peers=["apex"])
