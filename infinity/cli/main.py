@@ -14,7 +14,12 @@ import sys
 from infinity import __version__
 
 # Top-level commands, in the order `infinity --help` lists them.
-COMMANDS = ["infinity.cli.bench", "infinity.cli.export", "infinity.cli.config_check"]
+COMMANDS = [
+    "infinity.cli.train",
+    "infinity.cli.bench",
+    "infinity.cli.export",
+    "infinity.cli.config_check",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

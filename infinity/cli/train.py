@@ -1,0 +1,181 @@
+"""`infinity train`: fine-tune or pre-train a Llama-style model with offload, from the shell.
+
+Owns the command line: flags, how they override the JSON config, and the checks of the
+inputs before any work starts. The run itself (model, data, loop, checkpoints) is in
+`infinity.cli.train_run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from infinity.config import Config
+from infinity.models import PRESETS
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a causal LM with parameters and optimizer states offloaded to RAM or NVMe",
+        description=(
+            "Train a Llama-style causal LM from a local Hugging Face directory (config.json + "
+            "safetensors) or a preset shape with random weights, on a text or JSONL file. "
+            "Flags override the JSON config. Ctrl-C saves a checkpoint and exits; --resume "
+            "continues from the latest checkpoint in --save-dir with the same data order, RNG, "
+            "loss scale and schedule."
+        ),
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR|PRESET",
+        help=f"a Hugging Face model directory, or a preset ({', '.join(PRESETS)})",
+    )
+    parser.add_argument(
+        "--data",
+        required=True,
+        metavar="FILE",
+        help="UTF-8 text (one document) or JSONL (.jsonl: one JSON object per line with a "
+        "'text' field); tokenized with the model directory's tokenizer, else as UTF-8 bytes",
+    )
+    parser.add_argument(
+        "--nvme",
+        metavar="PATH",
+        help="directory on a fast SSD: parameters and optimizer states live there "
+        "(default: both in host RAM, or as the config says)",
+    )
+    parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
+    parser.add_argument(
+        "--steps", type=_positive_int, help="optimizer steps to run (default: one epoch)"
+    )
+    parser.add_argument(
+        "--seq-len", type=_positive_int, default=512, help="tokens per sequence (default 512)"
+    )
+    parser.add_argument(
+        "--micro-batch", type=_positive_int, help="sequences per forward (config: 1 if unset)"
+    )
+    parser.add_argument(
+        "--grad-accum", type=_positive_int, help="micro batches per optimizer step (config)"
+    )
+    parser.add_argument("--lr", type=_positive_float, help="peak learning rate (config)")
+    parser.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        help="training precision (config's fp16/bf16 sections; default fp32)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in backward (less memory, ~1.3x compute)",
+    )
+    parser.add_argument(
+        "--save-dir",
+        default="runs/infinity",
+        metavar="DIR",
+        help="checkpoints, metrics.jsonl and the token cache (default runs/infinity)",
+    )
+    parser.add_argument(
+        "--save-every",
+        type=_positive_int,
+        metavar="N",
+        help="checkpoint every N optimizer steps (default: only at the end and on Ctrl-C)",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in --save-dir"
+    )
+    parser.add_argument("--seed", type=int, help="seed for init, data order and dropout (config)")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (log lines only)"
+    )
+    parser.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The JSON config (if any) with the flags laid over it, validated."""
+    base: dict[str, Any] = Config.load(args.config).to_dict() if args.config else {}
+    zero = base.setdefault("zero_optimization", {})
+    if args.micro_batch is not None or args.grad_accum is not None:
+        base["train_batch_size"] = "auto"  # derived again from the two that were given
+    if args.micro_batch is not None:
+        base["train_micro_batch_size_per_gpu"] = args.micro_batch
+    if args.grad_accum is not None:
+        base["gradient_accumulation_steps"] = args.grad_accum
+    if args.lr is not None:
+        base.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = args.lr
+        sched = base.get("scheduler") or {}
+        params = sched.get("params") or {}
+        if "warmup_max_lr" in params:
+            params["warmup_max_lr"] = args.lr
+    if args.nvme is not None:
+        nvme = os.fspath(Path(args.nvme).expanduser())
+        for section in ("offload_param", "offload_optimizer"):
+            zero.setdefault(section, {}).update(device="nvme", nvme_path=nvme)
+    if args.dtype is not None:
+        base.setdefault("fp16", {})["enabled"] = args.dtype == "fp16"
+        base.setdefault("bf16", {})["enabled"] = args.dtype == "bf16"
+    if args.seed is not None:
+        base["seed"] = args.seed
+    return Config.load(base)
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Errors that can be known before anything is built, each with its fix."""
+    model = Path(args.model).expanduser()
+    if args.model not in PRESETS:
+        if not model.exists():
+            raise ValueError(
+                f"--model {args.model}: no such directory and not a preset; give a Hugging "
+                f"Face model directory (config.json + safetensors) or one of {', '.join(PRESETS)}"
+            )
+        if not (model / "config.json").is_file():
+            raise ValueError(
+                f"--model {model}: no config.json in that directory; point --model at the "
+                "folder holding config.json and the *.safetensors files"
+            )
+    data = Path(args.data).expanduser()
+    if not data.is_file():
+        raise ValueError(f"--data {data}: no such file; give a .txt or .jsonl file")
+    if data.stat().st_size == 0:
+        raise ValueError(f"--data {data} is empty; give a file with at least one document")
+    if args.resume:
+        from infinity.checkpoint import latest_tag
+
+        if latest_tag(args.save_dir) is None:
+            raise ValueError(
+                f"--resume: there is no checkpoint in {args.save_dir} (no 'latest'); "
+                "run without --resume to start fresh, or point --save-dir at the earlier run"
+            )
+
+
+def run(args: argparse.Namespace) -> int:
+    check_inputs(args)
+    config = config_from_args(args)
+    from infinity.cli.train_run import TrainRun
+
+    return TrainRun(args, config).run()
+
+
+__all__ = ["check_inputs", "config_from_args", "register", "run"]
