@@ -21,7 +21,16 @@ import infinity
 from infinity.checkpoint import MetricsLog
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
-from infinity.models import PRESETS, LlamaConfig, LlamaForCausalLM, load_config, preset
+from infinity.models import (
+    PRESETS,
+    LlamaConfig,
+    LlamaForCausalLM,
+    copying_sink,
+    expected_shapes,
+    load_config,
+    preset,
+    stream_hf_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +108,12 @@ class TrainRun:
             # With a model directory the random init would be overwritten at once: skip it.
             model = LlamaForCausalLM(self.model_config, init_weights=self.model_dir is None)
         if self.model_dir is not None:
-            n = infinity.load_hf_weights(model, self.model_dir)
+            n = stream_hf_weights(
+                self.model_dir,
+                expected_shapes(model),
+                copying_sink(model),
+                config=self.model_config,
+            )
             log.info("loaded %d tensors from %s", n, self.model_dir)
         if self.args.activation_checkpointing:
             model.set_gradient_checkpointing(True)

@@ -6,6 +6,7 @@ Does not import `transformers`.
 from infinity.models.config import PRESETS, LlamaConfig, load_config, preset
 from infinity.models.hf_export import export_hf, parse_dtype
 from infinity.models.hf_load import (
+    copying_sink,
     expected_shapes,
     from_pretrained_dir,
     materializing_sink,
@@ -17,6 +18,7 @@ from infinity.models.llama import LlamaForCausalLM, init_module
 
 __all__ = [
     "PRESETS",
+    "copying_sink",
     "LlamaConfig",
     "LlamaForCausalLM",
     "expected_shapes",

@@ -175,6 +175,19 @@ def materializing_sink(model: torch.nn.Module, dtype: torch.dtype | None = None)
     return sink
 
 
+def copying_sink(model: torch.nn.Module) -> Sink:
+    """A sink that copies each tensor into the existing parameter's storage, in place and cast
+    to its dtype. Under `infinity.init` that storage is the parameter's partition, so weights
+    go straight to their home and nothing else is allocated."""
+    params = dict(model.named_parameters())
+
+    def sink(name: str, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            params[name].copy_(tensor.view(params[name].shape))
+
+    return sink
+
+
 def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """Unique parameter names (tied weights once, under their first name) and shapes."""
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
