@@ -236,3 +236,213 @@ def test_no_slots_is_a_no_op():
     opt = make_opt([])
     assert opt.step(lr=1e-3) == (False, 0.0)
     assert opt.memory_stats()["host_bytes"] == 0
+
+
+def test_without_bias_correction_matches_the_flat_reference(backend):
+    from infinity.optim import adam_step_flat_reference
+
+    slots = make_slots(shapes=[(300,), (77,)])
+    opt = make_opt(slots, sub_group_size=100, bias_correction=False, weight_decay=0.1, **backend)
+    ref = [(s.partition.clone(), torch.zeros(s.numel), torch.zeros(s.numel)) for s in slots]
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, 6):
+        for i, (p, m, v) in enumerate(ref):
+            g = torch.randn(p.numel(), generator=gen)
+            opt.grad(i).copy_(g)
+            adam_step_flat_reference(p, g, m, v, step=step, lr=1e-2, weight_decay=0.1,
+                                     bias_correction=False)  # fmt: skip
+        opt.step(lr=1e-2)
+    state = masters(opt)
+    for slot, (p, m, v) in zip(slots, ref, strict=True):
+        assert_close_rel(state[f"{slot.name}.master"], p)
+        assert_close_rel(state[f"{slot.name}.exp_avg"], m)
+        assert_close_rel(state[f"{slot.name}.exp_avg_sq"], v)
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+def _grad_sequence(steps, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    return [random_grads(gen, step, with_inf=step == 1) for step in range(steps)]
+
+
+def _train(opt, grads):
+    for step_grads in grads:
+        for i, g in enumerate(step_grads):
+            opt.grad(i).add_(g * 64.0)
+        opt.step(lr=3e-3, loss_scale=64.0, max_grad_norm=5.0)
+
+
+def _assert_same(a, b):
+    assert a.step_count == b.step_count
+    for i in range(a.num_slots):
+        assert torch.equal(a.partition(i), b.partition(i))
+    sa, sb = masters(a), masters(b)
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def _store_for(slots, store_cls):
+    if store_cls is None:
+        return None
+    from infinity.zero.sub_groups import pack
+
+    return store_cls([g.numel for g in pack([s.numel for s in slots], 500)])
+
+
+@pytest.mark.parametrize("store_cls", [None, CopyingStateStore], ids=["host", "copying"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resume_is_bitwise_identical(dtype, store_cls, backend):
+    import json
+
+    grads = _grad_sequence(6)
+    dt = DTYPES[dtype]
+    slots = make_slots(dt)
+    straight = make_opt(slots, store=_store_for(slots, store_cls), **backend)
+    _train(straight, grads)
+
+    first = make_opt(slots, store=_store_for(slots, store_cls), **backend)
+    _train(first, grads[:3])
+    saved = {name: get().clone() for name, get in first.state_tensors()}
+    meta = json.loads(json.dumps(first.state_dict()))
+
+    other = make_slots(dt, seed=99)  # a fresh model: the masters come from the checkpoint
+    resumed = make_opt(other, store=_store_for(other, store_cls), **backend)
+    resumed.load_state_tensors(saved.__getitem__)
+    resumed.load_state_dict(meta)
+    assert resumed.step_count == first.step_count == 2  # one of the three steps overflowed
+    _assert_same(first, resumed)
+    _train(resumed, grads[3:])
+    _assert_same(straight, resumed)
+
+
+def test_resume_through_save_and_load_checkpoint(tmp_path, backend):
+    from infinity.checkpoint import load_checkpoint, save_checkpoint
+
+    grads = _grad_sequence(4)
+    slots = make_slots(torch.float16)
+    straight = make_opt(slots, **backend)
+    _train(straight, grads)
+    first = make_opt(slots, **backend)
+    _train(first, grads[:2])
+    save_checkpoint(tmp_path, first.state_tensors(), step=first.step_count,
+                    state={"optimizer": first.state_dict()}, rng_state=None)  # fmt: skip
+    ckpt = load_checkpoint(tmp_path)
+    assert set(ckpt.tensor_names()) == {name for name, _ in first.state_tensors()}
+    resumed = make_opt(make_slots(torch.float16, seed=7), **backend)
+    resumed.load_state_tensors(ckpt.get_tensor)
+    resumed.load_state_dict(ckpt.state["optimizer"])
+    _train(resumed, grads[2:])
+    _assert_same(straight, resumed)
+
+
+def test_state_tensors_hold_one_sub_group_at_a_time():
+    import gc
+    import weakref
+
+    class WatchedStore(CopyingStateStore):
+        def read(self, index):
+            gc.collect()
+            assert all(ref() is None for ref in self.alive), "an earlier sub-group is still held"
+            state = super().read(index)
+            self.alive = [weakref.ref(t) for t in state]
+            return state
+
+    slots = make_slots()
+    store = WatchedStore([471, 105, 1000, 261])
+    store.alive = []
+    opt = make_opt(slots, store=store)
+    store.reads.clear()
+    names, thunks = [], []  # a consumer that keeps the thunks still holds one sub-group
+    for name, get in opt.state_tensors():
+        assert get().numel() == slots[len(names) // 3].numel
+        names.append(name)
+        thunks.append(get)
+    assert store.reads == [0, 1, 2, 3]  # one read per sub-group, in order
+    assert names[:3] == ["layer0.weight.master", "layer0.weight.exp_avg",
+                         "layer0.weight.exp_avg_sq"]  # fmt: skip
+
+
+def test_a_different_sub_group_size_loads_the_same_state():
+    grads = _grad_sequence(2)
+    first = make_opt(make_slots())
+    _train(first, grads)
+    saved = {name: get().clone() for name, get in first.state_tensors()}
+    other = make_opt(make_slots(seed=3), sub_group_size=64)
+    other.load_state_tensors(saved.__getitem__)
+    other.load_state_dict(first.state_dict())
+    for name, get in other.state_tensors():
+        assert torch.equal(get(), saved[name])
+
+
+def test_loading_another_layout_names_the_first_mismatch():
+    opt = make_opt(make_slots())
+    d = opt.state_dict()
+    d["slots"][2] = ["layer9.bias", 105]
+    with pytest.raises(ValueError, match=r"slot 2 is 'layer9.bias'.*'layer2.weight'"):
+        opt.load_state_dict(d)
+    d = opt.state_dict()
+    d["slots"].pop()
+    with pytest.raises(ValueError, match="6 slots but this optimizer has 7"):
+        opt.load_state_dict(d)
+    saved = {name: get().clone() for name, get in opt.state_tensors()}
+    del saved["layer3.weight.exp_avg"]
+    with pytest.raises(ValueError, match=r"'layer3.weight.exp_avg' \(slot 3\)"):
+        opt.load_state_tensors(saved.__getitem__)
+    saved["layer3.weight.exp_avg"] = torch.zeros(999)
+    with pytest.raises(ValueError, match="has 999 elements but slot 3 has 1000"):
+        opt.load_state_tensors(saved.__getitem__)
+
+
+# -- bad input ------------------------------------------------------------------------------
+def _slot(name="w", t=None, numel=None):
+    t = torch.zeros(6) if t is None else t
+    return Slot(name, t.numel() if numel is None else numel, t)
+
+
+@pytest.mark.parametrize(
+    "slots,error,match",
+    [
+        ([_slot(t=torch.zeros(2, 3))], ValueError, r"slot 0 \('w'\).*shape \(2, 3\)"),
+        ([_slot(t=torch.zeros(12)[::2])], ValueError, r"strides \(2,\); pass the flat"),
+        ([_slot(t=torch.zeros(6, device="meta"))], ValueError, "on meta"),
+        ([_slot(numel=5)], ValueError, "numel is 5 but the partition has 6"),
+        ([_slot("a"), _slot("b"), _slot("a")], ValueError, "slot 2 .*slot 0's.*unique"),
+        ([_slot(t=torch.zeros(6, dtype=torch.int64))], TypeError, "dtype torch.int64"),
+        ([_slot("a"), _slot("b", torch.zeros(6).half())], TypeError, "slot 1 .*one model dtype"),
+        ([_slot(name="")], ValueError, "non-empty name"),
+        (["w"], TypeError, "Slot records"),
+    ],
+)
+def test_bad_slots_are_named(slots, error, match):
+    with pytest.raises(error, match=match):
+        make_opt(slots)
+
+
+def test_bad_settings_are_named():
+    slots = [_slot()]
+    with pytest.raises(ValueError, match="sub_group_size must be a positive int"):
+        make_opt(slots, sub_group_size=0)
+    with pytest.raises(ValueError, match=r"betas is 'auto'.*resolve"):
+        make_opt(slots, betas="auto")
+    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+        make_opt(slots, weight_decay=-1.0)
+    with pytest.raises(ValueError, match="not slot indices"):
+        make_opt(slots, no_decay={3})
+    with pytest.raises(ValueError, match=r"holds sub-groups of \[5\].*\[6\]"):
+        make_opt(slots, store=CopyingStateStore([5]))
+    opt = make_opt(slots)
+    with pytest.raises(ValueError, match="lr must be finite and >= 0"):
+        opt.step(lr=-1e-3)
+    with pytest.raises(ValueError, match="lr must be finite"):
+        opt.step(lr=float("nan"))
+    with pytest.raises(ValueError, match="loss_scale must be finite and > 0"):
+        opt.step(lr=1e-3, loss_scale=0.0)
+    with pytest.raises(ValueError, match="max_grad_norm must be >= 0"):
+        opt.step(lr=1e-3, max_grad_norm=-1.0)
+    with pytest.raises(TypeError, match="lr must be a float"):
+        opt.step(lr="1e-3")
+    with pytest.raises(IndexError, match="slot 1 out of range"):
+        opt.grad(1)
+    assert opt.step(lr=0.0) == (False, 0.0)  # lr 0 is allowed, as in torch
+    assert opt.step_count == 1
