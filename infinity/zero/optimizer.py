@@ -306,13 +306,21 @@ class PartitionedOptimizer:
 
     def memory_stats(self) -> dict[str, int]:
         """Host bytes the optimizer holds: fp32 grads, partitions (0 when they alias the
-        masters), state (when the store is the host tier; other tiers report their own)."""
-        numel = sum(self._numels)
+        masters) and state: all of it with the host tier; with another tier, its host buffers
+        ("optim_host_buffer_bytes" of the store's own `memory_stats()`, whose entries are
+        merged in)."""
         grad = sum(g.grad.nbytes for g in self._groups)
         part = 0 if self.aliased else sum(g.partition.nbytes for g in self._groups)
-        state = 3 * 4 * sum(self.store.numels) if isinstance(self.store, HostStateStore) else 0
+        store_stats = {}
+        if isinstance(self.store, HostStateStore):
+            state = 3 * 4 * sum(self.store.numels)
+        else:
+            if callable(getattr(self.store, "memory_stats", None)):
+                store_stats = dict(self.store.memory_stats())
+            state = int(store_stats.get("optim_host_buffer_bytes", 0))
         return {
-            "numel": numel,
+            **store_stats,
+            "numel": sum(self._numels),
             "grad_bytes": grad,
             "partition_bytes": part,
             "state_bytes": state,
