@@ -462,8 +462,8 @@ def test_benchmark_runs_at_tiny_size(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "zero_optimizer_bench.py"
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(script), "--numel", "300K", "--dtype", "fp32", "--dtype", "bf16",
-           "--sub-group-size", "100K", "--warmup", "0", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    cmd = [sys.executable, str(script), "--numel", "300K", "--dtype", "fp32", "--dtype", "bf16"]
+    cmd += ["--sub-group-size", "100K", "--warmup", "0", "--repeats", "1", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(out.read_text())
