@@ -473,3 +473,31 @@ def test_benchmark_runs_at_tiny_size(tmp_path):
     assert ours["ratio_to_torch-fused"] > 0
     assert ours["memory"]["partition_bytes"] == 2 * 300_000
     assert set(ours["breakdown_median_s"]) == {"norm_s", "adam_s", "zero_grad_s"}
+
+
+@pytest.mark.parametrize("bad", ["inf-in-rows", "nan-in-tail", "-inf-first"])
+def test_every_gradient_element_is_checked_for_overflow(bad):
+    slots = make_slots(shapes=[(3 * 4096 + 5,), (7,)])
+    opt = make_opt(slots, sub_group_size=1_000_000)
+    before = opt.partition(0).clone()
+    position, value = {"inf-in-rows": (4100, "inf"), "nan-in-tail": (3 * 4096 + 2, "nan"),
+                       "-inf-first": (0, "-inf")}[bad]  # fmt: skip
+    opt.grad(0).fill_(1e-3)
+    opt.grad(0)[position] = float(value)
+    result = opt.step(lr=1.0)
+    assert result.overflow
+    assert opt.step_count == 0
+    assert torch.equal(opt.partition(0), before)
+    assert not opt.grad(0).any()
+
+
+def test_grad_norm_is_accurate_for_large_sub_groups():
+    n = (1 << 24) + 7  # a single fp32 reduction over this many elements drifts by ~1e-3
+    slots = [Slot("big", n, torch.zeros(n)), Slot("small", 3, torch.zeros(3))]
+    opt = make_opt(slots, sub_group_size="auto")
+    gen = torch.Generator().manual_seed(0)
+    opt.grad(0).copy_(torch.randn(n, generator=gen) * 3 + 1)
+    opt.grad(1).copy_(torch.tensor([1e3, -2e3, 5.0]))
+    exact = math.sqrt(sum(opt.grad(i).double().square().sum().item() for i in range(2)))
+    result = opt.step(lr=0.0)
+    assert result.grad_norm == pytest.approx(exact, rel=1e-7)
