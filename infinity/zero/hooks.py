@@ -1,0 +1,261 @@
+"""Module and gradient hooks: they tell the coordinator when a unit starts and ends.
+
+Owns the hooks on a partitioned model and the stack of running module calls. It decides no
+policy; gathering and releasing are the coordinator's.
+
+[Note: backward] Autograd keeps leaf parameters by reference, so a module's parameters must be
+gathered again before its backward runs. In forward, each module call with a gather set puts a
+gradient hook on its outputs (fires before the module's backward: gather) and on its inputs
+that require grad (fires after it: done). A call whose inputs need no gradient (the embedding
+of token ids) ends instead when its trainable parameters' gradients have been accumulated;
+anything left is released when the backward ends. Activation checkpointing re-runs forwards
+inside backward: the pre-forward hook gathers there too, and the post-forward hook only unpins
+(the recomputed graph still needs the weights).
+
+[Note: parameters used outside their module] `GatherOnUse` is a TorchFunctionMode active
+during the engine's forward and backward: a released parameter passed to any torch function
+is gathered on the spot and added to the innermost running module's unit, so the next
+iterations gather (and prefetch) it with that module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from infinity.zero.coordinator import Coordinator, Phase
+from infinity.zero.param import OffloadParam, ParamState
+from infinity.zero.unit import ModuleUnit
+
+
+class _Call:
+    """One call of one module: its unit and where it stands in backward."""
+
+    __slots__ = ("unit", "pos", "bw_pos", "bw_state", "inputs_pending", "grads_pending")
+
+    def __init__(self, unit: ModuleUnit, pos: int | None) -> None:
+        self.unit = unit
+        self.pos = pos
+        self.bw_pos: int | None = None
+        self.bw_state = 0  # 0 not started, 1 gathered, 2 done
+        self.inputs_pending = 0
+        self.grads_pending: set[OffloadParam] | None = None
+
+
+def _grad_tensors(obj, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+    """Tensors requiring grad in `obj` (tensors, and tuples/lists/dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif depth < 3:
+        if isinstance(obj, (tuple, list)):
+            for x in obj:
+                _grad_tensors(x, out, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                _grad_tensors(x, out, depth + 1)
+    return out
+
+
+class ModelHooks:
+    """All hooks on one partitioned model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: dict[nn.Module, ModuleUnit],
+        by_param: dict[nn.Parameter, OffloadParam],
+        coordinator: Coordinator,
+        *,
+        iteration_key: Callable[[], object],
+    ) -> None:
+        self.units = units
+        self.by_param = by_param
+        self.coord = coordinator
+        self.iteration_key = iteration_key
+        self.stack: list[_Call] = []
+        self.busy = False
+        """True while a hook runs: GatherOnUse lets the hooks' own tensor calls through."""
+        self._awaiting: dict[OffloadParam, list[_Call]] = {}
+        self._handles: list = []
+        for module in model.modules():
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._post_forward, with_kwargs=True))
+        self.mode = GatherOnUse(self)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def reset(self) -> None:
+        """Forget running calls (after an exception or at the end of backward)."""
+        self.stack.clear()
+        self._awaiting.clear()
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args, kwargs):
+        self.busy = True
+        try:
+            self._enter(module, args, kwargs)
+        finally:
+            self.busy = False
+
+    def _enter(self, module: nn.Module, args, kwargs) -> None:
+        coord = self.coord
+        if coord.phase is Phase.IDLE:
+            coord.begin_iteration(self.iteration_key())
+        unit = self.units[module]
+        pos = coord.gather(unit) if unit.records else None
+        call = _Call(unit, pos)
+        self.stack.append(call)
+        if unit.records and torch.is_grad_enabled():
+            inputs = _grad_tensors(kwargs, _grad_tensors(args, []))
+            call.inputs_pending = len(inputs)
+            for t in inputs:
+                t.register_hook(self._input_hook(call))
+
+    def _post_forward(self, module: nn.Module, args, kwargs, output):
+        self.busy = True
+        try:
+            self._exit(output)
+        finally:
+            self.busy = False
+
+    def _exit(self, output) -> None:
+        call = self.stack.pop()
+        unit = call.unit
+        if not unit.records:
+            return
+        if torch.is_grad_enabled():
+            outputs = _grad_tensors(output, [])
+            if outputs:
+                hook = self._output_hook(call)
+                for t in outputs:
+                    t.register_hook(hook)
+        self.coord.done(unit, call.pos, release=self.coord.phase is not Phase.BACKWARD)
+
+    # ---- backward ---------------------------------------------------------------------
+
+    def _output_hook(self, call: _Call):
+        def hook(grad: torch.Tensor) -> None:
+            if call.bw_state:
+                return
+            coord = self.coord
+            coord.phase = Phase.BACKWARD
+            call.bw_state = 1
+            self.busy = True
+            try:
+                call.bw_pos = coord.gather(call.unit)
+            finally:
+                self.busy = False
+            if call.inputs_pending == 0:
+                self._await_grads(call)
+
+        return hook
+
+    def _input_hook(self, call: _Call):
+        def hook(grad: torch.Tensor) -> None:
+            call.inputs_pending -= 1
+            if call.inputs_pending == 0 and call.bw_state == 1:
+                self._finish(call)
+
+        return hook
+
+    def _await_grads(self, call: _Call) -> None:
+        pending = {r for r in call.unit.records if r.trainable}
+        if not pending:
+            return  # released when the backward ends
+        call.grads_pending = pending
+        for rec in pending:
+            self._awaiting.setdefault(rec, []).append(call)
+
+    def _finish(self, call: _Call) -> None:
+        call.bw_state = 2
+        self.busy = True
+        try:
+            self.coord.done(call.unit, call.bw_pos)
+        finally:
+            self.busy = False
+
+    def grad_accumulated(self, rec: OffloadParam) -> None:
+        """`rec`'s gradient left the device: calls waiting only on gradients may end."""
+        waiting = self._awaiting.pop(rec, None)
+        if not waiting:
+            return
+        for call in waiting:
+            assert call.grads_pending is not None
+            call.grads_pending.discard(rec)
+            if not call.grads_pending and call.bw_state == 1:
+                self._finish(call)
+
+    # ---- parameters used outside their module -----------------------------------------
+
+    def gather_on_use(self, param: nn.Parameter) -> None:
+        rec = self.by_param.get(param)
+        if rec is None or rec.state is ParamState.LIVE:
+            return
+        if self.stack:
+            unit = self.stack[-1].unit
+            if unit.add(rec):
+                rec.pins += 1  # unpinned with the rest of the unit in done()
+                self.coord.mark_changed()
+        self.busy = True
+        try:
+            self.coord.gather_one(rec)
+        finally:
+            self.busy = False
+
+
+class GatherOnUse(TorchFunctionMode):
+    """Gathers a released parameter the moment a torch function receives it."""
+
+    def __init__(self, hooks: ModelHooks) -> None:
+        super().__init__()
+        self.hooks = hooks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.hooks.busy:  # the hooks' own tensor work (copies, .data swaps)
+            return func(*args, **kwargs)
+        for a in args:
+            if isinstance(a, nn.Parameter):
+                self.hooks.gather_on_use(a)
+            elif type(a) in (list, tuple):
+                for b in a:
+                    if isinstance(b, nn.Parameter):
+                        self.hooks.gather_on_use(b)
+        for a in kwargs.values():
+            if isinstance(a, nn.Parameter):
+                self.hooks.gather_on_use(a)
+        return func(*args, **kwargs)
+
+
+def install_grad_hooks(
+    records: Iterable[OffloadParam],
+    grad_of: Callable[[int], torch.Tensor],
+    on_accumulated: Callable[[OffloadParam], None],
+) -> list:
+    """Move each trainable parameter's gradient into its fp32 host partition as soon as
+    autograd has accumulated it, and free the device gradient at once."""
+    handles = []
+    for rec in records:
+        if rec.slot is None:
+            continue
+        target = grad_of(rec.slot)
+
+        def hook(param: nn.Parameter, rec=rec, target=target) -> None:
+            grad = param.grad
+            if grad is not None:
+                target.add_(grad.reshape(-1))
+                param.grad = None
+            on_accumulated(rec)
+
+        handles.append(rec.param.register_post_accumulate_grad_hook(hook))
+    return handles
