@@ -5,9 +5,9 @@ Owns one record per parameter (`OffloadParam`), building partitioned models (`in
 backward, and the coordinator that prefetches along the traced order under the live budget.
 """
 
+from infinity.zero.build import init, model_dtype, partition_model
 from infinity.zero.coordinator import Coordinator, Phase
 from infinity.zero.hooks import GatherOnUse, ModelHooks, install_grad_hooks
-from infinity.zero.build import init, model_dtype, partition_model
 from infinity.zero.param import HomeTier, OffloadParam, ParamState
 from infinity.zero.trace import Trace
 from infinity.zero.unit import ModuleUnit
