@@ -198,9 +198,10 @@ class Engine:
     def memory_stats(self) -> dict[str, int]:
         """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses."""
         stats = self.coordinator.stats()
-        host = sum(r.numel * r.partition.element_size() for r in self.records)
-        host += sum(self.optimizer.memory_stats().values())
-        stats["host_bytes"] = host
+        # Trainable partitions belong to the optimizer (it counts them, or they alias its
+        # fp32 masters); frozen ones are only ours.
+        host = sum(r.numel * r.partition.element_size() for r in self.records if not r.trainable)
+        stats["host_bytes"] = host + self.optimizer.memory_stats()["host_bytes"]
         return stats
 
     def named_parameters_host(self):
