@@ -85,7 +85,11 @@ class ModelHooks:
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
             )
-            self._handles.append(module.register_forward_hook(self._post_forward, with_kwargs=True))
+            # always_call: a forward that raises still ends its call (non-reentrant activation
+            # checkpointing stops its recomputation early with an exception).
+            self._handles.append(
+                module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+            )
         self.mode = GatherOnUse(self)
 
     def remove(self) -> None:
