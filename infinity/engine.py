@@ -26,11 +26,12 @@ from infinity.zero import (
     Coordinator,
     ModelHooks,
     OffloadParam,
+    PartitionedOptimizer,
     Phase,
+    Slot,
     install_grad_hooks,
     partition_model,
 )
-from infinity.zero.optimizer import PartitionedOptimizer, Slot
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,448 @@
+"""PartitionedOptimizer: parity with torch.optim.Adam/AdamW, dtypes, sub-groups, overflow,
+checkpoints and bad input. Every parity test runs on both backends of the flat Adam step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from infinity.config import OptimizerConfig, ZeroConfig
+from infinity.optim import native_adam
+from infinity.swap.state_store import SubGroupState
+from infinity.zero import PartitionedOptimizer, Slot
+
+# Numels 407, 64, 105, 1000, 3, 258, 0: with sub_group_size=500 they pack into
+# [407, 64] [105] [1000] [3, 258, 0]: a slot larger than a sub-group, boundaries mid-list.
+SHAPES = [(37, 11), (64,), (5, 7, 3), (1000,), (3,), (129, 2), (0,)]
+STEPS = 8
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(params=["torch", "native"])
+def backend(request, monkeypatch):
+    """Yields OptimizerConfig keywords choosing the backend of adam_step_flat."""
+    if request.param == "native":
+        if not native_adam.available():
+            pytest.skip("infinity._cpu_adam is not built")
+        monkeypatch.setenv("INFINITY_ADAM_BACKEND", "native")
+        return {"torch_adam": False}
+    return {"torch_adam": True}
+
+
+class CopyingStateStore:
+    """A StateStore that, like the NVMe tier, keeps nothing resident between uses: the sweep
+    hands out copies and writes each back when the caller moves on."""
+
+    def __init__(self, numels):
+        self.numels = list(numels)
+        self._saved = [None] * len(self.numels)
+        self.reads = []
+
+    def initialize(self, index, master):
+        n = self.numels[index]
+        self._saved[index] = SubGroupState(
+            master.reshape(-1).to(torch.float32, copy=True), torch.zeros(n), torch.zeros(n)
+        )
+
+    def sweep(self):
+        for i in range(len(self.numels)):
+            state = self.read(i)
+            yield i, state
+            self.write(i, state)
+
+    def read(self, index):
+        self.reads.append(index)
+        return SubGroupState(*(t.clone() for t in self._saved[index]))
+
+    def write(self, index, state):
+        self._saved[index] = SubGroupState(*(t.reshape(-1).clone() for t in state))
+
+    def close(self):
+        pass
+
+
+def assert_close_rel(actual, expected, rel=1e-6):
+    """Equal within `rel` of the tensor's scale (elementwise error / max |expected|)."""
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * scale)
+
+
+def make_slots(dtype=torch.float32, seed=0, shapes=SHAPES):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        Slot(f"layer{i}.weight", math.prod(s), torch.randn(math.prod(s), generator=gen).to(dtype))
+        for i, s in enumerate(shapes)
+    ]
+
+
+def make_opt(slots, *, sub_group_size=500, store=None, no_decay=(), **cfg):
+    optimizer = OptimizerConfig(**cfg)
+    zero = ZeroConfig(sub_group_size=sub_group_size)
+    return PartitionedOptimizer(
+        slots, optimizer=optimizer, zero=zero, state_store=store, no_decay=no_decay
+    )
+
+
+def masters(opt):
+    """{"<slot>.<field>": tensor} with every thunk evaluated."""
+    return {name: get().clone() for name, get in opt.state_tensors()}
+
+
+def random_grads(gen, step, with_inf=False):
+    grads = [torch.randn(math.prod(s), generator=gen) * (1 + step) for s in SHAPES]
+    if with_inf:
+        grads[3][17] = float("inf") if step % 2 else float("nan")
+    return grads
+
+
+CASES = {
+    "adamw": dict(cfg=dict(type="AdamW", weight_decay=0.0)),
+    "adamw-wd": dict(cfg=dict(type="AdamW", weight_decay=0.1)),
+    "adam-l2": dict(cfg=dict(type="Adam", adam_w_mode=False, weight_decay=0.1)),
+    "clip": dict(cfg=dict(weight_decay=0.05), clip=0.3),
+    "loss-scale-clip": dict(cfg=dict(weight_decay=0.05), loss_scale=1024.0, clip=0.3),
+    "overflow": dict(cfg=dict(weight_decay=0.05), loss_scale=256.0, overflow_at={2, 5}),
+    "one-group": dict(cfg=dict(weight_decay=0.05), sub_group_size="auto", clip=2.0),
+    "no-decay": dict(cfg=dict(weight_decay=0.1), no_decay={1, 4}),
+}
+
+
+def run_parity(case, backend, dtype=torch.float32, store_cls=None):
+    """Trains ours and torch's side by side; checks every step's norm and the final state."""
+    c = CASES[case]
+    loss_scale, clip = c.get("loss_scale", 1.0), c.get("clip", 0.0)
+    cfg = dict(c["cfg"], **backend)
+    slots = make_slots(dtype)
+    numels = [s.numel for s in slots]
+    sub_group_size = c.get("sub_group_size", 500)
+    store = None
+    if store_cls is not None:
+        size = 1_000_000_000 if sub_group_size == "auto" else sub_group_size
+        from infinity.zero.sub_groups import pack
+
+        store = store_cls([g.numel for g in pack(numels, size)])
+    ours = make_opt(slots, sub_group_size=sub_group_size, store=store,
+                    no_decay=c.get("no_decay", ()), **cfg)  # fmt: skip
+    peers = [s.partition.float().reshape(shape).clone().requires_grad_()
+             for s, shape in zip(slots, SHAPES, strict=True)]  # fmt: skip
+    wd = cfg.get("weight_decay", 0.0)
+    no_decay = c.get("no_decay", set())
+    groups = [
+        {"params": [p for i, p in enumerate(peers) if i not in no_decay], "weight_decay": wd},
+        {"params": [p for i, p in enumerate(peers) if i in no_decay], "weight_decay": 0.0},
+    ]
+    adamw = cfg.get("type", "AdamW") == "AdamW" or cfg.get("adam_w_mode", True)
+    torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    torch_opt = torch_cls(groups, lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    applied = 0
+    for step in range(STEPS):
+        overflow = step in c.get("overflow_at", ())
+        grads = random_grads(gen, step, with_inf=overflow)
+        lr = 1e-2 * (step + 1) / STEPS
+        for i, g in enumerate(grads):  # two micro-batches, as the engine's hooks would add
+            ours.grad(i).add_(g * (loss_scale / 2))
+            ours.grad(i).add_(g * (loss_scale / 2))
+        result = ours.step(lr=lr, loss_scale=loss_scale, max_grad_norm=clip)
+        assert all(not ours.grad(i).any() for i in range(len(slots)))
+        assert result.overflow == overflow
+        if overflow:
+            assert not math.isfinite(result.grad_norm)
+            assert ours.step_count == applied
+            continue
+        applied += 1
+        for p, g in zip(peers, grads, strict=True):
+            p.grad = g.reshape(p.shape).clone()
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(peers, clip, foreach=False)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in peers])
+        assert result.grad_norm == pytest.approx(norm.item(), rel=1e-6)
+        for group in torch_opt.param_groups:
+            group["lr"] = lr
+        torch_opt.step()
+    assert ours.step_count == applied
+    state = masters(ours)
+    for i, (slot, peer) in enumerate(zip(slots, peers, strict=True)):
+        expected = peer.detach().reshape(-1)
+        assert_close_rel(state[f"{slot.name}.master"], expected)
+        part = ours.partition(i)
+        assert part.dtype == dtype
+        if dtype == torch.float32:
+            assert_close_rel(part, expected)
+        else:  # the fused copy-out: the master rounded to nearest-even
+            assert torch.equal(part, state[f"{slot.name}.master"].to(dtype))
+        if slot.numel:
+            peer_state = torch_opt.state[peer]
+            assert_close_rel(state[f"{slot.name}.exp_avg"], peer_state["exp_avg"].reshape(-1))
+            assert_close_rel(state[f"{slot.name}.exp_avg_sq"],
+                             peer_state["exp_avg_sq"].reshape(-1))  # fmt: skip
+            assert not torch.equal(part, slot.partition)  # it trained
+    return ours
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_matches_torch_optim(case, backend):
+    run_parity(case, backend)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", ["adamw-wd", "loss-scale-clip", "overflow"])
+def test_half_models_match_torch_on_the_master(case, dtype, backend):
+    run_parity(case, backend, dtype=DTYPES[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", ["adamw-wd", "overflow"])
+def test_a_non_resident_store_works_through_the_protocol(case, dtype, backend):
+    ours = run_parity(case, backend, dtype=DTYPES[dtype], store_cls=CopyingStateStore)
+    assert not ours.aliased
+    assert ours.memory_stats()["partition_bytes"] == 1837 * DTYPES[dtype].itemsize
+
+
+def test_sub_groups_pack_in_order():
+    opt = make_opt(make_slots())
+    assert opt.store.numels == [471, 105, 1000, 261]
+    assert make_opt(make_slots(), sub_group_size="auto").store.numels == [1837]
+    assert make_opt(make_slots(), sub_group_size=1).store.numels == [407, 64, 105, 1000, 3, 258]
+
+
+def test_fp32_partitions_alias_the_host_masters(backend):
+    slots = make_slots()
+    opt = make_opt(slots, **backend)
+    assert opt.aliased
+    for i, slot in enumerate(slots):
+        assert torch.equal(opt.partition(i), slot.partition)  # initialised from the slot
+        assert opt.partition(i).data_ptr() != slot.partition.data_ptr() or not slot.numel
+        opt.grad(i).fill_(1.0)
+    opt.step(lr=0.1)
+    state = masters(opt)
+    for i, slot in enumerate(slots):
+        assert torch.equal(opt.partition(i), state[f"{slot.name}.master"])
+    stats = opt.memory_stats()
+    assert stats == {"numel": 1837, "grad_bytes": 4 * 1837, "partition_bytes": 0,
+                     "state_bytes": 12 * 1837, "host_bytes": 16 * 1837}  # fmt: skip
+
+
+def test_half_memory_stats():
+    stats = make_opt(make_slots(torch.bfloat16)).memory_stats()
+    assert stats["partition_bytes"] == 2 * 1837
+    assert stats["host_bytes"] == (4 + 2 + 12) * 1837
+
+
+def test_no_slots_is_a_no_op():
+    opt = make_opt([])
+    assert opt.step(lr=1e-3) == (False, 0.0)
+    assert opt.memory_stats()["host_bytes"] == 0
+
+
+def test_without_bias_correction_matches_the_flat_reference(backend):
+    from infinity.optim import adam_step_flat_reference
+
+    slots = make_slots(shapes=[(300,), (77,)])
+    opt = make_opt(slots, sub_group_size=100, bias_correction=False, weight_decay=0.1, **backend)
+    ref = [(s.partition.clone(), torch.zeros(s.numel), torch.zeros(s.numel)) for s in slots]
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, 6):
+        for i, (p, m, v) in enumerate(ref):
+            g = torch.randn(p.numel(), generator=gen)
+            opt.grad(i).copy_(g)
+            adam_step_flat_reference(p, g, m, v, step=step, lr=1e-2, weight_decay=0.1,
+                                     bias_correction=False)  # fmt: skip
+        opt.step(lr=1e-2)
+    state = masters(opt)
+    for slot, (p, m, v) in zip(slots, ref, strict=True):
+        assert_close_rel(state[f"{slot.name}.master"], p)
+        assert_close_rel(state[f"{slot.name}.exp_avg"], m)
+        assert_close_rel(state[f"{slot.name}.exp_avg_sq"], v)
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+def _grad_sequence(steps, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    return [random_grads(gen, step, with_inf=step == 1) for step in range(steps)]
+
+
+def _train(opt, grads):
+    for step_grads in grads:
+        for i, g in enumerate(step_grads):
+            opt.grad(i).add_(g * 64.0)
+        opt.step(lr=3e-3, loss_scale=64.0, max_grad_norm=5.0)
+
+
+def _assert_same(a, b):
+    assert a.step_count == b.step_count
+    for i in range(a.num_slots):
+        assert torch.equal(a.partition(i), b.partition(i))
+    sa, sb = masters(a), masters(b)
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def _store_for(slots, store_cls):
+    if store_cls is None:
+        return None
+    from infinity.zero.sub_groups import pack
+
+    return store_cls([g.numel for g in pack([s.numel for s in slots], 500)])
+
+
+@pytest.mark.parametrize("store_cls", [None, CopyingStateStore], ids=["host", "copying"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resume_is_bitwise_identical(dtype, store_cls, backend):
+    import json
+
+    grads = _grad_sequence(6)
+    dt = DTYPES[dtype]
+    slots = make_slots(dt)
+    straight = make_opt(slots, store=_store_for(slots, store_cls), **backend)
+    _train(straight, grads)
+
+    first = make_opt(slots, store=_store_for(slots, store_cls), **backend)
+    _train(first, grads[:3])
+    saved = {name: get().clone() for name, get in first.state_tensors()}
+    meta = json.loads(json.dumps(first.state_dict()))
+
+    other = make_slots(dt, seed=99)  # a fresh model: the masters come from the checkpoint
+    resumed = make_opt(other, store=_store_for(other, store_cls), **backend)
+    resumed.load_state_tensors(saved.__getitem__)
+    resumed.load_state_dict(meta)
+    assert resumed.step_count == first.step_count == 2  # one of the three steps overflowed
+    _assert_same(first, resumed)
+    _train(resumed, grads[3:])
+    _assert_same(straight, resumed)
+
+
+def test_resume_through_save_and_load_checkpoint(tmp_path, backend):
+    from infinity.checkpoint import load_checkpoint, save_checkpoint
+
+    grads = _grad_sequence(4)
+    slots = make_slots(torch.float16)
+    straight = make_opt(slots, **backend)
+    _train(straight, grads)
+    first = make_opt(slots, **backend)
+    _train(first, grads[:2])
+    save_checkpoint(tmp_path, first.state_tensors(), step=first.step_count,
+                    state={"optimizer": first.state_dict()}, rng_state=None)  # fmt: skip
+    ckpt = load_checkpoint(tmp_path)
+    assert set(ckpt.tensor_names()) == {name for name, _ in first.state_tensors()}
+    resumed = make_opt(make_slots(torch.float16, seed=7), **backend)
+    resumed.load_state_tensors(ckpt.get_tensor)
+    resumed.load_state_dict(ckpt.state["optimizer"])
+    _train(resumed, grads[2:])
+    _assert_same(straight, resumed)
+
+
+def test_state_tensors_hold_one_sub_group_at_a_time():
+    import gc
+    import weakref
+
+    class WatchedStore(CopyingStateStore):
+        def read(self, index):
+            gc.collect()
+            assert all(ref() is None for ref in self.alive), "an earlier sub-group is still held"
+            state = super().read(index)
+            self.alive = [weakref.ref(t) for t in state]
+            return state
+
+    slots = make_slots()
+    store = WatchedStore([471, 105, 1000, 261])
+    store.alive = []
+    opt = make_opt(slots, store=store)
+    store.reads.clear()
+    names, thunks = [], []  # a consumer that keeps the thunks still holds one sub-group
+    for name, get in opt.state_tensors():
+        assert get().numel() == slots[len(names) // 3].numel
+        names.append(name)
+        thunks.append(get)
+    assert store.reads == [0, 1, 2, 3]  # one read per sub-group, in order
+    assert names[:3] == ["layer0.weight.master", "layer0.weight.exp_avg",
+                         "layer0.weight.exp_avg_sq"]  # fmt: skip
+
+
+def test_a_different_sub_group_size_loads_the_same_state():
+    grads = _grad_sequence(2)
+    first = make_opt(make_slots())
+    _train(first, grads)
+    saved = {name: get().clone() for name, get in first.state_tensors()}
+    other = make_opt(make_slots(seed=3), sub_group_size=64)
+    other.load_state_tensors(saved.__getitem__)
+    other.load_state_dict(first.state_dict())
+    for name, get in other.state_tensors():
+        assert torch.equal(get(), saved[name])
+
+
+def test_loading_another_layout_names_the_first_mismatch():
+    opt = make_opt(make_slots())
+    d = opt.state_dict()
+    d["slots"][2] = ["layer9.bias", 105]
+    with pytest.raises(ValueError, match=r"slot 2 is 'layer9.bias'.*'layer2.weight'"):
+        opt.load_state_dict(d)
+    d = opt.state_dict()
+    d["slots"].pop()
+    with pytest.raises(ValueError, match="6 slots but this optimizer has 7"):
+        opt.load_state_dict(d)
+    saved = {name: get().clone() for name, get in opt.state_tensors()}
+    del saved["layer3.weight.exp_avg"]
+    with pytest.raises(ValueError, match=r"'layer3.weight.exp_avg' \(slot 3\)"):
+        opt.load_state_tensors(saved.__getitem__)
+    saved["layer3.weight.exp_avg"] = torch.zeros(999)
+    with pytest.raises(ValueError, match="has 999 elements but slot 3 has 1000"):
+        opt.load_state_tensors(saved.__getitem__)
+
+
+# -- bad input ------------------------------------------------------------------------------
+def _slot(name="w", t=None, numel=None):
+    t = torch.zeros(6) if t is None else t
+    return Slot(name, t.numel() if numel is None else numel, t)
+
+
+@pytest.mark.parametrize(
+    "slots,error,match",
+    [
+        ([_slot(t=torch.zeros(2, 3))], ValueError, r"slot 0 \('w'\).*shape \(2, 3\)"),
+        ([_slot(t=torch.zeros(12)[::2])], ValueError, r"strides \(2,\); pass the flat"),
+        ([_slot(t=torch.zeros(6, device="meta"))], ValueError, "on meta"),
+        ([_slot(numel=5)], ValueError, "numel is 5 but the partition has 6"),
+        ([_slot("a"), _slot("b"), _slot("a")], ValueError, "slot 2 .*slot 0's.*unique"),
+        ([_slot(t=torch.zeros(6, dtype=torch.int64))], TypeError, "dtype torch.int64"),
+        ([_slot("a"), _slot("b", torch.zeros(6).half())], TypeError, "slot 1 .*one model dtype"),
+        ([_slot(name="")], ValueError, "non-empty name"),
+        (["w"], TypeError, "Slot records"),
+    ],
+)
+def test_bad_slots_are_named(slots, error, match):
+    with pytest.raises(error, match=match):
+        make_opt(slots)
+
+
+def test_bad_settings_are_named():
+    slots = [_slot()]
+    with pytest.raises(ValueError, match="sub_group_size must be a positive int"):
+        make_opt(slots, sub_group_size=0)
+    with pytest.raises(ValueError, match=r"betas is 'auto'.*resolve"):
+        make_opt(slots, betas="auto")
+    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+        make_opt(slots, weight_decay=-1.0)
+    with pytest.raises(ValueError, match="not slot indices"):
+        make_opt(slots, no_decay={3})
+    with pytest.raises(ValueError, match=r"holds sub-groups of \[5\].*\[6\]"):
+        make_opt(slots, store=CopyingStateStore([5]))
+    opt = make_opt(slots)
+    with pytest.raises(ValueError, match="lr must be finite and >= 0"):
+        opt.step(lr=-1e-3)
+    with pytest.raises(ValueError, match="lr must be finite"):
+        opt.step(lr=float("nan"))
+    with pytest.raises(ValueError, match="loss_scale must be finite and > 0"):
+        opt.step(lr=1e-3, loss_scale=0.0)
+    with pytest.raises(ValueError, match="max_grad_norm must be >= 0"):
+        opt.step(lr=1e-3, max_grad_norm=-1.0)
+    with pytest.raises(TypeError, match="lr must be a float"):
+        opt.step(lr="1e-3")
+    with pytest.raises(IndexError, match="slot 1 out of range"):
+        opt.grad(1)
+    assert opt.step(lr=0.0) == (False, 0.0)  # lr 0 is allowed, as in torch
+    assert opt.step_count == 1
