@@ -2,23 +2,25 @@
 
 Under `init`, every parameter a module registers is moved at once into a fresh flat
 partition in its home tier (host memory, pinned with CUDA, in the model dtype) and the
-parameter becomes a view of it, so a module's own initialization (`reset_parameters`,
-`nn.Parameter(torch.ones(...))`, a model's `init_weights`) runs on the partition itself and
-the model never exists twice in RAM: the peak is the partitions plus one parameter.
-`partition_model` then builds one `OffloadParam` per parameter (adopting those partitions,
-copying any other parameter) and releases them all.
+parameter becomes a view of it (one whose own memory already qualifies is kept). A module's
+own initialization (`reset_parameters`, `nn.Parameter(torch.ones(...))`, a model's
+`init_weights`) therefore runs on the partition itself, and the model never exists twice in
+RAM: the peak is the partitions plus one parameter. `partition_model` then builds one
+`OffloadParam` per parameter (adopting memory that qualifies as a partition, copying any
+other) and releases them all.
 
-Supported: any module whose parameters are registered through `nn.Module.__setattr__` or
-`register_parameter` (all of torch.nn, `infinity.models`, Hugging Face models), tied
-parameters (one record per `nn.Parameter` object), frozen parameters. A model that already
-sits on the meta device is not supported (its values are gone); build it under `init`.
+Parameters are created in host memory rather than on the meta device because arbitrary
+init code must see real values; what the meta device would save is only the one transient
+parameter. Supported: any module whose parameters are registered through
+`nn.Module.__setattr__` or `register_parameter` (all of torch.nn, `infinity.models`, Hugging
+Face models), tied parameters (one record per `nn.Parameter` object), frozen parameters. A
+model already on the meta device is refused (its values do not exist).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -32,10 +34,6 @@ from infinity.zero.unit import ModuleUnit
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-# Partitions created under init(), found again by partition_model (weak: dropped with the
-# parameter).
-_BORN: weakref.WeakKeyDictionary[nn.Parameter, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def model_dtype(config: Config) -> torch.dtype:
@@ -59,6 +57,19 @@ def _new_partition(
     return part
 
 
+def _adoptable(param: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin: bool) -> bool:
+    """Can `param`'s own memory serve as its partition? (host, model dtype, contiguous, sole
+    user of its storage, pinned if pinning is wanted and possible)"""
+    return (
+        param.device.type == "cpu"
+        and param.dtype == dtype
+        and param.is_contiguous()
+        and param.storage_offset() == 0
+        and param.untyped_storage().nbytes() == param.numel() * param.element_size()
+        and (param.is_pinned() or not (pin and accel.pin_supported()))
+    )
+
+
 @contextlib.contextmanager
 def init(config: Config | dict | str) -> Iterator[None]:
     """Create every parameter registered inside this block directly as a host partition."""
@@ -72,14 +83,12 @@ def init(config: Config | dict | str) -> Iterator[None]:
         )
 
     def on_register(module: nn.Module, name: str, param: nn.Parameter | None):
-        if param is None or param in _BORN or param.is_meta:
+        if param is None or param.is_meta or not param.is_floating_point():
             return None
-        if not param.is_floating_point():
-            return None
+        if _adoptable(param, dtype, accel, pin):
+            return None  # already a partition (a tied parameter registered again)
         part = _new_partition(param, dtype, accel, pin)
-        new = nn.Parameter(part.view(param.shape), requires_grad=param.requires_grad)
-        _BORN[new] = part
-        return new
+        return nn.Parameter(part.view(param.shape), requires_grad=param.requires_grad)
 
     handle = nn.modules.module.register_module_parameter_registration_hook(on_register)
     try:
@@ -108,8 +117,9 @@ def partition_model(
                 f"parameter {name!r} is on the meta device: its values do not exist; build "
                 f"the model under `with infinity.init(config):` instead"
             )
-        part = _BORN.get(param)
-        if part is None or part.dtype != dtype:
+        if _adoptable(param, dtype, accel, pin):
+            part = param.detach().view(-1)
+        else:
             part = _new_partition(param, dtype, accel, pin)
         rec = OffloadParam(
             name,
