@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.config import Config
 from infinity.optim import build_loss_scaler, build_schedule
@@ -204,6 +205,75 @@ class Engine:
         host = sum(r.numel * r.partition.element_size() for r in self.records if not r.trainable)
         stats["host_bytes"] = host + self.optimizer.memory_stats()["host_bytes"]
         return stats
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None) -> str:
+        """Write weights (from the partitions), optimizer state, schedule, loss scale, step
+        counts and RNG states atomically under `save_dir/tag` (default: the step's tag).
+        Returns the tag. Call between steps (not between forward and backward)."""
+        self._check_idle("save_checkpoint")
+        tag = tag or checkpoint.step_tag(self.global_steps)
+
+        def tensors():
+            for rec in self.records:
+                yield f"params/{rec.name}", rec.partition.view(rec.shape)
+            for name, thunk in self.optimizer.state_tensors():
+                yield f"optim/{name}", thunk
+
+        state = {
+            "engine": {
+                "micro_steps": self.micro_steps,
+                "global_steps": self.global_steps,
+                "skipped_steps": self.skipped_steps,
+                "grad_norm": self._grad_norm,
+            },
+            "optimizer": self.optimizer.state_dict(),
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+        }
+        checkpoint.save_checkpoint(
+            save_dir, tensors(), step=self.global_steps, state=state, tag=tag
+        )
+        logger.info("saved checkpoint %s/%s", save_dir, tag)
+        return tag
+
+    def load_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None) -> str:
+        """Resume exactly from `save_dir/tag` (default: the latest). Returns the tag."""
+        self._check_idle("load_checkpoint")
+        ckpt = checkpoint.load_checkpoint(save_dir, tag)
+        names = set(ckpt.tensor_names())
+        missing = [f"params/{r.name}" for r in self.records if f"params/{r.name}" not in names]
+        if missing:
+            raise ValueError(
+                f"checkpoint {ckpt.path} has no weights for {missing[:5]} "
+                f"({len(missing)} missing): it was saved from a different model"
+            )
+        self.optimizer.load_state_dict(ckpt.state["optimizer"])
+        self.optimizer.load_state_tensors(lambda name: ckpt.get_tensor(f"optim/{name}"))
+        with torch.no_grad():
+            for rec in self.records:
+                if not rec.trainable:
+                    rec.partition.copy_(ckpt.get_tensor(f"params/{rec.name}").reshape(-1))
+        self.coordinator.refresh_persistent()
+        self.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
+        self.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
+        counters = ckpt.state["engine"]
+        self.micro_steps = int(counters["micro_steps"])
+        self.global_steps = int(counters["global_steps"])
+        self.skipped_steps = int(counters["skipped_steps"])
+        self._grad_norm = counters["grad_norm"]
+        rng = ckpt.rng_state()
+        if rng:
+            checkpoint.restore_rng_state(rng)
+        logger.info("loaded checkpoint %s", ckpt.path)
+        return ckpt.tag
+
+    def _check_idle(self, what: str) -> None:
+        if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{what}: a forward is waiting for its backward; call it between steps"
+            )
 
     def named_parameters_host(self):
         """(name, partition viewed in the parameter's shape) for every parameter."""
