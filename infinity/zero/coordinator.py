@@ -68,7 +68,6 @@ class Coordinator:
         self._trace: Trace | None = None
         self._key: object = None
         self._recording: list[ModuleUnit] = []
-        self._dirty = False
         self._cursor = 0
         self._prefetch_upto = 0
         self._on_track = True
@@ -82,7 +81,6 @@ class Coordinator:
         self._key = key
         self._trace = self._traces.get(key)
         self._recording = []
-        self._dirty = False
         self._cursor = 0
         self._prefetch_upto = 0
         self._on_track = self._trace is not None
@@ -94,7 +92,7 @@ class Coordinator:
         if self.phase is Phase.IDLE:
             return
         trace = self._trace
-        if trace is None or self._dirty or not trace.same_order(self._recording):
+        if trace is None or not trace.same_order(self._recording):
             if trace is not None:
                 self.trace_updates += 1
                 logger.debug("execution order changed: trace %r updated", self._key)
@@ -114,10 +112,6 @@ class Coordinator:
         self._trace = None
         self.phase = Phase.IDLE
         self.release_all()
-
-    def mark_changed(self) -> None:
-        """A unit's gather set grew: rebuild the trace at the end of this iteration."""
-        self._dirty = True
 
     # ---- gather / done ----------------------------------------------------------------
 

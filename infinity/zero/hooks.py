@@ -13,9 +13,12 @@ inside backward: the pre-forward hook gathers there too, and the post-forward ho
 (the recomputed graph still needs the weights).
 
 [Note: parameters used outside their module] `GatherOnUse` is a TorchFunctionMode active
-during the engine's forward and backward: a released parameter passed to any torch function
-is gathered on the spot and added to the innermost running module's unit, so the next
-iterations gather (and prefetch) it with that module.
+during the engine's forward and backward. A torch function that receives a parameter not
+owned by the innermost running module (`F.linear(x, self.embed.weight)` in a parent) runs as
+a unit of its own: its parameters are gathered right before it (the trace records the use,
+so later iterations prefetch it), gradient hooks on its inputs and outputs bring them back for
+its backward, and they are released right after unless reused soon. The parameter is never
+held for the whole forward of the module that borrowed it.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class ModelHooks:
         self.busy = False
         """True while a hook runs: GatherOnUse lets the hooks' own tensor calls through."""
         self._awaiting: dict[OffloadParam, list[_Call]] = {}
+        self._external: dict[object, ModuleUnit] = {}  # parameter(s) used outside -> unit
         self._handles: list = []
         for module in model.modules():
             self._handles.append(
@@ -107,33 +111,31 @@ class ModelHooks:
     def _pre_forward(self, module: nn.Module, args, kwargs):
         self.busy = True
         try:
-            self._enter(module, args, kwargs)
+            self.stack.append(self._enter(self.units[module], args, kwargs))
         finally:
             self.busy = False
 
-    def _enter(self, module: nn.Module, args, kwargs) -> None:
+    def _enter(self, unit: ModuleUnit, args, kwargs) -> _Call:
         coord = self.coord
         if coord.phase is Phase.IDLE:
             coord.begin_iteration(self.iteration_key())
-        unit = self.units[module]
         pos = coord.gather(unit) if unit.records else None
         call = _Call(unit, pos)
-        self.stack.append(call)
         if unit.records and torch.is_grad_enabled():
             inputs = _grad_tensors(kwargs, _grad_tensors(args, []))
             call.inputs_pending = len(inputs)
             for t in inputs:
                 t.register_hook(self._input_hook(call))
+        return call
 
     def _post_forward(self, module: nn.Module, args, kwargs, output):
         self.busy = True
         try:
-            self._exit(output)
+            self._exit(self.stack.pop(), output)
         finally:
             self.busy = False
 
-    def _exit(self, output) -> None:
-        call = self.stack.pop()
+    def _exit(self, call: _Call, output) -> None:
         unit = call.unit
         if not unit.records:
             return
@@ -201,20 +203,29 @@ class ModelHooks:
 
     # ---- parameters used outside their module -----------------------------------------
 
-    def gather_on_use(self, param: nn.Parameter) -> None:
-        rec = self.by_param.get(param)
-        if rec is None or rec.state is ParamState.LIVE:
-            return
-        if self.stack:
-            unit = self.stack[-1].unit
-            if unit.add(rec):
-                rec.pins += 1  # unpinned with the rest of the unit in done()
-                self.coord.mark_changed()
+    def external_call(self, recs: list[OffloadParam], func, args, kwargs):
+        """Run one torch function that uses parameters of other modules, as if it were a
+        module of its own: gathered (and traced, so prefetched) right before, hooked for
+        backward, released per the reuse rule right after."""
+        unit = self._external.get(recs[0]) if len(recs) == 1 else None
+        if unit is None:
+            key = tuple(recs)
+            unit = self._external.get(key)
+            if unit is None:
+                unit = ModuleUnit("+".join(r.name for r in recs) + "@use", recs)
+                self._external[recs[0] if len(recs) == 1 else key] = unit
         self.busy = True
         try:
-            self.coord.gather_one(rec)
+            call = self._enter(unit, args, kwargs)
         finally:
             self.busy = False
+        out = func(*args, **kwargs)
+        self.busy = True
+        try:
+            self._exit(call, out)
+        finally:
+            self.busy = False
+        return out
 
 
 class GatherOnUse(TorchFunctionMode):
@@ -226,19 +237,26 @@ class GatherOnUse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.hooks.busy:  # the hooks' own tensor work (copies, .data swaps)
+        hooks = self.hooks
+        if hooks.busy or not hooks.stack:  # the hooks' own tensor work, or outside the model
             return func(*args, **kwargs)
-        for a in args:
+        own = hooks.stack[-1].unit
+        by_param = hooks.by_param
+        found = None
+        for a in (*args, *kwargs.values()):
             if isinstance(a, nn.Parameter):
-                self.hooks.gather_on_use(a)
+                rec = by_param.get(a)
+                if rec is not None and rec not in own:
+                    found = [rec] if found is None else [*found, rec]
             elif type(a) in (list, tuple):
                 for b in a:
                     if isinstance(b, nn.Parameter):
-                        self.hooks.gather_on_use(b)
-        for a in kwargs.values():
-            if isinstance(a, nn.Parameter):
-                self.hooks.gather_on_use(a)
-        return func(*args, **kwargs)
+                        rec = by_param.get(b)
+                        if rec is not None and rec not in own:
+                            found = [rec] if found is None else [*found, rec]
+        if found is None:
+            return func(*args, **kwargs)
+        return hooks.external_call(found, func, args, kwargs)
 
 
 def install_grad_hooks(
