@@ -30,7 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from infinity.zero.coordinator import Coordinator, Phase
-from infinity.zero.param import OffloadParam, ParamState
+from infinity.zero.param import OffloadParam
 from infinity.zero.unit import ModuleUnit
 
 
