@@ -49,9 +49,10 @@ class _Call:
 
 
 def _grad_tensors(obj, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
-    """Tensors requiring grad in `obj` (tensors, and tuples/lists/dicts of them)."""
+    """Tensors requiring grad in `obj` (tensors, and tuples/lists/dicts of them). Parameters
+    are left out: a hook on one would outlive the iteration."""
     if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
+        if obj.requires_grad and not isinstance(obj, nn.Parameter):
             out.append(obj)
     elif depth < 3:
         if isinstance(obj, (tuple, list)):
@@ -207,13 +208,10 @@ class ModelHooks:
         """Run one torch function that uses parameters of other modules, as if it were a
         module of its own: gathered (and traced, so prefetched) right before, hooked for
         backward, released per the reuse rule right after."""
-        unit = self._external.get(recs[0]) if len(recs) == 1 else None
+        key = recs[0] if len(recs) == 1 else tuple(recs)
+        unit = self._external.get(key)
         if unit is None:
-            key = tuple(recs)
-            unit = self._external.get(key)
-            if unit is None:
-                unit = ModuleUnit("+".join(r.name for r in recs) + "@use", recs)
-                self._external[recs[0] if len(recs) == 1 else key] = unit
+            unit = self._external[key] = ModuleUnit("+".join(r.name for r in recs) + "@use", recs)
         self.busy = True
         try:
             call = self._enter(unit, args, kwargs)
