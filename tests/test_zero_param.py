@@ -11,8 +11,8 @@ from infinity.accelerator import CpuAccelerator
 from infinity.zero import HomeTier, OffloadParam, ParamState
 
 
-def _record(shape=(3, 4), home=HomeTier.HOST):
-    accel = CpuAccelerator()
+def _record(shape=(3, 4), home=HomeTier.HOST, accel=None):
+    accel = accel or CpuAccelerator()
     param = nn.Parameter(torch.randn(shape))
     part = param.detach().reshape(-1).clone()
     rec = OffloadParam("w", param, part, device=accel.device, home=home)
@@ -20,8 +20,8 @@ def _record(shape=(3, 4), home=HomeTier.HOST):
     return rec, accel
 
 
-def test_states_and_guards():
-    rec, accel = _record()
+def test_states_and_guards(accel):
+    rec, accel = _record(accel=accel)
     assert rec.state is ParamState.RELEASED and rec.param.numel() == 0
     with pytest.raises(RuntimeError, match="RELEASED"):
         rec.wait(accel)
@@ -33,6 +33,8 @@ def test_states_and_guards():
         rec.fetch(accel, accel.current_stream())
     rec.wait(accel)
     assert rec.state is ParamState.LIVE and rec.param.shape == (3, 4)
+    assert rec.param.device.type == accel.device.type
+    torch.testing.assert_close(rec.param.detach().cpu().reshape(-1), rec.partition)
     rec.release()
     assert rec.state is ParamState.RELEASED and rec.param.numel() == 0
 

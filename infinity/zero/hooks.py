@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from infinity.accelerator import Accelerator
 from infinity.zero.coordinator import Coordinator, Phase
 from infinity.zero.param import OffloadParam
 from infinity.zero.unit import ModuleUnit
@@ -261,9 +262,14 @@ def install_grad_hooks(
     records: Iterable[OffloadParam],
     grad_of: Callable[[int], torch.Tensor],
     on_accumulated: Callable[[OffloadParam], None],
+    accelerator: Accelerator,
 ) -> list:
     """Move each trainable parameter's gradient into its fp32 host partition as soon as
-    autograd has accumulated it, and free the device gradient at once."""
+    autograd has accumulated it, and free the device gradient at once.
+
+    On the CPU the device gradient is added straight into the partition. From another device
+    it is first copied to host memory (a blocking copy through the accelerator: the
+    gradient's memory is freed as soon as the hook returns)."""
     handles = []
     for rec in records:
         if rec.slot is None:
@@ -273,7 +279,10 @@ def install_grad_hooks(
         def hook(param: nn.Parameter, rec=rec, target=target) -> None:
             grad = param.grad
             if grad is not None:
-                target.add_(grad.reshape(-1))
+                flat = grad.reshape(-1)
+                if flat.device != target.device:
+                    flat = accelerator.to_host(flat, out=torch.empty(flat.shape, dtype=flat.dtype))
+                target.add_(flat)
                 param.grad = None
             on_accumulated(rec)
 
