@@ -111,7 +111,7 @@ class Engine:
         coord = self.coordinator
         coord.begin_iteration(self._iteration_key())
         try:
-            with self.hooks.mode:
+            with self.hooks.mode, self.hooks.saved_tensors():
                 out = self.module(*args, **kwargs)
         except BaseException:
             self.hooks.reset()
@@ -133,7 +133,7 @@ class Engine:
         coord = self.coordinator
         coord.phase = Phase.BACKWARD
         try:
-            with self.hooks.mode:
+            with self.hooks.mode, self.hooks.saved_tensors():
                 (loss.float() * factor).backward()
         except BaseException:
             self.hooks.reset()

@@ -7,7 +7,9 @@ import copy
 import pytest
 import torch
 from _engine_models import Zoo, batches, config, max_rel_diff, run_engine, run_reference, tiny_gpt
+from torch.multiprocessing.reductions import StorageWeakRef
 
+import infinity
 from infinity.zero import Coordinator
 
 
@@ -129,3 +131,34 @@ def test_persistent_parameters_stay_gathered():
     assert engine.memory_stats()["live_param_numel"] == sum(
         p.numel() for p in model.parameters() if p.numel() < 40
     )
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_released_buffers_are_really_freed(checkpointing):
+    """Ops save views of weights (F.linear saves weight.t()); those must not keep a released
+    buffer alive until backward, or the budget would only be on paper."""
+    torch.manual_seed(0)
+    model = tiny_gpt(layers=2, hidden=32, checkpointing=checkpointing)
+    cfg = config(
+        stage3_max_live_parameters=3000,
+        stage3_max_reuse_distance=0,
+        stage3_prefetch_bucket_size=1,
+    )
+    engine = infinity.initialize(copy.deepcopy(model), cfg)
+    released = []
+    release = engine.coordinator._release
+
+    def watch(rec):
+        if rec.device_tensor is not None:
+            released.append((rec.name, StorageWeakRef(rec.device_tensor.untyped_storage())))
+        release(rec)
+
+    engine.coordinator._release = watch
+    ids = batches(1, seed=21)[0]
+    loss = engine(ids, ids)
+    assert len(released) > 10
+    assert [name for name, ref in released if not ref.expired()] == []
+    engine.backward(loss)
+    engine.step()
+    ref, _ = run_reference(model, [ids])
+    torch.testing.assert_close(loss.item(), ref[0])

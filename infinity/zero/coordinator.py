@@ -64,6 +64,9 @@ class Coordinator:
         self.budget_overruns = 0
         self.trace_updates = 0
         self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or INFLIGHT
+        self.by_storage: dict[int, OffloadParam] = {}
+        """Gathered buffers by storage address: tensors autograd saves are matched to their
+        parameter through it (see [Note: saved weights] in hooks)."""
         self._traces: dict[object, Trace] = {}
         self._trace: Trace | None = None
         self._key: object = None
@@ -199,6 +202,8 @@ class Coordinator:
 
     def _fetch(self, rec: OffloadParam) -> None:
         rec.fetch(self.accel, self.copy_stream)
+        assert rec.device_tensor is not None
+        self.by_storage[rec.device_tensor.untyped_storage().data_ptr()] = rec
         if not rec.persistent:
             self._resident[rec] = None
         self.live_numel += rec.numel
@@ -211,6 +216,8 @@ class Coordinator:
     def _release(self, rec: OffloadParam) -> None:
         if rec.state is ParamState.RELEASED or rec.persistent:
             return
+        assert rec.device_tensor is not None
+        self.by_storage.pop(rec.device_tensor.untyped_storage().data_ptr(), None)
         rec.release()
         self._resident.pop(rec, None)
         self.live_numel -= rec.numel

@@ -12,6 +12,14 @@ anything left is released when the backward ends. Activation checkpointing re-ru
 inside backward: the pre-forward hook gathers there too, and the post-forward hook only unpins
 (the recomputed graph still needs the weights).
 
+[Note: saved weights] Autograd saves a leaf parameter by reference, but many ops save a view
+of it instead (`F.linear` saves `weight.t()`), and a view keeps the gathered buffer alive
+after release, so the memory would stay in use until backward. While the engine runs, a
+`saved_tensors_hooks` pair packs any saved tensor that lives in a gathered buffer as (record,
+size, stride, offset) and rebuilds the view from the parameter's current buffer on unpack,
+gathering it first if needed. Released parameters therefore really free their memory, and
+backward always reads the gathered copy.
+
 [Note: parameters used outside their module] `GatherOnUse` is a TorchFunctionMode active
 during the engine's forward and backward. A torch function that receives a parameter not
 owned by the innermost running module (`F.linear(x, self.embed.weight)` in a parent) runs as
@@ -31,8 +39,21 @@ from torch.overrides import TorchFunctionMode
 
 from infinity.accelerator import Accelerator
 from infinity.zero.coordinator import Coordinator, Phase
-from infinity.zero.param import OffloadParam
+from infinity.zero.param import OffloadParam, ParamState
 from infinity.zero.unit import ModuleUnit
+
+
+class _SavedWeight:
+    """A tensor autograd saved that lives in a parameter's gathered buffer."""
+
+    __slots__ = ("rec", "size", "stride", "offset", "dtype")
+
+    def __init__(self, rec, size, stride, offset, dtype) -> None:
+        self.rec = rec
+        self.size = size
+        self.stride = stride
+        self.offset = offset
+        self.dtype = dtype
 
 
 class _Call:
@@ -202,6 +223,35 @@ class ModelHooks:
             call.grads_pending.discard(rec)
             if not call.grads_pending and call.bw_state == 1:
                 self._finish(call)
+
+    # ---- saved tensors ------------------------------------------------------------------
+
+    def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context that stores saved weights by reference (see [Note: saved weights])."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if t.device.type == "meta" or not self.coord.by_storage:
+            return t
+        rec = self.coord.by_storage.get(t.untyped_storage().data_ptr())
+        if rec is None:
+            return t
+        return _SavedWeight(rec, t.size(), t.stride(), t.storage_offset(), t.dtype)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        rec = saved.rec
+        if rec.state is not ParamState.LIVE:
+            self.busy = True
+            try:
+                self.coord.gather_one(rec)
+            finally:
+                self.busy = False
+        data = rec.param.detach()
+        if saved.size == data.size() and saved.stride == data.stride() and not saved.offset:
+            return data
+        return data.as_strided(saved.size, saved.stride, saved.offset)
 
     # ---- parameters used outside their module -----------------------------------------
 
