@@ -90,7 +90,6 @@ def test_order_change_updates_trace_and_stays_correct():
 
     ref, _ = run_reference(model, data, before=before)
     cfg = config(stage3_max_live_parameters=3000)
-    import infinity
 
     engine = infinity.initialize(copy.deepcopy(model), cfg)
     engines.append(engine)
