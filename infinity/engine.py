@@ -62,6 +62,12 @@ class Engine:
         zero = self.config.zero_optimization
         if zero.stage != 3:
             raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
+        for section in ("offload_param", "offload_optimizer"):
+            if getattr(zero, section).device == "nvme":
+                raise NotImplementedError(
+                    f"zero_optimization.{section}.device 'nvme' is not wired into the engine "
+                    f"yet; use 'cpu'"
+                )
         self.module = model
         self.accelerator = accelerator or get_accelerator()
         self.records, units = partition_model(model, self.config, self.accelerator)

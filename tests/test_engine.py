@@ -179,3 +179,10 @@ def test_init_with_llama_shares_partitions_and_ties():
     assert len(engine.records) == len(partitions)
     ids = batches(1, seed=13)[0]
     torch.testing.assert_close(engine(ids, ids), plain(ids, ids))
+
+
+def test_nvme_offload_is_refused_clearly(tmp_path):
+    cfg = config()
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(NotImplementedError, match="offload_param.device 'nvme'"):
+        infinity.initialize(Zoo(), cfg)
