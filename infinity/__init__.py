@@ -9,7 +9,12 @@ __version__ = "0.1.0"
 
 # Public names -> the module that defines them, imported on first use so `import infinity`
 # stays cheap (no torch until something needs it).
-_LAZY = {"Config": "infinity.config"}
+_LAZY = {
+    "Config": "infinity.config",
+    "Engine": "infinity.engine",
+    "init": "infinity.zero",
+    "initialize": "infinity.engine",
+}
 
 __all__ = ["__version__", *_LAZY]
 

@@ -36,3 +36,23 @@ def test_hf_load_rss_tiny(tmp_path):
     assert rec["results"]["load"]["tensors"] == 21
     assert rec["results"]["peer_load_file"]["state_bytes"] == 2 * rec["num_params"]
     assert not (tmp_path / "w").exists()
+
+
+def test_step_bench_tiny(tmp_path):
+    out = tmp_path / "s.json"
+    args = ["--vocab", "128", "--hidden", "32", "--intermediate", "64", "--layers", "2"]
+    args += ["--heads", "4", "--batch", "2", "--seq", "16", "--warmup", "1", "--rounds", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_bench.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(out.read_text())
+    assert len(rec["step_s"]["infinity"]) == len(rec["step_s"]["torch"]) == 2
+    assert rec["ratio"] > 0
+    # Same model, same batches: the two runs train identically.
+    for a, b in zip(rec["losses"]["infinity"], rec["losses"]["torch"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)

@@ -1,6 +1,36 @@
-"""Stage-3 partitioning: the partitioned optimizer over sub-groups of parameter partitions."""
+"""ZeRO stage 3: partitioned parameters, their gather/release hooks, the coordinator, and the
+partitioned optimizer over sub-groups of parameter partitions.
 
+Owns one record per parameter (`OffloadParam`), building partitioned models (`init`,
+`partition_model`), the hooks that gather a module's parameters around its forward and
+backward, the coordinator that prefetches along the traced order under the live budget, and
+the CPU-Adam step over fp32 masters and gradient partitions (`PartitionedOptimizer`).
+"""
+
+from infinity.zero.build import init, model_dtype, partition_model
+from infinity.zero.coordinator import Coordinator, Phase
+from infinity.zero.hooks import GatherOnUse, ModelHooks, install_grad_hooks
 from infinity.zero.optimizer import PartitionedOptimizer, StepResult
+from infinity.zero.param import HomeTier, OffloadParam, ParamState
 from infinity.zero.sub_groups import Slot
+from infinity.zero.trace import Trace
+from infinity.zero.unit import ModuleUnit
 
-__all__ = ["PartitionedOptimizer", "Slot", "StepResult"]
+__all__ = [
+    "Coordinator",
+    "GatherOnUse",
+    "HomeTier",
+    "ModelHooks",
+    "ModuleUnit",
+    "OffloadParam",
+    "ParamState",
+    "PartitionedOptimizer",
+    "Phase",
+    "Slot",
+    "StepResult",
+    "Trace",
+    "init",
+    "install_grad_hooks",
+    "model_dtype",
+    "partition_model",
+]

@@ -1,0 +1,287 @@
+"""The training engine: forward, backward, step on a partitioned model.
+
+`initialize(model, config)` partitions the model (`infinity.zero`), builds the partitioned
+CPU-Adam optimizer, the loss scaler and the learning-rate schedule, and returns an `Engine`.
+The engine owns the loop's bookkeeping (micro steps, accumulation boundaries, skipped steps,
+the last gradient norm) and checkpoints; gathering and releasing belong to the coordinator.
+
+[Note: loss scaling] `backward(loss)` differentiates loss * loss_scale / accumulation_steps,
+as DeepSpeed does. Gradients therefore reach the fp32 partitions scaled by loss_scale; the
+optimizer divides it out inside its step (after the overflow check and global-norm clipping).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity import checkpoint
+from infinity.accelerator import Accelerator, get_accelerator
+from infinity.config import Config
+from infinity.optim import build_loss_scaler, build_schedule
+from infinity.zero import (
+    Coordinator,
+    ModelHooks,
+    OffloadParam,
+    PartitionedOptimizer,
+    Phase,
+    Slot,
+    install_grad_hooks,
+    partition_model,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "initialize"]
+
+
+def initialize(
+    model: nn.Module, config: Config | dict | str | os.PathLike, **kwargs: Any
+) -> Engine:
+    """Partition `model` (built under `infinity.init` or not) and return its Engine."""
+    return Engine(model, config, **kwargs)
+
+
+class Engine:
+    """`engine(batch)` -> forward; `engine.backward(loss)`; `engine.step()`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config | dict | str | os.PathLike,
+        *,
+        accelerator: Accelerator | None = None,
+    ) -> None:
+        config = Config.load(config)
+        largest = max((p.numel() for p in model.parameters()), default=1)
+        self.config = config.resolve(largest_param_numel=max(1, largest))
+        zero = self.config.zero_optimization
+        if zero.stage != 3:
+            raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
+        for section in ("offload_param", "offload_optimizer"):
+            if getattr(zero, section).device == "nvme":
+                raise NotImplementedError(
+                    f"zero_optimization.{section}.device 'nvme' is not wired into the engine "
+                    f"yet; use 'cpu'"
+                )
+        self.module = model
+        self.accelerator = accelerator or get_accelerator()
+        self.records, units = partition_model(model, self.config, self.accelerator)
+        self.optimizer = self._build_optimizer()
+        self.coordinator = Coordinator(self.records, zero, accelerator=self.accelerator)
+        by_param = {rec.param: rec for rec in self.records}
+        self.hooks = ModelHooks(
+            model, units, by_param, self.coordinator, iteration_key=self._iteration_key
+        )
+        self._grad_handles = install_grad_hooks(
+            self.records, self.optimizer.grad, self.hooks.grad_accumulated, self.accelerator
+        )
+        self.loss_scaler = build_loss_scaler(self.config.fp16)
+        self.lr_schedule = build_schedule(self.config.scheduler, float(self.config.optimizer.lr))
+        self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._last_overflow = False
+
+    def _build_optimizer(self) -> PartitionedOptimizer:
+        trainable: list[OffloadParam] = [r for r in self.records if r.param.requires_grad]
+        if not trainable:
+            raise ValueError(
+                "initialize: the model has no parameter with requires_grad=True; nothing to train"
+            )
+        slots = [Slot(name=r.name, numel=r.numel, partition=r.partition) for r in trainable]
+        optimizer = PartitionedOptimizer(
+            slots, optimizer=self.config.optimizer, zero=self.config.zero_optimization
+        )
+        for i, rec in enumerate(trainable):
+            rec.slot = i
+            rec.repoint(optimizer.partition(i))
+        return optimizer
+
+    def _iteration_key(self) -> object:
+        return (self.module.training, torch.is_grad_enabled())
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model; parameters are gathered module by module."""
+        coord = self.coordinator
+        coord.begin_iteration(self._iteration_key())
+        try:
+            with self.hooks.mode, self.hooks.saved_tensors():
+                out = self.module(*args, **kwargs)
+        except BaseException:
+            self.hooks.reset()
+            coord.abort_iteration()
+            raise
+        if not torch.is_grad_enabled():
+            self.hooks.reset()
+            coord.end_iteration()
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate loss * loss_scale / gradient_accumulation_steps."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                f"backward: expected a scalar loss tensor, got {type(loss).__name__} "
+                f"with shape {getattr(loss, 'shape', None)}"
+            )
+        factor = self.loss_scaler.scale / self.gradient_accumulation_steps
+        coord = self.coordinator
+        coord.phase = Phase.BACKWARD
+        try:
+            with self.hooks.mode, self.hooks.saved_tensors():
+                (loss.float() * factor).backward()
+        except BaseException:
+            self.hooks.reset()
+            coord.abort_iteration()
+            raise
+        self.hooks.reset()
+        coord.end_iteration()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next `step()` applies the optimizer (DeepSpeed's meaning)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Count a micro step; at the accumulation boundary run the optimizer."""
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        result = self.optimizer.step(
+            lr=self.lr_schedule.lr,
+            loss_scale=self.loss_scaler.scale,
+            max_grad_norm=float(self.config.gradient_clipping),
+        )
+        self.loss_scaler.update(result.overflow)
+        self._last_overflow = result.overflow
+        self._grad_norm = result.grad_norm
+        if result.overflow:
+            self.skipped_steps += 1
+        else:
+            self.lr_schedule.step()
+            self.coordinator.refresh_persistent()
+        self.global_steps += 1
+
+    # ---- accessors ----------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of the next optimizer step (one entry: one parameter group)."""
+        return [self.lr_schedule.lr]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The unscaled global gradient norm of the last optimizer step (before clipping)."""
+        return self._grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def was_step_skipped(self) -> bool:
+        return self._last_overflow
+
+    def memory_stats(self) -> dict[str, int]:
+        """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses."""
+        stats = self.coordinator.stats()
+        # Trainable partitions belong to the optimizer (it counts them, or they alias its
+        # fp32 masters); frozen ones are only ours.
+        host = sum(r.numel * r.partition.element_size() for r in self.records if not r.trainable)
+        stats["host_bytes"] = host + self.optimizer.memory_stats()["host_bytes"]
+        return stats
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None) -> str:
+        """Write weights (from the partitions), optimizer state, schedule, loss scale, step
+        counts and RNG states atomically under `save_dir/tag` (default: the step's tag).
+        Returns the tag. Call between steps (not between forward and backward)."""
+        self._check_idle("save_checkpoint")
+        tag = tag or checkpoint.step_tag(self.global_steps)
+
+        def tensors():
+            for rec in self.records:
+                yield f"params/{rec.name}", rec.partition.view(rec.shape)
+            for name, thunk in self.optimizer.state_tensors():
+                yield f"optim/{name}", thunk
+
+        state = {
+            "engine": {
+                "micro_steps": self.micro_steps,
+                "global_steps": self.global_steps,
+                "skipped_steps": self.skipped_steps,
+                "grad_norm": self._grad_norm,
+            },
+            "optimizer": self.optimizer.state_dict(),
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+        }
+        checkpoint.save_checkpoint(
+            save_dir, tensors(), step=self.global_steps, state=state, tag=tag
+        )
+        logger.info("saved checkpoint %s/%s", save_dir, tag)
+        return tag
+
+    def load_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None) -> str:
+        """Resume exactly from `save_dir/tag` (default: the latest). Returns the tag."""
+        self._check_idle("load_checkpoint")
+        ckpt = checkpoint.load_checkpoint(save_dir, tag)
+        names = set(ckpt.tensor_names())
+        missing = [f"params/{r.name}" for r in self.records if f"params/{r.name}" not in names]
+        if missing:
+            raise ValueError(
+                f"checkpoint {ckpt.path} has no weights for {missing[:5]} "
+                f"({len(missing)} missing): it was saved from a different model"
+            )
+        self.optimizer.load_state_dict(ckpt.state["optimizer"])
+        self.optimizer.load_state_tensors(lambda name: ckpt.get_tensor(f"optim/{name}"))
+        with torch.no_grad():
+            for rec in self.records:
+                if not rec.trainable:
+                    rec.partition.copy_(ckpt.get_tensor(f"params/{rec.name}").reshape(-1))
+        self.coordinator.refresh_persistent()
+        self.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
+        self.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
+        counters = ckpt.state["engine"]
+        self.micro_steps = int(counters["micro_steps"])
+        self.global_steps = int(counters["global_steps"])
+        self.skipped_steps = int(counters["skipped_steps"])
+        self._grad_norm = counters["grad_norm"]
+        rng = ckpt.rng_state()
+        if rng:
+            checkpoint.restore_rng_state(rng)
+        logger.info("loaded checkpoint %s", ckpt.path)
+        return ckpt.tag
+
+    def _check_idle(self, what: str) -> None:
+        if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{what}: a forward is waiting for its backward; call it between steps"
+            )
+
+    def named_parameters_host(self):
+        """(name, partition viewed in the parameter's shape) for every parameter."""
+        for rec in self.records:
+            yield rec.name, rec.partition.view(rec.shape)

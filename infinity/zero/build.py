@@ -1,0 +1,145 @@
+"""Building partitioned models: `init(config)` and `partition_model`.
+
+Under `init`, every parameter a module registers is moved at once into a fresh flat
+partition in its home tier (host memory, pinned with CUDA, in the model dtype) and the
+parameter becomes a view of it (one whose own memory already qualifies is kept). A module's
+own initialization (`reset_parameters`, `nn.Parameter(torch.ones(...))`, a model's
+`init_weights`) therefore runs on the partition itself, and the model never exists twice in
+RAM: the peak is the partitions plus one parameter. `partition_model` then builds one
+`OffloadParam` per parameter (adopting memory that qualifies as a partition, copying any
+other) and releases them all.
+
+Parameters are created in host memory rather than on the meta device because arbitrary
+init code must see real values; what the meta device would save is only the one transient
+parameter. Supported: any module whose parameters are registered through
+`nn.Module.__setattr__` or `register_parameter` (all of torch.nn, `infinity.models`, Hugging
+Face models), tied parameters (one record per `nn.Parameter` object), frozen parameters. A
+model already on the meta device is refused (its values do not exist).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from infinity.accelerator import Accelerator, get_accelerator
+from infinity.config import Config
+from infinity.zero.param import HomeTier, OffloadParam
+from infinity.zero.unit import ModuleUnit
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def model_dtype(config: Config) -> torch.dtype:
+    return _DTYPES[config.precision]
+
+
+def home_tier(config: Config) -> HomeTier:
+    device = config.zero_optimization.offload_param.device
+    return HomeTier.NVME if device == "nvme" else HomeTier.HOST
+
+
+def _new_partition(
+    src: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin: bool
+) -> torch.Tensor:
+    if pin and accel.pin_supported():
+        part = accel.empty_pinned((src.numel(),), dtype)
+    else:
+        part = torch.empty(src.numel(), dtype=dtype)
+    with torch.no_grad():
+        part.copy_(src.detach().reshape(-1))
+    return part
+
+
+def _adoptable(param: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin: bool) -> bool:
+    """Can `param`'s own memory serve as its partition? (host, model dtype, contiguous, sole
+    user of its storage, pinned if pinning is wanted and possible)"""
+    return (
+        param.device.type == "cpu"
+        and param.dtype == dtype
+        and param.is_contiguous()
+        and param.storage_offset() == 0
+        and param.untyped_storage().nbytes() == param.numel() * param.element_size()
+        and (param.is_pinned() or not (pin and accel.pin_supported()))
+    )
+
+
+@contextlib.contextmanager
+def init(config: Config | dict | str) -> Iterator[None]:
+    """Create every parameter registered inside this block directly as a host partition."""
+    config = Config.load(config).resolve()
+    dtype = model_dtype(config)
+    pin = config.zero_optimization.offload_param.pin_memory
+    accel = get_accelerator()
+    if home_tier(config) is HomeTier.NVME:
+        raise NotImplementedError(
+            "infinity.init: offload_param.device 'nvme' is not available yet; use 'cpu'"
+        )
+
+    def on_register(module: nn.Module, name: str, param: nn.Parameter | None):
+        if param is None or param.is_meta or not param.is_floating_point():
+            return None
+        if _adoptable(param, dtype, accel, pin):
+            return None  # already a partition (a tied parameter registered again)
+        part = _new_partition(param, dtype, accel, pin)
+        return nn.Parameter(part.view(param.shape), requires_grad=param.requires_grad)
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(on_register)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def partition_model(
+    model: nn.Module, config: Config, accel: Accelerator
+) -> tuple[list[OffloadParam], dict[nn.Module, ModuleUnit]]:
+    """One record per parameter (partitions adopted or copied) and one unit per module.
+
+    Every parameter is released on return; floating-point buffers are cast to the model dtype
+    and moved to the device (they stay resident).
+    """
+    dtype = model_dtype(config)
+    zero = config.zero_optimization
+    threshold = int(zero.param_persistence_threshold)
+    pin = zero.offload_param.pin_memory
+    records: list[OffloadParam] = []
+    by_param: dict[nn.Parameter, OffloadParam] = {}
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device: its values do not exist; build "
+                f"the model under `with infinity.init(config):` instead"
+            )
+        if _adoptable(param, dtype, accel, pin):
+            part = param.detach().view(-1)
+        else:
+            part = _new_partition(param, dtype, accel, pin)
+        rec = OffloadParam(
+            name,
+            param,
+            part,
+            device=accel.device,
+            home=home_tier(config),
+            persistent=param.numel() < threshold,
+        )
+        rec.offload()  # the parameter's own memory (if not the partition) is freed here
+        records.append(rec)
+        by_param[param] = rec
+    for module in model.modules():
+        for bname, buf in module.named_buffers(recurse=False):
+            new = buf.to(accel.device, dtype=dtype if buf.is_floating_point() else None)
+            if new is not buf:
+                setattr(module, bname, new)
+    units = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        if module not in units:
+            own = [by_param[p] for p in module.parameters(recurse=False)]
+            units[module] = ModuleUnit(mname or "<root>", own)
+    return records, units

@@ -1,0 +1,289 @@
+"""The coordinator: which parameters are gathered on the device, and when.
+
+It owns the live set and its budget, the traces and the prefetch cursor, and the counters
+behind `memory_stats()`. Hooks (`infinity.zero.hooks`) tell it when a unit starts (`gather`)
+and ends (`done`); it never touches modules.
+
+[Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked at
+every fetch. A gather that does not fit first evicts resident parameters that no running
+module needs (furthest next use first); prefetch never evicts, it stops and resumes at the
+next gather when there is room. The only excess allowed is what running modules pin at once
+(the unit being gathered and the modules enclosing it), which is why the bound is stated as
+budget + the largest unit; anything beyond that is counted in `budget_overruns`.
+
+[Note: reuse] After a unit ends, a parameter stays gathered if it is persistent (fewer
+elements than `param_persistence_threshold`), if the trace says its next use comes within
+`max_reuse_distance` gathered elements, or if the next use is already inside the prefetch
+window (releasing it would only fetch it again).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable
+
+from infinity.accelerator import Accelerator
+from infinity.config import ZeroConfig
+from infinity.zero.param import OffloadParam, ParamState
+from infinity.zero.trace import Trace
+from infinity.zero.unit import ModuleUnit
+
+logger = logging.getLogger(__name__)
+
+_RESYNC_WINDOW = 16
+"""How far ahead a unit that is not at the cursor is looked for before the trace is
+considered off track for the rest of the iteration."""
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Coordinator:
+    """Gathers, releases and prefetches parameters under the live budget."""
+
+    def __init__(
+        self, records: Iterable[OffloadParam], zero: ZeroConfig, *, accelerator: Accelerator
+    ) -> None:
+        self.records = list(records)
+        self.accel = accelerator
+        self.copy_stream = accelerator.new_stream()
+        self.budget = int(zero.max_live_parameters)
+        self.prefetch_numel = int(zero.prefetch_bucket_size)
+        self.reuse_distance = int(zero.max_reuse_distance)
+        self.phase = Phase.IDLE
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.budget_overruns = 0
+        self.trace_updates = 0
+        self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or INFLIGHT
+        self.by_storage: dict[int, OffloadParam] = {}
+        """Gathered buffers by storage address: tensors autograd saves are matched to their
+        parameter through it (see [Note: saved weights] in hooks)."""
+        self._traces: dict[object, Trace] = {}
+        self._trace: Trace | None = None
+        self._key: object = None
+        self._recording: list[ModuleUnit] = []
+        self._cursor = 0
+        self._prefetch_upto = 0
+        self._on_track = True
+
+    # ---- iterations -------------------------------------------------------------------
+
+    def begin_iteration(self, key: object) -> None:
+        """Start one forward(+backward); `key` names the kind (train / inference)."""
+        if self.phase is not Phase.IDLE:
+            self.end_iteration()
+        self._key = key
+        self._trace = self._traces.get(key)
+        self._recording = []
+        self._cursor = 0
+        self._prefetch_upto = 0
+        self._on_track = self._trace is not None
+        self.phase = Phase.FORWARD
+        self._prefetch()
+
+    def end_iteration(self) -> None:
+        """Close the iteration: keep its order as the trace, release what is not persistent."""
+        if self.phase is Phase.IDLE:
+            return
+        trace = self._trace
+        if trace is None or not trace.same_order(self._recording):
+            if trace is not None:
+                self.trace_updates += 1
+                logger.debug("execution order changed: trace %r updated", self._key)
+            self._traces[self._key] = Trace(self._recording)
+        self._recording = []
+        self._trace = None
+        self.phase = Phase.IDLE
+        for rec in self._resident:
+            rec.pins = 0  # every running call has ended with the iteration
+        self.release_all()
+
+    def abort_iteration(self) -> None:
+        """After an exception: drop pins and the recording, release everything."""
+        for rec in self.records:
+            rec.pins = 0
+        self._recording = []
+        self._trace = None
+        self.phase = Phase.IDLE
+        self.release_all()
+
+    # ---- gather / done ----------------------------------------------------------------
+
+    def gather(self, unit: ModuleUnit) -> int | None:
+        """Make every parameter of `unit` LIVE and pin it; returns its trace position."""
+        pos = self._advance(unit)
+        self._recording.append(unit)
+        need = 0
+        for rec in unit.records:
+            rec.pins += 1
+            if rec.state is ParamState.RELEASED:
+                need += rec.numel
+        if need:
+            self._make_room(need, unit)
+        for rec in unit.records:
+            self._ensure_live(rec, count=not rec.persistent)
+        if pos is not None:
+            self._prefetch()
+        return pos
+
+    def gather_one(self, rec: OffloadParam) -> None:
+        """Gather a parameter used outside the unit that owns it (counted as a miss)."""
+        if rec.state is ParamState.RELEASED:
+            self._make_room(rec.numel, None)
+        self._ensure_live(rec, count=not rec.persistent)
+
+    def done(self, unit: ModuleUnit, pos: int | None, *, release: bool = True) -> None:
+        """`unit` finished (forward, or its backward): unpin, release what is not reused."""
+        for rec in unit.records:
+            if rec.pins > 0:
+                rec.pins -= 1
+            if release and rec.pins == 0 and not self._keep(rec, pos):
+                self._release(rec)
+
+    def release_all(self) -> None:
+        """Release every unpinned, non-persistent parameter."""
+        for rec in list(self._resident):
+            if rec.pins == 0:
+                self._release(rec)
+
+    def refresh_persistent(self) -> None:
+        """Copy updated partitions into the buffers of parameters that stay gathered."""
+        self.release_all()
+        for rec in self.records:
+            if rec.state is ParamState.LIVE:
+                rec.refresh(self.accel)
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _advance(self, unit: ModuleUnit) -> int | None:
+        trace = self._trace
+        if trace is None or not self._on_track:
+            return None
+        pos = trace.find(unit, self._cursor, _RESYNC_WINDOW)
+        if pos is None:
+            self._on_track = False
+            return None
+        self._cursor = pos + 1
+        return pos
+
+    def _keep(self, rec: OffloadParam, pos: int | None) -> bool:
+        if rec.persistent:
+            return True
+        trace = self._trace
+        if trace is None or pos is None or not self._on_track:
+            return False
+        nxt = trace.next_use(rec, pos)
+        if nxt is None:
+            return False
+        return nxt < self._prefetch_upto or trace.distance(pos + 1, nxt) <= self.reuse_distance
+
+    def _ensure_live(self, rec: OffloadParam, *, count: bool) -> None:
+        state = rec.state
+        if state is ParamState.LIVE:
+            self.hits += count
+            return
+        if state is ParamState.INFLIGHT:
+            self.hits += count
+        else:
+            self.misses += count
+            if count and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("gather miss: %s (phase %s)", rec.name, self.phase.value)
+            self._fetch(rec)
+        rec.wait(self.accel)
+
+    def _fetch(self, rec: OffloadParam) -> None:
+        rec.fetch(self.accel, self.copy_stream)
+        assert rec.device_tensor is not None
+        self.by_storage[rec.device_tensor.untyped_storage().data_ptr()] = rec
+        if not rec.persistent:
+            self._resident[rec] = None
+        self.live_numel += rec.numel
+        self.live_bytes += rec.numel * rec.partition.element_size()
+        if self.live_numel > self.peak_live_numel:
+            self.peak_live_numel = self.live_numel
+        if self.live_bytes > self.peak_live_bytes:
+            self.peak_live_bytes = self.live_bytes
+
+    def _release(self, rec: OffloadParam) -> None:
+        if rec.state is ParamState.RELEASED or rec.persistent:
+            return
+        assert rec.device_tensor is not None
+        self.by_storage.pop(rec.device_tensor.untyped_storage().data_ptr(), None)
+        rec.release()
+        self._resident.pop(rec, None)
+        self.live_numel -= rec.numel
+        self.live_bytes -= rec.numel * rec.partition.element_size()
+
+    def _make_room(self, need: int, unit: ModuleUnit | None) -> None:
+        """Evict unpinned parameters (furthest next use first) until `need` more fit."""
+        if self.live_numel + need > self.budget:
+            self._evict(need, unit, used_before=None)
+            if self.live_numel + need > self.budget:
+                self.budget_overruns += 1
+
+    def _evict(self, need: int, unit: ModuleUnit | None, used_before: int | None) -> None:
+        """Release unpinned resident parameters, furthest next use first, until `need` more
+        elements fit. With `used_before`, only those not needed before that trace position."""
+        trace, here = self._trace, self._cursor
+        far = 1 << 62
+        on_track = trace is not None and self._on_track
+
+        def next_use(r: OffloadParam) -> int:
+            nxt = trace.next_use(r, here - 1) if on_track else None  # type: ignore[union-attr]
+            return far if nxt is None else nxt
+
+        victims = [
+            (next_use(r), r)
+            for r in self._resident
+            if r.pins == 0 and (unit is None or r not in unit)
+        ]
+        victims.sort(key=lambda v: v[0], reverse=True)
+        for nxt, rec in victims:
+            if self.live_numel + need <= self.budget:
+                break
+            if used_before is not None and nxt <= used_before:
+                break
+            self._release(rec)
+
+    def _prefetch(self) -> None:
+        """Fetch ahead along the trace: up to `prefetch_numel` elements, never past the budget."""
+        trace = self._trace
+        if trace is None or not self._on_track or self.prefetch_numel <= 0:
+            return
+        pos = max(self._prefetch_upto, self._cursor)
+        while pos < len(trace):
+            if trace.distance(self._cursor, pos) >= self.prefetch_numel:
+                break
+            recs = trace.records[pos]
+            need = sum(r.numel for r in recs if r.state is ParamState.RELEASED)
+            if self.live_numel + need > self.budget:
+                # Only parameters needed later than this unit make way for it.
+                self._evict(need, None, used_before=pos)
+                if self.live_numel + need > self.budget:
+                    break  # prefetch waits for room
+            for rec in recs:
+                if rec.state is ParamState.RELEASED:
+                    self._fetch(rec)
+            pos += 1
+        self._prefetch_upto = pos
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "live_param_numel": self.live_numel,
+            "peak_live_param_numel": self.peak_live_numel,
+            "device_bytes": self.live_bytes,
+            "peak_device_bytes": self.peak_live_bytes,
+            "prefetch_hits": self.hits,
+            "prefetch_misses": self.misses,
+            "budget_overruns": self.budget_overruns,
+            "trace_updates": self.trace_updates,
+        }

@@ -1,0 +1,340 @@
+"""Module and gradient hooks: they tell the coordinator when a unit starts and ends.
+
+Owns the hooks on a partitioned model and the stack of running module calls. It decides no
+policy; gathering and releasing are the coordinator's.
+
+[Note: backward] Autograd keeps leaf parameters by reference, so a module's parameters must be
+gathered again before its backward runs. In forward, each module call with a gather set puts a
+gradient hook on its outputs (fires before the module's backward: gather) and on its inputs
+that require grad (fires after it: done). A call whose inputs need no gradient (the embedding
+of token ids) ends instead when its trainable parameters' gradients have been accumulated;
+anything left is released when the backward ends. Activation checkpointing re-runs forwards
+inside backward: the pre-forward hook gathers there too, and the post-forward hook only unpins
+(the recomputed graph still needs the weights).
+
+[Note: saved weights] Autograd saves a leaf parameter by reference, but many ops save a view
+of it instead (`F.linear` saves `weight.t()`), and a view keeps the gathered buffer alive
+after release, so the memory would stay in use until backward. While the engine runs, a
+`saved_tensors_hooks` pair packs any saved tensor that lives in a gathered buffer as (record,
+size, stride, offset) and rebuilds the view from the parameter's current buffer on unpack,
+gathering it first if needed. Released parameters therefore really free their memory, and
+backward always reads the gathered copy.
+
+[Note: parameters used outside their module] `GatherOnUse` is a TorchFunctionMode active
+during the engine's forward and backward. A torch function that receives a parameter not
+owned by the innermost running module (`F.linear(x, self.embed.weight)` in a parent) runs as
+a unit of its own: its parameters are gathered right before it (the trace records the use,
+so later iterations prefetch it), gradient hooks on its inputs and outputs bring them back for
+its backward, and they are released right after unless reused soon. The parameter is never
+held for the whole forward of the module that borrowed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from infinity.accelerator import Accelerator
+from infinity.zero.coordinator import Coordinator, Phase
+from infinity.zero.param import OffloadParam, ParamState
+from infinity.zero.unit import ModuleUnit
+
+
+class _SavedWeight:
+    """A tensor autograd saved that lives in a parameter's gathered buffer."""
+
+    __slots__ = ("rec", "size", "stride", "offset", "dtype")
+
+    def __init__(self, rec, size, stride, offset, dtype) -> None:
+        self.rec = rec
+        self.size = size
+        self.stride = stride
+        self.offset = offset
+        self.dtype = dtype
+
+
+class _Call:
+    """One call of one module: its unit and where it stands in backward."""
+
+    __slots__ = ("unit", "pos", "bw_pos", "bw_state", "inputs_pending", "grads_pending")
+
+    def __init__(self, unit: ModuleUnit, pos: int | None) -> None:
+        self.unit = unit
+        self.pos = pos
+        self.bw_pos: int | None = None
+        self.bw_state = 0  # 0 not started, 1 gathered, 2 done
+        self.inputs_pending = 0
+        self.grads_pending: set[OffloadParam] | None = None
+
+
+def _grad_tensors(obj, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+    """Tensors requiring grad in `obj` (tensors, and tuples/lists/dicts of them). Parameters
+    are left out: a hook on one would outlive the iteration."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad and not isinstance(obj, nn.Parameter):
+            out.append(obj)
+    elif depth < 3:
+        if isinstance(obj, (tuple, list)):
+            for x in obj:
+                _grad_tensors(x, out, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                _grad_tensors(x, out, depth + 1)
+    return out
+
+
+class ModelHooks:
+    """All hooks on one partitioned model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: dict[nn.Module, ModuleUnit],
+        by_param: dict[nn.Parameter, OffloadParam],
+        coordinator: Coordinator,
+        *,
+        iteration_key: Callable[[], object],
+    ) -> None:
+        self.units = units
+        self.by_param = by_param
+        self.coord = coordinator
+        self.iteration_key = iteration_key
+        self.stack: list[_Call] = []
+        self.busy = False
+        """True while a hook runs: GatherOnUse lets the hooks' own tensor calls through."""
+        self._awaiting: dict[OffloadParam, list[_Call]] = {}
+        self._external: dict[object, ModuleUnit] = {}  # parameter(s) used outside -> unit
+        self._handles: list = []
+        for module in model.modules():
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+            )
+            # always_call: a forward that raises still ends its call (non-reentrant activation
+            # checkpointing stops its recomputation early with an exception).
+            self._handles.append(
+                module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+            )
+        self.mode = GatherOnUse(self)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def reset(self) -> None:
+        """Forget running calls (after an exception or at the end of backward)."""
+        self.stack.clear()
+        self._awaiting.clear()
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args, kwargs):
+        self.busy = True
+        try:
+            self.stack.append(self._enter(self.units[module], args, kwargs))
+        finally:
+            self.busy = False
+
+    def _enter(self, unit: ModuleUnit, args, kwargs) -> _Call:
+        coord = self.coord
+        if coord.phase is Phase.IDLE:
+            coord.begin_iteration(self.iteration_key())
+        pos = coord.gather(unit) if unit.records else None
+        call = _Call(unit, pos)
+        if unit.records and torch.is_grad_enabled():
+            inputs = _grad_tensors(kwargs, _grad_tensors(args, []))
+            call.inputs_pending = len(inputs)
+            for t in inputs:
+                t.register_hook(self._input_hook(call))
+        return call
+
+    def _post_forward(self, module: nn.Module, args, kwargs, output):
+        self.busy = True
+        try:
+            self._exit(self.stack.pop(), output)
+        finally:
+            self.busy = False
+
+    def _exit(self, call: _Call, output) -> None:
+        unit = call.unit
+        if not unit.records:
+            return
+        if torch.is_grad_enabled():
+            outputs = _grad_tensors(output, [])
+            if outputs:
+                hook = self._output_hook(call)
+                for t in outputs:
+                    t.register_hook(hook)
+        self.coord.done(unit, call.pos, release=self.coord.phase is not Phase.BACKWARD)
+
+    # ---- backward ---------------------------------------------------------------------
+
+    def _output_hook(self, call: _Call):
+        def hook(grad: torch.Tensor) -> None:
+            if call.bw_state:
+                return
+            coord = self.coord
+            coord.phase = Phase.BACKWARD
+            call.bw_state = 1
+            self.busy = True
+            try:
+                call.bw_pos = coord.gather(call.unit)
+            finally:
+                self.busy = False
+            if call.inputs_pending == 0:
+                self._await_grads(call)
+
+        return hook
+
+    def _input_hook(self, call: _Call):
+        def hook(grad: torch.Tensor) -> None:
+            call.inputs_pending -= 1
+            if call.inputs_pending == 0 and call.bw_state == 1:
+                self._finish(call)
+
+        return hook
+
+    def _await_grads(self, call: _Call) -> None:
+        pending = {r for r in call.unit.records if r.trainable}
+        if not pending:
+            return  # released when the backward ends
+        call.grads_pending = pending
+        for rec in pending:
+            self._awaiting.setdefault(rec, []).append(call)
+
+    def _finish(self, call: _Call) -> None:
+        call.bw_state = 2
+        self.busy = True
+        try:
+            self.coord.done(call.unit, call.bw_pos)
+        finally:
+            self.busy = False
+
+    def grad_accumulated(self, rec: OffloadParam) -> None:
+        """`rec`'s gradient left the device: calls waiting only on gradients may end."""
+        waiting = self._awaiting.pop(rec, None)
+        if not waiting:
+            return
+        for call in waiting:
+            assert call.grads_pending is not None
+            call.grads_pending.discard(rec)
+            if not call.grads_pending and call.bw_state == 1:
+                self._finish(call)
+
+    # ---- saved tensors ------------------------------------------------------------------
+
+    def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context that stores saved weights by reference (see [Note: saved weights])."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if t.device.type == "meta" or not self.coord.by_storage:
+            return t
+        rec = self.coord.by_storage.get(t.untyped_storage().data_ptr())
+        if rec is None:
+            return t
+        return _SavedWeight(rec, t.size(), t.stride(), t.storage_offset(), t.dtype)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        rec = saved.rec
+        if rec.state is not ParamState.LIVE:
+            self.busy = True
+            try:
+                self.coord.gather_one(rec)
+            finally:
+                self.busy = False
+        data = rec.param.detach()
+        if saved.size == data.size() and saved.stride == data.stride() and not saved.offset:
+            return data
+        return data.as_strided(saved.size, saved.stride, saved.offset)
+
+    # ---- parameters used outside their module -----------------------------------------
+
+    def external_call(self, recs: list[OffloadParam], func, args, kwargs):
+        """Run one torch function that uses parameters of other modules, as if it were a
+        module of its own: gathered (and traced, so prefetched) right before, hooked for
+        backward, released per the reuse rule right after."""
+        key = recs[0] if len(recs) == 1 else tuple(recs)
+        unit = self._external.get(key)
+        if unit is None:
+            unit = self._external[key] = ModuleUnit("+".join(r.name for r in recs) + "@use", recs)
+        self.busy = True
+        try:
+            call = self._enter(unit, args, kwargs)
+        finally:
+            self.busy = False
+        out = func(*args, **kwargs)
+        self.busy = True
+        try:
+            self._exit(call, out)
+        finally:
+            self.busy = False
+        return out
+
+
+class GatherOnUse(TorchFunctionMode):
+    """Gathers a released parameter the moment a torch function receives it."""
+
+    def __init__(self, hooks: ModelHooks) -> None:
+        super().__init__()
+        self.hooks = hooks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hooks = self.hooks
+        if hooks.busy or not hooks.stack:  # the hooks' own tensor work, or outside the model
+            return func(*args, **kwargs)
+        own = hooks.stack[-1].unit
+        by_param = hooks.by_param
+        found = None
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, nn.Parameter):
+                rec = by_param.get(a)
+                if rec is not None and rec not in own:
+                    found = [rec] if found is None else [*found, rec]
+            elif type(a) in (list, tuple):
+                for b in a:
+                    if isinstance(b, nn.Parameter):
+                        rec = by_param.get(b)
+                        if rec is not None and rec not in own:
+                            found = [rec] if found is None else [*found, rec]
+        if found is None:
+            return func(*args, **kwargs)
+        return hooks.external_call(found, func, args, kwargs)
+
+
+def install_grad_hooks(
+    records: Iterable[OffloadParam],
+    grad_of: Callable[[int], torch.Tensor],
+    on_accumulated: Callable[[OffloadParam], None],
+    accelerator: Accelerator,
+) -> list:
+    """Move each trainable parameter's gradient into its fp32 host partition as soon as
+    autograd has accumulated it, and free the device gradient at once.
+
+    On the CPU the device gradient is added straight into the partition. From another device
+    it is first copied to host memory (a blocking copy through the accelerator: the
+    gradient's memory is freed as soon as the hook returns)."""
+    handles = []
+    for rec in records:
+        if rec.slot is None:
+            continue
+        target = grad_of(rec.slot)
+
+        def hook(param: nn.Parameter, rec=rec, target=target) -> None:
+            grad = param.grad
+            if grad is not None:
+                flat = grad.reshape(-1)
+                if flat.device != target.device:
+                    flat = accelerator.to_host(flat, out=torch.empty(flat.shape, dtype=flat.dtype))
+                target.add_(flat)
+                param.grad = None
+            on_accumulated(rec)
+
+        handles.append(rec.param.register_post_accumulate_grad_hook(hook))
+    return handles
