@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +15,7 @@ from infinity.cli.bench_aio import AioBenchConfig, best, parse_bytes, parse_list
 from infinity.cli.main import main
 from infinity.swap import available_backends
 
+ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"op", "backend", "block_size", "queue_depth", "threads", "gbps"}
 
 
@@ -20,6 +26,8 @@ def test_cli_sweep_writes_records(tmp_path, capsys):
             "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     records = json.loads(out.read_text())
+    assert records[-1]["fresh_file"] and records[-1]["op"] == "write"
+    records = [r for r in records if not r["fresh_file"]]
     backends = available_backends()
     assert len(records) == len(backends) * 2 * 2 * 2 * 2  # x block sizes, depths, threads, ops
     assert all(set(r) >= KEYS and r["gbps"] > 0 for r in records)
@@ -41,7 +49,7 @@ def test_read_only_and_auto(tmp_path):
             "--queue-depth", "4", "--threads", "1", "--read", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     records = json.loads(out.read_text())
-    assert [r["op"] for r in records] == ["read"]
+    assert [(r["op"], r["fresh_file"]) for r in records] == [("read", False), ("write", True)]
     assert records[0]["backend"] == available_backends()[0]
 
 
@@ -67,3 +75,41 @@ def test_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="does not run here|not one of"):
         AioBenchConfig(path=str(tmp_path), backends=["spdk"])
     assert main(["bench", "aio", "--path", str(tmp_path / "missing")]) == 1
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / name), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+
+
+def test_aio_bench_script(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _script("aio_bench.py", "--path", str(tmp_path), "--size", "256K", "--block-size",
+                   "64K", "--queue-depth", "4", "--threads", "1", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    assert [(r["op"], r["fresh_file"]) for r in records] == [
+        ("read", False), ("write", False), ("write", True)
+    ]  # fmt: skip
+    assert "Best performance (GB/sec)" in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (the script "
+                    "would install it with apt-get; tests do not)")  # fmt: skip
+def test_aio_vs_fio_script(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _script("aio_vs_fio.py", "--path", str(tmp_path), "--size", "1M", "--rounds", "2",
+                   "--backend", "posix", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert len(result["records"]) == 2 * 2 * 2  # rounds x ops x (posix, fio)
+    assert {r["tool"] for r in result["records"]} == {"infinity", "fio"}
+    for op in ("read", "write"):
+        s = result["summary"][op]
+        assert s["best_backend"] == "posix"
+        assert s["ratio_best_to_fio"] == pytest.approx(
+            s["median_gbps"]["posix"] / s["median_gbps"]["libaio"]
+        )
+    assert "/ fio =" in proc.stdout
+    assert not (tmp_path / "infinity_aio_bench.bin").exists()

@@ -246,9 +246,13 @@ def config_from_args(args: argparse.Namespace) -> AioBenchConfig:
 
 
 def json_records(result: dict) -> list[dict]:
-    """The --json list: one record per (op, configuration), with the machine info."""
-    return [{**r, "machine": result["machine"], "size": result["config"]["size"],
-             "buffered": result["buffered"]} for r in result["records"]]  # fmt: skip
+    """The --json list: one record per (op, configuration) with the machine info, then the
+    first write into the fresh file, marked "fresh_file": true."""
+    extra = {"machine": result["machine"], "size": result["config"]["size"],
+             "buffered": result["buffered"]}  # fmt: skip
+    return [{**r, **extra, "fresh_file": False} for r in result["records"]] + [
+        {**result["first_write"], **extra, "fresh_file": True}
+    ]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
