@@ -1,0 +1,105 @@
+"""Where the optimizer's fp32 state lives: the contract, and the host-memory tier.
+
+A `StateStore` holds, for each optimizer sub-group, the fp32 master weights and the two Adam
+moments as three flat tensors. The optimizer (`infinity.zero`) never knows which tier it
+talks to: it sweeps the sub-groups in order and updates each in place. The NVMe tier
+implements the same contract with reads of the next sub-group and write-back of the previous
+one overlapping the step of the current one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class SubGroupState(NamedTuple):
+    """One sub-group's optimizer state: three flat fp32 tensors of the same numel."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class StateStore(Protocol):
+    """The fp32 state of every sub-group, wherever it lives.
+
+    [Note: sweep semantics] `sweep()` yields `(index, SubGroupState)` for every sub-group in
+    order. The tensors are resident in host memory and may be modified in place until the
+    caller asks for the next item; every change made by then is kept (the host tier updates in
+    place; the NVMe tier writes the sub-group back while the next one is stepped). Exhausting
+    or closing the iterator waits for all outstanding writes and raises any I/O error, so
+    after the loop the state is durable in its tier.
+    """
+
+    numels: Sequence[int]
+    """Elements of each sub-group."""
+
+    def initialize(self, index: int, master: torch.Tensor) -> None:
+        """Set sub-group `index`: master weights from `master` (any float dtype, flat, numel
+        of the sub-group), both moments zero."""
+        ...
+
+    def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
+        """Each sub-group's state, in order (see the note above)."""
+        ...
+
+    def read(self, index: int) -> SubGroupState:
+        """A copy of sub-group `index`'s state in host memory (checkpointing)."""
+        ...
+
+    def write(self, index: int, state: SubGroupState) -> None:
+        """Replace sub-group `index`'s state, durably once this returns (checkpoint load)."""
+        ...
+
+    def close(self) -> None:
+        """Release the tier's resources (files, buffers). Idempotent."""
+        ...
+
+
+class HostStateStore:
+    """Every sub-group's state in (unpinned) host memory: the "cpu" offload tier."""
+
+    def __init__(self, numels: Sequence[int]) -> None:
+        self.numels = list(numels)
+        self._states = [
+            SubGroupState(*(torch.zeros(n, dtype=torch.float32) for _ in range(3)))
+            for n in self.numels
+        ]
+
+    def _check(self, index: int, t: torch.Tensor, what: str) -> None:
+        if not 0 <= index < len(self.numels):
+            raise IndexError(f"sub-group {index} out of range (there are {len(self.numels)})")
+        if t.numel() != self.numels[index]:
+            raise ValueError(
+                f"{what} for sub-group {index} has {t.numel()} elements, "
+                f"the sub-group has {self.numels[index]}"
+            )
+
+    def initialize(self, index: int, master: torch.Tensor) -> None:
+        self._check(index, master, "master")
+        state = self._states[index]
+        state.master.copy_(master.reshape(-1))
+        state.exp_avg.zero_()
+        state.exp_avg_sq.zero_()
+
+    def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
+        yield from enumerate(self._states)
+
+    def read(self, index: int) -> SubGroupState:
+        self._check(index, self._states[index].master, "state")
+        return SubGroupState(*(t.clone() for t in self._states[index]))
+
+    def write(self, index: int, state: SubGroupState) -> None:
+        for name, src in zip(SubGroupState._fields, state, strict=True):
+            self._check(index, src, name)
+            getattr(self._states[index], name).copy_(src.reshape(-1))
+
+    def resident(self, index: int) -> SubGroupState:
+        """The live tensors of sub-group `index` (host tier only: no copy)."""
+        return self._states[index]
+
+    def close(self) -> None:
+        pass
