@@ -1,0 +1,199 @@
+"""Claim: Infinity's I/O engine moves data as fast as fio on the same file with the same
+settings (default: 1 MiB blocks, queue depth 32, 1 thread, 2 GiB, fio ioengine=libaio
+direct=1), for reads and writes.
+
+Each round runs every Infinity backend and fio once per op, in a rotating order, on one
+laid-out file (writes overwrite it, as training does); the median over rounds is compared.
+Infinity moves the file as one request from an `aligned_empty` buffer (huge pages, as the
+swap store's buffers); the "fio-buffer" runner moves it instead through a reused
+queue_depth x block_size buffer on 4 KiB pages, fio's own memory pattern, to separate the
+engine from the buffer.
+Installs fio with apt-get if it is missing.
+
+    flock /work/bench.lock python benchmarks/aio_vs_fio.py --path /mnt/ssd \\
+        --json benchmarks/results/aio_vs_fio.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from infinity.cli.bench_aio import BENCH_FILE, human, machine_info, parse_bytes
+from infinity.swap import AioHandle, aligned_empty, available_backends
+
+
+def ensure_fio() -> str | None:
+    """Path of fio, installing the Debian package if needed; None (with a message) if not."""
+    found = shutil.which("fio")
+    if found:
+        return found
+    if shutil.which("apt-get") is None:
+        print("fio is not installed and apt-get is not available: install fio "
+              "(https://github.com/axboe/fio) and re-run", file=sys.stderr)  # fmt: skip
+        return None
+    print("fio is missing: running apt-get update && apt-get install -y fio", flush=True)
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "fio"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            print(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                  f"{proc.stderr.strip()[-500:]}\ninstall fio yourself (as root: apt-get "
+                  "install fio) and re-run", file=sys.stderr)  # fmt: skip
+            return None
+    return shutil.which("fio")
+
+
+def fio_gbps(fio: str, path: str, op: str, size: int, bs: int, qd: int, threads: int) -> float:
+    """fio's bandwidth for one sequential pass over the file, `threads` jobs on slices."""
+    per = size // threads
+    cmd = [fio, "--name=peer", f"--filename={path}", f"--rw={op}", f"--bs={bs}",
+           f"--iodepth={qd}", "--ioengine=libaio", "--direct=1", f"--size={per}",
+           f"--numjobs={threads}", f"--offset_increment={per}", "--group_reporting",
+           "--overwrite=1", "--invalidate=1", "--output-format=json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"fio failed (exit {proc.returncode}): {proc.stderr.strip()}")
+    job = json.loads(proc.stdout[proc.stdout.index("{") :])["jobs"][0]
+    return job[op]["bw_bytes"] / 1e9
+
+
+def ours_gbps(handle: AioHandle, buf, path: str, op: str, size: int) -> float:
+    """Infinity's bandwidth for the same pass: the file as requests of buf's size, all in
+    flight at once (one request when buf is as large as the file)."""
+    submit = handle.pwrite if op == "write" else handle.pread
+    t0 = time.perf_counter()
+    futures = [submit(buf, path, offset) for offset in range(0, size, buf.numel())]
+    for f in futures:
+        f.wait()
+    return size / (time.perf_counter() - t0) / 1e9
+
+
+def small_page_buffer(nbytes: int):
+    """A page-aligned buffer left on 4 KiB pages, like fio's queue_depth x block_size one
+    (aligned_empty asks for huge pages)."""
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    return raw[start : start + nbytes]
+
+
+# The runner that moves the file through a small, reused 4 KiB-page buffer, as fio does.
+FIO_BUFFER = "fio-buffer"
+
+
+def run(args: argparse.Namespace, fio: str) -> dict:
+    path = os.path.join(args.path, BENCH_FILE)
+    cfg = dict(block_size=args.block_size, queue_depth=args.queue_depth, threads=args.threads)
+    handles = {b: AioHandle(backend=b, **cfg) for b in args.backend}
+    buf = aligned_empty(args.size)
+    ring = small_page_buffer(args.block_size * args.queue_depth * args.threads)
+    buf.fill_(0x5A)
+    ring.fill_(0x5A)
+    out = {"settings": {**cfg, "size": args.size, "rounds": args.rounds},
+           "machine": machine_info(args.path), "records": []}  # fmt: skip
+    first = args.backend[0]
+    try:
+        if os.path.exists(path):
+            os.unlink(path)
+        out["first_write"] = {"backend": first,
+                              "gbps": ours_gbps(handles[first], buf, path, "write",
+                                                args.size)}  # fmt: skip
+        runners = [*args.backend, FIO_BUFFER, "fio"]
+        for rnd in range(args.rounds):
+            order = runners[rnd % len(runners) :] + runners[: rnd % len(runners)]
+            for op in ("write", "read"):
+                for name in order:
+                    if name == "fio":
+                        g = fio_gbps(fio, path, op, args.size, args.block_size,
+                                     args.queue_depth, args.threads)  # fmt: skip
+                    elif name == FIO_BUFFER:
+                        g = ours_gbps(handles[first], ring, path, op, args.size)
+                    else:
+                        g = ours_gbps(handles[name], buf, path, op, args.size)
+                    backend = {"fio": "libaio", FIO_BUFFER: f"{first}+{FIO_BUFFER}"}.get(name, name)
+                    out["records"].append({"tool": "fio" if name == "fio" else "infinity",
+                                           "op": op, "backend": backend, **cfg, "gbps": g,
+                                           "round": rnd})  # fmt: skip
+                    print(f"round {rnd} {op:<5} {backend:<20} {g:6.2f} GB/s", flush=True)
+    finally:
+        for h in handles.values():
+            h.close()
+        if os.path.exists(path) and not args.keep_file:
+            os.unlink(path)
+    out["summary"] = summarize(out["records"])
+    return out
+
+
+def summarize(records: list[dict]) -> dict:
+    """Median GB/s per (tool backend, op), Infinity's best backend per op, and its ratio."""
+    med: dict[str, dict[str, float]] = {}
+    for op in ("read", "write"):
+        names = {r["backend"] for r in records if r["op"] == op}
+        for name in names:
+            g = [r["gbps"] for r in records if r["op"] == op and r["backend"] == name]
+            med.setdefault(op, {})[name] = statistics.median(g)
+    summary = {}
+    for op, m in med.items():
+        ours = {k: v for k, v in m.items() if k != "libaio" and FIO_BUFFER not in k}
+        best = max(ours, key=ours.get)
+        same = next(v for k, v in m.items() if FIO_BUFFER in k)
+        summary[op] = {"median_gbps": m, "best_backend": best,
+                       "ratio_best_to_fio": ours[best] / m["libaio"],
+                       "ratio_fio_buffer_to_fio": same / m["libaio"]}  # fmt: skip
+    return summary
+
+
+def format_summary(out: dict) -> str:
+    s = out["settings"]
+    lines = [
+        f"median of {s['rounds']} interleaved rounds; {human(s['size'])} file, block "
+        f"{human(s['block_size'])}, queue depth {s['queue_depth']}, {s['threads']} thread(s); "
+        f"fio ioengine=libaio direct=1",
+        f"first write into the fresh file ({out['first_write']['backend']}): "
+        f"{out['first_write']['gbps']:.2f} GB/s",
+    ]
+    for op, v in out["summary"].items():
+        cols = ", ".join(f"{k} {g:.2f}" for k, g in sorted(v["median_gbps"].items()))
+        lines.append(f"{op:<5} GB/s: {cols}; best ({v['best_backend']}) / fio = "
+                     f"{v['ratio_best_to_fio']:.2f}x; with fio's buffer / fio = "
+                     f"{v['ratio_fio_buffer_to_fio']:.2f}x")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", default=".", help="directory on the disk to measure")
+    parser.add_argument("--size", type=parse_bytes, default=2 << 30)
+    parser.add_argument("--block-size", type=parse_bytes, default=1 << 20)
+    parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--backend", action="append", choices=["io_uring", "aio", "posix"],
+                        help="Infinity backend (repeatable; default: the native ones)")  # fmt: skip
+    parser.add_argument("--keep-file", action="store_true")
+    parser.add_argument("--json", default="aio_vs_fio.json", help="output file")
+    args = parser.parse_args(argv)
+    if args.size % (args.threads * args.block_size):
+        parser.error("--size must be a multiple of --threads x --block-size")
+    native = [b for b in available_backends() if b != "posix"]
+    args.backend = args.backend or native or ["posix"]
+    fio = ensure_fio()
+    if fio is None:
+        return 2
+    out = run(args, fio)
+    print(format_summary(out))
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
