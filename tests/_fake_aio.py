@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import os
 
+import torch
+
 
 class FakeFuture:
     def __init__(self, run):
@@ -48,7 +50,7 @@ class FakeAio:
 
     def pread(self, buf, path, offset=0):
         self.log.append(("read", path, offset))
-        view = buf.numpy()
+        view = buf.reshape(-1).view(torch.uint8).numpy()
 
         def run():
             fd = os.open(path, os.O_RDONLY)
@@ -66,7 +68,7 @@ class FakeAio:
         self.log.append(("write", path, offset))
         n = self.writes
         self.writes += 1
-        view = buf.numpy()
+        view = buf.reshape(-1).view(torch.uint8).numpy()
         fail = n == self.fail_write
 
         def run():  # reads the buffer when it runs, as the kernel would
