@@ -6,6 +6,9 @@ import pytest
 import torch
 from _fake_aio import FakeAio
 
+from infinity.config.sections import AioConfig
+from infinity.swap.aio import AioHandle
+from infinity.swap.aio_checks import available_backends
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore, Residency
 from infinity.swap.state_store import HostStateStore, SubGroupState
 from infinity.swap.store import SwapStore
@@ -56,6 +59,25 @@ def test_bitwise_equal_to_host_store(swap, lazy, buffers):
         for a, b in zip(w, g, strict=True):
             assert a.dtype == b.dtype == torch.float32
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_bitwise_equal_to_host_store_real_io(swap, backend):
+    masters = _masters(NUMELS, seed=1)
+    want = _run(HostStateStore(NUMELS), masters, steps=2)
+    aio = AioHandle(block_size=8192, queue_depth=4, backend=backend)
+    with aio, NvmeStateStore(NUMELS, store=swap, aio=aio, buffer_count=3) as s:
+        got = _run(s, masters, steps=2)
+    for w, g in zip(want, got, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(w, g, strict=True))
+
+
+def test_aio_config_makes_an_owned_handle(swap):
+    with NvmeStateStore([100, 200], store=swap, aio=AioConfig(backend="posix")) as s:
+        assert s.aio.backend == "posix"
+        s.initialize(1, torch.ones(200))
+        assert torch.equal(s.read(1).master, torch.ones(200))
+    assert s.aio._closed
 
 
 def test_read_ahead_issued_before_caller_gets_control(swap):

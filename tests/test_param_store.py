@@ -6,6 +6,8 @@ import pytest
 import torch
 from _fake_aio import FakeAio
 
+from infinity.swap.aio import AioHandle
+from infinity.swap.aio_checks import available_backends
 from infinity.swap.param_store import NvmeParamError, NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore
@@ -50,6 +52,25 @@ def test_roundtrip_all_dtypes_and_odd_sizes(swap, lazy):
     total = sum(t.numel() * t.element_size() for t in data.values())
     assert ps.stats.bytes_written == total and ps.stats.bytes_read == 2 * total
     ps.close()
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_roundtrip_real_io(swap, backend):
+    params = {f"p{n}.{dt}": (n, dt) for dt in DTYPES[:3] for n in NUMELS}
+    pool = PinnedBufferPool(1, 4 * max(NUMELS))
+    with AioHandle(block_size=8192, queue_depth=4, backend=backend) as aio:
+        ps = NvmeParamStore(store=swap, aio=aio, pool=pool)
+        ps.reserve(params)
+        data = {k: _tensor(n, dt, i) for i, (k, (n, dt)) in enumerate(params.items())}
+        for k, t in data.items():
+            ps.swap_out(k, t)
+        ps.flush()
+        for k, t in data.items():
+            assert torch.equal(ps.swap_in(k, torch.empty_like(t)).wait(), t)
+            f = ps.swap_in(k)
+            assert torch.equal(f.wait(), t)
+            ps.release(f)
+        ps.close()
 
 
 def test_read_never_overtakes_pending_write(swap):

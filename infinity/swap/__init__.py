@@ -1,2 +1,35 @@
-"""Swapping tensors between host memory and NVMe: async I/O, the swap store, buffer pools,
-and the storage tiers of parameters and optimizer state."""
+"""Moving tensors between host memory and NVMe: the async I/O handle and aligned buffers."""
+
+from infinity.swap.aio import (
+    AioFallbackWarning,
+    AioFuture,
+    AioHandle,
+    aligned_empty,
+    preallocate,
+)
+from infinity.swap.aio_checks import AioError, available_backends
+from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore
+from infinity.swap.param_store import NvmeParamError, NvmeParamStore
+from infinity.swap.pool import PinnedBufferPool
+from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
+from infinity.swap.store import SwapStore, SwapStoreError
+
+__all__ = [
+    "AioError",
+    "AioFallbackWarning",
+    "AioFuture",
+    "AioHandle",
+    "HostStateStore",
+    "NvmeParamError",
+    "NvmeParamStore",
+    "NvmeStateError",
+    "NvmeStateStore",
+    "PinnedBufferPool",
+    "StateStore",
+    "SubGroupState",
+    "SwapStore",
+    "SwapStoreError",
+    "aligned_empty",
+    "available_backends",
+    "preallocate",
+]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from infinity.config.sections import AioConfig
+from infinity.swap.aio import AioHandle
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
 from infinity.swap.state_store import SubGroupState
 from infinity.swap.store import SwapStore, align_up
@@ -72,18 +73,6 @@ class _Transfer:
     op: str  # "read" | "write"
 
 
-def make_aio_handle(config: AioConfig):
-    """An `AioHandle` from the config's `aio` section."""
-    from infinity.swap.aio import AioHandle
-
-    return AioHandle(
-        block_size=config.block_size,
-        queue_depth=config.queue_depth,
-        threads=config.thread_count,
-        backend=config.backend,
-    )
-
-
 class NvmeStateStore:
     """Optimizer state on NVMe, swept through `buffer_count` host buffers.
 
@@ -110,7 +99,7 @@ class NvmeStateStore:
         self.numels = list(numels)
         self.store = store
         self._owns_aio = isinstance(aio, AioConfig)
-        self.aio = make_aio_handle(aio) if self._owns_aio else aio
+        self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
         sizes = {self._key(i): 3 * n * _F32 for i, n in enumerate(self.numels)}
         self._extents = list(store.reserve(KIND, sizes).values()) if sizes else []
         slot_bytes = max((e.padded_nbytes for e in self._extents), default=4096)

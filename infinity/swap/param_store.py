@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from infinity.config.sections import AioConfig
+from infinity.swap.aio import AioHandle
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
 from infinity.swap.store import Extent, SwapStore
 
@@ -110,11 +111,7 @@ class NvmeParamStore:
     ) -> None:
         self.store = store
         self._owns_aio = isinstance(aio, AioConfig)
-        if self._owns_aio:
-            from infinity.swap.nvme_state import make_aio_handle
-
-            aio = make_aio_handle(aio)
-        self.aio = aio
+        self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
         self.pool = pool
         self.stats = ParamIOStats()
         self._layouts: dict[str, ParamLayout] = {}

@@ -20,6 +20,7 @@ import torch
 
 from infinity.accelerator import get_accelerator
 from infinity.config.sections import OffloadParamConfig
+from infinity.swap.aio import aligned_empty
 from infinity.swap.store import ALIGN_BYTES, align_up
 
 logger = logging.getLogger(__name__)
@@ -56,18 +57,10 @@ def default_buffer_bytes(largest_nbytes: int) -> int:
 
 
 def aligned_host_bytes(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
-    """A page-aligned uint8 host buffer of `nbytes`, and whether it is pinned.
-
-    Pinned memory comes straight from the accelerator (page-aligned by the driver); unpinned
-    memory is over-allocated by one page and sliced to the boundary.
-    """
-    acc = get_accelerator()
-    if pin and acc.pin_supported():
-        buf = acc.empty_pinned((nbytes,), torch.uint8)
-        if buf.data_ptr() % ALIGN_BYTES == 0:
-            return buf, True
-        del buf  # not aligned: fall through to the aligned unpinned path
-        logger.warning("pinned allocation is not page-aligned; using unpinned buffers")
+    """A page-aligned uint8 host buffer of `nbytes`, and whether it is pinned (allocated
+    pinned by the accelerator when `pin` and it can, never pinned by copying)."""
+    if pin and get_accelerator().pin_supported():
+        return aligned_empty(nbytes, torch.uint8), True
     raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGN_BYTES
     return raw[skip : skip + nbytes], False

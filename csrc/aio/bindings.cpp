@@ -1,0 +1,89 @@
+// Python binding of the I/O engine. Buffers arrive as raw addresses with a byte count and
+// file descriptors as ints; infinity/swap/aio.py checks buffers, opens files, splits off the
+// unaligned head and tail, and turns the (errno, offset, what) results into exceptions with
+// the path and a hint. The GIL is released on everything that can block.
+#include <pybind11/pybind11.h>
+
+#include <cerrno>
+#include <string>
+#include <system_error>
+
+#include "engine.h"
+
+namespace py = pybind11;
+using infinity_aio::Engine;
+using infinity_aio::IoError;
+
+namespace {
+
+std::unique_ptr<Engine> make_engine(const std::string& backend, size_t block_size,
+                                    unsigned queue_depth, unsigned threads) {
+    if (backend != "io_uring" && backend != "aio")
+        throw std::invalid_argument("backend='" + backend +
+                                    "' is not native; infinity._aio implements 'io_uring' "
+                                    "and 'aio' ('posix' is the Python twin)");
+    if (block_size == 0 || block_size % 4096 != 0)
+        throw std::invalid_argument("block_size must be a positive multiple of 4096, got " +
+                                    std::to_string(block_size));
+    if (queue_depth == 0 || queue_depth > 4096)
+        throw std::invalid_argument("queue_depth must be in 1..4096, got " +
+                                    std::to_string(queue_depth));
+    if (threads == 0 || threads > 256)
+        throw std::invalid_argument("threads must be in 1..256, got " + std::to_string(threads));
+    return std::make_unique<Engine>(backend, block_size, queue_depth, threads);
+}
+
+// "" if the kernel sets up a ring of this backend, else why not.
+std::string probe(const std::string& backend, unsigned queue_depth) {
+    try {
+        infinity_aio::make_ring(backend, queue_depth);
+        return "";
+    } catch (const std::exception& e) {
+        return e.what();
+    }
+}
+
+py::object wait(Engine& engine, uint64_t ticket) {
+    IoError err;
+    {
+        py::gil_scoped_release no_gil;
+        err = engine.wait(ticket);
+    }
+    if (err.code == 0) return py::none();
+    return py::make_tuple(err.code, static_cast<long long>(err.offset), err.what);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_aio, m) {
+    m.doc() = "Asynchronous file I/O with kernel AIO or io_uring through raw syscalls (raw "
+              "addresses; see infinity.swap.aio for the checked Python entry point).";
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const std::system_error& e) {
+            PyErr_SetObject(PyExc_OSError,
+                            py::make_tuple(e.code().value(), std::string(e.what())).ptr());
+        }
+    });
+    py::class_<Engine>(m, "Engine")
+        .def(py::init(&make_engine), py::arg("backend"), py::arg("block_size"),
+             py::arg("queue_depth"), py::arg("threads"),
+             "Starts `threads` workers, each with its own ring of `queue_depth` ops.")
+        .def("submit", &Engine::submit, py::arg("write"), py::arg("fd"), py::arg("address"),
+             py::arg("nbytes"), py::arg("offset"),
+             "Queues one request; returns its ticket. The buffer and fd must stay valid "
+             "until the ticket is waited.")
+        .def("wait", &wait, py::arg("ticket"),
+             "Blocks (GIL released) until the request is done; returns None or "
+             "(errno, file offset, what failed). Each ticket is waited once.")
+        .def("done", &Engine::done, py::arg("ticket"), "True when the request has finished.")
+        .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>(),
+             "Finishes queued requests and stops the workers.")
+        .def_readonly("backend", &Engine::backend)
+        .def_readonly("block_size", &Engine::block_size)
+        .def_readonly("queue_depth", &Engine::queue_depth)
+        .def_readonly("threads", &Engine::threads);
+    m.def("probe", &probe, py::arg("backend"), py::arg("queue_depth") = 8,
+          "'' if the kernel allows a ring of this backend, else the reason it does not.");
+}

@@ -1,0 +1,312 @@
+"""Asynchronous reads and writes of whole buffers to files: the one path every NVMe transfer
+takes. Owns `AioHandle` (an engine plus the split of each request into an O_DIRECT middle
+and buffered head/tail), `AioFuture`, page-aligned buffers and file pre-allocation. Engines
+live in `infinity._aio` (io_uring, kernel AIO) and `aio_posix` (the Python twin); checks
+and errors in `aio_checks`. It does not own what is stored where (the swap store does).
+
+[Note: unaligned requests] O_DIRECT needs file offsets, lengths and memory aligned to the
+device's logical block. A request is cut into an aligned middle, which goes O_DIRECT, and a
+head and tail of less than 4 KiB each, which go through the page cache on a second, buffered
+descriptor of the same file. The kernel then does the read-modify-write of the partial pages
+under its page lock, so neighbouring bytes of the file are never touched and two in-flight
+requests that share a 4 KiB block of the file (without overlapping) do not lose each other's
+bytes. Linux keeps the two kinds of access coherent: a direct read or write first flushes
+and invalidates cached pages in its range. Requests that overlap each other in the file are
+the caller's race, as with pwrite. When the buffer's address and the file offset are aligned
+differently (e.g. an odd offset into an aligned buffer), the middle cannot go O_DIRECT without
+a copy, and the whole request goes buffered (strict=True raises instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from infinity.accelerator import get_accelerator
+from infinity.config.sections import AioConfig
+from infinity.swap.aio_checks import (
+    ALIGN,
+    AioError,
+    buffer_span,
+    check_offset,
+    make_engine,
+    open_file,
+)
+
+log = logging.getLogger(__name__)
+
+
+class AioFallbackWarning(RuntimeWarning):
+    """A file system refused O_DIRECT, so I/O to that path goes through the page cache."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One piece of a request: `nbytes` at `address` <-> the file at `offset`."""
+
+    direct: bool
+    address: int
+    nbytes: int
+    offset: int
+
+
+def plan(address: int, nbytes: int, offset: int, direct: bool) -> list[Segment]:
+    """Cuts a request into an O_DIRECT middle and buffered head/tail (see the module note)."""
+    if nbytes == 0:
+        return []
+    start = -(-offset // ALIGN) * ALIGN
+    end = (offset + nbytes) // ALIGN * ALIGN
+    if not direct or end <= start or (address + start - offset) % ALIGN:
+        return [Segment(False, address, nbytes, offset)]
+    segments = []
+    if start > offset:
+        segments.append(Segment(False, address, start - offset, offset))
+    segments.append(Segment(True, address + start - offset, end - start, start))
+    if offset + nbytes > end:
+        segments.append(Segment(False, address + end - offset, offset + nbytes - end, end))
+    return segments
+
+
+class AioFuture:
+    """One request in flight. Holds the buffer and the file descriptors until `wait()`,
+    which raises the request's error (again on every call). Waiting from several threads is
+    safe."""
+
+    def __init__(self, handle, op, path, offset, nbytes, buf, tickets, fds) -> None:
+        self._handle, self._engine = handle, handle._engine
+        self.op, self.path, self.offset, self.nbytes = op, path, offset, nbytes
+        self._buf, self._tickets, self._fds = buf, tickets, fds
+        self._lock = threading.Lock()
+        self._waited = False
+        self._error: AioError | None = None
+
+    def done(self) -> bool:
+        """True when the request has finished (successfully or not)."""
+        with self._lock:
+            return self._waited or all(self._engine.done(t) for t in self._tickets)
+
+    def wait(self) -> None:
+        """Blocks until the request has finished; raises AioError if it failed."""
+        with self._lock:
+            if not self._waited:
+                self._finish()
+        if self._error is not None:
+            raise self._error
+
+    def _finish(self) -> None:
+        # Every piece is waited, even after a failure: none may still be writing to `buf`.
+        results = [self._engine.wait(t) for t in self._tickets]
+        for fd in self._fds:
+            os.close(fd)
+        failed = next((r for r in results if r is not None), None)
+        if failed is not None:
+            code, at, what = failed
+            self._error = AioError(code, self.op, self.path, at, self.nbytes, what)
+        self._waited = True
+        self._buf, self._fds = None, ()
+        self._handle._forget(self)
+
+
+class AioHandle:
+    """Reads and writes whole buffers to files asynchronously.
+
+    `block_size` bytes per I/O op (a multiple of 4096), `queue_depth` ops in flight per worker,
+    `threads` workers, each on its slice of every request. `backend` is "io_uring", "aio"
+    (kernel AIO), "posix" (thread pool, no extension needed) or "auto" (the first of those that
+    runs here). On a file system that refuses O_DIRECT, I/O to that path is buffered after one
+    AioFallbackWarning, or raises AioError if `strict`. `buf` is a contiguous CPU torch tensor
+    or numpy array of any dtype; page-aligned ones (`aligned_empty`) go O_DIRECT.
+
+    Errors found before any I/O (bad buffer or offset, a missing file or directory, a read
+    past the end of the file) raise from pread/pwrite; errors of the I/O itself from wait().
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1 << 20,
+        queue_depth: int = 32,
+        threads: int = 1,
+        backend: str = "auto",
+        strict: bool = False,
+    ) -> None:
+        self._engine = make_engine(backend, block_size, queue_depth, threads)
+        self.backend: str = self._engine.backend
+        self.block_size, self.queue_depth, self.threads = block_size, queue_depth, threads
+        self.strict = strict
+        self._buffered_paths: set[str] = set()
+        self._warned_unaligned = False
+        self._pending: set[AioFuture] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: AioConfig, *, strict: bool = False) -> AioHandle:
+        """A handle with the config's `aio` section. single_submit and overlap_events are
+        accepted for DeepSpeed compatibility; this engine always batches submissions and
+        reaps completions while it keeps the queue full."""
+        return cls(
+            block_size=config.block_size,
+            queue_depth=config.queue_depth,
+            threads=config.thread_count,
+            backend=config.backend,
+            strict=strict,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"AioHandle(backend={self.backend!r}, block_size={self.block_size}, "
+            f"queue_depth={self.queue_depth}, threads={self.threads}, strict={self.strict})"
+        )
+
+    def pread(self, buf, path: str | os.PathLike, offset: int = 0) -> AioFuture:
+        """Starts reading `buf.nbytes` bytes of `path` at `offset` into `buf`."""
+        return self._submit(False, buf, path, offset)
+
+    def pwrite(self, buf, path: str | os.PathLike, offset: int = 0) -> AioFuture:
+        """Starts writing `buf` to `path` at `offset` (created if missing, never truncated)."""
+        return self._submit(True, buf, path, offset)
+
+    def read(self, buf, path: str | os.PathLike, offset: int = 0) -> None:
+        self.pread(buf, path, offset).wait()
+
+    def write(self, buf, path: str | os.PathLike, offset: int = 0) -> None:
+        self.pwrite(buf, path, offset).wait()
+
+    def _submit(self, write: bool, buf, path, offset) -> AioFuture:
+        if self._closed:
+            raise ValueError("this AioHandle is closed; create a new one")
+        span = buffer_span(buf, writable=not write)
+        offset = check_offset(offset)
+        path = os.fspath(path)
+        op = "pwrite" if write else "pread"
+        fds: list[int] = []
+        try:
+            direct_fd = self._open_direct(path, write, op, offset, span.nbytes)
+            if direct_fd is not None:
+                fds.append(direct_fd)
+            if direct_fd is not None:
+                self._check_alignment(span.address, span.nbytes, path, op, offset)
+            segments = plan(span.address, span.nbytes, offset, direct_fd is not None)
+            if any(not s.direct for s in segments) or not fds:
+                fds.append(open_file(path, write, False, op))
+            if not write:
+                size = os.fstat(fds[0]).st_size
+                if offset + span.nbytes > size:
+                    raise AioError(errno.ENODATA, op, path, offset, span.nbytes,
+                                   f"the file holds {size} bytes")  # fmt: skip
+            buffered_fd = fds[-1]
+            tickets = [
+                self._engine.submit(
+                    write, direct_fd if s.direct else buffered_fd, s.address, s.nbytes, s.offset
+                )
+                for s in segments
+            ]
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        future = AioFuture(self, op, path, offset, span.nbytes, buf, tickets, fds)
+        with self._lock:
+            self._pending.add(future)
+        return future
+
+    def _open_direct(self, path: str, write: bool, op: str, offset: int, nbytes: int):
+        """An O_DIRECT descriptor, or None where the file system refuses O_DIRECT."""
+        if path in self._buffered_paths:
+            return None
+        try:
+            return open_file(path, write, True, op)
+        except AioError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        if self.strict:
+            raise AioError(errno.EINVAL, op, path, offset, nbytes,
+                           "the file system refuses O_DIRECT and strict=True")  # fmt: skip
+        self._buffered_paths.add(path)
+        warnings.warn(
+            f"'{path}': the file system refuses O_DIRECT, so I/O to it goes through the page "
+            "cache (slower, and it uses RAM); put swap files on ext4 or xfs for direct I/O",
+            AioFallbackWarning,
+            stacklevel=4,
+        )
+        return None
+
+    def _check_alignment(self, address, nbytes, path, op, offset) -> None:
+        start = -(-offset // ALIGN) * ALIGN
+        if (offset + nbytes) // ALIGN * ALIGN <= start or (address + start - offset) % ALIGN == 0:
+            return
+        if self.strict:
+            raise ValueError(
+                f"{op} of '{path}' at offset {offset}: the buffer's address and the offset "
+                f"differ modulo {ALIGN}, so the transfer cannot use O_DIRECT; allocate with "
+                "infinity.swap.aligned_empty and use offsets with the same alignment, or "
+                "pass strict=False to go through the page cache"
+            )
+        if not self._warned_unaligned:
+            self._warned_unaligned = True
+            log.info(
+                "%s of '%s' at offset %d goes through the page cache: buffer and offset are "
+                "aligned differently (further cases are not logged)", op, path, offset,
+            )  # fmt: skip
+
+    def _forget(self, future: AioFuture) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def close(self) -> None:
+        """Waits for every request not yet waited (errors are logged), stops the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            try:
+                future.wait()
+            except AioError as exc:
+                log.error("unwaited request failed at close: %s", exc)
+        self._engine.close()
+
+    def __enter__(self) -> AioHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Buffers of unwaited requests must outlive the I/O: wait before the engine goes.
+        with contextlib.suppress(Exception):  # nothing useful to do in a finalizer
+            self.close()
+
+
+def aligned_empty(shape, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialized CPU tensor whose data starts on a page boundary (O_DIRECT-ready),
+    pinned through the accelerator when it supports pinning (CUDA)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = get_accelerator().empty_pinned((nbytes + ALIGN,), torch.uint8)
+    start = -raw.data_ptr() % ALIGN
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def preallocate(path: str | os.PathLike, nbytes: int) -> None:
+    """Reserves `nbytes` of disk for `path` (created if missing; never shrunk), so that later
+    writes overwrite allocated blocks: first writes into a fresh file are much slower."""
+    path = os.fspath(path)
+    fd = open_file(path, True, False, "preallocate")
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        raise AioError(exc.errno or errno.EIO, "preallocate", path, 0, nbytes) from None
+    finally:
+        os.close(fd)
