@@ -1,0 +1,144 @@
+"""Claim: a sweep of `NvmeStateStore` (read sub-group i+1 and write back i-1 while i is
+updated) keeps the disk as busy as raw `AioHandle` reads and writes of the same bytes.
+
+Each round, interleaved so that the shared disk's swings hit every variant alike: raw writes
+of the state's bytes over a laid-out file, raw reads of them (sub-group sized requests, one
+at a time, like `infinity bench aio`), then one sweep with a trivial in-place update. The
+sweep moves the state once each way, so its throughput is compared with the raw time to read
+plus write the same bytes: `fraction_of_raw` = (raw read s + raw write s) / sweep s.
+
+    flock /work/bench.lock python benchmarks/optimizer_swap_bench.py --path /tmp \\
+        --state-gib 2 --json benchmarks/results/optimizer_swap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from infinity.swap.aio import AioHandle, aligned_empty
+from infinity.swap.nvme_state import NvmeStateStore
+from infinity.swap.store import SwapStore, align_up
+
+_GB = 1e9
+
+
+def machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def raw_pass(aio: AioHandle, buf: torch.Tensor, path: str, chunks: int, write: bool) -> float:
+    """Seconds to move `chunks` buffers to (or from) consecutive offsets of `path`."""
+    op = aio.pwrite if write else aio.pread
+    start = time.perf_counter()
+    for c in range(chunks):
+        op(buf, path, c * buf.numel()).wait()
+    return time.perf_counter() - start
+
+
+def sweep_pass(state: NvmeStateStore) -> float:
+    start = time.perf_counter()
+    for _, s in state.sweep():
+        s.master.add_(1.0)  # stands in for the Adam step; memory-bound and cheap
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict:
+    numel = args.sub_group_numel
+    groups = max(1, round(args.state_gib * (1 << 30) / (12 * numel)))
+    state_bytes = groups * align_up(12 * numel)
+    aio = AioHandle(
+        block_size=args.block_size,
+        queue_depth=args.queue_depth,
+        threads=args.threads,
+        backend=args.backend,
+    )
+    rows: dict[str, list[float]] = {"raw_write_s": [], "raw_read_s": [], "sweep_s": []}
+    waits: list[tuple[float, float]] = []
+    with SwapStore(args.path, run_id=f"bench{os.getpid()}") as store:
+        state = NvmeStateStore(
+            [numel] * groups, store=store, aio=aio, buffer_count=args.buffer_count
+        )
+        for i in range(groups):
+            state.initialize(i, torch.zeros(numel))
+        raw_ext = store.reserve("raw", {"raw": state_bytes})["raw"]
+        buf = aligned_empty(align_up(12 * numel), torch.uint8)
+        buf.fill_(1)
+        raw_pass(aio, buf, raw_ext.path, groups, write=True)  # lay the file out
+        sweep_pass(state)  # warm-up; also settles the initial writes
+        for _ in range(args.rounds):
+            rows["raw_write_s"].append(raw_pass(aio, buf, raw_ext.path, groups, write=True))
+            rows["raw_read_s"].append(raw_pass(aio, buf, raw_ext.path, groups, write=False))
+            before = (state.stats.read_wait_s, state.stats.write_wait_s)
+            rows["sweep_s"].append(sweep_pass(state))
+            waits.append(
+                (state.stats.read_wait_s - before[0], state.stats.write_wait_s - before[1])
+            )
+        state.close()
+    aio.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {
+        "bench": "optimizer_swap",
+        "path": os.path.abspath(args.path),
+        "backend": aio.backend,
+        "block_size": args.block_size,
+        "queue_depth": args.queue_depth,
+        "threads": args.threads,
+        "buffer_count": args.buffer_count,
+        "sub_group_numel": numel,
+        "sub_groups": groups,
+        "state_bytes": state_bytes,
+        "rounds": args.rounds,
+        **{k: v for k, v in rows.items()},
+        "raw_write_gbps": state_bytes / med["raw_write_s"] / _GB,
+        "raw_read_gbps": state_bytes / med["raw_read_s"] / _GB,
+        "sweep_gbps": 2 * state_bytes / med["sweep_s"] / _GB,
+        "fraction_of_raw": (med["raw_read_s"] + med["raw_write_s"]) / med["sweep_s"],
+        "sweep_read_wait_s": statistics.median(w[0] for w in waits),
+        "sweep_write_wait_s": statistics.median(w[1] for w in waits),
+        "machine": machine(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--path", default="/tmp", help="directory on the disk to measure")
+    p.add_argument("--state-gib", type=float, default=2.0, help="fp32 state (master, m, v)")
+    p.add_argument("--sub-group-numel", type=int, default=16 << 20)
+    p.add_argument("--buffer-count", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=1 << 20)
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default="optimizer_swap_bench.json", help="output file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    record = run(args)
+    print(
+        f"state {record['state_bytes'] / _GB:.2f} GB in {record['sub_groups']} sub-groups, "
+        f"{record['backend']}: raw write {record['raw_write_gbps']:.2f} GB/s, raw read "
+        f"{record['raw_read_gbps']:.2f} GB/s; sweep {record['sweep_gbps']:.2f} GB/s "
+        f"(read+write), {record['fraction_of_raw']:.2f}x of raw read+write time"
+    )
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
