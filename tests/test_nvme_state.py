@@ -7,6 +7,7 @@ import torch
 from _fake_aio import FakeAio
 
 from infinity.config.sections import AioConfig
+from infinity.optim.functional import adam_step_flat
 from infinity.swap.aio import AioHandle
 from infinity.swap.aio_checks import available_backends
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore, Residency
@@ -59,6 +60,29 @@ def test_bitwise_equal_to_host_store(swap, lazy, buffers):
         for a, b in zip(w, g, strict=True):
             assert a.dtype == b.dtype == torch.float32
             assert torch.equal(a, b)
+
+
+def test_adam_steps_bitwise_equal_to_host_store(swap):
+    numels = [4096, 1000, 3]
+    g = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(n, generator=g) for n in numels] for _ in range(3)]
+    results = []
+    for store in (
+        HostStateStore(numels),
+        NvmeStateStore(numels, store=swap, aio=FakeAio(lazy=True), buffer_count=3),
+    ):
+        for i, m in enumerate(_masters(numels, seed=4)):
+            store.initialize(i, m)
+        for step, step_grads in enumerate(grads, 1):
+            for i, s in store.sweep():
+                adam_step_flat(
+                    s.master, step_grads[i], s.exp_avg, s.exp_avg_sq, step=step, lr=1e-2,
+                    weight_decay=0.1, backend="torch",
+                )  # fmt: skip
+        results.append([store.read(i) for i in range(len(numels))])
+        store.close()
+    for w, g in zip(*results, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(w, g, strict=True))
 
 
 @pytest.mark.parametrize("backend", available_backends())

@@ -175,5 +175,7 @@ def test_tmpfs_works(caplog):
         # tmpfs accepts O_DIRECT from Linux 6.6 on; before, the store says so and goes on
         warned = any("O_DIRECT" in r.getMessage() for r in caplog.records)
         assert store.direct is not warned
+        assert store.fs_type == "tmpfs"
+        assert any("stay in RAM" in r.getMessage() for r in caplog.records)
         store.reserve("param", {"w": 100})
     assert not os.path.exists(f"/dev/shm/infinity-{run_id}")

@@ -35,6 +35,7 @@ DEFAULT_FILE_BYTES = 16 << 30
 """A kind's extents are spread over files of at most this size (a larger extent gets its own)."""
 
 _GIB = float(1 << 30)
+_RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
 def align_up(nbytes: int, align: int = ALIGN_BYTES) -> int:
@@ -101,8 +102,19 @@ class SwapStore:
             self._release_dir()
             raise
         atexit.register(self.close)
+        self.fs_type = filesystem_type(self.dir)
+        if self.fs_type in _RAM_FILESYSTEMS:
+            logger.warning(
+                "nvme_path %s is on %s: swapped tensors stay in RAM, so offloading there saves "
+                "no memory; point nvme_path at a directory on an SSD",
+                self.nvme_path,
+                self.fs_type,
+            )
         logger.info(
-            "swap store at %s (O_DIRECT %s)", self.dir, "on" if self.direct else "off: buffered"
+            "swap store at %s (%s, O_DIRECT %s)",
+            self.dir,
+            self.fs_type,
+            "on" if self.direct else "off: buffered",
         )
 
     # -- the directory lock ----------------------------------------------------------------
@@ -294,6 +306,25 @@ def _probe_error(path: str, e: OSError) -> SwapStoreError:
         f"test write to {path} failed: {os.strerror(e.errno)}; check that nvme_path is a "
         f"writable local file system with free space"
     )
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the file system holding `path` ("ext4", "tmpfs"...; "" if unknown)."""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        pass
+    return kind
 
 
 def check_free_space(path: str, needed: int, stale: list[str] = ()) -> None:
