@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 # Benchmarks under `infinity bench`, each a module with `register(subparsers)`.
-BENCHES: list[str] = ["infinity.cli.bench_adam"]
+BENCHES: list[str] = ["infinity.cli.bench_aio", "infinity.cli.bench_adam"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

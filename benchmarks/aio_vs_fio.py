@@ -1,0 +1,167 @@
+"""Claim: Infinity's I/O engine moves data as fast as fio on the same file with the same
+settings (default: 1 MiB blocks, queue depth 32, 1 thread, 2 GiB, fio ioengine=libaio
+direct=1), for reads and writes.
+
+Each round runs every Infinity backend and fio once per op, in a rotating order, on one
+laid-out file (writes overwrite it, as training does); the median over rounds is compared.
+Installs fio with apt-get if it is missing.
+
+    flock /work/bench.lock python benchmarks/aio_vs_fio.py --path /mnt/ssd \\
+        --json benchmarks/results/aio_vs_fio.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from infinity.cli.bench_aio import BENCH_FILE, human, machine_info, parse_bytes
+from infinity.swap import AioHandle, aligned_empty, available_backends
+
+
+def ensure_fio() -> str | None:
+    """Path of fio, installing the Debian package if needed; None (with a message) if not."""
+    found = shutil.which("fio")
+    if found:
+        return found
+    if shutil.which("apt-get") is None:
+        print("fio is not installed and apt-get is not available: install fio "
+              "(https://github.com/axboe/fio) and re-run", file=sys.stderr)  # fmt: skip
+        return None
+    print("fio is missing: running apt-get update && apt-get install -y fio", flush=True)
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "fio"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            print(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                  f"{proc.stderr.strip()[-500:]}\ninstall fio yourself (as root: apt-get "
+                  "install fio) and re-run", file=sys.stderr)  # fmt: skip
+            return None
+    return shutil.which("fio")
+
+
+def fio_gbps(fio: str, path: str, op: str, size: int, bs: int, qd: int, threads: int) -> float:
+    """fio's bandwidth for one sequential pass over the file, `threads` jobs on slices."""
+    per = size // threads
+    cmd = [fio, "--name=peer", f"--filename={path}", f"--rw={op}", f"--bs={bs}",
+           f"--iodepth={qd}", "--ioengine=libaio", "--direct=1", f"--size={per}",
+           f"--numjobs={threads}", f"--offset_increment={per}", "--group_reporting",
+           "--overwrite=1", "--invalidate=1", "--output-format=json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"fio failed (exit {proc.returncode}): {proc.stderr.strip()}")
+    job = json.loads(proc.stdout[proc.stdout.index("{") :])["jobs"][0]
+    return job[op]["bw_bytes"] / 1e9
+
+
+def ours_gbps(handle: AioHandle, buf, path: str, op: str) -> float:
+    """Infinity's bandwidth for the same pass: the whole file as one request."""
+    t0 = time.perf_counter()
+    (handle.pwrite if op == "write" else handle.pread)(buf, path).wait()
+    return buf.numel() / (time.perf_counter() - t0) / 1e9
+
+
+def run(args: argparse.Namespace, fio: str) -> dict:
+    path = os.path.join(args.path, BENCH_FILE)
+    buf = aligned_empty(args.size)
+    buf.fill_(0x5A)
+    cfg = dict(block_size=args.block_size, queue_depth=args.queue_depth, threads=args.threads)
+    handles = {b: AioHandle(backend=b, **cfg) for b in args.backend}
+    out = {"settings": {**cfg, "size": args.size, "rounds": args.rounds},
+           "machine": machine_info(args.path), "records": []}  # fmt: skip
+    try:
+        if os.path.exists(path):
+            os.unlink(path)
+        first = ours_gbps(handles[args.backend[0]], buf, path, "write")
+        out["first_write"] = {"backend": args.backend[0], "gbps": first}
+        runners = [*args.backend, "fio"]
+        for rnd in range(args.rounds):
+            order = runners[rnd % len(runners) :] + runners[: rnd % len(runners)]
+            for op in ("write", "read"):
+                for name in order:
+                    if name == "fio":
+                        g = fio_gbps(fio, path, op, args.size, args.block_size,
+                                     args.queue_depth, args.threads)  # fmt: skip
+                    else:
+                        g = ours_gbps(handles[name], buf, path, op)
+                    out["records"].append({"tool": "fio" if name == "fio" else "infinity",
+                                           "op": op, "backend": "libaio" if name == "fio" else name,
+                                           **cfg, "gbps": g, "round": rnd})  # fmt: skip
+                    print(f"round {rnd} {op:<5} {name:<9} {g:6.2f} GB/s", flush=True)
+    finally:
+        for h in handles.values():
+            h.close()
+        if os.path.exists(path) and not args.keep_file:
+            os.unlink(path)
+    out["summary"] = summarize(out["records"])
+    return out
+
+
+def summarize(records: list[dict]) -> dict:
+    """Median GB/s per (tool backend, op), Infinity's best backend per op, and its ratio."""
+    med: dict[str, dict[str, float]] = {}
+    for op in ("read", "write"):
+        names = {r["backend"] for r in records if r["op"] == op}
+        for name in names:
+            g = [r["gbps"] for r in records if r["op"] == op and r["backend"] == name]
+            med.setdefault(op, {})[name] = statistics.median(g)
+    summary = {}
+    for op, m in med.items():
+        ours = {k: v for k, v in m.items() if k != "libaio"}
+        best = max(ours, key=ours.get)
+        summary[op] = {"median_gbps": m, "best_backend": best,
+                       "ratio_best_to_fio": ours[best] / m["libaio"]}  # fmt: skip
+    return summary
+
+
+def format_summary(out: dict) -> str:
+    s = out["settings"]
+    lines = [
+        f"median of {s['rounds']} interleaved rounds; {human(s['size'])} file, block "
+        f"{human(s['block_size'])}, queue depth {s['queue_depth']}, {s['threads']} thread(s); "
+        f"fio ioengine=libaio direct=1",
+        f"first write into the fresh file ({out['first_write']['backend']}): "
+        f"{out['first_write']['gbps']:.2f} GB/s",
+    ]
+    for op, v in out["summary"].items():
+        cols = ", ".join(f"{k} {g:.2f}" for k, g in sorted(v["median_gbps"].items()))
+        lines.append(f"{op:<5} GB/s: {cols}; best ({v['best_backend']}) / fio = "
+                     f"{v['ratio_best_to_fio']:.2f}x")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", default=".", help="directory on the disk to measure")
+    parser.add_argument("--size", type=parse_bytes, default=2 << 30)
+    parser.add_argument("--block-size", type=parse_bytes, default=1 << 20)
+    parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--backend", action="append", choices=["io_uring", "aio", "posix"],
+                        help="Infinity backend (repeatable; default: the native ones)")  # fmt: skip
+    parser.add_argument("--keep-file", action="store_true")
+    parser.add_argument("--json", default="aio_vs_fio.json", help="output file")
+    args = parser.parse_args(argv)
+    if args.size % (args.threads * args.block_size):
+        parser.error("--size must be a multiple of --threads x --block-size")
+    native = [b for b in available_backends() if b != "posix"]
+    args.backend = args.backend or native or ["posix"]
+    fio = ensure_fio()
+    if fio is None:
+        return 2
+    out = run(args, fio)
+    print(format_summary(out))
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Bad input to AioHandle: each case raises an exception naming the path, the offset, the
+errno text and a hint, on every backend; never a crash, a hang or short data."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from infinity.swap import AioError, AioFallbackWarning, AioHandle, aio_checks, aligned_empty
+from infinity.swap.aio_checks import available_backends
+
+ALL = ["io_uring", "aio", "posix"]
+
+
+@pytest.fixture(params=ALL)
+def handle(request):
+    if request.param not in available_backends():
+        pytest.skip(f"backend {request.param} does not run here (extension or kernel)")
+    with AioHandle(backend=request.param, block_size=64 << 10, queue_depth=4) as h:
+        yield h
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """Mounts a small file system under tmp_path (needs root; skips otherwise)."""
+    mounted = []
+
+    def do(fstype: str, options: str = "") -> str:
+        target = tmp_path / f"mnt-{fstype}"
+        target.mkdir()
+        if shutil.which("mount") is None:
+            pytest.skip("no mount command here")
+        cmd = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(target)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a {fstype} here (needs root): {proc.stderr.strip()}")
+        mounted.append(target)
+        return str(target)
+
+    yield do
+    for target in mounted:
+        subprocess.run(["umount", str(target)], check=False)
+
+
+def test_missing_directory(handle, tmp_path):
+    path = tmp_path / "no" / "such" / "dir" / "f.bin"
+    with pytest.raises(AioError) as info:
+        handle.write(torch.zeros(10, dtype=torch.uint8), path, 5)
+    err = info.value
+    assert err.errno == errno.ENOENT and err.filename == str(path)
+    assert str(path) in str(err) and "No such file" in str(err) and "create it" in str(err)
+
+
+def test_read_missing_file(handle, tmp_path):
+    with pytest.raises(AioError, match="No such file") as info:
+        handle.read(torch.empty(10), tmp_path / "absent.bin")
+    assert info.value.errno == errno.ENOENT
+
+
+@pytest.mark.parametrize("offset,nbytes", [(0, 10_001), (9_999, 2), (20_000, 1), (3, 10_000)])
+def test_read_past_end_raises(handle, tmp_path, offset, nbytes):
+    path = tmp_path / "f.bin"
+    handle.write(torch.ones(10_000, dtype=torch.uint8), path)
+    buf = aligned_empty(nbytes)
+    with pytest.raises(AioError) as info:
+        handle.read(buf, path, offset)
+    err = info.value
+    assert err.errno == errno.ENODATA and err.offset == offset
+    assert "holds 10000 bytes" in str(err) and str(path) in str(err)
+
+
+def test_zero_bytes_at_end_is_fine(handle, tmp_path):
+    path = tmp_path / "f.bin"
+    handle.write(torch.ones(100, dtype=torch.uint8), path)
+    handle.read(torch.empty(0, dtype=torch.uint8), path, 100)
+
+
+def test_bad_buffers(handle, tmp_path):
+    path = tmp_path / "f.bin"
+    with pytest.raises(ValueError, match="not contiguous"):
+        handle.write(torch.zeros(8, 8).t(), path)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        handle.write(np.zeros((8, 8))[:, ::2], path)
+    with pytest.raises(TypeError, match="torch.Tensor or numpy.ndarray"):
+        handle.write(b"bytes", path)
+    handle.write(np.zeros(4), path)
+    ro = np.zeros(4)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        handle.read(ro, path)
+    with pytest.raises(ValueError, match="offset"):
+        handle.write(torch.zeros(4), path, -1)
+
+
+def test_strict_rejects_unaligned_buffer(tmp_path):
+    with AioHandle(strict=True) as h:
+        buf = aligned_empty(1 << 20)
+        with pytest.raises(ValueError, match="aligned_empty"):
+            h.write(buf, tmp_path / "f.bin", 1)
+        h.write(buf, tmp_path / "f.bin", 4096)  # same alignment: fine
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        AioHandle(backend="spdk")
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        AioHandle(block_size=1000)
+    with pytest.raises(ValueError, match="queue_depth"):
+        AioHandle(queue_depth=0)
+    with pytest.raises(ValueError, match="threads"):
+        AioHandle(threads=0)
+
+
+def test_no_permission(tmp_path):
+    """EACCES: as root, in a child that drops to 'nobody' (root ignores file modes)."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    os.chmod(locked, 0o500)
+    path = locked / "f.bin"
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report the errno through the pipe, never return into pytest
+        code = 0
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            with AioHandle(backend="posix") as h:
+                h.write(torch.zeros(4), path)
+        except AioError as exc:
+            code = (
+                exc.errno
+                if "Permission denied" in str(exc) and "check the owner" in str(exc)
+                else -1
+            )
+        except BaseException:  # noqa: BLE001
+            code = -2
+        os.write(write_fd, str(code).encode())
+        os._exit(0)
+    os.close(write_fd)
+    os.waitpid(pid, 0)
+    assert os.read(read_fd, 64).decode() == str(errno.EACCES)
+    os.close(read_fd)
+
+
+def test_disk_full(handle, mount):
+    """ENOSPC from a real full file system: a 256 KiB tmpfs."""
+    path = os.path.join(mount("tmpfs", "size=256k"), "f.bin")
+    future = handle.pwrite(torch.ones(1 << 20, dtype=torch.uint8), path)
+    with pytest.raises(AioError) as info:
+        future.wait()
+    err = info.value
+    assert err.errno == errno.ENOSPC and err.filename == path
+    assert "No space left" in str(err) and "free space" in str(err)
+    with pytest.raises(AioError):  # the error stays with the future
+        future.wait()
+    assert future.done()
+
+
+@pytest.fixture
+def no_direct_dir(tmp_path, mount, monkeypatch):
+    """A directory whose file system refuses O_DIRECT: ramfs if it can be mounted, else a
+    simulated refusal (EINVAL at open, as tmpfs gave before Linux 6.6)."""
+    try:
+        return mount("ramfs")
+    except pytest.skip.Exception:
+        real = aio_checks.open_file
+
+        def refuse(path, write, direct, op):
+            if direct:
+                raise AioError(errno.EINVAL, op, path, 0, 0, "open with O_DIRECT")
+            return real(path, write, direct, op)
+
+        monkeypatch.setattr("infinity.swap.aio.open_file", refuse)
+        return str(tmp_path)
+
+
+def test_no_direct_falls_back_with_one_warning(handle, no_direct_dir):
+    path = os.path.join(no_direct_dir, "f.bin")
+    data = torch.arange(100_000, dtype=torch.int32)
+    with pytest.warns(AioFallbackWarning, match="O_DIRECT") as record:
+        handle.write(data, path, 4096)
+        out = torch.empty_like(data)
+        handle.read(out, path, 4096)
+        handle.write(data, path, 0)
+    assert len([w for w in record if issubclass(w.category, AioFallbackWarning)]) == 1
+    assert torch.equal(out, data)
+
+
+def test_no_direct_strict_raises(no_direct_dir):
+    path = os.path.join(no_direct_dir, "f.bin")
+    with AioHandle(strict=True) as h, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AioError) as info:
+            h.write(torch.zeros(4096, dtype=torch.uint8), path)
+    assert info.value.errno == errno.EINVAL and "O_DIRECT" in str(info.value)

@@ -1,0 +1,115 @@
+"""Smoke test: `infinity bench aio` at a tiny size, its JSON records and its summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infinity.cli.bench_aio import AioBenchConfig, best, parse_bytes, parse_list
+from infinity.cli.main import main
+from infinity.swap import available_backends
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"op", "backend", "block_size", "queue_depth", "threads", "gbps"}
+
+
+def test_cli_sweep_writes_records(tmp_path, capsys):
+    out = tmp_path / "aio.json"
+    argv = ["bench", "aio", "--path", str(tmp_path), "--size", "1M", "--block-size",
+            "64K,256K", "--queue-depth", "2,8", "--threads", "1,2", "--backend", "all",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    records = json.loads(out.read_text())
+    assert records[-1]["fresh_file"] and records[-1]["op"] == "write"
+    records = [r for r in records if not r["fresh_file"]]
+    backends = available_backends()
+    assert len(records) == len(backends) * 2 * 2 * 2 * 2  # x block sizes, depths, threads, ops
+    assert all(set(r) >= KEYS and r["gbps"] > 0 for r in records)
+    assert {r["backend"] for r in records} == set(backends)
+    assert {r["op"] for r in records} == {"read", "write"}
+    assert not (tmp_path / "infinity_aio_bench.bin").exists()  # cleaned up
+    text = capsys.readouterr().out
+    top_read = max(r["gbps"] for r in records if r["op"] == "read")
+    top_write = max(r["gbps"] for r in records if r["op"] == "write")
+    assert f"Best performance (GB/sec): read = {top_read:.2f}, write = {top_write:.2f}" in text
+    assert "first write into a fresh file" in text
+    section = json.loads(text[text.index('{\n  "aio"') :].split("\nwrote")[0])["aio"]
+    assert set(section) == {"block_size", "queue_depth", "thread_count", "backend"}
+
+
+def test_read_only_and_auto(tmp_path):
+    out = tmp_path / "aio.json"
+    argv = ["bench", "aio", "--path", str(tmp_path), "--size", "512K", "--block-size", "128K",
+            "--queue-depth", "4", "--threads", "1", "--read", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    records = json.loads(out.read_text())
+    assert [(r["op"], r["fresh_file"]) for r in records] == [("read", False), ("write", True)]
+    assert records[0]["backend"] == available_backends()[0]
+
+
+def test_best_picks_balanced_config():
+    rec = lambda op, b, g: {"op": op, "backend": b, "block_size": 1, "queue_depth": 1,  # noqa: E731
+                            "threads": 1, "gbps": g}  # fmt: skip
+    result = {"records": [rec("read", "a", 1.0), rec("write", "a", 1.0),
+                          rec("read", "b", 2.0), rec("write", "b", 0.1)]}  # fmt: skip
+    b = best(result)
+    assert (b["read"], b["write"]) == (2.0, 1.0)
+    assert b["aio"]["backend"] == "a"  # 0.5 + 1.0 beats 1.0 + 0.1
+
+
+def test_arguments_are_checked(tmp_path):
+    assert parse_bytes("4G") == 4 << 30 and parse_bytes("128K") == 131072
+    assert parse_list("128K,1M", parse_bytes) == [131072, 1 << 20]
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_bytes("lots")
+    with pytest.raises(ValueError, match="not a directory"):
+        AioBenchConfig(path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        AioBenchConfig(path=str(tmp_path), block_sizes=[1000])
+    with pytest.raises(ValueError, match="does not run here|not one of"):
+        AioBenchConfig(path=str(tmp_path), backends=["spdk"])
+    assert main(["bench", "aio", "--path", str(tmp_path / "missing")]) == 1
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / name), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+
+
+def test_aio_bench_script(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _script("aio_bench.py", "--path", str(tmp_path), "--size", "256K", "--block-size",
+                   "64K", "--queue-depth", "4", "--threads", "1", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    assert [(r["op"], r["fresh_file"]) for r in records] == [
+        ("read", False), ("write", False), ("write", True)
+    ]  # fmt: skip
+    assert "Best performance (GB/sec)" in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (the script "
+                    "would install it with apt-get; tests do not)")  # fmt: skip
+def test_aio_vs_fio_script(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _script("aio_vs_fio.py", "--path", str(tmp_path), "--size", "1M", "--rounds", "2",
+                   "--backend", "posix", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert len(result["records"]) == 2 * 2 * 2  # rounds x ops x (posix, fio)
+    assert {r["tool"] for r in result["records"]} == {"infinity", "fio"}
+    for op in ("read", "write"):
+        s = result["summary"][op]
+        assert s["best_backend"] == "posix"
+        assert s["ratio_best_to_fio"] == pytest.approx(
+            s["median_gbps"]["posix"] / s["median_gbps"]["libaio"]
+        )
+    assert "/ fio =" in proc.stdout
+    assert not (tmp_path / "infinity_aio_bench.bin").exists()
