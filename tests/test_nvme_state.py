@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from _fake_aio import FakeAio
@@ -239,3 +245,21 @@ def test_memory_stats(swap):
     assert m["optim_host_buffer_bytes"] == 3 * 3 * 4 * 2048
     assert 0 < m["optim_host_buffer_peak_bytes"] <= m["optim_host_buffer_bytes"]
     store.close()
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_real_write_failure_mid_sweep_in_child(tmp_path, backend):
+    child = Path(__file__).with_name("_nvme_fsize_child.py")
+    proc = subprocess.run(
+        [sys.executable, str(child), str(tmp_path), backend],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "File too large" in out["error"] and "resume from the last checkpoint" in out["error"]
+    assert "FAILED" in out["residency"] and "RESIDENT" not in out["residency"]
+    assert out["free_buffers"] == 3
+    assert "earlier transfer failed" in out["later"]
+    assert os.listdir(tmp_path) == []

@@ -171,9 +171,10 @@ class NvmeStateStore:
         self._check(index, None, "state")
         self._settle(index)
         buf = self._free_buffer(index)
+        t = self._swap_in(index, buf)
         try:
-            self._wait(self._swap_in(index, buf))
-            return SubGroupState(*(t.clone() for t in self._views(index, buf)))
+            self._wait(t)
+            return SubGroupState(*(x.clone() for x in self._views(index, buf)))
         finally:
             if self.residency[index] in (Residency.READING, Residency.RESIDENT):
                 self.residency[index] = Residency.ON_NVME
@@ -237,16 +238,26 @@ class NvmeStateStore:
             nxt += 1
 
     def _swap_in(self, index: int, buf: PoolBuffer) -> _Transfer:
+        """Start reading sub-group `index` into `buf` (released if the request is refused)."""
         self._transition(index, (Residency.ON_NVME,), Residency.READING)
-        ext = self._extents[index]
-        fut = self.aio.pread(buf.data[: ext.padded_nbytes], ext.path, ext.offset)
-        return _Transfer(index, buf, fut, "read")
+        return self._submit(_Transfer(index, buf, None, "read"))
 
     def _swap_out(self, index: int, buf: PoolBuffer) -> None:
+        """Start writing `buf` back to sub-group `index` (released if the request is refused)."""
         self._transition(index, (Residency.RESIDENT, Residency.ON_NVME), Residency.WRITING)
-        ext = self._extents[index]
-        fut = self.aio.pwrite(buf.data[: ext.padded_nbytes], ext.path, ext.offset)
-        self._writes.append(_Transfer(index, buf, fut, "write"))
+        self._writes.append(self._submit(_Transfer(index, buf, None, "write")))
+
+    def _submit(self, t: _Transfer) -> _Transfer:
+        ext = self._extents[t.index]
+        io = self.aio.pwrite if t.op == "write" else self.aio.pread
+        try:
+            t.future = io(t.buf.data[: ext.padded_nbytes], ext.path, ext.offset)
+        except BaseException as e:  # refused before any I/O (a bad path, a short file...)
+            self.pool.release(t.buf)
+            if t.op == "read":
+                self.residency[t.index] = Residency.ON_NVME
+            self._fail(t, e)
+        return t
 
     def _wait(self, t: _Transfer) -> None:
         """Wait for one transfer; on failure mark the store failed and raise."""
@@ -308,12 +319,15 @@ class NvmeStateStore:
     def _unwind(self, current: tuple[int, PoolBuffer] | None, reads: deque[_Transfer]) -> None:
         """A sweep stops early: keep the caller's changes to the sub-group it holds (unless
         the store failed: then only free its buffer) and drop the reads ahead."""
-        if current is not None:
-            if self._failed is None:
-                self._swap_out(*current)
-            else:
-                self.pool.release(current[1])
-        self._abandon(reads)
+        try:
+            if current is not None:
+                if self._failed is None:
+                    self._swap_out(*current)
+                else:  # dropped unchanged on disk: the store refuses all use from now on
+                    self.residency[current[0]] = Residency.ON_NVME
+                    self.pool.release(current[1])
+        finally:
+            self._abandon(reads)
 
     def _abandon(self, reads: deque[_Transfer]) -> None:
         """Let prefetched reads land (the kernel may still be filling their buffers) and
