@@ -5,7 +5,9 @@ Each round, interleaved so that the shared disk's swings hit every variant alike
 of the state's bytes over a laid-out file, raw reads of them (sub-group sized requests, one
 at a time, like `infinity bench aio`), then one sweep with a trivial in-place update. The
 sweep moves the state once each way, so its throughput is compared with the raw time to read
-plus write the same bytes: `fraction_of_raw` = (raw read s + raw write s) / sweep s.
+plus write the same bytes: `fraction_of_raw` = (raw read s + raw write s) / sweep s. Given
+`--bench-aio-json` (from `infinity bench aio --json` on the same directory), the sweep is
+also compared with that run's best read and write: `fraction_of_bench_aio_best`.
 
     flock /work/bench.lock python benchmarks/optimizer_swap_bench.py --path /tmp \\
         --state-gib 2 --json benchmarks/results/optimizer_swap.json
@@ -69,8 +71,13 @@ def run(args: argparse.Namespace) -> dict:
     rows: dict[str, list[float]] = {"raw_write_s": [], "raw_read_s": [], "sweep_s": []}
     waits: list[tuple[float, float]] = []
     with SwapStore(args.path, run_id=f"bench{os.getpid()}") as store:
+        # No read-ahead into the next sweep: it would overlap the raw passes and hide reads.
         state = NvmeStateStore(
-            [numel] * groups, store=store, aio=aio, buffer_count=args.buffer_count
+            [numel] * groups,
+            store=store,
+            aio=aio,
+            buffer_count=args.buffer_count,
+            prefetch_next_sweep=False,
         )
         for i in range(groups):
             state.initialize(i, torch.zeros(numel))
@@ -90,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
         state.close()
     aio.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
-    return {
+    record = {
         "bench": "optimizer_swap",
         "path": os.path.abspath(args.path),
         "backend": aio.backend,
@@ -111,6 +118,23 @@ def run(args: argparse.Namespace) -> dict:
         "sweep_write_wait_s": statistics.median(w[1] for w in waits),
         "machine": machine(),
     }
+    if args.bench_aio_json:
+        record.update(against_bench_aio(args.bench_aio_json, state_bytes, med["sweep_s"]))
+    return record
+
+
+def against_bench_aio(path: str, state_bytes: int, sweep_s: float) -> dict:
+    """The sweep against the best read and write of an `infinity bench aio --json` run on the
+    same directory: the time those would take to read and write the state, over the sweep's."""
+    with open(path) as f:
+        records = json.load(f)
+    best = {op: max(r["gbps"] for r in records if r["op"] == op) for op in ("read", "write")}
+    ideal_s = state_bytes / (best["read"] * _GB) + state_bytes / (best["write"] * _GB)
+    return {
+        "bench_aio_best_read_gbps": best["read"],
+        "bench_aio_best_write_gbps": best["write"],
+        "fraction_of_bench_aio_best": ideal_s / sweep_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--backend", default="auto")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--bench-aio-json", help="`infinity bench aio --json` output to compare to")
     p.add_argument("--json", default="optimizer_swap_bench.json", help="output file")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -126,11 +126,45 @@ def test_read_ahead_issued_before_caller_gets_control(swap):
             assert ("write", i - 2) in issued
         assert ("write", i) not in issued
         s.master.add_(1)
-    # every sub-group read once and written once per sweep
-    assert sorted(
-        o for op, o in ((op, offsets[off]) for op, _, off in aio.log) if op == "read"
-    ) == list(range(7))
+    ops = [(op, offsets[off]) for op, _, off in aio.log]
+    n = len(NUMELS)
+    # every sub-group read once and written once, then the next sweep's first reads
+    assert sorted(o for op, o in ops[: 2 * n] if op == "read") == list(range(n))
+    assert sorted(o for op, o in ops[: 2 * n] if op == "write") == list(range(n))
+    assert ops[2 * n :] == [("read", 0), ("read", 1), ("read", 2)]
     store.close()
+
+
+def test_next_sweep_prefetch_is_used_or_dropped(swap):
+    aio = FakeAio(lazy=True)
+    store = NvmeStateStore([100] * 4, store=swap, aio=aio, buffer_count=3)
+    for _ in store.sweep():
+        pass
+    aio.log.clear()
+    for i, s in store.sweep():  # sub-groups 0-2 were read at the end of the last sweep
+        s.master.fill_(i)
+    assert sum(op == "read" for op, _, _ in aio.log) == 1 + 3
+    new = SubGroupState(*(torch.full((100,), 9.0) for _ in range(3)))
+    store.write(0, new)  # drops the reads of the old state issued for the next sweep
+    assert store.pool.free_count == 3
+    it = store.sweep()
+    first = next(it)
+    assert first[0] == 0 and torch.all(first[1].exp_avg == 9.0)
+    first[1].exp_avg.fill_(5.0)
+    store.close()  # closes the suspended sweep first: its change is kept
+    assert store.pool.free_count == 3 and not store._writes
+    assert [r.name for r in store.residency] == ["ON_NVME"] * 4
+    ext = store.store.extent("optim", "subgroup.0")
+    with open(ext.path, "rb") as f:
+        f.seek(ext.offset + 400)
+        assert torch.all(torch.frombuffer(bytearray(f.read(400)), dtype=torch.float32) == 5.0)
+    no_prefetch = NvmeStateStore(
+        [100] * 4, store=swap, aio=FakeAio(), prefetch_next_sweep=False, kind="optim.b"
+    )
+    for _ in no_prefetch.sweep():
+        pass
+    assert no_prefetch.pool.free_count == 4 and not no_prefetch._ahead
+    no_prefetch.close()
 
 
 def test_write_of_previous_overlaps_step_of_current(swap):

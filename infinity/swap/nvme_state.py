@@ -20,6 +20,7 @@ import contextlib
 import enum
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,10 @@ class NvmeStateStore:
     owned). `buffer_count` >= 3: one sub-group stepped, one read ahead, one written back;
     each buffer holds the largest sub-group (12 bytes per element). Pinning the buffers
     (`pin_memory`) only pays when they are copied to a device; the state is stepped on the host.
+    With `prefetch_next_sweep`, the end of a sweep starts reading the first sub-groups of the
+    next one into the free buffers, so the read at the start of a step overlaps the forward
+    and backward passes; any other call drops those reads first. `kind` names the store's
+    extents in the swap store (two state stores in one swap store need different kinds).
     """
 
     def __init__(
@@ -90,6 +95,8 @@ class NvmeStateStore:
         aio: Any,
         buffer_count: int = 4,
         pin_memory: bool = False,
+        prefetch_next_sweep: bool = True,
+        kind: str = KIND,
     ) -> None:
         if buffer_count < 3:
             raise ValueError(
@@ -101,12 +108,15 @@ class NvmeStateStore:
         self._owns_aio = isinstance(aio, AioConfig)
         self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
         sizes = {self._key(i): 3 * n * _F32 for i, n in enumerate(self.numels)}
-        self._extents = list(store.reserve(KIND, sizes).values()) if sizes else []
+        self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
         slot_bytes = max((e.padded_nbytes for e in self._extents), default=4096)
         self.pool = PinnedBufferPool(buffer_count, slot_bytes, pin=pin_memory, name="optim")
         self.residency = [Residency.ON_NVME] * len(self.numels)
         self.stats = NvmeStats()
         self._writes: deque[_Transfer] = deque()
+        self.prefetch_next_sweep = prefetch_next_sweep
+        self._ahead: deque[_Transfer] = deque()  # reads issued for the next sweep
+        self._active: weakref.ref | None = None  # the last sweep iterator
         self._failed: BaseException | None = None
         self._sweeping = False
         self._closed = False
@@ -121,6 +131,7 @@ class NvmeStateStore:
         """Queue sub-group `index`'s first write (master from `master`, moments zero); it is
         durable before the next sweep or read reaches it."""
         self._check_usable("initialize")
+        self._drop_ahead()
         self._check(index, master, "master")
         self._settle(index)
         buf = self._free_buffer(index)
@@ -132,9 +143,14 @@ class NvmeStateStore:
 
     def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
         """Every sub-group in order, pipelined (see [Note: NVMe sweep pipeline])."""
+        gen = self._sweep()
+        self._active = weakref.ref(gen)
+        return gen
+
+    def _sweep(self) -> Iterator[tuple[int, SubGroupState]]:
         self._check_usable("sweep")
         self._sweeping = True
-        reads: deque[_Transfer] = deque()
+        reads, self._ahead = self._ahead, deque()
         current: tuple[int, PoolBuffer] | None = None
         try:
             for i in range(len(self.numels)):
@@ -149,6 +165,8 @@ class NvmeStateStore:
                 current = None
                 self._swap_out(i, t.buf)
             self._drain()
+            if self.prefetch_next_sweep:  # lands while the caller runs forward and backward
+                self._read_ahead(self._ahead, 0, minimum=0)
         except GeneratorExit:
             self._unwind(current, reads)
             current = None
@@ -168,6 +186,7 @@ class NvmeStateStore:
     def read(self, index: int) -> SubGroupState:
         """A copy of sub-group `index`'s state (waits for its pending write first)."""
         self._check_usable("read")
+        self._drop_ahead()
         self._check(index, None, "state")
         self._settle(index)
         buf = self._free_buffer(index)
@@ -183,6 +202,7 @@ class NvmeStateStore:
     def write(self, index: int, state: SubGroupState) -> None:
         """Replace sub-group `index`'s state; durable once this returns."""
         self._check_usable("write")
+        self._drop_ahead()
         for name, src in zip(SubGroupState._fields, state, strict=True):
             self._check(index, src, name)
         self._settle(index)
@@ -197,8 +217,12 @@ class NvmeStateStore:
         extents' handle. The swap store's files belong to the store's owner."""
         if self._closed:
             return
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()  # a sweep left suspended: keep its changes, drain its writes
         self._closed = True
         try:
+            self._drop_ahead()
             self._drain()
         finally:
             if self._owns_aio and hasattr(self.aio, "close"):
@@ -328,6 +352,10 @@ class NvmeStateStore:
                     self.pool.release(current[1])
         finally:
             self._abandon(reads)
+
+    def _drop_ahead(self) -> None:
+        """Forget the reads issued for the next sweep (state may change before it)."""
+        self._abandon(self._ahead)
 
     def _abandon(self, reads: deque[_Transfer]) -> None:
         """Let prefetched reads land (the kernel may still be filling their buffers) and
