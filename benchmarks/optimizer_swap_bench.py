@@ -58,18 +58,11 @@ def sweep_pass(state: NvmeStateStore) -> float:
     return time.perf_counter() - start
 
 
-def run(args: argparse.Namespace) -> dict:
-    numel = args.sub_group_numel
-    groups = max(1, round(args.state_gib * (1 << 30) / (12 * numel)))
+def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -> dict:
+    """Interleaved rounds of raw write, raw read and sweep: seconds (and sweep waits) each."""
     state_bytes = groups * align_up(12 * numel)
-    aio = AioHandle(
-        block_size=args.block_size,
-        queue_depth=args.queue_depth,
-        threads=args.threads,
-        backend=args.backend,
-    )
     rows: dict[str, list[float]] = {"raw_write_s": [], "raw_read_s": [], "sweep_s": []}
-    waits: list[tuple[float, float]] = []
+    rows |= {"sweep_read_wait_s": [], "sweep_write_wait_s": []}
     with SwapStore(args.path, run_id=f"bench{os.getpid()}") as store:
         # No read-ahead into the next sweep: it would overlap the raw passes and hide reads.
         state = NvmeStateStore(
@@ -91,11 +84,23 @@ def run(args: argparse.Namespace) -> dict:
             rows["raw_read_s"].append(raw_pass(aio, buf, raw_ext.path, groups, write=False))
             before = (state.stats.read_wait_s, state.stats.write_wait_s)
             rows["sweep_s"].append(sweep_pass(state))
-            waits.append(
-                (state.stats.read_wait_s - before[0], state.stats.write_wait_s - before[1])
-            )
+            rows["sweep_read_wait_s"].append(state.stats.read_wait_s - before[0])
+            rows["sweep_write_wait_s"].append(state.stats.write_wait_s - before[1])
         state.close()
-    aio.close()
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    numel = args.sub_group_numel
+    groups = max(1, round(args.state_gib * (1 << 30) / (12 * numel)))
+    state_bytes = groups * align_up(12 * numel)
+    with AioHandle(
+        block_size=args.block_size,
+        queue_depth=args.queue_depth,
+        threads=args.threads,
+        backend=args.backend,
+    ) as aio:
+        rows = measure(args, aio, numel, groups)
     med = {k: statistics.median(v) for k, v in rows.items()}
     record = {
         "bench": "optimizer_swap",
@@ -109,13 +114,12 @@ def run(args: argparse.Namespace) -> dict:
         "sub_groups": groups,
         "state_bytes": state_bytes,
         "rounds": args.rounds,
-        **{k: v for k, v in rows.items()},
+        **rows,
+        "median_s": med,
         "raw_write_gbps": state_bytes / med["raw_write_s"] / _GB,
         "raw_read_gbps": state_bytes / med["raw_read_s"] / _GB,
         "sweep_gbps": 2 * state_bytes / med["sweep_s"] / _GB,
         "fraction_of_raw": (med["raw_read_s"] + med["raw_write_s"]) / med["sweep_s"],
-        "sweep_read_wait_s": statistics.median(w[0] for w in waits),
-        "sweep_write_wait_s": statistics.median(w[1] for w in waits),
         "machine": machine(),
     }
     if args.bench_aio_json:

@@ -51,6 +51,9 @@ def test_roundtrip_all_dtypes_and_odd_sizes(swap, lazy):
     assert pool.free_count == 2
     total = sum(t.numel() * t.element_size() for t in data.values())
     assert ps.stats.bytes_written == total and ps.stats.bytes_read == 2 * total
+    m = ps.memory_stats()
+    assert m["nvme_param_bytes_read"] == 2 * total and m["swap_pool_bytes"] == pool.total_bytes
+    assert 0 < m["swap_pool_peak_bytes_in_use"] <= pool.buffer_bytes
     ps.close()
 
 

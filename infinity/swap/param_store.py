@@ -203,11 +203,12 @@ class NvmeParamStore:
                 self.aio.close()
 
     def memory_stats(self) -> dict[str, int]:
-        return {
+        stats = {
             "nvme_param_bytes_read": self.stats.bytes_read,
             "nvme_param_bytes_written": self.stats.bytes_written,
             "nvme_param_wait_us": int(self.stats.wait_s * 1e6),
         }
+        return stats | (self.pool.memory_stats() if self.pool is not None else {})
 
     def _finished(self, fut: SwapFuture) -> None:
         if fut.op == "swap_out":
