@@ -100,8 +100,7 @@ class PinnedBufferPool:
         self.buffer_bytes = align_up(buffer_bytes)
         self.timeout_s = timeout_s
         total = buffer_count * self.buffer_bytes
-        pin = pin and get_accelerator().pin_supported() and self._memlock_ok(total)
-        self.arena, self.pinned = aligned_host_bytes(total, pin=pin)
+        self.arena, self.pinned = self._allocate(total, pin and get_accelerator().pin_supported())
         self._buffers = [
             PoolBuffer(i, self.arena[i * self.buffer_bytes : (i + 1) * self.buffer_bytes])
             for i in range(buffer_count)
@@ -141,18 +140,29 @@ class PinnedBufferPool:
             )
         return cls(config.buffer_count, numel * element_size, pin=config.pin_memory, name="param")
 
-    def _memlock_ok(self, total: int) -> bool:
+    def _allocate(self, total: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        """The arena, pinned if asked and possible. Over RLIMIT_MEMLOCK pinning is still tried
+        (CUDA pins without mlock, so the limit rarely applies); if it fails, the arena is
+        unpinned and a warning names the limit."""
         ok, soft = memlock_allows(total)
-        if not ok:
+        limit = "unlimited" if soft < 0 else f"{soft / _MIB:.1f} MiB"
+        if pin and not ok:
+            logger.info(
+                "%s pool: %.1f MiB of pinned buffers exceed RLIMIT_MEMLOCK (%s)",
+                self.name, total / _MIB, limit,
+            )  # fmt: skip
+        if not pin:
+            return aligned_host_bytes(total, pin=False)
+        try:
+            return aligned_host_bytes(total, pin=True)
+        except RuntimeError as e:
             logger.warning(
-                "%s pool: %.1f MiB of pinned buffers exceed RLIMIT_MEMLOCK (%.1f MiB); using "
-                "unpinned buffers (device copies will not be asynchronous). Raise the limit "
-                "(ulimit -l unlimited, or memlock in /etc/security/limits.conf) to pin them",
-                self.name,
-                total / _MIB,
-                soft / _MIB,
-            )
-        return ok
+                "%s pool: pinning %.1f MiB failed (%s; RLIMIT_MEMLOCK is %s); using unpinned "
+                "buffers, so device copies will not be asynchronous. Raise the limit (ulimit -l "
+                "unlimited, or memlock in /etc/security/limits.conf) or lower buffer_count",
+                self.name, total / _MIB, e, limit,
+            )  # fmt: skip
+            return aligned_host_bytes(total, pin=False)
 
     @property
     def total_bytes(self) -> int:
