@@ -86,6 +86,19 @@ def test_read_never_overtakes_pending_write(swap):
     assert torch.equal(ps.swap_in("w", torch.empty(100, dtype=torch.float16)).wait(), newer)
 
 
+def test_write_never_overtakes_pending_read(swap):
+    aio = FakeAio(lazy=True)
+    ps = NvmeParamStore(store=swap, aio=aio)
+    ps.reserve({"w": (100, torch.float16)})
+    ps.swap_out("w", torch.ones(100, dtype=torch.float16)).wait()
+    reading = ps.swap_in("w", torch.empty(100, dtype=torch.float16))  # not waited
+    ps.swap_out("w", torch.full((100,), 3.0, dtype=torch.float16))
+    assert reading.done()
+    assert torch.all(reading.wait() == 1.0)  # the old value, not the newer write
+    assert torch.all(ps.swap_in("w", torch.empty(100, dtype=torch.float16)).wait() == 3.0)
+    assert not ps._reading
+
+
 def test_bad_requests(swap):
     ps = NvmeParamStore(store=swap, aio=FakeAio())
     ps.reserve({"w": (10, torch.bfloat16)})

@@ -2,13 +2,15 @@
 
 Owns where each half-precision partition lives on disk (one extent per parameter in the swap
 store, kind "param", keyed by the parameter's stable name) and the transfers to and from it:
-`swap_out(key, src)` and `swap_in(key, dst)` return futures. A read of a parameter never
-overtakes its own pending write. It does not decide what to fetch or when: the coordinator
+`swap_out(key, src)` and `swap_in(key, dst)` return futures. Transfers of one parameter keep
+their order where it matters: a read never overtakes a pending write, nor a write a pending
+read. It does not decide what to fetch or when: the coordinator
 (`infinity.zero`) does, and it owns the pool buffers it is handed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -117,6 +119,7 @@ class NvmeParamStore:
         self._layouts: dict[str, ParamLayout] = {}
         self._written: set[str] = set()
         self._writing: dict[str, SwapFuture] = {}
+        self._reading: dict[str, list[SwapFuture]] = {}
         self._closed = False
 
     def reserve(self, params: Mapping[str, tuple[int, torch.dtype]]) -> None:
@@ -144,6 +147,9 @@ class NvmeParamStore:
         layout = self.layout(key)
         self._check(layout, src, "swap_out source")
         self._settle(key)
+        for pending in self._reading.pop(key, []):  # nor may it overwrite a read in flight
+            with contextlib.suppress(NvmeParamError):  # that read's owner sees its error
+                pending.wait()
         flat = src.reshape(-1)
         if flat.data_ptr() != src.data_ptr():
             raise ValueError(f"swap_out source for {key!r} must be contiguous")
@@ -178,7 +184,9 @@ class NvmeParamStore:
             if buf is not None:
                 self.pool.release(buf)
             raise
-        return SwapFuture(self, "swap_in", layout, dst, fut, buf)
+        future = SwapFuture(self, "swap_in", layout, dst, fut, buf)
+        self._reading.setdefault(key, []).append(future)
+        return future
 
     def release(self, future: SwapFuture) -> None:
         """Give back the pool buffer a swap_in landed in."""
@@ -218,9 +226,15 @@ class NvmeParamStore:
             self._written.add(fut.key)
         else:
             self.stats.bytes_read += fut.layout.extent.nbytes
+            reads = self._reading.get(fut.key, [])
+            if fut in reads:
+                reads.remove(fut)
+                if not reads:
+                    del self._reading[fut.key]
 
     def _settle(self, key: str) -> None:
-        """A transfer of `key` must not overtake its pending write."""
+        """A transfer of `key` must not overtake its pending write (nor a write its pending
+        reads: see swap_out)."""
         pending = self._writing.get(key)
         if pending is not None:
             pending.wait()
