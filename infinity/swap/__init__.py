@@ -1,4 +1,5 @@
-"""Moving tensors between host memory and NVMe: the async I/O handle and aligned buffers."""
+"""Swapping tensors between host memory and NVMe: async I/O, the swap store, buffer pools,
+and the storage tiers of parameters and optimizer state."""
 
 from infinity.swap.aio import (
     AioFallbackWarning,
