@@ -11,7 +11,12 @@ from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadP
 from infinity.swap.nvme_state import NvmeStateStore
 from infinity.swap.state_store import HostStateStore
 from infinity.swap.store import SwapStoreError
-from infinity.swap.tiers import SwapStores, make_param_store, make_state_store
+from infinity.swap.tiers import (
+    SwapStores,
+    check_host_buffers,
+    make_param_store,
+    make_state_store,
+)
 
 AIO = AioConfig(backend="posix", block_size=1 << 16, queue_depth=4)
 
@@ -62,3 +67,12 @@ def test_missing_nvme_path_fails_before_training(tmp_path):
     opt = OffloadOptimizerConfig(device="nvme", nvme_path=str(tmp_path / "nope"))
     with SwapStores() as stores, pytest.raises(SwapStoreError, match="does not exist"):
         make_state_store([1000], opt, AIO, stores=stores)
+
+
+def test_host_buffers_larger_than_half_the_ram_are_refused(tmp_path):
+    check_host_buffers(4 * 12 * 100, ram_bytes=10_000)
+    with pytest.raises(ValueError, match="sub_group_size"):
+        check_host_buffers(4 * 12 * 1000, ram_bytes=10_000)
+    opt = OffloadOptimizerConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=4)
+    with SwapStores() as stores, pytest.raises(ValueError, match="GiB of RAM"):
+        make_state_store([10**12], opt, AIO, stores=stores)  # 12 TB per buffer

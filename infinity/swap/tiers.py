@@ -63,13 +63,35 @@ def make_state_store(
         raise ValueError(
             "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
         )
+    buffer_count = max(3, offload.buffer_count)
+    check_host_buffers(buffer_count * 12 * max(numels, default=0))
     return NvmeStateStore(
         numels,
         store=stores.get(offload.nvme_path),
         aio=aio,
-        buffer_count=max(3, offload.buffer_count),
+        buffer_count=buffer_count,
         pin_memory=False,  # stepped on the host; pinning only pays for device copies
     )
+
+
+def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:
+    """Refuse NVMe optimizer buffers that would take more than half of the machine's RAM
+    (the usual cause: the default sub_group_size of 1e9 elements, 12 GB per buffer)."""
+    ram = ram_bytes if ram_bytes is not None else _physical_ram()
+    if ram and nbytes > ram // 2:
+        raise ValueError(
+            f"the NVMe optimizer pipeline needs {nbytes / 2**30:.1f} GiB of host buffers "
+            f"(offload_optimizer.buffer_count x 12 bytes x the largest sub-group) but the "
+            f"machine has {ram / 2**30:.1f} GiB of RAM; lower zero_optimization.sub_group_size "
+            f"(e.g. to 1e8 elements) or offload_optimizer.buffer_count (at least 3)"
+        )
+
+
+def _physical_ram() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
 
 
 def make_param_store(
