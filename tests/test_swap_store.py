@@ -14,7 +14,13 @@ from collections import namedtuple
 import pytest
 
 from infinity.swap import store as store_mod
-from infinity.swap.store import ALIGN_BYTES, SwapStore, SwapStoreError, find_stale_dirs
+from infinity.swap.store import (
+    ALIGN_BYTES,
+    SwapStore,
+    SwapStoreError,
+    find_stale_dirs,
+    remove_stale_dirs,
+)
 
 
 def _mode(path) -> int:
@@ -110,6 +116,11 @@ def test_killed_run_leaves_stale_dir_that_is_reported(tmp_path):
     assert find_stale_dirs(str(tmp_path)) == [stale]
     with SwapStore(tmp_path, run_id="live") as store:
         assert find_stale_dirs(str(tmp_path)) == [stale]  # the live run's dir is locked
+        with pytest.raises(SwapStoreError, match="left by runs that are gone.*infinity-dead"):
+            store.reserve("optim", {"huge": 1 << 62})
+    assert remove_stale_dirs(str(tmp_path)) == [stale]
+    assert not os.path.exists(os.path.dirname(stale))
+    subprocess.run([sys.executable, "-c", code])
     # the same run id again takes over the directory and drops the dead run's files
     with SwapStore(tmp_path, run_id="dead") as store:
         assert [f for f in os.listdir(store.dir) if f.endswith(".swp")] == []
