@@ -10,8 +10,11 @@ not know what the optimizer computes.
 buffer, sub-group i-1 is being written back from another and i+1 (and further, while free
 buffers last) is being read into the rest. The read of i+1 is always issued before i is
 handed to the caller; when no buffer is free for it the oldest write-back is waited for
-first. A sub-group's disk extent is only read after its last write completed. A failed I/O
-marks the store failed: every later call raises, so a torn state is never presented as valid.
+first. When the sweep ends, every write has completed, and the first sub-groups of the next
+sweep start reading into the free buffers (`prefetch_next_sweep`; dropped by any other call,
+which may change the state). A sub-group's disk extent is only read after its last write
+completed. A failed I/O marks the store failed: every later call raises, so a torn state is
+never presented as valid.
 """
 
 from __future__ import annotations
