@@ -14,6 +14,7 @@ from infinity.swap.param_store import NvmeParamError, NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
 from infinity.swap.store import SwapStore, SwapStoreError
+from infinity.swap.tiers import SwapStores, make_param_store, make_state_store
 
 __all__ = [
     "AioError",
@@ -30,7 +31,10 @@ __all__ = [
     "SubGroupState",
     "SwapStore",
     "SwapStoreError",
+    "SwapStores",
     "aligned_empty",
     "available_backends",
+    "make_param_store",
+    "make_state_store",
     "preallocate",
 ]
