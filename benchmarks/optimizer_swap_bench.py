@@ -3,7 +3,8 @@ updated) keeps the disk as busy as raw `AioHandle` reads and writes of the same 
 
 Each round, interleaved so that the shared disk's swings hit every variant alike: raw writes
 of the state's bytes over a laid-out file, raw reads of them (sub-group sized requests, one
-at a time, like `infinity bench aio`), then one sweep with a trivial in-place update. The
+at a time, like `infinity bench aio`), then one sweep with a trivial in-place update for each
+host buffer count asked for (`--buffer-count 3,4,6`). The
 sweep moves the state once each way, so its throughput is compared with the raw time to read
 plus write the same bytes: `fraction_of_raw` = (raw read s + raw write s) / sweep s. Given
 `--bench-aio-json` (from `infinity bench aio --json` on the same directory), the sweep is
@@ -59,34 +60,41 @@ def sweep_pass(state: NvmeStateStore) -> float:
 
 
 def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -> dict:
-    """Interleaved rounds of raw write, raw read and sweep: seconds (and sweep waits) each."""
+    """Interleaved rounds of raw write, raw read and one sweep per buffer count: seconds each
+    (and the sweeps' waits)."""
     state_bytes = groups * align_up(12 * numel)
-    rows: dict[str, list[float]] = {"raw_write_s": [], "raw_read_s": [], "sweep_s": []}
-    rows |= {"sweep_read_wait_s": [], "sweep_write_wait_s": []}
+    rows: dict[str, list[float]] = {"raw_write_s": [], "raw_read_s": []}
     with SwapStore(args.path, run_id=f"bench{os.getpid()}") as store:
-        # No read-ahead into the next sweep: it would overlap the raw passes and hide reads.
-        state = NvmeStateStore(
-            [numel] * groups,
-            store=store,
-            aio=aio,
-            buffer_count=args.buffer_count,
-            prefetch_next_sweep=False,
-        )
-        for i in range(groups):
-            state.initialize(i, torch.zeros(numel))
+        states = {}
+        for count in args.buffer_count:
+            # No read-ahead into the next sweep: it would overlap the raw passes, hiding reads.
+            states[count] = NvmeStateStore(
+                [numel] * groups,
+                store=store,
+                aio=aio,
+                buffer_count=count,
+                prefetch_next_sweep=False,
+                kind=f"optim.b{count}",
+            )
+            for i in range(groups):
+                states[count].initialize(i, torch.zeros(numel))
+            sweep_pass(states[count])  # warm-up; also settles the initial writes
+            for key in ("sweep_s", "read_wait_s", "write_wait_s"):
+                rows[f"b{count}_{key}"] = []
         raw_ext = store.reserve("raw", {"raw": state_bytes})["raw"]
         buf = aligned_empty(align_up(12 * numel), torch.uint8)
         buf.fill_(1)
         raw_pass(aio, buf, raw_ext.path, groups, write=True)  # lay the file out
-        sweep_pass(state)  # warm-up; also settles the initial writes
         for _ in range(args.rounds):
             rows["raw_write_s"].append(raw_pass(aio, buf, raw_ext.path, groups, write=True))
             rows["raw_read_s"].append(raw_pass(aio, buf, raw_ext.path, groups, write=False))
-            before = (state.stats.read_wait_s, state.stats.write_wait_s)
-            rows["sweep_s"].append(sweep_pass(state))
-            rows["sweep_read_wait_s"].append(state.stats.read_wait_s - before[0])
-            rows["sweep_write_wait_s"].append(state.stats.write_wait_s - before[1])
-        state.close()
+            for count, state in states.items():
+                before = (state.stats.read_wait_s, state.stats.write_wait_s)
+                rows[f"b{count}_sweep_s"].append(sweep_pass(state))
+                rows[f"b{count}_read_wait_s"].append(state.stats.read_wait_s - before[0])
+                rows[f"b{count}_write_wait_s"].append(state.stats.write_wait_s - before[1])
+        for state in states.values():
+            state.close()
     return rows
 
 
@@ -102,43 +110,46 @@ def run(args: argparse.Namespace) -> dict:
     ) as aio:
         rows = measure(args, aio, numel, groups)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    record = {
+    best = read_bench_aio(args.bench_aio_json) if args.bench_aio_json else None
+    variants = []
+    for count in args.buffer_count:
+        sweep_s = med[f"b{count}_sweep_s"]
+        v = {
+            "buffer_count": count,
+            "sweep_gbps": 2 * state_bytes / sweep_s / _GB,
+            "fraction_of_raw": (med["raw_read_s"] + med["raw_write_s"]) / sweep_s,
+            **{k.removeprefix(f"b{count}_"): rows[k] for k in rows if k.startswith(f"b{count}_")},
+        }
+        if best is not None:
+            ideal_s = state_bytes / (best["read"] * _GB) + state_bytes / (best["write"] * _GB)
+            v["fraction_of_bench_aio_best"] = ideal_s / sweep_s
+        variants.append(v)
+    return {
         "bench": "optimizer_swap",
         "path": os.path.abspath(args.path),
         "backend": aio.backend,
         "block_size": args.block_size,
         "queue_depth": args.queue_depth,
         "threads": args.threads,
-        "buffer_count": args.buffer_count,
         "sub_group_numel": numel,
         "sub_groups": groups,
         "state_bytes": state_bytes,
         "rounds": args.rounds,
-        **rows,
-        "median_s": med,
+        "raw_write_s": rows["raw_write_s"],
+        "raw_read_s": rows["raw_read_s"],
         "raw_write_gbps": state_bytes / med["raw_write_s"] / _GB,
         "raw_read_gbps": state_bytes / med["raw_read_s"] / _GB,
-        "sweep_gbps": 2 * state_bytes / med["sweep_s"] / _GB,
-        "fraction_of_raw": (med["raw_read_s"] + med["raw_write_s"]) / med["sweep_s"],
+        **({"bench_aio_best_gbps": best} if best is not None else {}),
+        "variants": variants,
         "machine": machine(),
     }
-    if args.bench_aio_json:
-        record.update(against_bench_aio(args.bench_aio_json, state_bytes, med["sweep_s"]))
-    return record
 
 
-def against_bench_aio(path: str, state_bytes: int, sweep_s: float) -> dict:
-    """The sweep against the best read and write of an `infinity bench aio --json` run on the
-    same directory: the time those would take to read and write the state, over the sweep's."""
+def read_bench_aio(path: str) -> dict[str, float]:
+    """The best read and write GB/s of an `infinity bench aio --json` run."""
     with open(path) as f:
         records = json.load(f)
-    best = {op: max(r["gbps"] for r in records if r["op"] == op) for op in ("read", "write")}
-    ideal_s = state_bytes / (best["read"] * _GB) + state_bytes / (best["write"] * _GB)
-    return {
-        "bench_aio_best_read_gbps": best["read"],
-        "bench_aio_best_write_gbps": best["write"],
-        "fraction_of_bench_aio_best": ideal_s / sweep_s,
-    }
+    return {op: max(r["gbps"] for r in records if r["op"] == op) for op in ("read", "write")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", default="/tmp", help="directory on the disk to measure")
     p.add_argument("--state-gib", type=float, default=2.0, help="fp32 state (master, m, v)")
     p.add_argument("--sub-group-numel", type=int, default=16 << 20)
-    p.add_argument("--buffer-count", type=int, default=4)
+    p.add_argument(
+        "--buffer-count",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[4],
+        help="host buffers of the store; a list (3,4,6) sweeps each, interleaved",
+    )
     p.add_argument("--block-size", type=int, default=1 << 20)
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
@@ -160,9 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"state {record['state_bytes'] / _GB:.2f} GB in {record['sub_groups']} sub-groups, "
         f"{record['backend']}: raw write {record['raw_write_gbps']:.2f} GB/s, raw read "
-        f"{record['raw_read_gbps']:.2f} GB/s; sweep {record['sweep_gbps']:.2f} GB/s "
-        f"(read+write), {record['fraction_of_raw']:.2f}x of raw read+write time"
+        f"{record['raw_read_gbps']:.2f} GB/s"
     )
+    for v in record["variants"]:
+        print(
+            f"  {v['buffer_count']} buffers: sweep {v['sweep_gbps']:.2f} GB/s (read+write), "
+            f"{v['fraction_of_raw']:.2f}x of raw read+write time"
+            + (
+                f", {v['fraction_of_bench_aio_best']:.2f}x of bench aio's best"
+                if "fraction_of_bench_aio_best" in v
+                else ""
+            )
+        )
     with open(args.json, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {args.json}")
