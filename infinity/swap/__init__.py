@@ -9,13 +9,32 @@ from infinity.swap.aio import (
     preallocate,
 )
 from infinity.swap.aio_checks import AioError, available_backends
+from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore
+from infinity.swap.param_store import NvmeParamError, NvmeParamStore
+from infinity.swap.pool import PinnedBufferPool
+from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
+from infinity.swap.store import SwapStore, SwapStoreError
+from infinity.swap.tiers import SwapStores, make_param_store, make_state_store
 
 __all__ = [
     "AioError",
     "AioFallbackWarning",
     "AioFuture",
     "AioHandle",
+    "HostStateStore",
+    "NvmeParamError",
+    "NvmeParamStore",
+    "NvmeStateError",
+    "NvmeStateStore",
+    "PinnedBufferPool",
+    "StateStore",
+    "SubGroupState",
+    "SwapStore",
+    "SwapStoreError",
+    "SwapStores",
     "aligned_empty",
     "available_backends",
+    "make_param_store",
+    "make_state_store",
     "preallocate",
 ]

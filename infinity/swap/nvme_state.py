@@ -1,0 +1,408 @@
+"""The NVMe tier of the optimizer state: `NvmeStateStore`.
+
+Owns each sub-group's fp32 master weights and Adam moments on disk (one extent per sub-group
+in the swap store, kind "optim": master, exp_avg and exp_avg_sq back to back), the ring of
+host buffers they pass through, and the read-ahead / write-back pipeline of `sweep()`. It
+implements the `StateStore` contract ([Note: sweep semantics] in state_store.py); it does
+not know what the optimizer computes.
+
+[Note: NVMe sweep pipeline] With B host buffers: while the caller steps sub-group i in one
+buffer, sub-group i-1 is being written back from another and i+1 (and further, while free
+buffers last) is being read into the rest. The read of i+1 is always issued before i is
+handed to the caller; when no buffer is free for it the oldest write-back is waited for
+first. When the sweep ends, every write has completed, and the first sub-groups of the next
+sweep start reading into the free buffers (`prefetch_next_sweep`; dropped by any other call,
+which may change the state). A sub-group's disk extent is only read after its last write
+completed. A failed I/O marks the store failed: every later call raises, so a torn state is
+never presented as valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from infinity.config.sections import AioConfig
+from infinity.swap.aio import AioHandle
+from infinity.swap.pool import PinnedBufferPool, PoolBuffer
+from infinity.swap.state_store import SubGroupState
+from infinity.swap.store import SwapStore, align_up
+
+logger = logging.getLogger(__name__)
+
+KIND = "optim"
+_F32 = 4
+
+
+class Residency(enum.Enum):
+    """Where a sub-group's latest state is."""
+
+    ON_NVME = "the disk extent holds the latest state"
+    READING = "being read into a host buffer (the disk copy is still the latest)"
+    RESIDENT = "in a host buffer, lent to the caller, who may modify it"
+    WRITING = "being written back; the disk extent is torn until the write completes"
+    FAILED = "a write failed: the disk extent is torn"
+
+
+class NvmeStateError(RuntimeError):
+    """An NVMe transfer of optimizer state failed; the store refuses further use."""
+
+
+@dataclass(slots=True)
+class NvmeStats:
+    """Traffic and waiting of one store since it was built."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_wait_s: float = 0.0
+    """Time the caller waited for reads to land (read-ahead that was not early enough)."""
+    write_wait_s: float = 0.0
+    """Time the caller waited for write-backs (to free a buffer, or at the end of a sweep)."""
+
+
+@dataclass(slots=True)
+class _Transfer:
+    index: int
+    buf: PoolBuffer
+    future: Any
+    op: str  # "read" | "write"
+
+
+class NvmeStateStore:
+    """Optimizer state on NVMe, swept through `buffer_count` host buffers.
+
+    `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
+    owned). `buffer_count` >= 3: one sub-group stepped, one read ahead, one written back;
+    each buffer holds the largest sub-group (12 bytes per element). Pinning the buffers
+    (`pin_memory`) only pays when they are copied to a device; the state is stepped on the host.
+    With `prefetch_next_sweep`, the end of a sweep starts reading the first sub-groups of the
+    next one into the free buffers, so the read at the start of a step overlaps the forward
+    and backward passes; any other call drops those reads first. `kind` names the store's
+    extents in the swap store (two state stores in one swap store need different kinds).
+    """
+
+    def __init__(
+        self,
+        numels: Sequence[int],
+        *,
+        store: SwapStore,
+        aio: Any,
+        buffer_count: int = 4,
+        pin_memory: bool = False,
+        prefetch_next_sweep: bool = True,
+        kind: str = KIND,
+    ) -> None:
+        if buffer_count < 3:
+            raise ValueError(
+                f"offload_optimizer.buffer_count={buffer_count}: the NVMe optimizer pipeline "
+                f"needs at least 3 buffers (read ahead, step, write back)"
+            )
+        self.numels = list(numels)
+        self.store = store
+        self._owns_aio = isinstance(aio, AioConfig)
+        self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
+        sizes = {self._key(i): 3 * n * _F32 for i, n in enumerate(self.numels)}
+        self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
+        slot_bytes = max((e.padded_nbytes for e in self._extents), default=4096)
+        self.pool = PinnedBufferPool(buffer_count, slot_bytes, pin=pin_memory, name="optim")
+        self.residency = [Residency.ON_NVME] * len(self.numels)
+        self.stats = NvmeStats()
+        self._writes: deque[_Transfer] = deque()
+        self.prefetch_next_sweep = prefetch_next_sweep
+        self._ahead: deque[_Transfer] = deque()  # reads issued for the next sweep
+        self._active: weakref.ref | None = None  # the last sweep iterator
+        self._failed: BaseException | None = None
+        self._sweeping = False
+        self._closed = False
+
+    @staticmethod
+    def _key(index: int) -> str:
+        return f"subgroup.{index}"
+
+    # -- the StateStore contract -----------------------------------------------------------
+
+    def initialize(self, index: int, master: torch.Tensor) -> None:
+        """Queue sub-group `index`'s first write (master from `master`, moments zero); it is
+        durable before the next sweep or read reaches it."""
+        self._check_usable("initialize")
+        self._drop_ahead()
+        self._check(index, master, "master")
+        self._settle(index)
+        buf = self._free_buffer(index)
+        state = self._views(index, buf)
+        state.master.copy_(master.reshape(-1))
+        state.exp_avg.zero_()
+        state.exp_avg_sq.zero_()
+        self._swap_out(index, buf)
+
+    def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
+        """Every sub-group in order, pipelined (see [Note: NVMe sweep pipeline])."""
+        gen = self._sweep()
+        self._active = weakref.ref(gen)
+        return gen
+
+    def _sweep(self) -> Iterator[tuple[int, SubGroupState]]:
+        self._check_usable("sweep")
+        self._sweeping = True
+        reads, self._ahead = self._ahead, deque()
+        current: tuple[int, PoolBuffer] | None = None
+        try:
+            for i in range(len(self.numels)):
+                if not reads:
+                    self._read_ahead(reads, i, minimum=1)
+                t = reads.popleft()
+                assert t.index == i, (t.index, i)
+                current = (i, t.buf)
+                self._wait(t)
+                self._read_ahead(reads, i + 1, minimum=1)
+                yield i, self._views(i, t.buf)
+                current = None
+                self._swap_out(i, t.buf)
+            self._drain()
+            if self.prefetch_next_sweep:  # lands while the caller runs forward and backward
+                self._read_ahead(self._ahead, 0, minimum=0)
+        except GeneratorExit:
+            self._unwind(current, reads)
+            current = None
+            self._drain()
+            raise
+        except BaseException:
+            self._unwind(current, reads)
+            current = None
+            try:
+                self._drain()
+            except BaseException as e:  # the first error is the one to report
+                logger.error("while stopping a failed sweep: %s", e)
+            raise
+        finally:
+            self._sweeping = False
+
+    def read(self, index: int) -> SubGroupState:
+        """A copy of sub-group `index`'s state (waits for its pending write first)."""
+        self._check_usable("read")
+        self._drop_ahead()
+        self._check(index, None, "state")
+        self._settle(index)
+        buf = self._free_buffer(index)
+        t = self._swap_in(index, buf)
+        try:
+            self._wait(t)
+            return SubGroupState(*(x.clone() for x in self._views(index, buf)))
+        finally:
+            if self.residency[index] in (Residency.READING, Residency.RESIDENT):
+                self.residency[index] = Residency.ON_NVME
+            self.pool.release(buf)
+
+    def write(self, index: int, state: SubGroupState) -> None:
+        """Replace sub-group `index`'s state; durable once this returns."""
+        self._check_usable("write")
+        self._drop_ahead()
+        for name, src in zip(SubGroupState._fields, state, strict=True):
+            self._check(index, src, name)
+        self._settle(index)
+        buf = self._free_buffer(index)
+        for dst, src in zip(self._views(index, buf), state, strict=True):
+            dst.copy_(src.reshape(-1))
+        self._swap_out(index, buf)
+        self._drain()
+
+    def close(self) -> None:
+        """Wait for outstanding writes (raising a failure not yet reported), then drop the
+        extents' handle. The swap store's files belong to the store's owner."""
+        if self._closed:
+            return
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()  # a sweep left suspended: keep its changes, drain its writes
+        self._closed = True
+        try:
+            self._drop_ahead()
+            self._drain()
+        finally:
+            if self._owns_aio and hasattr(self.aio, "close"):
+                self.aio.close()
+
+    def __enter__(self) -> NvmeStateStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def memory_stats(self) -> dict[str, int]:
+        s = self.stats
+        return {
+            "nvme_optim_bytes_read": s.bytes_read,
+            "nvme_optim_bytes_written": s.bytes_written,
+            "nvme_optim_wait_us": int((s.read_wait_s + s.write_wait_s) * 1e6),
+            "optim_host_buffer_bytes": self.pool.total_bytes,
+            "optim_host_buffer_peak_bytes": self.pool.peak_bytes_in_use,
+        }
+
+    # -- the pipeline ----------------------------------------------------------------------
+
+    def _read_ahead(self, reads: deque[_Transfer], first: int, *, minimum: int) -> None:
+        """Issue reads from `first` on: at least `minimum` ahead (waiting for write-backs to
+        free buffers if needed), more while free buffers last."""
+        nxt = reads[-1].index + 1 if reads else first
+        while nxt < len(self.numels):
+            buf = self.pool.try_acquire(self._extents[nxt].padded_nbytes, self._key(nxt))
+            if buf is None:
+                if len(reads) >= minimum or not self._writes:
+                    return
+                self._retire_write()
+                continue
+            self._settle(nxt)
+            reads.append(self._swap_in(nxt, buf))
+            nxt += 1
+
+    def _swap_in(self, index: int, buf: PoolBuffer) -> _Transfer:
+        """Start reading sub-group `index` into `buf` (released if the request is refused)."""
+        self._transition(index, (Residency.ON_NVME,), Residency.READING)
+        return self._submit(_Transfer(index, buf, None, "read"))
+
+    def _swap_out(self, index: int, buf: PoolBuffer) -> None:
+        """Start writing `buf` back to sub-group `index` (released if the request is refused)."""
+        self._transition(index, (Residency.RESIDENT, Residency.ON_NVME), Residency.WRITING)
+        self._writes.append(self._submit(_Transfer(index, buf, None, "write")))
+
+    def _submit(self, t: _Transfer) -> _Transfer:
+        ext = self._extents[t.index]
+        io = self.aio.pwrite if t.op == "write" else self.aio.pread
+        try:
+            t.future = io(t.buf.data[: ext.padded_nbytes], ext.path, ext.offset)
+        except BaseException as e:  # refused before any I/O (a bad path, a short file...)
+            self.pool.release(t.buf)
+            if t.op == "read":
+                self.residency[t.index] = Residency.ON_NVME
+            self._fail(t, e)
+        return t
+
+    def _wait(self, t: _Transfer) -> None:
+        """Wait for one transfer; on failure mark the store failed and raise."""
+        start = time.perf_counter()
+        try:
+            t.future.wait()
+        except BaseException as e:
+            self._fail(t, e)
+        finally:
+            waited = time.perf_counter() - start
+            if t.op == "read":
+                self.stats.read_wait_s += waited
+            else:
+                self.stats.write_wait_s += waited
+        nbytes = self._extents[t.index].padded_nbytes
+        if t.op == "read":
+            self.stats.bytes_read += nbytes
+            self._transition(t.index, (Residency.READING,), Residency.RESIDENT)
+        else:
+            self.stats.bytes_written += nbytes
+            self._transition(t.index, (Residency.WRITING,), Residency.ON_NVME)
+
+    def _fail(self, t: _Transfer, e: BaseException) -> None:
+        ext = self._extents[t.index]
+        if t.op == "write":
+            self.residency[t.index] = Residency.FAILED
+        err = NvmeStateError(
+            f"{t.op} of optimizer sub-group {t.index} ({ext.padded_nbytes} bytes at offset "
+            f"{ext.offset} of {ext.path}) failed: {e}. The NVMe optimizer state is no longer "
+            f"consistent; free space or fix the disk, then resume from the last checkpoint"
+        )
+        if self._failed is None:
+            self._failed = err
+        raise err from e
+
+    def _retire_write(self) -> None:
+        t = self._writes.popleft()
+        try:
+            self._wait(t)
+        finally:
+            self.pool.release(t.buf)
+
+    def _settle(self, index: int) -> None:
+        """Wait for the pending write of `index`, if any (reads must not overtake it)."""
+        while self.residency[index] is Residency.WRITING:
+            self._retire_write()
+
+    def _drain(self) -> None:
+        """Wait for every write; raise the first failure (after all have finished)."""
+        first: BaseException | None = None
+        while self._writes:
+            try:
+                self._retire_write()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def _unwind(self, current: tuple[int, PoolBuffer] | None, reads: deque[_Transfer]) -> None:
+        """A sweep stops early: keep the caller's changes to the sub-group it holds (unless
+        the store failed: then only free its buffer) and drop the reads ahead."""
+        try:
+            if current is not None:
+                if self._failed is None:
+                    self._swap_out(*current)
+                else:  # dropped unchanged on disk: the store refuses all use from now on
+                    self.residency[current[0]] = Residency.ON_NVME
+                    self.pool.release(current[1])
+        finally:
+            self._abandon(reads)
+
+    def _drop_ahead(self) -> None:
+        """Forget the reads issued for the next sweep (state may change before it)."""
+        self._abandon(self._ahead)
+
+    def _abandon(self, reads: deque[_Transfer]) -> None:
+        """Let prefetched reads land (the kernel may still be filling their buffers) and
+        drop them."""
+        while reads:
+            t = reads.popleft()
+            with contextlib.suppress(BaseException):  # an unused read changes nothing on disk
+                t.future.wait()
+            if self.residency[t.index] is Residency.READING:
+                self.residency[t.index] = Residency.ON_NVME
+            self.pool.release(t.buf)
+
+    def _free_buffer(self, index: int) -> PoolBuffer:
+        while True:
+            buf = self.pool.try_acquire(self._extents[index].padded_nbytes, self._key(index))
+            if buf is not None:
+                return buf
+            self._retire_write()
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def _views(self, index: int, buf: PoolBuffer) -> SubGroupState:
+        n = self.numels[index]
+        flat = buf.data[: align_up(3 * n * _F32)].view(torch.float32)
+        return SubGroupState(flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n])
+
+    def _transition(self, index: int, sources: tuple[Residency, ...], to: Residency) -> None:
+        now = self.residency[index]
+        assert now in sources, f"sub-group {index}: {now.name} -> {to.name}"
+        self.residency[index] = to
+
+    def _check_usable(self, op: str) -> None:
+        if self._closed:
+            raise NvmeStateError(f"{op}: the NVMe state store at {self.store.dir} is closed")
+        if self._failed is not None:
+            raise NvmeStateError(f"{op}: refused, an earlier transfer failed") from self._failed
+        if self._sweeping:
+            raise RuntimeError(f"{op} during a sweep: finish or close the sweep iterator first")
+
+    def _check(self, index: int, t: torch.Tensor | None, what: str) -> None:
+        if not 0 <= index < len(self.numels):
+            raise IndexError(f"sub-group {index} out of range (there are {len(self.numels)})")
+        if t is not None and t.numel() != self.numels[index]:
+            raise ValueError(
+                f"{what} for sub-group {index} has {t.numel()} elements, "
+                f"the sub-group has {self.numels[index]}"
+            )

@@ -1,0 +1,261 @@
+"""The pinned buffer pool: fixed host staging buffers for NVMe transfers.
+
+Owns one arena of `buffer_count` page-aligned buffers of `buffer_bytes` each, allocated
+once (pinned directly when the accelerator pins, never pinned by copying) and never grown.
+`acquire` hands out a whole buffer and blocks while none is free, with a timeout and an error
+naming the holders; it never asserts. It does not decide what to swap or when.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.accelerator import get_accelerator
+from infinity.config.sections import OffloadParamConfig
+from infinity.swap.aio import aligned_empty
+from infinity.swap.store import ALIGN_BYTES, align_up
+
+logger = logging.getLogger(__name__)
+
+_MIB = float(1 << 20)
+
+
+@dataclass(eq=False, slots=True)
+class PoolBuffer:
+    """One staging buffer, lent to `holder` until released."""
+
+    index: int
+    data: torch.Tensor
+    """The whole buffer: uint8, `buffer_bytes` long, page-aligned."""
+    holder: str = ""
+    nbytes: int = 0
+    """Bytes the holder asked for."""
+    thread: int = field(default=0, repr=False)
+
+    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The first `numel` elements of the buffer as a flat `dtype` tensor."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.data.numel():
+            raise ValueError(
+                f"{numel} {dtype} elements ({nbytes} bytes) do not fit a pool buffer of "
+                f"{self.data.numel()} bytes"
+            )
+        return self.data[:nbytes].view(dtype)
+
+
+def default_buffer_bytes(largest_nbytes: int) -> int:
+    """A buffer size that holds the largest tensor swapped through the pool."""
+    return align_up(max(largest_nbytes, 1))
+
+
+def aligned_host_bytes(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A page-aligned uint8 host buffer of `nbytes`, and whether it is pinned (allocated
+    pinned by the accelerator when `pin` and it can, never pinned by copying)."""
+    if pin and get_accelerator().pin_supported():
+        return aligned_empty(nbytes, torch.uint8), True
+    raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN_BYTES
+    return raw[skip : skip + nbytes], False
+
+
+def memlock_allows(nbytes: int) -> tuple[bool, int]:
+    """Whether RLIMIT_MEMLOCK allows locking `nbytes` more, and the soft limit (-1: none)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return True, -1
+    return nbytes <= soft, soft
+
+
+class PinnedBufferPool:
+    """`buffer_count` host buffers of `buffer_bytes`, allocated once.
+
+    Thread-safe. `peak_bytes_in_use` (bytes asked for, high-water mark) and `pinned` feed
+    memory stats.
+    """
+
+    def __init__(
+        self,
+        buffer_count: int,
+        buffer_bytes: int,
+        *,
+        pin: bool = True,
+        timeout_s: float = 300.0,
+        name: str = "swap",
+    ) -> None:
+        if buffer_count < 1 or buffer_bytes < 1:
+            raise ValueError(
+                f"{name} pool: buffer_count={buffer_count} and buffer_bytes={buffer_bytes} "
+                f"must both be >= 1"
+            )
+        self.name = name
+        self.buffer_count = buffer_count
+        self.buffer_bytes = align_up(buffer_bytes)
+        self.timeout_s = timeout_s
+        total = buffer_count * self.buffer_bytes
+        self.arena, self.pinned = self._allocate(total, pin and get_accelerator().pin_supported())
+        self._buffers = [
+            PoolBuffer(i, self.arena[i * self.buffer_bytes : (i + 1) * self.buffer_bytes])
+            for i in range(buffer_count)
+        ]
+        self._free = list(reversed(self._buffers))
+        self._cond = threading.Condition()
+        self.bytes_in_use = 0
+        self.peak_bytes_in_use = 0
+
+    @classmethod
+    def for_params(
+        cls,
+        config: OffloadParamConfig,
+        *,
+        element_size: int,
+        largest_numel: int,
+        prefetch_numel: int = 0,
+    ) -> PinnedBufferPool:
+        """The parameter staging pool from `offload_param`: `buffer_size` elements per buffer
+        ("auto": the largest parameter), `buffer_count` buffers, pinned if `pin_memory`."""
+        numel = largest_numel if config.buffer_size == "auto" else int(config.buffer_size)
+        if numel < largest_numel:
+            raise ValueError(
+                f"offload_param.buffer_size={numel} elements is smaller than the largest "
+                f'parameter ({largest_numel} elements); raise it or set it to "auto"'
+            )
+        depth = -(-prefetch_numel // max(numel, 1)) + 1
+        if depth > config.buffer_count:
+            logger.warning(
+                "offload_param.buffer_count=%d buffers of %d elements hold less than the "
+                "prefetch depth (%d elements + one in use, %d buffers): NVMe prefetch will "
+                "wait for buffers; raise buffer_count to overlap it fully",
+                config.buffer_count,
+                numel,
+                prefetch_numel,
+                depth,
+            )
+        return cls(config.buffer_count, numel * element_size, pin=config.pin_memory, name="param")
+
+    def _allocate(self, total: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        """The arena, pinned if asked and possible. Over RLIMIT_MEMLOCK pinning is still tried
+        (CUDA pins without mlock, so the limit rarely applies); if it fails, the arena is
+        unpinned and a warning names the limit."""
+        ok, soft = memlock_allows(total)
+        limit = "unlimited" if soft < 0 else f"{soft / _MIB:.1f} MiB"
+        if pin and not ok:
+            logger.info(
+                "%s pool: %.1f MiB of pinned buffers exceed RLIMIT_MEMLOCK (%s)",
+                self.name, total / _MIB, limit,
+            )  # fmt: skip
+        if not pin:
+            return aligned_host_bytes(total, pin=False)
+        try:
+            return aligned_host_bytes(total, pin=True)
+        except RuntimeError as e:
+            logger.warning(
+                "%s pool: pinning %.1f MiB failed (%s; RLIMIT_MEMLOCK is %s); using unpinned "
+                "buffers, so device copies will not be asynchronous. Raise the limit (ulimit -l "
+                "unlimited, or memlock in /etc/security/limits.conf) or lower buffer_count",
+                self.name, total / _MIB, e, limit,
+            )  # fmt: skip
+            return aligned_host_bytes(total, pin=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.buffer_count * self.buffer_bytes
+
+    @property
+    def free_count(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def holders(self) -> list[str]:
+        """Who holds each lent buffer (for error messages and debugging)."""
+        with self._cond:
+            return [b.holder for b in self._buffers if b not in self._free]
+
+    def try_acquire(self, nbytes: int, holder: str) -> PoolBuffer | None:
+        """A buffer for `nbytes`, or None at once if none is free."""
+        self._check_size(nbytes, holder)
+        with self._cond:
+            return self._take(nbytes, holder) if self._free else None
+
+    def acquire(self, nbytes: int, holder: str, timeout_s: float | None = None) -> PoolBuffer:
+        """A buffer for `nbytes`, waiting while none is free.
+
+        ValueError at once if `nbytes` exceeds a buffer; RuntimeError at once if every buffer
+        is held by this thread (waiting could never end); TimeoutError naming the holders
+        after `timeout_s` (the pool's default when None).
+        """
+        self._check_size(nbytes, holder)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        me = threading.get_ident()
+        with self._cond:
+            while not self._free:
+                if all(b.thread == me for b in self._buffers):
+                    raise RuntimeError(
+                        f"{self.name} pool: {holder!r} waits for a buffer but this thread "
+                        f"holds all {self.buffer_count} ({self._held_text()}); release one "
+                        f"first or raise buffer_count"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    if self._free:
+                        break
+                    raise TimeoutError(
+                        f"{self.name} pool: {holder!r} waited {timeout_s:.1f} s for one of "
+                        f"{self.buffer_count} buffers, all held ({self._held_text()}); raise "
+                        f"buffer_count or release buffers sooner"
+                    )
+            return self._take(nbytes, holder)
+
+    def release(self, buf: PoolBuffer) -> None:
+        """Return `buf` to the pool (wakes one waiter)."""
+        with self._cond:
+            if buf in self._free or self._buffers[buf.index] is not buf:
+                raise ValueError(f"{self.name} pool: buffer {buf.index} is not lent out")
+            self.bytes_in_use -= buf.nbytes
+            buf.holder, buf.nbytes, buf.thread = "", 0, 0
+            self._free.append(buf)
+            self._cond.notify()
+
+    @contextmanager
+    def borrow(self, nbytes: int, holder: str) -> Iterator[PoolBuffer]:
+        """`acquire` for the duration of a `with` block."""
+        buf = self.acquire(nbytes, holder)
+        try:
+            yield buf
+        finally:
+            self.release(buf)
+
+    def _check_size(self, nbytes: int, holder: str) -> None:
+        if nbytes > self.buffer_bytes or nbytes < 0:
+            raise ValueError(
+                f"{self.name} pool: {holder!r} needs {nbytes} bytes ({nbytes / _MIB:.1f} MiB) "
+                f"but a buffer holds {self.buffer_bytes} ({self.buffer_bytes / _MIB:.1f} MiB); "
+                f"raise offload_param.buffer_size to at least the largest parameter"
+            )
+
+    def _take(self, nbytes: int, holder: str) -> PoolBuffer:
+        buf = self._free.pop()
+        buf.holder, buf.nbytes, buf.thread = holder, nbytes, threading.get_ident()
+        self.bytes_in_use += nbytes
+        self.peak_bytes_in_use = max(self.peak_bytes_in_use, self.bytes_in_use)
+        return buf
+
+    def _held_text(self) -> str:
+        return ", ".join(f"{b.holder!r}: {b.nbytes} B" for b in self._buffers[:8]) + (
+            "..." if self.buffer_count > 8 else ""
+        )
+
+    def memory_stats(self) -> dict[str, int]:
+        return {
+            f"{self.name}_pool_bytes": self.total_bytes,
+            f"{self.name}_pool_pinned_bytes": self.total_bytes if self.pinned else 0,
+            f"{self.name}_pool_peak_bytes_in_use": self.peak_bytes_in_use,
+        }

@@ -1,0 +1,122 @@
+"""Building the storage tiers from the config: the one place that turns `offload_optimizer`,
+`offload_param` and `aio` sections into a state store and a parameter store.
+
+Owns the choice between the host and NVMe tiers and the sizing of their buffers; it does not
+own the tiers themselves. Everything that can fail on a bad path or a small disk fails here,
+before training starts (see [Note: swap directory checks] in store.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from infinity.swap.aio import AioHandle
+from infinity.swap.nvme_state import NvmeStateStore
+from infinity.swap.param_store import NvmeParamStore
+from infinity.swap.pool import PinnedBufferPool
+from infinity.swap.state_store import HostStateStore, StateStore
+from infinity.swap.store import SwapStore
+
+
+class SwapStores:
+    """This rank's swap stores, one per `nvme_path` (parameters and optimizer state share one
+    directory and one lock when their paths agree). Close it after the tiers that use it."""
+
+    def __init__(self, *, rank: int = 0, run_id: str | None = None) -> None:
+        self.rank, self.run_id = rank, run_id
+        self._stores: dict[str, SwapStore] = {}
+
+    def get(self, nvme_path: str) -> SwapStore:
+        key = os.path.realpath(nvme_path)
+        if key not in self._stores:
+            self._stores[key] = SwapStore(nvme_path, rank=self.rank, run_id=self.run_id)
+        return self._stores[key]
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
+
+    def __enter__(self) -> SwapStores:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_state_store(
+    numels: Sequence[int],
+    offload: OffloadOptimizerConfig,
+    aio: AioConfig | AioHandle,
+    *,
+    stores: SwapStores,
+) -> StateStore:
+    """The optimizer-state tier for `offload.device`: host memory for "cpu"/"none", else an
+    `NvmeStateStore` in the swap store of `offload.nvme_path`."""
+    if offload.device != "nvme":
+        return HostStateStore(numels)
+    if not offload.nvme_path:
+        raise ValueError(
+            "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
+        )
+    buffer_count = max(3, offload.buffer_count)
+    check_host_buffers(buffer_count * 12 * max(numels, default=0))
+    return NvmeStateStore(
+        numels,
+        store=stores.get(offload.nvme_path),
+        aio=aio,
+        buffer_count=buffer_count,
+        pin_memory=False,  # stepped on the host; pinning only pays for device copies
+    )
+
+
+def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:
+    """Refuse NVMe optimizer buffers that would take more than half of the machine's RAM
+    (the usual cause: the default sub_group_size of 1e9 elements, 12 GB per buffer)."""
+    ram = ram_bytes if ram_bytes is not None else _physical_ram()
+    if ram and nbytes > ram // 2:
+        raise ValueError(
+            f"the NVMe optimizer pipeline needs {nbytes / 2**30:.1f} GiB of host buffers "
+            f"(offload_optimizer.buffer_count x 12 bytes x the largest sub-group) but the "
+            f"machine has {ram / 2**30:.1f} GiB of RAM; lower zero_optimization.sub_group_size "
+            f"(e.g. to 1e8 elements) or offload_optimizer.buffer_count (at least 3)"
+        )
+
+
+def _physical_ram() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def make_param_store(
+    params: Mapping[str, tuple[int, torch.dtype]],
+    offload: OffloadParamConfig,
+    aio: AioConfig | AioHandle,
+    *,
+    stores: SwapStores,
+    prefetch_numel: int = 0,
+) -> NvmeParamStore:
+    """The NVMe parameter tier (`offload.device == "nvme"`): every partition in `params`
+    (stable name -> (numel, dtype)) laid out under `offload.nvme_path`, with a staging pool
+    sized from `offload` and the largest partition."""
+    if offload.device != "nvme" or not offload.nvme_path:
+        raise ValueError(
+            f"make_param_store needs offload_param.device 'nvme' and an nvme_path, got "
+            f"device={offload.device!r}, nvme_path={offload.nvme_path!r}"
+        )
+    largest = max((n for n, _ in params.values()), default=1)
+    element_size = max(
+        (torch.empty((), dtype=dt).element_size() for _, dt in params.values()), default=2
+    )
+    pool = PinnedBufferPool.for_params(
+        offload, element_size=element_size, largest_numel=largest, prefetch_numel=prefetch_numel
+    )
+    ps = NvmeParamStore(store=stores.get(offload.nvme_path), aio=aio, pool=pool)
+    ps.reserve(params)
+    return ps

@@ -1,0 +1,162 @@
+"""The pinned buffer pool: fixed size, alignment, blocking acquire, clear errors."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from infinity.config.sections import OffloadParamConfig
+from infinity.swap import aio as aio_mod
+from infinity.swap import pool as pool_mod
+from infinity.swap.pool import PinnedBufferPool
+
+
+def test_buffers_aligned_disjoint_and_fixed():
+    pool = PinnedBufferPool(3, 5000)
+    assert pool.buffer_bytes == 8192 and pool.total_bytes == 3 * 8192
+    bufs = [pool.acquire(8192, f"h{i}") for i in range(3)]
+    ptrs = sorted(b.data.data_ptr() for b in bufs)
+    assert all(p % 4096 == 0 for p in ptrs)
+    assert all(b - a >= 8192 for a, b in zip(ptrs, ptrs[1:], strict=False))
+    assert all(b.data.data_ptr() >= pool.arena.data_ptr() for b in bufs)
+    assert pool.try_acquire(1, "late") is None  # never grows
+    for b in bufs:
+        pool.release(b)
+    assert pool.free_count == 3
+
+
+def test_view_and_peak_bytes():
+    pool = PinnedBufferPool(2, 4096)
+    a = pool.acquire(100, "a")
+    b = pool.acquire(3000, "b")
+    v = a.view(torch.float16, 50)
+    assert v.dtype == torch.float16 and v.numel() == 50
+    with pytest.raises(ValueError, match="do not fit"):
+        a.view(torch.float32, 2000)
+    pool.release(a)
+    pool.release(b)
+    assert pool.bytes_in_use == 0 and pool.peak_bytes_in_use == 3100
+    assert pool.memory_stats()["swap_pool_peak_bytes_in_use"] == 3100
+    with pytest.raises(ValueError, match="not lent"):
+        pool.release(a)
+
+
+def test_oversize_request_is_an_immediate_value_error():
+    pool = PinnedBufferPool(2, 4096)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="'big.weight' needs 4097 bytes"):
+        pool.acquire(4097, "big.weight")
+    assert time.monotonic() - t0 < 1
+
+
+def test_acquire_blocks_until_another_thread_releases():
+    pool = PinnedBufferPool(1, 4096)
+    held = threading.Event()
+    release = threading.Event()
+
+    def other():
+        buf = pool.acquire(10, "worker")
+        held.set()
+        release.wait(5)
+        pool.release(buf)
+
+    t = threading.Thread(target=other)
+    t.start()
+    held.wait(5)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(10, "main", timeout_s=5)))
+    waiter.start()
+    time.sleep(0.05)
+    assert not got  # still waiting
+    release.set()
+    waiter.join(5)
+    t.join(5)
+    assert got and got[0].holder == "main"
+
+
+def test_timeout_names_holders():
+    pool = PinnedBufferPool(1, 4096)
+    ready, done = threading.Event(), threading.Event()
+
+    def other():
+        buf = pool.acquire(10, "layers.0.w")
+        ready.set()
+        done.wait(5)
+        pool.release(buf)
+
+    t = threading.Thread(target=other)
+    t.start()
+    ready.wait(5)
+    with pytest.raises(TimeoutError, match="layers.0.w"):
+        pool.acquire(10, "layers.1.w", timeout_s=0.05)
+    done.set()
+    t.join(5)
+
+
+def test_self_deadlock_is_an_immediate_error():
+    pool = PinnedBufferPool(2, 4096)
+    pool.acquire(1, "a")
+    pool.acquire(1, "b")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="holds all 2"):
+        pool.acquire(1, "c", timeout_s=30)
+    assert time.monotonic() - t0 < 1
+
+
+def test_borrow_releases_on_error():
+    pool = PinnedBufferPool(1, 4096)
+    with pytest.raises(KeyError), pool.borrow(10, "x"):
+        raise KeyError("boom")
+    assert pool.free_count == 1
+
+
+def test_failed_pinning_falls_back_to_unpinned_naming_memlock(monkeypatch, caplog):
+    class PinningAccel:
+        def pin_supported(self):
+            return True
+
+        def empty_pinned(self, shape, dtype):
+            raise RuntimeError("cudaHostAlloc: out of memory")
+
+    monkeypatch.setattr(pool_mod, "get_accelerator", lambda: PinningAccel())
+    monkeypatch.setattr(aio_mod, "get_accelerator", lambda: PinningAccel())
+    monkeypatch.setattr(pool_mod.resource, "getrlimit", lambda r: (8192, 8192))
+    with caplog.at_level(logging.INFO, logger="infinity.swap.pool"):
+        pool = PinnedBufferPool(4, 4096)
+    assert not pool.pinned and pool.arena.data_ptr() % 4096 == 0
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("exceed RLIMIT_MEMLOCK (0.0 MiB)" in m for m in msgs)  # checked up front
+    assert any("unpinned" in m and "ulimit -l" in m for m in msgs)
+
+
+def test_pins_directly_when_allowed(monkeypatch):
+    calls = []
+
+    class PinningAccel:
+        def pin_supported(self):
+            return True
+
+        def empty_pinned(self, shape, dtype):
+            calls.append((shape, dtype))
+            return torch.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(pool_mod, "get_accelerator", lambda: PinningAccel())
+    monkeypatch.setattr(aio_mod, "get_accelerator", lambda: PinningAccel())
+    monkeypatch.setattr(pool_mod.resource, "getrlimit", lambda r: (-1, -1))
+    monkeypatch.setattr(pool_mod.resource, "RLIM_INFINITY", -1)
+    pool = PinnedBufferPool(2, 4096)
+    assert pool.pinned and len(calls) == 1  # one arena, allocated pinned (no copy)
+    assert calls[0][0][0] >= 8192 and pool.arena.data_ptr() % 4096 == 0
+
+
+def test_for_params_sizes_from_config_and_model():
+    cfg = OffloadParamConfig(device="nvme", buffer_count=3)
+    pool = PinnedBufferPool.for_params(cfg, element_size=2, largest_numel=10_000)
+    assert pool.buffer_count == 3 and pool.buffer_bytes >= 20_000
+    cfg = OffloadParamConfig(device="nvme", buffer_count=3, buffer_size=100)
+    with pytest.raises(ValueError, match="buffer_size=100"):
+        PinnedBufferPool.for_params(cfg, element_size=2, largest_numel=10_000)
