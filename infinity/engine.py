@@ -23,6 +23,7 @@ from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.config import Config
 from infinity.optim import build_loss_scaler, build_schedule
+from infinity.swap import SwapStores, make_state_store
 from infinity.zero import (
     Coordinator,
     ModelHooks,
@@ -33,10 +34,14 @@ from infinity.zero import (
     install_grad_hooks,
     partition_model,
 )
+from infinity.zero.sub_groups import pack, resolve_sub_group_size
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "initialize"]
+
+# Keys of a checkpoint's JSON state that the engine owns; the rest is the client's.
+_ENGINE_STATE_KEYS = ("engine", "optimizer", "lr_schedule", "loss_scaler")
 
 
 def initialize(
@@ -62,12 +67,11 @@ class Engine:
         zero = self.config.zero_optimization
         if zero.stage != 3:
             raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
-        for section in ("offload_param", "offload_optimizer"):
-            if getattr(zero, section).device == "nvme":
-                raise NotImplementedError(
-                    f"zero_optimization.{section}.device 'nvme' is not wired into the engine "
-                    f"yet; use 'cpu'"
-                )
+        if zero.offload_param.device == "nvme":
+            raise ValueError(
+                "zero_optimization.offload_param.device 'nvme' is not wired into the engine "
+                "yet (optimizer states on NVMe are): set offload_param.device to 'cpu'"
+            )
         self.module = model
         self.accelerator = accelerator or get_accelerator()
         self.records, units = partition_model(model, self.config, self.accelerator)
@@ -96,8 +100,17 @@ class Engine:
                 "initialize: the model has no parameter with requires_grad=True; nothing to train"
             )
         slots = [Slot(name=r.name, numel=r.numel, partition=r.partition) for r in trainable]
+        zero = self.config.zero_optimization
+        sizes = pack([s.numel for s in slots], resolve_sub_group_size(zero.sub_group_size))
+        self._swap_stores = SwapStores()
+        store = make_state_store(
+            [g.numel for g in sizes],
+            zero.offload_optimizer,
+            self.config.aio,
+            stores=self._swap_stores,
+        )
         optimizer = PartitionedOptimizer(
-            slots, optimizer=self.config.optimizer, zero=self.config.zero_optimization
+            slots, optimizer=self.config.optimizer, zero=zero, state_store=store
         )
         for i, rec in enumerate(trainable):
             rec.slot = i
@@ -209,21 +222,36 @@ class Engine:
         # Trainable partitions belong to the optimizer (it counts them, or they alias its
         # fp32 masters); frozen ones are only ours.
         host = sum(r.numel * r.partition.element_size() for r in self.records if not r.trainable)
-        stats["host_bytes"] = host + self.optimizer.memory_stats()["host_bytes"]
+        optim = self.optimizer.memory_stats()
+        stats["host_bytes"] = host + optim["host_bytes"]
+        stats.update({k: v for k, v in optim.items() if k.startswith("nvme_")})
         return stats
 
     # ---- checkpoints ------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None) -> str:
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike,
+        tag: str | None = None,
+        *,
+        client_state: dict | None = None,
+    ) -> str:
         """Write weights (from the partitions), optimizer state, schedule, loss scale, step
         counts and RNG states atomically under `save_dir/tag` (default: the step's tag).
-        Returns the tag. Call between steps (not between forward and backward)."""
+        `client_state` (JSON-able: data position, model description...) is stored with them
+        and handed back by `load_checkpoint`. Returns the tag. Call between steps (not
+        between forward and backward)."""
         self._check_idle("save_checkpoint")
+        clash = sorted(set(client_state or {}) & set(_ENGINE_STATE_KEYS))
+        if clash:
+            raise ValueError(
+                f"save_checkpoint: client_state keys {clash} are the engine's own; rename them"
+            )
         tag = tag or checkpoint.step_tag(self.global_steps)
 
         def tensors():
             for rec in self.records:
-                yield f"params/{rec.name}", rec.partition.view(rec.shape)
+                yield f"{checkpoint.layout.PARAM_PREFIX}{rec.name}", rec.partition.view(rec.shape)
             for name, thunk in self.optimizer.state_tensors():
                 yield f"optim/{name}", thunk
 
@@ -237,6 +265,7 @@ class Engine:
             "optimizer": self.optimizer.state_dict(),
             "lr_schedule": self.lr_schedule.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict(),
+            **(client_state or {}),
         }
         checkpoint.save_checkpoint(
             save_dir, tensors(), step=self.global_steps, state=state, tag=tag
@@ -244,12 +273,16 @@ class Engine:
         logger.info("saved checkpoint %s/%s", save_dir, tag)
         return tag
 
-    def load_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None) -> str:
-        """Resume exactly from `save_dir/tag` (default: the latest). Returns the tag."""
+    def load_checkpoint(
+        self, save_dir: str | os.PathLike, tag: str | None = None
+    ) -> tuple[str, dict]:
+        """Resume exactly from `save_dir/tag` (default: the latest). Returns the checkpoint's
+        path and the `client_state` it was saved with, as DeepSpeed does."""
         self._check_idle("load_checkpoint")
         ckpt = checkpoint.load_checkpoint(save_dir, tag)
         names = set(ckpt.tensor_names())
-        missing = [f"params/{r.name}" for r in self.records if f"params/{r.name}" not in names]
+        prefix = checkpoint.layout.PARAM_PREFIX
+        missing = [prefix + r.name for r in self.records if prefix + r.name not in names]
         if missing:
             raise ValueError(
                 f"checkpoint {ckpt.path} has no weights for {missing[:5]} "
@@ -260,7 +293,7 @@ class Engine:
         with torch.no_grad():
             for rec in self.records:
                 if not rec.trainable:
-                    rec.partition.copy_(ckpt.get_tensor(f"params/{rec.name}").reshape(-1))
+                    rec.partition.copy_(ckpt.get_tensor(prefix + rec.name).reshape(-1))
         self.coordinator.refresh_persistent()
         self.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
         self.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
@@ -273,7 +306,23 @@ class Engine:
         if rng:
             checkpoint.restore_rng_state(rng)
         logger.info("loaded checkpoint %s", ckpt.path)
-        return ckpt.tag
+        client_state = {k: v for k, v in ckpt.state.items() if k not in _ENGINE_STATE_KEYS}
+        return str(ckpt.path), client_state
+
+    def close(self) -> None:
+        """Remove the engine's hooks from the model, release what is gathered and close the
+        optimizer's state tier. The weights stay in the partitions
+        (`named_parameters_host`). Idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self.hooks.remove()
+        for handle in self._grad_handles:
+            handle.remove()
+        self._grad_handles = []
+        self.coordinator.abort_iteration()
+        self.optimizer.store.close()
+        self._swap_stores.close()
 
     def _check_idle(self, what: str) -> None:
         if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():

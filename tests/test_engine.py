@@ -184,5 +184,5 @@ def test_init_with_llama_shares_partitions_and_ties():
 def test_nvme_offload_is_refused_clearly(tmp_path):
     cfg = config()
     cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
-    with pytest.raises(NotImplementedError, match="offload_param.device 'nvme'"):
+    with pytest.raises(ValueError, match="offload_param.device 'nvme'"):
         infinity.initialize(Zoo(), cfg)

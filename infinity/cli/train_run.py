@@ -135,8 +135,8 @@ class TrainRun:
         config, steps = self._resolved(data)
         engine = infinity.initialize(self._model(config), config)
         if self.args.resume:
-            state = engine.load_checkpoint(self.save_dir)
-            data.load_state_dict(state["data"])
+            _, client_state = engine.load_checkpoint(self.save_dir)
+            data.load_state_dict(client_state["data"])
             self.metrics.truncate_after(engine.global_steps)
             log.info("resumed from step %d in %s", engine.global_steps, self.save_dir)
         if engine.global_steps >= steps:
@@ -154,8 +154,7 @@ class TrainRun:
         return 0
 
     def _save(self, engine, data: PackedDataset) -> str:
-        path = engine.save_checkpoint(self.save_dir, client_state=self._client_state(data))
-        return Path(path).name
+        return engine.save_checkpoint(self.save_dir, client_state=self._client_state(data))
 
     def _loop(self, engine, data, config: Config, steps: int, stop: StopRequest) -> None:
         micro = config.train_micro_batch_size_per_gpu
@@ -171,10 +170,11 @@ class TrainRun:
         )
         with bar:
             while engine.global_steps < steps and not stop.requested:
+                lr = engine.get_lr()[0]  # the rate this step uses
                 start = time.perf_counter()
                 loss = self._one_step(engine, data, micro, accum)
                 seconds = time.perf_counter() - start
-                record = self._record(engine, loss, tokens_per_step / seconds, seconds)
+                record = self._record(engine, loss, lr, tokens_per_step / seconds, seconds)
                 record["tflops"] = flops_per_token * record["tokens_per_s"] / 1e12
                 self.metrics.append(record)
                 bar.update(1)
@@ -200,19 +200,18 @@ class TrainRun:
         return total / accum
 
     @staticmethod
-    def _record(engine, loss: float, tokens_per_s: float, seconds: float) -> dict:
-        lr = engine.get_lr()
+    def _record(engine, loss: float, lr: float, tokens_per_s: float, seconds: float) -> dict:
         record = {
             "step": engine.global_steps,
             "loss": loss,
-            "lr": lr[0] if isinstance(lr, (list, tuple)) else lr,
+            "lr": lr,
             "grad_norm": engine.get_global_grad_norm(),
             "step_s": seconds,
             "tokens_per_s": tokens_per_s,
         }
-        scale = getattr(engine, "loss_scale", None)
-        if scale is not None:
-            record["loss_scale"] = scale
+        if engine.config.precision == "fp16":
+            record["loss_scale"] = engine.loss_scale
+            record["skipped"] = engine.was_step_skipped
         return record
 
 

@@ -53,7 +53,7 @@ class Residency(enum.Enum):
     FAILED = "a write failed: the disk extent is torn"
 
 
-class NvmeStateError(RuntimeError):
+class NvmeStateError(OSError):
     """An NVMe transfer of optimizer state failed; the store refuses further use."""
 
 

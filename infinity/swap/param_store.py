@@ -93,7 +93,7 @@ class SwapFuture:
         return self._result
 
 
-class NvmeParamError(RuntimeError):
+class NvmeParamError(OSError):
     """An NVMe transfer of a parameter partition failed."""
 
 

@@ -54,7 +54,7 @@ class Extent:
     padded_nbytes: int
 
 
-class SwapStoreError(RuntimeError):
+class SwapStoreError(OSError):
     """The swap directory cannot be used; the message names the path and the fix."""
 
 

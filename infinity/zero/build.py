@@ -78,8 +78,9 @@ def init(config: Config | dict | str) -> Iterator[None]:
     pin = config.zero_optimization.offload_param.pin_memory
     accel = get_accelerator()
     if home_tier(config) is HomeTier.NVME:
-        raise NotImplementedError(
-            "infinity.init: offload_param.device 'nvme' is not available yet; use 'cpu'"
+        raise ValueError(
+            "infinity.init: offload_param.device 'nvme' is not wired in yet (optimizer states "
+            "on NVMe are): set zero_optimization.offload_param.device to 'cpu'"
         )
 
     def on_register(module: nn.Module, name: str, param: nn.Parameter | None):
