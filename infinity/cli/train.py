@@ -64,8 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--nvme",
         metavar="PATH",
-        help="directory on a fast SSD: parameters and optimizer states live there "
-        "(default: both in host RAM, or as the config says)",
+        help="directory on a fast SSD for the fp32 master weights and Adam moments (default: "
+        "host RAM, or as the config says); the 16-bit parameters stay in host RAM",
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
     parser.add_argument(
@@ -130,9 +130,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
         if "warmup_max_lr" in params:
             params["warmup_max_lr"] = args.lr
     if args.nvme is not None:
+        # The optimizer states go to NVMe. The 16-bit parameters stay in host RAM until the
+        # engine's NVMe parameter tier is wired in; their nvme_path is set for that day.
         nvme = os.fspath(Path(args.nvme).expanduser())
-        for section in ("offload_param", "offload_optimizer"):
-            zero.setdefault(section, {}).update(device="nvme", nvme_path=nvme)
+        zero.setdefault("offload_optimizer", {}).update(device="nvme", nvme_path=nvme)
+        zero.setdefault("offload_param", {})["nvme_path"] = nvme
     if args.dtype is not None:
         base.setdefault("fp16", {})["enabled"] = args.dtype == "fp16"
         base.setdefault("bf16", {})["enabled"] = args.dtype == "bf16"
