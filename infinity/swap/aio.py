@@ -297,9 +297,9 @@ MADV_HUGEPAGE = 14  # <linux/mman.h>
 
 def _advise_huge_pages(address: int, nbytes: int) -> None:
     """Asks Linux to back [address, address + nbytes) with transparent huge pages. Direct I/O
-    pins every page of its buffer, so 2 MiB pages make large transfers much cheaper (on the
-    development VM, 1.6-1.9x the throughput of 4 KiB pages). Best effort: failures are
-    ignored (THP disabled, not Linux)."""
+    pins every page of its buffer, so 2 MiB pages make large transfers cheaper (1.3-1.5x the
+    throughput of 4 KiB pages in benchmarks/aio_vs_fio.py, see BENCHMARKS.md). Best effort:
+    failures are ignored (THP disabled, not Linux)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
