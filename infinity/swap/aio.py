@@ -192,11 +192,11 @@ class AioHandle:
         path = os.fspath(path)
         op = "pwrite" if write else "pread"
         fds: list[int] = []
+        tickets: list[int] = []
         try:
             direct_fd = self._open_direct(path, write, op, offset, span.nbytes)
             if direct_fd is not None:
                 fds.append(direct_fd)
-            if direct_fd is not None:
                 self._check_alignment(span.address, span.nbytes, path, op, offset)
             segments = plan(span.address, span.nbytes, offset, direct_fd is not None)
             if any(not s.direct for s in segments) or not fds:
@@ -206,14 +206,12 @@ class AioHandle:
                 if offset + span.nbytes > size:
                     raise AioError(errno.ENODATA, op, path, offset, span.nbytes,
                                    f"the file holds {size} bytes")  # fmt: skip
-            buffered_fd = fds[-1]
-            tickets = [
-                self._engine.submit(
-                    write, direct_fd if s.direct else buffered_fd, s.address, s.nbytes, s.offset
-                )
-                for s in segments
-            ]
+            for s in segments:
+                fd = direct_fd if s.direct else fds[-1]
+                tickets.append(self._engine.submit(write, fd, s.address, s.nbytes, s.offset))
         except BaseException:
+            for t in tickets:  # pieces already in flight must finish before their fds close
+                self._engine.wait(t)
             for fd in fds:
                 os.close(fd)
             raise
