@@ -110,9 +110,9 @@ class AioFuture:
         results = [self._engine.wait(t) for t in self._tickets]
         for fd in self._fds:
             os.close(fd)
-        failed = next((r for r in results if r is not None), None)
-        if failed is not None:
-            code, at, what = failed
+        failed = [r for r in results if r is not None]
+        if failed:
+            code, at, what = min(failed, key=lambda r: r[1])  # nearest the start
             self._error = AioError(code, self.op, self.path, at, self.nbytes, what)
         self._waited = True
         self._buf, self._fds = None, ()
