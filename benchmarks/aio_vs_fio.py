@@ -5,9 +5,9 @@ direct=1), for reads and writes.
 Each round runs every Infinity backend and fio once per op, in a rotating order, on one
 laid-out file (writes overwrite it, as training does); the median over rounds is compared.
 Infinity moves the file as one request from an `aligned_empty` buffer (huge pages, as the
-swap store's buffers); the "fio-buffer" runner moves it instead through a reused
-queue_depth x block_size buffer on 4 KiB pages, fio's own memory pattern, to separate the
-engine from the buffer.
+swap store's buffers). To separate the engine from the buffer, the aio backend also runs
+from a whole-file buffer on 4 KiB pages ("4k-pages") and through a reused queue_depth x
+block_size buffer on 4 KiB pages ("fio-buffer"), fio's own memory pattern.
 Installs fio with apt-get if it is missing.
 
     flock /work/bench.lock python benchmarks/aio_vs_fio.py --path /mnt/ssd \\
@@ -84,7 +84,9 @@ def small_page_buffer(nbytes: int):
     return raw[start : start + nbytes]
 
 
-# The runner that moves the file through a small, reused 4 KiB-page buffer, as fio does.
+# Runners that separate the engine from the buffer: the whole file from a buffer on 4 KiB
+# pages, and through a small reused 4 KiB-page buffer, as fio does.
+SMALL_PAGES = "4k-pages"
 FIO_BUFFER = "fio-buffer"
 
 
@@ -94,18 +96,22 @@ def run(args: argparse.Namespace, fio: str) -> dict:
     handles = {b: AioHandle(backend=b, **cfg) for b in args.backend}
     buf = aligned_empty(args.size)
     ring = small_page_buffer(args.block_size * args.queue_depth * args.threads)
+    flat = small_page_buffer(args.size)
+    flat.fill_(0x5A)
     buf.fill_(0x5A)
     ring.fill_(0x5A)
     out = {"settings": {**cfg, "size": args.size, "rounds": args.rounds},
            "machine": machine_info(args.path), "records": []}  # fmt: skip
     first = args.backend[0]
+    # fio's libaio engine is kernel AIO: the like-for-like engine for the fio-buffer runner.
+    peer_like = "aio" if "aio" in handles else first
     try:
         if os.path.exists(path):
             os.unlink(path)
         out["first_write"] = {"backend": first,
                               "gbps": ours_gbps(handles[first], buf, path, "write",
                                                 args.size)}  # fmt: skip
-        runners = [*args.backend, FIO_BUFFER, "fio"]
+        runners = [*args.backend, SMALL_PAGES, FIO_BUFFER, "fio"]
         for rnd in range(args.rounds):
             order = runners[rnd % len(runners) :] + runners[: rnd % len(runners)]
             for op in ("write", "read"):
@@ -113,11 +119,14 @@ def run(args: argparse.Namespace, fio: str) -> dict:
                     if name == "fio":
                         g = fio_gbps(fio, path, op, args.size, args.block_size,
                                      args.queue_depth, args.threads)  # fmt: skip
-                    elif name == FIO_BUFFER:
-                        g = ours_gbps(handles[first], ring, path, op, args.size)
+                    elif name in (FIO_BUFFER, SMALL_PAGES):
+                        b = ring if name == FIO_BUFFER else flat
+                        g = ours_gbps(handles[peer_like], b, path, op, args.size)
                     else:
                         g = ours_gbps(handles[name], buf, path, op, args.size)
-                    backend = {"fio": "libaio", FIO_BUFFER: f"{first}+{FIO_BUFFER}"}.get(name, name)
+                    backend = "libaio" if name == "fio" else name
+                    if name in (FIO_BUFFER, SMALL_PAGES):
+                        backend = f"{peer_like}+{name}"
                     out["records"].append({"tool": "fio" if name == "fio" else "infinity",
                                            "op": op, "backend": backend, **cfg, "gbps": g,
                                            "round": rnd})  # fmt: skip
@@ -141,7 +150,7 @@ def summarize(records: list[dict]) -> dict:
             med.setdefault(op, {})[name] = statistics.median(g)
     summary = {}
     for op, m in med.items():
-        ours = {k: v for k, v in m.items() if k != "libaio" and FIO_BUFFER not in k}
+        ours = {k: v for k, v in m.items() if k != "libaio" and "+" not in k}
         best = max(ours, key=ours.get)
         same = next(v for k, v in m.items() if FIO_BUFFER in k)
         summary[op] = {"median_gbps": m, "best_backend": best,

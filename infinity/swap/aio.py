@@ -110,9 +110,9 @@ class AioFuture:
         results = [self._engine.wait(t) for t in self._tickets]
         for fd in self._fds:
             os.close(fd)
-        failed = next((r for r in results if r is not None), None)
-        if failed is not None:
-            code, at, what = failed
+        failed = [r for r in results if r is not None]
+        if failed:
+            code, at, what = min(failed, key=lambda r: r[1])  # nearest the start
             self._error = AioError(code, self.op, self.path, at, self.nbytes, what)
         self._waited = True
         self._buf, self._fds = None, ()
@@ -192,11 +192,11 @@ class AioHandle:
         path = os.fspath(path)
         op = "pwrite" if write else "pread"
         fds: list[int] = []
+        tickets: list[int] = []
         try:
             direct_fd = self._open_direct(path, write, op, offset, span.nbytes)
             if direct_fd is not None:
                 fds.append(direct_fd)
-            if direct_fd is not None:
                 self._check_alignment(span.address, span.nbytes, path, op, offset)
             segments = plan(span.address, span.nbytes, offset, direct_fd is not None)
             if any(not s.direct for s in segments) or not fds:
@@ -206,14 +206,12 @@ class AioHandle:
                 if offset + span.nbytes > size:
                     raise AioError(errno.ENODATA, op, path, offset, span.nbytes,
                                    f"the file holds {size} bytes")  # fmt: skip
-            buffered_fd = fds[-1]
-            tickets = [
-                self._engine.submit(
-                    write, direct_fd if s.direct else buffered_fd, s.address, s.nbytes, s.offset
-                )
-                for s in segments
-            ]
+            for s in segments:
+                fd = direct_fd if s.direct else fds[-1]
+                tickets.append(self._engine.submit(write, fd, s.address, s.nbytes, s.offset))
         except BaseException:
+            for t in tickets:  # pieces already in flight must finish before their fds close
+                self._engine.wait(t)
             for fd in fds:
                 os.close(fd)
             raise
@@ -297,9 +295,9 @@ MADV_HUGEPAGE = 14  # <linux/mman.h>
 
 def _advise_huge_pages(address: int, nbytes: int) -> None:
     """Asks Linux to back [address, address + nbytes) with transparent huge pages. Direct I/O
-    pins every page of its buffer, so 2 MiB pages make large transfers much cheaper (on the
-    development VM, 1.6-1.9x the throughput of 4 KiB pages). Best effort: failures are
-    ignored (THP disabled, not Linux)."""
+    pins every page of its buffer, so 2 MiB pages make large transfers cheaper (1.3-1.5x the
+    throughput of 4 KiB pages in benchmarks/aio_vs_fio.py, see BENCHMARKS.md). Best effort:
+    failures are ignored (THP disabled, not Linux)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
