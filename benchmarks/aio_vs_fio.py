@@ -7,7 +7,9 @@ laid-out file (writes overwrite it, as training does); the median over rounds is
 Infinity moves the file as one request from an `aligned_empty` buffer (huge pages, as the
 swap store's buffers). To separate the engine from the buffer, the aio backend also runs
 from a whole-file buffer on 4 KiB pages ("4k-pages") and through a reused queue_depth x
-block_size buffer on 4 KiB pages ("fio-buffer"), fio's own memory pattern.
+block_size buffer on 4 KiB pages ("fio-buffer"), fio's own memory pattern; and fio also runs
+from huge pages ("libaio+hugepages", `--iomem=mmaphuge`) when a hugetlbfs mount with enough
+free huge pages exists, or when `--fio-hugepages setup` (root) reserves them for the run.
 Installs fio with apt-get if it is missing.
 
     flock /work/bench.lock python benchmarks/aio_vs_fio.py --path /mnt/ssd \\
@@ -23,6 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -51,13 +54,18 @@ def ensure_fio() -> str | None:
     return shutil.which("fio")
 
 
-def fio_gbps(fio: str, path: str, op: str, size: int, bs: int, qd: int, threads: int) -> float:
-    """fio's bandwidth for one sequential pass over the file, `threads` jobs on slices."""
+def fio_gbps(
+    fio: str, path: str, op: str, size: int, bs: int, qd: int, threads: int, iomem: str | None
+) -> float:
+    """fio's bandwidth for one sequential pass over the file, `threads` jobs on slices;
+    `iomem` is fio's buffer source (None: its default, malloc)."""
     per = size // threads
     cmd = [fio, "--name=peer", f"--filename={path}", f"--rw={op}", f"--bs={bs}",
            f"--iodepth={qd}", "--ioengine=libaio", "--direct=1", f"--size={per}",
            f"--numjobs={threads}", f"--offset_increment={per}", "--group_reporting",
            "--overwrite=1", "--invalidate=1", "--output-format=json"]  # fmt: skip
+    if iomem:
+        cmd.append(f"--iomem={iomem}")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed (exit {proc.returncode}): {proc.stderr.strip()}")
@@ -84,10 +92,73 @@ def small_page_buffer(nbytes: int):
     return raw[start : start + nbytes]
 
 
+HUGE_PAGE = 2 << 20
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def hugetlbfs_mount() -> str | None:
+    """A mounted hugetlbfs of 2 MiB pages, if any."""
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fstype, opts = line.split()[:4]
+            if fstype == "hugetlbfs" and "pagesize=1024M" not in opts:
+                return mnt
+    return None
+
+
+class FioHugePages:
+    """Where fio's huge-page buffer comes from: an existing hugetlbfs with enough free pages
+    ("auto"), or pages reserved and a hugetlbfs mounted for the run and undone after
+    ("setup", root only). `iomem` is None when there are none."""
+
+    def __init__(self, mode: str, nbytes: int) -> None:
+        self.mode, self.iomem = mode, None
+        self._undo: list[list[str]] = []
+        self._pages_before: int | None = None
+        pages = -(-nbytes // HUGE_PAGE) + 4
+        if mode == "off":
+            return
+        mnt = hugetlbfs_mount()
+        if mode == "setup" and (mnt is None or _meminfo("HugePages_Free") < pages):
+            mnt = self._setup(pages, mnt)
+        if mnt and _meminfo("HugePages_Free") >= pages:
+            self.iomem = f"mmaphuge:{os.path.join(mnt, f'infinity-fio.{os.getpid()}')}"
+        else:
+            print(f"fio from huge pages skipped: needs a hugetlbfs mount and {pages} free 2 MiB "
+                  "pages (as root: --fio-hugepages setup)", file=sys.stderr)  # fmt: skip
+
+    def _setup(self, pages: int, mnt: str | None) -> str | None:
+        nr = "/proc/sys/vm/nr_hugepages"
+        with open(nr) as f:
+            self._pages_before = int(f.read())
+        with open(nr, "w") as f:
+            f.write(str(self._pages_before + pages))
+        if mnt is None:
+            mnt = tempfile.mkdtemp(prefix="infinity-hugetlbfs-")
+            subprocess.run(["mount", "-t", "hugetlbfs", "none", mnt], check=True)
+            self._undo.append(["umount", mnt])
+        return mnt
+
+    def close(self) -> None:
+        for cmd in self._undo:
+            subprocess.run(cmd, check=False)
+        if self._pages_before is not None:
+            with open("/proc/sys/vm/nr_hugepages", "w") as f:
+                f.write(str(self._pages_before))
+
+
 # Runners that separate the engine from the buffer: the whole file from a buffer on 4 KiB
 # pages, and through a small reused 4 KiB-page buffer, as fio does.
 SMALL_PAGES = "4k-pages"
 FIO_BUFFER = "fio-buffer"
+FIO_HUGE = "fio-hugepages"
 
 
 def run(args: argparse.Namespace, fio: str) -> dict:
@@ -102,6 +173,8 @@ def run(args: argparse.Namespace, fio: str) -> dict:
     ring.fill_(0x5A)
     out = {"settings": {**cfg, "size": args.size, "rounds": args.rounds},
            "machine": machine_info(args.path), "records": []}  # fmt: skip
+    huge = FioHugePages(args.fio_hugepages, args.block_size * args.queue_depth * args.threads)
+    out["settings"]["fio_iomem_hugepages"] = huge.iomem
     first = args.backend[0]
     # fio's libaio engine is kernel AIO: the like-for-like engine for the fio-buffer runner.
     peer_like = "aio" if "aio" in handles else first
@@ -112,26 +185,31 @@ def run(args: argparse.Namespace, fio: str) -> dict:
                               "gbps": ours_gbps(handles[first], buf, path, "write",
                                                 args.size)}  # fmt: skip
         runners = [*args.backend, SMALL_PAGES, FIO_BUFFER, "fio"]
+        if huge.iomem:
+            runners.append(FIO_HUGE)
         for rnd in range(args.rounds):
             order = runners[rnd % len(runners) :] + runners[: rnd % len(runners)]
             for op in ("write", "read"):
                 for name in order:
-                    if name == "fio":
+                    if name in ("fio", FIO_HUGE):
+                        iomem = huge.iomem if name == FIO_HUGE else None
                         g = fio_gbps(fio, path, op, args.size, args.block_size,
-                                     args.queue_depth, args.threads)  # fmt: skip
+                                     args.queue_depth, args.threads, iomem)  # fmt: skip
                     elif name in (FIO_BUFFER, SMALL_PAGES):
                         b = ring if name == FIO_BUFFER else flat
                         g = ours_gbps(handles[peer_like], b, path, op, args.size)
                     else:
                         g = ours_gbps(handles[name], buf, path, op, args.size)
-                    backend = "libaio" if name == "fio" else name
+                    backend = {"fio": "libaio", FIO_HUGE: "libaio+hugepages"}.get(name, name)
                     if name in (FIO_BUFFER, SMALL_PAGES):
                         backend = f"{peer_like}+{name}"
-                    out["records"].append({"tool": "fio" if name == "fio" else "infinity",
+                    tool = "fio" if name in ("fio", FIO_HUGE) else "infinity"
+                    out["records"].append({"tool": tool,
                                            "op": op, "backend": backend, **cfg, "gbps": g,
                                            "round": rnd})  # fmt: skip
                     print(f"round {rnd} {op:<5} {backend:<20} {g:6.2f} GB/s", flush=True)
     finally:
+        huge.close()
         for h in handles.values():
             h.close()
         if os.path.exists(path) and not args.keep_file:
@@ -150,11 +228,13 @@ def summarize(records: list[dict]) -> dict:
             med.setdefault(op, {})[name] = statistics.median(g)
     summary = {}
     for op, m in med.items():
-        ours = {k: v for k, v in m.items() if k != "libaio" and "+" not in k}
+        ours = {k: v for k, v in m.items() if not k.startswith("libaio") and "+" not in k}
         best = max(ours, key=ours.get)
         same = next(v for k, v in m.items() if FIO_BUFFER in k)
+        fio_best = max(v for k, v in m.items() if k.startswith("libaio"))
         summary[op] = {"median_gbps": m, "best_backend": best,
                        "ratio_best_to_fio": ours[best] / m["libaio"],
+                       "ratio_best_to_best_fio": ours[best] / fio_best,
                        "ratio_fio_buffer_to_fio": same / m["libaio"]}  # fmt: skip
     return summary
 
@@ -171,7 +251,8 @@ def format_summary(out: dict) -> str:
     for op, v in out["summary"].items():
         cols = ", ".join(f"{k} {g:.2f}" for k, g in sorted(v["median_gbps"].items()))
         lines.append(f"{op:<5} GB/s: {cols}; best ({v['best_backend']}) / fio = "
-                     f"{v['ratio_best_to_fio']:.2f}x; with fio's buffer / fio = "
+                     f"{v['ratio_best_to_fio']:.2f}x; best / fio's best (any buffer) = "
+                     f"{v['ratio_best_to_best_fio']:.2f}x; with fio's buffer / fio = "
                      f"{v['ratio_fio_buffer_to_fio']:.2f}x")  # fmt: skip
     return "\n".join(lines)
 
@@ -187,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", action="append", choices=["io_uring", "aio", "posix"],
                         help="Infinity backend (repeatable; default: the native ones)")  # fmt: skip
     parser.add_argument("--keep-file", action="store_true")
+    parser.add_argument(
+        "--fio-hugepages",
+        choices=["auto", "off", "setup"],
+        default="auto",
+        help="also run fio from huge pages: if a hugetlbfs has room (auto), never (off), or "
+        "reserve and mount them for the run (setup, root)",
+    )
     parser.add_argument("--json", default="aio_vs_fio.json", help="output file")
     args = parser.parse_args(argv)
     if args.size % (args.threads * args.block_size):
