@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -388,8 +389,8 @@ def _check_no_decay(no_decay: Collection[int], num_slots: int) -> set[int]:
 
 def _check_step_args(lr: float, loss_scale: float, max_grad_norm: float) -> None:
     for name, value in (("lr", lr), ("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a float, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {value!r}")
     if not (math.isfinite(lr) and lr >= 0.0):
         raise ValueError(f"lr must be finite and >= 0, got {lr}; check the schedule")
     if not (math.isfinite(loss_scale) and loss_scale > 0.0):
