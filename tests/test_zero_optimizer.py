@@ -11,7 +11,7 @@ import torch
 from infinity.config import OptimizerConfig, ZeroConfig
 from infinity.optim import native_adam
 from infinity.swap.state_store import SubGroupState
-from infinity.zero import PartitionedOptimizer, Slot
+from infinity.zero import PartitionedOptimizer, Slot, sub_group_numels
 
 # Numels 407, 64, 105, 1000, 3, 258, 0: with sub_group_size=500 they pack into
 # [407, 64] [105] [1000] [3, 258, 0]: a slot larger than a sub-group, boundaries mid-list.
@@ -122,10 +122,7 @@ def run_parity(case, backend, dtype=torch.float32, store_cls=None):
     sub_group_size = c.get("sub_group_size", 500)
     store = None
     if store_cls is not None:
-        size = 1_000_000_000 if sub_group_size == "auto" else sub_group_size
-        from infinity.zero.sub_groups import pack
-
-        store = store_cls([g.numel for g in pack(numels, size)])
+        store = store_cls(sub_group_numels(numels, ZeroConfig(sub_group_size=sub_group_size)))
     ours = make_opt(slots, sub_group_size=sub_group_size, store=store,
                     no_decay=c.get("no_decay", ()), **cfg)  # fmt: skip
     peers = [s.partition.float().reshape(shape).clone().requires_grad_()
@@ -291,9 +288,7 @@ def _assert_same(a, b):
 def _store_for(slots, store_cls):
     if store_cls is None:
         return None
-    from infinity.zero.sub_groups import pack
-
-    return store_cls([g.numel for g in pack([s.numel for s in slots], 500)])
+    return store_cls(sub_group_numels([s.numel for s in slots], ZeroConfig(sub_group_size=500)))
 
 
 @pytest.mark.parametrize("store_cls", [None, CopyingStateStore], ids=["host", "copying"])
@@ -501,3 +496,24 @@ def test_grad_norm_is_accurate_for_large_sub_groups():
     exact = math.sqrt(sum(opt.grad(i).double().square().sum().item() for i in range(2)))
     result = opt.step(lr=0.0)
     assert result.grad_norm == pytest.approx(exact, rel=1e-7)
+
+
+@pytest.mark.parametrize("store_cls", [None, CopyingStateStore], ids=["host", "copying"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_refresh_masters_takes_weights_written_into_the_partitions(dtype, store_cls):
+    slots = make_slots(DTYPES[dtype])
+    opt = make_opt(slots, store=_store_for(slots, store_cls))
+    for i in range(opt.num_slots):
+        opt.grad(i).fill_(1.0)
+    opt.step(lr=1e-2)
+    moments = {k: v for k, v in masters(opt).items() if not k.endswith(".master")}
+    new = make_slots(DTYPES[dtype], seed=11)
+    for i, slot in enumerate(new):
+        opt.partition(i).copy_(slot.partition)
+    opt.refresh_masters()
+    state = masters(opt)
+    for i, slot in enumerate(new):
+        assert torch.equal(state[f"{slot.name}.master"], slot.partition.float())
+        assert torch.equal(opt.partition(i), slot.partition)
+    for k, v in moments.items():
+        assert torch.equal(state[k], v)

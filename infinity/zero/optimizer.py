@@ -43,7 +43,7 @@ from infinity.zero.sub_groups import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PartitionedOptimizer", "Slot", "StepResult"]
+__all__ = ["PartitionedOptimizer", "Slot", "StepResult", "sub_group_numels"]
 
 STATE_FIELDS = SubGroupState._fields  # ("master", "exp_avg", "exp_avg_sq")
 _KIND = "PartitionedOptimizer"
@@ -103,7 +103,7 @@ class PartitionedOptimizer:
             raise ValueError(
                 f"the state store holds sub-groups of {list(state_store.numels)} elements but "
                 f"these slots pack into {numels} (sub_group_size={self.sub_group_size}); build "
-                "the store from the optimizer's layout"
+                "the store with infinity.zero.sub_group_numels(...)"
             )
         self.store = state_store
         # See [Note: where the weights live].
@@ -154,6 +154,17 @@ class PartitionedOptimizer:
     def zero_grad(self) -> None:
         for group in self._groups:
             group.grad.zero_()
+
+    def refresh_masters(self) -> None:
+        """Master weights := the partitions, moments kept: call after writing new weights
+        into `partition(i)` (e.g. loading model weights without optimizer state), else the
+        next step would overwrite them from the old masters. A no-op when they alias."""
+        if self.aliased:
+            return
+        for group in self._groups:
+            state = self.store.read(group.layout.index)
+            state.master.copy_(group.partition)
+            self.store.write(group.layout.index, state)
 
     # -- the step -----------------------------------------------------------------------
     def step(self, *, lr: float, loss_scale: float = 1.0, max_grad_norm: float = 0.0) -> StepResult:
@@ -323,6 +334,12 @@ class PartitionedOptimizer:
             "state_bytes": state,
             "host_bytes": grad + part + state,
         }
+
+
+def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
+    """Elements of each sub-group the optimizer will make of slots of `slot_numels`: the
+    `numels` to build a `StateStore` with before constructing the optimizer."""
+    return [g.numel for g in pack(slot_numels, resolve_sub_group_size(zero.sub_group_size))]
 
 
 def _sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
