@@ -517,3 +517,25 @@ def test_refresh_masters_takes_weights_written_into_the_partitions(dtype, store_
         assert torch.equal(opt.partition(i), slot.partition)
     for k, v in moments.items():
         assert torch.equal(state[k], v)
+
+
+def test_partitions_that_require_grad_are_copied_without_autograd():
+    slots = [Slot(s.name, s.numel, torch.nn.Parameter(s.partition)) for s in make_slots()]
+    for store in (None, CopyingStateStore([471, 105, 1000, 261])):
+        opt = make_opt(slots, store=store)
+        assert not any(opt.partition(i).requires_grad for i in range(opt.num_slots))
+        assert not any(t.requires_grad for _, t in masters(opt).items())
+        opt.grad(0).fill_(1.0)
+        opt.step(lr=1e-3)
+
+
+def test_changed_hyperparameters_are_logged_and_the_config_wins(caplog):
+    opt = make_opt(make_slots(), weight_decay=0.1)
+    d = opt.state_dict()
+    d["hyperparameters"]["weight_decay"] = 0.0
+    d["step_count"] = 7
+    with caplog.at_level("WARNING", logger="infinity.zero.optimizer"):
+        opt.load_state_dict(d)
+    assert "weight_decay was 0.0 in the checkpoint and is 0.1 now" in caplog.text
+    assert opt.hyper["weight_decay"] == 0.1
+    assert opt.step_count == 7

@@ -364,6 +364,7 @@ def _thunk(read, field: str, start: int, stop: int) -> Callable[[], torch.Tensor
     return lambda: getattr(read(), field)[start:stop]
 
 
+@torch.no_grad()  # a partition may be a leaf that requires grad; the buffers never do
 def _fill(flat: torch.Tensor, layout: SubGroupLayout, slots: Sequence[Slot]) -> None:
     for k, slot in enumerate(slots[layout.first : layout.stop]):
         start = layout.offsets[k]
