@@ -539,3 +539,47 @@ def test_changed_hyperparameters_are_logged_and_the_config_wins(caplog):
     assert "weight_decay was 0.0 in the checkpoint and is 0.1 now" in caplog.text
     assert opt.hyper["weight_decay"] == 0.1
     assert opt.step_count == 7
+
+
+def _nvme_store_factory(tmp_path):
+    """NvmeStateStore over a fresh swap directory per store (skips where the tier is absent)."""
+    nvme_state = pytest.importorskip("infinity.swap.nvme_state")
+    swap_store = pytest.importorskip("infinity.swap.store")
+    from infinity.config import AioConfig
+
+    made = []
+
+    def factory(numels):
+        path = tmp_path / f"swap{len(made)}"
+        path.mkdir()
+        swap = swap_store.SwapStore(path, run_id="t")
+        store = nvme_state.NvmeStateStore(numels, store=swap, aio=AioConfig(backend="posix"),
+                                          buffer_count=3)  # fmt: skip
+        made.append((store, swap))
+        return store
+
+    return factory, made
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_nvme_tier_trains_and_resumes_like_the_host_tier(tmp_path, dtype, backend):
+    factory, made = _nvme_store_factory(tmp_path)
+    try:
+        run_parity("loss-scale-clip", backend, dtype=DTYPES[dtype], store_cls=factory)
+        grads = _grad_sequence(6)
+        slots = make_slots(DTYPES[dtype])
+        straight = make_opt(slots, **backend)
+        _train(straight, grads)
+        first = make_opt(slots, store=_store_for(slots, factory), **backend)
+        _train(first, grads[:3])
+        saved = {name: get().clone() for name, get in first.state_tensors()}
+        other = make_slots(DTYPES[dtype], seed=4)
+        resumed = make_opt(other, store=_store_for(other, factory), **backend)
+        resumed.load_state_tensors(saved.__getitem__)
+        resumed.load_state_dict(first.state_dict())
+        _train(resumed, grads[3:])
+        _assert_same(straight, resumed)
+    finally:
+        for store, swap in made:
+            store.close()
+            swap.close()
