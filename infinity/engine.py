@@ -33,8 +33,8 @@ from infinity.zero import (
     Slot,
     install_grad_hooks,
     partition_model,
+    sub_group_numels,
 )
-from infinity.zero.sub_groups import pack, resolve_sub_group_size
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +101,9 @@ class Engine:
             )
         slots = [Slot(name=r.name, numel=r.numel, partition=r.partition) for r in trainable]
         zero = self.config.zero_optimization
-        sizes = pack([s.numel for s in slots], resolve_sub_group_size(zero.sub_group_size))
         self._swap_stores = SwapStores()
         store = make_state_store(
-            [g.numel for g in sizes],
+            sub_group_numels([s.numel for s in slots], zero),
             zero.offload_optimizer,
             self.config.aio,
             stores=self._swap_stores,
