@@ -78,7 +78,7 @@ class Engine:
             model, units, by_param, self.coordinator, iteration_key=self._iteration_key
         )
         self._grad_handles = install_grad_hooks(
-            self.records, self.optimizer.grad, self.hooks.grad_accumulated, self.accelerator
+            self.records, self.optimizer.grad, self.hooks, self.accelerator
         )
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule = build_schedule(self.config.scheduler, float(self.config.optimizer.lr))

@@ -107,6 +107,8 @@ class ModelHooks:
         """True while a hook runs: GatherOnUse lets the hooks' own tensor calls through."""
         self._awaiting: dict[OffloadParam, list[_Call]] = {}
         self._external: dict[object, ModuleUnit] = {}  # parameter(s) used outside -> unit
+        self._accumulated: set[OffloadParam] = set()  # gradients accumulated this backward
+        self._settle_after_grad: dict[OffloadParam, int | None] = {}
         self._handles: list = []
         for module in model.modules():
             self._handles.append(
@@ -128,6 +130,8 @@ class ModelHooks:
         """Forget running calls (after an exception or at the end of backward)."""
         self.stack.clear()
         self._awaiting.clear()
+        self._accumulated.clear()
+        self._settle_after_grad.clear()
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -181,7 +185,7 @@ class ModelHooks:
             call.bw_state = 1
             self.busy = True
             try:
-                call.bw_pos = coord.gather(call.unit)
+                call.bw_pos = coord.gather(call.unit, pin=False)
             finally:
                 self.busy = False
             if call.inputs_pending == 0:
@@ -206,15 +210,43 @@ class ModelHooks:
             self._awaiting.setdefault(rec, []).append(call)
 
     def _finish(self, call: _Call) -> None:
+        """The call's backward is over. A trainable parameter whose gradient autograd has not
+        accumulated yet stays gathered until it has (accumulation needs its shape); it may
+        still be evicted under budget pressure and is gathered again for accumulation then."""
         call.bw_state = 2
         self.busy = True
         try:
-            self.coord.done(call.unit, call.bw_pos)
+            for rec in call.unit.records:
+                if rec.trainable and rec not in self._accumulated:
+                    self._settle_after_grad[rec] = call.bw_pos
+                else:
+                    self.coord.settle(rec, call.bw_pos)
         finally:
             self.busy = False
 
+    def before_accumulate(self, rec: OffloadParam) -> None:
+        """Autograd is about to accumulate `rec`'s gradient, which needs its shape: gather it
+        if it was evicted meanwhile (it is settled again right after)."""
+        if rec.state is ParamState.LIVE:
+            return
+        self.busy = True
+        try:
+            self.coord.gather_one(rec)
+        finally:
+            self.busy = False
+        self._settle_after_grad.setdefault(rec, None)
+
     def grad_accumulated(self, rec: OffloadParam) -> None:
-        """`rec`'s gradient left the device: calls waiting only on gradients may end."""
+        """`rec`'s gradient left the device: it may be released, and calls waiting only on
+        gradients may end."""
+        self._accumulated.add(rec)
+        if rec in self._settle_after_grad:
+            pos = self._settle_after_grad.pop(rec)
+            self.busy = True
+            try:
+                self.coord.settle(rec, pos)
+            finally:
+                self.busy = False
         waiting = self._awaiting.pop(rec, None)
         if not waiting:
             return
@@ -311,7 +343,7 @@ class GatherOnUse(TorchFunctionMode):
 def install_grad_hooks(
     records: Iterable[OffloadParam],
     grad_of: Callable[[int], torch.Tensor],
-    on_accumulated: Callable[[OffloadParam], None],
+    hooks: ModelHooks,
     accelerator: Accelerator,
 ) -> list:
     """Move each trainable parameter's gradient into its fp32 host partition as soon as
@@ -319,7 +351,9 @@ def install_grad_hooks(
 
     On the CPU the device gradient is added straight into the partition. From another device
     it is first copied to host memory (a blocking copy through the accelerator: the
-    gradient's memory is freed as soon as the hook returns)."""
+    gradient's memory is freed as soon as the hook returns). Accumulation checks the
+    gradient against the parameter's shape, so a tensor hook gathers a released parameter
+    just before (see `ModelHooks.before_accumulate`)."""
     handles = []
     for rec in records:
         if rec.slot is None:
@@ -334,7 +368,11 @@ def install_grad_hooks(
                     flat = accelerator.to_host(flat, out=torch.empty(flat.shape, dtype=flat.dtype))
                 target.add_(flat)
                 param.grad = None
-            on_accumulated(rec)
+            hooks.grad_accumulated(rec)
 
+        def before(grad: torch.Tensor, rec=rec) -> None:
+            hooks.before_accumulate(rec)
+
+        handles.append(rec.param.register_hook(before))
         handles.append(rec.param.register_post_accumulate_grad_hook(hook))
     return handles
