@@ -6,11 +6,16 @@ policy; gathering and releasing are the coordinator's.
 [Note: backward] Autograd keeps leaf parameters by reference, so a module's parameters must be
 gathered again before its backward runs. In forward, each module call with a gather set puts a
 gradient hook on its outputs (fires before the module's backward: gather) and on its inputs
-that require grad (fires after it: done). A call whose inputs need no gradient (the embedding
-of token ids) ends instead when its trainable parameters' gradients have been accumulated;
-anything left is released when the backward ends. Activation checkpointing re-runs forwards
-inside backward: the pre-forward hook gathers there too, and the post-forward hook only unpins
-(the recomputed graph still needs the weights).
+that require grad (fires after it: release, per the reuse rule). A call whose inputs need no
+gradient (the embedding of token ids) ends instead when its trainable parameters' gradients
+have been accumulated; anything left is released when the backward ends. Backward pins
+nothing past the gather: a weight evicted under budget pressure before an op reads it is
+gathered again by the saved-tensor hooks, and one evicted before autograd accumulates its
+gradient (accumulation checks the parameter's shape) by a tensor hook on the parameter; a
+trainable parameter is released only once its gradient has been accumulated. Activation
+checkpointing re-runs forwards inside backward: the pre-forward hook gathers and pins there
+too, and the post-forward hook only unpins (the recomputed graph still needs the weights).
+Non-reentrant checkpointing stops its recomputation with an exception, hence `always_call`.
 
 [Note: saved weights] Autograd saves a leaf parameter by reference, but many ops save a view
 of it instead (`F.linear` saves `weight.t()`), and a view keeps the gathered buffer alive
