@@ -107,7 +107,7 @@ class Coordinator:
         self._recording = []
         self._trace = None
         self.phase = Phase.IDLE
-        for rec in self._resident:
+        for rec in self.records:
             rec.pins = 0  # every running call has ended with the iteration
         self.release_all()
 
