@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -105,6 +106,7 @@ def run_round_robin(cands: dict[str, object], warmup: int, repeats: int) -> dict
 
 
 def bench(args) -> dict:
+    load_before = list(os.getloadavg())  # torch's many small parallel regions suffer most
     numels = slot_numels(args.numel)
     src = torch.randn(args.numel)
     cands: dict[str, Callable] = {}
@@ -141,6 +143,7 @@ def bench(args) -> dict:
         "warmup": args.warmup,
         "repeats": args.repeats,
         "machine": machine_info(),
+        "loadavg_before_1m_5m_15m": load_before,
         "results": results,
     }
 

@@ -11,7 +11,7 @@ import torch
 from infinity.config import OptimizerConfig, ZeroConfig
 from infinity.optim import native_adam
 from infinity.swap.state_store import SubGroupState
-from infinity.zero import PartitionedOptimizer, Slot
+from infinity.zero import PartitionedOptimizer, Slot, sub_group_numels
 
 # Numels 407, 64, 105, 1000, 3, 258, 0: with sub_group_size=500 they pack into
 # [407, 64] [105] [1000] [3, 258, 0]: a slot larger than a sub-group, boundaries mid-list.
@@ -122,10 +122,7 @@ def run_parity(case, backend, dtype=torch.float32, store_cls=None):
     sub_group_size = c.get("sub_group_size", 500)
     store = None
     if store_cls is not None:
-        size = 1_000_000_000 if sub_group_size == "auto" else sub_group_size
-        from infinity.zero.sub_groups import pack
-
-        store = store_cls([g.numel for g in pack(numels, size)])
+        store = store_cls(sub_group_numels(numels, ZeroConfig(sub_group_size=sub_group_size)))
     ours = make_opt(slots, sub_group_size=sub_group_size, store=store,
                     no_decay=c.get("no_decay", ()), **cfg)  # fmt: skip
     peers = [s.partition.float().reshape(shape).clone().requires_grad_()
@@ -291,9 +288,7 @@ def _assert_same(a, b):
 def _store_for(slots, store_cls):
     if store_cls is None:
         return None
-    from infinity.zero.sub_groups import pack
-
-    return store_cls([g.numel for g in pack([s.numel for s in slots], 500)])
+    return store_cls(sub_group_numels([s.numel for s in slots], ZeroConfig(sub_group_size=500)))
 
 
 @pytest.mark.parametrize("store_cls", [None, CopyingStateStore], ids=["host", "copying"])
@@ -446,7 +441,7 @@ def test_bad_settings_are_named():
         opt.step(lr=1e-3, loss_scale=0.0)
     with pytest.raises(ValueError, match="max_grad_norm must be >= 0"):
         opt.step(lr=1e-3, max_grad_norm=-1.0)
-    with pytest.raises(TypeError, match="lr must be a float"):
+    with pytest.raises(TypeError, match="lr must be a real number"):
         opt.step(lr="1e-3")
     with pytest.raises(IndexError, match="slot 1 out of range"):
         opt.grad(1)
@@ -501,3 +496,90 @@ def test_grad_norm_is_accurate_for_large_sub_groups():
     exact = math.sqrt(sum(opt.grad(i).double().square().sum().item() for i in range(2)))
     result = opt.step(lr=0.0)
     assert result.grad_norm == pytest.approx(exact, rel=1e-7)
+
+
+@pytest.mark.parametrize("store_cls", [None, CopyingStateStore], ids=["host", "copying"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_refresh_masters_takes_weights_written_into_the_partitions(dtype, store_cls):
+    slots = make_slots(DTYPES[dtype])
+    opt = make_opt(slots, store=_store_for(slots, store_cls))
+    for i in range(opt.num_slots):
+        opt.grad(i).fill_(1.0)
+    opt.step(lr=1e-2)
+    moments = {k: v for k, v in masters(opt).items() if not k.endswith(".master")}
+    new = make_slots(DTYPES[dtype], seed=11)
+    for i, slot in enumerate(new):
+        opt.partition(i).copy_(slot.partition)
+    opt.refresh_masters()
+    state = masters(opt)
+    for i, slot in enumerate(new):
+        assert torch.equal(state[f"{slot.name}.master"], slot.partition.float())
+        assert torch.equal(opt.partition(i), slot.partition)
+    for k, v in moments.items():
+        assert torch.equal(state[k], v)
+
+
+def test_partitions_that_require_grad_are_copied_without_autograd():
+    slots = [Slot(s.name, s.numel, torch.nn.Parameter(s.partition)) for s in make_slots()]
+    for store in (None, CopyingStateStore([471, 105, 1000, 261])):
+        opt = make_opt(slots, store=store)
+        assert not any(opt.partition(i).requires_grad for i in range(opt.num_slots))
+        assert not any(t.requires_grad for _, t in masters(opt).items())
+        opt.grad(0).fill_(1.0)
+        opt.step(lr=1e-3)
+
+
+def test_changed_hyperparameters_are_logged_and_the_config_wins(caplog):
+    opt = make_opt(make_slots(), weight_decay=0.1)
+    d = opt.state_dict()
+    d["hyperparameters"]["weight_decay"] = 0.0
+    d["step_count"] = 7
+    with caplog.at_level("WARNING", logger="infinity.zero.optimizer"):
+        opt.load_state_dict(d)
+    assert "weight_decay was 0.0 in the checkpoint and is 0.1 now" in caplog.text
+    assert opt.hyper["weight_decay"] == 0.1
+    assert opt.step_count == 7
+
+
+def _nvme_store_factory(tmp_path):
+    """NvmeStateStore over a fresh swap directory per store (skips where the tier is absent)."""
+    nvme_state = pytest.importorskip("infinity.swap.nvme_state")
+    swap_store = pytest.importorskip("infinity.swap.store")
+    from infinity.config import AioConfig
+
+    made = []
+
+    def factory(numels):
+        path = tmp_path / f"swap{len(made)}"
+        path.mkdir()
+        swap = swap_store.SwapStore(path, run_id="t")
+        store = nvme_state.NvmeStateStore(numels, store=swap, aio=AioConfig(backend="posix"),
+                                          buffer_count=3)  # fmt: skip
+        made.append((store, swap))
+        return store
+
+    return factory, made
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_nvme_tier_trains_and_resumes_like_the_host_tier(tmp_path, dtype, backend):
+    factory, made = _nvme_store_factory(tmp_path)
+    try:
+        run_parity("loss-scale-clip", backend, dtype=DTYPES[dtype], store_cls=factory)
+        grads = _grad_sequence(6)
+        slots = make_slots(DTYPES[dtype])
+        straight = make_opt(slots, **backend)
+        _train(straight, grads)
+        first = make_opt(slots, store=_store_for(slots, factory), **backend)
+        _train(first, grads[:3])
+        saved = {name: get().clone() for name, get in first.state_tensors()}
+        other = make_slots(DTYPES[dtype], seed=4)
+        resumed = make_opt(other, store=_store_for(other, factory), **backend)
+        resumed.load_state_tensors(saved.__getitem__)
+        resumed.load_state_dict(first.state_dict())
+        _train(resumed, grads[3:])
+        _assert_same(straight, resumed)
+    finally:
+        for store, swap in made:
+            store.close()
+            swap.close()

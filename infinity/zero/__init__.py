@@ -10,7 +10,7 @@ the CPU-Adam step over fp32 masters and gradient partitions (`PartitionedOptimiz
 from infinity.zero.build import init, model_dtype, partition_model
 from infinity.zero.coordinator import Coordinator, Phase
 from infinity.zero.hooks import GatherOnUse, ModelHooks, install_grad_hooks
-from infinity.zero.optimizer import PartitionedOptimizer, StepResult
+from infinity.zero.optimizer import PartitionedOptimizer, StepResult, sub_group_numels
 from infinity.zero.param import HomeTier, OffloadParam, ParamState
 from infinity.zero.sub_groups import Slot
 from infinity.zero.trace import Trace
@@ -33,4 +33,5 @@ __all__ = [
     "install_grad_hooks",
     "model_dtype",
     "partition_model",
+    "sub_group_numels",
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from infinity.zero.sub_groups import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PartitionedOptimizer", "Slot", "StepResult"]
+__all__ = ["PartitionedOptimizer", "Slot", "StepResult", "sub_group_numels"]
 
 STATE_FIELDS = SubGroupState._fields  # ("master", "exp_avg", "exp_avg_sq")
 _KIND = "PartitionedOptimizer"
@@ -102,7 +103,7 @@ class PartitionedOptimizer:
             raise ValueError(
                 f"the state store holds sub-groups of {list(state_store.numels)} elements but "
                 f"these slots pack into {numels} (sub_group_size={self.sub_group_size}); build "
-                "the store from the optimizer's layout"
+                "the store with infinity.zero.sub_group_numels(...)"
             )
         self.store = state_store
         # See [Note: where the weights live].
@@ -153,6 +154,17 @@ class PartitionedOptimizer:
     def zero_grad(self) -> None:
         for group in self._groups:
             group.grad.zero_()
+
+    def refresh_masters(self) -> None:
+        """Master weights := the partitions, moments kept: call after writing new weights
+        into `partition(i)` (e.g. loading model weights without optimizer state), else the
+        next step would overwrite them from the old masters. A no-op when they alias."""
+        if self.aliased:
+            return
+        for group in self._groups:
+            state = self.store.read(group.layout.index)
+            state.master.copy_(group.partition)
+            self.store.write(group.layout.index, state)
 
     # -- the step -----------------------------------------------------------------------
     def step(self, *, lr: float, loss_scale: float = 1.0, max_grad_norm: float = 0.0) -> StepResult:
@@ -324,6 +336,12 @@ class PartitionedOptimizer:
         }
 
 
+def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
+    """Elements of each sub-group the optimizer will make of slots of `slot_numels`: the
+    `numels` to build a `StateStore` with before constructing the optimizer."""
+    return [g.numel for g in pack(slot_numels, resolve_sub_group_size(zero.sub_group_size))]
+
+
 def _sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
     """Sum of squares of a flat fp32 tensor, as a 0-d fp64 tensor (inf/NaN propagate).
 
@@ -346,6 +364,7 @@ def _thunk(read, field: str, start: int, stop: int) -> Callable[[], torch.Tensor
     return lambda: getattr(read(), field)[start:stop]
 
 
+@torch.no_grad()  # a partition may be a leaf that requires grad; the buffers never do
 def _fill(flat: torch.Tensor, layout: SubGroupLayout, slots: Sequence[Slot]) -> None:
     for k, slot in enumerate(slots[layout.first : layout.stop]):
         start = layout.offsets[k]
@@ -388,8 +407,8 @@ def _check_no_decay(no_decay: Collection[int], num_slots: int) -> set[int]:
 
 def _check_step_args(lr: float, loss_scale: float, max_grad_norm: float) -> None:
     for name, value in (("lr", lr), ("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a float, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {value!r}")
     if not (math.isfinite(lr) and lr >= 0.0):
         raise ValueError(f"lr must be finite and >= 0, got {lr}; check the schedule")
     if not (math.isfinite(loss_scale) and loss_scale > 0.0):
