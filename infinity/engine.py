@@ -82,7 +82,7 @@ class Engine:
             model, units, by_param, self.coordinator, iteration_key=self._iteration_key
         )
         self._grad_handles = install_grad_hooks(
-            self.records, self.optimizer.grad, self.hooks.grad_accumulated, self.accelerator
+            self.records, self.optimizer.grad, self.hooks, self.accelerator
         )
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule = build_schedule(self.config.scheduler, float(self.config.optimizer.lr))
@@ -125,7 +125,10 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model; parameters are gathered module by module."""
+        """Run the model; parameters are gathered module by module. With fp16.auto_cast,
+        floating-point tensor arguments are cast to fp16 first."""
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
         coord.begin_iteration(self._iteration_key())
         try:
@@ -333,3 +336,14 @@ class Engine:
         """(name, partition viewed in the parameter's shape) for every parameter."""
         for rec in self.records:
             yield rec.name, rec.partition.view(rec.shape)
+
+
+def _to_half(obj: Any) -> Any:
+    """`obj` with every floating-point tensor (in tuples, lists, dicts) cast to fp16."""
+    if isinstance(obj, torch.Tensor):
+        return obj.half() if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_half(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_half(v) for k, v in obj.items()}
+    return obj

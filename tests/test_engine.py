@@ -186,3 +186,12 @@ def test_nvme_offload_is_refused_clearly(tmp_path):
     cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
     with pytest.raises(ValueError, match="offload_param.device 'nvme'"):
         infinity.initialize(Zoo(), cfg)
+
+
+def test_fp16_auto_cast_casts_float_inputs():
+    cfg = config()
+    cfg["fp16"] = {"enabled": True, "auto_cast": True}
+    model = nn.Sequential(nn.Linear(8, 4))
+    engine = infinity.initialize(model, cfg)
+    out = engine(torch.randn(2, 8))  # fp32 input meets fp16 weights: cast first
+    assert out.dtype == torch.float16

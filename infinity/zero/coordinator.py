@@ -7,9 +7,11 @@ and ends (`done`); it never touches modules.
 [Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked at
 every fetch. A gather that does not fit first evicts resident parameters that no running
 module needs (furthest next use first); prefetch never evicts, it stops and resumes at the
-next gather when there is room. The only excess allowed is what running modules pin at once
+next gather when there is room. The only excess allowed is what running forwards pin at once
 (the unit being gathered and the modules enclosing it), which is why the bound is stated as
-budget + the largest unit; anything beyond that is counted in `budget_overruns`.
+budget + the largest unit; anything beyond that is counted in `budget_overruns`. Backward
+pins nothing past the gather itself: a module's weights are read back through the
+saved-tensor hooks, which gather again whatever was evicted meanwhile.
 
 [Note: reuse] After a unit ends, a parameter stays gathered if it is persistent (fewer
 elements than `param_persistence_threshold`), if the trace says its next use comes within
@@ -62,6 +64,8 @@ class Coordinator:
         self.hits = 0
         self.misses = 0
         self.budget_overruns = 0
+        self.largest_unit = 0
+        """Elements of the largest unit gathered so far: the allowance over the budget."""
         self.trace_updates = 0
         self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or INFLIGHT
         self.by_storage: dict[int, OffloadParam] = {}
@@ -103,7 +107,7 @@ class Coordinator:
         self._recording = []
         self._trace = None
         self.phase = Phase.IDLE
-        for rec in self._resident:
+        for rec in self.records:
             rec.pins = 0  # every running call has ended with the iteration
         self.release_all()
 
@@ -118,10 +122,13 @@ class Coordinator:
 
     # ---- gather / done ----------------------------------------------------------------
 
-    def gather(self, unit: ModuleUnit) -> int | None:
-        """Make every parameter of `unit` LIVE and pin it; returns its trace position."""
+    def gather(self, unit: ModuleUnit, *, pin: bool = True) -> int | None:
+        """Make every parameter of `unit` LIVE (and keep it pinned with `pin`, for a forward
+        that reads `param.data` directly); returns its trace position."""
         pos = self._advance(unit)
         self._recording.append(unit)
+        if unit.numel > self.largest_unit:
+            self.largest_unit = unit.numel
         need = 0
         for rec in unit.records:
             rec.pins += 1
@@ -131,8 +138,10 @@ class Coordinator:
             self._make_room(need, unit)
         for rec in unit.records:
             self._ensure_live(rec, count=not rec.persistent)
+            if not pin:
+                rec.pins -= 1
         if pos is not None:
-            self._prefetch()
+            self._prefetch(unit)
         return pos
 
     def gather_one(self, rec: OffloadParam) -> None:
@@ -141,13 +150,20 @@ class Coordinator:
             self._make_room(rec.numel, None)
         self._ensure_live(rec, count=not rec.persistent)
 
-    def done(self, unit: ModuleUnit, pos: int | None, *, release: bool = True) -> None:
+    def done(
+        self, unit: ModuleUnit, pos: int | None, *, release: bool = True, unpin: bool = True
+    ) -> None:
         """`unit` finished (forward, or its backward): unpin, release what is not reused."""
         for rec in unit.records:
-            if rec.pins > 0:
+            if unpin and rec.pins > 0:
                 rec.pins -= 1
-            if release and rec.pins == 0 and not self._keep(rec, pos):
-                self._release(rec)
+            if release:
+                self.settle(rec, pos)
+
+    def settle(self, rec: OffloadParam, pos: int | None) -> None:
+        """Release `rec` unless it is pinned or reused soon after trace position `pos`."""
+        if rec.pins == 0 and not self._keep(rec, pos):
+            self._release(rec)
 
     def release_all(self) -> None:
         """Release every unpinned, non-persistent parameter."""
@@ -227,7 +243,7 @@ class Coordinator:
         """Evict unpinned parameters (furthest next use first) until `need` more fit."""
         if self.live_numel + need > self.budget:
             self._evict(need, unit, used_before=None)
-            if self.live_numel + need > self.budget:
+            if self.live_numel + need > self.budget + self.largest_unit:
                 self.budget_overruns += 1
 
     def _evict(self, need: int, unit: ModuleUnit | None, used_before: int | None) -> None:
@@ -254,7 +270,7 @@ class Coordinator:
                 break
             self._release(rec)
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, running: ModuleUnit | None = None) -> None:
         """Fetch ahead along the trace: up to `prefetch_numel` elements, never past the budget."""
         trace = self._trace
         if trace is None or not self._on_track or self.prefetch_numel <= 0:
@@ -267,7 +283,7 @@ class Coordinator:
             need = sum(r.numel for r in recs if r.state is ParamState.RELEASED)
             if self.live_numel + need > self.budget:
                 # Only parameters needed later than this unit make way for it.
-                self._evict(need, None, used_before=pos)
+                self._evict(need, running, used_before=pos)
                 if self.live_numel + need > self.budget:
                     break  # prefetch waits for room
             for rec in recs:

@@ -6,11 +6,16 @@ policy; gathering and releasing are the coordinator's.
 [Note: backward] Autograd keeps leaf parameters by reference, so a module's parameters must be
 gathered again before its backward runs. In forward, each module call with a gather set puts a
 gradient hook on its outputs (fires before the module's backward: gather) and on its inputs
-that require grad (fires after it: done). A call whose inputs need no gradient (the embedding
-of token ids) ends instead when its trainable parameters' gradients have been accumulated;
-anything left is released when the backward ends. Activation checkpointing re-runs forwards
-inside backward: the pre-forward hook gathers there too, and the post-forward hook only unpins
-(the recomputed graph still needs the weights).
+that require grad (fires after it: release, per the reuse rule). A call whose inputs need no
+gradient (the embedding of token ids) ends instead when its trainable parameters' gradients
+have been accumulated; anything left is released when the backward ends. Backward pins
+nothing past the gather: a weight evicted under budget pressure before an op reads it is
+gathered again by the saved-tensor hooks, and one evicted before autograd accumulates its
+gradient (accumulation checks the parameter's shape) by a tensor hook on the parameter; a
+trainable parameter is released only once its gradient has been accumulated. Activation
+checkpointing re-runs forwards inside backward: the pre-forward hook gathers and pins there
+too, and the post-forward hook only unpins (the recomputed graph still needs the weights).
+Non-reentrant checkpointing stops its recomputation with an exception, hence `always_call`.
 
 [Note: saved weights] Autograd saves a leaf parameter by reference, but many ops save a view
 of it instead (`F.linear` saves `weight.t()`), and a view keeps the gathered buffer alive
@@ -107,6 +112,8 @@ class ModelHooks:
         """True while a hook runs: GatherOnUse lets the hooks' own tensor calls through."""
         self._awaiting: dict[OffloadParam, list[_Call]] = {}
         self._external: dict[object, ModuleUnit] = {}  # parameter(s) used outside -> unit
+        self._accumulated: set[OffloadParam] = set()  # gradients accumulated this backward
+        self._settle_after_grad: dict[OffloadParam, int | None] = {}
         self._handles: list = []
         for module in model.modules():
             self._handles.append(
@@ -128,6 +135,8 @@ class ModelHooks:
         """Forget running calls (after an exception or at the end of backward)."""
         self.stack.clear()
         self._awaiting.clear()
+        self._accumulated.clear()
+        self._settle_after_grad.clear()
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -181,7 +190,7 @@ class ModelHooks:
             call.bw_state = 1
             self.busy = True
             try:
-                call.bw_pos = coord.gather(call.unit)
+                call.bw_pos = coord.gather(call.unit, pin=False)
             finally:
                 self.busy = False
             if call.inputs_pending == 0:
@@ -206,15 +215,43 @@ class ModelHooks:
             self._awaiting.setdefault(rec, []).append(call)
 
     def _finish(self, call: _Call) -> None:
+        """The call's backward is over. A trainable parameter whose gradient autograd has not
+        accumulated yet stays gathered until it has (accumulation needs its shape); it may
+        still be evicted under budget pressure and is gathered again for accumulation then."""
         call.bw_state = 2
         self.busy = True
         try:
-            self.coord.done(call.unit, call.bw_pos)
+            for rec in call.unit.records:
+                if rec.trainable and rec not in self._accumulated:
+                    self._settle_after_grad[rec] = call.bw_pos
+                else:
+                    self.coord.settle(rec, call.bw_pos)
         finally:
             self.busy = False
 
+    def before_accumulate(self, rec: OffloadParam) -> None:
+        """Autograd is about to accumulate `rec`'s gradient, which needs its shape: gather it
+        if it was evicted meanwhile (it is settled again right after)."""
+        if rec.state is ParamState.LIVE:
+            return
+        self.busy = True
+        try:
+            self.coord.gather_one(rec)
+        finally:
+            self.busy = False
+        self._settle_after_grad.setdefault(rec, None)
+
     def grad_accumulated(self, rec: OffloadParam) -> None:
-        """`rec`'s gradient left the device: calls waiting only on gradients may end."""
+        """`rec`'s gradient left the device: it may be released, and calls waiting only on
+        gradients may end."""
+        self._accumulated.add(rec)
+        if rec in self._settle_after_grad:
+            pos = self._settle_after_grad.pop(rec)
+            self.busy = True
+            try:
+                self.coord.settle(rec, pos)
+            finally:
+                self.busy = False
         waiting = self._awaiting.pop(rec, None)
         if not waiting:
             return
@@ -311,7 +348,7 @@ class GatherOnUse(TorchFunctionMode):
 def install_grad_hooks(
     records: Iterable[OffloadParam],
     grad_of: Callable[[int], torch.Tensor],
-    on_accumulated: Callable[[OffloadParam], None],
+    hooks: ModelHooks,
     accelerator: Accelerator,
 ) -> list:
     """Move each trainable parameter's gradient into its fp32 host partition as soon as
@@ -319,7 +356,9 @@ def install_grad_hooks(
 
     On the CPU the device gradient is added straight into the partition. From another device
     it is first copied to host memory (a blocking copy through the accelerator: the
-    gradient's memory is freed as soon as the hook returns)."""
+    gradient's memory is freed as soon as the hook returns). Accumulation checks the
+    gradient against the parameter's shape, so a tensor hook gathers a released parameter
+    just before (see `ModelHooks.before_accumulate`)."""
     handles = []
     for rec in records:
         if rec.slot is None:
@@ -334,7 +373,11 @@ def install_grad_hooks(
                     flat = accelerator.to_host(flat, out=torch.empty(flat.shape, dtype=flat.dtype))
                 target.add_(flat)
                 param.grad = None
-            on_accumulated(rec)
+            hooks.grad_accumulated(rec)
 
+        def before(grad: torch.Tensor, rec=rec) -> None:
+            hooks.before_accumulate(rec)
+
+        handles.append(rec.param.register_hook(before))
         handles.append(rec.param.register_post_accumulate_grad_hook(hook))
     return handles
