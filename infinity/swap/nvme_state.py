@@ -251,13 +251,15 @@ class NvmeStateStore:
 
     def _read_ahead(self, reads: deque[_Transfer], first: int, *, minimum: int) -> None:
         """Issue reads from `first` on: at least `minimum` ahead (waiting for write-backs to
-        free buffers if needed), more while free buffers last."""
+        free buffers if needed), more while buffers are free or their write-back is done."""
         nxt = reads[-1].index + 1 if reads else first
         while nxt < len(self.numels):
             buf = self.pool.try_acquire(self._extents[nxt].padded_nbytes, self._key(nxt))
             if buf is None:
-                if len(reads) >= minimum or not self._writes:
+                if not self._writes:
                     return
+                if len(reads) >= minimum and not self._writes[0].future.done():
+                    return  # enough read ahead, and no buffer to reuse without waiting
                 self._retire_write()
                 continue
             self._settle(nxt)
