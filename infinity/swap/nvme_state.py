@@ -88,6 +88,7 @@ class NvmeStateStore:
     next one into the free buffers, so the read at the start of a step overlaps the forward
     and backward passes; any other call drops those reads first. `kind` names the store's
     extents in the swap store (two state stores in one swap store need different kinds).
+    Not thread-safe: one caller drives it.
     """
 
     def __init__(
@@ -162,6 +163,7 @@ class NvmeStateStore:
                 t = reads.popleft()
                 assert t.index == i, (t.index, i)
                 current = (i, t.buf)
+                self._read_ahead(reads, i + 1, minimum=0)  # queue what is free before waiting
                 self._wait(t)
                 self._read_ahead(reads, i + 1, minimum=1)
                 yield i, self._views(i, t.buf)
