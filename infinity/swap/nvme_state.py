@@ -163,7 +163,6 @@ class NvmeStateStore:
                 t = reads.popleft()
                 assert t.index == i, (t.index, i)
                 current = (i, t.buf)
-                self._read_ahead(reads, i + 1, minimum=0)  # queue what is free before waiting
                 self._wait(t)
                 self._read_ahead(reads, i + 1, minimum=1)
                 yield i, self._views(i, t.buf)
