@@ -10,9 +10,11 @@ not know what the optimizer computes.
 buffer, sub-group i-1 is being written back from another and i+1 (and further, while free
 buffers last) is being read into the rest. The read of i+1 is always issued before i is
 handed to the caller; when no buffer is free for it the oldest write-back is waited for
-first. When the sweep ends, every write has completed, and the first sub-groups of the next
-sweep start reading into the free buffers (`prefetch_next_sweep`; dropped by any other call,
-which may change the state). A sub-group's disk extent is only read after its last write
+first. Buffers whose write-back has finished take further reads, and those are queued before
+the write-back of the sub-group just stepped (the caller waits on reads, not on writes).
+When the sweep ends, every write has completed, and the first sub-groups of the next sweep
+start reading into the free buffers (`prefetch_next_sweep`; dropped by any other call, which
+may change the state). A sub-group's disk extent is only read after its last write
 completed. A failed I/O marks the store failed: every later call raises, so a torn state is
 never presented as valid.
 """
@@ -166,6 +168,8 @@ class NvmeStateStore:
                 self._wait(t)
                 self._read_ahead(reads, i + 1, minimum=1)
                 yield i, self._views(i, t.buf)
+                # Reads go ahead of this write-back in the queue: the caller waits on reads.
+                self._read_ahead(reads, i + 1, minimum=0)
                 current = None
                 self._swap_out(i, t.buf)
             self._drain()
