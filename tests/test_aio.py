@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from infinity.accelerator import get_accelerator
 from infinity.config.sections import AioConfig
 from infinity.swap import AioHandle, aligned_empty, available_backends
 from infinity.swap.aio import plan
@@ -169,6 +170,12 @@ def test_aligned_empty():
         assert t.data_ptr() % 4096 == 0
         assert t.dtype == dtype and t.is_contiguous()
         assert t.shape == ((shape,) if isinstance(shape, int) else shape)
+    big = aligned_empty((3 << 20) + 5, torch.uint8)
+    assert big.numel() == (3 << 20) + 5
+    if not get_accelerator().pin_supported():  # unpinned: on a huge-page boundary
+        assert big.data_ptr() % (2 << 20) == 0
+    big.fill_(7)  # the whole span is usable
+    assert int(big[-1]) == 7
 
 
 def test_plan_cuts_aligned_middle():

@@ -201,3 +201,27 @@ def test_no_direct_strict_raises(no_direct_dir):
         with pytest.raises(AioError) as info:
             h.write(torch.zeros(4096, dtype=torch.uint8), path)
     assert info.value.errno == errno.EINVAL and "O_DIRECT" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_engine_short_read_then_eof(tmp_path, name):
+    """Below the handle's size check (e.g. a file truncated meanwhile), the engines resume
+    a short read and report the end of the file as ENODATA at the offset where data ended."""
+    if name not in available_backends():
+        pytest.skip(f"backend {name} does not run here")
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
+    engine = aio_checks.make_engine(name, 4096, 4, 1)
+    buf = aligned_empty(16384)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ticket = engine.submit(False, fd, buf.data_ptr(), 16384, 0)
+        code, offset, what = engine.wait(ticket)
+        assert (code, offset) == (errno.ENODATA, 10240) and "end of file" in what
+        assert buf[:10240].numpy().tobytes() == path.read_bytes()
+        ticket = engine.submit(False, fd, buf.data_ptr() + 3, 1000, 9000)  # short, then done
+        assert engine.wait(ticket) is None
+        assert buf[3:1003].numpy().tobytes() == path.read_bytes()[9000:10000]
+    finally:
+        os.close(fd)
+        engine.close()

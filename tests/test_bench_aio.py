@@ -103,11 +103,12 @@ def test_aio_vs_fio_script(tmp_path):
                    "--backend", "posix", "--json", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert len(result["records"]) == 2 * 2 * 2  # rounds x ops x (posix, fio)
+    assert len(result["records"]) == 2 * 2 * 4  # rounds x ops x runners
     assert {r["tool"] for r in result["records"]} == {"infinity", "fio"}
     for op in ("read", "write"):
         s = result["summary"][op]
         assert s["best_backend"] == "posix"
+        assert set(s["median_gbps"]) == {"posix", "posix+4k-pages", "posix+fio-buffer", "libaio"}
         assert s["ratio_best_to_fio"] == pytest.approx(
             s["median_gbps"]["posix"] / s["median_gbps"]["libaio"]
         )

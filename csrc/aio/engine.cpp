@@ -1,7 +1,8 @@
 // Worker loop and request bookkeeping of the I/O engine (see engine.h).
 // Short reads and writes are resubmitted for the remainder; EINTR and EAGAIN results are
 // resubmitted up to kMaxRetries times; a read that returns 0 bytes before the end of its
-// range is an error (ENODATA), never silently short data.
+// range is an error (ENODATA), never silently short data. After a failure, ops past it are
+// dropped and ops before it run to the end, so the error names the first failed byte.
 #include "engine.h"
 
 #include <algorithm>
@@ -71,7 +72,7 @@ bool Worker::fill() {
         if (!retry_.empty()) {
             op = retry_.front();
             retry_.pop_front();
-            if (op->slice->failed) {
+            if (past_failure(op)) {
                 finish_op(op);
                 continue;
             }
@@ -111,7 +112,8 @@ void Worker::complete(const Completion& c) {
     in_flight_--;
     if (c.res < 0) {
         const int code = static_cast<int>(-c.res);
-        if ((code == EINTR || code == EAGAIN) && !s->failed && ++op->retries <= kMaxRetries) {
+        if ((code == EINTR || code == EAGAIN) && !past_failure(op) &&
+            ++op->retries <= kMaxRetries) {
             retry_.push_back(op);
             return;
         }
@@ -121,12 +123,14 @@ void Worker::complete(const Completion& c) {
             // A read at the end of the file, or a write the file system took nothing of.
             fail(s, op->write ? EIO : ENODATA, op->offset,
                  op->write ? "write (0 bytes written)" : "read (end of file)");
-        } else if (!s->failed) {
+        } else {
             op->buf += c.res;
             op->offset += c.res;
             op->len -= static_cast<size_t>(c.res);
-            retry_.push_back(op);
-            return;
+            if (!past_failure(op)) {  // bytes before a failure still count: finish them
+                retry_.push_back(op);
+                return;
+            }
         }
     }
     finish_op(op);
@@ -152,9 +156,12 @@ void Worker::finish_slice(Slice* s) {
 }
 
 void Worker::fail(Slice* s, int code, off_t offset, const char* what) {
+    if (!s->failed || offset < s->fail_offset) s->fail_offset = offset;
     s->failed = true;
     std::lock_guard<std::mutex> lk(s->ticket->mu);
-    if (s->ticket->error.code == 0) s->ticket->error = IoError{code, offset, what};
+    // Ops complete out of order: keep the failure nearest the start of the request.
+    IoError& e = s->ticket->error;
+    if (e.code == 0 || offset < e.offset) e = IoError{code, offset, what};
 }
 
 // The ring itself failed (not one op): report it on every request this worker holds, and on

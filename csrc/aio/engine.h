@@ -1,7 +1,7 @@
 // The I/O engine: `threads` workers, each owning one ring with `queue_depth` ops in flight.
 // A request (fd, buffer, length, offset) is cut into one slice per worker at block_size
 // boundaries; each worker cuts its slice into block_size ops and keeps its ring full across
-// every slice it holds. A ticket counts the slices still open and keeps the first error.
+// every slice it holds. A ticket counts the slices still open and keeps the error.
 #pragma once
 
 #include <sys/types.h>
@@ -20,7 +20,8 @@
 
 namespace infinity_aio {
 
-// The first failure of a request: errno, the file offset of the failed op and what failed.
+// How a request failed: errno, the file offset of the failed op and what failed (of several
+// failed ops, the one at the lowest offset).
 struct IoError {
     int code = 0;
     off_t offset = 0;
@@ -45,6 +46,7 @@ struct Slice {
     unsigned in_flight = 0;  // ops of this slice out: in the ring or waiting for a retry
     bool in_active = true;   // still in the worker's queue of slices to cut
     bool failed = false;
+    off_t fail_offset = 0;   // lowest failed offset; ops before it still run to completion
 };
 
 class Worker {
@@ -62,6 +64,9 @@ private:
     void finish_op(Op* op);
     void finish_slice(Slice* s);
     void fail(Slice* s, int code, off_t offset, const char* what);
+    static bool past_failure(const Op* op) {
+        return op->slice->failed && op->offset >= op->slice->fail_offset;
+    }
     void abandon(const std::exception& e);
 
     std::unique_ptr<Ring> ring_;
@@ -87,7 +92,7 @@ public:
     ~Engine();
     // Queues a request; returns its ticket id. Never blocks on I/O.
     uint64_t submit(bool write, int fd, uintptr_t buf, size_t len, off_t offset);
-    // Blocks until the request is complete and forgets it; returns its first error (code 0
+    // Blocks until the request is complete and forgets it; returns its error (code 0
     // if none).
     IoError wait(uint64_t id);
     bool done(uint64_t id);

@@ -81,7 +81,8 @@ class PosixEngine:
         results = [f.result() for f in self._futures(ticket)]
         with self._lock:
             del self._tickets[ticket]
-        return next((r for r in results if r is not None), None)
+        failed = [r for r in results if r is not None]
+        return min(failed, key=lambda r: r[1]) if failed else None  # lowest offset, as native
 
     def done(self, ticket: int) -> bool:
         return all(f.done() for f in self._futures(ticket))
