@@ -85,10 +85,13 @@ def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -
         buf = aligned_empty(align_up(12 * numel), torch.uint8)
         buf.fill_(1)
         raw_pass(aio, buf, raw_ext.path, groups, write=True)  # lay the file out
-        for _ in range(args.rounds):
+        counts = list(states)
+        for r in range(args.rounds):
             rows["raw_write_s"].append(raw_pass(aio, buf, raw_ext.path, groups, write=True))
             rows["raw_read_s"].append(raw_pass(aio, buf, raw_ext.path, groups, write=False))
-            for count, state in states.items():
+            # The order rotates: a sweep pays for the disk flushing what ran just before it.
+            for count in counts[r % len(counts) :] + counts[: r % len(counts)]:
+                state = states[count]
                 before = (state.stats.read_wait_s, state.stats.write_wait_s)
                 rows[f"b{count}_sweep_s"].append(sweep_pass(state))
                 rows[f"b{count}_read_wait_s"].append(state.stats.read_wait_s - before[0])

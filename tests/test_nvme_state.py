@@ -167,6 +167,21 @@ def test_next_sweep_prefetch_is_used_or_dropped(swap):
     no_prefetch.close()
 
 
+def test_reads_are_queued_before_the_write_back_of_the_stepped_sub_group(swap):
+    aio = FakeAio(lazy=True)
+    store = NvmeStateStore([1024] * 6, store=swap, aio=aio, buffer_count=3)
+    offsets = {store.store.extent("optim", f"subgroup.{i}").offset: i for i in range(6)}
+    for i, _ in store.sweep():
+        if i == 2:
+            for t in store._writes:  # the disk finishes the write-back of 1 during this step
+                t.future._finish()
+            mark = len(aio.log)
+    after = [(op, offsets[off]) for op, _, off in aio.log[mark:]]
+    # the buffer of sub-group 1 takes the read of 4 before sub-group 2 is written back
+    assert after.index(("read", 4)) < after.index(("write", 2))
+    store.close()
+
+
 def test_write_of_previous_overlaps_step_of_current(swap):
     aio = FakeAio(lazy=True)
     store = NvmeStateStore([4096] * 5, store=swap, aio=aio, buffer_count=4)

@@ -10,9 +10,11 @@ not know what the optimizer computes.
 buffer, sub-group i-1 is being written back from another and i+1 (and further, while free
 buffers last) is being read into the rest. The read of i+1 is always issued before i is
 handed to the caller; when no buffer is free for it the oldest write-back is waited for
-first. When the sweep ends, every write has completed, and the first sub-groups of the next
-sweep start reading into the free buffers (`prefetch_next_sweep`; dropped by any other call,
-which may change the state). A sub-group's disk extent is only read after its last write
+first. Buffers whose write-back has finished take further reads, and those are queued before
+the write-back of the sub-group just stepped (the caller waits on reads, not on writes).
+When the sweep ends, every write has completed, and the first sub-groups of the next sweep
+start reading into the free buffers (`prefetch_next_sweep`; dropped by any other call, which
+may change the state). A sub-group's disk extent is only read after its last write
 completed. A failed I/O marks the store failed: every later call raises, so a torn state is
 never presented as valid.
 """
@@ -88,6 +90,7 @@ class NvmeStateStore:
     next one into the free buffers, so the read at the start of a step overlaps the forward
     and backward passes; any other call drops those reads first. `kind` names the store's
     extents in the swap store (two state stores in one swap store need different kinds).
+    Not thread-safe: one caller drives it.
     """
 
     def __init__(
@@ -165,6 +168,8 @@ class NvmeStateStore:
                 self._wait(t)
                 self._read_ahead(reads, i + 1, minimum=1)
                 yield i, self._views(i, t.buf)
+                # Reads go ahead of this write-back in the queue: the caller waits on reads.
+                self._read_ahead(reads, i + 1, minimum=0)
                 current = None
                 self._swap_out(i, t.buf)
             self._drain()
@@ -251,13 +256,15 @@ class NvmeStateStore:
 
     def _read_ahead(self, reads: deque[_Transfer], first: int, *, minimum: int) -> None:
         """Issue reads from `first` on: at least `minimum` ahead (waiting for write-backs to
-        free buffers if needed), more while free buffers last."""
+        free buffers if needed), more while buffers are free or their write-back is done."""
         nxt = reads[-1].index + 1 if reads else first
         while nxt < len(self.numels):
             buf = self.pool.try_acquire(self._extents[nxt].padded_nbytes, self._key(nxt))
             if buf is None:
-                if len(reads) >= minimum or not self._writes:
+                if not self._writes:
                     return
+                if len(reads) >= minimum and not self._writes[0].future.done():
+                    return  # enough read ahead, and no buffer to reuse without waiting
                 self._retire_write()
                 continue
             self._settle(nxt)

@@ -101,7 +101,8 @@ class NvmeParamStore:
     """Parameter partitions on NVMe, keyed by stable parameter names.
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (made and owned).
-    `pool` supplies destination buffers for `swap_in(key)` without `dst`.
+    `pool` supplies destination buffers for `swap_in(key)` without `dst`. Calls come from one
+    thread (the coordinator's); futures may be waited from any.
     """
 
     def __init__(

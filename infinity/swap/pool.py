@@ -58,9 +58,15 @@ def default_buffer_bytes(largest_nbytes: int) -> int:
 
 def aligned_host_bytes(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
     """A page-aligned uint8 host buffer of `nbytes`, and whether it is pinned (allocated
-    pinned by the accelerator when `pin` and it can, never pinned by copying)."""
-    if pin and get_accelerator().pin_supported():
-        return aligned_empty(nbytes, torch.uint8), True
+    pinned by the accelerator when `pin` and it can, never pinned by copying).
+
+    `aligned_empty` pins exactly when the accelerator can, and otherwise backs large buffers
+    with huge pages (faster direct I/O); only an unpinned buffer on an accelerator that pins
+    (pin_memory off, or pinning failed) is allocated here, page-aligned.
+    """
+    can_pin = get_accelerator().pin_supported()
+    if pin == can_pin:
+        return aligned_empty(nbytes, torch.uint8), can_pin
     raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGN_BYTES
     return raw[skip : skip + nbytes], False
