@@ -110,6 +110,27 @@ def child_load(model_dir: Path, home: Path) -> dict:
     return {"baseline_rss_bytes": baseline, "seconds": time.perf_counter() - t0, "tensors": n}
 
 
+def child_init_load(model_dir: Path) -> dict:
+    """`infinity train`'s path with host partitions: the model built under `infinity.init`
+    (every parameter born in its partition) and the weights copied into the partitions as
+    they stream in. The partitions are the model, so the expected peak is model + one tensor."""
+    import infinity
+    from infinity.models import copying_sink
+
+    config = load_config(model_dir)
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    dtype = precision[_stored_dtype(config)]
+    baseline = _peak_rss_bytes()
+    t0 = time.perf_counter()
+    ds = {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
+    with infinity.init(ds):
+        model = LlamaForCausalLM(config, init_weights=False)
+    n = stream_hf_weights(
+        model_dir, expected_shapes(model), copying_sink(model), config=config
+    )
+    return {"baseline_rss_bytes": baseline, "seconds": time.perf_counter() - t0, "tensors": n}
+
+
 def child_export(model_dir: Path, home: Path, out_dir: Path, max_shard_bytes: int) -> dict:
     config = load_config(model_dir)
     shapes = expected_shapes(_meta_model(config))
@@ -235,6 +256,8 @@ def main() -> None:
         model_dir = Path(args.model_dir)
         if args.child == "load":
             rec = child_load(model_dir, work / "home.bin")
+        elif args.child == "init_load":
+            rec = child_init_load(model_dir)
         elif args.child == "checkpoint":
             shutil.rmtree(work / "ckpt", ignore_errors=True)
             rec = child_ckpt(model_dir, work / "home.bin", work / "ckpt")
@@ -256,7 +279,7 @@ def main() -> None:
     model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     config = load_config(model_dir)
     results = {}
-    for mode in ("load", "export", "checkpoint", "peer_load_file"):
+    for mode in ("load", "init_load", "export", "checkpoint", "peer_load_file"):
         runs = [run_child(args, mode, model_dir, work) for _ in range(args.repeats)]
         runs.sort(key=lambda r: r["peak_rss_bytes"])
         med = runs[len(runs) // 2]
