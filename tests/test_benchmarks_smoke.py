@@ -32,8 +32,8 @@ def test_hf_load_rss_tiny(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(out.read_text())
     assert rec["model_bytes"] > 2 * rec["num_params"]  # bf16 plus headers
-    assert set(rec["results"]) == {"load", "export", "checkpoint", "peer_load_file"}
-    assert rec["results"]["load"]["tensors"] == 21
+    assert set(rec["results"]) == {"load", "init_load", "export", "checkpoint", "peer_load_file"}
+    assert rec["results"]["load"]["tensors"] == rec["results"]["init_load"]["tensors"] == 21
     assert rec["results"]["peer_load_file"]["state_bytes"] == 2 * rec["num_params"]
     assert not (tmp_path / "w").exists()
 
