@@ -102,15 +102,19 @@ class Engine:
         slots = [Slot(name=r.name, numel=r.numel, partition=r.partition) for r in trainable]
         zero = self.config.zero_optimization
         self._swap_stores = SwapStores()
-        store = make_state_store(
-            sub_group_numels([s.numel for s in slots], zero),
-            zero.offload_optimizer,
-            self.config.aio,
-            stores=self._swap_stores,
-        )
-        optimizer = PartitionedOptimizer(
-            slots, optimizer=self.config.optimizer, zero=zero, state_store=store
-        )
+        try:
+            store = make_state_store(
+                sub_group_numels([s.numel for s in slots], zero),
+                zero.offload_optimizer,
+                self.config.aio,
+                stores=self._swap_stores,
+            )
+            optimizer = PartitionedOptimizer(
+                slots, optimizer=self.config.optimizer, zero=zero, state_store=store
+            )
+        except BaseException:
+            self._swap_stores.close()  # no swap directory or lock outlives a failed start
+            raise
         for i, rec in enumerate(trainable):
             rec.slot = i
             rec.repoint(optimizer.partition(i))

@@ -48,3 +48,16 @@ def test_nvme_path_missing_is_a_clear_error(tmp_path):
     cfg = _cfg(tmp_path / "does-not-exist", "nvme", "fp32")
     with pytest.raises((ValueError, OSError), match="does-not-exist"):
         infinity.initialize(tiny_gpt(checkpointing=False), cfg)
+
+
+def test_a_failed_start_leaves_no_swap_directory(tmp_path, monkeypatch):
+    import infinity
+    import infinity.engine
+
+    def refuse(*args, **kwargs):
+        raise ValueError("refused for the test")
+
+    monkeypatch.setattr(infinity.engine, "PartitionedOptimizer", refuse)
+    with pytest.raises(ValueError, match="refused for the test"):
+        infinity.initialize(tiny_gpt(checkpointing=False), _cfg(tmp_path, "nvme", "fp32"))
+    assert list(tmp_path.iterdir()) == []
