@@ -65,7 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--nvme",
         metavar="PATH",
         help="directory on a fast SSD for the fp32 master weights and Adam moments (default: "
-        "host RAM, or as the config says); the 16-bit parameters stay in host RAM",
+        "host RAM, or as the config says); the 16-bit parameters stay in host RAM. Unless the "
+        "config sets sub_group_size, it becomes 1e8 elements (4 x 1.2 GB of host buffers)",
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
     parser.add_argument(
@@ -113,10 +114,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+# Elements per optimizer sub-group when --nvme is given and the config does not say: the NVMe
+# pipeline holds buffer_count sub-groups of 12 bytes/element in RAM (4 x 1.2 GB), where
+# DeepSpeed's default of 1e9 would need 48 GB.
+NVME_SUB_GROUP_SIZE = 100_000_000
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     """The JSON config (if any) with the flags laid over it, validated."""
-    base: dict[str, Any] = Config.load(args.config).to_dict() if args.config else {}
+    raw: dict[str, Any] = {}
+    if args.config:
+        from infinity.config.parse import read_json
+
+        raw = read_json(args.config)
+    base: dict[str, Any] = Config.load(raw).to_dict() if args.config else {}
     zero = base.setdefault("zero_optimization", {})
+    given_zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
+    sub_group_given = any("sub_group_size" in k for k in (given_zero or {}))
     if args.micro_batch is not None or args.grad_accum is not None:
         base["train_batch_size"] = "auto"  # derived again from the two that were given
     if args.micro_batch is not None:
@@ -135,6 +149,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         nvme = os.fspath(Path(args.nvme).expanduser())
         zero.setdefault("offload_optimizer", {}).update(device="nvme", nvme_path=nvme)
         zero.setdefault("offload_param", {})["nvme_path"] = nvme
+        if not sub_group_given:
+            zero["sub_group_size"] = NVME_SUB_GROUP_SIZE
     if args.dtype is not None:
         base.setdefault("fp16", {})["enabled"] = args.dtype == "fp16"
         base.setdefault("bf16", {})["enabled"] = args.dtype == "bf16"
