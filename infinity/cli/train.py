@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from infinity.config import Config
+from infinity.data.source import check_data_file
 from infinity.models import PRESETS
 
 
@@ -173,11 +174,7 @@ def check_inputs(args: argparse.Namespace) -> None:
                 f"--model {model}: no config.json in that directory; point --model at the "
                 "folder holding config.json and the *.safetensors files"
             )
-    data = Path(args.data).expanduser()
-    if not data.is_file():
-        raise ValueError(f"--data {data}: no such file; give a .txt or .jsonl file")
-    if data.stat().st_size == 0:
-        raise ValueError(f"--data {data} is empty; give a file with at least one document")
+    check_data_file(Path(args.data).expanduser())
     if args.resume:
         from infinity.checkpoint import latest_tag
 
