@@ -162,5 +162,16 @@ def run_engine(model: nn.Module, data, cfg: dict, *, before=None):
     return losses, engine
 
 
+def train_steps(engine, data) -> list[float]:
+    """Continue training `engine` on `data` (one micro batch per item); the losses."""
+    losses = []
+    for ids in data:
+        loss = engine(ids, ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def max_rel_diff(a, b) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))

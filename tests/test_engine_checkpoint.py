@@ -6,19 +6,9 @@ import copy
 
 import pytest
 import torch
-from _engine_models import Zoo, batches, config
+from _engine_models import Zoo, batches, config, train_steps
 
 import infinity
-
-
-def _train(engine, data):
-    losses = []
-    for ids in data:
-        loss = engine(ids, ids)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -33,17 +23,17 @@ def test_save_then_resume_is_exact(tmp_path, precision):
         cfg["bf16"] = {"enabled": True}
     data = batches(12, seed=20)
     engine = infinity.initialize(copy.deepcopy(model), cfg)
-    _train(engine, data[:6])
+    train_steps(engine, data[:6])
     tag = engine.save_checkpoint(tmp_path)
     after_save = torch.rand(3)
-    expected = _train(engine, data[6:])
+    expected = train_steps(engine, data[6:])
     fresh = Zoo(lora=True)  # different random weights: everything must come from the file
     resumed = infinity.initialize(fresh, cfg)
     path, client_state = resumed.load_checkpoint(tmp_path)
     assert path.endswith(tag) and client_state == {}
     torch.testing.assert_close(torch.rand(3), after_save)  # RNG restored
     assert resumed.global_steps == 3 and resumed.micro_steps == 6
-    got = _train(resumed, data[6:])
+    got = train_steps(resumed, data[6:])
     assert got == expected
     for (n, a), (_, b) in zip(
         engine.named_parameters_host(), resumed.named_parameters_host(), strict=True

@@ -6,7 +6,16 @@ import copy
 
 import pytest
 import torch
-from _engine_models import Zoo, batches, config, max_rel_diff, run_engine, run_reference, tiny_gpt
+from _engine_models import (
+    Zoo,
+    batches,
+    config,
+    max_rel_diff,
+    run_engine,
+    run_reference,
+    tiny_gpt,
+    train_steps,
+)
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import infinity
@@ -49,7 +58,7 @@ def test_budget_bound_and_prefetch_hits(monkeypatch, fraction):
     got, engine = run_engine(model, data[:1], cfg)
     assert _largest_unit(engine) == largest
     first = engine.memory_stats()
-    more, _ = run_engine_continue(engine, data[1:])
+    more = train_steps(engine, data[1:])
     stats = engine.memory_stats()
     assert max_rel_diff([*got, *more], ref) < 1e-5
     assert stats["peak_live_param_numel"] <= budget + largest
@@ -61,14 +70,6 @@ def test_budget_bound_and_prefetch_hits(monkeypatch, fraction):
     assert hits / (hits + misses) >= 0.95, (hits, misses)
 
 
-def run_engine_continue(engine, data):
-    losses = []
-    for ids in data:
-        loss = engine(ids, ids)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses, engine
 
 
 def test_order_change_updates_trace_and_stays_correct():

@@ -28,6 +28,7 @@ from infinity.models import (
     copying_sink,
     expected_shapes,
     load_config,
+    param_shapes,
     preset,
     stream_hf_weights,
 )
@@ -69,6 +70,8 @@ class TrainRun:
         )
         self.config = config
         self.metrics = MetricsLog(self.save_dir)
+        self.param_shapes = param_shapes(self.model_config)
+        """HF names and shapes of the model's unique parameters (from a meta model, once)."""
 
     # -- building ------------------------------------------------------------------------
 
@@ -97,7 +100,7 @@ class TrainRun:
             hidden_size=self.model_config.hidden_size,
             total_num_steps=steps,
             largest_param_numel=max(
-                math.prod(s) for s in _param_shapes(self.model_config).values()
+                math.prod(s) for s in self.param_shapes.values()
             ),
         )
         return config, steps
@@ -123,7 +126,7 @@ class TrainRun:
         return {
             "model": {
                 "config": self.model_config.to_hf_dict(),
-                "param_shapes": {k: list(v) for k, v in _param_shapes(self.model_config).items()},
+                "param_shapes": {k: list(v) for k, v in self.param_shapes.items()},
             },
             "data": data.state_dict(),
         }
@@ -213,9 +216,3 @@ class TrainRun:
             record["loss_scale"] = engine.loss_scale
             record["skipped"] = engine.was_step_skipped
         return record
-
-
-def _param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    from infinity.models import param_shapes
-
-    return param_shapes(config)
