@@ -312,3 +312,27 @@ def test_real_write_failure_mid_sweep_in_child(tmp_path, backend):
     assert out["free_buffers"] == 3
     assert "earlier transfer failed" in out["later"]
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_read_range_reads_just_one_fields_share(swap, backend):
+    masters = _masters(NUMELS)
+    host = HostStateStore(NUMELS)
+    want = _run(host, masters, steps=2)
+    with NvmeStateStore(NUMELS, store=swap, aio=AioConfig(backend=backend), buffer_count=3) as s:
+        _run(s, masters, steps=2)
+        gen = torch.Generator().manual_seed(1)
+        for i, n in enumerate(NUMELS):
+            for k, field in enumerate(SubGroupState._fields):
+                start = int(torch.randint(0, n + 1, (1,), generator=gen))
+                stop = int(torch.randint(start, n + 1, (1,), generator=gen))
+                before = s.stats.bytes_read
+                got = s.read_range(i, field, start, stop)
+                assert torch.equal(got, want[i][k][start:stop]), (i, field, start, stop)
+                assert torch.equal(host.read_range(i, field, start, stop), got)
+                # only the pages holding the range (plus at most one page either side)
+                assert s.stats.bytes_read - before <= (stop - start) * 4 + 2 * 4096
+        with pytest.raises(ValueError, match="field must be one of"):
+            s.read_range(0, "grad", 0, 1)
+        with pytest.raises(ValueError, match="start <= stop"):
+            s.read_range(0, "master", 5, NUMELS[0] + 1)

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from infinity.config.sections import AioConfig
-from infinity.swap.aio import AioHandle
+from infinity.swap.aio import AioHandle, aligned_empty
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
 from infinity.swap.state_store import SubGroupState
-from infinity.swap.store import SwapStore, align_up
+from infinity.swap.store import ALIGN_BYTES, SwapStore, align_up
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +206,34 @@ class NvmeStateStore:
             if self.residency[index] in (Residency.READING, Residency.RESIDENT):
                 self.residency[index] = Residency.ON_NVME
             self.pool.release(buf)
+
+    def read_range(self, index: int, field: str, start: int, stop: int) -> torch.Tensor:
+        """A copy of elements [start, stop) of one field of sub-group `index`: only the
+        pages holding them are read (into a buffer of their size, not a pool buffer)."""
+        self._check_usable("read_range")
+        self._drop_ahead()
+        self._check(index, None, "state")
+        n = self.numels[index]
+        if field not in SubGroupState._fields or not 0 <= start <= stop <= n:
+            raise ValueError(
+                f"read_range({index}, {field!r}, {start}, {stop}): the field must be one of "
+                f"{SubGroupState._fields} and 0 <= start <= stop <= {n}"
+            )
+        self._settle(index)
+        base = SubGroupState._fields.index(field) * n
+        lo, hi = (base + start) * _F32, (base + stop) * _F32
+        first = lo - lo % ALIGN_BYTES
+        buf = aligned_empty(align_up(hi) - first, torch.uint8)
+        ext = self._extents[index]
+        try:
+            self.aio.pread(buf, ext.path, ext.offset + first).wait()
+        except BaseException as e:  # a failed read changes nothing on disk
+            raise NvmeStateError(
+                f"read of optimizer sub-group {index} ({buf.numel()} bytes at offset "
+                f"{ext.offset + first} of {ext.path}) failed: {e}"
+            ) from e
+        self.stats.bytes_read += buf.numel()
+        return buf[lo - first : hi - first].view(torch.float32)
 
     def write(self, index: int, state: SubGroupState) -> None:
         """Replace sub-group `index`'s state; durable once this returns."""

@@ -54,6 +54,11 @@ class StateStore(Protocol):
         """Replace sub-group `index`'s state, durably once this returns (checkpoint load)."""
         ...
 
+    def read_range(self, index: int, field: str, start: int, stop: int) -> torch.Tensor:
+        """A copy of elements [start, stop) of one field ("master", "exp_avg",
+        "exp_avg_sq") of sub-group `index` (checkpointing one parameter's share)."""
+        ...
+
     def close(self) -> None:
         """Release the tier's resources (files, buffers). Idempotent."""
         ...
@@ -64,10 +69,13 @@ class HostStateStore:
 
     def __init__(self, numels: Sequence[int]) -> None:
         self.numels = list(numels)
-        self._states = [
-            SubGroupState(*(torch.zeros(n, dtype=torch.float32) for _ in range(3)))
-            for n in self.numels
-        ]
+        total = sum(self.numels)
+        self.flat = SubGroupState(*(torch.zeros(total, dtype=torch.float32) for _ in range(3)))
+        """Each field of every sub-group back to back (sub-group i is a slice of it)."""
+        self._states, start = [], 0
+        for n in self.numels:
+            self._states.append(SubGroupState(*(t[start : start + n] for t in self.flat)))
+            start += n
 
     def _check(self, index: int, t: torch.Tensor, what: str) -> None:
         if not 0 <= index < len(self.numels):
@@ -96,6 +104,10 @@ class HostStateStore:
         for name, src in zip(SubGroupState._fields, state, strict=True):
             self._check(index, src, name)
             getattr(self._states[index], name).copy_(src.reshape(-1))
+
+    def read_range(self, index: int, field: str, start: int, stop: int) -> torch.Tensor:
+        self._check(index, self._states[index].master, "state")
+        return getattr(self._states[index], field)[start:stop].clone()
 
     def resident(self, index: int) -> SubGroupState:
         """The live tensors of sub-group `index` (host tier only: no copy)."""

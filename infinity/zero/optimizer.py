@@ -1,30 +1,33 @@
 """The partitioned optimizer the engine steps at each accumulation boundary.
 
-Owns, for the trainable slots of one rank: the fp32 gradient partitions (one flat buffer per
-sub-group, which the engine's gradient hooks accumulate into), the weight partitions in the
-model dtype (one flat buffer per sub-group, which the step writes), the Adam/AdamW step over
-the sub-groups, the global-norm clipping and the overflow check. The fp32 master weights and
-moments live behind a `StateStore` (host or NVMe). It does not own the loss scale (the engine
-drives the scaler and passes `loss_scale`), the learning-rate schedule (`lr` is passed to
-`step`), nor gathering parameters to the device.
+Owns, for the trainable slots of one rank: the flat space they are laid out in and its
+sub-groups (see [Note: the flat space] in sub_groups.py), the fp32 gradient partitions (one
+flat host buffer the engine's gradient hooks accumulate into), the Adam/AdamW step over the
+sub-groups, the global-norm clipping and the overflow check. The fp32 master weights and
+moments live behind a `StateStore` (host or NVMe); the weights in the model dtype live in a
+weight home (`infinity.zero.weights`: host memory, or NVMe through the parameter store). It
+does not own the loss scale (the engine drives the scaler and passes `loss_scale`), the
+learning-rate schedule (`lr` is passed to `step`), nor gathering parameters to the device.
 
 [Note: where the weights live] With an fp32 model and the host tier, a slot's partition is a
 view of the master weights themselves: the step updates it in place and no copy exists (4
-bytes per parameter saved, one pass fewer). With fp16/bf16 the partition is its own buffer,
-written by the step's fused copy-out (the master rounded to nearest-even). With an fp32 model
-on any other tier the master is not resident between steps, so the partition is its own fp32
-buffer, copied from the master while the sub-group is resident during the sweep.
+bytes per parameter saved, one pass fewer). With fp16/bf16 the partitions are their own flat
+buffer, written by the step's fused copy-out (the master rounded to nearest-even). With an
+fp32 model on any other tier the master is not resident between steps, so the partitions are
+their own fp32 buffer, copied from the master while the sub-group is resident during the
+sweep. With the NVMe weight home no partition is in memory: each sub-group's new weights go
+through a staging buffer to disk during the sweep.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,13 +36,14 @@ from infinity.optim import adam_step_flat
 from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
 from infinity.zero.sub_groups import (
     MODEL_DTYPES,
+    FlatLayout,
     Slot,
-    SubGroupLayout,
     check_slots,
     decay_runs,
-    pack,
+    flat_layout,
     resolve_sub_group_size,
 )
+from infinity.zero.weights import HostWeights, NvmeWeights
 
 logger = logging.getLogger(__name__)
 
@@ -60,23 +64,17 @@ class StepResult(NamedTuple):
     """Global L2 norm of the unscaled gradients, before clipping (inf/NaN on overflow)."""
 
 
-@dataclass(slots=True)
-class _SubGroup:
-    """One sub-group's host buffers (its fp32 state is in the store)."""
-
-    layout: SubGroupLayout
-    grad: torch.Tensor  # [numel] fp32, the slots' gradients back to back
-    partition: torch.Tensor  # [numel] model dtype; the store's master when aliased
-    runs: list[tuple[int, int, bool]]  # (start, stop, decays) element ranges
-
-
 class PartitionedOptimizer:
-    """Adam/AdamW (exactly torch.optim's, foreach=False) over flat sub-groups of slots.
+    """Adam/AdamW (exactly torch.optim's, foreach=False) over the sub-groups of the slots'
+    flat space.
 
-    Slots are packed in order into sub-groups of at most `zero.sub_group_size` elements (a
-    larger slot is a sub-group alone); master weights start from the slots' partitions. After
-    construction the engine must use `partition(i)` and `grad(i)` as slot i's storage. Weight
-    decay applies to every slot except the indices in `no_decay`.
+    Slots are laid out in order (each on a SLOT_ALIGN boundary) and the space is cut into
+    sub-groups of `zero.sub_group_size` elements, which may split a slot; master weights
+    start from the slots' partitions. After construction the engine must use `partition(i)`
+    (host weight home) and `grad(i)` as slot i's storage, and must drop its own copies of
+    the partitions before the first `grad(i)` (the gradient buffer is allocated then).
+    `weight_home` (the parameter store, see `NvmeWeights`) keeps the weights on NVMe instead
+    of in host memory. Weight decay applies to every slot except the indices in `no_decay`.
     """
 
     def __init__(
@@ -87,6 +85,7 @@ class PartitionedOptimizer:
         zero: ZeroConfig,
         state_store: StateStore | None = None,
         no_decay: Collection[int] = (),
+        weight_home: Any = None,
     ) -> None:
         self.dtype = check_slots(slots) or torch.float32
         self.hyper = _hyperparameters(optimizer)
@@ -95,37 +94,53 @@ class PartitionedOptimizer:
         self._names = [s.name for s in slots]
         self._numels = [s.numel for s in slots]
         self.no_decay = frozenset(_check_no_decay(no_decay, len(slots)))
-        layouts = pack(self._numels, self.sub_group_size)
-        numels = [g.numel for g in layouts]
+        self.layout: FlatLayout = flat_layout(self._numels, self.sub_group_size)
+        numels = self.layout.sub_group_numels
         if state_store is None:
             state_store = HostStateStore(numels)
         elif list(state_store.numels) != numels:
             raise ValueError(
                 f"the state store holds sub-groups of {list(state_store.numels)} elements but "
-                f"these slots pack into {numels} (sub_group_size={self.sub_group_size}); build "
+                f"these slots make {numels} (sub_group_size={self.sub_group_size}); build "
                 "the store with infinity.zero.sub_group_numels(...)"
             )
         self.store = state_store
         # See [Note: where the weights live].
-        self.aliased = self.dtype == torch.float32 and isinstance(state_store, HostStateStore)
-        self._groups = [self._build(g, slots) for g in layouts]
-        self._where = [(g, k) for g in self._groups for k in range(g.layout.stop - g.layout.first)]
+        self.aliased = (
+            self.dtype == torch.float32
+            and isinstance(state_store, HostStateStore)
+            and weight_home is None
+        )
+        if weight_home is not None:
+            self.weights = NvmeWeights(weight_home, self.layout, self._names, self.dtype)
+        elif self.aliased:
+            self.weights = HostWeights(state_store.flat.master)
+        else:
+            self.weights = HostWeights(torch.zeros(self.layout.total, dtype=self.dtype))
+        self._runs = [
+            decay_runs(self.layout, g, self.no_decay) for g in range(self.layout.num_sub_groups)
+        ]
+        self._load_initial(slots)
+        self._grad: torch.Tensor | None = None  # allocated at first use, see the class doc
         self.step_count = 0
         self.last_timings: dict[str, float] = {}
 
-    def _build(self, layout: SubGroupLayout, slots: Sequence[Slot]) -> _SubGroup:
-        n = layout.numel
-        if self.aliased:
-            # Zero-fill through the protocol, then load the weights straight into the master.
-            self.store.initialize(layout.index, torch.zeros((), dtype=torch.float32).expand(n))
-            partition = self.store.resident(layout.index).master
-            _fill(partition, layout, slots)
-        else:
-            partition = torch.empty(n, dtype=self.dtype)
-            _fill(partition, layout, slots)
-            self.store.initialize(layout.index, partition)
-        runs = decay_runs(layout, self._numels, self.no_decay)
-        return _SubGroup(layout, torch.zeros(n, dtype=torch.float32), partition, runs)
+    @torch.no_grad()  # a partition may be a leaf that requires grad; the buffers never do
+    def _load_initial(self, slots: Sequence[Slot]) -> None:
+        """Weights and masters from the slots' partitions, one sub-group at a time."""
+        layout = self.layout
+        for g in range(layout.num_sub_groups):
+            start, stop = layout.range(g)
+            out = self.weights.out(start, stop)
+            if not self.aliased:
+                out.zero_()
+            for slot, a, b in layout.pieces(g):
+                at = layout.offsets[slot] + a - start
+                out[at : at + b - a].copy_(slots[slot].partition[a:b])
+            if not self.aliased:
+                self.store.initialize(g, out)
+            self.weights.commit(start, out)
+        self.weights.finish()
 
     # -- the engine's views -------------------------------------------------------------
     @property
@@ -136,24 +151,32 @@ class PartitionedOptimizer:
     def names(self) -> tuple[str, ...]:
         return tuple(self._names)
 
-    def _view(self, i: int, which: str) -> torch.Tensor:
-        if not 0 <= i < len(self._where):
-            raise IndexError(f"slot {i} out of range: the optimizer has {len(self._where)} slots")
-        group, k = self._where[i]
-        start = group.layout.offsets[k]
-        return getattr(group, which)[start : start + self._numels[i]]
+    def _span(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < len(self._names):
+            raise IndexError(f"slot {i} out of range: the optimizer has {len(self._names)} slots")
+        start = self.layout.offsets[i]
+        return start, start + self._numels[i]
 
     def partition(self, i: int) -> torch.Tensor:
-        """Slot i's weights from now on: [numel] in the model dtype, written by `step`."""
-        return self._view(i, "partition")
+        """Slot i's weights from now on: [numel] in the model dtype, written by `step`
+        (host weight home only)."""
+        return self.weights.view(*self._span(i))
 
     def grad(self, i: int) -> torch.Tensor:
         """Slot i's gradient partition: [numel] fp32, accumulated into by the engine."""
-        return self._view(i, "grad")
+        start, stop = self._span(i)
+        return self.flat_grad[start:stop]
+
+    @property
+    def flat_grad(self) -> torch.Tensor:
+        """Every slot's gradient in the flat space (padding stays zero)."""
+        if self._grad is None:
+            self._grad = torch.zeros(self.layout.total, dtype=torch.float32)
+        return self._grad
 
     def zero_grad(self) -> None:
-        for group in self._groups:
-            group.grad.zero_()
+        if self._grad is not None:
+            self._grad.zero_()
 
     def refresh_masters(self) -> None:
         """Master weights := the partitions, moments kept: call after writing new weights
@@ -161,10 +184,10 @@ class PartitionedOptimizer:
         next step would overwrite them from the old masters. A no-op when they alias."""
         if self.aliased:
             return
-        for group in self._groups:
-            state = self.store.read(group.layout.index)
-            state.master.copy_(group.partition)
-            self.store.write(group.layout.index, state)
+        for g in range(self.layout.num_sub_groups):
+            state = self.store.read(g)
+            state.master.copy_(self.weights.view(*self.layout.range(g)))
+            self.store.write(g, state)
 
     # -- the step -----------------------------------------------------------------------
     def step(self, *, lr: float, loss_scale: float = 1.0, max_grad_norm: float = 0.0) -> StepResult:
@@ -193,77 +216,88 @@ class PartitionedOptimizer:
         return StepResult(overflow, norm)
 
     def _scaled_norm(self) -> float:
-        # One read of each flat gradient; inf/NaN anywhere propagates into the norm.
-        sums = [_sum_of_squares(g.grad) for g in self._groups if g.layout.numel]
-        return math.sqrt(torch.stack(sums).sum().item()) if sums else 0.0
+        # One read of the flat gradient; inf/NaN anywhere propagates into the norm.
+        return math.sqrt(_sum_of_squares(self.flat_grad).item())
 
     def _adam(self, lr: float, grad_scale: float) -> None:
         step = self.step_count + 1
         h = self.hyper
-        for index, state in self.store.sweep():
-            group = self._groups[index]
-            half = None if self.dtype == torch.float32 else group.partition
-            for start, stop, decays in group.runs:
-                span = slice(start, stop)
-                adam_step_flat(
-                    state.master[span],
-                    group.grad[span],
-                    state.exp_avg[span],
-                    state.exp_avg_sq[span],
-                    step=step,
-                    lr=lr,
-                    beta1=h["beta1"],
-                    beta2=h["beta2"],
-                    eps=h["eps"],
-                    weight_decay=h["weight_decay"] if decays else 0.0,
-                    adamw_mode=h["adamw_mode"],
-                    bias_correction=h["bias_correction"],
-                    grad_scale=grad_scale,
-                    half_out=half[span] if half is not None else None,
-                    backend=self.backend,
-                )
-            if half is None and not self.aliased:
-                group.partition.copy_(state.master)
+        flat_grad = self.flat_grad
+        try:
+            for index, state in self.store.sweep():
+                start, stop = self.layout.range(index)
+                out = None if self.aliased else self.weights.out(start, stop)
+                half = out if self.dtype != torch.float32 else None
+                grad = flat_grad[start:stop]
+                for a, b, decays in self._runs[index]:
+                    adam_step_flat(
+                        state.master[a:b],
+                        grad[a:b],
+                        state.exp_avg[a:b],
+                        state.exp_avg_sq[a:b],
+                        step=step,
+                        lr=lr,
+                        beta1=h["beta1"],
+                        beta2=h["beta2"],
+                        eps=h["eps"],
+                        weight_decay=h["weight_decay"] if decays else 0.0,
+                        adamw_mode=h["adamw_mode"],
+                        bias_correction=h["bias_correction"],
+                        grad_scale=grad_scale,
+                        half_out=half[a:b] if half is not None else None,
+                        backend=self.backend,
+                    )
+                if out is not None:
+                    if half is None:
+                        out.copy_(state.master)
+                    self.weights.commit(start, out)
+        finally:
+            self.weights.finish()
         self.step_count = step
 
     # -- checkpoints --------------------------------------------------------------------
     def state_tensors(self) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
         """("<slot>.master" / ".exp_avg" / ".exp_avg_sq", thunk) for every slot, in order.
 
-        A sub-group is read from the store when the first of its thunks is called and dropped
-        when the iterator moves past it, so at most one sub-group's copy is held at a time.
+        A thunk reads just that slot's share of the field from the store (a slot may span
+        sub-groups), so one slot's field is the most held at a time.
         """
-        for group in self._groups:
-            cache: list[SubGroupState] = []
+        for slot, name in enumerate(self._names):
+            for field in STATE_FIELDS:
+                yield f"{name}.{field}", functools.partial(self._read_slot, slot, field)
 
-            def read(index: int = group.layout.index, cache: list = cache) -> SubGroupState:
-                if not cache:
-                    cache.append(self.store.read(index))
-                return cache[0]
+    def _read_slot(self, slot: int, field: str) -> torch.Tensor:
+        lo, hi = self._span(slot)
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        for g in self.layout.sub_groups_of(slot):
+            start, stop = self.layout.range(g)
+            a, b = max(lo, start), min(hi, stop)
+            out[a - lo : b - lo] = self.store.read_range(g, field, a - start, b - start)
+        return out
 
-            for k, slot in enumerate(range(group.layout.first, group.layout.stop)):
-                start = group.layout.offsets[k]
-                stop = start + self._numels[slot]
-                for field in STATE_FIELDS:
-                    yield f"{self._names[slot]}.{field}", _thunk(read, field, start, stop)
-            cache.clear()
-
+    @torch.no_grad()
     def load_state_tensors(self, get: Callable[[str], torch.Tensor]) -> None:
         """Every slot's state from `get(name)` (names as in `state_tensors`), written to the
-        store one sub-group at a time; the partitions become the loaded masters."""
-        for group in self._groups:
-            n = group.layout.numel
-            state = SubGroupState(*(torch.empty(n, dtype=torch.float32) for _ in STATE_FIELDS))
-            for k, slot in enumerate(range(group.layout.first, group.layout.stop)):
-                start = group.layout.offsets[k]
-                for field in STATE_FIELDS:
-                    src = self._get_state(get, slot, field)
-                    getattr(state, field)[start : start + src.numel()].copy_(src)
-            self.store.write(group.layout.index, state)
-            if self.aliased:
-                assert self.store.resident(group.layout.index).master is group.partition
-            else:
-                group.partition.copy_(state.master)
+        store one sub-group at a time; the weights become the loaded masters."""
+        layout = self.layout
+        try:
+            for g in range(layout.num_sub_groups):
+                start, stop = layout.range(g)
+                state = SubGroupState(
+                    *(torch.zeros(stop - start, dtype=torch.float32) for _ in STATE_FIELDS)
+                )
+                for slot, a, b in layout.pieces(g):
+                    at = layout.offsets[slot] + a - start
+                    for field in STATE_FIELDS:
+                        src = self._get_state(get, slot, field)
+                        getattr(state, field)[at : at + b - a].copy_(src[a:b])
+                self.store.write(g, state)
+                if not self.aliased:
+                    out = self.weights.out(start, stop)
+                    out.copy_(state.master)
+                    self.weights.commit(start, out)
+        finally:
+            self.weights.finish()
 
     def _get_state(self, get: Callable[[str], torch.Tensor], slot: int, field: str):
         name = f"{self._names[slot]}.{field}"
@@ -313,12 +347,12 @@ class PartitionedOptimizer:
         self.step_count = int(d["step_count"])
 
     def memory_stats(self) -> dict[str, int]:
-        """Host bytes the optimizer holds: fp32 grads, partitions (0 when they alias the
-        masters) and state: all of it with the host tier; with another tier, its host buffers
-        ("optim_host_buffer_bytes" of the store's own `memory_stats()`, whose entries are
-        merged in)."""
-        grad = sum(g.grad.nbytes for g in self._groups)
-        part = 0 if self.aliased else sum(g.partition.nbytes for g in self._groups)
+        """Host bytes the optimizer holds: fp32 grads, weights (0 when they alias the
+        masters; the staging ring with the NVMe weight home) and state: all of it with the
+        host tier; with another tier, its host buffers ("optim_host_buffer_bytes" of the
+        store's own `memory_stats()`, whose entries are merged in)."""
+        grad = 0 if self._grad is None else self._grad.nbytes
+        part = 0 if self.aliased else self.weights.host_bytes
         store_stats = {}
         if isinstance(self.store, HostStateStore):
             state = 3 * 4 * sum(self.store.numels)
@@ -339,7 +373,7 @@ class PartitionedOptimizer:
 def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
     """Elements of each sub-group the optimizer will make of slots of `slot_numels`: the
     `numels` to build a `StateStore` with before constructing the optimizer."""
-    return [g.numel for g in pack(slot_numels, resolve_sub_group_size(zero.sub_group_size))]
+    return flat_layout(slot_numels, resolve_sub_group_size(zero.sub_group_size)).sub_group_numels
 
 
 def _sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
@@ -358,17 +392,6 @@ def _sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
     if rows < flat.numel():
         total += torch.linalg.vector_norm(flat[rows:]).double().square()
     return total
-
-
-def _thunk(read, field: str, start: int, stop: int) -> Callable[[], torch.Tensor]:
-    return lambda: getattr(read(), field)[start:stop]
-
-
-@torch.no_grad()  # a partition may be a leaf that requires grad; the buffers never do
-def _fill(flat: torch.Tensor, layout: SubGroupLayout, slots: Sequence[Slot]) -> None:
-    for k, slot in enumerate(slots[layout.first : layout.stop]):
-        start = layout.offsets[k]
-        flat[start : start + slot.numel].copy_(slot.partition)
 
 
 def _hyperparameters(cfg: OptimizerConfig) -> dict:

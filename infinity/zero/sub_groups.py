@@ -1,14 +1,15 @@
 """How the partitioned optimizer sees the parameters: slots, their checks, and sub-groups.
 
 Owns the `Slot` record (one trainable parameter's partition), the validation of a slot list
-(errors name the slot and the fix), and the packing of slots into sub-groups of at most
+(errors name the slot and the fix), and the flat layout of the slots cut into sub-groups of
 `sub_group_size` elements, the unit of one CPU-Adam pass and of one state swap. It owns no
-buffers: `infinity.zero.optimizer` allocates them from the `SubGroupLayout` made here.
+buffers: `infinity.zero.optimizer` allocates them from the `FlatLayout` made here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ from infinity.config import AUTO
 
 # DeepSpeed's default for zero_optimization.sub_group_size, used when it is still "auto".
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+SLOT_ALIGN = 2048
+"""Slots start on multiples of this many elements in the flat space (see FlatLayout)."""
 MODEL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -33,26 +36,75 @@ class Slot:
 
 
 @dataclass(frozen=True, slots=True)
-class SubGroupLayout:
-    """Slots `first` to `stop - 1`, packed back to back into one flat buffer of `numel`."""
+class FlatLayout:
+    """The slots laid out in one flat element space, cut into sub-groups.
 
-    index: int
-    first: int
-    stop: int
+    [Note: the flat space] Slot i occupies elements [offsets[i], offsets[i] + numels[i]);
+    every slot starts on a multiple of `SLOT_ALIGN` elements (a 4 KiB boundary for 2- and
+    4-byte dtypes, so a slot's 16-bit weights can be read from disk with O_DIRECT) and the
+    gaps are zero padding. Sub-group g is the range [g * sub_group_size, (g + 1) *
+    sub_group_size) of that space (the last one shorter): a large slot is split across
+    sub-groups instead of making one oversized sub-group, so every swap buffer is the same
+    size whatever the largest parameter.
+    """
+
     offsets: tuple[int, ...]
-    """Start of each of the sub-group's slots inside its flat buffers."""
-    numel: int
+    numels: tuple[int, ...]
+    total: int
+    """Elements of the whole space, padding included (a multiple of SLOT_ALIGN)."""
+    sub_group_size: int
+    """Elements per sub-group (a multiple of SLOT_ALIGN)."""
+
+    @property
+    def num_sub_groups(self) -> int:
+        return -(-self.total // self.sub_group_size)
+
+    def range(self, g: int) -> tuple[int, int]:
+        """Flat [start, stop) of sub-group g."""
+        start = g * self.sub_group_size
+        return start, min(start + self.sub_group_size, self.total)
+
+    @property
+    def sub_group_numels(self) -> list[int]:
+        return [b - a for a, b in map(self.range, range(self.num_sub_groups))]
+
+    def pieces(self, g: int) -> list[tuple[int, int, int]]:
+        """(slot, start, stop) for each slot overlapping sub-group g: [start, stop) is the
+        overlap in slot-local elements (its flat place is offsets[slot] + start)."""
+        lo, hi = self.range(g)
+        first = bisect.bisect_right(self.offsets, lo) - 1
+        out = []
+        for i in range(max(first, 0), len(self.offsets)):
+            off, n = self.offsets[i], self.numels[i]
+            if off >= hi:
+                break
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out.append((i, a - off, b - off))
+        return out
+
+    def sub_groups_of(self, slot: int) -> range:
+        """The sub-groups slot `slot` overlaps (empty for an empty slot)."""
+        off, n = self.offsets[slot], self.numels[slot]
+        if n == 0:
+            return range(0)
+        return range(off // self.sub_group_size, (off + n - 1) // self.sub_group_size + 1)
 
 
 def resolve_sub_group_size(value: int | str) -> int:
-    """`zero.sub_group_size` as an int: "auto" takes DeepSpeed's default (1e9 elements)."""
+    """`zero.sub_group_size` as an int rounded up to a multiple of SLOT_ALIGN: "auto" takes
+    DeepSpeed's default (1e9 elements)."""
     if value == AUTO:
-        return DEFAULT_SUB_GROUP_SIZE
+        value = DEFAULT_SUB_GROUP_SIZE
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
             f"zero_optimization.sub_group_size must be a positive int or 'auto', got {value!r}"
         )
-    return value
+    return _align(value)
+
+
+def _align(n: int) -> int:
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def check_slots(slots: Sequence[Slot]) -> torch.dtype | None:
@@ -109,32 +161,29 @@ def _check_partition(where: str, slot: Slot) -> None:
         )
 
 
-def pack(numels: Sequence[int], sub_group_size: int) -> list[SubGroupLayout]:
-    """Slots in order, a new sub-group whenever the next slot would pass `sub_group_size`
-    (a slot larger than that is a sub-group alone; slots are never split)."""
-    groups: list[SubGroupLayout] = []
-    first, offsets, total = 0, [], 0
-    for i, n in enumerate(numels):
-        if offsets and n and total + n > sub_group_size:  # empty slots join the last
-            groups.append(SubGroupLayout(len(groups), first, i, tuple(offsets), total))
-            first, offsets, total = i, [], 0
+def flat_layout(numels: Sequence[int], sub_group_size: int) -> FlatLayout:
+    """Slots in order, each on a SLOT_ALIGN boundary; sub-groups of `sub_group_size`
+    elements (already resolved: a multiple of SLOT_ALIGN)."""
+    if sub_group_size % SLOT_ALIGN:
+        raise ValueError(f"sub_group_size {sub_group_size} is not a multiple of {SLOT_ALIGN}")
+    offsets, total = [], 0
+    for n in numels:
         offsets.append(total)
-        total += n
-    if offsets:
-        groups.append(SubGroupLayout(len(groups), first, len(numels), tuple(offsets), total))
-    return groups
+        total += _align(n)
+    return FlatLayout(tuple(offsets), tuple(numels), total, sub_group_size)
 
 
 def decay_runs(
-    layout: SubGroupLayout, numels: Sequence[int], no_decay: set[int]
+    layout: FlatLayout, g: int, no_decay: Collection[int]
 ) -> list[tuple[int, int, bool]]:
-    """(start, stop, decays) element ranges of the sub-group, adjacent slots with the same
-    weight-decay setting merged, so the step runs one pass per run (one in the common case)."""
+    """(start, stop, decays) ranges of sub-group g in sub-group-local elements, adjacent
+    slots with the same weight-decay setting merged (with the zero padding between them,
+    which stays zero under any Adam step), so the step runs one pass per run (one in the
+    common case)."""
+    base = layout.range(g)[0]
     runs: list[tuple[int, int, bool]] = []
-    for k, slot in enumerate(range(layout.first, layout.stop)):
-        start, stop = layout.offsets[k], layout.offsets[k] + numels[slot]
-        if stop == start:
-            continue
+    for slot, a, b in layout.pieces(g):
+        start, stop = layout.offsets[slot] + a - base, layout.offsets[slot] + b - base
         decays = slot not in no_decay
         if runs and runs[-1][2] == decays:
             runs[-1] = (runs[-1][0], stop, decays)

@@ -1,0 +1,109 @@
+"""Where the optimizer writes the trainable weights it produces: the weight homes.
+
+The partitioned optimizer produces, for each sub-group (a range of its flat space, see
+[Note: the flat space] in sub_groups.py), new weights in the model dtype. A weight home says
+where they go: `HostWeights` keeps every slot's partition in one flat host buffer that the
+step writes in place; `NvmeWeights` keeps none in memory: each sub-group's weights are
+written into a small ring of staging buffers and from there to the parameter store on NVMe,
+while the next sub-group is stepped. It owns those buffers, not the decision of what to
+write (the optimizer's) nor the files (the parameter store's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from infinity.swap.aio import aligned_empty
+from infinity.zero.sub_groups import FlatLayout
+
+_RING = 2
+"""Staging buffers of NvmeWeights: one filled by the step while the other is written."""
+
+
+class HostWeights:
+    """Every slot's weights in one flat host tensor (padding included) that the step writes
+    in place."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+
+    def view(self, start: int, stop: int) -> torch.Tensor:
+        """The weights of flat elements [start, stop): the engine's partitions are these."""
+        return self.flat[start:stop]
+
+    def out(self, start: int, stop: int) -> torch.Tensor:
+        """Where the step puts the new weights of the sub-group [start, stop)."""
+        return self.flat[start:stop]
+
+    def commit(self, start: int, out: torch.Tensor) -> None:
+        """The weights in `out` are final (nothing to do: they are in place)."""
+
+    def finish(self) -> None:
+        """Every committed sub-group is in its home (nothing outstanding on the host)."""
+
+    @property
+    def host_bytes(self) -> int:
+        return self.flat.nbytes
+
+
+class NvmeWeights:
+    """The slots' weights on NVMe in the parameter store's flat extent (`reserve_flat`),
+    written one sub-group at a time through a ring of staging buffers."""
+
+    def __init__(
+        self,
+        home: Any,
+        layout: FlatLayout,
+        names: Sequence[str],
+        dtype: torch.dtype,
+    ) -> None:
+        self.home = home
+        spans = zip(names, layout.offsets, layout.numels, strict=True)
+        entries = {name: (off, n) for name, off, n in spans}
+        home.reserve_flat(entries, layout.total, dtype)
+        size = min(layout.sub_group_size, layout.total)
+        self._ring = [aligned_empty(max(size, 1), dtype) for _ in range(_RING)]
+        self._pending: list[Any] = [None] * _RING
+        self._next = 0
+
+    def view(self, start: int, stop: int) -> torch.Tensor:
+        raise RuntimeError(
+            "the trainable weights live on NVMe (offload_param.device 'nvme'): there is no host "
+            "partition to view; read a parameter with its record's read_home()"
+        )
+
+    def out(self, start: int, stop: int) -> torch.Tensor:
+        """A staging buffer for the new weights of [start, stop), once its last write landed."""
+        k = self._next
+        self._wait(k)
+        return self._ring[k][: stop - start]
+
+    def commit(self, start: int, out: torch.Tensor) -> None:
+        """Start writing `out` (from `out()`) to flat element `start` of the home."""
+        k = self._next
+        assert out.data_ptr() == self._ring[k].data_ptr(), "commit the buffer out() returned"
+        self._pending[k] = self.home.write_flat(start, out)
+        self._next = (k + 1) % _RING
+
+    def finish(self) -> None:
+        """Wait for every write; raise the first failure after all have finished."""
+        first: BaseException | None = None
+        for k in range(_RING):
+            try:
+                self._wait(k)
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def _wait(self, k: int) -> None:
+        fut, self._pending[k] = self._pending[k], None
+        if fut is not None:
+            fut.wait()
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.nbytes for t in self._ring)
