@@ -35,7 +35,7 @@ from collections.abc import Iterable
 
 from infinity.accelerator import Accelerator
 from infinity.config import ZeroConfig
-from infinity.zero.param import OffloadParam, ParamState
+from infinity.zero.param import HomeTier, OffloadParam, ParamState
 from infinity.zero.trace import Trace
 from infinity.zero.unit import ModuleUnit
 
@@ -143,10 +143,12 @@ class Coordinator:
             rec.pins += 1
             if rec.state is ParamState.RELEASED:
                 need += rec.numel
+        missed: set[OffloadParam] = set()
         if need:
             self._make_room(need, unit)
+            missed = self._read_misses(unit)
         for rec in unit.records:
-            self._ensure_live(rec, count=not rec.persistent)
+            self._ensure_live(rec, count=not rec.persistent, missed=rec in missed)
             if not pin:
                 rec.pins -= 1
         if pos is not None:
@@ -215,13 +217,27 @@ class Coordinator:
             return False
         return nxt < self._prefetch_upto or trace.distance(pos + 1, nxt) <= self.reuse_distance
 
-    def _ensure_live(self, rec: OffloadParam, *, count: bool) -> None:
+    def _read_misses(self, unit: ModuleUnit) -> set[OffloadParam]:
+        """Start the NVMe reads of the unit's released parameters together (as many as the
+        pool takes), so that a miss waits for the disk once rather than once per parameter."""
+        issued = set()
+        for rec in unit.records:
+            if rec.state is ParamState.RELEASED and rec.home is HomeTier.NVME:
+                if not self._fetch(rec, block=False):
+                    break
+                issued.add(rec)
+        return issued
+
+    def _ensure_live(self, rec: OffloadParam, *, count: bool, missed: bool = False) -> None:
         state = rec.state
         if state is ParamState.LIVE:
             self.hits += count
             return
         if state is ParamState.INFLIGHT:
-            self.hits += count
+            if missed:
+                self.misses += count
+            else:
+                self.hits += count
         else:
             self.misses += count
             if count and logger.isEnabledFor(logging.DEBUG):
