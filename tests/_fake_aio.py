@@ -1,5 +1,5 @@
 """An I/O handle with the AioHandle API for tests: records every request, can run each one
-when it is issued or only when it is waited for, and can fail a chosen write."""
+when it is issued or only when it is waited for, and can fail a chosen write or read."""
 
 from __future__ import annotations
 
@@ -34,13 +34,19 @@ class FakeFuture:
 
 class FakeAio:
     """`lazy`: a request runs when waited for (as if the disk were slow). `fail_write`: the
-    n-th pwrite (0-based) writes half its bytes and then fails with ENOSPC."""
+    n-th pwrite (0-based) writes half its bytes and then fails with ENOSPC. `fail_read`: the
+    n-th pread fails with EIO. `requests` holds (op, offset, nbytes, buffer address)."""
 
-    def __init__(self, *, lazy: bool = False, fail_write: int | None = None):
+    def __init__(
+        self, *, lazy: bool = False, fail_write: int | None = None, fail_read: int | None = None
+    ):
         self.lazy = lazy
         self.fail_write = fail_write
+        self.fail_read = fail_read
         self.log: list[tuple[str, str, int]] = []
+        self.requests: list[tuple[str, int, int, int]] = []
         self.writes = 0
+        self.reads = 0
 
     def _submit(self, run) -> FakeFuture:
         fut = FakeFuture(run)
@@ -51,8 +57,13 @@ class FakeAio:
     def pread(self, buf, path, offset=0):
         self.log.append(("read", path, offset))
         view = buf.reshape(-1).view(torch.uint8).numpy()
+        self.requests.append(("read", offset, view.nbytes, buf.data_ptr()))
+        fail = self.reads == self.fail_read
+        self.reads += 1
 
         def run():
+            if fail:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), path)
             fd = os.open(path, os.O_RDONLY)
             try:
                 data = os.pread(fd, view.nbytes, offset)
@@ -69,6 +80,7 @@ class FakeAio:
         n = self.writes
         self.writes += 1
         view = buf.reshape(-1).view(torch.uint8).numpy()
+        self.requests.append(("write", offset, view.nbytes, buf.data_ptr()))
         fail = n == self.fail_write
 
         def run():  # reads the buffer when it runs, as the kernel would

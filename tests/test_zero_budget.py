@@ -28,10 +28,11 @@ class _Checked(Coordinator):
     bound = 0
     worst = 0
 
-    def _fetch(self, rec):
-        super()._fetch(rec)
+    def _fetch(self, rec, **kwargs):
+        fetched = super()._fetch(rec, **kwargs)
         type(self).worst = max(type(self).worst, self.live_numel)
         assert self.live_numel <= type(self).bound, (self.live_numel, type(self).bound)
+        return fetched
 
 
 def _largest_unit(engine) -> int:

@@ -53,10 +53,22 @@ def test_gathered_is_a_copy_not_an_alias():
     assert torch.all(rec.param == 7.0)
 
 
-def test_nvme_home_is_a_seam():
-    rec, accel = _record(home=HomeTier.NVME)
-    with pytest.raises(NotImplementedError, match="offload_param.device"):
-        rec.fetch(accel, accel.current_stream())
+def test_nvme_home_needs_a_store_and_no_partition():
+    with pytest.raises(ValueError, match="move_home_to_nvme"):
+        _record(home=HomeTier.NVME)
+
+
+def test_host_home_reads_and_writes_its_partition():
+    rec, accel = _record()
+    assert rec.itemsize == 4 and rec.fetch(accel, accel.current_stream(), block=False)
+    rec.wait(accel)
+    home = rec.read_home()
+    assert torch.equal(home, rec.partition) and home.data_ptr() != rec.partition.data_ptr()
+    rec.write_home(torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(rec.partition, torch.arange(12.0))
+    assert not torch.equal(rec.param.detach().reshape(-1), rec.partition)  # until refresh
+    rec.refresh(accel)
+    assert torch.equal(rec.param.detach().reshape(-1), rec.partition)
 
 
 def test_release_and_regather_between_forward_and_backward():

@@ -13,6 +13,14 @@ budget + the largest unit; anything beyond that is counted in `budget_overruns`.
 pins nothing past the gather itself: a module's weights are read back through the
 saved-tensor hooks, which gather again whatever was evicted meanwhile.
 
+[Note: the NVMe pool] A parameter whose home is on NVMe is read into a buffer of the param
+store's fixed pool before it is copied to the device, so fetches also need a free buffer.
+Prefetch never waits for one: it first lands reads that have finished (freeing their
+buffers) and otherwise stops, resuming at the next gather. A gather that finds the pool full
+completes the oldest NVMe read in flight (it was issued for a unit needed sooner) and retries,
+so a unit with more parameters than buffers never deadlocks; only when no read of ours holds
+a buffer does it block on the pool (which times out with the holders' names).
+
 [Note: reuse] After a unit ends, a parameter stays gathered if it is persistent (fewer
 elements than `param_persistence_threshold`), if the trace says its next use comes within
 `max_reuse_distance` gathered elements, or if the next use is already inside the prefetch
@@ -27,7 +35,7 @@ from collections.abc import Iterable
 
 from infinity.accelerator import Accelerator
 from infinity.config import ZeroConfig
-from infinity.zero.param import OffloadParam, ParamState
+from infinity.zero.param import HomeTier, OffloadParam, ParamState
 from infinity.zero.trace import Trace
 from infinity.zero.unit import ModuleUnit
 
@@ -68,6 +76,7 @@ class Coordinator:
         """Elements of the largest unit gathered so far: the allowance over the budget."""
         self.trace_updates = 0
         self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or INFLIGHT
+        self._reading: dict[OffloadParam, None] = {}  # NVMe reads in flight, oldest first
         self.by_storage: dict[int, OffloadParam] = {}
         """Gathered buffers by storage address: tensors autograd saves are matched to their
         parameter through it (see [Note: saved weights] in hooks)."""
@@ -134,10 +143,12 @@ class Coordinator:
             rec.pins += 1
             if rec.state is ParamState.RELEASED:
                 need += rec.numel
+        missed: set[OffloadParam] = set()
         if need:
             self._make_room(need, unit)
+            missed = self._read_misses(unit)
         for rec in unit.records:
-            self._ensure_live(rec, count=not rec.persistent)
+            self._ensure_live(rec, count=not rec.persistent, missed=rec in missed)
             if not pin:
                 rec.pins -= 1
         if pos is not None:
@@ -172,8 +183,12 @@ class Coordinator:
                 self._release(rec)
 
     def refresh_persistent(self) -> None:
-        """Copy updated partitions into the buffers of parameters that stay gathered."""
+        """Copy updated home copies into the buffers of parameters that stay gathered (a
+        persistent one still in flight lands first: its copy may predate the update)."""
         self.release_all()
+        for rec in self.records:
+            if rec.state is ParamState.INFLIGHT:
+                self._land(rec)
         for rec in self.records:
             if rec.state is ParamState.LIVE:
                 rec.refresh(self.accel)
@@ -202,42 +217,94 @@ class Coordinator:
             return False
         return nxt < self._prefetch_upto or trace.distance(pos + 1, nxt) <= self.reuse_distance
 
-    def _ensure_live(self, rec: OffloadParam, *, count: bool) -> None:
+    def _read_misses(self, unit: ModuleUnit) -> set[OffloadParam]:
+        """Start the NVMe reads of the unit's released parameters together (as many as the
+        pool takes), so that a miss waits for the disk once rather than once per parameter."""
+        issued = set()
+        for rec in unit.records:
+            if rec.state is ParamState.RELEASED and rec.home is HomeTier.NVME:
+                if not self._fetch(rec, block=False):
+                    break
+                issued.add(rec)
+        return issued
+
+    def _ensure_live(self, rec: OffloadParam, *, count: bool, missed: bool = False) -> None:
         state = rec.state
         if state is ParamState.LIVE:
             self.hits += count
             return
         if state is ParamState.INFLIGHT:
-            self.hits += count
+            if missed:
+                self.misses += count
+            else:
+                self.hits += count
         else:
             self.misses += count
             if count and logger.isEnabledFor(logging.DEBUG):
                 logger.debug("gather miss: %s (phase %s)", rec.name, self.phase.value)
-            self._fetch(rec)
-        rec.wait(self.accel)
+            self._fetch_now(rec)
+        self._land(rec)
 
-    def _fetch(self, rec: OffloadParam) -> None:
-        rec.fetch(self.accel, self.copy_stream)
-        assert rec.device_tensor is not None
-        self.by_storage[rec.device_tensor.untyped_storage().data_ptr()] = rec
+    def _fetch_now(self, rec: OffloadParam) -> None:
+        """Fetch for a gather: with the NVMe pool full, complete the oldest read in flight
+        and retry (see [Note: the NVMe pool])."""
+        while not self._fetch(rec, block=False):
+            if not self._reading:
+                self._fetch(rec)  # the pool is held elsewhere: wait for it
+                return
+            self._land(next(iter(self._reading)))
+
+    def _fetch_ahead(self, rec: OffloadParam) -> bool:
+        """Fetch for prefetch without waiting: False when the NVMe pool stays full."""
+        if self._fetch(rec, block=False):
+            return True
+        landed = [r for r in self._reading if r.read_done()]
+        for r in landed:
+            self._land(r)
+        return bool(landed) and self._fetch(rec, block=False)
+
+    def _fetch(self, rec: OffloadParam, *, block: bool = True) -> bool:
+        if not rec.fetch(self.accel, self.copy_stream, block=block):
+            return False
+        if rec.reading:
+            self._reading[rec] = None
         if not rec.persistent:
             self._resident[rec] = None
         self.live_numel += rec.numel
-        self.live_bytes += rec.numel * rec.partition.element_size()
+        self.live_bytes += rec.numel * rec.itemsize
         if self.live_numel > self.peak_live_numel:
             self.peak_live_numel = self.live_numel
         if self.live_bytes > self.peak_live_bytes:
             self.peak_live_bytes = self.live_bytes
+        return True
+
+    def _land(self, rec: OffloadParam) -> None:
+        """INFLIGHT -> LIVE; a failed NVMe read leaves `rec` RELEASED and uncounted."""
+        self._reading.pop(rec, None)
+        try:
+            rec.wait(self.accel)
+        except BaseException:
+            if rec.state is ParamState.RELEASED:
+                self._uncount(rec)
+            raise
+        assert rec.device_tensor is not None
+        self.by_storage[rec.device_tensor.untyped_storage().data_ptr()] = rec
 
     def _release(self, rec: OffloadParam) -> None:
         if rec.state is ParamState.RELEASED or rec.persistent:
             return
-        assert rec.device_tensor is not None
-        self.by_storage.pop(rec.device_tensor.untyped_storage().data_ptr(), None)
+        if rec.device_tensor is not None:
+            ptr = rec.device_tensor.untyped_storage().data_ptr()
+            if self.by_storage.get(ptr) is rec:
+                del self.by_storage[ptr]
+        self._reading.pop(rec, None)
         rec.release()
+        self._uncount(rec)
+
+    def _uncount(self, rec: OffloadParam) -> None:
         self._resident.pop(rec, None)
         self.live_numel -= rec.numel
-        self.live_bytes -= rec.numel * rec.partition.element_size()
+        self.live_bytes -= rec.numel * rec.itemsize
 
     def _make_room(self, need: int, unit: ModuleUnit | None) -> None:
         """Evict unpinned parameters (furthest next use first) until `need` more fit."""
@@ -271,7 +338,8 @@ class Coordinator:
             self._release(rec)
 
     def _prefetch(self, running: ModuleUnit | None = None) -> None:
-        """Fetch ahead along the trace: up to `prefetch_numel` elements, never past the budget."""
+        """Fetch ahead along the trace: up to `prefetch_numel` elements, never past the budget,
+        never waiting for an NVMe pool buffer."""
         trace = self._trace
         if trace is None or not self._on_track or self.prefetch_numel <= 0:
             return
@@ -286,9 +354,8 @@ class Coordinator:
                 self._evict(need, running, used_before=pos)
                 if self.live_numel + need > self.budget:
                     break  # prefetch waits for room
-            for rec in recs:
-                if rec.state is ParamState.RELEASED:
-                    self._fetch(rec)
+            if not all(self._fetch_ahead(r) for r in recs if r.state is ParamState.RELEASED):
+                break  # the NVMe pool is full: resume at the next gather
             pos += 1
         self._prefetch_upto = pos
 

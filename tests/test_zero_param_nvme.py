@@ -1,0 +1,160 @@
+"""OffloadParam with an NVMe home: fetch reads into a pool buffer, wait copies it to the
+device and gives the buffer back, release/refresh/read_home/write_home, and read failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _fake_aio import FakeAio
+from torch import nn
+
+from infinity.accelerator import CpuAccelerator
+from infinity.swap.aio import AioHandle
+from infinity.swap.aio_checks import available_backends
+from infinity.swap.param_store import NvmeParamError, NvmeParamStore
+from infinity.swap.pool import PinnedBufferPool
+from infinity.swap.store import SwapStore
+from infinity.zero import HomeTier, OffloadParam, ParamState
+
+SHAPE = (3, 700)  # 2100 elements: not a whole number of pages
+NUMEL = 2100
+
+
+@pytest.fixture
+def swap(tmp_path):
+    with SwapStore(tmp_path, run_id="t") as store:
+        yield store
+
+
+def _store(swap, aio, buffers=2):
+    pool = PinnedBufferPool(buffers, 3 * 4096)
+    ps = NvmeParamStore(store=swap, aio=aio, pool=pool)
+    ps.reserve({"frozen": (NUMEL, torch.float16)})
+    ps.reserve_flat({"a": (0, NUMEL), "b": (4096, NUMEL)}, 8192, torch.float16)
+    return ps, pool
+
+
+def _host_record(name, accel, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    param = nn.Parameter(torch.randn(SHAPE, generator=g).half())
+    part = param.detach().reshape(-1).clone()
+    rec = OffloadParam(name, param, part, device=accel.device)
+    rec.offload()
+    return rec, part
+
+
+def _gathered(rec):
+    return rec.param.detach().cpu().reshape(-1)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_fetch_wait_release_from_nvme(swap, accel, lazy):
+    ps, pool = _store(swap, FakeAio(lazy=lazy))
+    rec, weights = _host_record("frozen", accel)
+    rec.move_home_to_nvme(ps, write=True)
+    assert rec.home is HomeTier.NVME and rec.partition is None and rec.itemsize == 2
+    assert rec.fetch(accel, accel.new_stream())
+    assert rec.state is ParamState.INFLIGHT and rec.reading and rec.device_tensor is None
+    assert pool.free_count == 1
+    rec.wait(accel)
+    assert rec.state is ParamState.LIVE and not rec.reading and pool.free_count == 2
+    assert rec.param.shape == SHAPE and rec.param.device.type == accel.device.type
+    assert torch.equal(_gathered(rec), weights)
+    rec.release()
+    assert rec.state is ParamState.RELEASED and rec.param.numel() == 0
+    with pytest.raises(RuntimeError, match="RELEASED"):
+        rec.wait(accel)
+
+
+def test_fetch_without_a_free_buffer(swap):
+    accel = CpuAccelerator()
+    ps, pool = _store(swap, FakeAio(lazy=True), buffers=1)
+    a, _ = _host_record("frozen", accel)
+    a.move_home_to_nvme(ps, write=True)
+    b = OffloadParam("a", nn.Parameter(torch.zeros(SHAPE).half()), None, device=accel.device,
+                     home=HomeTier.NVME, store=ps)  # fmt: skip
+    ps.write_flat(0, torch.ones(8192).half())
+    assert b.dtype == torch.float16 and b.numel == NUMEL and b.partition is None
+    assert a.fetch(accel, accel.current_stream(), block=False)
+    assert not b.fetch(accel, accel.current_stream(), block=False)
+    assert b.state is ParamState.RELEASED and not b.reading
+    a.release()  # an in-flight read lands and gives its buffer back
+    assert a.state is ParamState.RELEASED and pool.free_count == 1 and not ps._reading
+    assert b.fetch(accel, accel.current_stream(), block=False)
+    b.wait(accel)
+    assert torch.all(b.param == 1.0)
+
+
+def test_refresh_and_home_reads_and_writes(swap, accel):
+    ps, pool = _store(swap, FakeAio(lazy=True))
+    rec, weights = _host_record("a", accel)
+    rec.move_home_to_nvme(ps, write=False)  # the optimizer writes the flat space
+    flat = torch.zeros(8192).half()
+    flat[:NUMEL] = weights
+    ps.write_flat(0, flat)
+    assert torch.equal(rec.read_home(), weights)
+    rec.fetch(accel, accel.new_stream())
+    rec.wait(accel)
+    assert torch.equal(_gathered(rec), weights)
+    flat[:NUMEL] = 5.0  # an optimizer step
+    ps.write_flat(0, flat[:4096])
+    rec.refresh(accel)
+    assert torch.all(rec.param == 5.0) and pool.free_count == 2
+    rec.write_home(torch.full(SHAPE, 7.0))  # fp32 in: stored in the model dtype
+    assert torch.all(rec.read_home() == 7.0) and torch.all(rec.param == 5.0)
+    rec.refresh(accel)
+    assert torch.all(rec.param == 7.0)
+    with pytest.raises(ValueError, match="2100"):
+        rec.write_home(torch.zeros(5))
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_nvme_fetch_real_io(swap, backend):
+    accel = CpuAccelerator()
+    with AioHandle(block_size=8192, queue_depth=4, backend=backend) as aio:
+        ps, pool = _store(swap, aio, buffers=1)
+        recs = [_host_record(name, accel, seed=i) for i, name in enumerate(["frozen", "a", "b"])]
+        for rec, _ in recs:
+            rec.move_home_to_nvme(ps, write=True)
+        for _ in range(2):
+            for rec, weights in recs:
+                assert rec.fetch(accel, accel.current_stream(), block=False)
+                rec.wait(accel)
+                assert torch.equal(_gathered(rec), weights) and pool.free_count == 1
+                assert torch.equal(rec.read_home(), weights)
+                rec.release()
+        ps.close()
+
+
+def test_failed_read_leaves_the_record_released(swap, accel):
+    ps, pool = _store(swap, FakeAio(lazy=True, fail_read=0))
+    rec, weights = _host_record("frozen", accel)
+    rec.move_home_to_nvme(ps, write=True)
+    rec.fetch(accel, accel.new_stream())
+    with pytest.raises(NvmeParamError, match=r"parameter 'frozen' .*param\.0\.swp"):
+        rec.wait(accel)
+    assert rec.state is ParamState.RELEASED and rec.param.numel() == 0
+    assert pool.free_count == 2 and rec.device_tensor is None and not rec.reading
+    rec.fetch(accel, accel.new_stream())  # the next read succeeds
+    rec.wait(accel)
+    assert torch.equal(_gathered(rec), weights)
+
+
+def test_moving_home_checks_the_layout(swap):
+    accel = CpuAccelerator()
+    ps, _ = _store(swap, FakeAio())
+    param = nn.Parameter(torch.zeros(10).half())
+    rec = OffloadParam("a", param, param.detach().clone(), device=accel.device)
+    with pytest.raises(ValueError, match="holds 2100 x torch.float16"):
+        rec.move_home_to_nvme(ps, write=False)
+    rec = OffloadParam("nobody", param, param.detach().clone(), device=accel.device)
+    with pytest.raises(KeyError, match="no NVMe home"):
+        rec.move_home_to_nvme(ps, write=True)
+    with pytest.raises(ValueError, match="HOST home needs its partition"):
+        OffloadParam("a", param, None, device=accel.device)
+    rec, _ = _host_record("frozen", accel)
+    rec.move_home_to_nvme(ps, write=True)
+    with pytest.raises(RuntimeError, match="already lives on nvme"):
+        rec.move_home_to_nvme(ps, write=True)
+    with pytest.raises(RuntimeError, match="only a host partition"):
+        rec.repoint(torch.zeros(NUMEL).half())
