@@ -23,7 +23,7 @@ from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.config import Config
 from infinity.optim import build_loss_scaler, build_schedule
-from infinity.swap import SwapStores, make_state_store
+from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
 from infinity.zero import (
     Coordinator,
     ModelHooks,
@@ -67,11 +67,6 @@ class Engine:
         zero = self.config.zero_optimization
         if zero.stage != 3:
             raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
-        if zero.offload_param.device == "nvme":
-            raise ValueError(
-                "zero_optimization.offload_param.device 'nvme' is not wired into the engine "
-                "yet (optimizer states on NVMe are): set offload_param.device to 'cpu'"
-            )
         self.module = model
         self.accelerator = accelerator or get_accelerator()
         self.records, units = partition_model(model, self.config, self.accelerator)
@@ -102,7 +97,10 @@ class Engine:
         slots = [Slot(name=r.name, numel=r.numel, partition=r.partition) for r in trainable]
         zero = self.config.zero_optimization
         self._swap_stores = SwapStores()
+        self.param_store: NvmeParamStore | None = None
         try:
+            if zero.offload_param.device == "nvme":
+                self.param_store = self._make_param_store()
             store = make_state_store(
                 sub_group_numels([s.numel for s in slots], zero),
                 zero.offload_optimizer,
@@ -110,15 +108,49 @@ class Engine:
                 stores=self._swap_stores,
             )
             optimizer = PartitionedOptimizer(
-                slots, optimizer=self.config.optimizer, zero=zero, state_store=store
+                slots,
+                optimizer=self.config.optimizer,
+                zero=zero,
+                state_store=store,
+                weight_home=self.param_store,
             )
         except BaseException:
-            self._swap_stores.close()  # no swap directory or lock outlives a failed start
+            self._close_stores()  # no swap directory or lock outlives a failed start
             raise
+        del slots  # the host partitions of an NVMe home are dropped below
         for i, rec in enumerate(trainable):
             rec.slot = i
-            rec.repoint(optimizer.partition(i))
+            if self.param_store is not None:
+                rec.move_home_to_nvme(self.param_store, write=False)  # written by the optimizer
+            else:
+                rec.repoint(optimizer.partition(i))
+        if self.param_store is not None:
+            for rec in self.records:
+                if not rec.trainable:
+                    rec.move_home_to_nvme(self.param_store, write=True)
         return optimizer
+
+    def _make_param_store(self) -> NvmeParamStore:
+        """The NVMe parameter tier: frozen parameters laid out one extent each (the optimizer
+        lays out the trainable ones in its flat space)."""
+        zero = self.config.zero_optimization
+        frozen = {r.name: (r.numel, r.dtype) for r in self.records if not r.param.requires_grad}
+        return make_param_store(
+            frozen,
+            zero.offload_param,
+            self.config.aio,
+            stores=self._swap_stores,
+            largest_numel=max(r.numel for r in self.records),
+            element_size=self.records[0].itemsize,
+            prefetch_numel=int(zero.prefetch_bucket_size),
+        )
+
+    def _close_stores(self) -> None:
+        try:
+            if self.param_store is not None:
+                self.param_store.close()
+        finally:
+            self._swap_stores.close()
 
     def _iteration_key(self) -> object:
         return (self.module.training, torch.is_grad_enabled())
@@ -223,14 +255,19 @@ class Engine:
         return self._last_overflow
 
     def memory_stats(self) -> dict[str, int]:
-        """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses."""
+        """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
+        NVMe tiers, bytes read and written, time waited and the staging pools' sizes."""
         stats = self.coordinator.stats()
         # Trainable partitions belong to the optimizer (it counts them, or they alias its
         # fp32 masters); frozen ones are only ours.
-        host = sum(r.numel * r.partition.element_size() for r in self.records if not r.trainable)
+        frozen = [r for r in self.records if not r.trainable and r.partition is not None]
+        host = sum(r.numel * r.itemsize for r in frozen)
         optim = self.optimizer.memory_stats()
         stats["host_bytes"] = host + optim["host_bytes"]
         stats.update({k: v for k, v in optim.items() if k.startswith("nvme_")})
+        if self.param_store is not None:
+            stats.update(self.param_store.memory_stats())
+            stats["host_bytes"] += self.param_store.pool.total_bytes
         return stats
 
     # ---- checkpoints ------------------------------------------------------------------
@@ -257,7 +294,7 @@ class Engine:
 
         def tensors():
             for rec in self.records:
-                yield f"{checkpoint.layout.PARAM_PREFIX}{rec.name}", rec.partition.view(rec.shape)
+                yield f"{checkpoint.layout.PARAM_PREFIX}{rec.name}", _weights_of(rec)
             for name, thunk in self.optimizer.state_tensors():
                 yield f"optim/{name}", thunk
 
@@ -299,7 +336,7 @@ class Engine:
         with torch.no_grad():
             for rec in self.records:
                 if not rec.trainable:
-                    rec.partition.copy_(ckpt.get_tensor(prefix + rec.name).reshape(-1))
+                    rec.write_home(ckpt.get_tensor(prefix + rec.name).reshape(-1))
         self.coordinator.refresh_persistent()
         self.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
         self.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
@@ -327,8 +364,10 @@ class Engine:
             handle.remove()
         self._grad_handles = []
         self.coordinator.abort_iteration()
-        self.optimizer.store.close()
-        self._swap_stores.close()
+        try:
+            self.optimizer.store.close()
+        finally:
+            self._close_stores()
 
     def _check_idle(self, what: str) -> None:
         if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():
@@ -337,9 +376,21 @@ class Engine:
             )
 
     def named_parameters_host(self):
-        """(name, partition viewed in the parameter's shape) for every parameter."""
+        """(name, host weights in the parameter's shape) for every parameter: the partition
+        itself in host memory, a copy read when reached for an NVMe home."""
         for rec in self.records:
-            yield rec.name, rec.partition.view(rec.shape)
+            yield (
+                rec.name,
+                (rec.partition if rec.partition is not None else rec.read_home()).view(rec.shape),
+            )
+
+
+def _weights_of(rec: OffloadParam):
+    """A parameter's weights for a checkpoint: the host partition itself, or a thunk that
+    reads an NVMe home when the writer reaches it (one parameter in memory at a time)."""
+    if rec.partition is not None:
+        return rec.partition.view(rec.shape)
+    return lambda: rec.read_home().view(rec.shape)
 
 
 def _to_half(obj: Any) -> Any:

@@ -65,9 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--nvme",
         metavar="PATH",
-        help="directory on a fast SSD for the fp32 master weights and Adam moments (default: "
-        "host RAM, or as the config says); the 16-bit parameters stay in host RAM. Unless the "
-        "config sets sub_group_size, it becomes 1e8 elements (4 x 1.2 GB of host buffers)",
+        help="directory on a fast SSD for the fp32 master weights, the Adam moments and the "
+        "16-bit parameters (default: host RAM, or as the config says; a config's "
+        "offload_param.device 'cpu' keeps the parameters in RAM). Unless the config sets "
+        "sub_group_size, it becomes 1e8 elements (4 x 1.2 GB of host buffers)",
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
     parser.add_argument(
@@ -145,11 +146,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
         if "warmup_max_lr" in params:
             params["warmup_max_lr"] = args.lr
     if args.nvme is not None:
-        # The optimizer states go to NVMe. The 16-bit parameters stay in host RAM until the
-        # engine's NVMe parameter tier is wired in; their nvme_path is set for that day.
+        # The optimizer states and the 16-bit parameters go to NVMe (the parameters stay in
+        # RAM when the config says offload_param.device "cpu").
         nvme = os.fspath(Path(args.nvme).expanduser())
         zero.setdefault("offload_optimizer", {}).update(device="nvme", nvme_path=nvme)
-        zero.setdefault("offload_param", {})["nvme_path"] = nvme
+        param = zero.setdefault("offload_param", {})
+        param["nvme_path"] = nvme
+        if not (given_zero or {}).get("offload_param", {}).get("device"):
+            param["device"] = "nvme"
         if not sub_group_given:
             zero["sub_group_size"] = NVME_SUB_GROUP_SIZE
     if args.dtype is not None:

@@ -8,6 +8,7 @@ before training starts (see [Note: swap directory checks] in store.py).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 
@@ -19,7 +20,16 @@ from infinity.swap.nvme_state import NvmeStateStore
 from infinity.swap.param_store import NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.state_store import HostStateStore, StateStore
-from infinity.swap.store import SwapStore
+from infinity.swap.store import SwapStore, default_run_id
+
+_made = itertools.count()
+
+
+def _next_run_id() -> str:
+    """The launcher's run id (or the pid), with a suffix from the second engine of a process
+    on: engines of one process never share swap files."""
+    n = next(_made)
+    return default_run_id() + (f".{n}" if n else "")
 
 
 class SwapStores:
@@ -27,7 +37,7 @@ class SwapStores:
     directory and one lock when their paths agree). Close it after the tiers that use it."""
 
     def __init__(self, *, rank: int = 0, run_id: str | None = None) -> None:
-        self.rank, self.run_id = rank, run_id
+        self.rank, self.run_id = rank, run_id or _next_run_id()
         self._stores: dict[str, SwapStore] = {}
 
     def get(self, nvme_path: str) -> SwapStore:
@@ -100,23 +110,31 @@ def make_param_store(
     aio: AioConfig | AioHandle,
     *,
     stores: SwapStores,
+    largest_numel: int = 0,
+    element_size: int = 0,
     prefetch_numel: int = 0,
 ) -> NvmeParamStore:
     """The NVMe parameter tier (`offload.device == "nvme"`): every partition in `params`
-    (stable name -> (numel, dtype)) laid out under `offload.nvme_path`, with a staging pool
-    sized from `offload` and the largest partition."""
+    (stable name -> (numel, dtype)) laid out under `offload.nvme_path` (more can be laid out
+    later with `reserve_flat`), with a staging pool sized from `offload` and the largest
+    partition of the model (`largest_numel` elements of `element_size` bytes, when larger
+    than those in `params`)."""
     if offload.device != "nvme" or not offload.nvme_path:
         raise ValueError(
             f"make_param_store needs offload_param.device 'nvme' and an nvme_path, got "
             f"device={offload.device!r}, nvme_path={offload.nvme_path!r}"
         )
-    largest = max((n for n, _ in params.values()), default=1)
-    element_size = max(
-        (torch.empty((), dtype=dt).element_size() for _, dt in params.values()), default=2
+    largest = max([n for n, _ in params.values()] + [largest_numel, 1])
+    element_size = (
+        max(
+            [torch.empty((), dtype=dt).element_size() for _, dt in params.values()] + [element_size]
+        )
+        or 2
     )
     pool = PinnedBufferPool.for_params(
         offload, element_size=element_size, largest_numel=largest, prefetch_numel=prefetch_numel
     )
     ps = NvmeParamStore(store=stores.get(offload.nvme_path), aio=aio, pool=pool)
-    ps.reserve(params)
+    if params:
+        ps.reserve(params)
     return ps

@@ -11,10 +11,15 @@ other) and releases them all.
 
 Parameters are created in host memory rather than on the meta device because arbitrary
 init code must see real values; what the meta device would save is only the one transient
-parameter. Supported: any module whose parameters are registered through
-`nn.Module.__setattr__` or `register_parameter` (all of torch.nn, `infinity.models`, Hugging
-Face models), tied parameters (one record per `nn.Parameter` object), frozen parameters. A
-model already on the meta device is refused (its values do not exist).
+parameter. With `offload_param.device = "nvme"` the partitions are still built in host
+memory and moved to NVMe by the engine, one parameter at a time: the model in its dtype must
+fit in RAM once while it is constructed (a 2B-parameter bf16 model: 4 GB), not the fp32
+state, which is written to NVMe one sub-group at a time.
+
+Supported: any module whose parameters are registered through `nn.Module.__setattr__` or
+`register_parameter` (all of torch.nn, `infinity.models`, Hugging Face models), tied
+parameters (one record per `nn.Parameter` object), frozen parameters. A model already on the
+meta device is refused (its values do not exist).
 """
 
 from __future__ import annotations
@@ -77,11 +82,6 @@ def init(config: Config | dict | str) -> Iterator[None]:
     dtype = model_dtype(config)
     pin = config.zero_optimization.offload_param.pin_memory
     accel = get_accelerator()
-    if home_tier(config) is HomeTier.NVME:
-        raise ValueError(
-            "infinity.init: offload_param.device 'nvme' is not wired in yet (optimizer states "
-            "on NVMe are): set zero_optimization.offload_param.device to 'cpu'"
-        )
 
     def on_register(module: nn.Module, name: str, param: nn.Parameter | None):
         if param is None or param.is_meta or not param.is_floating_point():
@@ -103,8 +103,9 @@ def partition_model(
 ) -> tuple[list[OffloadParam], dict[nn.Module, ModuleUnit]]:
     """One record per parameter (partitions adopted or copied) and one unit per module.
 
-    Every parameter is released on return; floating-point buffers are cast to the model dtype
-    and moved to the device (they stay resident).
+    Every record's home is host memory on return (the engine then moves the homes to NVMe
+    when `offload_param.device` is "nvme"), and every parameter is released; floating-point
+    buffers are cast to the model dtype and moved to the device (they stay resident).
     """
     dtype = model_dtype(config)
     zero = config.zero_optimization
@@ -123,12 +124,7 @@ def partition_model(
         else:
             part = _new_partition(param, dtype, accel, pin)
         rec = OffloadParam(
-            name,
-            param,
-            part,
-            device=accel.device,
-            home=home_tier(config),
-            persistent=param.numel() < threshold,
+            name, param, part, device=accel.device, persistent=param.numel() < threshold
         )
         rec.offload()  # the parameter's own memory (if not the partition) is freed here
         records.append(rec)
