@@ -206,9 +206,10 @@ class PartitionedOptimizer:
                 clip = 1.0
                 if max_grad_norm > 0.0:  # torch.nn.utils.clip_grad_norm_'s coefficient
                     clip = min(1.0, max_grad_norm / (norm + 1e-6))
-                self._adam(lr, clip / loss_scale)
+                self._adam(lr, clip / loss_scale)  # zeroes each sub-group's gradient
             t2 = time.perf_counter()
-            self.zero_grad()
+            if overflow:
+                self.zero_grad()
             t3 = time.perf_counter()
         self.last_timings = {"norm_s": t1 - t0, "adam_s": t2 - t1, "zero_grad_s": t3 - t2}
         if overflow:
@@ -251,6 +252,7 @@ class PartitionedOptimizer:
                     if half is None:
                         out.copy_(state.master)
                     self.weights.commit(start, out)
+                grad.zero_()  # while the disk is busy with this sweep (no pass of its own)
         finally:
             self.weights.finish()
         self.step_count = step
