@@ -226,3 +226,18 @@ def test_failed_read_names_the_parameter_and_the_file(swap):
     f = ps.swap_in("layers.0.w")
     assert torch.all(f.wait() == 1.0)
     ps.release(f)
+
+
+def test_written_ranges_merge_like_a_mask():
+    from infinity.swap.param_store import _Coverage
+
+    g = torch.Generator().manual_seed(0)
+    cov, mask = _Coverage(), torch.zeros(200, dtype=torch.bool)
+    for _ in range(60):
+        a, b = sorted(torch.randint(0, 201, (2,), generator=g).tolist())
+        cov.add(a, b)
+        mask[a:b] = True
+        assert all(s < t for s, t in zip(cov.stops[:-1], cov.starts[1:], strict=True))
+        for _ in range(20):
+            x, y = sorted(torch.randint(0, 201, (2,), generator=g).tolist())
+            assert cov.covers(x, y) == bool(mask[x:y].all()), (x, y)

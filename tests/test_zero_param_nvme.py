@@ -3,6 +3,8 @@ device and gives the buffer back, release/refresh/read_home/write_home, and read
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _fake_aio import FakeAio
@@ -158,3 +160,17 @@ def test_moving_home_checks_the_layout(swap):
         rec.move_home_to_nvme(ps, write=True)
     with pytest.raises(RuntimeError, match="only a host partition"):
         rec.repoint(torch.zeros(NUMEL).half())
+
+
+def test_read_refused_at_submit_real_io(swap):
+    """A swap file cut short: the read fails when issued, naming the parameter and file."""
+    accel = CpuAccelerator()
+    with AioHandle(block_size=8192, queue_depth=2) as aio:
+        ps, pool = _store(swap, aio)
+        rec, _ = _host_record("b", accel)
+        rec.move_home_to_nvme(ps, write=False)
+        ps.write_flat(0, torch.ones(8192).half()).wait()
+        os.truncate(ps.flat.extent.path, ps.flat.extent.offset + 4096)
+        with pytest.raises(NvmeParamError, match=r"parameter 'b' .*param\.\d\.swp"):
+            rec.fetch(accel, accel.current_stream())
+        assert rec.state is ParamState.RELEASED and pool.free_count == 2 and not rec.reading

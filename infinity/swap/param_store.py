@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -164,7 +165,8 @@ class NvmeParamStore:
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (made and owned).
     `pool` supplies destination buffers for `swap_in(key)` without `dst`. Calls come from one
-    thread (the coordinator's); futures may be waited from any.
+    thread at a time; futures may be waited from any (the bookkeeping of pending transfers
+    is locked).
     """
 
     def __init__(
@@ -187,6 +189,7 @@ class NvmeParamStore:
         self._flat_range: dict[str, tuple[int, int]] = {}  # name -> flat [start, stop)
         self._flat_written = _Coverage()
         self._flat_writes: list[SwapFuture] = []
+        self._lock = threading.Lock()  # guards the pending lists and sets above
         self._closed = False
 
     def reserve(self, params: Mapping[str, tuple[int, torch.dtype]]) -> None:
@@ -261,9 +264,10 @@ class NvmeParamStore:
         self._before_write(layout.extent)
         ext = layout.extent
         fut = SwapFuture(self, "swap_out", layout, src, self.aio.pwrite(flat, ext.path, ext.offset))
-        self._writing[key] = fut
-        if key in self._flat_range:
-            self._flat_written.add(*self._flat_range[key])
+        with self._lock:
+            self._writing[key] = fut
+            if key in self._flat_range:
+                self._flat_written.add(*self._flat_range[key])
         return fut
 
     def write_flat(self, start: int, src: torch.Tensor) -> SwapFuture:
@@ -294,8 +298,9 @@ class NvmeParamStore:
         io = self.aio.pwrite(src.reshape(-1), ext.path, ext.offset)
         what = f"flat elements [{start}, {start + n})"
         fut = SwapFuture(self, "write_flat", layout, src, io, what=what)
-        self._flat_writes.append(fut)
-        self._flat_written.add(start, start + n)
+        with self._lock:
+            self._flat_writes.append(fut)
+            self._flat_written.add(start, start + n)
         return fut
 
     def swap_in(
@@ -337,7 +342,8 @@ class NvmeParamStore:
                                      f"failed: {e}") from e  # fmt: skip
             raise
         future = SwapFuture(self, "swap_in", layout, dst, fut, buf)
-        self._reading.setdefault(key, []).append(future)
+        with self._lock:
+            self._reading.setdefault(key, []).append(future)
         return future
 
     def release(self, future: SwapFuture) -> None:
@@ -348,7 +354,9 @@ class NvmeParamStore:
 
     def flush(self) -> None:
         """Wait for every pending swap_out and write_flat (raises the first failure)."""
-        for fut in [*self._writing.values(), *self._flat_writes]:
+        with self._lock:
+            pending = [*self._writing.values(), *self._flat_writes]
+        for fut in pending:
             fut.wait()
 
     def close(self) -> None:
@@ -373,50 +381,61 @@ class NvmeParamStore:
     # ---- bookkeeping -----------------------------------------------------------------
 
     def _has_data(self, key: str) -> bool:
-        if key in self._written or key in self._writing:
-            return True
-        span = self._flat_range.get(key)
-        return span is not None and self._flat_written.covers(*span)
+        with self._lock:
+            if key in self._written or key in self._writing:
+                return True
+            span = self._flat_range.get(key)
+            return span is not None and self._flat_written.covers(*span)
 
     def _finished(self, fut: SwapFuture) -> None:
-        if fut.op == "swap_in":
-            self.stats.bytes_read += fut.layout.extent.nbytes
-            self._forget_read(fut)
-            return
-        self.stats.bytes_written += fut.layout.extent.nbytes
-        if fut.op == "write_flat":
-            if fut in self._flat_writes:
-                self._flat_writes.remove(fut)
-            return
-        if self._writing.get(fut.key) is fut:
-            del self._writing[fut.key]
-        self._written.add(fut.key)
+        """Counted once, even when two threads wait for the same transfer."""
+        nbytes = fut.layout.extent.nbytes
+        with self._lock:
+            if fut.op == "swap_in":
+                if self._forget_read(fut):
+                    self.stats.bytes_read += nbytes
+            elif fut.op == "write_flat":
+                if fut in self._flat_writes:
+                    self._flat_writes.remove(fut)
+                    self.stats.bytes_written += nbytes
+            else:
+                if self._writing.get(fut.key) is fut:
+                    del self._writing[fut.key]
+                    self.stats.bytes_written += nbytes
+                self._written.add(fut.key)
 
     def _failed(self, fut: SwapFuture) -> None:
         """A transfer failed: a read gives its buffer back and is forgotten; a write stays
         pending (see [Note: transfer order])."""
         if fut.op == "swap_in":
             self.release(fut)
-            self._forget_read(fut)
+            with self._lock:
+                self._forget_read(fut)
 
-    def _forget_read(self, fut: SwapFuture) -> None:
+    def _forget_read(self, fut: SwapFuture) -> bool:
         reads = self._reading.get(fut.key, [])
-        if fut in reads:
-            reads.remove(fut)
-            if not reads:
-                del self._reading[fut.key]
+        if fut not in reads:
+            return False
+        reads.remove(fut)
+        if not reads:
+            del self._reading[fut.key]
+        return True
 
     def _wait_writes(self, ext: Extent) -> None:
         """Wait for the pending writes `ext` overlaps (raising their failure)."""
-        pending = [f for f in self._writing.values() if _overlap(f.layout.extent, ext)]
-        pending += [f for f in self._flat_writes if _overlap(f.layout.extent, ext)]
+        with self._lock:
+            pending = [f for f in self._writing.values() if _overlap(f.layout.extent, ext)]
+            pending += [f for f in self._flat_writes if _overlap(f.layout.extent, ext)]
         for fut in pending:
             fut.wait()
 
     def _before_write(self, ext: Extent) -> None:
         """A write over `ext` overtakes neither a pending write nor a pending read there."""
         self._wait_writes(ext)
-        reads = [f for fs in self._reading.values() for f in fs if _overlap(f.layout.extent, ext)]
+        with self._lock:
+            reads = [
+                f for fs in self._reading.values() for f in fs if _overlap(f.layout.extent, ext)
+            ]
         for fut in reads:
             with contextlib.suppress(NvmeParamError):  # that read's owner sees its error
                 fut.wait()
