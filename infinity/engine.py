@@ -114,20 +114,20 @@ class Engine:
                 state_store=store,
                 weight_home=self.param_store,
             )
+            del slots  # the host partitions of an NVMe home are dropped below
+            for i, rec in enumerate(trainable):
+                rec.slot = i
+                if self.param_store is not None:  # written by the optimizer
+                    rec.move_home_to_nvme(self.param_store, write=False)
+                else:
+                    rec.repoint(optimizer.partition(i))
+            if self.param_store is not None:
+                for rec in self.records:
+                    if not rec.trainable:
+                        rec.move_home_to_nvme(self.param_store, write=True)
         except BaseException:
             self._close_stores()  # no swap directory or lock outlives a failed start
             raise
-        del slots  # the host partitions of an NVMe home are dropped below
-        for i, rec in enumerate(trainable):
-            rec.slot = i
-            if self.param_store is not None:
-                rec.move_home_to_nvme(self.param_store, write=False)  # written by the optimizer
-            else:
-                rec.repoint(optimizer.partition(i))
-        if self.param_store is not None:
-            for rec in self.records:
-                if not rec.trainable:
-                    rec.move_home_to_nvme(self.param_store, write=True)
         return optimizer
 
     def _make_param_store(self) -> NvmeParamStore:
