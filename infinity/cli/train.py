@@ -193,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
     check_inputs(args)
     config = config_from_args(args)
     from infinity.cli.train_run import TrainRun
+    from infinity.utils.host_memory import unmap_large_allocations
+
+    unmap_large_allocations()  # freed parameter-sized buffers leave RSS at once
 
     return TrainRun(args, config).run()
 
