@@ -55,6 +55,7 @@ import infinity
 _GB = 1e9
 _GIB = 1 << 30
 _STATE_BYTES_PER_PARAM = 2 + 3 * 4  # bf16 weights + fp32 master, exp_avg, exp_avg_sq
+_OPTIM_BUFFERS = 4  # offload_optimizer.buffer_count
 _HYPER = {"lr": 1e-4, "weight_decay": 0.01}
 
 log = logging.getLogger("bigger_than_ram")
@@ -176,7 +177,11 @@ def engine_config(args: argparse.Namespace, mcfg, aio: dict) -> dict:
             "stage": 3,
             "sub_group_size": int(args.sub_group_size),
             "offload_param": offload_param,
-            "offload_optimizer": {"device": "nvme", "nvme_path": args.path, "buffer_count": 4},
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": args.path,
+                "buffer_count": _OPTIM_BUFFERS,
+            },
             "stage3_max_live_parameters": 2 * max(layer, largest),
             "stage3_prefetch_bucket_size": layer,
         },
@@ -196,31 +201,37 @@ def _proc_status(key: str) -> int:
     raise KeyError(key)
 
 
-def _nvme_bytes(stats: dict, suffix: str) -> dict[str, int]:
-    return {k: v for k, v in stats.items() if k.startswith("nvme_") and k.endswith(suffix)}
+def _nvme(stats: dict) -> dict[str, int]:
+    return {k: v for k, v in stats.items() if k.startswith("nvme_")}
 
 
 def _delta(before: dict, after: dict) -> dict[str, int]:
-    return {k: after[k] - before.get(k, 0) for k in after}
+    """How much each NVMe counter (bytes read / written, microseconds waited) grew."""
+    return {k: v - before.get(k, 0) for k, v in _nvme(after).items()}
+
+
+def _bytes(delta: dict, suffix: str) -> int:
+    return sum(v for k, v in delta.items() if k.endswith(suffix))
 
 
 def train(engine, args: argparse.Namespace, vocab: int) -> list[dict]:
-    """`--steps` steps of batch 1 x seq_len random tokens; per step: times and NVMe bytes."""
+    """`--steps` steps of batch 1 x seq_len random tokens; per step: times and the NVMe
+    counters' growth during forward+backward and during the optimizer step."""
     g = torch.Generator().manual_seed(1)
     steps = []
     for n in range(args.steps):
         ids = torch.randint(0, vocab, (1, args.seq_len), generator=g)
+        s0 = engine.memory_stats()
         t0 = time.perf_counter()
         loss = engine(ids, ids)
         engine.backward(loss)
         t1 = time.perf_counter()
-        before = engine.memory_stats()
+        s1 = engine.memory_stats()
         t2 = time.perf_counter()
         engine.step()
         t3 = time.perf_counter()
-        after = engine.memory_stats()
-        read = _delta(_nvme_bytes(before, "bytes_read"), _nvme_bytes(after, "bytes_read"))
-        written = _delta(_nvme_bytes(before, "bytes_written"), _nvme_bytes(after, "bytes_written"))
+        s2 = engine.memory_stats()
+        step_nvme = _delta(s1, s2)
         rec = {
             "step": n + 1,
             "loss": float(loss.detach()),
@@ -228,8 +239,10 @@ def train(engine, args: argparse.Namespace, vocab: int) -> list[dict]:
             "optimizer_step_s": t3 - t2,
             "wall_s": (t1 - t0) + (t3 - t2),
             "optimizer_timings_s": dict(engine.optimizer.last_timings),
-            "nvme_bytes_read": read,
-            "nvme_bytes_written": written,
+            "step_bytes_read": _bytes(step_nvme, "bytes_read"),
+            "step_bytes_written": _bytes(step_nvme, "bytes_written"),
+            "step_nvme": step_nvme,
+            "fwd_bwd_nvme": _delta(s0, s1),
             "peak_rss_bytes": _proc_status("VmHWM"),
         }
         steps.append(rec)
@@ -237,7 +250,8 @@ def train(engine, args: argparse.Namespace, vocab: int) -> list[dict]:
             f"step {n + 1}: loss {rec['loss']:.4f}, forward+backward {rec['fwd_bwd_s']:.2f} s, "
             f"optimizer step {rec['optimizer_step_s']:.2f} s (sweep "
             f"{rec['optimizer_timings_s'].get('adam_s', float('nan')):.2f} s), NVMe read "
-            f"{sum(read.values()) / _GB:.2f} GB, written {sum(written.values()) / _GB:.2f} GB",
+            f"{rec['step_bytes_read'] / _GB:.2f} GB, written "
+            f"{rec['step_bytes_written'] / _GB:.2f} GB",
             flush=True,
         )
     return steps
@@ -286,11 +300,12 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
 def summarize(args, params: int, aio: dict, adam: dict, result: dict, ram: int) -> dict:
     """Medians over the steps after the first, and the checks."""
     read_bps, write_bps = aio["best_read_gbps"] * _GB, aio["best_write_gbps"] * _GB
-    ahead = min(4, len(result["sub_group_numels"])) * 12 * max(result["sub_group_numels"])
+    groups = result["sub_group_numels"]
+    ahead = min(_OPTIM_BUFFERS, len(groups)) * 12 * max(groups)
     later = result["steps"][1:] or result["steps"]
     rows = []
     for s in later:
-        r, w = sum(s["nvme_bytes_read"].values()), sum(s["nvme_bytes_written"].values())
+        r, w = s["step_bytes_read"], s["step_bytes_written"]
         io_s = r / read_bps + w / write_bps
         io_no_ahead_s = max(0, r - ahead) / read_bps + w / write_bps
         step_s = s["optimizer_step_s"]

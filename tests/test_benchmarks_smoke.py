@@ -93,8 +93,9 @@ def test_bigger_than_ram_tiny(tmp_path):
         assert abs(step["loss"] - math.log(rec["model"]["vocab_size"])) < 1.0  # random init
     # The second sweep reads and writes back every sub-group's fp32 state once.
     state_fp32 = 12 * sum(rec["sub_group_numels"])
-    assert rec["steps"][1]["nvme_bytes_read"]["nvme_optim_bytes_read"] >= state_fp32
-    assert rec["steps"][1]["nvme_bytes_written"]["nvme_optim_bytes_written"] >= state_fp32
+    assert rec["steps"][1]["step_nvme"]["nvme_optim_bytes_read"] >= state_fp32
+    assert rec["steps"][1]["step_nvme"]["nvme_optim_bytes_written"] >= state_fp32
+    assert rec["steps"][1]["step_bytes_written"] >= state_fp32
     assert s["nvme_fraction"] > 0 and s["step_ratio"] > 0
     rss = rec["rss_bytes"]
     assert rss["baseline_peak"] <= rss["after_init_peak"] <= rss["end_peak"] == s["peak_rss_bytes"]
