@@ -23,7 +23,7 @@ Definitions (from the steps after the first):
   as `bench aio`'s best read and write one after the other). Reads are counted when waited
   for, so the first sub-groups that the previous step read ahead (they land during forward
   and backward) count in the step that uses them; `nvme_fraction_no_read_ahead` leaves them
-  out (buffer_count sub-groups' state).
+  out (the state of the first buffer_count sub-groups: an upper bound of what was read ahead).
 - step ratio = optimizer step time / max(CPU-Adam compute time, NVMe I/O time).
 Checks: peak RSS < `--rss-limit-gib`, state > 2x that limit, NVMe fraction >= 0.8, step
 ratio <= 1.2. The swap directories are removed at the end (`engine.close()`).
@@ -301,7 +301,7 @@ def summarize(args, params: int, aio: dict, adam: dict, result: dict, ram: int) 
     """Medians over the steps after the first, and the checks."""
     read_bps, write_bps = aio["best_read_gbps"] * _GB, aio["best_write_gbps"] * _GB
     groups = result["sub_group_numels"]
-    ahead = min(_OPTIM_BUFFERS, len(groups)) * 12 * max(groups)
+    ahead = 12 * sum(groups[:_OPTIM_BUFFERS])  # what the end of a sweep reads ahead, at most
     later = result["steps"][1:] or result["steps"]
     rows = []
     for s in later:
