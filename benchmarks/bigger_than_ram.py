@@ -51,8 +51,6 @@ import time
 
 import torch
 
-import infinity
-
 _GB = 1e9
 _GIB = 1 << 30
 _STATE_BYTES_PER_PARAM = 2 + 3 * 4  # bf16 weights + fp32 master, exp_avg, exp_avg_sq
@@ -260,6 +258,7 @@ def train(engine, args: argparse.Namespace, vocab: int) -> list[dict]:
 
 def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
     """Build, initialize, train and close; RSS at each stage."""
+    import infinity
     from infinity.models import LlamaForCausalLM
 
     rss = {"baseline_peak": _proc_status("VmHWM")}
@@ -424,8 +423,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     os.makedirs(args.path, exist_ok=True)
     mcfg = model_config(args.params, args.vocab)
-    with infinity.init(engine_config(args, mcfg, {})):
-        pass  # a tier the engine cannot run fails here, before the measurements
     params = mcfg.num_params
     print(
         f"model: {params:,} parameters (hidden {mcfg.hidden_size}, intermediate "
