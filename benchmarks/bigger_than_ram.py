@@ -137,6 +137,7 @@ def model_config(params: float, vocab: int):
     rows and at most a quarter of the parameters (so no single tensor dominates)."""
     from infinity.models import LlamaConfig
 
+    # A layer holds ~12 h^2 parameters, so with h / 100 layers: params ~ 12.4 h^3 / 100.
     hidden = max(64, round((params * 100 / 12.4) ** (1 / 3) / 64) * 64)
     head_dim = 128 if hidden % 128 == 0 and hidden >= 1024 else 64
     vocab = min(vocab, max(256, int(params / 4 / (2 * hidden)) // 64 * 64))
@@ -158,7 +159,7 @@ def model_config(params: float, vocab: int):
 
 def engine_config(args: argparse.Namespace, mcfg, aio: dict) -> dict:
     """Both offloads under --path (the parameters on --param-tier), bf16, a live budget of
-    two layers and a prefetch bucket of one."""
+    two layers (or of two of the largest tensor, when larger) and a prefetch bucket of one."""
     h, i = mcfg.hidden_size, mcfg.intermediate_size
     layer = 4 * h * h + 3 * h * i + 2 * h
     largest = max(mcfg.vocab_size * h, h * i)
