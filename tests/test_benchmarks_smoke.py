@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,50 @@ def test_step_bench_tiny(tmp_path):
     # Same model, same batches: the two runs train identically.
     for a, b in zip(rec["losses"]["infinity"], rec["losses"]["torch"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_bigger_than_ram_tiny(tmp_path):
+    out, swap = tmp_path / "b.json", tmp_path / "nvme"
+    args = ["--path", str(swap), "--params", "2e6", "--steps", "2", "--param-tier", "cpu"]
+    args += ["--sub-group-size", "5e5", "--adam-repeats", "2"]
+    args += ["--aio-args", "--size 8M --block-size 1M --queue-depth 8 --threads 1"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bigger_than_ram.py"),
+            *args,
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(out.read_text())
+    params = rec["model"]["params"]
+    assert 1e6 < params < 4e6
+    s = rec["summary"]
+    assert s["state_bytes"] == 14 * params
+    assert rec["bench_aio"]["best_read_gbps"] > 0 and rec["bench_aio"]["best_write_gbps"] > 0
+    assert rec["cpu_adam"]["total_s"] >= rec["cpu_adam"]["median_s"] > 0
+    assert len(rec["steps"]) == 2 and s["steps_used"] == [2]
+    assert len(rec["sub_group_numels"]) > 1 and sum(rec["sub_group_numels"]) >= params
+    for step in rec["steps"]:
+        assert step["fwd_bwd_s"] > 0 and step["optimizer_step_s"] > 0
+        assert 0 < step["optimizer_timings_s"]["adam_s"] <= step["optimizer_step_s"]
+        assert abs(step["loss"] - math.log(rec["model"]["vocab_size"])) < 1.0  # random init
+    # The second sweep reads and writes back every sub-group's fp32 state once.
+    state_fp32 = 12 * sum(rec["sub_group_numels"])
+    assert rec["steps"][1]["step_nvme"]["nvme_optim_bytes_read"] >= state_fp32
+    assert rec["steps"][1]["step_nvme"]["nvme_optim_bytes_written"] >= state_fp32
+    assert rec["steps"][1]["step_bytes_written"] >= state_fp32
+    assert s["nvme_fraction"] > 0 and s["step_ratio"] >= s["sweep_ratio"] > 0
+    rss = rec["rss_bytes"]
+    assert rss["baseline_peak"] <= rss["after_init_peak"] <= rss["end_peak"] == s["peak_rss_bytes"]
+    assert set(s["checks"]) == {"peak_rss_under_limit", "state_over_2x_limit",
+                                "nvme_fraction_at_least_0.8", "step_ratio_at_most_1.2"}  # fmt: skip
+    assert s["checks"]["state_over_2x_limit"] is False  # a 2M model's state is tiny
+    assert "PASS peak_rss_under_limit" in proc.stdout
+    assert list(swap.iterdir()) == []  # swap directories and the bench file removed
