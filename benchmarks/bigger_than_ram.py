@@ -410,6 +410,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="bench",
         help="train with the aio section bench aio found best, or the defaults",
     )
+    p.add_argument(
+        "--malloc",
+        choices=("unmap", "default"),
+        default="unmap",
+        help="'unmap': glibc maps allocations of 4 MiB and more on their own, as infinity "
+        "train does (see infinity/utils/host_memory.py); 'default': glibc's own threshold",
+    )
     p.add_argument("--adam-repeats", type=int, default=7)
     p.add_argument("--adam-probe", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--json", default="bigger_than_ram.json", help="output file")
@@ -422,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(adam_probe(args.adam_probe, args.adam_repeats)))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.malloc == "unmap":
+        from infinity.utils.host_memory import unmap_large_allocations
+
+        unmap_large_allocations()
     os.makedirs(args.path, exist_ok=True)
     mcfg = model_config(args.params, args.vocab)
     params = mcfg.num_params
