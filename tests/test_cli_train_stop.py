@@ -5,6 +5,7 @@ removed and the last checkpoint stays intact and resumable."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -203,45 +204,74 @@ def test_stop_asked_for_in_a_step_with_a_periodic_save(tmp_path, inputs, monkeyp
 # -- a failed transfer or a full disk (in-process) -----------------------------------------
 
 
-def _fake_aio(monkeypatch, **kw):
-    """Every AioHandle the run makes is a FakeAio(**kw); returns the list of those made."""
+class FakeDisk(FakeAio):
+    """A FakeAio whose reads fail with EIO once `fail_reads_after` writes were issued."""
+
+    def __init__(self, *, fail_reads_after: int | None = None, **kw) -> None:
+        super().__init__(**kw)
+        self.fail_reads_after = fail_reads_after
+
+    def pread(self, buf, path, offset=0):
+        if self.fail_reads_after is None or self.writes < self.fail_reads_after:
+            return super().pread(buf, path, offset)
+        self.log.append(("read", path, offset))
+
+        def run():
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+        return self._submit(run)
+
+
+def _fake_disk(monkeypatch, **kw) -> list[FakeDisk]:
+    """Every AioHandle the run makes is a FakeDisk(**kw); returns the list of those made."""
     made = []
 
     def from_config(config, *a, **k):
-        made.append(FakeAio(**kw))
+        made.append(FakeDisk(**kw))
         return made[-1]
 
     monkeypatch.setattr(AioHandle, "from_config", staticmethod(from_config))
     return made
 
 
-def test_failed_nvme_write_mid_step_is_a_clean_stop(tmp_path, inputs, reference, monkeypatch,
-                                                    capsys):  # fmt: skip
+@pytest.mark.parametrize(
+    "fails, failed_step, needles",
+    [
+        # Thin storage out of blocks: a write-back in the middle of step 3's sweep.
+        ("write", 3, ("No space left on device", "free space")),
+        # A dying disk: the reads for step 4, issued ahead at the end of step 3.
+        ("read", 4, ("Input/output error", "dmesg")),
+    ],
+)
+def test_failed_nvme_transfer_mid_step_is_a_clean_stop(
+    tmp_path, inputs, reference, monkeypatch, capsys, fails, failed_step, needles
+):
     steps = 6
     ref, ref_dir = reference(steps)
     # Count the optimizer's writes per step: the initial write and one per step per sub-group.
-    made = _fake_aio(monkeypatch)
+    made = _fake_disk(monkeypatch)
     ok = tmp_path / "ok"
     assert main(_args(inputs, ok, "--steps", steps, "--nvme", _nvme(tmp_path))) == 0
     assert _losses(ok) == ref  # the fake handle changes nothing
     sub_groups, rest = divmod(sum(aio.writes for aio in made), steps + 1)
     assert rest == 0 and sub_groups >= 3, (sub_groups, rest)
 
-    # Step 3 fails in the middle of its sweep; the checkpoint of step 2 must survive it.
+    # Transfers fail from the middle of step 3's sweep on; the checkpoint of step 2 survives.
     nvme, save = tmp_path / "nvme2", tmp_path / "run"
     nvme.mkdir()
-    _fake_aio(monkeypatch, fail_write=3 * sub_groups + sub_groups // 2)
+    middle = 3 * sub_groups + sub_groups // 2
+    _fake_disk(monkeypatch, **{"fail_write" if fails == "write" else "fail_reads_after": middle})
     capsys.readouterr()
     assert main(_args(inputs, save, "--steps", steps, "--nvme", nvme, "--save-every", 2)) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err  # one paragraph
-    for needle in ("step 3 failed", "No space left on device", str(nvme / "infinity-"),
-                   "free space", f"{save / 'step2'} is intact", "--resume"):  # fmt: skip
+    what = (f"step {failed_step} failed", f"{fails} of optimizer sub-group", *needles)
+    for needle in (*what, str(nvme / "infinity-"), f"{save / 'step2'} is intact", "--resume"):
         assert needle in err, (needle, err)
     assert _swap_leftovers(nvme) == []
     assert _latest(save) == "step2" and list_checkpoints(save) == ["step2"]
     assert _save_leftovers(save) == []
-    assert _losses(save) == ref[:2]
+    assert _losses(save) == ref[: failed_step - 1]  # the failed step left no record
     assert _shard(save, "step2") == _shard(ref_dir, "step2")  # untouched
 
     monkeypatch.undo()  # the disk is fine again: resume with real I/O

@@ -129,10 +129,14 @@ class TrainRun:
         config, steps = self._resolved(data)
         engine = infinity.initialize(self._model(config), config)
         try:
-            return self._train(engine, data, config, steps, signals)
-        finally:
+            code = self._train(engine, data, config, steps, signals)
+        except BaseException:
             signals.start_closing()
-            engine.close()  # removes the swap directory under --nvme
+            _close_quietly(engine)  # the error in flight is the one to report
+            raise
+        signals.start_closing()
+        engine.close()  # removes the swap directory under --nvme
+        return code
 
     def _train(self, engine, data, config: Config, steps: int, signals: StopSignals) -> int:
         if self.args.resume:
@@ -275,6 +279,14 @@ def _first_errno(exc: BaseException | None) -> int | None:
             return exc.errno
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _close_quietly(engine) -> None:
+    """Close the engine after a failure; a second failure while closing is only logged."""
+    try:
+        engine.close()
+    except Exception as exc:
+        log.error("closing the engine after a failure: %s", exc)
 
 
 def _error(code: int | None, message: str) -> OSError:

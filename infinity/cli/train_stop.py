@@ -10,8 +10,9 @@ directory when it fails). During training the first signal only asks for a stop:
 optimizer step finishes, a checkpoint is saved and the engine is closed, and the exit code is
 0. A second signal, or one while that checkpoint is being saved, stops at once: a save in
 progress is abandoned (saves are atomic: `latest` still names the previous, complete one)
-and the engine is closed. While closing after a stop, further signals are ignored so that
-the swap directory is always removed.
+and the engine is closed. Once a stop at once is under way, and while closing after any
+stop, further signals are ignored so that the clean-up (abandoning a save, removing the swap
+directory) always runs to its end.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Phase(enum.Enum):
     STARTING = "building the model, data and engine: a signal stops at once"
     TRAINING = "in the loop: the first signal asks for a stop after the current step"
     SAVING = "saving the final checkpoint: a signal abandons the save and stops at once"
-    CLOSING = "closing the engine after a stop: signals are ignored"
+    CLOSING = "stopping at once, or closing the engine: signals are ignored"
 
 
 class StopNow(KeyboardInterrupt):
@@ -107,7 +108,10 @@ class StopSignals:
     def _handle(self, signum: int, frame) -> None:
         what = _describe(signum)
         if self.phase is Phase.CLOSING:
-            tqdm.write(f"infinity: {what}: already stopping, removing the swap files first")
+            tqdm.write(
+                f"infinity: {what}: already stopping, removing the swap files first "
+                "(SIGKILL ends it without cleaning up)"
+            )
             return
         if self.phase is Phase.TRAINING and self.requested is None:
             self.requested = signum
@@ -116,7 +120,8 @@ class StopSignals:
                 f"(send it again to stop at once without one)"
             )
             return
-        raise StopNow(signum, self.phase)
+        phase, self.phase = self.phase, Phase.CLOSING  # the clean-up runs to its end
+        raise StopNow(signum, phase)
 
 
 __all__ = ["Phase", "StopNow", "StopSignals"]
