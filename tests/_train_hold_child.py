@@ -3,7 +3,7 @@
 usage: _train_hold_child.py HOLD MARKER TRAIN-ARGS...
 
 HOLD is "none", "load" (while the weights are being loaded), "engine" (inside the engine's
-start, after its swap store is laid out) or "save:N" (inside the N-th checkpoint save, after
+start, right after its swap files are laid out) or "save:N" (inside the N-th checkpoint save, after
 its first tensor is written). At that point the child creates MARKER and sleeps; the test
 then sends its signal. The exit code is `infinity train`'s.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import infinity.checkpoint.writer as writer
 import infinity.cli.train_run as train_run
-import infinity.engine as engine
 from infinity.cli.main import main
+from infinity.swap.store import SwapStore
 
 hold, marker, argv = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
 
@@ -36,7 +36,14 @@ def pausing(fn):
 if hold == "load":
     train_run.stream_hf_weights = pausing(train_run.stream_hf_weights)
 elif hold == "engine":
-    engine.Coordinator = pausing(engine.Coordinator)  # built after the optimizer's swap store
+    real_reserve = SwapStore.reserve
+
+    def reserve(self, *args, **kwargs):
+        extents = real_reserve(self, *args, **kwargs)
+        pause()
+        return extents
+
+    SwapStore.reserve = reserve
 elif hold.startswith("save:"):
     nth, saves = int(hold.split(":")[1]), []
     real_write_shard = writer.PendingCheckpoint.write_shard

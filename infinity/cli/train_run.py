@@ -151,10 +151,11 @@ class TrainRun:
         self._loop(engine, data, config, steps, signals)
         signals.start_saving()
         tag = self._saved or self._save(engine, data)
-        how = f"stopped by {signals.requested_by}" if signals.requested else "finished"
+        stopped = engine.global_steps < steps  # a signal asked for the stop
+        how = f"stopped by {signals.requested_by}" if stopped else "finished"
         print(
             f"{how} at step {engine.global_steps}; checkpoint {self.save_dir / tag}"
-            + (" (continue with --resume)" if signals.requested else "")
+            + (" (continue with --resume)" if stopped else "")
         )
         return 0
 
