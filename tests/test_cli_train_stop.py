@@ -166,7 +166,7 @@ def test_sigterm_during_start_exits_at_once_and_leaves_nothing(tmp_path, inputs,
 def test_second_signal_while_saving_keeps_the_previous_checkpoint(tmp_path, inputs, reference):
     nvme, save, marker = _nvme(tmp_path), tmp_path / "run", tmp_path / "marker"
     args = _args(inputs, save, "--steps", LONG, "--nvme", nvme, "--save-every", 3)
-    proc = _child("save:2", marker, args)  # the save after step 3's stays in progress
+    proc = _child("save:2", marker, args)  # the save after step 3's is held in progress
     _wait_for(proc, lambda: (save / "latest").exists() and len(_losses(save)) >= 4)
     proc.send_signal(signal.SIGTERM)  # stop after this step (its save is held)...
     _wait_for(proc, marker.exists)
