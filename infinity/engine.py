@@ -71,14 +71,21 @@ class Engine:
         self.accelerator = accelerator or get_accelerator()
         self.records, units = partition_model(model, self.config, self.accelerator)
         self.optimizer = self._build_optimizer()
-        self.coordinator = Coordinator(self.records, zero, accelerator=self.accelerator)
-        by_param = {rec.param: rec for rec in self.records}
-        self.hooks = ModelHooks(
-            model, units, by_param, self.coordinator, iteration_key=self._iteration_key
-        )
-        self._grad_handles = install_grad_hooks(
-            self.records, self.optimizer.grad, self.hooks, self.accelerator
-        )
+        try:
+            self.coordinator = Coordinator(self.records, zero, accelerator=self.accelerator)
+            by_param = {rec.param: rec for rec in self.records}
+            self.hooks = ModelHooks(
+                model, units, by_param, self.coordinator, iteration_key=self._iteration_key
+            )
+            self._grad_handles = install_grad_hooks(
+                self.records, self.optimizer.grad, self.hooks, self.accelerator
+            )
+        except BaseException:  # no swap directory outlives a failed start
+            try:
+                self.optimizer.store.close()
+            finally:
+                self._close_stores()
+            raise
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule = build_schedule(self.config.scheduler, float(self.config.optimizer.lr))
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Train a Llama-style causal LM from a local Hugging Face directory (config.json + "
             "safetensors) or a preset shape with random weights, on a text or JSONL file. "
-            "Flags override the JSON config. Ctrl-C saves a checkpoint and exits; --resume "
+            "Flags override the JSON config. Ctrl-C or SIGTERM saves a checkpoint after the "
+            "current step and exits (a second one stops at once, without saving); --resume "
             "continues from the latest checkpoint in --save-dir with the same data order, RNG, "
             "loss scale and schedule."
         ),
@@ -104,7 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--save-every",
         type=_positive_int,
         metavar="N",
-        help="checkpoint every N optimizer steps (default: only at the end and on Ctrl-C)",
+        help="checkpoint every N optimizer steps (default: only at the end and on a stop)",
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in --save-dir"
@@ -190,14 +192,20 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_inputs(args)
-    config = config_from_args(args)
     from infinity.cli.train_run import TrainRun
+    from infinity.cli.train_stop import StopNow, StopSignals
     from infinity.utils.host_memory import unmap_large_allocations
 
     unmap_large_allocations()  # freed parameter-sized buffers leave RSS at once
 
-    return TrainRun(args, config).run()
+    with StopSignals() as signals:
+        try:
+            check_inputs(args)
+            run = TrainRun(args, config_from_args(args))
+        except StopNow as stop:
+            print(f"infinity: stopped by {stop.name} before training started", file=sys.stderr)
+            return stop.exit_code
+        return run.run(signals)
 
 
 __all__ = ["check_inputs", "config_from_args", "register", "run"]

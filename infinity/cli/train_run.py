@@ -1,16 +1,19 @@
-"""One `infinity train` run: model, data, engine, the loop, checkpoints and Ctrl-C.
+"""One `infinity train` run: model, data, engine, the loop, checkpoints and clean stops.
 
 Owns the order of things (model under `infinity.init`, weights streamed into partitions,
 data, engine, resume), the per-step record in `metrics.jsonl`, the progress bar and the
-stop on Ctrl-C. The flags and input checks are in `infinity.cli.train`.
+stop on a signal or a failed step, which never leaves a torn checkpoint or the swap directory
+behind. What each signal means is in `infinity.cli.train_stop`; the flags and input checks
+are in `infinity.cli.train`.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
-import signal
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 import infinity
-from infinity.checkpoint import MetricsLog
+from infinity.checkpoint import MetricsLog, latest_tag
+from infinity.cli.train_stop import Phase, StopNow, StopSignals
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
 from infinity.models import (
@@ -36,28 +40,6 @@ from infinity.models import (
 log = logging.getLogger(__name__)
 
 
-class StopRequest:
-    """Ctrl-C sets a flag that the loop reads between optimizer steps; a second Ctrl-C
-    interrupts at once (the previous checkpoint stays intact either way)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self) -> StopRequest:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGINT, self._previous)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        tqdm.write("infinity: Ctrl-C: saving a checkpoint after this step (again to abort)")
-
-
 class TrainRun:
     """Builds everything from the parsed flags and the config, then trains."""
 
@@ -72,6 +54,8 @@ class TrainRun:
         self.metrics = MetricsLog(self.save_dir)
         self.param_shapes = param_shapes(self.model_config)
         """HF names and shapes of the model's unique parameters (from a meta model, once)."""
+        self._saved: str | None = None
+        """The tag of the checkpoint of the current step, once it is saved."""
 
     # -- building ------------------------------------------------------------------------
 
@@ -99,9 +83,7 @@ class TrainRun:
         config = self.config.resolve(
             hidden_size=self.model_config.hidden_size,
             total_num_steps=steps,
-            largest_param_numel=max(
-                math.prod(s) for s in self.param_shapes.values()
-            ),
+            largest_param_numel=max(math.prod(s) for s in self.param_shapes.values()),
         )
         return config, steps
 
@@ -133,10 +115,30 @@ class TrainRun:
 
     # -- running -------------------------------------------------------------------------
 
-    def run(self) -> int:
+    def run(self, signals: StopSignals) -> int:
+        """Train; returns the exit code. `signals` is in its STARTING phase (see [Note:
+        stopping on a signal] in train_stop.py)."""
+        try:
+            return self._run(signals)
+        except StopNow as stop:
+            print(f"infinity: {self._stopped_at_once(stop)}", file=sys.stderr)
+            return stop.exit_code
+
+    def _run(self, signals: StopSignals) -> int:
         data = self._data()
         config, steps = self._resolved(data)
         engine = infinity.initialize(self._model(config), config)
+        try:
+            code = self._train(engine, data, config, steps, signals)
+        except BaseException:
+            signals.start_closing()
+            _close_quietly(engine)  # the error in flight is the one to report
+            raise
+        signals.start_closing()
+        engine.close()  # removes the swap directory under --nvme
+        return code
+
+    def _train(self, engine, data, config: Config, steps: int, signals: StopSignals) -> int:
         if self.args.resume:
             _, client_state = engine.load_checkpoint(self.save_dir)
             data.load_state_dict(client_state["data"])
@@ -145,21 +147,70 @@ class TrainRun:
         if engine.global_steps >= steps:
             print(f"already at step {engine.global_steps} of {steps}: nothing to do")
             return 0
-        with StopRequest() as stop:
-            self._loop(engine, data, config, steps, stop)
-        tag = self._save(engine, data)
-        how = "stopped by Ctrl-C" if stop.requested else "finished"
+        signals.start_training()
+        self._loop(engine, data, config, steps, signals)
+        signals.start_saving()
+        tag = self._saved or self._save(engine, data)
+        stopped = engine.global_steps < steps  # a signal asked for the stop
+        how = f"stopped by {signals.requested_by}" if stopped else "finished"
         print(
             f"{how} at step {engine.global_steps}; checkpoint {self.save_dir / tag}"
-            + (" (continue with --resume)" if stop.requested else "")
+            + (" (continue with --resume)" if stopped else "")
         )
-        engine.close()
         return 0
 
     def _save(self, engine, data: PackedDataset) -> str:
-        return engine.save_checkpoint(self.save_dir, client_state=self._client_state(data))
+        """Checkpoint the state after the last step. A failed save (a full disk...) stops the
+        run; the writer's error already says that the previous checkpoint is intact."""
+        try:
+            tag = engine.save_checkpoint(self.save_dir, client_state=self._client_state(data))
+        except OSError as exc:
+            raise _error(
+                _first_errno(exc),
+                f"{(exc.strerror or str(exc)).rstrip('.')}. Training stopped at step "
+                f"{engine.global_steps}. {self._resume_hint('there is room')}",
+            ) from exc
+        self._saved = tag
+        return tag
 
-    def _loop(self, engine, data, config: Config, steps: int, stop: StopRequest) -> None:
+    def _resume_hint(self, once: str = "") -> str:
+        """Which checkpoint a later run starts from, and the command for it."""
+        then = f"once {once}, " if once else ""
+        tag = latest_tag(self.save_dir)
+        if tag is None:
+            return (
+                f"There is no checkpoint in {self.save_dir}: {then}the same command starts "
+                "again from the beginning (--save-every N keeps checkpoints along the way)"
+            )
+        return (
+            f"Checkpoint {self.save_dir / tag} is intact and is the latest: {then}the same "
+            "command with --resume continues from it"
+        )
+
+    def _step_failed(self, engine, exc: OSError) -> OSError:
+        """A step failed in the middle (an NVMe transfer, ...): the state is torn, so it is
+        not saved; the error names the failure, the fix and where to resume from."""
+        code = _first_errno(exc)
+        once = {
+            errno.ENOSPC: "there is free space on that disk (or with --nvme on a larger one)",
+            errno.EDQUOT: "the disk quota is raised (or with --nvme elsewhere)",
+            errno.EIO: "the device is checked (dmesg), or with --nvme on another disk",
+        }.get(code, "the cause is fixed")
+        return _error(
+            code,
+            f"step {engine.global_steps + 1} failed and was not saved: "
+            f"{str(exc).rstrip('.')}. {self._resume_hint(once)}",
+        )
+
+    def _stopped_at_once(self, stop: StopNow) -> str:
+        when = {
+            Phase.STARTING: "before training started",
+            Phase.TRAINING: "during training (the step in progress is not saved)",
+            Phase.SAVING: "while saving a checkpoint (that save was abandoned)",
+        }.get(stop.phase, "")
+        return f"stopped at once by {stop.name} {when}. {self._resume_hint()}"
+
+    def _loop(self, engine, data, config: Config, steps: int, signals: StopSignals) -> None:
         micro = config.train_micro_batch_size_per_gpu
         accum = config.gradient_accumulation_steps
         tokens_per_step = micro * accum * data.seq_len
@@ -172,10 +223,14 @@ class TrainRun:
             dynamic_ncols=True,
         )
         with bar:
-            while engine.global_steps < steps and not stop.requested:
+            while engine.global_steps < steps and not signals.requested:
                 lr = engine.get_lr()[0]  # the rate this step uses
                 start = time.perf_counter()
-                loss = self._one_step(engine, data, micro, accum)
+                try:
+                    loss = self._one_step(engine, data, micro, accum)
+                except OSError as exc:
+                    raise self._step_failed(engine, exc) from exc
+                self._saved = None
                 seconds = time.perf_counter() - start
                 record = self._record(engine, loss, lr, tokens_per_step / seconds, seconds)
                 record["tflops"] = flops_per_token * record["tokens_per_s"] / 1e12
@@ -216,3 +271,27 @@ class TrainRun:
             record["loss_scale"] = engine.loss_scale
             record["skipped"] = engine.was_step_skipped
         return record
+
+
+def _first_errno(exc: BaseException | None) -> int | None:
+    """The errno of `exc` or of the first exception in its chain that has one."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc.errno
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _close_quietly(engine) -> None:
+    """Close the engine after a failure; a second failure while closing is only logged."""
+    try:
+        engine.close()
+    except Exception as exc:
+        log.error("closing the engine after a failure: %s", exc)
+
+
+def _error(code: int | None, message: str) -> OSError:
+    """An OSError that prints as `message` alone and still carries the errno."""
+    err = OSError(message)
+    err.errno = code
+    return err
