@@ -14,32 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from _train_inputs import TINY, write_inputs
 
 from infinity.cli.main import build_parser, main
-from infinity.models import LlamaConfig, LlamaForCausalLM, export_hf
+from infinity.models import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(
-    vocab_size=260,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    cfg = LlamaConfig(**TINY)
-    torch.manual_seed(3)
-    export_hf(LlamaForCausalLM(cfg).named_parameters(), cfg, root / "model", dtype="fp32")
-    data = root / "corpus.jsonl"
-    docs = [{"text": f"doc {i}: " + "abcd" * (i % 9 + 4)} for i in range(120)]
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    return root / "model", data
+    return write_inputs(tmp_path_factory.mktemp("train"))
 
 
 def _args(model, data, save_dir, *extra):

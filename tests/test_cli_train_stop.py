@@ -16,41 +16,26 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from _fake_aio import FakeAio
+from _train_inputs import write_inputs
 
 from infinity.checkpoint import MetricsLog, list_checkpoints, load_checkpoint
 from infinity.cli.main import main
-from infinity.models import LlamaConfig, LlamaForCausalLM, export_hf
 from infinity.swap import AioHandle
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "_train_hold_child.py"
-TINY = dict(
-    vocab_size=260,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
 LONG = 12  # steps of the signal tests: far more time than passes between two polls
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("stop")
-    cfg = LlamaConfig(**TINY)
-    torch.manual_seed(3)
-    export_hf(LlamaForCausalLM(cfg).named_parameters(), cfg, root / "model", dtype="fp32")
-    data = root / "corpus.jsonl"
-    docs = [{"text": f"doc {i}: " + "abcd" * (i % 9 + 4)} for i in range(120)]
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    model, data = write_inputs(root)
     # Several optimizer sub-groups, so that a failed transfer lands in the middle of a sweep.
     config = root / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": 8192}}))
-    return root / "model", data, config
+    return model, data, config
 
 
 @pytest.fixture(scope="module")
