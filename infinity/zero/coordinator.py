@@ -185,13 +185,18 @@ class Coordinator:
     def refresh_persistent(self) -> None:
         """Copy updated home copies into the buffers of parameters that stay gathered (a
         persistent one still in flight lands first: its copy may predate the update)."""
+        self.quiesce()
+        for rec in self.records:
+            if rec.state is ParamState.LIVE:
+                rec.refresh(self.accel)
+
+    def quiesce(self) -> None:
+        """Before the weights change: release every unpinned non-persistent parameter and
+        land every read in flight (its copy would predate the change)."""
         self.release_all()
         for rec in self.records:
             if rec.state is ParamState.INFLIGHT:
                 self._land(rec)
-        for rec in self.records:
-            if rec.state is ParamState.LIVE:
-                rec.refresh(self.accel)
 
     # ---- internals --------------------------------------------------------------------
 

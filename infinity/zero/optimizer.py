@@ -122,6 +122,9 @@ class PartitionedOptimizer:
         ]
         self._load_initial(slots)
         self._grad: torch.Tensor | None = None  # allocated at first use, see the class doc
+        self.on_new_weights: Callable[[int, torch.Tensor], None] | None = None
+        """Called during the step with (flat start, new weights) of each sub-group, before
+        they are written to the weight home (the engine refreshes gathered parameters)."""
         self.step_count = 0
         self.last_timings: dict[str, float] = {}
 
@@ -251,6 +254,8 @@ class PartitionedOptimizer:
                 if out is not None:
                     if half is None:
                         out.copy_(state.master)
+                    if self.on_new_weights is not None:
+                        self.on_new_weights(start, out)
                     self.weights.commit(start, out)
                 grad.zero_()  # while the disk is busy with this sweep (no pass of its own)
         finally:

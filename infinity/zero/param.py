@@ -344,6 +344,15 @@ class OffloadParam:
         finally:
             self.store.release(read)
 
+    def update_live(self, accel: Accelerator, start: int, src: torch.Tensor) -> None:
+        """Copy new weights into the live buffer: `src` (host, model dtype) holds elements
+        [start, start + src.numel()) of this parameter. Returns once the copy has read `src`
+        (the caller may reuse it)."""
+        self._assert_state(ParamState.LIVE)
+        assert self.device_tensor is not None
+        dst = self.device_tensor.view(-1)[start : start + src.numel()]
+        self._from_staging(accel, src, accel.current_stream(), out=dst)
+
     def repoint(self, partition: torch.Tensor) -> None:
         """Adopt `partition` as the home copy (the optimizer's flat buffer view)."""
         if self.home is not HomeTier.HOST or self.partition is None:
