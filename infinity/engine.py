@@ -290,7 +290,8 @@ class Engine:
 
     def memory_stats(self) -> dict[str, int]:
         """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
-        NVMe tiers, bytes read and written, time waited and the staging pools' sizes."""
+        NVMe tiers, bytes read and written, time waited, the staging buffers' sizes and peak
+        use, and the pinned bytes (allocated, and the peak in use)."""
         stats = self.coordinator.stats()
         # Trainable partitions belong to the optimizer (it counts them, or they alias its
         # fp32 masters); frozen ones are only ours.
@@ -298,10 +299,17 @@ class Engine:
         host = sum(r.numel * r.itemsize for r in frozen)
         optim = self.optimizer.memory_stats()
         stats["host_bytes"] = host + optim["host_bytes"]
-        stats.update({k: v for k, v in optim.items() if k.startswith("nvme_")})
+        stats.update(
+            {k: v for k, v in optim.items() if k.startswith(("nvme_", "optim_host_buffer"))}
+        )
+        pinned = peak_pinned = 0  # the optimizer's buffers are stepped on the host: unpinned
         if self.param_store is not None:
             stats.update(self.param_store.memory_stats())
-            stats["host_bytes"] += self.param_store.pool.total_bytes
+            pool = self.param_store.pool
+            stats["host_bytes"] += pool.total_bytes
+            if pool.pinned:
+                pinned, peak_pinned = pool.total_bytes, pool.peak_bytes_in_use
+        stats["pinned_bytes"], stats["peak_pinned_bytes"] = pinned, peak_pinned
         return stats
 
     # ---- checkpoints ------------------------------------------------------------------

@@ -99,6 +99,10 @@ def test_nvme_parameters_are_bitwise_equal_to_cpu(tmp_path, dtype):
     assert stats["nvme_param_bytes_written"] >= 5 * trainable  # every step's new weights
     assert stats["nvme_param_bytes_read"] > 0
     assert stats["prefetch_hits"] > stats["prefetch_misses"]
+    assert stats["nvme_param_wait_us"] > 0 and stats["nvme_optim_wait_us"] >= 0
+    assert 0 < stats["param_pool_peak_bytes_in_use"] <= stats["param_pool_bytes"]
+    assert 0 < stats["optim_host_buffer_peak_bytes"] <= stats["optim_host_buffer_bytes"]
+    assert stats["pinned_bytes"] == stats["peak_pinned_bytes"] == 0  # nothing pins on the CPU
     assert stats["peak_live_param_numel"] <= 1500 + max(r.numel for r in got.records) * 4
     got.close()
     ref.close()
