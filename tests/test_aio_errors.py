@@ -17,6 +17,11 @@ from infinity.swap import AioError, AioFallbackWarning, AioHandle, aio_checks, a
 from infinity.swap.aio_checks import available_backends
 
 ALL = ["io_uring", "aio", "posix"]
+# Every backend with its default submission settings, and the native ones in the three other
+# combinations of (single_submit, overlap_events).
+MODES = [(b, False, True) for b in ALL] + [
+    (b, s, o) for b in ("io_uring", "aio") for s, o in [(True, True), (False, False), (True, False)]
+]
 
 
 @pytest.fixture(params=ALL)
@@ -150,14 +155,24 @@ def test_no_permission(tmp_path):
     os.close(read_fd)
 
 
-def test_disk_full(handle, mount):
-    """ENOSPC from a real full file system: a 256 KiB tmpfs."""
+@pytest.mark.parametrize("name,single_submit,overlap_events", MODES)
+def test_disk_full(mount, name, single_submit, overlap_events):
+    """ENOSPC from a real full file system: a 256 KiB tmpfs, in every submission mode."""
+    if name not in available_backends():
+        pytest.skip(f"backend {name} does not run here")
     path = os.path.join(mount("tmpfs", "size=256k"), "f.bin")
-    future = handle.pwrite(torch.ones(1 << 20, dtype=torch.uint8), path)
+    modes = {"single_submit": single_submit, "overlap_events": overlap_events}
+    with AioHandle(backend=name, block_size=64 << 10, queue_depth=4, **modes) as handle:
+        future = handle.pwrite(torch.ones(1 << 20, dtype=torch.uint8), path)
+        _check_disk_full(future, path)
+
+
+def _check_disk_full(future, path: str) -> None:
     with pytest.raises(AioError) as info:
         future.wait()
     err = info.value
     assert err.errno == errno.ENOSPC and err.filename == path
+    assert err.offset == 256 << 10  # the first byte past the file system's size
     assert "No space left" in str(err) and "free space" in str(err)
     with pytest.raises(AioError):  # the error stays with the future
         future.wait()
@@ -203,15 +218,15 @@ def test_no_direct_strict_raises(no_direct_dir):
     assert info.value.errno == errno.EINVAL and "O_DIRECT" in str(info.value)
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_engine_short_read_then_eof(tmp_path, name):
+@pytest.mark.parametrize("name,single_submit,overlap_events", MODES)
+def test_engine_short_read_then_eof(tmp_path, name, single_submit, overlap_events):
     """Below the handle's size check (e.g. a file truncated meanwhile), the engines resume
     a short read and report the end of the file as ENODATA at the offset where data ended."""
     if name not in available_backends():
         pytest.skip(f"backend {name} does not run here")
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
-    engine = aio_checks.make_engine(name, 4096, 4, 1)
+    engine = aio_checks.make_engine(name, 4096, 4, 1, single_submit, overlap_events)
     buf = aligned_empty(16384)
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infinity.cli.bench_aio import AioBenchConfig, best, parse_bytes, parse_list
+from infinity.cli.bench_aio import AioBenchConfig, best, parse_bool, parse_bytes, parse_list
 from infinity.cli.main import main
 from infinity.swap import available_backends
 
@@ -40,7 +40,26 @@ def test_cli_sweep_writes_records(tmp_path, capsys):
     assert f"Best performance (GB/sec): read = {top_read:.2f}, write = {top_write:.2f}" in text
     assert "first write into a fresh file" in text
     section = json.loads(text[text.index('{\n  "aio"') :].split("\nwrote")[0])["aio"]
-    assert set(section) == {"block_size", "queue_depth", "thread_count", "backend"}
+    assert set(section) == {"block_size", "queue_depth", "thread_count", "single_submit",
+                            "overlap_events", "backend"}  # fmt: skip
+    assert all((r["single_submit"], r["overlap_events"]) == (False, True) for r in records)
+
+
+def test_sweeps_single_submit_and_overlap_events(tmp_path, capsys):
+    out = tmp_path / "aio.json"
+    argv = ["bench", "aio", "--path", str(tmp_path), "--size", "512K", "--block-size", "64K",
+            "--queue-depth", "4", "--threads", "1", "--single-submit", "false,true",
+            "--overlap-events", "true,false", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    records = [r for r in json.loads(out.read_text()) if not r["fresh_file"]]
+    modes = {(r["op"], r["single_submit"], r["overlap_events"]) for r in records}
+    assert len(records) == len(modes) == 2 * 2 * 2
+    table = capsys.readouterr().out
+    assert "single" in table and "overlap" in table
+    section = json.loads(table[table.index('{\n  "aio"') :].split("\nwrote")[0])["aio"]
+    assert isinstance(section["single_submit"], bool)
+    with pytest.raises(ValueError, match="boolean"):
+        parse_bool("maybe")
 
 
 def test_read_only_and_auto(tmp_path):

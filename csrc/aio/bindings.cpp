@@ -13,11 +13,13 @@
 namespace py = pybind11;
 using infinity_aio::Engine;
 using infinity_aio::IoError;
+using infinity_aio::Stats;
 
 namespace {
 
 std::unique_ptr<Engine> make_engine(const std::string& backend, size_t block_size,
-                                    unsigned queue_depth, unsigned threads) {
+                                    unsigned queue_depth, unsigned threads, bool single_submit,
+                                    bool overlap_events) {
     if (backend != "io_uring" && backend != "aio")
         throw std::invalid_argument("backend='" + backend +
                                     "' is not native; infinity._aio implements 'io_uring' "
@@ -30,7 +32,8 @@ std::unique_ptr<Engine> make_engine(const std::string& backend, size_t block_siz
                                     std::to_string(queue_depth));
     if (threads == 0 || threads > 256)
         throw std::invalid_argument("threads must be in 1..256, got " + std::to_string(threads));
-    return std::make_unique<Engine>(backend, block_size, queue_depth, threads);
+    return std::make_unique<Engine>(backend, block_size, queue_depth, threads, single_submit,
+                                    overlap_events);
 }
 
 // "" if the kernel sets up a ring of this backend, else why not.
@@ -53,6 +56,15 @@ py::object wait(Engine& engine, uint64_t ticket) {
     return py::make_tuple(err.code, static_cast<long long>(err.offset), err.what);
 }
 
+py::dict stats(const Engine& engine) {
+    const Stats s = engine.stats();
+    py::dict d;
+    d["submit_calls"] = s.submit_calls;
+    d["ops"] = s.ops;
+    d["max_in_flight_at_refill"] = s.max_in_flight_at_refill;
+    return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_aio, m) {
@@ -68,8 +80,11 @@ PYBIND11_MODULE(_aio, m) {
     });
     py::class_<Engine>(m, "Engine")
         .def(py::init(&make_engine), py::arg("backend"), py::arg("block_size"),
-             py::arg("queue_depth"), py::arg("threads"),
-             "Starts `threads` workers, each with its own ring of `queue_depth` ops.")
+             py::arg("queue_depth"), py::arg("threads"), py::arg("single_submit") = false,
+             py::arg("overlap_events") = true,
+             "Starts `threads` workers, each with its own ring of `queue_depth` ops. "
+             "single_submit: one submission call per op instead of one per batch. "
+             "overlap_events=False: submit a batch, wait for all of it, then the next.")
         .def("submit", &Engine::submit, py::arg("write"), py::arg("fd"), py::arg("address"),
              py::arg("nbytes"), py::arg("offset"),
              "Queues one request; returns its ticket. The buffer and fd must stay valid "
@@ -78,12 +93,18 @@ PYBIND11_MODULE(_aio, m) {
              "Blocks (GIL released) until the request is done; returns None or "
              "(errno, file offset, what failed). Each ticket is waited once.")
         .def("done", &Engine::done, py::arg("ticket"), "True when the request has finished.")
+        .def("stats", &stats,
+             "{'submit_calls', 'ops', 'max_in_flight_at_refill'} over all workers since "
+             "the start: submission system calls, ops handed to the kernel (resubmissions "
+             "included), the most ops in flight when new ones were added.")
         .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>(),
              "Finishes queued requests and stops the workers.")
         .def_readonly("backend", &Engine::backend)
         .def_readonly("block_size", &Engine::block_size)
         .def_readonly("queue_depth", &Engine::queue_depth)
-        .def_readonly("threads", &Engine::threads);
+        .def_readonly("threads", &Engine::threads)
+        .def_readonly("single_submit", &Engine::single_submit)
+        .def_readonly("overlap_events", &Engine::overlap_events);
     m.def("probe", &probe, py::arg("backend"), py::arg("queue_depth") = 8,
           "'' if the kernel allows a ring of this backend, else the reason it does not.");
 }

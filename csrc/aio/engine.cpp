@@ -16,8 +16,13 @@ namespace {
 constexpr unsigned kMaxRetries = 1000;
 }
 
-Worker::Worker(const std::string& backend, unsigned depth, size_t block_size)
-    : ring_(make_ring(backend, depth)), block_size_(block_size), ops_(depth) {
+Worker::Worker(const std::string& backend, unsigned depth, size_t block_size,
+               bool single_submit, bool overlap_events)
+    : ring_(make_ring(backend, depth)),
+      block_size_(block_size),
+      single_submit_(single_submit),
+      overlap_events_(overlap_events),
+      ops_(depth) {
     for (auto& op : ops_) free_ops_.push_back(&op);
     thread_ = std::thread([this] { run(); });
 }
@@ -41,6 +46,13 @@ void Worker::stop() {
     if (thread_.joinable()) thread_.join();
 }
 
+void Worker::add_stats(Stats& into) const {
+    into.submit_calls += ring_->submit_calls();
+    into.ops += ops_prepared_.load(std::memory_order_relaxed);
+    into.max_in_flight_at_refill = std::max<uint64_t>(
+        into.max_in_flight_at_refill, max_refill_in_flight_.load(std::memory_order_relaxed));
+}
+
 void Worker::run() {
     std::vector<Completion> done;
     for (;;) {
@@ -54,8 +66,9 @@ void Worker::run() {
         }
         done.clear();
         try {
-            fill();
-            ring_->submit_and_wait(in_flight_ > 0 ? 1 : 0, done);
+            fill(done);
+            // Completions reaped while filling are still counted in in_flight_.
+            ring_->submit_and_wait(in_flight_ > done.size() ? 1 : 0, done);
         } catch (const std::exception& e) {
             abandon(e);
             continue;
@@ -65,8 +78,13 @@ void Worker::run() {
 }
 
 // Tops the ring up to its depth: remainders first, then new block_size ops from the slices.
-bool Worker::fill() {
-    bool any = false;
+// Without overlap_events, new ops wait until the batch in flight is done, remainders and all.
+// With single_submit, each op is submitted as soon as it is prepared; completions reaped on
+// the way land in `out`.
+void Worker::fill(std::vector<Completion>& out) {
+    const unsigned busy = in_flight_;
+    const bool take_new = overlap_events_ || (in_flight_ == 0 && retry_.empty());
+    bool added_new = false;
     while (in_flight_ < ops_.size()) {
         Op* op = nullptr;
         if (!retry_.empty()) {
@@ -77,7 +95,7 @@ bool Worker::fill() {
                 continue;
             }
         } else {
-            if (active_.empty() || free_ops_.empty()) break;
+            if (!take_new || active_.empty() || free_ops_.empty()) break;
             Slice* s = active_.front();
             if (s->failed || broken_ || s->cut == s->len) {
                 if (broken_ && !s->failed) fail(s, EIO, s->offset, broken_what_.c_str());
@@ -98,12 +116,15 @@ bool Worker::fill() {
             op->retries = 0;
             s->cut += n;
             s->in_flight++;
+            added_new = true;
         }
         ring_->prepare(op);
         in_flight_++;
-        any = true;
+        ops_prepared_.fetch_add(1, std::memory_order_relaxed);
+        if (single_submit_) ring_->submit(out);
     }
-    return any;
+    if (added_new && busy > max_refill_in_flight_.load(std::memory_order_relaxed))
+        max_refill_in_flight_.store(busy, std::memory_order_relaxed);
 }
 
 void Worker::complete(const Completion& c) {
@@ -191,12 +212,18 @@ void Worker::abandon(const std::exception& e) {
 }
 
 Engine::Engine(const std::string& backend_, size_t block_size_, unsigned queue_depth_,
-               unsigned threads_)
-    : backend(backend_), block_size(block_size_), queue_depth(queue_depth_), threads(threads_) {
+               unsigned threads_, bool single_submit_, bool overlap_events_)
+    : backend(backend_),
+      block_size(block_size_),
+      queue_depth(queue_depth_),
+      threads(threads_),
+      single_submit(single_submit_),
+      overlap_events(overlap_events_) {
     if (block_size == 0 || queue_depth == 0 || threads == 0)
         throw std::invalid_argument("block_size, queue_depth and threads must all be > 0");
     for (unsigned i = 0; i < threads; ++i)
-        workers_.push_back(std::make_unique<Worker>(backend, queue_depth, block_size));
+        workers_.push_back(std::make_unique<Worker>(backend, queue_depth, block_size,
+                                                    single_submit, overlap_events));
 }
 
 Engine::~Engine() { close(); }
@@ -259,6 +286,12 @@ IoError Engine::wait(uint64_t id) {
     std::lock_guard<std::mutex> lk(mu_);
     tickets_.erase(id);
     return err;
+}
+
+Stats Engine::stats() const {
+    Stats s;
+    for (const auto& w : workers_) w->add_stats(s);
+    return s;
 }
 
 bool Engine::done(uint64_t id) {

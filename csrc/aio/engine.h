@@ -2,10 +2,15 @@
 // A request (fd, buffer, length, offset) is cut into one slice per worker at block_size
 // boundaries; each worker cuts its slice into block_size ops and keeps its ring full across
 // every slice it holds. A ticket counts the slices still open and keeps the error.
+// single_submit hands each op to the kernel with its own system call instead of one call per
+// batch; without overlap_events a worker submits a batch, waits for all of it (remainders of
+// short transfers included), and only then submits the next, instead of topping its ring up
+// as completions arrive.
 #pragma once
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -49,17 +54,28 @@ struct Slice {
     off_t fail_offset = 0;   // lowest failed offset; ops before it still run to completion
 };
 
+// What the engine's workers did, for tests and tuning: system calls that handed ops to the
+// kernel, ops handed over (resubmissions included), and the most ops still in flight when a
+// worker added new ones (0 without overlap_events).
+struct Stats {
+    uint64_t submit_calls = 0;
+    uint64_t ops = 0;
+    uint64_t max_in_flight_at_refill = 0;
+};
+
 class Worker {
 public:
-    Worker(const std::string& backend, unsigned depth, size_t block_size);
+    Worker(const std::string& backend, unsigned depth, size_t block_size, bool single_submit,
+           bool overlap_events);
     ~Worker();
     // Takes ownership of the slice; the worker deletes it when its last op completes.
     void push(Slice* slice);
     void stop();
+    void add_stats(Stats& into) const;
 
 private:
     void run();
-    bool fill();
+    void fill(std::vector<Completion>& out);
     void complete(const Completion& c);
     void finish_op(Op* op);
     void finish_slice(Slice* s);
@@ -71,6 +87,10 @@ private:
 
     std::unique_ptr<Ring> ring_;
     size_t block_size_;
+    bool single_submit_;
+    bool overlap_events_;
+    std::atomic<uint64_t> ops_prepared_{0};
+    std::atomic<uint64_t> max_refill_in_flight_{0};
     std::vector<Op> ops_;
     std::vector<Op*> free_ops_;
     std::deque<Op*> retry_;       // remainders of short or EAGAIN'd ops
@@ -88,7 +108,8 @@ private:
 
 class Engine {
 public:
-    Engine(const std::string& backend, size_t block_size, unsigned queue_depth, unsigned threads);
+    Engine(const std::string& backend, size_t block_size, unsigned queue_depth, unsigned threads,
+           bool single_submit = false, bool overlap_events = true);
     ~Engine();
     // Queues a request; returns its ticket id. Never blocks on I/O.
     uint64_t submit(bool write, int fd, uintptr_t buf, size_t len, off_t offset);
@@ -97,11 +118,14 @@ public:
     IoError wait(uint64_t id);
     bool done(uint64_t id);
     void close();
+    Stats stats() const;
 
     const std::string backend;
     const size_t block_size;
     const unsigned queue_depth;
     const unsigned threads;
+    const bool single_submit;
+    const bool overlap_events;
 
 private:
     std::shared_ptr<Ticket> find(uint64_t id);

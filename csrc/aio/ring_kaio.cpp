@@ -1,6 +1,6 @@
 // Kernel native AIO through raw syscalls (io_setup, io_submit, io_getevents, io_destroy) and
 // <linux/aio_abi.h>, so neither libaio nor its headers are needed to build or run.
-// Prepared iocbs are batched and handed to one io_submit call.
+// Prepared iocbs are batched and handed to one io_submit call (one each with single_submit).
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -38,10 +38,10 @@ public:
         batch_.push_back(&cb);
     }
 
-    void submit_and_wait(unsigned min_complete, std::vector<Completion>& out) override {
-        const size_t start = out.size();
+    void submit(std::vector<Completion>& out) override {
         size_t sent = 0;
         while (sent < batch_.size()) {
+            count_submit_call();
             const long r = syscall(__NR_io_submit, ctx_, batch_.size() - sent, &batch_[sent]);
             if (r > 0) {
                 sent += static_cast<size_t>(r);
@@ -56,6 +56,11 @@ public:
             }
         }
         batch_.clear();
+    }
+
+    void submit_and_wait(unsigned min_complete, std::vector<Completion>& out) override {
+        const size_t start = out.size();
+        submit(out);
         if (min_complete == 0) {
             get(0, out);
             return;

@@ -1,5 +1,5 @@
 // io_uring through raw syscalls: io_uring_setup, two mmap'd rings and the SQE array, and
-// io_uring_enter to submit and wait in one call. Only the owning worker touches the ring, so
+// io_uring_enter to submit and wait in one call (or to submit alone). Only the owning worker touches the ring, so
 // the only ordering that matters is with the kernel (acquire/release on head and tail).
 #include <linux/io_uring.h>
 #include <sys/mman.h>
@@ -82,6 +82,8 @@ public:
         store_release(sq_tail_, tail + 1);
     }
 
+    void submit(std::vector<Completion>& out) override { submit_and_wait(0, out); }
+
     void submit_and_wait(unsigned min_complete, std::vector<Completion>& out) override {
         const size_t start = out.size();
         for (;;) {
@@ -93,6 +95,7 @@ public:
             const unsigned ready = load_acquire(cq_tail_) - *cq_head_;
             const unsigned wait = ready >= need ? 0 : need;  // the kernel counts the whole CQ
             if (pending == 0 && wait == 0) break;
+            if (pending > 0) count_submit_call();
             const int r = sys_enter(fd_, pending, wait, wait ? IORING_ENTER_GETEVENTS : 0);
             if (r >= 0 || errno == EINTR) continue;
             if (errno == EAGAIN || errno == EBUSY) {

@@ -1,6 +1,7 @@
 """`infinity bench aio`: read and write throughput of the swap path's I/O engine on a disk.
 
-Sweeps backends x block sizes x queue depths x threads over one file, as training uses it:
+Sweeps backends x block sizes x queue depths x threads (x single_submit x overlap_events when
+asked) over one file, as training uses it:
 writes overwrite a laid-out file (the first writes into a fresh file are timed once and
 reported apart), reads use O_DIRECT so the page cache does not flatter them. Prints a table,
 the best read and write, and the `aio` config section that gave the best of both.
@@ -18,6 +19,7 @@ import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from tqdm import tqdm
 
@@ -48,6 +50,16 @@ def parse_list(text: str, parse=int) -> list:
     return [parse(x) for x in text.split(",") if x.strip()]
 
 
+def parse_bool(text: str) -> bool:
+    """'true'/'1'/'yes' -> True, 'false'/'0'/'no' -> False."""
+    t = text.strip().lower()
+    if t in ("true", "1", "yes", "on"):
+        return True
+    if t in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"cannot read {text!r} as a boolean; write true or false")
+
+
 def human(nbytes: int) -> str:
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if nbytes >= scale and nbytes % scale == 0:
@@ -68,6 +80,10 @@ class AioBenchConfig:
     threads: list[int] = field(default_factory=lambda: [1, 2])
     backends: list[str] = field(default_factory=lambda: ["auto"])
     """Backends to sweep; "auto" is the one AioHandle picks, "all" every one that runs."""
+    single_submit: list[bool] = field(default_factory=lambda: [False])
+    """The `aio` section's single_submit values to sweep."""
+    overlap_events: list[bool] = field(default_factory=lambda: [True])
+    """The `aio` section's overlap_events values to sweep."""
     ops: list[str] = field(default_factory=lambda: ["read", "write"])
     repeats: int = 1
     """Timed runs per configuration and op; the median is reported."""
@@ -87,6 +103,8 @@ class AioBenchConfig:
         for op in self.ops:
             if op not in ("read", "write"):
                 raise ValueError(f"op {op!r} is not 'read' or 'write'")
+        if not self.single_submit or not self.overlap_events:
+            raise ValueError("single_submit and overlap_events need at least one value each")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         have = available_backends()
@@ -145,10 +163,27 @@ class Target:
             os.unlink(self.path)
 
 
-def _record(op, backend, bs, qd, threads, times, size) -> dict:
+class Setting(NamedTuple):
+    """One configuration of the sweep; its fields are AioHandle's arguments."""
+
+    backend: str
+    block_size: int
+    queue_depth: int
+    threads: int
+    single_submit: bool
+    overlap_events: bool
+
+
+def _key(r: dict) -> Setting:
+    """The setting of a record (records written before the last two fields existed had
+    their defaults)."""
+    return Setting(r["backend"], r["block_size"], r["queue_depth"], r["threads"],
+                   r.get("single_submit", False), r.get("overlap_events", True))  # fmt: skip
+
+
+def _record(op: str, setting: Setting, times: list[float], size: int) -> dict:
     t = statistics.median(times)
-    return {"op": op, "backend": backend, "block_size": bs, "queue_depth": qd,
-            "threads": threads, "gbps": size / t / 1e9, "seconds": times}  # fmt: skip
+    return {"op": op, **setting._asdict(), "gbps": size / t / 1e9, "seconds": times}
 
 
 def run(cfg: AioBenchConfig, progress: bool = True) -> dict:
@@ -157,20 +192,25 @@ def run(cfg: AioBenchConfig, progress: bool = True) -> dict:
     target = Target(cfg)
     target.remove()
     out = {"config": asdict(cfg), "machine": machine_info(cfg.path), "records": []}
-    combos = list(itertools.product(cfg.backends, cfg.block_sizes, cfg.queue_depths, cfg.threads))
+    combos = [
+        Setting(*c)
+        for c in itertools.product(cfg.backends, cfg.block_sizes, cfg.queue_depths, cfg.threads,
+                                   cfg.single_submit, cfg.overlap_events)  # fmt: skip
+    ]
     try:
         # The file is laid out by the first write, timed apart: later writes overwrite it.
-        b, bs, qd, th = combos[0]
-        with AioHandle(block_size=bs, queue_depth=qd, threads=th, backend=b) as h:
+        with AioHandle(**combos[0]._asdict()) as h:
             first = target.move(h, "write")
-        out["first_write"] = _record("write", b, bs, qd, th, [first], cfg.size)
+        out["first_write"] = _record("write", combos[0], [first], cfg.size)
         bar = tqdm(combos, desc="aio sweep", unit="config", disable=not progress)
-        for b, bs, qd, th in bar:
-            bar.set_postfix_str(f"{b} bs={human(bs)} qd={qd} t={th}")
-            with AioHandle(block_size=bs, queue_depth=qd, threads=th, backend=b) as h:
+        for c in bar:
+            bar.set_postfix_str(f"{c.backend} bs={human(c.block_size)} qd={c.queue_depth} "
+                                f"t={c.threads} single={c.single_submit:d} "
+                                f"overlap={c.overlap_events:d}")  # fmt: skip
+            with AioHandle(**c._asdict()) as h:
                 for op in cfg.ops:
                     times = [target.move(h, op) for _ in range(cfg.repeats)]
-                    out["records"].append(_record(op, b, bs, qd, th, times, cfg.size))
+                    out["records"].append(_record(op, c, times, cfg.size))
     finally:
         if not cfg.keep_file:
             target.remove()
@@ -183,27 +223,33 @@ def best(result: dict) -> dict:
     recs = result["records"]
     by_op = {op: [r for r in recs if r["op"] == op] for op in ("read", "write")}
     top = {op: max((r["gbps"] for r in rs), default=0.0) for op, rs in by_op.items()}
-    score: dict[tuple, float] = {}
+    score: dict[Setting, float] = {}
     for r in recs:
-        key = (r["backend"], r["block_size"], r["queue_depth"], r["threads"])
+        key = _key(r)
         score[key] = score.get(key, 0.0) + r["gbps"] / max(top[r["op"]], 1e-12)
-    b, bs, qd, th = max(score, key=score.get)
-    section = {"block_size": bs, "queue_depth": qd, "thread_count": th, "backend": b}
+    s = max(score, key=score.get)
+    section = {"block_size": s.block_size, "queue_depth": s.queue_depth,
+               "thread_count": s.threads, "single_submit": s.single_submit,
+               "overlap_events": s.overlap_events, "backend": s.backend}  # fmt: skip
     return {"read": top["read"], "write": top["write"], "aio": section}
 
 
 def format_table(result: dict) -> str:
-    rows = {}
+    rows: dict[Setting, dict] = {}
     for r in result["records"]:
-        key = (r["backend"], r["block_size"], r["queue_depth"], r["threads"])
-        rows.setdefault(key, {})[r["op"]] = r["gbps"]
+        rows.setdefault(_key(r), {})[r["op"]] = r["gbps"]
     lines = [
-        f"{'backend':<10}{'block':>7}{'qd':>5}{'threads':>8}{'read GB/s':>11}{'write GB/s':>12}"
+        f"{'backend':<10}{'block':>7}{'qd':>5}{'threads':>8}{'single':>8}{'overlap':>8}"
+        f"{'read GB/s':>11}{'write GB/s':>12}"
     ]
-    for (b, bs, qd, th), v in rows.items():
+    yes_no = {True: "yes", False: "no"}
+    for s, v in rows.items():
         rd = f"{v['read']:.2f}" if "read" in v else "-"
         wr = f"{v['write']:.2f}" if "write" in v else "-"
-        lines.append(f"{b:<10}{human(bs):>7}{qd:>5}{th:>8}{rd:>11}{wr:>12}")
+        lines.append(
+            f"{s.backend:<10}{human(s.block_size):>7}{s.queue_depth:>5}{s.threads:>8}"
+            f"{yes_no[s.single_submit]:>8}{yes_no[s.overlap_events]:>8}{rd:>11}{wr:>12}"
+        )
     fw = result["first_write"]
     lines.append(
         f"first write into a fresh file ({fw['backend']}, block {human(fw['block_size'])}, "
@@ -231,6 +277,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=parse_list, default=[1, 2], help="e.g. 1,2")
     parser.add_argument("--backend", type=lambda s: parse_list(s, str), default=["auto"],
                         help="auto, all, or a list of io_uring,aio,posix")  # fmt: skip
+    parser.add_argument("--single-submit", type=lambda s: parse_list(s, parse_bool),
+                        default=[False], help="the aio section's single_submit: "
+                        "false (default), true, or false,true to compare")  # fmt: skip
+    parser.add_argument("--overlap-events", type=lambda s: parse_list(s, parse_bool),
+                        default=[True], help="the aio section's overlap_events: "
+                        "true (default), false, or true,false to compare")  # fmt: skip
     ops = parser.add_mutually_exclusive_group()
     ops.add_argument("--read", action="store_true", help="measure reads only")
     ops.add_argument("--write", action="store_true", help="measure writes only")
@@ -242,7 +294,9 @@ def config_from_args(args: argparse.Namespace) -> AioBenchConfig:
     ops = ["read"] if args.read else ["write"] if args.write else ["read", "write"]
     return AioBenchConfig(path=args.path, size=args.size, block_sizes=args.block_size,
                           queue_depths=args.queue_depth, threads=args.threads,
-                          backends=args.backend, ops=ops, repeats=args.repeats)  # fmt: skip
+                          backends=args.backend, single_submit=args.single_submit,
+                          overlap_events=args.overlap_events, ops=ops,
+                          repeats=args.repeats)  # fmt: skip
 
 
 def json_records(result: dict) -> list[dict]:

@@ -149,9 +149,12 @@ class AioConfig:
     thread_count: int = 1
     """Worker threads (DeepSpeed: intra_op_parallelism)."""
     single_submit: bool = False
-    """Submit requests one at a time rather than in batches."""
+    """Hand each I/O request to the kernel with its own system call rather than one call per
+    batch (io_uring and aio backends; the posix backend has no submission queue)."""
     overlap_events: bool = True
-    """Reap completions while submitting (keeps the queue full)."""
+    """Submit new requests as earlier ones complete, keeping the queue full; False submits a
+    batch of up to queue_depth, waits for all of it, then submits the next (io_uring and aio
+    backends; the posix backend has no submission queue)."""
     backend: Literal["auto", "io_uring", "aio", "posix"] = "auto"
     """I/O engine. "auto" picks the fastest one available when the swapper starts: a run-time
     choice, not a placeholder, so `Config.resolve` keeps it."""

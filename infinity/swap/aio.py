@@ -129,6 +129,13 @@ class AioHandle:
     AioFallbackWarning, or raises AioError if `strict`. `buf` is a contiguous CPU torch tensor
     or numpy array of any dtype; page-aligned ones (`aligned_empty`) go O_DIRECT.
 
+    `single_submit` hands each op to the kernel with its own system call (by default one call
+    submits a whole batch). With `overlap_events` (the default) a worker tops its queue up as
+    completions arrive; without it, a worker submits a batch of up to `queue_depth` ops, waits
+    until all of it is done (remainders of short transfers included), then submits the next.
+    Both apply to the io_uring and aio backends; the posix backend accepts them and has no
+    submission queue they could change. `stats()` shows their effect.
+
     Errors found before any I/O (bad buffer or offset, a missing file or directory, a read
     past the end of the file) raise from pread/pwrite; errors of the I/O itself from wait().
     """
@@ -140,10 +147,15 @@ class AioHandle:
         threads: int = 1,
         backend: str = "auto",
         strict: bool = False,
+        single_submit: bool = False,
+        overlap_events: bool = True,
     ) -> None:
-        self._engine = make_engine(backend, block_size, queue_depth, threads)
+        self._engine = make_engine(
+            backend, block_size, queue_depth, threads, single_submit, overlap_events
+        )
         self.backend: str = self._engine.backend
         self.block_size, self.queue_depth, self.threads = block_size, queue_depth, threads
+        self.single_submit, self.overlap_events = single_submit, overlap_events
         self.strict = strict
         self._buffered_paths: set[str] = set()
         self._warned_unaligned = False
@@ -153,22 +165,30 @@ class AioHandle:
 
     @classmethod
     def from_config(cls, config: AioConfig, *, strict: bool = False) -> AioHandle:
-        """A handle with the config's `aio` section. single_submit and overlap_events are
-        accepted for DeepSpeed compatibility; this engine always batches submissions and
-        reaps completions while it keeps the queue full."""
+        """A handle with every setting of the config's `aio` section."""
         return cls(
             block_size=config.block_size,
             queue_depth=config.queue_depth,
             threads=config.thread_count,
             backend=config.backend,
             strict=strict,
+            single_submit=config.single_submit,
+            overlap_events=config.overlap_events,
         )
 
     def __repr__(self) -> str:
         return (
             f"AioHandle(backend={self.backend!r}, block_size={self.block_size}, "
-            f"queue_depth={self.queue_depth}, threads={self.threads}, strict={self.strict})"
+            f"queue_depth={self.queue_depth}, threads={self.threads}, strict={self.strict}, "
+            f"single_submit={self.single_submit}, overlap_events={self.overlap_events})"
         )
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the engine since the handle was made: `submit_calls` (system calls
+        that handed ops to the kernel), `ops` (ops handed over, resubmissions of short
+        transfers included) and `max_in_flight_at_refill` (the most ops still in flight when
+        a worker added new ones; 0 when overlap_events is off)."""
+        return dict(self._engine.stats())
 
     def pread(self, buf, path: str | os.PathLike, offset: int = 0) -> AioFuture:
         """Starts reading `buf.nbytes` bytes of `path` at `offset` into `buf`."""

@@ -140,8 +140,17 @@ def available_backends() -> list[str]:
     return [b for b in ("io_uring", "aio", "posix") if not probe(b)]
 
 
-def make_engine(backend: str, block_size: int, queue_depth: int, threads: int):
-    """The engine for `backend` ("auto": io_uring, else aio, else posix, as probed)."""
+def make_engine(
+    backend: str,
+    block_size: int,
+    queue_depth: int,
+    threads: int,
+    single_submit: bool = False,
+    overlap_events: bool = True,
+):
+    """The engine for `backend` ("auto": io_uring, else aio, else posix, as probed).
+    `single_submit` and `overlap_events` shape the native engines' submissions (see
+    AioHandle); the POSIX engine accepts them and has no queue they could apply to."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
     if block_size <= 0 or block_size % ALIGN:
@@ -161,5 +170,5 @@ def make_engine(backend: str, block_size: int, queue_depth: int, threads: int):
                 f"available: {', '.join(available_backends())} (or pass backend='auto')"
             )
     if name == "posix":
-        return PosixEngine(block_size, queue_depth, threads)
-    return _native.Engine(name, block_size, queue_depth, threads)
+        return PosixEngine(block_size, queue_depth, threads, single_submit, overlap_events)
+    return _native.Engine(name, block_size, queue_depth, threads, single_submit, overlap_events)

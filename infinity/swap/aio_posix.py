@@ -4,6 +4,8 @@ A pool of `threads` workers, each doing `os.preadv`/`os.pwrite` over block_size 
 slice of a request (the GIL is released inside each call). It is the reference the native
 backends are tested against, and the fallback when the extension is not built or the kernel
 refuses both io_uring and native AIO. It owns no files: callers pass open descriptors.
+Each pread/pwrite is its own system call and each worker has one in flight, so there is no
+submission queue: `single_submit` and `overlap_events` are accepted and do not apply here.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ def memory_at(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
-def _transfer(write: bool, fd: int, view: memoryview, offset: int, block_size: int) -> IoResult:
-    """Moves one slice chunk by chunk; short transfers continue where they stopped."""
+def _transfer(
+    write: bool, fd: int, view: memoryview, offset: int, block_size: int, count
+) -> IoResult:
+    """Moves one slice chunk by chunk; short transfers continue where they stopped.
+    `count()` is called once per system call."""
     done = 0
     while done < len(view):
+        count()
         chunk = view[done : done + block_size]
         pos = offset + done
         try:
@@ -43,13 +49,23 @@ def _transfer(write: bool, fd: int, view: memoryview, offset: int, block_size: i
 
 
 class PosixEngine:
-    """submit/wait/done/close like the native engine; `queue_depth` has no effect here (each
-    worker has one request in flight)."""
+    """submit/wait/done/close/stats like the native engine. `queue_depth`, `single_submit`
+    and `overlap_events` do not apply here: each worker has one request in flight, made by
+    its own system call."""
 
     backend = "posix"
 
-    def __init__(self, block_size: int, queue_depth: int, threads: int) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        queue_depth: int,
+        threads: int,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+    ) -> None:
         self.block_size, self.queue_depth, self.threads = block_size, queue_depth, threads
+        self.single_submit, self.overlap_events = single_submit, overlap_events
+        self._calls = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infinity-aio")
         self._tickets: dict[int, list[Future]] = {}
         self._ids = itertools.count(1)
@@ -62,7 +78,13 @@ class PosixEngine:
         per = max(self.block_size, -(-per // self.block_size) * self.block_size)
         futures = [
             self._pool.submit(
-                _transfer, write, fd, view[start : start + per], offset + start, self.block_size
+                _transfer,
+                write,
+                fd,
+                view[start : start + per],
+                offset + start,
+                self.block_size,
+                self._count,
             )
             for start in range(0, nbytes, per)
         ]
@@ -86,6 +108,17 @@ class PosixEngine:
 
     def done(self, ticket: int) -> bool:
         return all(f.done() for f in self._futures(ticket))
+
+    def _count(self) -> None:
+        with self._lock:
+            self._calls += 1
+
+    def stats(self) -> dict[str, int]:
+        """As the native engine's: every pread/pwrite is one submission call and one op;
+        there is no queue to refill, so max_in_flight_at_refill is 0."""
+        with self._lock:
+            calls = self._calls
+        return {"submit_calls": calls, "ops": calls, "max_in_flight_at_refill": 0}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
