@@ -44,13 +44,13 @@ def _save_error(save_dir: Path, tag: str, exc: OSError) -> OSError:
     }.get(exc.errno, "check the file system, then save again")
     prev = _latest_or_none(save_dir)
     kept = f"previous checkpoint {prev!r} is intact" if prev else "no earlier checkpoint existed"
-    err = OSError(
-        exc.errno,
+    message = (
         f"saving checkpoint {tag!r} into {save_dir} failed: {exc.strerror or exc}; {hint} "
-        f"(the partial save was removed; {kept})",
+        f"(the partial save was removed; {kept})"
     )
-    err.filename = exc.filename
-    return err
+    if exc.filename is None:  # str() would end in ": None"
+        return OSError(exc.errno, message)
+    return OSError(exc.errno, message, exc.filename)
 
 
 def _latest_or_none(save_dir: Path) -> str | None:
