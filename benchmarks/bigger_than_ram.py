@@ -36,7 +36,6 @@ ratio <= 1.2. The swap directories are removed at the end (`engine.close()`).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import math
@@ -370,18 +369,15 @@ def report(summary: dict) -> None:
 
 
 def machine(path: str) -> dict:
-    st = os.statvfs(path)
+    """`infinity bench aio`'s machine record, with what this run's checks also need."""
+    from infinity.cli.bench_aio import machine_info
+
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
+        **machine_info(path),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        "path": os.path.abspath(path),
-        "fs_free_bytes": st.f_bavail * st.f_frsize,
-        "loadavg_start": os.getloadavg(),
     }
 
 

@@ -92,10 +92,7 @@ class Engine:
                 self.records, self.optimizer.grad, self.hooks, self.accelerator
             )
         except BaseException:  # no swap directory outlives a failed start
-            try:
-                self.optimizer.store.close()
-            finally:
-                self._close_stores()
+            self._close_stores(self.optimizer.store)
             raise
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule = build_schedule(self.config.scheduler, float(self.config.optimizer.lr))
@@ -163,12 +160,18 @@ class Engine:
             prefetch_numel=int(zero.prefetch_bucket_size),
         )
 
-    def _close_stores(self) -> None:
+    def _close_stores(self, state_store=None) -> None:
+        """Close the optimizer's state tier (if given), the parameter tier, then the swap
+        stores under them, each even if an earlier one fails."""
         try:
-            if self.param_store is not None:
-                self.param_store.close()
+            if state_store is not None:
+                state_store.close()
         finally:
-            self._swap_stores.close()
+            try:
+                if self.param_store is not None:
+                    self.param_store.close()
+            finally:
+                self._swap_stores.close()
 
     def _iteration_key(self) -> object:
         return (self.module.training, torch.is_grad_enabled())
@@ -406,10 +409,7 @@ class Engine:
             handle.remove()
         self._grad_handles = []
         self.coordinator.abort_iteration()
-        try:
-            self.optimizer.store.close()
-        finally:
-            self._close_stores()
+        self._close_stores(self.optimizer.store)
 
     def _check_idle(self, what: str) -> None:
         if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():
@@ -421,10 +421,8 @@ class Engine:
         """(name, host weights in the parameter's shape) for every parameter: the partition
         itself in host memory, a copy read when reached for an NVMe home."""
         for rec in self.records:
-            yield (
-                rec.name,
-                (rec.partition if rec.partition is not None else rec.read_home()).view(rec.shape),
-            )
+            weights = _weights_of(rec)
+            yield rec.name, weights() if callable(weights) else weights
 
 
 def _weights_of(rec: OffloadParam):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _train_inputs import TINY
 
 from infinity.models import LlamaConfig, LlamaForCausalLM, export_hf
 
@@ -38,15 +39,7 @@ def _losses(save_dir):
 
 @pytest.fixture
 def setup(tmp_path):
-    cfg = LlamaConfig(
-        vocab_size=260,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    cfg = LlamaConfig(**TINY)
     torch.manual_seed(3)
     export_hf(LlamaForCausalLM(cfg).named_parameters(), cfg, tmp_path / "model", dtype="fp32")
     data = tmp_path / "corpus.jsonl"
