@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import infinity
 from infinity.checkpoint import MetricsLog, latest_tag
+from infinity.cli.train import tokenizer_dir
 from infinity.cli.train_stop import Phase, StopNow, StopSignals
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
@@ -64,15 +65,17 @@ class TrainRun:
             self.args.data,
             seq_len=self.args.seq_len,
             seed=self.config.seed,
-            model_dir=self.model_dir,
+            tokenizer_dir=tokenizer_dir(self.args),
             cache_dir=self.save_dir / "tokens",
+            field=self.args.data_field,
         )
-        vocab = data.tokenizer.vocab_size if data.tokenizer is not None else 0
-        if vocab > self.model_config.vocab_size:
+        tok = data.tokenizer
+        print(f"infinity: tokens: {tok.describe()}", file=sys.stderr)
+        if tok.vocab_size > self.model_config.vocab_size:
             raise ValueError(
-                f"the tokenizer has {vocab} tokens but the model's embedding has "
-                f"{self.model_config.vocab_size} rows; use the model's own tokenizer (put "
-                "tokenizer.json in the model directory) or a model with a larger vocab_size"
+                f"the tokenizer ({tok.describe()}) has {tok.vocab_size} token ids but the "
+                f"model's embedding has {self.model_config.vocab_size} rows; use the model's "
+                "own tokenizer or a model with a larger vocab_size"
             )
         return data
 
