@@ -21,7 +21,7 @@ from infinity.data.tokenizer import TOKENIZER_FILES, require_transformers, token
 from infinity.models import PRESETS
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -95,16 +95,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
     parser.add_argument(
-        "--steps", type=_positive_int, help="optimizer steps to run (default: one epoch)"
+        "--steps", type=positive_int, help="optimizer steps to run (default: one epoch)"
     )
     parser.add_argument(
-        "--seq-len", type=_positive_int, default=512, help="tokens per sequence (default 512)"
+        "--seq-len", type=positive_int, default=512, help="tokens per sequence (default 512)"
     )
     parser.add_argument(
-        "--micro-batch", type=_positive_int, help="sequences per forward (config: 1 if unset)"
+        "--micro-batch", type=positive_int, help="sequences per forward (config: 1 if unset)"
     )
     parser.add_argument(
-        "--grad-accum", type=_positive_int, help="micro batches per optimizer step (config)"
+        "--grad-accum", type=positive_int, help="micro batches per optimizer step (config)"
     )
     parser.add_argument("--lr", type=_positive_float, help="peak learning rate (config)")
     parser.add_argument(
@@ -125,7 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--save-every",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="checkpoint every N optimizer steps (default: only at the end and on a stop)",
     )

@@ -23,7 +23,7 @@ from tqdm import tqdm
 import infinity
 from infinity.checkpoint import MetricsLog, latest_tag
 from infinity.cli.train import tokenizer_dir
-from infinity.cli.train_stop import Phase, StopNow, StopSignals
+from infinity.cli.train_stop import Phase, StopNow, StopSignals, stop_in_chain
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
 from infinity.models import (
@@ -70,7 +70,7 @@ class TrainRun:
             field=self.args.data_field,
         )
         tok = data.tokenizer
-        print(f"infinity: tokens: {tok.describe()}", file=sys.stderr)
+        log.info("tokens: %s", tok.describe())
         if tok.vocab_size > self.model_config.vocab_size:
             raise ValueError(
                 f"the tokenizer ({tok.describe()}) has {tok.vocab_size} token ids but the "
@@ -123,7 +123,12 @@ class TrainRun:
         stopping on a signal] in train_stop.py)."""
         try:
             return self._run(signals)
-        except StopNow as stop:
+        except BaseException as exc:
+            # A stop at once can land inside I/O, whose clean-up may wrap it in its own
+            # error: it is still the stop the user asked for, not a failed disk or step.
+            stop = stop_in_chain(exc)
+            if stop is None:
+                raise
             print(f"infinity: {self._stopped_at_once(stop)}", file=sys.stderr)
             return stop.exit_code
 
@@ -154,6 +159,7 @@ class TrainRun:
         self._loop(engine, data, config, steps, signals)
         signals.start_saving()
         tag = self._saved or self._save(engine, data)
+        signals.start_closing()  # the checkpoint is complete: a signal now changes nothing
         stopped = engine.global_steps < steps  # a signal asked for the stop
         how = f"stopped by {signals.requested_by}" if stopped else "finished"
         print(
