@@ -129,6 +129,14 @@ class TrainRun:
             stop = stop_in_chain(exc)
             if stop is None:
                 raise
+            if stop.phase is Phase.SAVING and self._saved is not None:
+                # It came after the checkpoint was complete, before the run said so: nothing
+                # was lost, so this is the clean stop the first signal asked for.
+                print(
+                    f"{stop.name} after the checkpoint was saved: {self.save_dir / self._saved} "
+                    "is complete (continue with --resume)"
+                )
+                return 0
             print(f"infinity: {self._stopped_at_once(stop)}", file=sys.stderr)
             return stop.exit_code
 
