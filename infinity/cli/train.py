@@ -152,7 +152,15 @@ def config_from_args(args: argparse.Namespace) -> Config:
         from infinity.config.parse import read_json
 
         raw = read_json(args.config)
-    base: dict[str, Any] = Config.load(raw).to_dict() if args.config else {}
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"config file {args.config!r} holds a JSON {type(raw).__name__}; a config is "
+                'one JSON object such as {"train_micro_batch_size_per_gpu": 1}'
+            )
+    try:
+        base: dict[str, Any] = Config.load(raw).to_dict() if args.config else {}
+    except TypeError as exc:  # a value of the wrong type in the file: bad input
+        raise ValueError(f"config file {args.config!r}: {exc}") from None
     zero = base.setdefault("zero_optimization", {})
     given_zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
     sub_group_given = any("sub_group_size" in k for k in (given_zero or {}))
@@ -237,11 +245,17 @@ def _max_positions(args: argparse.Namespace) -> int | None:
     """The model's max_position_embeddings, read without building anything."""
     if args.model in PRESETS:
         return PRESETS[args.model].get("max_position_embeddings")
+    path = Path(args.model).expanduser() / "config.json"
     try:
-        value = json.loads((Path(args.model).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return None  # the model's loader names what is wrong with config.json
-    value = value.get("max_position_embeddings") if isinstance(value, dict) else None
+        value = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); download it again") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(value).__name__}, not the object of a Hugging Face "
+            "model config; download it again"
+        )
+    value = value.get("max_position_embeddings")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 

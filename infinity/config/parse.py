@@ -351,6 +351,11 @@ def read_json(path: str) -> Any:
         raise ValueError(
             f"config file {path!r} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
         ) from None
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"config file {path!r} is not JSON text: byte 0x{e.object[e.start]:02x} at offset "
+            f"{e.start} is not UTF-8; give a DeepSpeed-style JSON file"
+        ) from None
 
 
 def _no_duplicates(path: str, pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -81,6 +81,8 @@ class HFTokenizer:
         return f"{type(self._tok).__name__} from {self.directory} ({self.vocab_size} token ids)"
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:  # transformers cannot encode an empty batch
+            return []
         return self._tok(texts, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:

@@ -1,0 +1,320 @@
+"""A new user's mistakes with `infinity train/export/config/bench` and the Python API: each
+ends with one clear message (exit 1, or 2 for a malformed command line), never a Python
+traceback, a hang or a changed checkpoint.
+
+The table is run in-process (`main(argv)`), which is fast and catches any exception that
+would reach the user as a traceback; the few cases that need a real process or real
+training are separate tests below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from _train_inputs import TINY, write_inputs
+
+import infinity
+from infinity.cli.main import main
+
+# -- the inputs: one good set and every kind of broken one, made once --------------------
+
+
+class World:
+    """Paths of the good and broken inputs, by name (W.model, W["bad_json"], ...)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.model, self.data = write_inputs(root)
+        self.paths: dict[str, Path] = {"model": self.model, "data": self.data}
+
+    def __getitem__(self, name: str) -> str:
+        return str(self.paths[name])
+
+    def add(self, name: str, path: Path) -> Path:
+        self.paths[name] = path
+        return path
+
+    def file(self, name: str, content: str | bytes) -> Path:
+        path = self.add(name, self.root / "files" / name)
+        path.parent.mkdir(exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        return path
+
+    def model_variant(self, name: str, *, config=None, drop=(), files=None) -> Path:
+        """A copy of the good model directory with config.json changed or files dropped."""
+        path = self.add(name, self.root / "models" / name)
+        shutil.copytree(self.model, path)
+        if config is not None:
+            cfg = json.loads((path / "config.json").read_text())
+            cfg.update(config)
+            (path / "config.json").write_text(json.dumps(cfg))
+        for pattern in drop:
+            for p in path.glob(pattern):
+                p.unlink()
+        for fname, content in (files or {}).items():
+            if isinstance(content, bytes):
+                (path / fname).write_bytes(content)
+            else:
+                (path / fname).write_text(content)
+        return path
+
+    def config(self, name: str, value) -> Path:
+        text = value if isinstance(value, str) else json.dumps(value)
+        return self.file(name, text)
+
+
+def _safetensors_header_only(n: int) -> bytes:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
+    return struct.pack("<Q", len(header)) + header.encode()
+
+
+def _build(root: Path) -> World:
+    w = World(root)
+    docs = [json.dumps({"body": "x" * 40}) for _ in range(10)]
+    w.file("no_text_field.jsonl", "\n".join(docs) + "\n")
+    w.file("text_not_str.jsonl", '{"text": 42}\n')
+    w.file("list_lines.jsonl", '["a", "b"]\n')
+    w.file("bad_line.jsonl", '{"text": "fine"}\n{"text": "torn\n')
+    w.file("empty.txt", "")
+    w.file("blank.jsonl", "\n\n\n")
+    w.file("binary.bin", bytes(range(256)) * 64)
+    w.file("latin1.txt", "caf\xe9 ".encode("latin-1") * 50)
+    w.file("short.txt", "hi")
+    w.add("fifo", root / "files" / "fifo")
+    os.mkfifo(w.paths["fifo"])
+    w.add("dir", root / "files")
+
+    w.config("cfg_invalid.json", '{"train_batch_size": 4,')
+    w.config("cfg_list.json", [1, 2])
+    w.config("cfg_wrong_type.json", {"fp16": {"enabled": "yes"}})
+    w.config("cfg_unknown_key.json", {"train_batchsize": 4})
+    w.config("cfg_neg_micro.json", {"train_micro_batch_size_per_gpu": -1})
+    w.config("cfg_neg_subgroup.json", {"zero_optimization": {"sub_group_size": -5}})
+    w.config("cfg_zero_accum.json", {"gradient_accumulation_steps": 0})
+    w.config(
+        "cfg_batch_mismatch.json",
+        {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3},
+    )
+    w.config("cfg_fp16_bf16.json", {"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    w.config("cfg_optimizer.json", {"optimizer": {"type": "Lion9"}})
+    w.config("cfg_neg_lr.json", {"optimizer": {"type": "AdamW", "params": {"lr": -1}}})
+    w.config("cfg_scheduler.json", {"scheduler": {"type": "CosineForever"}})
+    w.config("cfg_stage.json", {"zero_optimization": {"stage": 2}})
+    w.config("cfg_neg_seed.json", {"seed": -3})
+    w.config("cfg_seed_str.json", {"seed": "abc"})
+    w.config("cfg_neg_clip.json", {"gradient_clipping": -1.0})
+    w.config("cfg_nvme_no_path.json", {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    w.config("cfg_bad_device.json", {"zero_optimization": {"offload_param": {"device": "tpu"}}})
+    w.config("cfg_ok.json", {"zero_optimization": {"stage": 3}})
+    w.file("not_json.txt", b"\x89PNG\r\n\x1a\n" + bytes(100))
+
+    w.model_variant("no_config", drop=["config.json"])
+    w.model_variant("config_invalid", files={"config.json": "{"})
+    w.model_variant("config_list", files={"config.json": "[]"})
+    w.model_variant("model_type", config={"model_type": "bert"})
+    w.model_variant("neg_hidden", config={"hidden_size": -32})
+    w.model_variant("str_layers", config={"num_hidden_layers": "two"})
+    w.model_variant("heads", config={"num_attention_heads": 5})
+    w.model_variant("zero_vocab", config={"vocab_size": 0})
+    w.model_variant("small_vocab", config={"vocab_size": 100})
+    w.model_variant("no_weights", drop=["*.safetensors", "*.index.json"])
+    w.model_variant("garbage_weights", files={"model.safetensors": b"garbage" * 10})
+    w.model_variant("header_only_weights", files={"model.safetensors": _safetensors_header_only(8)})
+    w.model_variant("no_tokenizer", drop=["tokenizer.json"])
+    w.model_variant("broken_tokenizer", files={"tokenizer.json": '{"version": "1.0", "mod'})
+    w.model_variant("short_positions", config={"max_position_embeddings": 8})
+    truncated = w.model_variant("truncated_weights")
+    for p in truncated.glob("*.safetensors"):
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    w.add("model_file", w.paths["data"])  # a file where a directory belongs
+
+    w.add("nvme_missing", root / "nowhere" / "ssd")
+    w.add("nvme_file", w.paths["data"])
+    return w
+
+
+@pytest.fixture(autouse=True)
+def _quiet_root_logger():
+    """`main` configures logging once per process; in-process, keep it from binding a
+    handler to one test's captured stderr."""
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = [logging.NullHandler()]
+    yield
+    root.handlers = saved
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    return _build(tmp_path_factory.mktemp("misuse"))
+
+
+def _train(w: World, *extra: str, model: str = "model", data: str = "data") -> list[str]:
+    return [
+        "train", "--model", w[model], "--data", w[data], "--save-dir", str(w.root / "runs" / "x"),
+        "--seq-len", "16", "--steps", "1", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse: a malformed command line
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# (id, argv from the world, exit code, phrase the message must contain)
+CASES = [
+    # -- train: the command line
+    ("steps-zero", lambda w: _train(w, "--steps", "0"), 2, "must be positive"),
+    ("steps-word", lambda w: _train(w, "--steps", "ten"), 2, "'ten' is not a whole number"),
+    ("seq-len-zero", lambda w: _train(w, "--seq-len", "0"), 2, "must be positive"),
+    ("micro-batch-neg", lambda w: _train(w, "--micro-batch", "-2"), 2, "must be positive"),
+    ("grad-accum-float", lambda w: _train(w, "--grad-accum", "1.5"), 2, "not a whole number"),
+    ("lr-zero", lambda w: _train(w, "--lr", "0"), 2, "must be positive"),
+    ("lr-nan", lambda w: _train(w, "--lr", "nan"), 2, "must be positive"),
+    ("lr-word", lambda w: _train(w, "--lr", "fast"), 2, "'fast' is not a number"),
+    ("dtype-fp8", lambda w: _train(w, "--dtype", "fp8"), 2, "invalid choice: 'fp8'"),
+    ("save-every-zero", lambda w: _train(w, "--save-every", "0"), 2, "must be positive"),
+    ("seed-word", lambda w: _train(w, "--seed", "abc"), 2, "invalid int value: 'abc'"),
+    ("seed-negative", lambda w: _train(w, "--seed", "-1"), 1, "--seed is -1, out of range"),
+    ("seed-huge", lambda w: _train(w, "--seed", str(2**64)), 1, f"--seed is {2**64}, out of"),
+    ("no-model", lambda w: ["train", "--data", w["data"]], 2, "--model"),
+    ("no-data", lambda w: ["train", "--model", w["model"]], 2, "--data"),
+    ("unknown-flag", lambda w: _train(w, "--epochs", "3"), 2, "unrecognized arguments"),
+    ("no-command", lambda w: ["trian"], 2, "invalid choice: 'trian'"),
+    # -- train: the model
+    ("model-missing", lambda w: _train(w, "--model", str(w.root / "nope")), 1, "not a preset"),
+    ("model-unknown-preset", lambda w: _train(w, "--model", "llama-70b"), 1, "not a preset"),
+    ("model-is-a-file", lambda w: _train(w, model="model_file"), 1, "no config.json"),
+    ("model-no-config", lambda w: _train(w, model="no_config"), 1, "no config.json"),
+    ("model-config-invalid", lambda w: _train(w, model="config_invalid"), 1, "not valid JSON"),
+    ("model-config-list", lambda w: _train(w, model="config_list"), 1, "config.json"),
+    ("model-type-bert", lambda w: _train(w, model="model_type"), 1, "bert"),
+    ("model-hidden-neg", lambda w: _train(w, model="neg_hidden"), 1, "hidden_size"),
+    ("model-layers-str", lambda w: _train(w, model="str_layers"), 1, "num_hidden_layers"),
+    ("model-heads", lambda w: _train(w, model="heads"), 1, "num_attention_heads"),
+    ("model-vocab-zero", lambda w: _train(w, model="zero_vocab"), 1, "vocab_size"),
+    ("model-vocab-small", lambda w: _train(w, model="small_vocab"), 1, "258 token ids"),
+    ("model-no-weights", lambda w: _train(w, model="no_weights"), 1, "safetensors"),
+    ("model-garbage-weights", lambda w: _train(w, model="garbage_weights"), 1, "safetensors"),
+    ("model-header-only", lambda w: _train(w, model="header_only_weights"), 1, "safetensors"),
+    ("model-truncated", lambda w: _train(w, model="truncated_weights"), 1, "safetensors"),
+    ("seq-len-too-long", lambda w: _train(w, model="short_positions"), 1,
+     "--seq-len 16 is longer than the model's max_position_embeddings (8)"),
+    # -- train: the tokenizer
+    ("no-tokenizer", lambda w: _train(w, model="no_tokenizer"), 1, "--byte-tokens"),
+    ("broken-tokenizer", lambda w: _train(w, model="broken_tokenizer"), 1,
+     "tokenizer.json is not valid JSON"),
+    ("preset-no-tokenizer", lambda w: _train(w, "--model", "tiny"), 1, "--tokenizer DIR"),
+    ("tokenizer-missing", lambda w: _train(w, "--tokenizer", str(w.root / "nope")), 1,
+     "no such directory"),
+    ("tokenizer-empty-dir", lambda w: _train(w, "--tokenizer", w["dir"]), 1,
+     "holds no tokenizer"),
+    ("tokenizer-and-bytes", lambda w: _train(w, "--tokenizer", w["model"], "--byte-tokens"), 1,
+     "contradict"),
+    # -- train: the data
+    ("data-missing", lambda w: _train(w, "--data", str(w.root / "none.jsonl")), 1,
+     "does not exist"),
+    ("data-directory", lambda w: _train(w, data="dir"), 1, "is a directory"),
+    ("data-fifo", lambda w: _train(w, data="fifo"), 1, "named pipe"),
+    ("data-device", lambda w: _train(w, "--data", "/dev/null"), 1, "character device"),
+    ("data-empty", lambda w: _train(w, data="empty.txt"), 1, "is empty"),
+    ("data-blank", lambda w: _train(w, data="blank.jsonl"), 1, "contains no text"),
+    ("data-binary", lambda w: _train(w, data="binary.bin"), 1, "not valid UTF-8"),
+    ("data-latin1", lambda w: _train(w, data="latin1.txt"), 1, "iconv"),
+    ("data-no-field", lambda w: _train(w, data="no_text_field.jsonl"), 1, "--data-field NAME"),
+    ("data-field-wrong", lambda w: _train(w, "--data-field", "body"), 1, "no field 'body'"),
+    ("data-field-not-str", lambda w: _train(w, data="text_not_str.jsonl"), 1, "not a string"),
+    ("data-list-lines", lambda w: _train(w, data="list_lines.jsonl"), 1, "not an object"),
+    ("data-torn-line", lambda w: _train(w, data="bad_line.jsonl"), 1, "line 2"),
+    ("data-too-short", lambda w: _train(w, data="short.txt"), 1, "lower --seq-len"),
+    # -- train: the config file
+    ("config-missing", lambda w: _train(w, "--config", str(w.root / "none.json")), 1,
+     "does not exist"),
+    ("config-directory", lambda w: _train(w, "--config", w["dir"]), 1, "files"),
+    ("config-invalid", lambda w: _train(w, "--config", w["cfg_invalid.json"]), 1, "JSON"),
+    ("config-binary", lambda w: _train(w, "--config", w["not_json.txt"]), 1, "JSON"),
+    ("config-list", lambda w: _train(w, "--config", w["cfg_list.json"]), 1, "object"),
+    ("config-wrong-type", lambda w: _train(w, "--config", w["cfg_wrong_type.json"]), 1,
+     "fp16.enabled"),
+    ("config-unknown-key", lambda w: _train(w, "--config", w["cfg_unknown_key.json"]), 1,
+     "train_batchsize"),
+    ("config-neg-micro", lambda w: _train(w, "--config", w["cfg_neg_micro.json"]), 1,
+     "train_micro_batch_size_per_gpu"),
+    ("config-neg-subgroup", lambda w: _train(w, "--config", w["cfg_neg_subgroup.json"]), 1,
+     "sub_group_size"),
+    ("config-zero-accum", lambda w: _train(w, "--config", w["cfg_zero_accum.json"]), 1,
+     "gradient_accumulation_steps"),
+    ("config-batch-mismatch", lambda w: _train(w, "--config", w["cfg_batch_mismatch.json"]), 1,
+     "train_batch_size (8) is not divisible"),
+    ("config-fp16-bf16", lambda w: _train(w, "--config", w["cfg_fp16_bf16.json"]), 1, "bf16"),
+    ("config-optimizer", lambda w: _train(w, "--config", w["cfg_optimizer.json"]), 1, "Lion9"),
+    ("config-neg-lr", lambda w: _train(w, "--config", w["cfg_neg_lr.json"]), 1, "lr"),
+    ("config-scheduler", lambda w: _train(w, "--config", w["cfg_scheduler.json"]), 1,
+     "CosineForever"),
+    ("config-stage-2", lambda w: _train(w, "--config", w["cfg_stage.json"]), 1, "stage"),
+    ("config-neg-seed", lambda w: _train(w, "--config", w["cfg_neg_seed.json"]), 1, "seed"),
+    ("config-seed-str", lambda w: _train(w, "--config", w["cfg_seed_str.json"]), 1, "seed"),
+    ("config-neg-clip", lambda w: _train(w, "--config", w["cfg_neg_clip.json"]), 1,
+     "gradient_clipping"),
+    ("config-nvme-no-path", lambda w: _train(w, "--config", w["cfg_nvme_no_path.json"]), 1,
+     "nvme_path"),
+    ("config-bad-device", lambda w: _train(w, "--config", w["cfg_bad_device.json"]), 1, "tpu"),
+    # -- train: NVMe and save paths
+    ("nvme-missing", lambda w: _train(w, "--nvme", w["nvme_missing"]), 1, "nowhere"),
+    ("nvme-is-a-file", lambda w: _train(w, "--nvme", w["nvme_file"]), 1, "not a directory"),
+    ("nvme-proc", lambda w: _train(w, "--nvme", "/proc/self"), 1, "/proc/self"),
+    ("save-dir-is-a-file", lambda w: _train(w, "--save-dir", w["data"]), 1, "corpus.jsonl"),
+    ("save-dir-proc", lambda w: _train(w, "--save-dir", "/proc/infinity-run"), 1, "/proc"),
+    # -- config
+    ("config-cmd-missing", lambda w: ["config", str(w.root / "none.json")], 1, "does not exist"),
+    ("config-cmd-invalid", lambda w: ["config", w["cfg_invalid.json"]], 1, "JSON"),
+    ("config-cmd-mismatch", lambda w: ["config", w["cfg_batch_mismatch.json"]], 1,
+     "train_batch_size (8) is not divisible"),
+    ("config-cmd-world-zero", lambda w: ["config", w["cfg_ok.json"], "--world-size", "0"], 2,
+     "must be positive"),
+    ("config-cmd-no-path", lambda w: ["config"], 2, "path"),
+    # -- export
+    ("export-out-exists", lambda w: ["export", w["dir"], "--out", w["dir"]], 1, "exist"),
+    ("export-shard-size", lambda w: ["export", w["dir"], "--out", "o", "--max-shard-size", "big"],
+     2, "'big' is not a size"),
+    ("export-dtype", lambda w: ["export", w["dir"], "--out", "o", "--dtype", "int8"], 2,
+     "invalid choice"),
+    ("export-no-out", lambda w: ["export", w["dir"]], 2, "--out"),
+    # -- bench
+    ("bench-aio-missing", lambda w: ["bench", "aio", "--path", w["nvme_missing"], "--size", "1M"],
+     1, "nowhere"),
+    ("bench-aio-file", lambda w: ["bench", "aio", "--path", w["data"], "--size", "1M"], 1,
+     "directory"),
+    ("bench-aio-size", lambda w: ["bench", "aio", "--path", w["dir"], "--size", "lots"], 2,
+     "lots"),
+    ("bench-aio-block", lambda w: ["bench", "aio", "--path", w["dir"], "--block-size", "3"], 1,
+     "block"),
+    ("bench-adam-numel", lambda w: ["bench", "adam", "--numel", "-5"], 2, "-5"),
+    ("bench-unknown", lambda w: ["bench", "gpu"], 2, "invalid choice: 'gpu'"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv_of, code, phrase", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_misuse_ends_with_one_clear_message(world, capsys, argv_of, code, phrase):
+    got, out, err = _run(argv_of(world), capsys)
+    assert "Traceback" not in err, err
+    assert got == code, (got, out, err)
+    assert phrase in err, err
