@@ -18,10 +18,8 @@ import struct
 from pathlib import Path
 
 import pytest
-import torch
-from _train_inputs import TINY, write_inputs
+from _train_inputs import write_inputs
 
-import infinity
 from infinity.cli.main import main
 
 # -- the inputs: one good set and every kind of broken one, made once --------------------
@@ -114,9 +112,19 @@ def _build(root: Path) -> World:
     w.config("cfg_neg_seed.json", {"seed": -3})
     w.config("cfg_seed_str.json", {"seed": "abc"})
     w.config("cfg_neg_clip.json", {"gradient_clipping": -1.0})
-    w.config("cfg_nvme_no_path.json", {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    w.config(
+        "cfg_nvme_no_path.json", {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}
+    )
     w.config("cfg_bad_device.json", {"zero_optimization": {"offload_param": {"device": "tpu"}}})
     w.config("cfg_ok.json", {"zero_optimization": {"stage": 3}})
+    w.config("cfg_lr_nan.json", '{"optimizer": {"type": "AdamW", "params": {"lr": NaN}}}')
+    w.config("cfg_clip_inf.json", '{"gradient_clipping": Infinity}')
+    w.config("cfg_seed_bool.json", {"seed": True})
+    w.config("cfg_huge_micro.json", {"train_micro_batch_size_per_gpu": 10**6})
+    w.config(
+        "cfg_sched_auto.json",
+        {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+    )
     w.file("not_json.txt", b"\x89PNG\r\n\x1a\n" + bytes(100))
 
     w.model_variant("no_config", drop=["config.json"])
@@ -134,6 +142,8 @@ def _build(root: Path) -> World:
     w.model_variant("no_tokenizer", drop=["tokenizer.json"])
     w.model_variant("broken_tokenizer", files={"tokenizer.json": '{"version": "1.0", "mod'})
     w.model_variant("short_positions", config={"max_position_embeddings": 8})
+    w.model_variant("wrong_shapes", config={"intermediate_size": 48})
+    w.model_variant("untied", config={"tie_word_embeddings": False})
     truncated = w.model_variant("truncated_weights")
     for p in truncated.glob("*.safetensors"):
         p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
@@ -141,7 +151,19 @@ def _build(root: Path) -> World:
 
     w.add("nvme_missing", root / "nowhere" / "ssd")
     w.add("nvme_file", w.paths["data"])
+    w.add("out", root / "exported")  # never created: every export case fails first
+    run = w.add("run", root / "runs" / "done")
+    assert main(_train(w, "--save-dir", str(run), "--steps", "2", "--save-every", "1")) == 0
     return w
+
+
+def _digest(path: Path) -> dict[str, str]:
+    """Every file under `path` with a hash of its bytes: a checkpoint changed or not."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -178,6 +200,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 # (id, argv from the world, exit code, phrase the message must contain)
+# fmt: off
 CASES = [
     # -- train: the command line
     ("steps-zero", lambda w: _train(w, "--steps", "0"), 2, "must be positive"),
@@ -185,9 +208,11 @@ CASES = [
     ("seq-len-zero", lambda w: _train(w, "--seq-len", "0"), 2, "must be positive"),
     ("micro-batch-neg", lambda w: _train(w, "--micro-batch", "-2"), 2, "must be positive"),
     ("grad-accum-float", lambda w: _train(w, "--grad-accum", "1.5"), 2, "not a whole number"),
-    ("lr-zero", lambda w: _train(w, "--lr", "0"), 2, "must be positive"),
-    ("lr-nan", lambda w: _train(w, "--lr", "nan"), 2, "must be positive"),
+    ("lr-zero", lambda w: _train(w, "--lr", "0"), 2, "must be a finite number and positive"),
+    ("lr-nan", lambda w: _train(w, "--lr", "nan"), 2, "must be a finite number and positive"),
     ("lr-word", lambda w: _train(w, "--lr", "fast"), 2, "'fast' is not a number"),
+    ("lr-inf", lambda w: _train(w, "--lr", "inf"), 2, "inf must be a finite number"),
+    ("micro-batch-huge", lambda w: _train(w, "--micro-batch", "100000"), 1, "--micro-batch"),
     ("dtype-fp8", lambda w: _train(w, "--dtype", "fp8"), 2, "invalid choice: 'fp8'"),
     ("save-every-zero", lambda w: _train(w, "--save-every", "0"), 2, "must be positive"),
     ("seed-word", lambda w: _train(w, "--seed", "abc"), 2, "invalid int value: 'abc'"),
@@ -214,22 +239,23 @@ CASES = [
     ("model-garbage-weights", lambda w: _train(w, model="garbage_weights"), 1, "safetensors"),
     ("model-header-only", lambda w: _train(w, model="header_only_weights"), 1, "safetensors"),
     ("model-truncated", lambda w: _train(w, model="truncated_weights"), 1, "safetensors"),
-    ("seq-len-too-long", lambda w: _train(w, model="short_positions"), 1,
-     "--seq-len 16 is longer than the model's max_position_embeddings (8)"),
+    ("model-wrong-shapes", lambda w: _train(w, model="wrong_shapes"), 1, "48"),
+    ("model-missing-tensor", lambda w: _train(w, model="untied"), 1, "lm_head.weight"),
+    ("seq-len-too-long", lambda w: _train(w, model="short_positions"),
+     1, "--seq-len 16 is longer than the model's max_position_embeddings (8)"),
     # -- train: the tokenizer
     ("no-tokenizer", lambda w: _train(w, model="no_tokenizer"), 1, "--byte-tokens"),
-    ("broken-tokenizer", lambda w: _train(w, model="broken_tokenizer"), 1,
-     "tokenizer.json is not valid JSON"),
+    ("broken-tokenizer", lambda w: _train(w, model="broken_tokenizer"),
+     1, "tokenizer.json is not valid JSON"),
     ("preset-no-tokenizer", lambda w: _train(w, "--model", "tiny"), 1, "--tokenizer DIR"),
-    ("tokenizer-missing", lambda w: _train(w, "--tokenizer", str(w.root / "nope")), 1,
-     "no such directory"),
-    ("tokenizer-empty-dir", lambda w: _train(w, "--tokenizer", w["dir"]), 1,
-     "holds no tokenizer"),
-    ("tokenizer-and-bytes", lambda w: _train(w, "--tokenizer", w["model"], "--byte-tokens"), 1,
-     "contradict"),
+    ("tokenizer-missing", lambda w: _train(w, "--tokenizer", str(w.root / "nope")),
+     1, "no such directory"),
+    ("tokenizer-empty-dir", lambda w: _train(w, "--tokenizer", w["dir"]), 1, "holds no tokenizer"),
+    ("tokenizer-and-bytes", lambda w: _train(w, "--tokenizer", w["model"], "--byte-tokens"),
+     1, "contradict"),
     # -- train: the data
-    ("data-missing", lambda w: _train(w, "--data", str(w.root / "none.jsonl")), 1,
-     "does not exist"),
+    ("data-missing", lambda w: _train(w, "--data", str(w.root / "none.jsonl")),
+     1, "does not exist"),
     ("data-directory", lambda w: _train(w, data="dir"), 1, "is a directory"),
     ("data-fifo", lambda w: _train(w, data="fifo"), 1, "named pipe"),
     ("data-device", lambda w: _train(w, "--data", "/dev/null"), 1, "character device"),
@@ -244,77 +270,135 @@ CASES = [
     ("data-torn-line", lambda w: _train(w, data="bad_line.jsonl"), 1, "line 2"),
     ("data-too-short", lambda w: _train(w, data="short.txt"), 1, "lower --seq-len"),
     # -- train: the config file
-    ("config-missing", lambda w: _train(w, "--config", str(w.root / "none.json")), 1,
-     "does not exist"),
+    ("config-missing", lambda w: _train(w, "--config", str(w.root / "none.json")),
+     1, "does not exist"),
     ("config-directory", lambda w: _train(w, "--config", w["dir"]), 1, "files"),
     ("config-invalid", lambda w: _train(w, "--config", w["cfg_invalid.json"]), 1, "JSON"),
     ("config-binary", lambda w: _train(w, "--config", w["not_json.txt"]), 1, "JSON"),
     ("config-list", lambda w: _train(w, "--config", w["cfg_list.json"]), 1, "object"),
-    ("config-wrong-type", lambda w: _train(w, "--config", w["cfg_wrong_type.json"]), 1,
-     "fp16.enabled"),
-    ("config-unknown-key", lambda w: _train(w, "--config", w["cfg_unknown_key.json"]), 1,
-     "train_batchsize"),
-    ("config-neg-micro", lambda w: _train(w, "--config", w["cfg_neg_micro.json"]), 1,
-     "train_micro_batch_size_per_gpu"),
-    ("config-neg-subgroup", lambda w: _train(w, "--config", w["cfg_neg_subgroup.json"]), 1,
-     "sub_group_size"),
-    ("config-zero-accum", lambda w: _train(w, "--config", w["cfg_zero_accum.json"]), 1,
-     "gradient_accumulation_steps"),
-    ("config-batch-mismatch", lambda w: _train(w, "--config", w["cfg_batch_mismatch.json"]), 1,
-     "train_batch_size (8) is not divisible"),
+    ("config-wrong-type", lambda w: _train(w, "--config", w["cfg_wrong_type.json"]),
+     1, "fp16.enabled"),
+    ("config-unknown-key", lambda w: _train(w, "--config", w["cfg_unknown_key.json"]),
+     1, "train_batchsize"),
+    ("config-neg-micro", lambda w: _train(w, "--config", w["cfg_neg_micro.json"]),
+     1, "train_micro_batch_size_per_gpu"),
+    ("config-neg-subgroup", lambda w: _train(w, "--config", w["cfg_neg_subgroup.json"]),
+     1, "sub_group_size"),
+    ("config-zero-accum", lambda w: _train(w, "--config", w["cfg_zero_accum.json"]),
+     1, "gradient_accumulation_steps"),
+    ("config-batch-mismatch", lambda w: _train(w, "--config", w["cfg_batch_mismatch.json"]),
+     1, "train_batch_size (8) is not divisible"),
     ("config-fp16-bf16", lambda w: _train(w, "--config", w["cfg_fp16_bf16.json"]), 1, "bf16"),
     ("config-optimizer", lambda w: _train(w, "--config", w["cfg_optimizer.json"]), 1, "Lion9"),
     ("config-neg-lr", lambda w: _train(w, "--config", w["cfg_neg_lr.json"]), 1, "lr"),
-    ("config-scheduler", lambda w: _train(w, "--config", w["cfg_scheduler.json"]), 1,
-     "CosineForever"),
+    ("config-scheduler", lambda w: _train(w, "--config", w["cfg_scheduler.json"]),
+     1, "CosineForever"),
     ("config-stage-2", lambda w: _train(w, "--config", w["cfg_stage.json"]), 1, "stage"),
     ("config-neg-seed", lambda w: _train(w, "--config", w["cfg_neg_seed.json"]), 1, "seed"),
     ("config-seed-str", lambda w: _train(w, "--config", w["cfg_seed_str.json"]), 1, "seed"),
-    ("config-neg-clip", lambda w: _train(w, "--config", w["cfg_neg_clip.json"]), 1,
-     "gradient_clipping"),
-    ("config-nvme-no-path", lambda w: _train(w, "--config", w["cfg_nvme_no_path.json"]), 1,
-     "nvme_path"),
+    ("config-neg-clip", lambda w: _train(w, "--config", w["cfg_neg_clip.json"]),
+     1, "gradient_clipping"),
+    ("config-nvme-no-path", lambda w: _train(w, "--config", w["cfg_nvme_no_path.json"]),
+     1, "nvme_path"),
     ("config-bad-device", lambda w: _train(w, "--config", w["cfg_bad_device.json"]), 1, "tpu"),
+    ("config-lr-nan", lambda w: _train(w, "--config", w["cfg_lr_nan.json"]), 1, "lr"),
+    ("config-clip-inf", lambda w: _train(w, "--config", w["cfg_clip_inf.json"]),
+     1, "gradient_clipping"),
+    ("config-seed-bool", lambda w: _train(w, "--config", w["cfg_seed_bool.json"]), 1, "seed"),
+    ("config-huge-micro", lambda w: _train(w, "--config", w["cfg_huge_micro.json"]),
+     1, "train_micro_batch_size_per_gpu"),
     # -- train: NVMe and save paths
     ("nvme-missing", lambda w: _train(w, "--nvme", w["nvme_missing"]), 1, "nowhere"),
     ("nvme-is-a-file", lambda w: _train(w, "--nvme", w["nvme_file"]), 1, "not a directory"),
     ("nvme-proc", lambda w: _train(w, "--nvme", "/proc/self"), 1, "/proc/self"),
     ("save-dir-is-a-file", lambda w: _train(w, "--save-dir", w["data"]), 1, "corpus.jsonl"),
     ("save-dir-proc", lambda w: _train(w, "--save-dir", "/proc/infinity-run"), 1, "/proc"),
+    ("resume-other-seq-len",
+     lambda w: _train(w, "--save-dir", w["run"], "--resume", "--seq-len", "8", "--steps", "4"),
+     1, "--seq-len"),
+    ("resume-other-seed",
+     lambda w: _train(w, "--save-dir", w["run"], "--resume", "--seed", "99", "--steps", "4"),
+     1, "seed=99"),
+    ("resume-other-data",
+     lambda w: _train(w, "--save-dir", w["run"], "--resume", "--data", w["latin1.txt"],
+                      "--steps", "4"),
+     1, "not valid UTF-8"),
     # -- config
     ("config-cmd-missing", lambda w: ["config", str(w.root / "none.json")], 1, "does not exist"),
     ("config-cmd-invalid", lambda w: ["config", w["cfg_invalid.json"]], 1, "JSON"),
-    ("config-cmd-mismatch", lambda w: ["config", w["cfg_batch_mismatch.json"]], 1,
-     "train_batch_size (8) is not divisible"),
-    ("config-cmd-world-zero", lambda w: ["config", w["cfg_ok.json"], "--world-size", "0"], 2,
-     "must be positive"),
+    ("config-cmd-mismatch", lambda w: ["config", w["cfg_batch_mismatch.json"]],
+     1, "train_batch_size (8) is not divisible"),
+    ("config-cmd-world-zero", lambda w: ["config", w["cfg_ok.json"], "--world-size", "0"],
+     2, "must be positive"),
     ("config-cmd-no-path", lambda w: ["config"], 2, "path"),
+    ("config-cmd-list", lambda w: ["config", w["cfg_list.json"]], 1, "list"),
+    ("config-cmd-binary", lambda w: ["config", w["not_json.txt"]], 1, "not JSON text"),
+    ("config-cmd-sched-auto", lambda w: ["config", w["cfg_sched_auto.json"], "--resolve"],
+     1, "total_num_steps"),
+    ("config-cmd-lr-nan", lambda w: ["config", w["cfg_lr_nan.json"]], 1, "lr"),
     # -- export
-    ("export-out-exists", lambda w: ["export", w["dir"], "--out", w["dir"]], 1, "exist"),
+    ("export-out-exists", lambda w: ["export", w["run"], "--out", w["dir"]], 1, "exist"),
+    ("export-copy-missing",
+     lambda w: ["export", w["run"], "--out", w["out"], "--copy-files",
+                str(w.root / "tokenizer.json")],
+     1, "tokenizer.json"),
+    ("export-copy-dir", lambda w: ["export", w["run"], "--out", w["out"], "--copy-files", w["dir"]],
+     1, "files"),
+    ("export-shard-zero",
+     lambda w: ["export", w["run"], "--out", w["out"], "--max-shard-size", "0"],
+     2, "'0' must be a positive size"),
+    ("export-shard-negative",
+     lambda w: ["export", w["run"], "--out", w["out"], "--max-shard-size=-5GB"],
+     2, "'-5GB' must be a positive size"),
+    ("export-shard-nan",
+     lambda w: ["export", w["run"], "--out", w["out"], "--max-shard-size", "nanGB"],
+     2, "'nanGB' is not a size"),
+    ("export-shard-inf",
+     lambda w: ["export", w["run"], "--out", w["out"], "--max-shard-size", "infGB"],
+     2, "'infGB' is not a size"),
+    ("export-out-under-file", lambda w: ["export", w["run"], "--out", w["data"] + "/x"],
+     1, "corpus.jsonl"),
     ("export-shard-size", lambda w: ["export", w["dir"], "--out", "o", "--max-shard-size", "big"],
      2, "'big' is not a size"),
-    ("export-dtype", lambda w: ["export", w["dir"], "--out", "o", "--dtype", "int8"], 2,
-     "invalid choice"),
+    ("export-dtype", lambda w: ["export", w["dir"], "--out", "o", "--dtype", "int8"],
+     2, "invalid choice"),
     ("export-no-out", lambda w: ["export", w["dir"]], 2, "--out"),
     # -- bench
     ("bench-aio-missing", lambda w: ["bench", "aio", "--path", w["nvme_missing"], "--size", "1M"],
      1, "nowhere"),
-    ("bench-aio-file", lambda w: ["bench", "aio", "--path", w["data"], "--size", "1M"], 1,
-     "directory"),
-    ("bench-aio-size", lambda w: ["bench", "aio", "--path", w["dir"], "--size", "lots"], 2,
-     "lots"),
-    ("bench-aio-block", lambda w: ["bench", "aio", "--path", w["dir"], "--block-size", "3"], 1,
-     "block"),
-    ("bench-adam-numel", lambda w: ["bench", "adam", "--numel", "-5"], 2, "-5"),
+    ("bench-aio-file", lambda w: ["bench", "aio", "--path", w["data"], "--size", "1M"],
+     1, "directory"),
+    ("bench-aio-size", lambda w: ["bench", "aio", "--path", w["dir"], "--size", "lots"], 2, "lots"),
+    ("bench-aio-block", lambda w: ["bench", "aio", "--path", w["dir"], "--block-size", "3"],
+     1, "block"),
+    ("bench-aio-zero-size", lambda w: ["bench", "aio", "--path", w["dir"], "--size", "0"],
+     1, "size"),
+    ("bench-aio-depth",
+     lambda w: ["bench", "aio", "--path", w["dir"], "--size", "1M", "--queue-depth", "0"],
+     1, "queue"),
+    ("bench-aio-threads",
+     lambda w: ["bench", "aio", "--path", w["dir"], "--size", "1M", "--threads", "-1"],
+     1, "thread counts must be >= 1"),
+    ("bench-aio-backend",
+     lambda w: ["bench", "aio", "--path", w["dir"], "--size", "1M", "--backend", "warp"],
+     1, "warp"),
+    ("bench-aio-repeats",
+     lambda w: ["bench", "aio", "--path", w["dir"], "--size", "1M", "--repeats", "0"],
+     1, "repeats"),
+    ("bench-adam-repeats", lambda w: ["bench", "adam", "--numel", "1000", "--repeats", "0"],
+     1, "repeats"),
+    ("bench-adam-numel", lambda w: ["bench", "adam", "--numel", "-5"], 1, "-5"),
     ("bench-unknown", lambda w: ["bench", "gpu"], 2, "invalid choice: 'gpu'"),
 ]
+# fmt: on
 
 
-@pytest.mark.parametrize(
-    "argv_of, code, phrase", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
-)
+@pytest.mark.parametrize("argv_of, code, phrase", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_misuse_ends_with_one_clear_message(world, capsys, argv_of, code, phrase):
+    before = _digest(world.paths["run"])
     got, out, err = _run(argv_of(world), capsys)
     assert "Traceback" not in err, err
     assert got == code, (got, out, err)
     assert phrase in err, err
+    assert _digest(world.paths["run"]) == before, "a checkpoint changed"
+    assert not world.paths["out"].exists()

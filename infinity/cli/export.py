@@ -22,15 +22,20 @@ from infinity.utils.safetensors_stream import SafetensorsReader
 def _parse_bytes(text: str) -> int:
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
     t = text.strip().upper()
-    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+    number, mult = t, 1
+    for unit, size in sorted(units.items(), key=lambda kv: -len(kv[0])):
         if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
+            number, mult = t[: -len(unit)], size
+            break
     try:
-        return int(t)
-    except ValueError:
+        value = int(float(number) * mult) if mult > 1 else int(number)
+    except (ValueError, OverflowError):  # not a number, or inf
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; use e.g. 5GB, 500MB or bytes"
         ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size, e.g. 5GB")
+    return value
 
 
 def _open_checkpoint(path: Path, tag: str | None):

@@ -81,7 +81,16 @@ class TrainRun:
 
     def _resolved(self, data: PackedDataset) -> tuple[Config, int]:
         first = self.config.resolve(hidden_size=self.model_config.hidden_size, total_num_steps=1)
-        per_step = first.train_micro_batch_size_per_gpu * first.gradient_accumulation_steps
+        micro = first.train_micro_batch_size_per_gpu
+        if micro > data.num_sequences:
+            # A micro batch is one forward: more sequences than the data holds is a mistake,
+            # and a large one would exhaust memory before failing.
+            raise ValueError(
+                f"a micro batch of {micro} sequences (--micro-batch or "
+                f"train_micro_batch_size_per_gpu) is more than the {data.num_sequences} "
+                f"sequences of {data.seq_len} tokens in {self.args.data}; lower it or use more data"
+            )
+        per_step = micro * first.gradient_accumulation_steps
         steps = self.args.steps or max(1, math.ceil(data.num_sequences / per_step))
         config = self.config.resolve(
             hidden_size=self.model_config.hidden_size,
