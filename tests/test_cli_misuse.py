@@ -13,13 +13,19 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import struct
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from _train_inputs import write_inputs
 
+import infinity
 from infinity.cli.main import main
 
 # -- the inputs: one good set and every kind of broken one, made once --------------------
@@ -402,3 +408,150 @@ def test_misuse_ends_with_one_clear_message(world, capsys, argv_of, code, phrase
     assert phrase in err, err
     assert _digest(world.paths["run"]) == before, "a checkpoint changed"
     assert not world.paths["out"].exists()
+
+
+# -- the Python API -----------------------------------------------------------------------
+
+
+def _engine():
+    torch.manual_seed(0)
+    config = infinity.Config.load({"train_micro_batch_size_per_gpu": 2})
+    with infinity.init(config):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    return infinity.initialize(model, config)
+
+
+def _loss(engine):
+    return engine(torch.randn(2, 8)).pow(2).mean()
+
+
+def _backward_twice():
+    engine = _engine()
+    loss = _loss(engine)
+    engine.backward(loss)
+    engine.backward(loss)
+
+
+def _closed(then):
+    engine = _engine()
+    engine.close()
+    then(engine)
+
+
+API_CASES = [
+    ("step-before-backward", lambda: _engine().step(), RuntimeError, "no backward() since"),
+    ("backward-twice", _backward_twice, RuntimeError, "backward through the graph a second"),
+    ("backward-not-scalar", lambda: (e := _engine()).backward(e(torch.randn(2, 8))), ValueError,
+     "expected a scalar loss"),
+    ("forward-after-close", lambda: _closed(_loss), RuntimeError, "the engine is closed"),
+    ("step-after-close", lambda: _closed(lambda e: e.step()), RuntimeError, "engine is closed"),
+    ("initialize-not-a-module", lambda: infinity.initialize("model", {}), TypeError,
+     "expected the model as a torch.nn.Module, got str"),
+    ("initialize-unknown-key", lambda: infinity.initialize(torch.nn.Linear(2, 2),
+     {"train_batchsize": 3}), ValueError, "did you mean 'train_batch_size'"),
+    ("initialize-wrong-type", lambda: infinity.initialize(torch.nn.Linear(2, 2),
+     {"fp16": {"enabled": "yes"}}), TypeError, "fp16.enabled"),
+    ("initialize-nothing-to-train", lambda: infinity.initialize(torch.nn.ReLU(), {}), ValueError,
+     "no parameter with requires_grad=True"),
+    ("load-missing-checkpoint", lambda: _engine().load_checkpoint("/nonexistent/run"),
+     FileNotFoundError, "/nonexistent/run does not exist"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call, error, phrase", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES]
+)
+def test_api_misuse_raises_a_named_error(call, error, phrase):
+    with pytest.raises(error, match=re.escape(phrase)):
+        call()
+
+
+# -- cases that need a real run or a real process -------------------------------------------
+
+
+def test_byte_tokens_only_when_asked_for_and_announced(world, tmp_path, caplog, capsys):
+    model = world.paths["no_tokenizer"]
+    assert _run(_train(world, "--model", str(model)), capsys)[0] == 1  # not silently
+    caplog.set_level(logging.INFO)
+    code, _, err = _run(_train(world, "--model", str(model), "--byte-tokens",
+                               "--save-dir", str(tmp_path / "run")), capsys)  # fmt: skip
+    assert code == 0, err
+    assert "tokens: UTF-8 bytes (258 token ids)" in caplog.text
+
+
+def test_a_preset_takes_a_tokenizer_directory(world, tmp_path, caplog, capsys):
+    caplog.set_level(logging.INFO)
+    argv = _train(world, "--model", "tiny", "--tokenizer", world["model"],
+                  "--save-dir", str(tmp_path / "run"))  # fmt: skip
+    code, _, err = _run(argv, capsys)
+    assert code == 0, err
+    assert f"from {world['model']} (258 token ids)" in caplog.text
+
+
+def test_data_field_names_the_text(world, tmp_path, capsys):
+    docs = [json.loads(line) for line in world.paths["data"].read_text().splitlines()]
+    body = tmp_path / "body.jsonl"
+    body.write_text("".join(json.dumps({"body": d["text"], "id": i}) + "\n"
+                            for i, d in enumerate(docs)))  # fmt: skip
+    runs = []
+    for data, extra in ((world["data"], ()), (str(body), ("--data-field", "body"))):
+        runs.append(tmp_path / f"run{len(runs)}")
+        argv = _train(world, "--data", data, "--save-dir", str(runs[-1]), *extra)
+        assert _run(argv, capsys)[0] == 0
+    tokens = [next((r / "tokens").glob("*.tokens")).read_bytes() for r in runs]
+    assert tokens[0] == tokens[1]  # the same text, read from another field
+
+
+def test_a_bad_batch_is_refused_before_tokenizing(world, tmp_path, capsys):
+    save = tmp_path / "run"
+    argv = _train(world, "--config", world["cfg_batch_mismatch.json"], "--save-dir", str(save))
+    code, _, err = _run(argv, capsys)
+    assert code == 1 and "train_batch_size (8) is not divisible" in err
+    assert not (save / "tokens").exists()
+
+
+def test_nvme_on_tmpfs_trains_and_cleans_up(world, tmp_path, capsys):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    nvme = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        argv = _train(world, "--nvme", str(nvme), "--save-dir", str(tmp_path / "run"))
+        code, _, err = _run(argv, capsys)
+        assert code == 0, err
+        assert list(nvme.iterdir()) == []  # the swap directory is removed
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
+
+
+def test_prefetch_warning_only_when_buffers_limit_the_model(world, tmp_path, caplog, capsys):
+    """The tiny model fits the default buffers: no warning. With two buffers it does not."""
+    caplog.set_level(logging.WARNING)
+    nvme = tmp_path / "ssd"
+    nvme.mkdir()
+    argv = _train(world, "--nvme", str(nvme), "--save-dir", str(tmp_path / "a"))
+    assert _run(argv, capsys)[0] == 0
+    assert "prefetch" not in caplog.text
+    few = tmp_path / "few.json"
+    few.write_text(json.dumps({"zero_optimization": {"offload_param": {"buffer_count": 2}}}))
+    argv = _train(world, "--nvme", str(nvme), "--config", str(few),
+                  "--save-dir", str(tmp_path / "b"))  # fmt: skip
+    assert _run(argv, capsys)[0] == 0
+    assert "hold less than the prefetch depth" in caplog.text
+
+
+def test_the_installed_command_prints_one_line(world):
+    """The real process: the message on stderr, exit 1, no traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "infinity.cli.main", *_train(world, data="dir")],
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"infinity: error: data file {world['dir']} is a directory; pass one text or JSONL file "
+        "(e.g. corpus.jsonl inside it). Data is read twice (tokenized into a cache keyed by the "
+        "file's size and time), so save a stream to a file first"
+    ]
