@@ -44,10 +44,13 @@ def run(args: argparse.Namespace) -> int:
                 total_num_steps=args.total_steps,
                 warmup_num_steps=args.warmup_steps,
             )
-    except TypeError as exc:  # a wrong type in the file: bad input like a ValueError
-        raise ValueError(f"{args.path}: {exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"{args.path}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # TypeError: a wrong type in the file
+        message = str(exc).replace(
+            "pass Config.resolve(total_num_steps=...)", "pass --total-steps N"
+        )  # the same advice, in this command's terms
+        if args.path not in message:
+            message = f"{args.path}: {message}"
+        raise ValueError(message) from None
     json.dump(config.to_dict(), sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

@@ -83,10 +83,24 @@ def checkpoint_weights(ckpt) -> tuple[LlamaConfig, Iterator[tuple[str, torch.Ten
     return config, stream()
 
 
+def _check_outputs(out: Path, extra: list[Path]) -> None:
+    """--out and --copy-files are checked before any checkpoint is read."""
+    for path in extra:
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise ValueError(f"--copy-files {path} {what}; name files such as tokenizer.json")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, not a directory; choose another --out")
+
+
 def run(args: argparse.Namespace) -> int:
+    extra = [Path(p) for p in args.copy_files]
+    _check_outputs(Path(args.out), extra)
     ckpt = _open_checkpoint(Path(args.checkpoint), args.tag)
     config, weights = checkpoint_weights(ckpt)
-    extra = [Path(p) for p in args.copy_files]
     out = export_hf(
         weights,
         config,

@@ -160,7 +160,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             )
     try:
         base: dict[str, Any] = Config.load(raw).to_dict() if args.config else {}
-    except TypeError as exc:  # a value of the wrong type in the file: bad input
+    except (TypeError, ValueError) as exc:  # TypeError: a value of the wrong type
         raise ValueError(f"config file {args.config!r}: {exc}") from None
     zero = base.setdefault("zero_optimization", {})
     given_zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
@@ -216,6 +216,7 @@ def check_inputs(args: argparse.Namespace) -> None:
                 "folder holding config.json and the *.safetensors files"
             )
     check_data_file(Path(args.data).expanduser())
+    _check_save_dir(Path(args.save_dir).expanduser())
     if args.seed is not None:
         check_seed(args.seed)
     _check_seq_len(args)
@@ -228,6 +229,21 @@ def check_inputs(args: argparse.Namespace) -> None:
                 f"--resume: there is no checkpoint in {args.save_dir} (no 'latest'); "
                 "run without --resume to start fresh, or point --save-dir at the earlier run"
             )
+
+
+def _check_save_dir(save_dir: Path) -> None:
+    """The save directory is a directory that can be created; made now, not after training."""
+    if save_dir.exists() and not save_dir.is_dir():
+        raise ValueError(
+            f"--save-dir {save_dir} is a file; checkpoints need a directory: choose another path"
+        )
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"--save-dir {save_dir} cannot be created ({exc.strerror}); choose a directory on a "
+            "disk you can write to"
+        ) from None
 
 
 # torch.manual_seed takes up to 2**64 - 1, and the data order's PCG64 needs a non-negative seed.
