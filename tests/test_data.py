@@ -267,3 +267,14 @@ def test_jsonl_field_errors_name_the_flag(tmp_path):
     _jsonl(tmp_path / "f.jsonl", ["a", "b"], field="body")
     with pytest.raises(ValueError, match="--data-field NAME"):
         open_dataset(tmp_path / "f.jsonl", seq_len=8, seed=0, cache_dir=tmp_path)
+
+
+def test_hf_tokenizer_with_a_whole_number_of_batches(tmp_path):
+    """256 documents fill the tokenizing batch exactly: the empty last batch is no error."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    tok_dir = tmp_path / "t"
+    tok_dir.mkdir()
+    _bpe(CORPUS).save(str(tok_dir / "tokenizer.json"))
+    data = _jsonl(tmp_path / "d.jsonl", ["the cat"] * 256)
+    tokens = build_token_cache(data, load_tokenizer(tok_dir), cache_dir=tmp_path / "c")
+    assert len(tokens) == 256 * (len(_bpe(CORPUS).encode("the cat").ids) + 1)
