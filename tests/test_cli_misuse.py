@@ -480,6 +480,13 @@ def test_byte_tokens_only_when_asked_for_and_announced(world, tmp_path, caplog, 
     assert "tokens: UTF-8 bytes (258 token ids)" in caplog.text
 
 
+def test_without_transformers_the_message_says_what_to_install(world, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    code, _, err = _run(_train(world), capsys)
+    assert code == 1 and "Traceback" not in err
+    assert "pip install 'infinity-trainer[hf]'" in err and "transformers" in err
+
+
 def test_a_preset_takes_a_tokenizer_directory(world, tmp_path, caplog, capsys):
     caplog.set_level(logging.INFO)
     argv = _train(world, "--model", "tiny", "--tokenizer", world["model"],

@@ -49,8 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Train a Llama-style causal LM from a local Hugging Face directory (config.json + "
             "safetensors) or a preset shape with random weights, on a text or JSONL file. "
-            "Flags override the JSON config. Ctrl-C or SIGTERM saves a checkpoint after the "
-            "current step and exits (a second one stops at once, without saving); --resume "
+            "Flags override the JSON config. Ctrl-C, SIGTERM or SIGHUP saves a checkpoint after "
+            "the current step and exits (a second one stops at once, without saving); --resume "
             "continues from the latest checkpoint in --save-dir with the same data order, RNG, "
             "loss scale and schedule."
         ),
