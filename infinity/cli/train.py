@@ -22,7 +22,7 @@ from infinity.data.tokenizer import TOKENIZER_FILES, require_transformers, token
 from infinity.models import PRESETS
 
 
-def positive_int(text: str) -> int:
+def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -30,6 +30,9 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} must be positive")
     return value
+
+
+positive_int = _positive_int  # the other commands' counts are checked the same way
 
 
 def _positive_float(text: str) -> float:
@@ -96,16 +99,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
     parser.add_argument(
-        "--steps", type=positive_int, help="optimizer steps to run (default: one epoch)"
+        "--steps", type=_positive_int, help="optimizer steps to run (default: one epoch)"
     )
     parser.add_argument(
-        "--seq-len", type=positive_int, default=512, help="tokens per sequence (default 512)"
+        "--seq-len", type=_positive_int, default=512, help="tokens per sequence (default 512)"
     )
     parser.add_argument(
-        "--micro-batch", type=positive_int, help="sequences per forward (config: 1 if unset)"
+        "--micro-batch", type=_positive_int, help="sequences per forward (config: 1 if unset)"
     )
     parser.add_argument(
-        "--grad-accum", type=positive_int, help="micro batches per optimizer step (config)"
+        "--grad-accum", type=_positive_int, help="micro batches per optimizer step (config)"
     )
     parser.add_argument("--lr", type=_positive_float, help="peak learning rate (config)")
     parser.add_argument(
@@ -126,7 +129,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--save-every",
-        type=positive_int,
+        type=_positive_int,
         metavar="N",
         help="checkpoint every N optimizer steps (default: only at the end and on a stop)",
     )
@@ -346,4 +349,13 @@ def run(args: argparse.Namespace) -> int:
         return run.run(signals)
 
 
-__all__ = ["check_inputs", "config_from_args", "register", "run"]
+__all__ = [
+    "check_inputs",
+    "check_seed",
+    "check_tokenizer_dir",
+    "config_from_args",
+    "positive_int",
+    "register",
+    "run",
+    "tokenizer_dir",
+]
