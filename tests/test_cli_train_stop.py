@@ -487,3 +487,24 @@ def _drain_pty(fd: int) -> None:
     with contextlib.suppress(OSError):
         while os.read(fd, 65536):
             pass
+
+
+def test_sighup_under_nohup_does_not_stop_the_run(tmp_path, inputs):
+    save = tmp_path / "run"
+    args = _args(inputs, save, "--steps", LONG)
+    cmd = [sys.executable, str(CHILD), "none", str(tmp_path / "marker"), *args[1:]]
+    proc = subprocess.Popen(
+        cmd,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # as nohup does
+    )
+    _wait_for(proc, lambda: (save / "metrics.jsonl").exists() and len(_losses(save)) >= 2)
+    proc.send_signal(signal.SIGHUP)
+    sent_at = len(_losses(save))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert sent_at < LONG, "the run ended before the hang-up"
+    assert f"finished at step {LONG}" in out and "SIGHUP" not in out + err

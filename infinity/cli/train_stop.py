@@ -17,7 +17,8 @@ directory) always runs to its end. Once the last checkpoint is saved a signal ch
 nothing either: the run is closing and exits 0 ([Note: late signals] in main.py covers the
 moments after the command returns).
 
-A stop at once raises `StopNow` wherever the main thread is, often inside I/O; the I/O layers
+A process started with SIGHUP ignored (`nohup`) keeps ignoring it. A stop at once raises
+`StopNow` wherever the main thread is, often inside I/O; the I/O layers
 may wrap it in their own errors while cleaning up, so the run looks for it in the exception's
 chain (`stop_in_chain`) before reporting a failure. SIGHUP means what SIGTERM means; when it
 arrives, standard output and error that are terminals are pointed at /dev/null first, since
@@ -124,6 +125,8 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # started under nohup: a hang-up is meant not to stop the run
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
