@@ -91,15 +91,17 @@ class HFTokenizer:
 
 def _fingerprint(tok, directory: Path, eos_id: int | None) -> str:
     """What decides the ids: the fast tokenizer's whole pipeline when there is one (whatever
-    files it came from), else the tokenizer files themselves; plus the class and the EOS."""
-    h = hashlib.sha256(f"{type(tok).__name__}|{eos_id}|".encode())
+    files it came from), else the tokenizer files themselves; plus the class, the EOS and the
+    transformers version (its classes add their own steps, which may change between
+    versions: a new version tokenizes once more rather than reuse ids it might not give)."""
+    import transformers
+
+    ident = f"{type(tok).__name__}|{eos_id}|{transformers.__version__}|"
+    h = hashlib.sha256(ident.encode())
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         h.update(backend.to_str().encode())
     else:
-        import transformers
-
-        h.update(transformers.__version__.encode())
         for name in tokenizer_files(directory):
             h.update(name.encode() + b"\0" + (directory / name).read_bytes())
     return h.hexdigest()[:16]
