@@ -376,6 +376,8 @@ CASES = [
     ("bench-aio-file", lambda w: ["bench", "aio", "--path", w["data"], "--size", "1M"],
      1, "directory"),
     ("bench-aio-size", lambda w: ["bench", "aio", "--path", w["dir"], "--size", "lots"], 2, "lots"),
+    ("bench-aio-size-inf", lambda w: ["bench", "aio", "--path", w["dir"], "--size", "infG"], 2,
+     "'infG'"),
     ("bench-aio-block", lambda w: ["bench", "aio", "--path", w["dir"], "--block-size", "3"],
      1, "block"),
     ("bench-aio-zero-size", lambda w: ["bench", "aio", "--path", w["dir"], "--size", "0"],
