@@ -17,12 +17,14 @@ directory) always runs to its end. Once the last checkpoint is saved a signal ch
 nothing either: the run is closing and exits 0 ([Note: late signals] in main.py covers the
 moments after the command returns).
 
-A process started with SIGHUP ignored (`nohup`) keeps ignoring it. A stop at once raises
-`StopNow` wherever the main thread is, often inside I/O; the I/O layers
+A stop at once raises `StopNow` wherever the main thread is, often inside I/O; the I/O layers
 may wrap it in their own errors while cleaning up, so the run looks for it in the exception's
-chain (`stop_in_chain`) before reporting a failure. SIGHUP means what SIGTERM means; when it
-arrives, standard output and error that are terminals are pointed at /dev/null first, since
-writing to a hung-up terminal fails and would turn a clean stop into an error.
+chain (`stop_in_chain`) before reporting a failure (a disk failure it is not).
+
+SIGHUP means what SIGTERM means; when it arrives, standard output and error that are
+terminals are pointed at /dev/null first, since writing to a hung-up terminal fails and would
+turn a clean stop into an error. A process started with SIGHUP ignored (`nohup`) keeps
+ignoring it.
 """
 
 from __future__ import annotations
