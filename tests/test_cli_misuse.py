@@ -480,6 +480,11 @@ def test_byte_tokens_only_when_asked_for_and_announced(world, tmp_path, caplog, 
                                "--save-dir", str(tmp_path / "run")), capsys)  # fmt: skip
     assert code == 0, err
     assert "tokens: UTF-8 bytes (258 token ids)" in caplog.text
+    assert "is not used" not in caplog.text  # that model has no tokenizer to ignore
+    code, _, err = _run(_train(world, "--byte-tokens", "--save-dir", str(tmp_path / "own")),
+                        capsys)  # fmt: skip
+    assert code == 0, err
+    assert "the model's own tokenizer (tokenizer.json in" in caplog.text
 
 
 def test_without_transformers_the_message_says_what_to_install(world, monkeypatch, capsys):

@@ -26,6 +26,7 @@ from infinity.cli.train import tokenizer_dir
 from infinity.cli.train_stop import Phase, StopNow, StopSignals, stop_in_chain
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
+from infinity.data.tokenizer import tokenizer_files
 from infinity.models import (
     PRESETS,
     LlamaConfig,
@@ -71,6 +72,14 @@ class TrainRun:
         )
         tok = data.tokenizer
         log.info("tokens: %s", tok.describe())
+        own = tokenizer_files(self.model_dir) if self.model_dir is not None else []
+        if self.args.byte_tokens and own:
+            log.warning(
+                "--byte-tokens: the model's own tokenizer (%s in %s) is not used; a pretrained "
+                "model learns little from byte ids it was not trained on",
+                ", ".join(own),
+                self.model_dir,
+            )
         if tok.vocab_size > self.model_config.vocab_size:
             raise ValueError(
                 f"the tokenizer ({tok.describe()}) has {tok.vocab_size} token ids but the "
