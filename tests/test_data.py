@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -197,6 +198,34 @@ def test_other_hugging_face_forms_are_read_not_bytes(tmp_path, form):
     assert loaded.encode_batch([text]) == [tok.encode(text).ids]
     assert loaded.vocab_size >= tok.get_vocab_size()
     assert loaded.eos_id is not None
+
+
+def test_sentencepiece_model_is_read_like_sentencepiece_reads_it(tmp_path):
+    """A Llama-style directory with tokenizer.model and tokenizer_config.json only."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    spm = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
+    pytest.importorskip("google.protobuf", reason="protobuf is not installed")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS + ["a bird in the hand"] * 20),
+        model_writer=model,
+        vocab_size=60,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.model").write_bytes(model.getvalue())
+    (model_dir / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+    loaded = load_tokenizer(model_dir)
+    reference = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    texts = ["the cat sat on the log", "a bird in the mat"]
+    assert loaded.encode_batch(texts) == [reference.encode(t) for t in texts]
+    assert loaded.eos_id == 2
 
 
 def test_token_cache_keys_on_the_tokenizer_used(tmp_path):
