@@ -200,7 +200,7 @@ def test_other_hugging_face_forms_are_read_not_bytes(tmp_path, form):
     assert loaded.eos_id is not None
 
 
-def test_sentencepiece_model_is_read_like_sentencepiece_reads_it(tmp_path):
+def test_sentencepiece_model_is_read_like_sentencepiece_reads_it(tmp_path, caplog):
     """A Llama-style directory with tokenizer.model and tokenizer_config.json only."""
     pytest.importorskip("transformers", reason="transformers is not installed")
     spm = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
@@ -226,6 +226,10 @@ def test_sentencepiece_model_is_read_like_sentencepiece_reads_it(tmp_path):
     texts = ["the cat sat on the log", "a bird in the mat"]
     assert loaded.encode_batch(texts) == [reference.encode(t) for t in texts]
     assert loaded.eos_id == 2
+    assert "copy it there" not in caplog.text
+    (model_dir / "tokenizer_config.json").unlink()  # now nothing names the class
+    load_tokenizer(model_dir)
+    assert "no tokenizer.json or tokenizer_config.json: transformers chose" in caplog.text
 
 
 def test_token_cache_keys_on_the_tokenizer_used(tmp_path):

@@ -184,4 +184,14 @@ def load_tokenizer(directory: str | Path | None) -> Tokenizer:
             "Download the model's tokenizer files again (tokenizer.json is the most portable "
             "form), or train on UTF-8 bytes explicitly (--byte-tokens)"
         ) from None
+    if not {"tokenizer.json", "tokenizer_config.json"} & set(found):
+        # Nothing says which tokenizer class applies these files: transformers guesses, and
+        # a guessed class can split text differently from the one the model was trained with.
+        log.warning(
+            "%s has %s but no tokenizer.json or tokenizer_config.json: transformers chose %s "
+            "by itself; if the model came with a tokenizer_config.json, copy it there",
+            directory,
+            ", ".join(found),
+            type(tok).__name__,
+        )
     return HFTokenizer(tok, directory, _eos_id(directory, tok))
