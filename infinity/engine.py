@@ -305,13 +305,15 @@ class Engine:
         stats.update(
             {k: v for k, v in optim.items() if k.startswith(("nvme_", "optim_host_buffer"))}
         )
-        pinned = peak_pinned = 0  # the optimizer's buffers are stepped on the host: unpinned
+        pinned = optim.get("optim_host_buffer_pinned_bytes", 0)  # offload_optimizer.pin_memory
+        peak_pinned = optim.get("optim_host_buffer_peak_bytes", 0) if pinned else 0
         if self.param_store is not None:
             stats.update(self.param_store.memory_stats())
             pool = self.param_store.pool
             stats["host_bytes"] += pool.total_bytes
             if pool.pinned:
-                pinned, peak_pinned = pool.total_bytes, pool.peak_bytes_in_use
+                pinned += pool.total_bytes
+                peak_pinned += pool.peak_bytes_in_use
         stats["pinned_bytes"], stats["peak_pinned_bytes"] = pinned, peak_pinned
         return stats
 
