@@ -31,6 +31,7 @@ from infinity.accelerator import Accelerator, get_accelerator
 from infinity.config import Config
 from infinity.optim import build_loss_scaler, build_schedule
 from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
+from infinity.utils.step_timer import StepTimer, format_breakdown
 from infinity.zero import (
     Coordinator,
     ModelHooks,
@@ -102,6 +103,9 @@ class Engine:
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self._last_overflow = False
+        self._timer = StepTimer(
+            enabled=self.config.wall_clock_breakdown, synchronize=self.accelerator.synchronize
+        )
 
     def _build_optimizer(self) -> PartitionedOptimizer:
         trainable: list[OffloadParam] = [r for r in self.records if r.param.requires_grad]
@@ -187,6 +191,7 @@ class Engine:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
+        start = self._timer.start()
         coord.begin_iteration(self._iteration_key())
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
@@ -198,6 +203,7 @@ class Engine:
         if not torch.is_grad_enabled():
             self.hooks.reset()
             coord.end_iteration()
+        self._timer.stop("forward", start)
         return out
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -209,6 +215,7 @@ class Engine:
             )
         factor = self.loss_scaler.scale / self.gradient_accumulation_steps
         coord = self.coordinator
+        start = self._timer.start()
         coord.phase = Phase.BACKWARD
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
@@ -219,6 +226,7 @@ class Engine:
             raise
         self.hooks.reset()
         coord.end_iteration()
+        self._timer.stop("backward", start)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next `step()` applies the optimizer (DeepSpeed's meaning)."""
@@ -231,10 +239,12 @@ class Engine:
         self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
+        start = self._timer.start()
         if self.param_store is not None:
             self.coordinator.quiesce()
+        lr = self.lr_schedule.lr
         result = self.optimizer.step(
-            lr=self.lr_schedule.lr,
+            lr=lr,
             loss_scale=self.loss_scaler.scale,
             max_grad_norm=float(self.config.gradient_clipping),
         )
@@ -248,6 +258,22 @@ class Engine:
             if self.param_store is None:
                 self.coordinator.refresh_persistent()
         self.global_steps += 1
+        self._timer.stop("step", start)
+        for part, seconds in self.optimizer.last_timings.items():
+            self._timer.add(f"step.{part.removesuffix('_s')}", seconds)
+        self._log_progress(lr, self._timer.finish())
+
+    def _log_progress(self, lr: float, breakdown: dict[str, float]) -> None:
+        """Every `steps_per_print` optimizer steps: a progress line and, with
+        `wall_clock_breakdown`, where the step's time went."""
+        if self.global_steps % self.config.steps_per_print:
+            return
+        logger.info(
+            "step %d: lr %.4g, loss scale %g, grad norm %.4g, skipped steps %d",
+            self.global_steps, lr, self.loss_scaler.scale, self._grad_norm, self.skipped_steps,
+        )  # fmt: skip
+        if breakdown:
+            logger.info("step %d time: %s", self.global_steps, format_breakdown(breakdown))
 
     def _refresh_live(self, start: int, weights: torch.Tensor) -> None:
         """The optimizer's new weights of flat elements [start, start + numel) go into the
@@ -290,6 +316,11 @@ class Engine:
     @property
     def was_step_skipped(self) -> bool:
         return self._last_overflow
+
+    def wall_clock_breakdown(self) -> dict[str, float]:
+        """Seconds spent in forward, backward and step (and the step's parts) over the last
+        optimizer step; {} unless the config's `wall_clock_breakdown` is true."""
+        return dict(self._timer.last)
 
     def memory_stats(self) -> dict[str, int]:
         """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
