@@ -28,6 +28,7 @@ from torch import nn
 
 from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
+from infinity.checkpoint.model16 import SIXTEEN_BIT, model_config_json, save_16bit_model
 from infinity.config import Config
 from infinity.optim import build_loss_scaler, build_schedule
 from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
@@ -394,6 +395,33 @@ class Engine:
         logger.info("saved checkpoint %s/%s", save_dir, tag)
         return tag
 
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors"
+    ) -> str:
+        """Write the whole model's weights (and persistent buffers) in 16 bits to one
+        safetensors file, `save_dir/save_filename`, with the model's config.json when it has
+        one, so `from_pretrained(save_dir)` loads it. The training dtype when it is fp16 or
+        bf16, else bf16. Needs zero_optimization.stage3_gather_16bit_weights_on_model_save
+        (DeepSpeed's switch for this). Returns the file's path."""
+        if not self.config.zero_optimization.gather_16bit_weights_on_model_save:
+            raise ValueError(
+                "save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                "is false; set it to true, or export a checkpoint with "
+                "`infinity export CKPT --out DIR`"
+            )
+        self._check_idle("save_16bit_model")
+        dtype = self.records[0].dtype if self.records[0].dtype in SIXTEEN_BIT else torch.bfloat16
+        weights = [(r.name, _weights_of(r)) for r in self.records]
+        path = save_16bit_model(
+            weights + list(_persistent_buffers(self.module)),
+            save_dir,
+            save_filename,
+            dtype=dtype,
+            config_json=model_config_json(self.module, dtype),
+        )
+        logger.info("saved 16-bit model weights to %s", path)
+        return str(path)
+
     def load_checkpoint(
         self, save_dir: str | os.PathLike, tag: str | None = None
     ) -> tuple[str, dict]:
@@ -464,6 +492,14 @@ def _weights_of(rec: OffloadParam):
     if rec.partition is not None:
         return rec.partition.view(rec.shape)
     return lambda: rec.read_home().view(rec.shape)
+
+
+def _persistent_buffers(module: nn.Module):
+    """(name, buffer) of the buffers a state_dict holds."""
+    for prefix, mod in module.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
 
 
 def _to_half(obj: Any) -> Any:
