@@ -39,7 +39,7 @@ class Unsupported:
         return False
 
     def message(self, path: str, value: Any) -> str:
-        shown = repr(value) if not isinstance(value, Mapping) else "a section"
+        shown = "a section" if isinstance(value, Mapping) else json.dumps(value, default=repr)
         off = ["a section with enabled: false" if v is OFF else json.dumps(v) for v in self.inert]
         fix = "remove it" + (f" or set it to {' or '.join(off)}" if off else "")
         return f"{path}: {shown} is not supported by Infinity: {self.why}; {fix}"
