@@ -23,7 +23,8 @@ class OffloadParamConfig:
     device: OffloadDevice = "cpu"
     """"cpu" (pinned host RAM when CUDA is present), "nvme", or "none" (stay on the device)."""
     pin_memory: bool = True
-    """Pin host buffers so device copies are asynchronous (ignored without CUDA)."""
+    """Pin the NVMe staging buffers so device copies are asynchronous (the CPU accelerator
+    cannot pin: there it changes nothing, and `memory_stats` reports 0 pinned bytes)."""
     nvme_path: str | None = None
     """Directory on a fast SSD for the swap store; required when device is "nvme"."""
     buffer_count: int = 5

@@ -52,7 +52,8 @@ def _same(value: Any, allowed: Any) -> bool:
     return value == allowed
 
 
-_SINGLE_NODE = "Infinity trains on one node with ZeRO stage-3 data parallelism only"
+_ONE_PROCESS = "Infinity trains in one process"
+_SINGLE_NODE = f"{_ONE_PROCESS} (ZeRO stage 3 with offload)"
 
 TOP_LEVEL: dict[str, Unsupported] = {
     "amp": Unsupported("NVIDIA Apex AMP is not used; enable fp16 or bf16 instead", (OFF,)),
@@ -62,14 +63,14 @@ TOP_LEVEL: dict[str, Unsupported] = {
         (OFF,),
     ),
     "communication_data_type": Unsupported(
-        "gradients are reduced and accumulated in fp32", (None, "fp32")
+        f"{_ONE_PROCESS}: gradients are accumulated in fp32 and never communicated",
+        (None, "fp32"),
     ),
     "prescale_gradients": Unsupported(
-        "gradients are averaged over the ranks after the reduction, not before", (False,)
+        f"{_ONE_PROCESS}: there is no gradient reduction to scale before", (False,)
     ),
     "gradient_predivide_factor": Unsupported(
-        "gradients are averaged over the ranks after the reduction, not divided before it",
-        (1.0,),
+        f"{_ONE_PROCESS}: there is no gradient reduction to divide before", (1.0,)
     ),
     "sparse_gradients": Unsupported("gradient partitions are dense fp32 buffers", (False,)),
     "sparse_attention": Unsupported(
@@ -77,8 +78,8 @@ TOP_LEVEL: dict[str, Unsupported] = {
     ),
     "pipeline": Unsupported(f"{_SINGLE_NODE}, without pipeline parallelism"),
     "tensor_parallel": Unsupported(
-        f"{_SINGLE_NODE}, without tensor parallelism: every rank runs the whole model, "
-        "gathering its parameters one module at a time"
+        f"{_SINGLE_NODE}, without tensor parallelism: the model runs whole, its parameters "
+        "gathered one module at a time"
     ),
     "sequence_parallel_size": Unsupported(f"{_SINGLE_NODE}, without sequence parallelism", (1,)),
     "compression_training": Unsupported(
@@ -106,8 +107,7 @@ TOP_LEVEL: dict[str, Unsupported] = {
 
 ZERO: dict[str, Unsupported] = {
     "zero_hpz_partition_size": Unsupported(
-        "hierarchical partitioning (ZeRO++ hpZ) is not implemented: every rank holds one "
-        "partition of each parameter",
+        "hierarchical partitioning (ZeRO++ hpZ) is not implemented",
         (1,),
     ),
     "zero_quantized_weights": Unsupported(
@@ -117,17 +117,14 @@ ZERO: dict[str, Unsupported] = {
         "frozen weights are kept in the training dtype, not quantized", (False,)
     ),
     "zero_quantized_gradients": Unsupported(
-        "gradients are reduced in fp32, not quantized (ZeRO++ qgZ)", (False,)
+        "gradients are accumulated in fp32, not quantized (ZeRO++ qgZ)", (False,)
     ),
     "zeropp_loco_param": Unsupported(
         "LoCo error feedback belongs to quantized gradients (ZeRO++), not implemented", (None,)
     ),
-    "mics_shard_size": Unsupported(
-        "MiCS sub-group sharding is not implemented: parameters are partitioned over all ranks",
-        (-1,),
-    ),
+    "mics_shard_size": Unsupported("MiCS sharding groups are not implemented", (-1,)),
     "mics_hierarchical_params_gather": Unsupported(
-        "MiCS is not implemented: parameters are partitioned over all ranks", (False,)
+        "MiCS sharding groups are not implemented", (False,)
     ),
     "cpu_offload": Unsupported(
         "it is DeepSpeed's deprecated switch; use offload_optimizer.device 'cpu' (the default)",
