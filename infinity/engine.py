@@ -28,7 +28,7 @@ from torch import nn
 
 from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
-from infinity.checkpoint.model16 import SIXTEEN_BIT, model_config_json, save_16bit_model
+from infinity.checkpoint import model16
 from infinity.config import Config
 from infinity.optim import build_loss_scaler, build_schedule
 from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
@@ -410,14 +410,15 @@ class Engine:
                 "`infinity export CKPT --out DIR`"
             )
         self._check_idle("save_16bit_model")
-        dtype = self.records[0].dtype if self.records[0].dtype in SIXTEEN_BIT else torch.bfloat16
+        dtype = self.records[0].dtype
+        dtype = dtype if dtype in model16.SIXTEEN_BIT else torch.bfloat16
         weights = [(r.name, _weights_of(r)) for r in self.records]
-        path = save_16bit_model(
-            weights + list(_persistent_buffers(self.module)),
+        path = model16.save_16bit_model(
+            weights + list(model16.persistent_buffers(self.module)),
             save_dir,
             save_filename,
             dtype=dtype,
-            config_json=model_config_json(self.module, dtype),
+            config_json=model16.model_config_json(self.module, dtype),
         )
         logger.info("saved 16-bit model weights to %s", path)
         return str(path)
@@ -492,14 +493,6 @@ def _weights_of(rec: OffloadParam):
     if rec.partition is not None:
         return rec.partition.view(rec.shape)
     return lambda: rec.read_home().view(rec.shape)
-
-
-def _persistent_buffers(module: nn.Module):
-    """(name, buffer) of the buffers a state_dict holds."""
-    for prefix, mod in module.named_modules():
-        for name, buf in mod._buffers.items():
-            if buf is not None and name not in mod._non_persistent_buffers_set:
-                yield (f"{prefix}.{name}" if prefix else name), buf
 
 
 def _to_half(obj: Any) -> Any:

@@ -74,3 +74,11 @@ def model_config_json(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         return None
     data["torch_dtype"] = data["dtype"] = str(dtype).removeprefix("torch.")
     return json.dumps(data, indent=2)
+
+
+def persistent_buffers(model: torch.nn.Module):
+    """(name, buffer) of the buffers `model.state_dict()` holds (its persistent ones)."""
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
