@@ -260,9 +260,23 @@ class Engine:
                 self.coordinator.refresh_persistent()
         self.global_steps += 1
         self._timer.stop("step", start)
+        self._time_step_parts()
+        self._log_progress(lr, self._timer.finish())
+
+    def _time_step_parts(self) -> None:
+        """With `wall_clock_breakdown`: the optimizer's own parts, and the time waited for
+        the disk (optimizer state in the step, parameters in the whole iteration)."""
+        if not self._timer.enabled:
+            return
         for part, seconds in self.optimizer.last_timings.items():
             self._timer.add(f"step.{part.removesuffix('_s')}", seconds)
-        self._log_progress(lr, self._timer.finish())
+        stats = self.memory_stats()
+        for key, name in (
+            ("nvme_optim_wait_us", "step.nvme_wait"),
+            ("nvme_param_wait_us", "nvme_param_wait"),
+        ):
+            if key in stats:
+                self._timer.add_total(name, stats[key] / 1e6)
 
     def _log_progress(self, lr: float, breakdown: dict[str, float]) -> None:
         """Every `steps_per_print` optimizer steps: a progress line and, with

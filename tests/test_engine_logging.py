@@ -79,6 +79,28 @@ def test_wall_clock_breakdown_times_each_phase_of_every_step(caplog):
     engine.close()
 
 
+def test_wall_clock_breakdown_counts_the_waits_for_the_disk(caplog, tmp_path):
+    engine, lines = _train(
+        caplog,
+        steps=3,
+        steps_per_print=1,
+        wall_clock_breakdown=True,
+        zero_optimization={
+            **config(sub_group_size=3000)["zero_optimization"],
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+        },
+    )
+    last = engine.wall_clock_breakdown()
+    assert 0.0 <= last["step.nvme_wait"] <= last["step"]
+    assert last["nvme_param_wait"] >= 0.0
+    # A per-step figure, not the running total the memory stats keep.
+    total_s = engine.memory_stats()["nvme_optim_wait_us"] / 1e6
+    assert last["step.nvme_wait"] <= total_s + 1e-6
+    assert "step.nvme_wait" in [line for line in lines if BREAKDOWN.match(line)][-1]
+    engine.close()
+
+
 def test_timer_is_free_when_disabled():
     calls = []
     timer = StepTimer(enabled=False, synchronize=lambda: calls.append(1))
@@ -96,3 +118,11 @@ def test_timer_sums_a_step_and_starts_the_next_at_zero():
     timer.add("forward", 0.125)
     assert timer.finish() == {"forward": 0.125}
     assert timer.last == {"forward": 0.125}
+
+
+def test_timer_turns_running_totals_into_per_step_figures():
+    timer = StepTimer(enabled=True, synchronize=lambda: None)
+    timer.add_total("wait", 2.0)
+    assert timer.finish() == {"wait": 2.0}
+    timer.add_total("wait", 2.5)
+    assert timer.finish() == {"wait": 0.5}

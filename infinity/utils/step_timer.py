@@ -22,6 +22,7 @@ class StepTimer:
         self.enabled = enabled
         self._synchronize = synchronize
         self._sums: dict[str, float] = {}
+        self._totals: dict[str, float] = {}
         self.last: dict[str, float] = {}
         """Seconds per phase of the last finished optimizer step ({} while disabled)."""
 
@@ -42,6 +43,13 @@ class StepTimer:
         """Add `seconds` measured elsewhere (e.g. the optimizer's own parts) to `name`."""
         if self.enabled:
             self._sums[name] = self._sums.get(name, 0.0) + seconds
+
+    def add_total(self, name: str, total_s: float) -> None:
+        """Add what a running total of seconds (a wait counter kept elsewhere) grew by since
+        the last call for `name`."""
+        if self.enabled:
+            self.add(name, total_s - self._totals.get(name, 0.0))
+            self._totals[name] = total_s
 
     def finish(self) -> dict[str, float]:
         """End the optimizer step: its sums become `last` and the next step starts at 0."""
