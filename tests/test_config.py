@@ -691,6 +691,8 @@ UNSUPPORTED = [  # (key path, value, part of the reason)
     ("tensor_parallel", {"autotp_size": 2}, r"without tensor parallelism"),
     ("compression_training", {"weight_quantization": {}}, r"quantization-aware training"),
     ("amp", {"enabled": True}, r"Apex AMP .*enable fp16 or bf16"),
+    ("wandb", {"enabled": True, "project": "p"}, r"does not log to it; .*metrics\.jsonl"),
+    ("memory_breakdown", True, r"engine\.memory_stats\(\) reports"),
 ]
 
 
@@ -720,6 +722,8 @@ def test_unsupported_features_left_off_are_accepted():
         "communication_data_type": None,
         "sequence_parallel_size": 1,
         "data_efficiency": {"enabled": False, "seed": 1234},
+        "tensorboard": {"enabled": False, "output_path": "tb"},
+        "memory_breakdown": False,
         "zero_optimization": {
             "zero_hpz_partition_size": 1,
             "zero_quantized_weights": False,

@@ -60,14 +60,6 @@ _IGNORED: dict[type, frozenset[str]] = {
         {
             "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer",
-            "memory_breakdown",
-            "dump_state",
-            "flops_profiler",
-            "tensorboard",
-            "wandb",
-            "csv_monitor",
-            "comet",
-            "comms_logger",
             "activation_checkpointing",
         }
     ),

@@ -55,6 +55,10 @@ def _same(value: Any, allowed: Any) -> bool:
 _ONE_PROCESS = "Infinity trains in one process"
 _SINGLE_NODE = f"{_ONE_PROCESS} (ZeRO stage 3 with offload)"
 
+_METRICS = (
+    "the engine does not log to it; `infinity train` writes metrics.jsonl, and a training "
+    "loop can log engine.memory_stats() and engine.wall_clock_breakdown() itself"
+)
 TOP_LEVEL: dict[str, Unsupported] = {
     "amp": Unsupported("NVIDIA Apex AMP is not used; enable fp16 or bf16 instead", (OFF,)),
     "torch_autocast": Unsupported(
@@ -99,9 +103,23 @@ TOP_LEVEL: dict[str, Unsupported] = {
         "elastic batch sizes are not implemented; set the batch sizes explicitly", (OFF,)
     ),
     "autotuning": Unsupported(
-        "there is no autotuner; `infinity estimate` predicts what fits and how fast, and "
-        "`infinity bench aio` measures the disk",
+        "there is no autotuner; `infinity bench aio` measures the I/O settings for a disk",
         (OFF,),
+    ),
+    "tensorboard": Unsupported(_METRICS, (OFF,)),
+    "wandb": Unsupported(_METRICS, (OFF,)),
+    "csv_monitor": Unsupported(_METRICS, (OFF,)),
+    "comet": Unsupported(_METRICS, (OFF,)),
+    "flops_profiler": Unsupported(
+        "there is no FLOPs profiler; `infinity train` records TFLOPS per step in metrics.jsonl",
+        (OFF,),
+    ),
+    "comms_logger": Unsupported(f"{_ONE_PROCESS}: there is no communication to log", (OFF,)),
+    "memory_breakdown": Unsupported(
+        "engine.memory_stats() reports the live, peak, host, pinned and NVMe figures", (False,)
+    ),
+    "dump_state": Unsupported(
+        "`infinity config FILE` prints the configuration as Infinity reads it", (False,)
     ),
 }
 
