@@ -107,6 +107,9 @@ class Engine:
         self._timer = StepTimer(
             enabled=self.config.wall_clock_breakdown, synchronize=self.accelerator.synchronize
         )
+        if self._timer.enabled:  # the start's waits for the disk are not the first step's
+            self._add_disk_waits()
+            self._timer.discard()
 
     def _build_optimizer(self) -> PartitionedOptimizer:
         trainable: list[OffloadParam] = [r for r in self.records if r.param.requires_grad]
@@ -270,6 +273,9 @@ class Engine:
             return
         for part, seconds in self.optimizer.last_timings.items():
             self._timer.add(f"step.{part.removesuffix('_s')}", seconds)
+        self._add_disk_waits()
+
+    def _add_disk_waits(self) -> None:
         stats = self.memory_stats()
         for key, name in (
             ("nvme_optim_wait_us", "step.nvme_wait"),

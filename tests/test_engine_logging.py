@@ -126,3 +126,7 @@ def test_timer_turns_running_totals_into_per_step_figures():
     assert timer.finish() == {"wait": 2.0}
     timer.add_total("wait", 2.5)
     assert timer.finish() == {"wait": 0.5}
+    timer.add_total("wait", 3.0)
+    timer.discard()  # a baseline: waits before it are nobody's step
+    timer.add_total("wait", 3.25)
+    assert timer.finish() == {"wait": 0.25}

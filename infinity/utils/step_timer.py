@@ -51,6 +51,10 @@ class StepTimer:
             self.add(name, total_s - self._totals.get(name, 0.0))
             self._totals[name] = total_s
 
+    def discard(self) -> None:
+        """Drop what was timed since the last `finish` (running totals stay as they are)."""
+        self._sums = {}
+
     def finish(self) -> dict[str, float]:
         """End the optimizer step: its sums become `last` and the next step starts at 0."""
         if self.enabled:
