@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import infinity
 from infinity.checkpoint import MetricsLog, latest_tag
@@ -222,7 +223,7 @@ class TrainRun:
             disable=self.args.no_progress,
             dynamic_ncols=True,
         )
-        with bar:
+        with bar, logging_redirect_tqdm():  # the engine's progress lines go above the bar
             while engine.global_steps < steps and not signals.requested:
                 lr = engine.get_lr()[0]  # the rate this step uses
                 start = time.perf_counter()
