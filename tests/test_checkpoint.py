@@ -126,8 +126,9 @@ def test_lock_and_existing_tag(tmp_path):
 
 
 def test_missing_checkpoint_is_clear(tmp_path):
-    with pytest.raises(CheckpointNotFoundError, match="no checkpoint to resume from.*--resume"):
+    with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint in") as info:
         load_checkpoint(tmp_path)
+    assert "--resume" not in str(info.value)  # export and the API read this too
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         load_checkpoint(tmp_path / "nope")
     save_checkpoint(tmp_path, [], step=1)
@@ -212,12 +213,12 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
         )
         assert proc.returncode == -signal.SIGKILL, (at, points[at - 1], proc.stderr)
         ck = load_checkpoint(save_dir)  # verifies checksums
-        committed = points[at - 1] == "commit:after_latest"
+        # once renamed into place step2 is complete: it is found even before `latest` names it
+        committed = at - 1 >= points.index("commit:after_rename")
         assert ck.step == (2 if committed else 1), (at, points[at - 1])
         assert ck.state["loss_scale"] == (512.0 if committed else 1024.0)
         assert len(dict(ck.tensors())) == 4
-        # the next save cleans up whatever the crash left behind; a resumed run that reaches
-        # step 2 again replaces an orphaned step2 (renamed but never named by `latest`)
+        # the next save cleans up whatever the crash left behind
         nxt = 3 if committed else 2
         save_checkpoint(save_dir, [("x", torch.ones(1))], step=nxt)
         assert not [p for p in save_dir.iterdir() if p.name.startswith(".") and p.name != ".lock"]
@@ -238,7 +239,8 @@ def test_file_size_limit_during_save_is_clean(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old)
-    assert _snapshot(tmp_path) == before | {".lock": b""}
+    assert _snapshot(tmp_path).keys() - {".lock"} == before.keys() - {".lock"}
+    assert all(_snapshot(tmp_path)[k] == before[k] for k in before if k != ".lock")
     assert list_checkpoints(tmp_path) == ["step1"]
     assert load_checkpoint(tmp_path).step == 1
 

@@ -205,6 +205,12 @@ def check_inputs(args: argparse.Namespace) -> None:
     save_dir = Path(args.save_dir).expanduser()
     if save_dir.exists() and not save_dir.is_dir():
         raise ValueError(f"--save-dir {save_dir} is a file, not a directory; give a directory")
+    if args.resume and not save_dir.exists():
+        raise ValueError(
+            f"--resume: no checkpoint to continue from: {save_dir} does not exist; point "
+            "--save-dir at the directory the earlier run saved into, or drop --resume to start "
+            "a new run"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -77,7 +77,8 @@ def find_resume(save_dir: Path) -> Checkpoint:
         ckpt = load_checkpoint(save_dir, verify=False)
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(
-            f"--resume: {exc}; point --save-dir at the directory the earlier run saved into"
+            f"--resume: no checkpoint to continue from ({exc}); point --save-dir at the "
+            "directory the earlier run saved into"
             + ("" if list_checkpoints(save_dir) else ", or drop --resume to start a new run")
         ) from None
     tags = list_checkpoints(save_dir)
