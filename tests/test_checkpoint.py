@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -288,3 +289,76 @@ def test_metrics_log_truncates_after_resume_step(tmp_path):
     assert [r["step"] for r in log.records()] == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="needs a 'step'"):
         log.append({"loss": 1.0})
+
+
+def test_non_finite_state_round_trips_exactly(tmp_path):
+    state = {"norm": float("nan"), "scale": [float("inf"), -float("inf"), -0.0, 1.5], "n": None}
+    save_checkpoint(tmp_path, [], step=1, state=state)
+    text = (tmp_path / "step1" / "checkpoint.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    got = load_checkpoint(tmp_path).state
+    assert got["norm"] != got["norm"] and got["n"] is None
+    assert got["scale"] == [float("inf"), -float("inf"), 0.0, 1.5]
+    assert str(got["scale"][2]) == "-0.0"
+
+
+def test_metrics_lines_are_strict_json_and_read_back(tmp_path):
+    from infinity.checkpoint import MetricsLog
+
+    log = MetricsLog(tmp_path)
+    log.append({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1})
+    with open(log.path, "a") as f:  # a line written by an older version
+        f.write('{"step": 2, "loss": NaN, "grad_norm": -Infinity}\n')
+    first = json.loads(log.path.read_text().splitlines()[0], parse_constant=float)
+    assert first == {
+        "step": 1, "loss": None, "grad_norm": None, "lr": 0.1,
+        "nonfinite": {"loss": "nan", "grad_norm": "inf"},
+    }  # fmt: skip
+    records = log.records()
+    assert records[0]["grad_norm"] == float("inf") and records[0]["loss"] != records[0]["loss"]
+    assert records[1]["grad_norm"] == -float("inf")
+    log.truncate_after(2)  # rewritten strict
+    for line in log.path.read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+
+
+def test_newest_checkpoint_by_commit_time_survives_a_copy(tmp_path):
+    import shutil
+
+    from infinity.checkpoint import find_checkpoint
+
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path / "a", [("v", torch.full((1,), step))], step=step)
+    (tmp_path / "a" / "latest").unlink()
+    shutil.copytree(tmp_path / "a", tmp_path / "b", copy_function=shutil.copyfile)
+    for i, tag in enumerate(["step3", "step2", "step1"]):  # file times in reverse
+        os.utime(tmp_path / "b" / tag / "checkpoint.json", (1000 + i, 1000 + i))
+    assert list_checkpoints(tmp_path / "b") == ["step1", "step2", "step3"]
+    assert find_checkpoint(tmp_path / "b") == "step3"
+    assert load_checkpoint(tmp_path / "b").get_tensor("v") == 3
+
+
+def test_prune_keeps_the_newest_and_latest(tmp_path):
+    from infinity.checkpoint import prune
+
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, [], step=step)
+    (tmp_path / "latest").write_text("step2\n")  # not the newest (a crash before `latest`)
+    assert prune(tmp_path, 1) == ["step1", "step3"]
+    assert list_checkpoints(tmp_path) == ["step2", "step4"]
+    assert not list(tmp_path.glob(".tmp.*"))
+    with pytest.raises(ValueError, match="keep_last"):
+        prune(tmp_path, 0)
+
+
+def test_save_dir_lock_names_its_holder_and_lets_its_own_saves_through(tmp_path):
+    from infinity.checkpoint import SaveDirLock
+
+    with SaveDirLock(tmp_path / "s", command=["infinity", "train", "--steps", "9"]):
+        save_checkpoint(tmp_path / "s", [], step=1)  # the holder saves without waiting
+        with pytest.raises(OSError, match=f"in use by process {os.getpid()} .*--steps 9") as info:
+            SaveDirLock(tmp_path / "s").acquire()
+        assert info.value.errno == errno.EBUSY and "[Errno" not in str(info.value)
+    with SaveDirLock(tmp_path / "s"):  # released: free again (the file stays)
+        pass
+    assert (tmp_path / "s" / ".lock").exists() and latest_tag(tmp_path / "s") == "step1"
