@@ -82,6 +82,14 @@ def _fails(capsys, args, *needles) -> str:
     return err
 
 
+def test_help_documents_the_save_dir_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--overwrite", "--keep-last", "--resume"):
+        assert flag in out, flag
+
+
 # -- 1. non-finite numbers ---------------------------------------------------------------
 
 

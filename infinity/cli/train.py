@@ -48,8 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "safetensors) or a preset shape with random weights, on a text or JSONL file. "
             "Flags override the JSON config. Ctrl-C or SIGTERM saves a checkpoint after the "
             "current step and exits (a second one stops at once, without saving); --resume "
-            "continues from the latest checkpoint in --save-dir with the same data order, RNG, "
-            "loss scale and schedule."
+            "continues from the newest checkpoint in --save-dir with the same data order, RNG, "
+            "loss scale and schedule. One run at a time holds --save-dir; a new run refuses one "
+            "that holds checkpoints unless --overwrite is given."
         ),
     )
     parser.add_argument(
