@@ -362,3 +362,18 @@ def test_save_dir_lock_names_its_holder_and_lets_its_own_saves_through(tmp_path)
     with SaveDirLock(tmp_path / "s"):  # released: free again (the file stays)
         pass
     assert (tmp_path / "s" / ".lock").exists() and latest_tag(tmp_path / "s") == "step1"
+
+
+def test_save_dir_on_a_file_system_without_locks_runs_with_a_warning(tmp_path, monkeypatch, caplog):
+    import errno as errno_
+
+    from infinity.checkpoint import SaveDirLock
+    from infinity.checkpoint import lock as lock_mod
+
+    def no_locks(fd, op):
+        raise OSError(errno_.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lock_mod.fcntl, "flock", no_locks)
+    with SaveDirLock(tmp_path / "s"):
+        save_checkpoint(tmp_path / "s", [], step=1)  # the run's own saves go through
+    assert "does not support locks" in caplog.text and latest_tag(tmp_path / "s") == "step1"

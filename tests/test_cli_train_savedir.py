@@ -246,7 +246,7 @@ def test_a_second_run_on_the_same_save_dir_is_refused(tmp_path, inputs):
             assert first.poll() is None, first.communicate()[1]
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        second = _cli(_args(inputs, save, "--steps", 2, "--resume"))
+        second = _cli(_args(inputs, save, "--steps", 2))  # the same command, or --resume
         _, err = second.communicate(timeout=240)
         assert second.returncode == 1, err
         assert f"process {first.pid}" in err and "--steps 100000" in err, err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
@@ -19,6 +20,12 @@ import time
 from pathlib import Path
 
 from infinity.checkpoint import layout
+
+log = logging.getLogger(__name__)
+
+# flock on a file system that has none (some network file systems): run unlocked, warned.
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP)
+_UNLOCKED = -1
 
 _HELD: dict[Path, int] = {}
 """Save directories this process holds with a `SaveDirLock`, and the lock file's descriptor."""
@@ -48,6 +55,9 @@ def try_lock(save_dir: Path) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -96,7 +106,17 @@ class SaveDirLock:
                 f"cannot create the save directory {self.save_dir}: {exc.strerror or exc}; "
                 "choose a writable --save-dir",
             ) from None
-        fd = try_lock(self.save_dir)
+        try:
+            fd = try_lock(self.save_dir)
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:
+                raise
+            log.warning(
+                "the file system of %s does not support locks (%s): a second run on the same "
+                "directory would not be detected", self.save_dir, exc.strerror,
+            )  # fmt: skip
+            _HELD[self.save_dir.resolve()] = self._fd = _UNLOCKED
+            return self
         if fd is None:
             raise busy_error(
                 errno.EBUSY,
@@ -112,7 +132,8 @@ class SaveDirLock:
         if self._fd is None:
             return
         _HELD.pop(self.save_dir.resolve(), None)
-        unlock(self._fd)
+        if self._fd != _UNLOCKED:
+            unlock(self._fd)
         self._fd = None
 
     def __enter__(self) -> SaveDirLock:

@@ -168,7 +168,15 @@ class TrainRun:
         engine.close()  # removes the swap directory under --nvme
         return code
 
-    def _train(self, engine, data, config: Config, steps: int, signals: StopSignals, resume) -> int:
+    def _train(
+        self,
+        engine,
+        data,
+        config: Config,
+        steps: int,
+        signals: StopSignals,
+        resume: Checkpoint | None,
+    ) -> int:
         if resume is not None:
             _, client_state = engine.load_checkpoint(self.save_dir, resume.tag)
             data.load_state_dict(client_state["data"])
