@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 def _remove(save_dir: Path, tag: str) -> None:
     aside = save_dir / f"{layout.TMP_PREFIX}removed.{tag}"
+    shutil.rmtree(aside, ignore_errors=True)  # left by a crash part way through a removal
     os.rename(save_dir / tag, aside)
     fsync_dir(save_dir)
     shutil.rmtree(aside)

@@ -63,7 +63,11 @@ def prepare_fresh(save_dir: Path, *, overwrite: bool) -> None:
         )
     metrics = save_dir / METRICS_FILE
     if metrics.exists():
-        aside = save_dir / f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = save_dir / f"metrics.{stamp}.jsonl"
+        n = 1
+        while aside.exists():
+            aside, n = save_dir / f"metrics.{stamp}-{n}.jsonl", n + 1
         metrics.rename(aside)
         log.warning(
             "%s holds the metrics of an earlier run that saved no checkpoint: kept as %s",
