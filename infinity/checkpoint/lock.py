@@ -73,7 +73,7 @@ def record_holder(fd: int, command: str) -> None:
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
 
 
-def busy_error(code: int | None, message: str) -> OSError:
+def plain_os_error(code: int | None, message: str) -> OSError:
     """An OSError that prints as `message` alone (no "[Errno N]") and keeps the errno."""
     err = OSError(message)
     err.errno = code
@@ -101,7 +101,7 @@ class SaveDirLock:
         try:
             self.save_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise busy_error(
+            raise plain_os_error(
                 exc.errno,
                 f"cannot create the save directory {self.save_dir}: {exc.strerror or exc}; "
                 "choose a writable --save-dir",
@@ -110,7 +110,11 @@ class SaveDirLock:
             fd = try_lock(self.save_dir)
         except OSError as exc:
             if exc.errno not in _NO_LOCKS:
-                raise
+                raise plain_os_error(
+                    exc.errno,
+                    f"cannot lock the save directory {self.save_dir} ({exc.strerror or exc}); "
+                    "choose a writable --save-dir",
+                ) from None
             log.warning(
                 "the file system of %s does not support locks (%s): a second run on the same "
                 "directory would not be detected", self.save_dir, exc.strerror,
@@ -118,7 +122,7 @@ class SaveDirLock:
             _HELD[self.save_dir.resolve()] = self._fd = _UNLOCKED
             return self
         if fd is None:
-            raise busy_error(
+            raise plain_os_error(
                 errno.EBUSY,
                 f"{self.save_dir} is in use by {describe_holder(self.save_dir)}; wait for that "
                 "run to end (or stop it), or use another --save-dir",
@@ -145,7 +149,7 @@ class SaveDirLock:
 
 __all__ = [
     "SaveDirLock",
-    "busy_error",
+    "plain_os_error",
     "describe_holder",
     "held_here",
     "record_holder",

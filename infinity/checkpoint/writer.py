@@ -188,7 +188,7 @@ def _lock(save_dir: Path) -> int | None:
         return None
     fd = lock.try_lock(save_dir)
     if fd is None:
-        raise lock.busy_error(
+        raise lock.plain_os_error(
             errno.EBUSY,
             f"another process is saving into or training in {save_dir}: "
             f"{lock.describe_holder(save_dir)}; wait for it or use a different --save-dir",
