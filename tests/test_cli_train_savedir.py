@@ -306,3 +306,28 @@ def test_keep_last_removes_older_checkpoints_after_each_save(tmp_path, inputs):
     # the default keeps everything
     assert main([*_args(inputs, save, "--steps", 9, "--save-every", 1), "--resume"]) == 0
     assert list_checkpoints(save) == ["step7", "step8", "step9"]
+
+
+def test_a_stop_right_after_resuming_keeps_the_resumed_checkpoint(
+    tmp_path, inputs, monkeypatch, capsys
+):
+    from infinity.cli.train_stop import StopSignals
+
+    save = tmp_path / "run"
+    assert main(_args(inputs, save, "--steps", 2)) == 0
+    before = _snapshot(save)
+    start_training = StopSignals.start_training
+
+    def signal_at_once(self):  # SIGTERM lands before the first step of the resumed run
+        start_training(self)
+        self.requested = signal.SIGTERM
+
+    monkeypatch.setattr(StopSignals, "start_training", signal_at_once)
+    assert main([*_args(inputs, save, "--steps", 4), "--resume"]) == 0
+    assert f"stopped by SIGTERM at step 2; checkpoint {save / 'step2'}" in capsys.readouterr().out
+    assert _snapshot(save) == before
+
+
+def test_save_dir_that_is_a_file(tmp_path, inputs, capsys):
+    (tmp_path / "f").write_text("x")
+    _fails(capsys, _args(inputs, tmp_path / "f", "--steps", 1), "is a file, not a directory")
