@@ -377,3 +377,18 @@ def test_save_dir_on_a_file_system_without_locks_runs_with_a_warning(tmp_path, m
     with SaveDirLock(tmp_path / "s"):
         save_checkpoint(tmp_path / "s", [], step=1)  # the run's own saves go through
     assert "does not support locks" in caplog.text and latest_tag(tmp_path / "s") == "step1"
+
+
+def test_without_latest_every_damaged_checkpoint_is_named_and_kept(tmp_path):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, _tensors(step).items(), step=step)
+        shard = tmp_path / f"step{step}" / "rank00000.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-4])
+    (tmp_path / "latest").unlink()
+    (tmp_path / ".tmp.step3").mkdir()
+    before = _snapshot(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint that verifies") as info:
+        load_checkpoint(tmp_path)
+    for needle in ("damaged checkpoint step2", "damaged checkpoint step1", ".tmp.step3"):
+        assert needle in str(info.value)
+    assert _snapshot(tmp_path) == before

@@ -85,7 +85,11 @@ def find_checkpoint(save_dir: str | os.PathLike) -> str:
         except (CheckpointCorruptError, KeyError, TypeError) as exc:
             skipped.append(f"{tag} ({exc})")
             continue
-        why = f"'{layout.LATEST}' names {latest!r}" if latest else f"'{layout.LATEST}' is missing"
+        why = (
+            f"'{layout.LATEST}' names {latest!r}"
+            if latest
+            else f"'{layout.LATEST}' is missing or empty"
+        )
         log.warning(
             "%s in %s, but %s is the newest complete checkpoint and its checksums verify: "
             "using it%s", why, save_dir, tag, f"; skipped {'; '.join(skipped)}" if skipped else "",
@@ -97,7 +101,7 @@ def find_checkpoint(save_dir: str | os.PathLike) -> str:
     found = [f"{len(stale)} interrupted save(s) ({', '.join(sorted(stale))})"] if stale else []
     found += [f"damaged checkpoint {s}" for s in skipped]
     raise CheckpointNotFoundError(
-        f"no complete checkpoint in {save_dir}"
+        f"no {'checkpoint that verifies' if skipped else 'complete checkpoint'} in {save_dir}"
         + (f" ('{layout.LATEST}' names {latest!r}, which is not there)" if latest else "")
         + (f"; found only: {'; '.join(found)}" if found else "")
     )
