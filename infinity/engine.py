@@ -58,6 +58,10 @@ def initialize(
     model: nn.Module, config: Config | dict | str | os.PathLike, **kwargs: Any
 ) -> Engine:
     """Partition `model` (built under `infinity.init` or not) and return its Engine."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"initialize: expected the model as a torch.nn.Module, got {type(model).__name__}"
+        )
     return Engine(model, config, **kwargs)
 
 
@@ -100,6 +104,8 @@ class Engine:
         self.lr_schedule = build_schedule(self.config.scheduler, float(self.config.optimizer.lr))
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
         self.micro_steps = 0
+        self._backwards = 0
+        """backward() calls since the last step(): a step without one is a mistake."""
         self.global_steps = 0
         self.skipped_steps = 0
         self._grad_norm: float | None = None
@@ -165,7 +171,9 @@ class Engine:
             stores=self._swap_stores,
             largest_numel=max(r.numel for r in self.records),
             element_size=self.records[0].itemsize,
-            prefetch_numel=int(zero.prefetch_bucket_size),
+            # Prefetch never reads ahead more than the whole model: a bucket larger than the
+            # model asks for no more buffers than the model has parameters to fill.
+            prefetch_numel=min(int(zero.prefetch_bucket_size), sum(r.numel for r in self.records)),
         )
 
     def _close_stores(self, state_store=None) -> None:
@@ -192,6 +200,7 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model; parameters are gathered module by module. With fp16.auto_cast,
         floating-point tensor arguments are cast to fp16 first."""
+        self._check_open("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
@@ -212,6 +221,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate loss * loss_scale / gradient_accumulation_steps."""
+        self._check_open("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 f"backward: expected a scalar loss tensor, got {type(loss).__name__} "
@@ -230,6 +240,7 @@ class Engine:
             raise
         self.hooks.reset()
         coord.end_iteration()
+        self._backwards += 1
         self._timer.stop("backward", start)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -238,6 +249,14 @@ class Engine:
 
     def step(self) -> None:
         """Count a micro step; at the accumulation boundary run the optimizer."""
+        self._check_open("step")
+        if self._backwards == 0:
+            # Adam on no gradient still moves the weights (weight decay, the moments).
+            raise RuntimeError(
+                "step: no backward() since the last step(); call engine.backward(loss) on "
+                "each micro batch's loss before engine.step()"
+            )
+        self._backwards = 0
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
         self.micro_steps += 1
@@ -492,6 +511,13 @@ class Engine:
         self._grad_handles = []
         self.coordinator.abort_iteration()
         self._close_stores(self.optimizer.store)
+
+    def _check_open(self, what: str) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError(
+                f"{what}: the engine is closed (its hooks and optimizer state are gone); "
+                "build a new one with infinity.initialize"
+            )
 
     def _check_idle(self, what: str) -> None:
         if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():

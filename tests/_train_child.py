@@ -22,7 +22,8 @@ torch.manual_seed(0)
 model = from_pretrained_dir(model_dir)
 params = dict(model.named_parameters())
 opt = torch.optim.AdamW(params.values(), lr=1e-2)
-data = open_dataset(data_path, seq_len=16, seed=7, model_dir=model_dir, cache_dir=save_dir / "tok")
+# UTF-8 bytes, asked for explicitly: this loop checks resume, not tokenization.
+data = open_dataset(data_path, seq_len=16, seed=7, tokenizer_dir=None, cache_dir=save_dir / "tok")
 metrics = MetricsLog(save_dir)
 step = 0
 

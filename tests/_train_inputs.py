@@ -1,5 +1,6 @@
 """The inputs of the `infinity train` tests: a tiny Llama exported as a Hugging Face
-directory and a small JSONL corpus."""
+directory (with a tokenizer.json that gives the same ids as UTF-8 bytes) and a small JSONL
+corpus."""
 
 from __future__ import annotations
 
@@ -18,7 +19,35 @@ TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     tie_word_embeddings=True,
+    bos_token_id=256,
+    eos_token_id=257,
 )
+
+
+def write_byte_tokenizer(model_dir: Path) -> None:
+    """A Hugging Face tokenizer.json whose ids are the UTF-8 bytes (0-255), <s> = 256 and
+    </s> = 257: the ids of `ByteTokenizer`, read through transformers."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    byte_chars = _byte_chars()
+    tok = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(model_dir / "tokenizer.json"))
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte value, as the ByteLevel pre-tokenizer uses."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
 
 
 def write_inputs(root: Path) -> tuple[Path, Path]:
@@ -26,6 +55,7 @@ def write_inputs(root: Path) -> tuple[Path, Path]:
     cfg = LlamaConfig(**TINY)
     torch.manual_seed(3)
     export_hf(LlamaForCausalLM(cfg).named_parameters(), cfg, root / "model", dtype="fp32")
+    write_byte_tokenizer(root / "model")
     data = root / "corpus.jsonl"
     docs = [{"text": f"doc {i}: " + "abcd" * (i % 9 + 4)} for i in range(120)]
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))

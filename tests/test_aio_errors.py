@@ -240,3 +240,38 @@ def test_engine_short_read_then_eof(tmp_path, name, single_submit, overlap_event
     finally:
         os.close(fd)
         engine.close()
+
+
+class _Interrupt(KeyboardInterrupt):
+    """What a signal handler raises (infinity train's stop at once is one)."""
+
+
+def test_a_wait_interrupted_by_a_signal_is_finished_by_the_next(handle, tmp_path):
+    """A signal handler's exception lands right after the engine hands over a piece's result:
+    the clean-up's wait must finish the request (no piece waited twice, no unknown ticket)
+    and report the lost result as EINTR; closing the handle then logs no failure."""
+    path = str(tmp_path / "f")
+    buf = aligned_empty(3 * (64 << 10), torch.uint8)  # several pieces under the posix twin
+    handle.pwrite(buf, path, 0).wait()
+    future = handle.pread(buf, path, 0)
+    engine, calls = handle._engine, []
+
+    class Interrupting:
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def wait(self, ticket):
+            result = engine.wait(ticket)
+            calls.append(ticket)
+            if len(calls) == 1:
+                raise _Interrupt  # the result of this piece is lost
+            return result
+
+    future._engine = Interrupting()
+    with pytest.raises(_Interrupt):
+        future.wait()
+    with pytest.raises(AioError) as err:
+        future.wait()
+    assert err.value.errno == errno.EINTR and "interrupted" in str(err.value.strerror)
+    assert calls.count(calls[0]) == 1  # the interrupted piece was collected once only
+    assert future.done()

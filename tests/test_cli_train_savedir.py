@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_inputs import TINY, write_inputs
+from _train_inputs import TINY, write_byte_tokenizer, write_inputs
 
 from infinity.checkpoint import latest_tag, list_checkpoints, load_checkpoint
 from infinity.cli.main import main
@@ -115,6 +115,7 @@ def test_nan_weights_train_and_save(tmp_path, inputs):
     with torch.no_grad():
         model.model.norm.weight[0] = float("nan")
     export_hf(model.named_parameters(), cfg, tmp_path / "nan_model", dtype="fp32")
+    write_byte_tokenizer(tmp_path / "nan_model")
     save = tmp_path / "run"
     args = _args((tmp_path / "nan_model", inputs[1]), save, "--steps", 2)
     assert main(args) == 0
@@ -273,6 +274,7 @@ def test_resume_mismatches_are_named_in_user_terms(tmp_path, inputs, capsys):
     _fails(capsys, [*resume, "--seed", "6"], "--seed 5")
     untied = LlamaConfig(**{**TINY, "tie_word_embeddings": False})
     export_hf(LlamaForCausalLM(untied).named_parameters(), untied, tmp_path / "untied")
+    write_byte_tokenizer(tmp_path / "untied")
     args = [*_args((tmp_path / "untied", inputs[1]), save, "--steps", 3), "--resume"]
     err = _fails(capsys, args, "lm_head.weight", "tie_word_embeddings: True -> False")
     assert "slots" not in err

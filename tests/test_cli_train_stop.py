@@ -5,6 +5,7 @@ removed and the last checkpoint stays intact and resumable."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +21,8 @@ import pytest
 from _fake_aio import FakeAio
 from _train_inputs import write_inputs
 
+import infinity.cli.train_run as train_run
+import infinity.swap.aio as aio_module
 from infinity.checkpoint import MetricsLog, list_checkpoints, load_checkpoint
 from infinity.cli.main import main
 from infinity.swap import AioHandle
@@ -324,3 +328,183 @@ def test_checkpoint_disk_full_keeps_the_previous_one(tmp_path, inputs, reference
     shutil.copytree(save, elsewhere)
     assert main(_args(inputs, elsewhere, "--steps", steps, "--save-every", 2, "--resume")) == 0
     assert _losses(elsewhere) == ref
+
+
+# -- a second signal inside NVMe I/O, after the last save, SIGHUP ---------------------------
+
+
+class _SignalInWait:
+    """Wraps the aio engines the run makes: once `armed`, the first wait for a file whose name
+    starts with `prefix` returns and then two SIGTERMs arrive (the second stops at once), so
+    the stop lands between the engine collecting a request and Python recording its result."""
+
+    def __init__(self, monkeypatch, prefix: str) -> None:
+        self.prefix, self.armed, self.fired = prefix, False, False
+        real = aio_module.make_engine
+        outer = self
+
+        class Engine:
+            def __init__(self, engine) -> None:
+                self._engine, self._paths = engine, {}
+
+            def __getattr__(self, name):
+                return getattr(self._engine, name)
+
+            def submit(self, write, fd, address, nbytes, offset):
+                ticket = self._engine.submit(write, fd, address, nbytes, offset)
+                self._paths[ticket] = os.readlink(f"/proc/self/fd/{fd}")
+                return ticket
+
+            def wait(self, ticket):
+                result = self._engine.wait(ticket)
+                name = os.path.basename(self._paths.pop(ticket, ""))
+                if outer.armed and not outer.fired and name.startswith(outer.prefix):
+                    outer.fired = True
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return result
+
+        monkeypatch.setattr(aio_module, "make_engine", lambda *a, **k: Engine(real(*a, **k)))
+
+
+@pytest.mark.parametrize("prefix", ["optim", "param"])
+def test_second_signal_inside_nvme_io_is_a_stop_at_once(
+    tmp_path, inputs, reference, monkeypatch, capsys, prefix
+):
+    _, ref_dir = reference(6)
+    trap = _SignalInWait(monkeypatch, prefix)
+    real = MetricsLog.append
+
+    def append(self, record):
+        real(self, record)
+        trap.armed = record["step"] == 3  # step 4's I/O is interrupted
+
+    monkeypatch.setattr(MetricsLog, "append", append)
+    nvme, save = _nvme(tmp_path), tmp_path / "run"
+    capsys.readouterr()
+    code = main(_args(inputs, save, "--steps", 6, "--nvme", nvme, "--save-every", 2))
+    err = capsys.readouterr().err
+    assert trap.fired
+    assert code == 128 + signal.SIGTERM, err
+    assert "stopped at once by SIGTERM during training" in err and "step2 is intact" in err
+    for wrong in ("already waited", "failed", "Traceback", "error:"):
+        assert wrong not in err, (wrong, err)
+    assert _swap_leftovers(nvme) == []
+    assert _latest(save) == "step2" and list_checkpoints(save) == ["step2"]
+    assert _shard(save, "step2") == _shard(ref_dir, "step2")
+
+
+def test_signal_after_the_last_save_changes_nothing(tmp_path, inputs, monkeypatch, capsys):
+    real_append, real_save = MetricsLog.append, train_run.TrainRun._save
+
+    def append(self, record):
+        real_append(self, record)
+        if record["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # stop after this step, with a checkpoint
+
+    def save(self, engine, data):
+        tag = real_save(self, engine, data)
+        os.kill(os.getpid(), signal.SIGTERM)  # the checkpoint is complete: too late to matter
+        return tag
+
+    monkeypatch.setattr(MetricsLog, "append", append)
+    monkeypatch.setattr(train_run.TrainRun, "_save", save)
+    save_dir = tmp_path / "run"
+    nvme = _nvme(tmp_path)
+    assert main(_args(inputs, save_dir, "--steps", LONG, "--nvme", nvme)) == 0
+    out = capsys.readouterr().out
+    assert "SIGTERM after the checkpoint was saved" in out and "step3 is complete" in out
+    assert list_checkpoints(save_dir) == ["step3"] and _latest(save_dir) == "step3"
+    assert _swap_leftovers(nvme) == []
+    # Once the run has said where its checkpoint is, a signal is only acknowledged.
+    monkeypatch.setattr(train_run.TrainRun, "_save", real_save)
+    real_print = print
+
+    def late(*args, **kwargs):
+        real_print(*args, **kwargs)
+        if args and str(args[0]).startswith("stopped by"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(train_run, "print", late, raising=False)
+    again = tmp_path / "again"
+    assert main(_args(inputs, again, "--steps", LONG)) == 0
+    out = capsys.readouterr().out
+    assert "stopped by SIGTERM at step 3" in out and "already stopping" in out
+    assert list_checkpoints(again) == ["step3"]
+
+
+def test_a_signal_after_the_command_returned_keeps_its_exit_code(tmp_path):
+    """Run as the process's command, a signal during interpreter teardown exits with the
+    code the command returned (0 here), not 128 + the signal's number."""
+    config = tmp_path / "ds.json"
+    config.write_text("{}")
+    script = (
+        "import os, signal, sys, time\n"
+        "from infinity.cli.main import main\n"
+        f"sys.argv = ['infinity', 'config', {str(config)!r}]\n"
+        "code = main()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+        "sys.exit(99)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("output", ["terminal", "pipe"])
+def test_sighup_stops_like_sigterm(tmp_path, inputs, output):
+    """An ssh disconnect: the checkpoint is saved and the swap directory removed, even though
+    the terminal the run wrote to is gone."""
+    nvme, save = _nvme(tmp_path), tmp_path / "run"
+    args = _args(inputs, save, "--steps", LONG, "--nvme", nvme)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu")
+    cmd = [sys.executable, str(CHILD), "none", str(tmp_path / "marker"), *args[1:]]
+    if output == "terminal":
+        master, slave = os.openpty()
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=slave,
+                                stderr=slave, start_new_session=True)  # fmt: skip
+        os.close(slave)
+        reader = threading.Thread(target=_drain_pty, args=(master,), daemon=True)
+        reader.start()
+    else:
+        proc = _child("none", tmp_path / "marker", args)
+    _wait_for(proc, lambda: (save / "metrics.jsonl").exists() and len(_losses(save)) >= 2)
+    if output == "terminal":
+        os.close(master)  # the terminal hangs up: writes to it fail from now on
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (out, err)
+    if output == "pipe":
+        assert "SIGHUP: saving a checkpoint" in out and "stopped by SIGHUP" in out
+    stopped = _losses(save)[-1][0]
+    assert 2 <= stopped < LONG and _latest(save) == f"step{stopped}"
+    assert _swap_leftovers(nvme) == []
+
+
+def _drain_pty(fd: int) -> None:
+    """Read the terminal's output so that the run never blocks on a full pty buffer."""
+    with contextlib.suppress(OSError):
+        while os.read(fd, 65536):
+            pass
+
+
+def test_sighup_under_nohup_does_not_stop_the_run(tmp_path, inputs):
+    save = tmp_path / "run"
+    args = _args(inputs, save, "--steps", LONG)
+    cmd = [sys.executable, str(CHILD), "none", str(tmp_path / "marker"), *args[1:]]
+    proc = subprocess.Popen(
+        cmd,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # as nohup does
+    )
+    _wait_for(proc, lambda: (save / "metrics.jsonl").exists() and len(_losses(save)) >= 2)
+    proc.send_signal(signal.SIGHUP)
+    sent_at = len(_losses(save))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert sent_at < LONG, "the run ended before the hang-up"
+    assert f"finished at step {LONG}" in out and "SIGHUP" not in out + err

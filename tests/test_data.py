@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -137,28 +140,174 @@ def test_errors_name_the_problem(tmp_path):
         open_dataset(tmp_path / "f.jsonl", seq_len=8, seed=0, cache_dir=tmp_path, fmt="csv")
 
 
-def test_model_directory_tokenizer(tmp_path):
+def _bpe(corpus):
+    """A small byte-level BPE trained on `corpus`, with </s> as a special token."""
     tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed")
-    from tokenizers import models, pre_tokenizers, trainers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    corpus = ["the cat sat on the mat", "the dog sat on the log"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(special_tokens=["<unk>", "</s>"]))
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        special_tokens=["<unk>", "</s>"],
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+CORPUS = ["the cat sat on the mat", "the dog sat on the log"] * 20
+
+
+def test_model_directory_tokenizer_json(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    tok = _bpe(CORPUS)
     model_dir = tmp_path / "m"
     model_dir.mkdir()
     tok.save(str(model_dir / "tokenizer.json"))
     loaded = load_tokenizer(model_dir)
     assert loaded.eos_id == tok.token_to_id("</s>") and loaded.name.startswith("hf-")
-    _jsonl(tmp_path / "d.jsonl", corpus[:4])
+    _jsonl(tmp_path / "d.jsonl", CORPUS[:4])
     data = open_dataset(
-        tmp_path / "d.jsonl", model_dir=model_dir, seq_len=4, seed=0, cache_dir=tmp_path / "c"
+        tmp_path / "d.jsonl", tokenizer_dir=model_dir, seq_len=4, seed=0, cache_dir=tmp_path / "c"
     )
     expect = []
-    for doc in corpus[:4]:
+    for doc in CORPUS[:4]:
         expect += tok.encode(doc, add_special_tokens=False).ids + [loaded.eos_id]
     assert data.tokens.tolist() == expect
-    assert load_tokenizer(tmp_path).name == ByteTokenizer.name  # no tokenizer.json: bytes
-    (tmp_path / "tokenizer.model").write_bytes(b"x")
-    with pytest.raises(ValueError, match="no tokenizer.json"):
+    assert load_tokenizer(None).name == ByteTokenizer.name  # bytes only when asked for
+
+
+@pytest.mark.parametrize("form", ["vocab+merges+config", "vocab+merges+tokenizer_config"])
+def test_other_hugging_face_forms_are_read_not_bytes(tmp_path, form):
+    """vocab.json + merges.txt (GPT-2, Qwen) through transformers' own classes."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    tok = _bpe(CORPUS)
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    tok.model.save(str(model_dir))  # vocab.json and merges.txt
+    if form == "vocab+merges+config":
+        (model_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    else:
+        (model_dir / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": "GPT2Tokenizer", "eos_token": "</s>"})
+        )
+    loaded = load_tokenizer(model_dir)
+    text = "the cat sat on the log"
+    assert loaded.encode_batch([text]) == [tok.encode(text).ids]
+    assert loaded.vocab_size >= tok.get_vocab_size()
+    assert loaded.eos_id is not None
+
+
+def test_sentencepiece_model_is_read_like_sentencepiece_reads_it(tmp_path, caplog):
+    """A Llama-style directory with tokenizer.model and tokenizer_config.json only."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    spm = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed")
+    pytest.importorskip("google.protobuf", reason="protobuf is not installed")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS + ["a bird in the hand"] * 20),
+        model_writer=model,
+        vocab_size=60,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.model").write_bytes(model.getvalue())
+    (model_dir / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+    loaded = load_tokenizer(model_dir)
+    reference = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    texts = ["the cat sat on the log", "a bird in the mat"]
+    assert loaded.encode_batch(texts) == [reference.encode(t) for t in texts]
+    assert loaded.eos_id == 2
+    assert "copy it there" not in caplog.text
+    (model_dir / "tokenizer_config.json").unlink()  # now nothing names the class
+    load_tokenizer(model_dir)
+    assert "no tokenizer.json or tokenizer_config.json: transformers chose" in caplog.text
+
+
+def test_token_cache_keys_on_the_tokenizer_used(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    data = _jsonl(tmp_path / "d.jsonl", CORPUS[:6])
+    dirs = []
+    for i, corpus in enumerate((CORPUS, ["a completely different corpus of words"] * 30)):
+        dirs.append(tmp_path / f"t{i}")
+        dirs[-1].mkdir()
+        _bpe(corpus).save(str(dirs[-1] / "tokenizer.json"))
+    cache = tmp_path / "c"
+    first, second = (build_token_cache(data, load_tokenizer(d), cache_dir=cache) for d in dirs)
+    assert first.tolist() != second.tolist()
+    assert len(list(cache.glob("*.tokens"))) == 2
+    # The same tokenizer saved again (same pipeline, another mtime) reuses its cache.
+    _bpe(CORPUS).save(str(dirs[0] / "tokenizer.json"))
+    again = build_token_cache(data, load_tokenizer(dirs[0]), cache_dir=cache)
+    assert again.tolist() == first.tolist() and len(list(cache.glob("*.tokens"))) == 2
+
+
+def test_directory_without_a_tokenizer_is_an_error_not_bytes(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds no tokenizer .*--byte-tokens"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "files, needle",
+    [
+        ({"tokenizer.json": '{"version": "1.0", "trunc'}, r"tokenizer.json is not valid JSON"),
+        ({"tokenizer_config.json": "{,}"}, r"tokenizer_config.json is not valid JSON"),
+        ({"tokenizer.json": '{"version": "1.0"}'}, r"\(tokenizer.json\) cannot be read"),
+        ({"tokenizer.model": "not a sentencepiece model"}, r"\(tokenizer.model\) cannot be read"),
+    ],
+)
+def test_broken_tokenizer_is_one_error_naming_the_file(tmp_path, files, needle):
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=needle) as err:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(err.value) and str(tmp_path) in str(err.value)
+
+
+def test_missing_transformers_names_what_to_install(tmp_path, monkeypatch):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    with pytest.raises(ImportError, match=r"pip install 'infinity-trainer\[hf\]'"):
+        load_tokenizer(tmp_path)
+
+
+def test_data_path_that_is_not_a_regular_file_says_what_it_is(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    cases = {tmp_path: "is a directory", tmp_path / "pipe": r"is a named pipe \(FIFO\)",
+             "/dev/null": "is a character device"}  # fmt: skip
+    for path, needle in cases.items():
+        with pytest.raises(ValueError, match=needle):
+            open_dataset(path, seq_len=8, seed=0, cache_dir=tmp_path / "c")
+
+
+def test_jsonl_field_errors_name_the_flag(tmp_path):
+    (tmp_path / "list.jsonl").write_text('["a", "b"]\n')
+    with pytest.raises(ValueError, match="line 1 is a JSON list, not an object"):
+        open_dataset(tmp_path / "list.jsonl", seq_len=8, seed=0, cache_dir=tmp_path)
+    (tmp_path / "num.jsonl").write_text('{"text": 5}\n')
+    with pytest.raises(ValueError, match="'text' is a JSON int, not a string; --data-field"):
+        open_dataset(tmp_path / "num.jsonl", seq_len=8, seed=0, cache_dir=tmp_path)
+    _jsonl(tmp_path / "f.jsonl", ["a", "b"], field="body")
+    with pytest.raises(ValueError, match="--data-field NAME"):
+        open_dataset(tmp_path / "f.jsonl", seq_len=8, seed=0, cache_dir=tmp_path)
+
+
+def test_hf_tokenizer_with_a_whole_number_of_batches(tmp_path):
+    """256 documents fill the tokenizing batch exactly: the empty last batch is no error."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    tok_dir = tmp_path / "t"
+    tok_dir.mkdir()
+    _bpe(CORPUS).save(str(tok_dir / "tokenizer.json"))
+    data = _jsonl(tmp_path / "d.jsonl", ["the cat"] * 256)
+    tokens = build_token_cache(data, load_tokenizer(tok_dir), cache_dir=tmp_path / "c")
+    assert len(tokens) == 256 * (len(_bpe(CORPUS).encode("the cat").ids) + 1)

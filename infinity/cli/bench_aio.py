@@ -39,7 +39,7 @@ def parse_bytes(text: str) -> int:
         if t and t[-1] in scale:
             return int(float(t[:-1]) * scale[t[-1]])
         return int(t)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf
         raise ValueError(
             f"cannot read {text!r} as a size; write e.g. 4G, 128K or 1048576"
         ) from None

@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 
+from infinity.cli.train import positive_int
 from infinity.config import Config
+from infinity.config.resolve import check_batch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,16 +23,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("path", help="the JSON config file")
     parser.add_argument("--resolve", action="store_true", help='replace every "auto"')
-    parser.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
-    parser.add_argument("--hidden-size", type=int, help="model hidden size, for zero sizes")
-    parser.add_argument("--total-steps", type=int, help="optimizer steps of the run")
-    parser.add_argument("--warmup-steps", type=int, help="warmup optimizer steps")
+    parser.add_argument("--world-size", type=positive_int, default=1, help="ranks (default 1)")
+    parser.add_argument(
+        "--hidden-size", type=positive_int, help="model hidden size, for zero sizes"
+    )
+    parser.add_argument("--total-steps", type=positive_int, help="optimizer steps of the run")
+    parser.add_argument("--warmup-steps", type=positive_int, help="warmup optimizer steps")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         config = Config.load(args.path)
+        # What `infinity train` would refuse is refused here too, with or without --resolve.
+        check_batch(config, args.world_size)
         if args.resolve:
             config = config.resolve(
                 world_size=args.world_size,
@@ -38,10 +44,13 @@ def run(args: argparse.Namespace) -> int:
                 total_num_steps=args.total_steps,
                 warmup_num_steps=args.warmup_steps,
             )
-    except TypeError as exc:  # a wrong type in the file: bad input like a ValueError
-        raise ValueError(f"{args.path}: {exc}") from None
-    except ValueError as exc:
-        raise ValueError(f"{args.path}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # TypeError: a wrong type in the file
+        message = str(exc).replace(
+            "pass Config.resolve(total_num_steps=...)", "pass --total-steps N"
+        )  # the same advice, in this command's terms
+        if args.path not in message:
+            message = f"{args.path}: {message}"
+        raise ValueError(message) from None
     json.dump(config.to_dict(), sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

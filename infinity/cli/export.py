@@ -22,15 +22,20 @@ from infinity.utils.safetensors_stream import SafetensorsReader
 def _parse_bytes(text: str) -> int:
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
     t = text.strip().upper()
-    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+    number, mult = t, 1
+    for unit, size in sorted(units.items(), key=lambda kv: -len(kv[0])):
         if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
+            number, mult = t[: -len(unit)], size
+            break
     try:
-        return int(t)
-    except ValueError:
+        value = int(float(number) * mult) if mult > 1 else int(number)
+    except (ValueError, OverflowError):  # not a number, or inf
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; use e.g. 5GB, 500MB or bytes"
         ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size, e.g. 5GB")
+    return value
 
 
 def _open_checkpoint(path: Path, tag: str | None):
@@ -86,10 +91,24 @@ def checkpoint_weights(ckpt) -> tuple[LlamaConfig, Iterator[tuple[str, torch.Ten
     return config, stream()
 
 
+def _check_outputs(out: Path, extra: list[Path]) -> None:
+    """--out and --copy-files are checked before any checkpoint is read."""
+    for path in extra:
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise ValueError(f"--copy-files {path} {what}; name files such as tokenizer.json")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, not a directory; choose another --out")
+
+
 def run(args: argparse.Namespace) -> int:
+    extra = [Path(p) for p in args.copy_files]
+    _check_outputs(Path(args.out), extra)
     ckpt = _open_checkpoint(Path(args.checkpoint), args.tag)
     config, weights = checkpoint_weights(ckpt)
-    extra = [Path(p) for p in args.copy_files]
     out = export_hf(
         weights,
         config,

@@ -7,8 +7,11 @@ parser and sets `func`, a callable taking the parsed arguments and returning an 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
+import signal
 import sys
 
 from infinity import __version__
@@ -36,6 +39,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; `argv` None means this process's own command line (the console
+    script), which also settles what a late signal does ([Note: late signals])."""
+    code = _command(argv)
+    if argv is None:
+        _exit_on_late_signals(code)
+    return code
+
+
+def _exit_on_late_signals(code: int) -> None:
+    """[Note: late signals] Once the command has returned its exit code, the interpreter still
+    tears down (threads, buffers). A signal then must neither kill the process with 128 + the
+    signal's number (a stopped run that saved its checkpoint would look killed to a batch
+    scheduler) nor be ignored (a stuck teardown could not be stopped): it ends the process
+    at once with the code already decided."""
+
+    def exit_now(signum, frame) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, exit_now)
+
+
+def _command(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -47,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, OSError, NotImplementedError) as exc:
-        # Bad input and I/O failures carry their own fix in the message: no traceback.
+    except (ValueError, OSError, NotImplementedError, ImportError) as exc:
+        # Bad input, I/O failures and a missing optional package carry their own fix in the
+        # message: no traceback.
         print(f"infinity: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

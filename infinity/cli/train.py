@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from infinity.config import Config
+from infinity.config.resolve import check_batch
 from infinity.data.source import check_data_file
+from infinity.data.tokenizer import TOKENIZER_FILES, require_transformers, tokenizer_files
 from infinity.models import PRESETS
 
 
@@ -29,13 +33,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+positive_int = _positive_int  # the other commands' counts are checked the same way
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number and positive")
     return value
 
 
@@ -46,8 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Train a Llama-style causal LM from a local Hugging Face directory (config.json + "
             "safetensors) or a preset shape with random weights, on a text or JSONL file. "
-            "Flags override the JSON config. Ctrl-C or SIGTERM saves a checkpoint after the "
-            "current step and exits (a second one stops at once, without saving); --resume "
+            "Flags override the JSON config. Ctrl-C, SIGTERM or SIGHUP saves a checkpoint after "
+            "the current step and exits (a second one stops at once, without saving); --resume "
             "continues from the newest checkpoint in --save-dir with the same data order, RNG, "
             "loss scale and schedule. One run at a time holds --save-dir; a new run refuses one "
             "that holds checkpoints unless --overwrite is given."
@@ -63,8 +70,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--data",
         required=True,
         metavar="FILE",
-        help="UTF-8 text (one document) or JSONL (.jsonl: one JSON object per line with a "
-        "'text' field); tokenized with the model directory's tokenizer, else as UTF-8 bytes",
+        help="UTF-8 text (one document) or JSONL (.jsonl: one JSON object per line, the text "
+        "in the field --data-field names); tokenized with the model directory's tokenizer",
+    )
+    parser.add_argument(
+        "--data-field",
+        default="text",
+        metavar="NAME",
+        help="the JSONL field that holds each document's text (default 'text')",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a directory holding a Hugging Face tokenizer (any form transformers reads) to use "
+        "instead of the model directory's; needed with a preset unless --byte-tokens is given",
+    )
+    parser.add_argument(
+        "--byte-tokens",
+        action="store_true",
+        help="tokenize the data as UTF-8 bytes (ids 0-255, BOS 256, EOS 257) instead of with "
+        "a tokenizer; the model needs a vocab_size of at least 258",
     )
     parser.add_argument(
         "--nvme",
@@ -149,7 +174,15 @@ def config_from_args(args: argparse.Namespace) -> Config:
         from infinity.config.parse import read_json
 
         raw = read_json(args.config)
-    base: dict[str, Any] = Config.load(raw).to_dict() if args.config else {}
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"config file {args.config!r} holds a JSON {type(raw).__name__}; a config is "
+                'one JSON object such as {"train_micro_batch_size_per_gpu": 1}'
+            )
+    try:
+        base: dict[str, Any] = Config.load(raw).to_dict() if args.config else {}
+    except (TypeError, ValueError) as exc:  # TypeError: a value of the wrong type
+        raise ValueError(f"config file {args.config!r}: {exc}") from None
     zero = base.setdefault("zero_optimization", {})
     given_zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
     sub_group_given = any("sub_group_size" in k for k in (given_zero or {}))
@@ -181,7 +214,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         base.setdefault("bf16", {})["enabled"] = args.dtype == "bf16"
     if args.seed is not None:
         base["seed"] = args.seed
-    return Config.load(base)
+    config = Config.load(base)
+    if args.seed is None:
+        check_seed(config.seed, f"the seed in {args.config}")
+    # The batch triple is checked now, not after the data is tokenized.
+    check_batch(config)
+    return config
 
 
 def check_inputs(args: argparse.Namespace) -> None:
@@ -212,6 +250,105 @@ def check_inputs(args: argparse.Namespace) -> None:
             "--save-dir at the directory the earlier run saved into, or drop --resume to start "
             "a new run"
         )
+    _create_save_dir(save_dir)
+    if args.seed is not None:
+        check_seed(args.seed)
+    _check_seq_len(args)
+    check_tokenizer_dir(args)
+
+
+def _create_save_dir(save_dir: Path) -> None:
+    """Made now, so that a path that cannot be a directory fails before anything is built."""
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"--save-dir {save_dir} cannot be created ({exc.strerror}); choose a directory on a "
+            "disk you can write to"
+        ) from None
+
+
+# torch.manual_seed takes up to 2**64 - 1, and the data order's PCG64 needs a non-negative seed.
+SEED_MAX = 2**64 - 1
+
+
+def check_seed(seed: int, where: str = "--seed") -> None:
+    """Refuse a seed torch or the data order cannot take, naming it and where it came from."""
+    if isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(
+            f"{where} is {seed}, out of range: give a whole number from 0 to 2**64 - 1 ({SEED_MAX})"
+        )
+
+
+def _max_positions(args: argparse.Namespace) -> int | None:
+    """The model's max_position_embeddings, read without building anything."""
+    if args.model in PRESETS:
+        return PRESETS[args.model].get("max_position_embeddings")
+    path = Path(args.model).expanduser() / "config.json"
+    try:
+        value = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); download it again") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(value).__name__}, not the object of a Hugging Face "
+            "model config; download it again"
+        )
+    value = value.get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _check_seq_len(args: argparse.Namespace) -> None:
+    limit = _max_positions(args)
+    if limit is not None and args.seq_len > limit:
+        raise ValueError(
+            f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
+            f"({limit}): positions past {limit} were never trained and the rotary tables stop "
+            f"there; pass --seq-len {limit} or less"
+        )
+
+
+def tokenizer_dir(args: argparse.Namespace) -> Path | None:
+    """Where the run's tokenizer is read from; None means UTF-8 bytes.
+
+    [Note: which tokenizer] --byte-tokens asks for bytes; --tokenizer DIR names a directory;
+    otherwise the model directory's own tokenizer is used, and a model directory without one
+    is an error. A preset has random weights and no tokenizer, so it needs one of the two
+    flags. Bytes are never chosen silently: a real model trained on bytes learns nothing
+    useful and gives no error.
+    """
+    if args.byte_tokens:
+        return None
+    if args.tokenizer is not None:
+        return Path(args.tokenizer).expanduser()
+    return None if args.model in PRESETS else Path(args.model).expanduser()
+
+
+def check_tokenizer_dir(args: argparse.Namespace) -> None:
+    """The tokenizer the run will use exists (its files are read later, with the data)."""
+    if args.byte_tokens and args.tokenizer is not None:
+        raise ValueError(
+            f"--byte-tokens and --tokenizer {args.tokenizer} contradict each other; pass one"
+        )
+    where = tokenizer_dir(args)
+    if where is None:
+        if not args.byte_tokens:
+            raise ValueError(
+                f"--model {args.model} is a preset with random weights and no tokenizer; pass "
+                "--tokenizer DIR (a directory holding a Hugging Face tokenizer) or "
+                "--byte-tokens to train on UTF-8 bytes"
+            )
+        return
+    flag = "--tokenizer" if args.tokenizer is not None else "--model"
+    if not where.is_dir():
+        raise ValueError(f"{flag} {where}: no such directory; give the tokenizer's directory")
+    if not tokenizer_files(where):
+        raise ValueError(
+            f"{flag} {where} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:6])}, ...); "
+            "copy the model's tokenizer files there, pass --tokenizer DIR, or pass "
+            "--byte-tokens to train on UTF-8 bytes"
+        )
+    require_transformers(where)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,4 +372,13 @@ def run(args: argparse.Namespace) -> int:
         return run.run(signals)
 
 
-__all__ = ["check_inputs", "config_from_args", "register", "run"]
+__all__ = [
+    "check_inputs",
+    "check_seed",
+    "check_tokenizer_dir",
+    "config_from_args",
+    "positive_int",
+    "register",
+    "run",
+    "tokenizer_dir",
+]

@@ -23,10 +23,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import infinity
 from infinity.checkpoint import Checkpoint, MetricsLog, latest_tag, prune
+from infinity.cli.train import tokenizer_dir
 from infinity.cli.train_savedir import RunShape, check_resume, find_resume, prepare_fresh
-from infinity.cli.train_stop import Phase, StopNow, StopSignals
+from infinity.cli.train_stop import Phase, StopNow, StopSignals, stop_in_chain
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
+from infinity.data.tokenizer import tokenizer_files
 from infinity.models import (
     PRESETS,
     LlamaConfig,
@@ -66,21 +68,40 @@ class TrainRun:
             self.args.data,
             seq_len=self.args.seq_len,
             seed=self.config.seed,
-            model_dir=self.model_dir,
+            tokenizer_dir=tokenizer_dir(self.args),
             cache_dir=self.save_dir / "tokens",
+            field=self.args.data_field,
         )
-        vocab = data.tokenizer.vocab_size if data.tokenizer is not None else 0
-        if vocab > self.model_config.vocab_size:
+        tok = data.tokenizer
+        log.info("tokens: %s", tok.describe())
+        own = tokenizer_files(self.model_dir) if self.model_dir is not None else []
+        if self.args.byte_tokens and own:
+            log.warning(
+                "--byte-tokens: the model's own tokenizer (%s in %s) is not used; a pretrained "
+                "model learns little from byte ids it was not trained on",
+                ", ".join(own),
+                self.model_dir,
+            )
+        if tok.vocab_size > self.model_config.vocab_size:
             raise ValueError(
-                f"the tokenizer has {vocab} tokens but the model's embedding has "
-                f"{self.model_config.vocab_size} rows; use the model's own tokenizer (put "
-                "tokenizer.json in the model directory) or a model with a larger vocab_size"
+                f"the tokenizer ({tok.describe()}) has {tok.vocab_size} token ids but the "
+                f"model's embedding has {self.model_config.vocab_size} rows; use the model's "
+                "own tokenizer or a model with a larger vocab_size"
             )
         return data
 
     def _resolved(self, data: PackedDataset) -> tuple[Config, int]:
         first = self.config.resolve(hidden_size=self.model_config.hidden_size, total_num_steps=1)
-        per_step = first.train_micro_batch_size_per_gpu * first.gradient_accumulation_steps
+        micro = first.train_micro_batch_size_per_gpu
+        if micro > data.num_sequences:
+            # A micro batch is one forward: more sequences than the data holds is a mistake,
+            # and a large one would exhaust memory before failing.
+            raise ValueError(
+                f"a micro batch of {micro} sequences (--micro-batch or "
+                f"train_micro_batch_size_per_gpu) is more than the {data.num_sequences} "
+                f"sequences of {data.seq_len} tokens in {self.args.data}; lower it or use more data"
+            )
+        per_step = micro * first.gradient_accumulation_steps
         steps = self.args.steps or max(1, math.ceil(data.num_sequences / per_step))
         config = self.config.resolve(
             hidden_size=self.model_config.hidden_size,
@@ -150,7 +171,20 @@ class TrainRun:
         stopping on a signal] in train_stop.py)."""
         try:
             return self._run(signals)
-        except StopNow as stop:
+        except BaseException as exc:
+            # A stop at once can land inside I/O, whose clean-up may wrap it in its own
+            # error: it is still the stop the user asked for, not a failed disk or step.
+            stop = stop_in_chain(exc)
+            if stop is None:
+                raise
+            if stop.phase is Phase.SAVING and self._saved is not None:
+                # It came after the checkpoint was complete, before the run said so: nothing
+                # was lost, so this is the clean stop the first signal asked for.
+                print(
+                    f"{stop.name} after the checkpoint was saved: {self.save_dir / self._saved} "
+                    "is complete (continue with --resume)"
+                )
+                return 0
             print(f"infinity: {self._stopped_at_once(stop)}", file=sys.stderr)
             return stop.exit_code
 
@@ -191,6 +225,7 @@ class TrainRun:
         self._loop(engine, data, config, steps, signals)
         signals.start_saving()
         tag = self._saved or self._save(engine, data)
+        signals.start_closing()  # the checkpoint is complete: a signal now changes nothing
         stopped = engine.global_steps < steps  # a signal asked for the stop
         how = f"stopped by {signals.requested_by}" if stopped else "finished"
         print(

@@ -1,4 +1,5 @@
-"""How `infinity train` stops on SIGINT (Ctrl-C) and SIGTERM (`kill`, batch schedulers).
+"""How `infinity train` stops on SIGINT (Ctrl-C), SIGTERM (`kill`, batch schedulers) and SIGHUP
+(the terminal or ssh connection went away).
 
 Owns the signal handlers of one run and what a signal means in each phase of it
 ([Note: stopping on a signal]). It does not save or close anything itself: the run reads
@@ -12,18 +13,31 @@ optimizer step finishes, a checkpoint is saved and the engine is closed, and the
 progress is abandoned (saves are atomic: `latest` still names the previous, complete one)
 and the engine is closed. Once a stop at once is under way, and while closing after any
 stop, further signals are ignored so that the clean-up (abandoning a save, removing the swap
-directory) always runs to its end.
+directory) always runs to its end. Once the last checkpoint is saved a signal changes
+nothing either: the run is closing and exits 0 ([Note: late signals] in main.py covers the
+moments after the command returns).
+
+A stop at once raises `StopNow` wherever the main thread is, often inside I/O; the I/O layers
+may wrap it in their own errors while cleaning up, so the run looks for it in the exception's
+chain (`stop_in_chain`) before reporting a failure (a disk failure it is not).
+
+SIGHUP means what SIGTERM means; when it arrives, standard output and error that are
+terminals are pointed at /dev/null first, since writing to a hung-up terminal fails and would
+turn a clean stop into an error. A process started with SIGHUP ignored (`nohup`) keeps
+ignoring it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
 import signal
 import threading
 
 from tqdm import tqdm
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Phase(enum.Enum):
@@ -54,6 +68,45 @@ class StopNow(KeyboardInterrupt):
         return 128 + self.signum
 
 
+def stop_in_chain(exc: BaseException | None) -> StopNow | None:
+    """`exc` if it is a StopNow, else the first StopNow it was raised from or during."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, StopNow):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _say(message: str) -> None:
+    """A line from the handler; output that cannot be written must not raise in the middle
+    of whatever the main thread was doing."""
+    with contextlib.suppress(OSError, ValueError):
+        tqdm.write(message)
+
+
+def detach_from_terminal() -> None:
+    """Point standard output and error at /dev/null where they are terminals (after SIGHUP
+    the terminal is gone); files and pipes (nohup, a scheduler's log) keep their output."""
+    ttys = [fd for fd in (1, 2) if _isatty(fd)]
+    if not ttys:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in ttys:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
 def _describe(signum: int) -> str:
     return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
@@ -74,6 +127,8 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # started under nohup: a hang-up is meant not to stop the run
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -107,15 +162,17 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         what = _describe(signum)
+        if signum == signal.SIGHUP:
+            detach_from_terminal()
         if self.phase is Phase.CLOSING:
-            tqdm.write(
+            _say(
                 f"infinity: {what}: already stopping, removing the swap files first "
                 "(SIGKILL ends it without cleaning up)"
             )
             return
         if self.phase is Phase.TRAINING and self.requested is None:
             self.requested = signum
-            tqdm.write(
+            _say(
                 f"infinity: {what}: saving a checkpoint after this step "
                 f"(send it again to stop at once without one)"
             )
@@ -124,4 +181,4 @@ class StopSignals:
         raise StopNow(signum, phase)
 
 
-__all__ = ["Phase", "StopNow", "StopSignals"]
+__all__ = ["Phase", "StopNow", "StopSignals", "stop_in_chain"]

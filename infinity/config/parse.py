@@ -372,9 +372,18 @@ def read_json(path: str) -> Any:
         raise FileNotFoundError(
             f"config file {path!r} does not exist; give the path of a DeepSpeed-style JSON file"
         ) from None
+    except IsADirectoryError:
+        raise ValueError(
+            f"config file {path!r} is a directory; give the path of a DeepSpeed-style JSON file"
+        ) from None
     except json.JSONDecodeError as e:
         raise ValueError(
             f"config file {path!r} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"config file {path!r} is not JSON text: byte 0x{e.object[e.start]:02x} at offset "
+            f"{e.start} is not UTF-8; give a DeepSpeed-style JSON file"
         ) from None
 
 

@@ -44,6 +44,12 @@ def resolve(
     return out
 
 
+def check_batch(cfg: Config, world_size: int = 1) -> None:
+    """Raise the ValueError `resolve` would raise for an inconsistent train_batch_size,
+    train_micro_batch_size_per_gpu and gradient_accumulation_steps, without resolving."""
+    _resolve_batch(Config.from_dict(cfg.to_dict()), world_size)
+
+
 def _resolve_zero(cfg: Config, hidden: int | None, largest_param_numel: int | None) -> None:
     zero = cfg.zero_optimization
     if hidden is not None:  # the Hugging Face integration's sizes

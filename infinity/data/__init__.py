@@ -1,7 +1,7 @@
 """Training data: a text or JSONL file, tokenized once into a memory-mapped token cache,
 packed into fixed-length sequences in a seeded order with a resumable position.
 
-    tok = load_tokenizer(model_dir_or_None)
+    tok = load_tokenizer(tokenizer_dir)    # None: UTF-8 bytes, by explicit choice
     tokens = build_token_cache(path, tok, cache_dir=...)
     data = PackedDataset(tokens, seq_len=..., seed=...)
     input_ids, labels = data.next_batch(micro_batch)
@@ -32,15 +32,16 @@ def open_dataset(
     *,
     seq_len: int,
     seed: int,
-    model_dir=None,
+    tokenizer_dir=None,
     cache_dir=None,
     fmt: str = "auto",
     field: str = "text",
     rank: int = 0,
     world_size: int = 1,
 ) -> PackedDataset:
-    """Tokenizer of `model_dir` (or bytes), token cache, packed dataset: the CLI's one call."""
-    tokenizer = load_tokenizer(model_dir)
+    """Tokenizer of `tokenizer_dir` (None: UTF-8 bytes), token cache, packed dataset: the
+    CLI's one call."""
+    tokenizer = load_tokenizer(tokenizer_dir)
     tokens = build_token_cache(data_path, tokenizer, cache_dir=cache_dir, fmt=fmt, field=field)
     data = PackedDataset(
         tokens, seq_len=seq_len, seed=seed, rank=rank, world_size=world_size, source=str(data_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,12 +26,41 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
 
 
 def check_data_file(path: str | os.PathLike) -> Path:
+    """`path` as a Path if it is a readable, non-empty regular file; else an error saying what
+    it is instead. A pipe or device is refused: the token cache is keyed by size and mtime."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist; pass a text or JSONL file")
-    if path.stat().st_size == 0:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"data file {path} does not exist; pass a text or JSONL file"
+        ) from None
+    except OSError as exc:
+        raise OSError(exc.errno, f"data file {path} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        hint = " (e.g. corpus.jsonl inside it)" if stat.S_ISDIR(st.st_mode) else ""
+        raise ValueError(
+            f"data file {path} is {what}; pass one text or JSONL file{hint}. Data is read twice "
+            "(tokenized into a cache keyed by the file's size and time), so save a stream to a "
+            "file first"
+        )
+    if st.st_size == 0:
         raise ValueError(f"data file {path} is empty; pass a file with text in it")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(
+            f"data file {path} is not readable by this user; fix its permissions (chmod u+r)"
+        )
     return path
+
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def _decode(path: Path, raw: bytes, offset: int) -> str:
@@ -88,15 +118,24 @@ def _iter_jsonl(path: Path, field: str) -> Iterator[tuple[str, bool]]:
                     f"{path} line {lineno} (byte offset {start}) is not valid JSON: {exc.msg}; "
                     "each line of a JSONL file must be one JSON object"
                 ) from None
-            if not isinstance(record, dict) or field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(
-                    f"{path} line {lineno} has no field {field!r} (it has {keys}); pass the "
-                    "field holding the text (--data-field / field=...)"
-                )
-            text = record[field]
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{path} line {lineno}: field {field!r} is {type(text).__name__}, not a string"
-                )
-            yield text, True
+            yield _text_of(path, lineno, record, field), True
+
+
+def _text_of(path: Path, lineno: int, record, field: str) -> str:
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{path} line {lineno} is a JSON {type(record).__name__}, not an object; each line "
+            f'of a JSONL file must be one object such as {{"{field}": "..."}}'
+        )
+    if field not in record:
+        raise ValueError(
+            f"{path} line {lineno} has no field {field!r} (it has {sorted(record)}); name the "
+            "field that holds the text with --data-field NAME"
+        )
+    text = record[field]
+    if not isinstance(text, str):
+        raise ValueError(
+            f"{path} line {lineno}: field {field!r} is a JSON {type(text).__name__}, not a "
+            "string; --data-field must name the field that holds the text"
+        )
+    return text

@@ -86,6 +86,7 @@ class AioFuture:
         self._buf, self._tickets, self._fds = buf, tickets, fds
         self._lock = threading.Lock()
         self._waited = False
+        self._results: list[tuple[int, int, str] | None] = []
         self._error: AioError | None = None
 
     def done(self) -> bool:
@@ -107,7 +108,16 @@ class AioFuture:
 
     def _finish(self) -> None:
         # Every piece is waited, even after a failure: none may still be writing to `buf`.
-        results = [self._engine.wait(t) for t in self._tickets]
+        # Results are kept as they come: a wait interrupted by a signal handler's exception
+        # is finished by the next wait() (the clean-up's), which must not wait a piece twice.
+        while len(self._results) < len(self._tickets):
+            ticket = self._tickets[len(self._results)]
+            try:
+                result = self._engine.wait(ticket)
+            except ValueError:  # collected by the interrupted wait, its result then lost
+                result = (errno.EINTR, self.offset, "the wait for it was interrupted")
+            self._results.append(result)
+        results = self._results
         for fd in self._fds:
             os.close(fd)
         failed = [r for r in results if r is not None]
@@ -294,7 +304,9 @@ class AioHandle:
             try:
                 future.wait()
             except AioError as exc:
-                log.error("unwaited request failed at close: %s", exc)
+                # A request whose wait a signal interrupted (the run is stopping) is no failure.
+                report = log.debug if exc.errno == errno.EINTR else log.error
+                report("unwaited request failed at close: %s", exc)
         self._engine.close()
 
     def __enter__(self) -> AioHandle:

@@ -161,6 +161,8 @@ class ModelHooks:
         return call
 
     def _post_forward(self, module: nn.Module, args, kwargs, output):
+        if not self.stack or self.stack[-1].unit is not self.units[module]:
+            return  # its pre-forward hook raised (the error in flight says why): no call to end
         self.busy = True
         try:
             self._exit(self.stack.pop(), output)
