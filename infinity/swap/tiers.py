@@ -73,7 +73,7 @@ def make_state_store(
         raise ValueError(
             "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
         )
-    buffer_count = max(3, offload.buffer_count)
+    buffer_count = state_buffer_count(offload)
     check_host_buffers(buffer_count * 12 * max(numels, default=0))
     return NvmeStateStore(
         numels,
@@ -82,6 +82,12 @@ def make_state_store(
         buffer_count=buffer_count,
         pin_memory=False,  # stepped on the host; pinning only pays for device copies
     )
+
+
+def state_buffer_count(offload: OffloadOptimizerConfig) -> int:
+    """Host buffers of the NVMe optimizer pipeline: the configured count, at least 3 (one
+    read ahead, one stepped, one written back)."""
+    return max(3, offload.buffer_count)
 
 
 def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:
