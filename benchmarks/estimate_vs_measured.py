@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         est = estimate_record(record, probes[key])
         got, want = predicted(est), measured(record)
         ratio = {k: got[k] / want[k] for k in got if want[k]}
+        times = dataclasses.asdict(est.times)
         out.append({"record": path, "probed": probes[key], "estimate": got, "measured": want,
-                    "ratio": ratio, "bound": est.bound, "times": dataclasses.asdict(est.times)})  # fmt: skip
+                    "ratio": ratio, "bound": est.bound, "times": times})  # fmt: skip
         print(f"{path}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()), flush=True)
     machine = {"platform": platform.platform(), "torch": torch.__version__,
                "threads": torch.get_num_threads()}  # fmt: skip

@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         metavar="DIR|PRESET",
-        help=f"a Hugging Face model directory (its config.json), or a preset ({', '.join(PRESETS)})",
+        help=f"a Hugging Face model directory (config.json), or a preset ({', '.join(PRESETS)})",
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
     parser.add_argument(
