@@ -143,7 +143,7 @@ def render(est, model: str) -> str:
         _row("host RAM, peak", est.peak_rss_bytes, f"steady {est.steady_rss_bytes / _GIB:.1f} GiB"),
         _row("  fp32 gradients", s.grad_host_bytes),
         _row("  optimizer state / buffers", s.state_host_bytes),
-        _row("  16-bit weights", s.weights_host_bytes + s.frozen_host_bytes),
+        _row("  weights (model dtype)", s.weights_host_bytes + s.frozen_host_bytes),
         _row("  parameter staging pool", s.param_pool_bytes),
         _row("pinned", s.pinned_bytes),
         _row(
