@@ -17,7 +17,7 @@ import infinity
 from infinity.cli.main import main
 from infinity.config import Config
 from infinity.estimate import GPUS, Rates, estimate, model_shape, sizes
-from infinity.estimate.hardware import rates_from_bench_aio
+from infinity.estimate.hardware import probe_nvme, rates_from_bench_aio
 from infinity.estimate.shapes import lora_numel
 from infinity.estimate.sizing import resolve_config
 from infinity.models import LlamaConfig, LlamaForCausalLM, preset
@@ -304,3 +304,22 @@ def test_cli_errors_are_one_line(argv, message, capsys):
     assert main(["estimate", *argv]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_nvme_probe_measures_and_leaves_nothing(tmp_path):
+    read, write = probe_nvme(tmp_path, 8 << 20)
+    assert read > 0 and write > 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="not a writable directory"):
+        probe_nvme(tmp_path / "missing")
+
+
+def test_cli_probes_an_existing_nvme_directory(tmp_path, capsys):
+    out = tmp_path / "est.json"
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    assert main(["estimate", "--model", "tiny", "--nvme", str(ssd), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["rates"]["sources"]["nvme"].startswith("probe:")
+    assert d["nvme_read_bytes_per_step"] > 0 and d["nvme_bytes"] > 0
+    assert list(ssd.iterdir()) == []
