@@ -323,3 +323,14 @@ def test_cli_probes_an_existing_nvme_directory(tmp_path, capsys):
     assert d["rates"]["sources"]["nvme"].startswith("probe:")
     assert d["nvme_read_bytes_per_step"] > 0 and d["nvme_bytes"] > 0
     assert list(ssd.iterdir()) == []
+
+
+def test_too_little_ram_points_at_nvme(tmp_path):
+    shape = model_shape(preset("llama-1b"))
+    cfg = Config.load({})  # everything in host memory
+    est = estimate(shape, cfg, _rates(), seq_len=64, runtime_bytes=0, ram_bytes=8 << 30)
+    assert est.peak_rss_bytes > 8 << 30
+    assert any("--nvme PATH" in a for a in est.advice)
+    on_nvme = Config.load(_config(tmp_path, sub_group_size=100_000_000))
+    est = estimate(shape, on_nvme, _rates(), seq_len=64, runtime_bytes=0, ram_bytes=8 << 30)
+    assert est.peak_rss_bytes < est.sizes.grad_host_bytes + (2 << 30)

@@ -281,10 +281,14 @@ def advice(est: Estimate, config: Config, *, ram_bytes: int) -> list[str]:
             "--micro-batch or stage3_max_live_parameters"
         )
     if ram_bytes and est.peak_rss_bytes > ram_bytes:
+        fix = (
+            "lower zero_optimization.sub_group_size or offload_optimizer.buffer_count"
+            if zero.offload_optimizer.device == "nvme"
+            else "put the optimizer state and parameters on NVMe (--nvme PATH)"
+        )
         out.append(
             f"peak host memory {est.peak_rss_bytes / _GIB:.1f} GiB exceeds this machine's "
-            f"{ram_bytes / _GIB:.1f} GiB of RAM: offload to NVMe (--nvme PATH) or lower "
-            "sub_group_size / offload_optimizer.buffer_count"
+            f"{ram_bytes / _GIB:.1f} GiB of RAM: {fix}"
         )
     return out
 
