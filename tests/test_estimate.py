@@ -333,5 +333,5 @@ def test_too_little_ram_points_at_nvme(tmp_path):
     assert any("--nvme PATH" in a for a in in_ram.advice)
     on_nvme = Config.load(_config(tmp_path, sub_group_size=100_000_000))
     est = estimate(shape, on_nvme, _rates(), seq_len=64, runtime_bytes=0, ram_bytes=8 << 30)
-    assert est.peak_rss_bytes < in_ram.peak_rss_bytes - 12 * shape.numel  # the state left RAM
+    assert est.peak_rss_bytes < in_ram.peak_rss_bytes / 1.5  # the state left RAM
     assert any("sub_group_size" in a for a in est.advice)
