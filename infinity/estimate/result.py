@@ -15,6 +15,7 @@ optimizer step.
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -26,7 +27,7 @@ from infinity.estimate.sizing import Sizes, resolve_config, sizes
 _GIB = float(1 << 30)
 
 
-class Bound:
+class Bound(enum.StrEnum):
     """What limits the step (the largest of the step's time components)."""
 
     COMPUTE = "compute"
@@ -63,7 +64,7 @@ class Estimate:
     steady_rss_bytes: int
     device_bytes: int
     activation_bytes: int
-    bound: str
+    bound: Bound
     advice: list[str]
     params: int
     trainable_params: int
@@ -208,7 +209,7 @@ def step_times(
     )
 
 
-def bound_of(times: StepTimes) -> str:
+def bound_of(times: StepTimes) -> Bound:
     parts = {
         Bound.COMPUTE: times.compute_s,
         Bound.NVME: times.nvme_s,

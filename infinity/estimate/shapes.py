@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from infinity.models import LlamaConfig, LlamaForCausalLM
+from infinity.zero.build import is_persistent
 
 _PROBE_TOKENS = 8  # tokens of the meta forward that records the order (any length will do)
 
@@ -48,6 +49,8 @@ class LinearShape:
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
+    """One model's parameters, gather units and matmuls, as a run of it would see them."""
+
     config: LlamaConfig
     params: tuple[ParamShape, ...]
     """In `model.named_parameters()` order: the order of the engine's records and slots."""
@@ -67,7 +70,8 @@ class ModelShape:
 
     def unit_numel(self, unit: UnitShape, *, threshold: int) -> int:
         """Elements of the unit's non-persistent parameters (what a gather moves)."""
-        return sum(self.params[i].numel for i in unit.params if self.params[i].numel >= threshold)
+        numels = (self.params[i].numel for i in unit.params)
+        return sum(n for n in numels if not is_persistent(n, threshold))
 
 
 def model_shape(config: LlamaConfig, *, lora_r: int = 0) -> ModelShape:
