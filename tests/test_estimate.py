@@ -335,3 +335,10 @@ def test_too_little_ram_points_at_nvme(tmp_path):
     est = estimate(shape, on_nvme, _rates(), seq_len=64, runtime_bytes=0, ram_bytes=8 << 30)
     assert est.peak_rss_bytes < in_ram.peak_rss_bytes / 1.5  # the state left RAM
     assert any("sub_group_size" in a for a in est.advice)
+
+
+def test_cli_refuses_a_stage_the_engine_refuses(tmp_path, capsys):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert main(["estimate", "--model", "tiny", "--config", str(cfg)]) == 1
+    assert "stage 3 only" in capsys.readouterr().err

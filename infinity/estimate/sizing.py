@@ -77,6 +77,11 @@ class Sizes:
 
 def resolve_config(config: Config, shape: ModelShape) -> Config:
     """The config as `infinity train` and the engine resolve it for this model."""
+    if config.zero_optimization.stage != 3:
+        raise ValueError(
+            f"zero_optimization.stage is {config.zero_optimization.stage}: Infinity runs (and "
+            "estimates) stage 3 only; set it to 3"
+        )
     largest = max((p.numel for p in shape.params), default=1)
     return config.resolve(hidden_size=shape.config.hidden_size, largest_param_numel=max(1, largest))
 
