@@ -147,6 +147,12 @@ def _replays():
         return evm, json.load(f)["runs"]
 
 
+# Runs recorded with today's layout and traffic: earlier ones read 49 persistent parameters
+# back from disk after each step (2.1B runs 1 and 2) or laid sub-groups out per parameter
+# (the 2026-11-22 507M runs), so only their RSS and step time are compared.
+CURRENT_CODE = ("2.1B_nvme_run3", "2026-11-23_500M")
+
+
 def test_recorded_runs_replay_within_20_percent():
     evm, runs = _replays()
     assert {"2.1B", "500M"} <= {r for run in runs for r in ("2.1B", "500M") if r in run["record"]}
@@ -157,7 +163,7 @@ def test_recorded_runs_replay_within_20_percent():
         got, want = evm.predicted(est), evm.measured(record)
         for key in ("peak_rss_bytes", "step_seconds"):
             assert abs(got[key] / want[key] - 1) <= 0.2, (run["record"], key, got[key], want[key])
-        if "2026-11-22_500M" not in run["record"]:  # recorded before the current layout
+        if any(tag in run["record"] for tag in CURRENT_CODE):
             for key in ("nvme_read_bytes_per_step", "nvme_write_bytes_per_step", "host_bytes"):
                 assert got[key] == want[key], (run["record"], key)
 
