@@ -3,10 +3,10 @@ time within 20%, on the runs `benchmarks/bigger_than_ram.py` recorded on this ma
 
 For each `bigger_than_ram_*.json` given: the model shape and the config it recorded, the disk
 rates its `bench aio` measured and the CPU-Adam rate its probe measured; the compute, norm
-and copy rates are probed here (this machine, the run's shapes and tokens; once per model,
-median of repeats). Then the estimate against the record: NVMe bytes read and written per
-step (optimizer and parameter tiers), the host buffers `memory_stats()` reported, peak RSS
-and the step's wall time (the medians of the steps after the first). One JSON record per run,
+and copy rates are probed here (one block and the head of the run's model, forward and
+backward at its tokens; once per model, median of repeats). Then the estimate against the
+record: NVMe bytes read and written per step (optimizer and parameter tiers), the host
+buffers `memory_stats()` reported, peak RSS and the step's wall time (the medians of the steps after the first). One JSON record per run,
 with the rates used, so `tests/test_estimate.py` replays them without probing.
 
     flock /work/bench.lock python benchmarks/estimate_vs_measured.py \\
@@ -52,7 +52,7 @@ def rates_of(record: dict, probed: dict) -> Rates:
     return Rates(
         device="cpu",
         gpu=None,
-        forward_s=probed["forward_s"],
+        compute_s=probed["compute_s"],
         adam_numel_per_s=adam["numel"] / adam["median_s"],
         norm_bytes_per_s=probed["norm_bytes_per_s"],
         copy_bytes_per_s=probed["copy_bytes_per_s"],
@@ -108,16 +108,15 @@ def predicted(est: Estimate) -> dict:
 
 def probe(record: dict) -> dict:
     shape = shape_of(record)
-    cfg = shape.config
     seq = int(record["args"]["seq_len"])
-    tokens = seq * int(record["config"].get("train_micro_batch_size_per_gpu", 1))
+    micro = int(record["config"].get("train_micro_batch_size_per_gpu", 1))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(record["model"]["dtype"])
     dtype = dtype or torch.float32
-    matmuls = hardware.probe_forward_s(shape.linears, cfg.num_hidden_layers, tokens, dtype)
-    matmul_flops = 2 * tokens * sum(lin.in_features * lin.out_features for lin in shape.linears)
-    flops = cfg.train_flops_per_token(seq) / 3 * tokens
+    ckpt = bool(record["model"]["activation_checkpointing"])
     return {
-        "forward_s": matmuls * flops / matmul_flops,
+        "compute_s": hardware.probe_compute_s(
+            shape.config, micro, seq, dtype, frozen=False, checkpointing=ckpt
+        ),
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
         "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
     }

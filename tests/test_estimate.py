@@ -205,7 +205,7 @@ def test_lora_rank_must_be_positive():
 
 
 def _rates(**overrides) -> Rates:
-    base = dict(device="cpu", gpu=None, forward_s=1.0, adam_numel_per_s=1e9,
+    base = dict(device="cpu", gpu=None, compute_s=4.0, adam_numel_per_s=1e9,
                 norm_bytes_per_s=2e10, copy_bytes_per_s=1e10, nvme_read_bps=2e9,
                 nvme_write_bps=2e9)  # fmt: skip
     return Rates(**{**base, **overrides})
@@ -219,7 +219,7 @@ def test_slow_disk_bounds_and_advice_names_the_fix(tmp_path):
     assert slow.bound == "nvme"
     assert any("grad-accum" in a for a in slow.advice)
     assert any('offload_param.device "cpu"' in a for a in slow.advice)
-    fast = estimate(shape, cfg, _rates(nvme_read_bps=1e12, nvme_write_bps=1e12, forward_s=50.0),
+    fast = estimate(shape, cfg, _rates(nvme_read_bps=1e12, nvme_write_bps=1e12, compute_s=200.0),
                     seq_len=128, runtime_bytes=0)  # fmt: skip
     assert fast.bound == "compute"
     assert fast.times.step_s < slow.times.step_s

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         config,
         device=args.device,
         seq_len=args.seq_len,
+        activation_checkpointing=args.activation_checkpointing,
         nvme_path=args.nvme,
         bench_aio=args.bench_aio,
     )

@@ -41,6 +41,7 @@ def measure_rates(
     *,
     device: str,
     seq_len: int,
+    activation_checkpointing: bool = False,
     nvme_path: str | None = None,
     bench_aio: str | None = None,
 ) -> Rates:
@@ -51,20 +52,22 @@ def measure_rates(
         raise ValueError(f"--device {device!r} is not known; choose one of {', '.join(DEVICES)}")
     config = resolve_config(config, shape)
     dtype = model_dtype(config)
-    tokens = int(config.train_micro_batch_size_per_gpu) * seq_len
+    micro = int(config.train_micro_batch_size_per_gpu)
     c = shape.config
-    flops = c.train_flops_per_token(seq_len) / 3 * tokens  # one forward
+    frozen = shape.lora_r > 0
     sources = {}
     gpu = GPUS.get(device)
     if gpu is None:
-        matmuls = hardware.probe_forward_s(shape.linears, c.num_hidden_layers, tokens, dtype)
-        matmul_flops = 2 * tokens * sum(lin.in_features * lin.out_features for lin in shape.linears)
-        forward_s = matmuls * flops / matmul_flops  # attention at the matmuls' rate
+        compute_s = hardware.probe_compute_s(
+            c, micro, seq_len, dtype, frozen=frozen, checkpointing=activation_checkpointing
+        )
         copy = hardware.probe_copy_bytes_per_s()
-        sources["compute"] = "probe: the model's matmuls on this CPU"
+        sources["compute"] = "probe: one block and the head, forward and backward, on this CPU"
         sources["copies"] = "probe: a host memory copy"
     else:
-        forward_s = hardware.gpu_forward_s(gpu, flops, dtype)
+        flops = c.train_flops_per_token(seq_len) / 3 * micro * seq_len  # one forward
+        n = hardware.passes(frozen=frozen, checkpointing=activation_checkpointing)
+        compute_s = hardware.gpu_compute_s(gpu, flops, dtype, n)
         copy = gpu.host_link_bps
         peak = "fp32" if dtype.itemsize == 4 else "16-bit tensor"
         sources["compute"] = (
@@ -76,7 +79,7 @@ def measure_rates(
     return Rates(
         device=device,
         gpu=gpu,
-        forward_s=forward_s,
+        compute_s=compute_s,
         adam_numel_per_s=hardware.probe_adam_numel_per_s(dtype),
         norm_bytes_per_s=hardware.probe_norm_bytes_per_s(),
         copy_bytes_per_s=copy,

@@ -1,9 +1,10 @@
 """The rates the estimate turns bytes and FLOPs into seconds with, and where each came from.
 
 A named GPU contributes its published peak (16-bit tensor and fp32 FLOP/s, memory, host link),
-derated by `GPU_UTILIZATION`; the CPU device is measured: a short probe times the model's own
-matmuls on this machine. CPU-Adam is a probe of `adam_step_flat` (the optimizer's kernel),
-the gradient-norm pass a probe of the same reduction, host copies a probe of a copy. Disk
+derated by `GPU_UTILIZATION`; the CPU device is measured: a short probe times one of the
+model's own blocks and its head, forward and backward, on this machine. CPU-Adam is a probe
+of `adam_step_flat` (the optimizer's kernel), the gradient-norm pass a probe of the same
+reduction, host copies a probe of a copy. Disk
 rates come from an `infinity bench aio --json` file, or a quick O_DIRECT probe of the NVMe
 directory, or an assumed PCIe 4.0 SSD (said so in `Rates.sources`).
 """
@@ -15,13 +16,14 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from infinity.config import AioConfig
-from infinity.estimate.shapes import LinearShape
+from infinity.models import LlamaConfig
+from infinity.models.llama import LlamaDecoderLayer, rope_cos_sin
 from infinity.optim import adam_step_flat
 from infinity.swap.aio import AioHandle, aligned_empty, preallocate
 
@@ -65,8 +67,8 @@ class Rates:
 
     device: str
     gpu: GpuSpec | None
-    forward_s: float
-    """One forward of the model's matmuls for one micro batch (the compute probe)."""
+    compute_s: float
+    """Forward + backward compute of one micro batch (recomputation included)."""
     adam_numel_per_s: float
     norm_bytes_per_s: float
     copy_bytes_per_s: float
@@ -79,32 +81,55 @@ class Rates:
 # -- compute ---------------------------------------------------------------------------------
 
 
-def gpu_forward_s(gpu: GpuSpec, flops: float, dtype: torch.dtype) -> float:
-    """A forward's time from its FLOPs on a named GPU: peak x utilization."""
+def passes(*, frozen: bool, checkpointing: bool) -> float:
+    """Forward-equivalents of one training micro step: the forward, a backward of two (one
+    when the weights are frozen: no weight gradients), one more with recomputation."""
+    return 1.0 + (1.0 if frozen else 2.0) + (1.0 if checkpointing else 0.0)
+
+
+def gpu_compute_s(gpu: GpuSpec, forward_flops: float, dtype: torch.dtype, n_passes: float) -> float:
+    """A micro step's compute from its forward FLOPs on a named GPU: peak x utilization."""
     peak = gpu.fp32_flops if dtype == torch.float32 else gpu.tensor_flops
-    return flops / (peak * GPU_UTILIZATION)
+    return forward_flops * n_passes / (peak * GPU_UTILIZATION)
 
 
-def probe_forward_s(
-    linears: Sequence[LinearShape], layers: int, tokens: int, dtype: torch.dtype
-) -> float:
-    """Seconds of one forward's matmuls on this CPU: each distinct linear shape of one block
-    and the head, timed at the micro batch's tokens (at most 256, scaled linearly beyond:
-    past that many rows a matmul is compute-bound), the block's shapes times the layers."""
-    rows = min(tokens, 256)
-    block = [lin for lin in linears if ".layers.0." in f".{lin.name}."]
-    other = [lin for lin in linears if ".layers." not in f".{lin.name}."]
-    total = 0.0
-    for group, times in ((block, layers), (other, 1)):
-        for lin in group:
-            total += times * _time_matmul(rows, lin.in_features, lin.out_features, dtype)
-    return total * tokens / rows
+def probe_compute_s(
+    config: LlamaConfig, micro: int, seq_len: int, dtype: torch.dtype, *, frozen: bool,
+    checkpointing: bool,
+) -> float:  # fmt: skip
+    """Seconds of one micro step's forward + backward on this CPU: one real decoder block
+    (its norms, attention, MLP and autograd, in the model dtype) timed and multiplied by the
+    layers, plus the head and its loss. Recomputation adds one forward of the block."""
+    cos, sin = rope_cos_sin(config, torch.arange(seq_len), dtype)
+    block = _filled(LlamaDecoderLayer(config), dtype, frozen)
+    x = torch.randn(micro, seq_len, config.hidden_size).to(dtype).requires_grad_()
+
+    def block_step():
+        y = block(x, cos, sin)
+        if checkpointing:
+            with torch.no_grad():
+                block(x, cos, sin)
+        y.backward(torch.ones_like(y))
+
+    layers_s = config.num_hidden_layers * _median_s(block_step, repeats=3)
+    head = _filled(nn.Linear(config.hidden_size, config.vocab_size, bias=False), dtype, frozen)
+    labels = torch.randint(0, config.vocab_size, (micro * seq_len,))
+
+    def head_step():
+        logits = head(x).float().flatten(0, 1)
+        nn.functional.cross_entropy(logits, labels).backward()
+
+    return layers_s + _median_s(head_step, repeats=3)
 
 
-def _time_matmul(rows: int, k: int, n: int, dtype: torch.dtype) -> float:
-    x = torch.randn(rows, k).to(dtype)
-    w = torch.randn(n, k).to(dtype)
-    return _median_s(lambda: torch.nn.functional.linear(x, w), repeats=3)
+def _filled(module: nn.Module, dtype: torch.dtype, frozen: bool) -> nn.Module:
+    """`module` in `dtype` with small normal weights (no denormals to slow it down)."""
+    module = module.to(dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02)
+            p.requires_grad_(not frozen)
+    return module
 
 
 def _median_s(fn, *, repeats: int) -> float:

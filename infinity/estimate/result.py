@@ -3,9 +3,8 @@
 `estimate(shape, config, rates, ...)` combines the byte terms of `sizing` with the rates of
 `hardware` into an `Estimate` record; `as_json()` is what `infinity estimate --json` writes.
 
-[Note: the step model] A micro step's forward and backward cost the compute (one forward,
-a backward of two forwards, or one for frozen weights, and one more forward with activation
-checkpointing); NVMe parameter reads overlap it, and so do host-device copies on a GPU (a
+[Note: the step model] A micro step's forward and backward cost the compute (see
+`hardware.passes`); NVMe parameter reads overlap it, and so do host-device copies on a GPU (a
 copy stream), while on the CPU device copies take the same cores and add. The optimizer
 step reads and writes the state (and writes the new 16-bit weights) one sub-group at a time
 while CPU-Adam steps the previous one, so it costs the slower of the two, plus the
@@ -181,8 +180,7 @@ def step_times(
     shape: ModelShape, sz: Sizes, rates: Rates, *, accum: int, checkpointing: bool
 ) -> StepTimes:
     """See [Note: the step model]."""
-    backward = 2.0 if shape.lora_r == 0 else 1.0  # frozen weights need no weight gradient
-    compute = rates.forward_s * (1.0 + backward + (1.0 if checkpointing else 0.0))
+    compute = rates.compute_s
     copies = (sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step) / (
         rates.copy_bytes_per_s
     )
