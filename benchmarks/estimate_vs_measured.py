@@ -6,11 +6,14 @@ rates its `bench aio` measured and the CPU-Adam rate its probe measured; the com
 and copy rates are probed here (one block and the head of the run's model, forward and
 backward at its tokens; once per model, median of repeats). Then the estimate against the
 record: NVMe bytes read and written per step (optimizer and parameter tiers), the host
-buffers `memory_stats()` reported, peak RSS and the step's wall time (the medians of the steps after the first). One JSON record per run,
-with the rates used, so `tests/test_estimate.py` replays them without probing.
+buffers `memory_stats()` reported, peak RSS and the step's wall time (the medians of the
+steps after the first). One JSON record per run, with the rates used, so
+`tests/test_estimate.py` replays them without probing. The 2026-11-22 507M runs predate the
+current layout (sub-groups that split parameters), so they are not replayed:
 
     flock /work/bench.lock python benchmarks/estimate_vs_measured.py \\
-        benchmarks/results/bigger_than_ram_*.json \\
+        benchmarks/results/bigger_than_ram_2026-11-22_2.1B_nvme_run*.json \\
+        benchmarks/results/bigger_than_ram_2026-11-23_500M_cpu_run4.json \\
         --json benchmarks/results/estimate_vs_measured_2026-11-23.json
 """
 
