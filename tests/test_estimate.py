@@ -161,7 +161,12 @@ def test_recorded_runs_replay_within_20_percent():
             record = json.load(f)
         est = evm.estimate_record(record, run["probed"])
         got, want = evm.predicted(est), evm.measured(record)
-        for key in ("peak_rss_bytes", "step_seconds"):
+        keys = ["peak_rss_bytes"]
+        machine = record["machine"]
+        load, cores = machine["loadavg_end"][0], machine.get("cpus") or machine["cores"]
+        if load <= cores:  # a run that shared its cores with other work took longer
+            keys.append("step_seconds")
+        for key in keys:
             assert abs(got[key] / want[key] - 1) <= 0.2, (run["record"], key, got[key], want[key])
         if any(tag in run["record"] for tag in CURRENT_CODE):
             for key in ("nvme_read_bytes_per_step", "nvme_write_bytes_per_step", "host_bytes"):
