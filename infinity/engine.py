@@ -28,9 +28,11 @@ from torch import nn
 
 from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
+from infinity.checkpoint import model16
 from infinity.config import Config
 from infinity.optim import build_loss_scaler, build_schedule
 from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
+from infinity.utils.step_timer import StepTimer, format_breakdown
 from infinity.zero import (
     Coordinator,
     ModelHooks,
@@ -102,6 +104,12 @@ class Engine:
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self._last_overflow = False
+        self._timer = StepTimer(
+            enabled=self.config.wall_clock_breakdown, synchronize=self.accelerator.synchronize
+        )
+        if self._timer.enabled:  # the start's waits for the disk are not the first step's
+            self._add_disk_waits()
+            self._timer.discard()
 
     def _build_optimizer(self) -> PartitionedOptimizer:
         trainable: list[OffloadParam] = [r for r in self.records if r.param.requires_grad]
@@ -187,6 +195,7 @@ class Engine:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
+        start = self._timer.start()
         coord.begin_iteration(self._iteration_key())
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
@@ -198,6 +207,7 @@ class Engine:
         if not torch.is_grad_enabled():
             self.hooks.reset()
             coord.end_iteration()
+        self._timer.stop("forward", start)
         return out
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -209,6 +219,7 @@ class Engine:
             )
         factor = self.loss_scaler.scale / self.gradient_accumulation_steps
         coord = self.coordinator
+        start = self._timer.start()
         coord.phase = Phase.BACKWARD
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
@@ -219,6 +230,7 @@ class Engine:
             raise
         self.hooks.reset()
         coord.end_iteration()
+        self._timer.stop("backward", start)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next `step()` applies the optimizer (DeepSpeed's meaning)."""
@@ -231,10 +243,12 @@ class Engine:
         self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
+        start = self._timer.start()
         if self.param_store is not None:
             self.coordinator.quiesce()
+        lr = self.lr_schedule.lr
         result = self.optimizer.step(
-            lr=self.lr_schedule.lr,
+            lr=lr,
             loss_scale=self.loss_scaler.scale,
             max_grad_norm=float(self.config.gradient_clipping),
         )
@@ -248,6 +262,39 @@ class Engine:
             if self.param_store is None:
                 self.coordinator.refresh_persistent()
         self.global_steps += 1
+        self._timer.stop("step", start)
+        self._time_step_parts()
+        self._log_progress(lr, self._timer.finish())
+
+    def _time_step_parts(self) -> None:
+        """With `wall_clock_breakdown`: the optimizer's own parts, and the time waited for
+        the disk (optimizer state in the step, parameters in the whole iteration)."""
+        if not self._timer.enabled:
+            return
+        for part, seconds in self.optimizer.last_timings.items():
+            self._timer.add(f"step.{part.removesuffix('_s')}", seconds)
+        self._add_disk_waits()
+
+    def _add_disk_waits(self) -> None:
+        stats = self.memory_stats()
+        for key, name in (
+            ("nvme_optim_wait_us", "step.nvme_wait"),
+            ("nvme_param_wait_us", "nvme_param_wait"),
+        ):
+            if key in stats:
+                self._timer.add_total(name, stats[key] / 1e6)
+
+    def _log_progress(self, lr: float, breakdown: dict[str, float]) -> None:
+        """Every `steps_per_print` optimizer steps: a progress line and, with
+        `wall_clock_breakdown`, where the step's time went."""
+        if self.global_steps % self.config.steps_per_print:
+            return
+        logger.info(
+            "step %d: lr %.4g, loss scale %g, grad norm %.4g, skipped steps %d",
+            self.global_steps, lr, self.loss_scaler.scale, self._grad_norm, self.skipped_steps,
+        )  # fmt: skip
+        if breakdown:
+            logger.info("step %d time: %s", self.global_steps, format_breakdown(breakdown))
 
     def _refresh_live(self, start: int, weights: torch.Tensor) -> None:
         """The optimizer's new weights of flat elements [start, start + numel) go into the
@@ -291,6 +338,11 @@ class Engine:
     def was_step_skipped(self) -> bool:
         return self._last_overflow
 
+    def wall_clock_breakdown(self) -> dict[str, float]:
+        """Seconds spent in forward, backward and step (and the step's parts) over the last
+        optimizer step; {} unless the config's `wall_clock_breakdown` is true."""
+        return dict(self._timer.last)
+
     def memory_stats(self) -> dict[str, int]:
         """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
         NVMe tiers, bytes read and written, time waited, the staging buffers' sizes and peak
@@ -305,13 +357,15 @@ class Engine:
         stats.update(
             {k: v for k, v in optim.items() if k.startswith(("nvme_", "optim_host_buffer"))}
         )
-        pinned = peak_pinned = 0  # the optimizer's buffers are stepped on the host: unpinned
+        pinned = optim.get("optim_host_buffer_pinned_bytes", 0)  # offload_optimizer.pin_memory
+        peak_pinned = optim.get("optim_host_buffer_peak_bytes", 0) if pinned else 0
         if self.param_store is not None:
             stats.update(self.param_store.memory_stats())
             pool = self.param_store.pool
             stats["host_bytes"] += pool.total_bytes
             if pool.pinned:
-                pinned, peak_pinned = pool.total_bytes, pool.peak_bytes_in_use
+                pinned += pool.total_bytes
+                peak_pinned += pool.peak_bytes_in_use
         stats["pinned_bytes"], stats["peak_pinned_bytes"] = pinned, peak_pinned
         return stats
 
@@ -360,6 +414,34 @@ class Engine:
         )
         logger.info("saved checkpoint %s/%s", save_dir, tag)
         return tag
+
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors"
+    ) -> str:
+        """Write the whole model's weights (and persistent buffers) in 16 bits to one
+        safetensors file, `save_dir/save_filename`, with the model's config.json when it has
+        one, so `from_pretrained(save_dir)` loads it. The training dtype when it is fp16 or
+        bf16, else bf16. Needs zero_optimization.stage3_gather_16bit_weights_on_model_save
+        (DeepSpeed's switch for this). Returns the file's path."""
+        if not self.config.zero_optimization.gather_16bit_weights_on_model_save:
+            raise ValueError(
+                "save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                "is false; set it to true, or export a checkpoint with "
+                "`infinity export CKPT --out DIR`"
+            )
+        self._check_idle("save_16bit_model")
+        dtype = self.records[0].dtype
+        dtype = dtype if dtype in model16.SIXTEEN_BIT else torch.bfloat16
+        weights = [(r.name, _weights_of(r)) for r in self.records]
+        path = model16.save_16bit_model(
+            weights + list(model16.persistent_buffers(self.module)),
+            save_dir,
+            save_filename,
+            dtype=dtype,
+            config_json=model16.model_config_json(self.module, dtype),
+        )
+        logger.info("saved 16-bit model weights to %s", path)
+        return str(path)
 
     def load_checkpoint(
         self, save_dir: str | os.PathLike, tag: str | None = None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -672,3 +674,114 @@ def test_precision():
     with pytest.raises(ValueError, match="resolve"):
         _ = Config.load({"bf16": {"enabled": "auto"}}).precision
     assert Config.load({"bf16": {"enabled": "auto"}}).resolve().precision == "fp32"
+
+
+# --- DeepSpeed features Infinity does not implement -------------------------------------------
+
+UNSUPPORTED = [  # (key path, value, part of the reason)
+    ("zero_optimization.zero_quantized_weights", True, r"gathered in the training dtype"),
+    ("zero_optimization.zero_quantized_gradients", True, r"accumulated in fp32"),
+    ("zero_optimization.zero_hpz_partition_size", 8, r"hierarchical partitioning"),
+    ("zero_optimization.mics_shard_size", 8, r"MiCS"),
+    ("zero_optimization.offload_optimizer.ratio", 0.3, r"partial optimizer offload"),
+    ("communication_data_type", "fp16", r"accumulated in fp32 and never communicated"),
+    ("prescale_gradients", True, r"one process: there is no gradient reduction"),
+    ("sparse_attention", {"mode": "fixed"}, r"block-sparse attention"),
+    ("pipeline", {"stages": 2}, r"without pipeline parallelism"),
+    ("tensor_parallel", {"autotp_size": 2}, r"without tensor parallelism"),
+    ("compression_training", {"weight_quantization": {}}, r"quantization-aware training"),
+    ("amp", {"enabled": True}, r"Apex AMP .*enable fp16 or bf16"),
+    ("wandb", {"enabled": True, "project": "p"}, r"does not log to it; .*metrics\.jsonl"),
+    ("memory_breakdown", True, r"engine\.memory_stats\(\) reports"),
+]
+
+
+def _nested(path: str, value) -> dict:
+    for key in reversed(path.split(".")):
+        value = {key: value}
+    return value
+
+
+@pytest.mark.parametrize("path,value,why", UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
+def test_unsupported_deepspeed_features_say_so_and_why(path, value, why):
+    with pytest.raises(ValueError) as info:
+        Config.from_dict(_nested(path, value))
+    message = str(info.value)
+    assert message.startswith(f"{path}: ")
+    assert "is not supported by Infinity: " in message
+    assert re.search(why, message), message
+    assert "remove it" in message
+    assert "unknown key" not in message and "did you mean" not in message
+
+
+def test_unsupported_features_left_off_are_accepted():
+    off = {
+        "amp": {"enabled": False},
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        "communication_data_type": None,
+        "sequence_parallel_size": 1,
+        "data_efficiency": {"enabled": False, "seed": 1234},
+        "tensorboard": {"enabled": False, "output_path": "tb"},
+        "memory_breakdown": False,
+        "zero_optimization": {
+            "zero_hpz_partition_size": 1,
+            "zero_quantized_weights": False,
+            "zero_quantized_nontrainable_weights": False,
+            "zero_quantized_gradients": False,
+            "mics_shard_size": -1,
+            "mics_hierarchical_params_gather": False,
+            "offload_optimizer": {"device": "cpu", "ratio": 1},
+        },
+    }
+    assert Config.from_dict(off) == Config()
+
+
+def test_message_names_the_values_that_leave_a_feature_off():
+    with pytest.raises(ValueError, match=r"remove it or set it to false$"):
+        Config.from_dict({"zero_optimization": {"zero_quantized_weights": 1}})  # 1 is not false
+    with pytest.raises(ValueError, match=r"remove it or set it to a section with enabled: false"):
+        Config.from_dict({"amp": {"enabled": True, "opt_level": "O1"}})
+    with pytest.raises(ValueError, match=r"sparse_attention: a section is not .*; remove it$"):
+        Config.from_dict({"sparse_attention": {"mode": "fixed"}})
+
+
+def test_truly_unknown_keys_still_get_a_suggestion():
+    with pytest.raises(ValueError, match=r"unknown key \(did you mean 'zero_quantized_weights'"):
+        Config.from_dict({"zero_optimization": {"zero_quantised_weights": True}})
+    with pytest.raises(ValueError, match=r"^no_such_thing: unknown key$"):
+        Config.from_dict({"no_such_thing": 1})
+
+
+def test_optimizer_buffer_count_below_the_pipeline_minimum_is_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"^zero_optimization\.offload_optimizer\.buffer_count: 2 is out of range; it must "
+        r"be >= 3: the NVMe optimizer pipeline holds one sub-group being read ahead, one being "
+        r"stepped and one being written back",
+    ):
+        Config.from_dict({"zero_optimization": {"offload_optimizer": {"buffer_count": 2}}})
+    cfg = Config.from_dict({"zero_optimization": {"offload_optimizer": {"buffer_count": 3}}})
+    assert cfg.zero_optimization.offload_optimizer.buffer_count == 3
+
+
+def test_fast_init_true_is_refused_with_the_reason():
+    with pytest.raises(
+        ValueError,
+        match=r"^zero_optimization\.offload_optimizer\.fast_init: true is not supported by "
+        r"Infinity: there is no separate optimizer-state initialization pass to skip .*set it to "
+        r"false or remove it$",
+    ):
+        Config.from_dict({"zero_optimization": {"offload_optimizer": {"fast_init": True}}})
+    off = Config.from_dict({"zero_optimization": {"offload_optimizer": {"fast_init": False}}})
+    assert off.zero_optimization.offload_optimizer.fast_init is False
+
+
+def test_docs_list_every_unsupported_feature_and_its_reason():
+    from infinity.config.unsupported import OFFLOAD_OPTIMIZER, TOP_LEVEL, ZERO
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    for table in (TOP_LEVEL, ZERO, OFFLOAD_OPTIMIZER):
+        for key, entry in table.items():
+            assert f"| `{key}` (" in docs, key
+            assert entry.why[1:] in docs, key

@@ -5,7 +5,10 @@ SAVE_DIR/
   <tag>/checkpoint.json       metadata: step, engine state, per-rank RNG, shard checksums
   <tag>/rank00000.safetensors one shard per rank, tensors written one at a time
   .tmp.<tag>/                 a save in progress (or a crashed one, removed by the next save)
-  .lock                       held (flock) by the process saving into SAVE_DIR
+  .tmp.removed.<tag>/         a checkpoint being removed on purpose (retention, --overwrite)
+  .lock                       flock held by the run training in SAVE_DIR (or the process
+                              saving into it); records the holder's pid, host and command
+  metrics.jsonl               one strict-JSON record per optimizer step (see `metrics`)
 """
 
 from __future__ import annotations

@@ -3,14 +3,16 @@
 On resume from a checkpoint taken at step S, the lines of steps after S (written by the
 run that died) are dropped first, so the file always reads as one run. The rewrite is
 atomic; an append that a crash cut short (a final line without its newline) is dropped too.
+Every line is strict JSON: a NaN or infinite value is null, named under "nonfinite" (see
+`infinity.checkpoint.jsonfloat`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from infinity.checkpoint.jsonfloat import metrics_line, metrics_record
 from infinity.utils.fsio import write_file_atomic
 
 FILE = "metrics.jsonl"
@@ -27,22 +29,25 @@ class MetricsLog:
             raise ValueError(f"a metrics record needs a 'step', got keys {sorted(record)}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
-            f.write(json.dumps(record, allow_nan=True) + "\n")
+            f.write(metrics_line(record) + "\n")
 
     def records(self) -> list[dict]:
-        """Every complete record, in order (a torn last line is skipped)."""
+        """Every complete record, in order, non-finite values as floats (a torn last line is
+        skipped)."""
         if not self.path.exists():
             return []
         out = []
         for line in self.path.read_text().split("\n"):
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                record = metrics_record(line)
+            except (ValueError, AttributeError, TypeError):
                 continue  # an empty or torn line
+            if isinstance(record, dict) and "step" in record:
+                out.append(record)
         return out
 
     def truncate_after(self, step: int) -> int:
         """Keep records with step <= `step` (the checkpoint resumed from); returns how many."""
         kept = [r for r in self.records() if r["step"] <= step]
-        write_file_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        write_file_atomic(self.path, "".join(metrics_line(r) + "\n" for r in kept).encode())
         return len(kept)

@@ -8,14 +8,17 @@ Reading never modifies SAVE_DIR. Every problem is an error naming the file and t
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from infinity.checkpoint import layout
+from infinity.checkpoint import jsonfloat, layout
 from infinity.utils.safetensors_stream import SafetensorsReader, file_digests
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -24,6 +27,16 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint file is truncated, corrupted or does not match its metadata."""
+
+
+def _created(save_dir: Path, tag: str) -> float:
+    """When checkpoint `tag` was committed: its metadata's time (which survives a copy of
+    SAVE_DIR that resets file times), else its metadata file's modification time."""
+    meta_path = save_dir / tag / layout.METADATA
+    try:
+        return float(jsonfloat.loads(meta_path.read_text())["created_unix_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return meta_path.stat().st_mtime
 
 
 def list_checkpoints(save_dir: str | os.PathLike) -> list[str]:
@@ -36,42 +49,72 @@ def list_checkpoints(save_dir: str | os.PathLike) -> list[str]:
         for p in save_dir.iterdir()
         if p.is_dir() and not p.name.startswith(".") and (p / layout.METADATA).is_file()
     ]
-    return sorted(tags, key=lambda t: (save_dir / t / layout.METADATA).stat().st_mtime_ns)
+    return sorted(tags, key=lambda t: (_created(save_dir, t), t))
 
 
 def latest_tag(save_dir: str | os.PathLike) -> str | None:
     """The tag `latest` names, or None when SAVE_DIR has no complete checkpoint."""
     try:
         tag = (Path(save_dir) / layout.LATEST).read_text().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
         return None
     return tag or None
 
 
-def _resolve(save_dir: Path, tag: str | None) -> str:
-    if tag is not None:
-        layout.check_tag(tag)
-        if not (save_dir / tag).is_dir():
-            others = list_checkpoints(save_dir)
-            raise CheckpointNotFoundError(
-                f"checkpoint {tag!r} not found in {save_dir}; available: {others or 'none'}"
-            )
-        return tag
+def find_checkpoint(save_dir: str | os.PathLike) -> str:
+    """The checkpoint to resume from or export: the newest complete one whose checksums verify.
+
+    Normally that is the one `latest` names (not verified here: loading does it). When
+    `latest` is missing, empty, names no complete checkpoint, or a complete checkpoint was
+    committed after the one it names (a crash between the two), the newer checkpoints are
+    verified newest first and the first that passes is chosen, with a warning. Reads only.
+    """
+    save_dir = Path(save_dir)
     if not save_dir.is_dir():
-        raise CheckpointNotFoundError(
-            f"no checkpoint to resume from: {save_dir} does not exist; check --save-dir, or start "
-            "without --resume"
+        what = "is not a directory" if save_dir.exists() else "does not exist"
+        raise CheckpointNotFoundError(f"no checkpoint in {save_dir}: that path {what}")
+    complete = list_checkpoints(save_dir)
+    latest = latest_tag(save_dir)
+    if latest is not None and complete and complete[-1] == latest:
+        return latest
+    newer = complete[complete.index(latest) + 1 :] if latest in complete else complete
+    skipped = []
+    for tag in reversed(newer):
+        try:
+            Checkpoint(save_dir / tag, _read_metadata(save_dir / tag)).verify()
+        except (CheckpointCorruptError, KeyError, TypeError) as exc:
+            skipped.append(f"{tag} ({exc})")
+            continue
+        why = (
+            f"'{layout.LATEST}' names {latest!r}"
+            if latest
+            else f"'{layout.LATEST}' is missing or empty"
         )
-    tag = latest_tag(save_dir)
+        log.warning(
+            "%s in %s, but %s is the newest complete checkpoint and its checksums verify: "
+            "using it%s", why, save_dir, tag, f"; skipped {'; '.join(skipped)}" if skipped else "",
+        )  # fmt: skip
+        return tag
+    if latest in complete:
+        return latest  # the newer ones are damaged: the one `latest` names is loaded
+    stale = [p.name for p in save_dir.glob(f"{layout.TMP_PREFIX}*")]
+    found = [f"{len(stale)} interrupted save(s) ({', '.join(sorted(stale))})"] if stale else []
+    found += [f"damaged checkpoint {s}" for s in skipped]
+    raise CheckpointNotFoundError(
+        f"no {'checkpoint that verifies' if skipped else 'complete checkpoint'} in {save_dir}"
+        + (f" ('{layout.LATEST}' names {latest!r}, which is not there)" if latest else "")
+        + (f"; found only: {'; '.join(found)}" if found else "")
+    )
+
+
+def _resolve(save_dir: Path, tag: str | None) -> str:
     if tag is None:
+        return find_checkpoint(save_dir)
+    layout.check_tag(tag)
+    if not (save_dir / tag).is_dir():
+        others = list_checkpoints(save_dir)
         raise CheckpointNotFoundError(
-            f"no checkpoint to resume from in {save_dir} (no '{layout.LATEST}' file); "
-            "start without --resume, or point --save-dir at the directory a previous run saved into"
-        )
-    if not (save_dir / tag / layout.METADATA).is_file():
-        raise CheckpointCorruptError(
-            f"{save_dir / layout.LATEST} names {tag!r} but {save_dir / tag / layout.METADATA} is "
-            f"missing; load one of {list_checkpoints(save_dir) or 'none'} by tag"
+            f"checkpoint {tag!r} not found in {save_dir}; available: {others or 'none'}"
         )
     return tag
 
@@ -106,10 +149,7 @@ class Checkpoint:
         for rank in range(self.world_size) if ranks is None else ranks:
             rec = self._shard(rank)
             path = self.path / rec["file"]
-            fix = (
-                "restore the file from a copy, or load an earlier checkpoint by tag "
-                f"(available: {list_checkpoints(self.path.parent)})"
-            )
+            fix = _damage_fix(self.path)
             if not path.is_file():
                 raise CheckpointCorruptError(f"checkpoint shard {path} is missing; {fix}")
             size = path.stat().st_size
@@ -141,10 +181,21 @@ class Checkpoint:
             return f.get_tensor(name)
 
 
+def _damage_fix(path: Path) -> str:
+    """How to go on from damaged checkpoint `path`, without deleting anything."""
+    others = [t for t in list_checkpoints(path.parent) if t != path.name]
+    if not others:
+        return "restore the file from a copy (no other checkpoint exists in that directory)"
+    return (
+        f"restore the file from a copy, or move {path} out of {path.parent} (keep it) and load "
+        f"again: the newest checkpoint that verifies is taken (others: {', '.join(others)})"
+    )
+
+
 def _read_metadata(path: Path) -> dict:
     meta_path = path / layout.METADATA
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = jsonfloat.loads(meta_path.read_text())
     except FileNotFoundError:
         raise CheckpointCorruptError(
             f"{meta_path} is missing: {path} is not a complete checkpoint; load another tag"
@@ -153,10 +204,9 @@ def _read_metadata(path: Path) -> dict:
         raise CheckpointCorruptError(
             f"{meta_path} is not valid JSON ({exc}); it was damaged: restore it or load another tag"
         ) from None
-    if meta.get("format") != layout.FORMAT:
-        raise CheckpointCorruptError(
-            f"{meta_path} is not an Infinity checkpoint (format={meta.get('format')!r})"
-        )
+    if not isinstance(meta, dict) or meta.get("format") != layout.FORMAT:
+        kind = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointCorruptError(f"{meta_path} is not an Infinity checkpoint (format={kind!r})")
     if meta.get("version", 0) > layout.VERSION:
         raise CheckpointCorruptError(
             f"{meta_path} has format version {meta['version']}, newer than this Infinity "

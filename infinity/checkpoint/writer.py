@@ -13,18 +13,17 @@ every rank calls `attach_save(...).write_shard(rank, ...)`, barrier, rank 0 call
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
-from infinity.checkpoint import layout
+from infinity.checkpoint import jsonfloat, layout, lock
 from infinity.checkpoint.rng import capture_rng_state
 from infinity.utils.fsio import fault_point, fsync_dir, write_file_atomic
 from infinity.utils.safetensors_stream import StreamingSafetensorsWriter
@@ -105,7 +104,7 @@ class PendingCheckpoint:
                 "num_tensors": count,
                 "rng": capture_rng_state() if rng_state is True else (rng_state or None),
             }
-            write_file_atomic(self.tmp / f"{name}.json", json.dumps(record).encode())
+            write_file_atomic(self.tmp / f"{name}.json", jsonfloat.dumps(record).encode())
         except OSError as exc:
             if rank == 0:
                 self.abort()
@@ -130,7 +129,7 @@ class PendingCheckpoint:
                         f"every rank must call write_shard before rank 0 commits "
                         f"(world_size={world_size})"
                     )
-                shards.append(json.loads(rec_path.read_text()))
+                shards.append(jsonfloat.loads(rec_path.read_text()))
             meta = {
                 "format": layout.FORMAT,
                 "version": layout.VERSION,
@@ -142,11 +141,12 @@ class PendingCheckpoint:
                 "shards": shards,
             }
             try:
-                payload = json.dumps(meta, indent=1, allow_nan=False).encode()
+                payload = jsonfloat.dumps(meta, indent=1).encode()
             except (TypeError, ValueError) as exc:
                 raise TypeError(
-                    f"checkpoint state must be JSON-serializable (no NaN/inf, tensors or objects): "
-                    f"{exc}; convert values with .item() / float() / lists first"
+                    f"checkpoint state must be JSON-serializable (numbers, strings, lists, "
+                    f"dicts; no tensors or objects): {exc}; convert values with .item() / "
+                    "float() / lists first"
                 ) from exc
             write_file_atomic(self.tmp / layout.METADATA, payload)
             for rank in range(world_size):
@@ -178,22 +178,22 @@ class PendingCheckpoint:
     def _finish(self) -> None:
         self._done = True
         if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
+            lock.unlock(self._lock_fd)
             self._lock_fd = None
 
 
-def _lock(save_dir: Path) -> int:
-    fd = os.open(save_dir / layout.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OSError(
+def _lock(save_dir: Path) -> int | None:
+    """Hold SAVE_DIR for one save; None when this process already holds it for a run."""
+    if lock.held_here(save_dir):
+        return None
+    fd = lock.try_lock(save_dir)
+    if fd is None:
+        raise lock.plain_os_error(
             errno.EBUSY,
-            f"another process is saving a checkpoint into {save_dir} (it holds {layout.LOCK}); "
-            "wait for it or use a different --save-dir",
-        ) from None
+            f"another process is saving into or training in {save_dir}: "
+            f"{lock.describe_holder(save_dir)}; wait for it or use a different --save-dir",
+        )
+    lock.record_holder(fd, " ".join(sys.argv))
     return fd
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from infinity.checkpoint import layout, load_checkpoint
+from infinity.checkpoint import CheckpointNotFoundError, layout, load_checkpoint
 from infinity.models import LlamaConfig, export_hf
 from infinity.utils.safetensors_stream import SafetensorsReader
 
@@ -34,9 +34,17 @@ def _parse_bytes(text: str) -> int:
 
 
 def _open_checkpoint(path: Path, tag: str | None):
+    """A checkpoint directory itself, or the newest checkpoint of a save directory that
+    verifies (the one `infinity train --resume` continues from), or its `tag`."""
     if (path / layout.METADATA).is_file() and tag is None:
         return load_checkpoint(path.parent, path.name)
-    return load_checkpoint(path, tag)
+    try:
+        return load_checkpoint(path, tag)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{exc}; give the --save-dir of a training run (its newest checkpoint is exported) "
+            f"or one checkpoint directory (the one holding {layout.METADATA})"
+        ) from None
 
 
 def checkpoint_weights(ckpt) -> tuple[LlamaConfig, Iterator[tuple[str, torch.Tensor]]]:

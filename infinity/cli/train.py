@@ -8,6 +8,7 @@ inputs before any work starts. The run itself (model, data, loop, checkpoints) i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -47,8 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "safetensors) or a preset shape with random weights, on a text or JSONL file. "
             "Flags override the JSON config. Ctrl-C or SIGTERM saves a checkpoint after the "
             "current step and exits (a second one stops at once, without saving); --resume "
-            "continues from the latest checkpoint in --save-dir with the same data order, RNG, "
-            "loss scale and schedule."
+            "continues from the newest checkpoint in --save-dir with the same data order, RNG, "
+            "loss scale and schedule. One run at a time holds --save-dir; a new run refuses one "
+            "that holds checkpoints unless --overwrite is given."
         ),
     )
     parser.add_argument(
@@ -109,7 +111,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="checkpoint every N optimizer steps (default: only at the end and on a stop)",
     )
     parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in --save-dir"
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --save-dir whose checksums verify, with "
+        "the same model, precision, sequence length, seed and sequences per step",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a --save-dir that holds checkpoints: delete them and metrics.jsonl "
+        "first (without it, such a directory is refused unless --resume is given)",
+    )
+    parser.add_argument(
+        "--keep-last",
+        type=_positive_int,
+        metavar="N",
+        help="after each save keep only the N newest checkpoints (default: keep all); the one "
+        "'latest' names is never removed",
     )
     parser.add_argument("--seed", type=int, help="seed for init, data order and dropout (config)")
     parser.add_argument(
@@ -181,27 +199,36 @@ def check_inputs(args: argparse.Namespace) -> None:
                 "folder holding config.json and the *.safetensors files"
             )
     check_data_file(Path(args.data).expanduser())
-    if args.resume:
-        from infinity.checkpoint import latest_tag
-
-        if latest_tag(args.save_dir) is None:
-            raise ValueError(
-                f"--resume: there is no checkpoint in {args.save_dir} (no 'latest'); "
-                "run without --resume to start fresh, or point --save-dir at the earlier run"
-            )
+    if args.resume and args.overwrite:
+        raise ValueError(
+            "--resume continues the run in --save-dir and --overwrite deletes it: give one"
+        )
+    save_dir = Path(args.save_dir).expanduser()
+    if save_dir.exists() and not save_dir.is_dir():
+        raise ValueError(f"--save-dir {save_dir} is a file, not a directory; give a directory")
+    if args.resume and not save_dir.exists():
+        raise ValueError(
+            f"--resume: no checkpoint to continue from: {save_dir} does not exist; point "
+            "--save-dir at the directory the earlier run saved into, or drop --resume to start "
+            "a new run"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
+    from infinity.checkpoint import SaveDirLock
     from infinity.cli.train_run import TrainRun
     from infinity.cli.train_stop import StopNow, StopSignals
     from infinity.utils.host_memory import unmap_large_allocations
 
     unmap_large_allocations()  # freed parameter-sized buffers leave RSS at once
 
-    with StopSignals() as signals:
+    with StopSignals() as signals, contextlib.ExitStack() as held:
         try:
             check_inputs(args)
-            run = TrainRun(args, config_from_args(args))
+            config = config_from_args(args)
+            # Held until the run ends or the process dies: a second run there is refused.
+            held.enter_context(SaveDirLock(Path(args.save_dir).expanduser()))
+            run = TrainRun(args, config)
         except StopNow as stop:
             print(f"infinity: stopped by {stop.name} before training started", file=sys.stderr)
             return stop.exit_code

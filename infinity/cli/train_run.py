@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import infinity
-from infinity.checkpoint import MetricsLog, latest_tag
+from infinity.checkpoint import Checkpoint, MetricsLog, latest_tag, prune
+from infinity.cli.train_savedir import RunShape, check_resume, find_resume, prepare_fresh
 from infinity.cli.train_stop import Phase, StopNow, StopSignals
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
@@ -111,7 +113,35 @@ class TrainRun:
                 "param_shapes": {k: list(v) for k, v in self.param_shapes.items()},
             },
             "data": data.state_dict(),
+            "run": self._shape().to_dict(),
         }
+
+    def _shape(self) -> RunShape:
+        """The settings a resume must keep, from the flags and the config."""
+        config = self.config.resolve(hidden_size=self.model_config.hidden_size, total_num_steps=1)
+        return RunShape(
+            dtype=config.precision,
+            micro_batch=config.train_micro_batch_size_per_gpu,
+            grad_accum=config.gradient_accumulation_steps,
+            seq_len=self.args.seq_len,
+            seed=config.seed,
+        )
+
+    def _prepare_save_dir(self) -> Checkpoint | None:
+        """Before anything is built: the checkpoint to resume from, checked against this
+        run's settings; or, for a fresh run, a save dir without checkpoints (see
+        infinity.cli.train_savedir)."""
+        if not self.args.resume:
+            prepare_fresh(self.save_dir, overwrite=self.args.overwrite)
+            return None
+        ckpt = find_resume(self.save_dir)
+        check_resume(
+            ckpt,
+            self._shape(),
+            model=self.model_config.to_hf_dict(),
+            shapes=self.param_shapes,
+        )
+        return ckpt
 
     # -- running -------------------------------------------------------------------------
 
@@ -125,11 +155,12 @@ class TrainRun:
             return stop.exit_code
 
     def _run(self, signals: StopSignals) -> int:
+        resume = self._prepare_save_dir()
         data = self._data()
         config, steps = self._resolved(data)
         engine = infinity.initialize(self._model(config), config)
         try:
-            code = self._train(engine, data, config, steps, signals)
+            code = self._train(engine, data, config, steps, signals, resume)
         except BaseException:
             signals.start_closing()
             _close_quietly(engine)  # the error in flight is the one to report
@@ -138,12 +169,21 @@ class TrainRun:
         engine.close()  # removes the swap directory under --nvme
         return code
 
-    def _train(self, engine, data, config: Config, steps: int, signals: StopSignals) -> int:
-        if self.args.resume:
-            _, client_state = engine.load_checkpoint(self.save_dir)
+    def _train(
+        self,
+        engine,
+        data,
+        config: Config,
+        steps: int,
+        signals: StopSignals,
+        resume: Checkpoint | None,
+    ) -> int:
+        if resume is not None:
+            _, client_state = engine.load_checkpoint(self.save_dir, resume.tag)
             data.load_state_dict(client_state["data"])
             self.metrics.truncate_after(engine.global_steps)
-            log.info("resumed from step %d in %s", engine.global_steps, self.save_dir)
+            self._saved = resume.tag  # a stop before the first step has nothing new to save
+            log.info("resumed from %s (step %d)", resume.path, engine.global_steps)
         if engine.global_steps >= steps:
             print(f"already at step {engine.global_steps} of {steps}: nothing to do")
             return 0
@@ -171,6 +211,11 @@ class TrainRun:
                 f"{engine.global_steps}. {self._resume_hint('there is room')}",
             ) from exc
         self._saved = tag
+        if self.args.keep_last:
+            try:
+                prune(self.save_dir, self.args.keep_last)
+            except OSError as exc:  # the new checkpoint is safe: retention can wait
+                log.warning("--keep-last: could not remove an old checkpoint: %s", exc)
         return tag
 
     def _resume_hint(self, once: str = "") -> str:
@@ -222,7 +267,7 @@ class TrainRun:
             disable=self.args.no_progress,
             dynamic_ncols=True,
         )
-        with bar:
+        with bar, logging_redirect_tqdm():  # the engine's progress lines go above the bar
             while engine.global_steps < steps and not signals.requested:
                 lr = engine.get_lr()[0]  # the rate this step uses
                 start = time.perf_counter()

@@ -3,6 +3,8 @@
 [Note: keys] Each field is read from any of its keys (the first is the one `to_dict` writes);
 two keys of one field with different values are an error. Ignored keys are DeepSpeed settings
 that do not apply here and change nothing; they are accepted and logged at debug level.
+Unsupported keys are DeepSpeed features Infinity does not implement (see unsupported.py):
+refused with the reason unless their value leaves the feature off.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from infinity.config.sections import (
     SchedulerConfig,
     ZeroConfig,
 )
+from infinity.config.unsupported import OFFLOAD_OPTIMIZER, TOP_LEVEL, ZERO, Unsupported
 from infinity.config.values import AUTO, suggest, to_float, to_int
 
 logger = logging.getLogger(__name__)
@@ -57,17 +60,7 @@ _IGNORED: dict[type, frozenset[str]] = {
         {
             "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer",
-            "memory_breakdown",
-            "dump_state",
-            "flops_profiler",
-            "tensorboard",
-            "wandb",
-            "csv_monitor",
-            "comet",
-            "comms_logger",
             "activation_checkpointing",
-            "prescale_gradients",
-            "gradient_predivide_factor",
         }
     ),
     ZeroConfig: frozenset(
@@ -84,9 +77,16 @@ _IGNORED: dict[type, frozenset[str]] = {
             "ignore_unused_parameters",
             "memory_efficient_linear",
             "log_trace_cache_warnings",
+            "use_multi_rank_bucket_allreduce",
         }
     ),
     AioConfig: frozenset({"use_gds"}),  # checked to be false in _parse_aio
+}
+
+_UNSUPPORTED: dict[type, dict[str, Unsupported]] = {
+    Config: TOP_LEVEL,
+    ZeroConfig: ZERO,
+    OffloadOptimizerConfig: OFFLOAD_OPTIMIZER,
 }
 
 # (class, field) -> (bound, strict): values must be >= bound (> bound when strict).
@@ -107,7 +107,7 @@ _MINIMUM: dict[tuple[type, str], tuple[float, bool]] = {
     (OffloadParamConfig, "buffer_count"): (1, False),
     (OffloadParamConfig, "buffer_size"): (1, False),
     (OffloadParamConfig, "max_in_cpu"): (0, False),
-    (OffloadOptimizerConfig, "buffer_count"): (1, False),
+    (OffloadOptimizerConfig, "buffer_count"): (3, False),
     (ZeroConfig, "max_live_parameters"): (1, False),
     (ZeroConfig, "prefetch_bucket_size"): (0, False),
     (ZeroConfig, "max_reuse_distance"): (0, False),
@@ -116,6 +116,15 @@ _MINIMUM: dict[tuple[type, str], tuple[float, bool]] = {
     (AioConfig, "block_size"): (1, False),
     (AioConfig, "queue_depth"): (1, False),
     (AioConfig, "thread_count"): (1, False),
+}
+
+
+# Why a bound holds, where the range alone does not say it.
+_BOUND_REASON: dict[tuple[type, str], str] = {
+    (OffloadOptimizerConfig, "buffer_count"): (
+        "the NVMe optimizer pipeline holds one sub-group being read ahead, one being stepped "
+        "and one being written back (4, the default, lets reads run two sub-groups ahead)"
+    ),
 }
 
 
@@ -139,6 +148,7 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
     if not isinstance(data, Mapping):
         raise TypeError(f"{path or 'config'}: expected an object, got {data!r}")
     keys, ignored = _keys_of(cls), _IGNORED.get(cls, frozenset())
+    unsupported = _UNSUPPORTED.get(cls, {})
     values: dict[str, Any] = {}
     seen: dict[str, str] = {}
     for key, raw in data.items():
@@ -146,10 +156,15 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
         if key in ignored:
             logger.debug("%s: a DeepSpeed setting that does not apply here; ignored", where)
             continue
+        if key in unsupported:
+            if not unsupported[key].accepts(raw):
+                raise ValueError(unsupported[key].message(where, raw))
+            logger.debug("%s: a DeepSpeed feature left off, as Infinity has it", where)
+            continue
         name = keys.get(key)
         if name is None or name in skip:
             known = sorted(k for k, n in keys.items() if n not in skip) + sorted(ignored)
-            raise ValueError(f"{where}: unknown key{suggest(str(key), known)}")
+            raise ValueError(f"{where}: unknown key{suggest(str(key), known + list(unsupported))}")
         value = _convert(raw, _hints(cls)[name], where)
         _check_minimum(cls, name, value, where)
         if name in values and values[name] != value:
@@ -229,7 +244,10 @@ def _check_minimum(cls: type, name: str, value: Any, path: str) -> None:
     low, strict = bound
     if value < low or (strict and value == low):
         need = f"> {low}" if strict else f">= {low}"
-        raise ValueError(f"{path}: {value!r} is out of range; it must be {need}")
+        why = _BOUND_REASON.get((cls, name))
+        raise ValueError(
+            f"{path}: {value!r} is out of range; it must be {need}" + (f": {why}" if why else "")
+        )
 
 
 def _parse_optimizer(data: Any, path: str) -> OptimizerConfig:
@@ -287,6 +305,13 @@ def _after_offload(offload: OffloadParamConfig | OffloadOptimizerConfig, path: s
         raise ValueError(
             f"{_join(path, 'nvme_path')}: required when {_join(path, 'device')} is 'nvme'; "
             f"set it to a directory on a fast local SSD"
+        )
+    if isinstance(offload, OffloadOptimizerConfig) and offload.fast_init:
+        raise ValueError(
+            f"{_join(path, 'fast_init')}: true is not supported by Infinity: there is no "
+            f"separate optimizer-state initialization pass to skip (each sub-group's master "
+            f"weights and zero moments are written once, pipelined, as the engine starts); "
+            f"set it to false or remove it"
         )
 
 

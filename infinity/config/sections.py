@@ -23,7 +23,8 @@ class OffloadParamConfig:
     device: OffloadDevice = "cpu"
     """"cpu" (pinned host RAM when CUDA is present), "nvme", or "none" (stay on the device)."""
     pin_memory: bool = True
-    """Pin host buffers so device copies are asynchronous (ignored without CUDA)."""
+    """Pin the NVMe staging buffers so device copies are asynchronous (the CPU accelerator
+    cannot pin: there it changes nothing, and `memory_stats` reports 0 pinned bytes)."""
     nvme_path: str | None = None
     """Directory on a fast SSD for the swap store; required when device is "nvme"."""
     buffer_count: int = 5
@@ -40,18 +41,24 @@ class OffloadOptimizerConfig:
 
     device: OffloadDevice = "cpu"
     """"cpu" (host RAM) or "nvme"; "none" is accepted and treated as "cpu" for stage 3."""
-    pin_memory: bool = True
-    """Pin the host buffers used for optimizer swapping."""
+    pin_memory: bool = False
+    """Pin the NVMe pipeline's host buffers (allocated pinned by the accelerator; the CPU
+    accelerator cannot pin, so there it changes nothing and `memory_stats` reports 0 pinned
+    bytes). With device "cpu" there are no such buffers: the state is stepped in place."""
     nvme_path: str | None = None
     """Directory on a fast SSD for the optimizer swap store; required when device is "nvme"."""
     buffer_count: int = 4
-    """Sub-groups in flight in the NVMe optimizer pipeline (read, step, write)."""
-    pipeline_read: bool = False
-    """Overlap reading the next sub-group's state with the current step (NVMe)."""
-    pipeline_write: bool = False
-    """Overlap writing the previous sub-group's state with the current step (NVMe)."""
+    """Host buffers of the NVMe optimizer pipeline, one sub-group each; at least 3 (one read
+    ahead, one stepped, one written back)."""
+    pipeline_read: bool = True
+    """Read the next sub-groups' state from NVMe while the current one is stepped (and the
+    first ones of the next step during forward and backward). False reads each sub-group
+    only when its turn comes (DeepSpeed's default; slower, same results)."""
+    pipeline_write: bool = True
+    """Write each stepped sub-group back to NVMe while the next one is stepped. False waits
+    for each write-back before going on (DeepSpeed's default; slower, same results)."""
     fast_init: bool = False
-    """Initialize NVMe optimizer state without a round trip through host memory."""
+    """Only false: Infinity has no separate optimizer-state initialization pass to skip."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +80,8 @@ class ZeroConfig:
     sub_group_size: int | str = 1_000_000_000
     """Elements per optimizer sub-group (the unit of CPU-Adam and NVMe swapping)."""
     gather_16bit_weights_on_model_save: bool = False
-    """Gather full 16-bit weights when saving the model (DeepSpeed's stage3_ key)."""
+    """Allow `Engine.save_16bit_model`: consolidated 16-bit weights in one safetensors file
+    (DeepSpeed's stage3_ key). `infinity export` does the same from a checkpoint."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -180,9 +188,12 @@ class Config:
     aio: AioConfig = field(default_factory=AioConfig)
     seed: int = 1234
     steps_per_print: int = 10
-    """Log progress every this many optimizer steps."""
+    """Log a progress line (step, skipped steps, lr, loss scale, grad norm) every this many
+    optimizer steps, at INFO level."""
     wall_clock_breakdown: bool = False
-    """Log the time spent in forward, backward and step."""
+    """Time forward, backward and the optimizer step (and the step's own parts) over each
+    optimizer step, log them every `steps_per_print` steps and keep the last ones in
+    `Engine.wall_clock_breakdown()`. Synchronizes the device around each timed part."""
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:

@@ -122,6 +122,8 @@ def sizes(shape: ModelShape, config: Config, *, pins: bool) -> Sizes:
         pool = param_disk = param_write = 0
         frozen_host = frozen_host_bytes(shape, itemsize)
     pool_pinned = pool if (pins and zero.offload_param.pin_memory) else 0
+    if optim_nvme and pins and zero.offload_optimizer.pin_memory:
+        pool_pinned += state_host  # the NVMe pipeline's buffers, pinned when asked
     gathered = gathered_numel_per_micro_step(shape, config)
     return Sizes(
         grad_host_bytes=grad,

@@ -15,8 +15,12 @@ the write-back of the sub-group just stepped (the caller waits on reads, not on 
 When the sweep ends, every write has completed, and the first sub-groups of the next sweep
 start reading into the free buffers (`prefetch_next_sweep`; dropped by any other call, which
 may change the state). A sub-group's disk extent is only read after its last write
-completed. A failed I/O marks the store failed: every later call raises, so a torn state is
-never presented as valid.
+completed. A failed I/O marks the store failed: every later call raises, so a torn state
+is never presented as valid.
+
+With `pipeline_read` off, a sub-group is read only when its turn comes (no read runs while
+the caller steps, none is issued for the next sweep); with `pipeline_write` off, every
+write-back is waited for before the next sub-group is read. Both off: strictly serial.
 """
 
 from __future__ import annotations
@@ -89,12 +93,15 @@ class NvmeStateStore:
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
     owned). `buffer_count` >= 3: one sub-group stepped, one read ahead, one written back;
-    each buffer holds the largest sub-group (12 bytes per element). Pinning the buffers
-    (`pin_memory`) only pays when they are copied to a device; the state is stepped on the host.
-    With `prefetch_next_sweep`, the end of a sweep starts reading the first sub-groups of the
-    next one into the free buffers, so the read at the start of a step overlaps the forward
-    and backward passes; any other call drops those reads first. `kind` names the store's
-    extents in the swap store (two state stores in one swap store need different kinds).
+    each buffer holds the largest sub-group (12 bytes per element). `pin_memory` allocates
+    them pinned where the accelerator can (`pool.pinned` says whether it did).
+    `pipeline_read` / `pipeline_write` switch the read-ahead and the write-behind overlap (see
+    [Note: NVMe sweep pipeline]; the results are the same either way). With
+    `prefetch_next_sweep` (and `pipeline_read`), the end of a sweep starts reading the first
+    sub-groups of the next one into the free buffers, so the read at the start of a step
+    overlaps the forward and backward passes; any other call drops those reads first. `kind`
+    names the store's extents in the swap store (two state stores in one swap store need
+    different kinds).
     Not thread-safe: one caller drives it.
     """
 
@@ -107,12 +114,14 @@ class NvmeStateStore:
         buffer_count: int = 4,
         pin_memory: bool = False,
         prefetch_next_sweep: bool = True,
+        pipeline_read: bool = True,
+        pipeline_write: bool = True,
         kind: str = KIND,
     ) -> None:
         if buffer_count < 3:
             raise ValueError(
                 f"offload_optimizer.buffer_count={buffer_count}: the NVMe optimizer pipeline "
-                f"needs at least 3 buffers (read ahead, step, write back)"
+                f"needs at least 3 buffers (read ahead, step, write back); set it to 3 or more"
             )
         self.numels = list(numels)
         self.store = store
@@ -126,6 +135,7 @@ class NvmeStateStore:
         self.stats = NvmeStats()
         self._writes: deque[_Transfer] = deque()
         self.prefetch_next_sweep = prefetch_next_sweep
+        self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self._ahead: deque[_Transfer] = deque()  # reads issued for the next sweep
         self._active: weakref.ref | None = None  # the last sweep iterator
         self._failed: BaseException | None = None
@@ -164,21 +174,28 @@ class NvmeStateStore:
         reads, self._ahead = self._ahead, deque()
         current: tuple[int, PoolBuffer] | None = None
         try:
+            ahead = self.pipeline_read
+            if not self.pipeline_write:  # no write-back of `initialize` or `write` either
+                self._drain()
             for i in range(len(self.numels)):
                 if not reads:
-                    self._read_ahead(reads, i, minimum=1)
+                    self._read_ahead(reads, i, minimum=1, most=None if ahead else 1)
                 t = reads.popleft()
                 assert t.index == i, (t.index, i)
                 current = (i, t.buf)
                 self._wait(t)
-                self._read_ahead(reads, i + 1, minimum=1)
+                if ahead:
+                    self._read_ahead(reads, i + 1, minimum=1)
                 yield i, self._views(i, t.buf)
                 # Reads go ahead of this write-back in the queue: the caller waits on reads.
-                self._read_ahead(reads, i + 1, minimum=0)
+                if ahead:
+                    self._read_ahead(reads, i + 1, minimum=0)
                 current = None
                 self._swap_out(i, t.buf)
+                if not self.pipeline_write:
+                    self._drain()
             self._drain()
-            if self.prefetch_next_sweep:  # lands while the caller runs forward and backward
+            if self.prefetch_next_sweep and ahead:  # lands during forward and backward
                 self._read_ahead(self._ahead, 0, minimum=0)
         except GeneratorExit:
             self._unwind(current, reads)
@@ -283,15 +300,19 @@ class NvmeStateStore:
             "nvme_optim_wait_us": int((s.read_wait_s + s.write_wait_s) * 1e6),
             "optim_host_buffer_bytes": self.pool.total_bytes,
             "optim_host_buffer_peak_bytes": self.pool.peak_bytes_in_use,
+            "optim_host_buffer_pinned_bytes": self.pool.total_bytes if self.pool.pinned else 0,
         }
 
     # -- the pipeline ----------------------------------------------------------------------
 
-    def _read_ahead(self, reads: deque[_Transfer], first: int, *, minimum: int) -> None:
+    def _read_ahead(
+        self, reads: deque[_Transfer], first: int, *, minimum: int, most: int | None = None
+    ) -> None:
         """Issue reads from `first` on: at least `minimum` ahead (waiting for write-backs to
-        free buffers if needed), more while buffers are free or their write-back is done."""
+        free buffers if needed), more (up to `most`) while buffers are free or their
+        write-back is done."""
         nxt = reads[-1].index + 1 if reads else first
-        while nxt < len(self.numels):
+        while nxt < len(self.numels) and (most is None or len(reads) < most):
             buf = self.pool.try_acquire(self._extents[nxt].padded_nbytes, self._key(nxt))
             if buf is None:
                 if not self._writes:

@@ -9,6 +9,7 @@ before training starts (see [Note: swap directory checks] in store.py).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -21,6 +22,8 @@ from infinity.swap.param_store import NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.state_store import HostStateStore, StateStore
 from infinity.swap.store import SwapStore, default_run_id
+
+logger = logging.getLogger(__name__)
 
 _made = itertools.count()
 
@@ -75,19 +78,27 @@ def make_state_store(
         )
     buffer_count = state_buffer_count(offload)
     check_host_buffers(buffer_count * 12 * max(numels, default=0))
+    if not (offload.pipeline_read and offload.pipeline_write):
+        logger.info(
+            "offload_optimizer.pipeline_read=%s, pipeline_write=%s: the optimizer's NVMe "
+            "transfers overlap its step only where true (both true is faster)",
+            offload.pipeline_read, offload.pipeline_write,
+        )  # fmt: skip
     return NvmeStateStore(
         numels,
         store=stores.get(offload.nvme_path),
         aio=aio,
         buffer_count=buffer_count,
-        pin_memory=False,  # stepped on the host; pinning only pays for device copies
+        pin_memory=offload.pin_memory,
+        pipeline_read=offload.pipeline_read,
+        pipeline_write=offload.pipeline_write,
     )
 
 
 def state_buffer_count(offload: OffloadOptimizerConfig) -> int:
-    """Host buffers of the NVMe optimizer pipeline: the configured count, at least 3 (one
-    read ahead, one stepped, one written back)."""
-    return max(3, offload.buffer_count)
+    """Host buffers of the NVMe optimizer pipeline: `offload_optimizer.buffer_count` (the
+    config checks it is at least 3: one read ahead, one stepped, one written back)."""
+    return offload.buffer_count
 
 
 def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:

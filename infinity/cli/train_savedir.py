@@ -1,0 +1,188 @@
+"""What one `infinity train` run may do with its --save-dir, decided before anything is built.
+
+Owns: a fresh run refuses a directory holding complete checkpoints unless --overwrite (which
+removes them and metrics.jsonl first); --resume finds the checkpoint to continue from the
+way `infinity export` does (`infinity.checkpoint.find_checkpoint`), and refuses settings that
+differ from the saved run's, saying which in the user's terms. Holding the directory for the
+run's life is `infinity.checkpoint.SaveDirLock`, taken by `infinity.cli.train.run`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from infinity.checkpoint import (
+    Checkpoint,
+    CheckpointNotFoundError,
+    latest_tag,
+    list_checkpoints,
+    load_checkpoint,
+    start_over,
+)
+from infinity.checkpoint.metrics import FILE as METRICS_FILE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RunShape:
+    """The settings a resumed run must share with the saved one (recorded as state["run"])."""
+
+    dtype: str
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    seed: int
+
+    def to_dict(self) -> dict:
+        """What the checkpoint records (the data state already holds seq_len and seed)."""
+        return {"dtype": self.dtype, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum}
+
+
+def prepare_fresh(save_dir: Path, *, overwrite: bool) -> None:
+    """A run without --resume: refuse a directory with checkpoints (or, with `overwrite`,
+    empty it); an earlier metrics.jsonl without any checkpoint is set aside, not appended to."""
+    tags = list_checkpoints(save_dir)
+    if overwrite:
+        removed = start_over(save_dir)
+        if removed:
+            log.warning("--overwrite: removed checkpoint(s) %s of %s", ", ".join(removed), save_dir)
+        return
+    if tags:
+        latest = latest_tag(save_dir)
+        newest = latest if latest in tags else tags[-1]
+        raise ValueError(
+            f"--save-dir {save_dir} holds the checkpoints of an earlier run ({', '.join(tags)}; "
+            f"newest {newest}). To continue that run add --resume; to start a new one choose "
+            "another --save-dir, or add --overwrite to delete those checkpoints and "
+            "metrics.jsonl and start over in this directory"
+        )
+    metrics = save_dir / METRICS_FILE
+    if metrics.exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = save_dir / f"metrics.{stamp}.jsonl"
+        n = 1
+        while aside.exists():
+            aside, n = save_dir / f"metrics.{stamp}-{n}.jsonl", n + 1
+        metrics.rename(aside)
+        log.warning(
+            "%s holds the metrics of an earlier run that saved no checkpoint: kept as %s",
+            metrics, aside.name,
+        )  # fmt: skip
+
+
+def find_resume(save_dir: Path) -> Checkpoint:
+    """The checkpoint --resume continues from (metadata read, shards verified on load)."""
+    try:
+        ckpt = load_checkpoint(save_dir, verify=False)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"--resume: no checkpoint to continue from ({exc}); point --save-dir at the "
+            "directory the earlier run saved into"
+            + ("" if list_checkpoints(save_dir) else ", or drop --resume to start a new run")
+        ) from None
+    tags = list_checkpoints(save_dir)
+    later = tags[tags.index(ckpt.tag) + 1 :]
+    if later:
+        # Resuming would replace them when the run reaches their steps: not without asking.
+        raise ValueError(
+            f"--resume: checkpoint(s) {', '.join(later)} in {save_dir} are newer than "
+            f"{ckpt.tag} but damaged (their checksums fail), and this run would replace them "
+            "when it reaches their steps; move them out of that directory (keep them) and run "
+            "again with --resume"
+        )
+    return ckpt
+
+
+def check_resume(ckpt: Checkpoint, now: RunShape, *, model: dict, shapes: dict) -> None:
+    """Refuse a resume whose model or run settings differ from the saved run's, naming each
+    difference and the flag that restores it. Changing only how the same number of sequences
+    per step is split into micro batches keeps the data order and schedule: a warning."""
+    problems = _model_changes(ckpt, model, shapes)
+    saved_dtype = ckpt.state.get("run", {}).get("dtype") or ckpt.state.get("optimizer", {}).get(
+        "model_dtype"
+    )
+    if saved_dtype and saved_dtype != now.dtype:
+        problems.append(
+            f"precision: the checkpoint was trained in {saved_dtype}, this run asks for "
+            f"{now.dtype} (--dtype or the config's fp16/bf16 sections); resume with --dtype "
+            f"{saved_dtype}, or to change precision export the weights (`infinity export`) and "
+            "start a new run from them in another --save-dir"
+        )
+    problems += _batch_changes(ckpt, now)
+    data = ckpt.state.get("data", {})
+    for key, flag in (("seq_len", "--seq-len"), ("seed", "--seed")):
+        saved = data.get(key)
+        if saved is not None and saved != getattr(now, key):
+            problems.append(
+                f"{flag}: the checkpoint's run used {saved}, this run {getattr(now, key)}; "
+                f"resume with {flag} {saved}"
+            )
+    if problems:
+        raise ValueError(
+            f"--resume from {ckpt.path} (step {ckpt.step}): this run differs from the saved "
+            "one:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def _model_changes(ckpt: Checkpoint, model: dict, shapes: dict) -> list[str]:
+    saved = ckpt.state.get("model")
+    if not saved or "param_shapes" not in saved:
+        return []  # not written by `infinity train`: the engine checks the parameters
+    old = {k: tuple(v) for k, v in saved["param_shapes"].items()}
+    new = {k: tuple(v) for k, v in shapes.items()}
+    what = []
+    if gone := sorted(set(old) - set(new)):
+        what.append(f"parameters {_few(gone)} are in the checkpoint but not in this model")
+    if added := sorted(set(new) - set(old)):
+        what.append(f"parameters {_few(added)} are in this model but not in the checkpoint")
+    if resized := sorted(k for k in set(old) & set(new) if old[k] != new[k]):
+        what.append(
+            "shapes differ: "
+            + ", ".join(f"{k} {list(old[k])} -> {list(new[k])}" for k in resized[:3])
+            + (f" and {len(resized) - 3} more" if len(resized) > 3 else "")
+        )
+    config = saved.get("config", {})
+    model = json.loads(json.dumps(model))  # as saved: tuples become lists
+    keys = sorted(k for k in set(config) | set(model) if config.get(k) != model.get(k))
+    if not what and not keys:
+        return []
+    settings = ", ".join(f"{k}: {config.get(k)!r} -> {model.get(k)!r}" for k in keys[:6])
+    return [
+        "model: "
+        + "; ".join(what + ([f"config.json changed ({settings})"] if keys else []))
+        + "; resume with the model directory (or preset) the run started with"
+    ]
+
+
+def _batch_changes(ckpt: Checkpoint, now: RunShape) -> list[str]:
+    run = ckpt.state.get("run", {})
+    micro, accum = run.get("micro_batch"), run.get("grad_accum")
+    if micro is None or accum is None or (micro, accum) == (now.micro_batch, now.grad_accum):
+        return []
+    if micro * accum == now.micro_batch * now.grad_accum:
+        log.warning(
+            "resuming with --micro-batch %d --grad-accum %d where the run had %d x %d: the same "
+            "%d sequences per optimizer step, so the data order and schedule are unchanged",
+            now.micro_batch, now.grad_accum, micro, accum, micro * accum,
+        )  # fmt: skip
+        return []
+    return [
+        f"batch: the checkpoint's run took {micro} x {accum} = {micro * accum} sequences per "
+        f"optimizer step (--micro-batch {micro} --grad-accum {accum}), this run "
+        f"{now.micro_batch} x {now.grad_accum} = {now.micro_batch * now.grad_accum}; the data "
+        "position and the learning-rate schedule count those steps, so resume with any "
+        f"--micro-batch and --grad-accum whose product is {micro * accum}, or start a new run "
+        "in another --save-dir"
+    ]
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+__all__ = ["RunShape", "check_resume", "find_resume", "prepare_fresh"]
