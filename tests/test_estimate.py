@@ -353,3 +353,15 @@ def test_cli_refuses_a_stage_the_engine_refuses(tmp_path, capsys):
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     assert main(["estimate", "--model", "tiny", "--config", str(cfg)]) == 1
     assert "stage 3 only" in capsys.readouterr().err
+
+
+def test_unpipelined_optimizer_adds_adam_and_transfers(tmp_path):
+    shape = model_shape(LlamaConfig(**SHAPE))
+    on = estimate(shape, Config.load(_config(tmp_path)), _rates(), seq_len=64, runtime_bytes=0)
+    raw = _config(tmp_path)
+    raw["zero_optimization"]["offload_optimizer"]["pipeline_read"] = False
+    off = estimate(shape, Config.load(raw), _rates(), seq_len=64, runtime_bytes=0)
+    t = off.times
+    assert t.optimizer_step_s > on.times.optimizer_step_s
+    assert t.optimizer_step_s == pytest.approx(on.times.optimizer_step_s + min(
+        t.cpu_adam_s - off.sizes.grad_host_bytes / 2e10, t.nvme_s))  # fmt: skip

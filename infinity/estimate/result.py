@@ -7,9 +7,9 @@
 `hardware.passes`); NVMe parameter reads overlap it, and so do host-device copies on a GPU (a
 copy stream), while on the CPU device copies take the same cores and add. The optimizer
 step reads and writes the state (and writes the new 16-bit weights) one sub-group at a time
-while CPU-Adam steps the previous one, so it costs the slower of the two, plus the
-gradient-norm pass before it. A step is `gradient_accumulation_steps` micro steps and one
-optimizer step.
+while CPU-Adam steps the previous one, so it costs the slower of the two (their sum with
+`pipeline_read` or `pipeline_write` off), plus the gradient-norm pass before it. A step is
+`gradient_accumulation_steps` micro steps and one optimizer step.
 """
 
 from __future__ import annotations
@@ -133,7 +133,9 @@ def estimate(
     micro = int(config.train_micro_batch_size_per_gpu)
     accum = int(config.gradient_accumulation_steps)
     tokens = micro * seq_len
-    times = step_times(shape, sz, rates, accum=accum, checkpointing=activation_checkpointing)
+    offload = config.zero_optimization.offload_optimizer
+    pipelined = offload.pipeline_read and offload.pipeline_write
+    times = step_times(sz, rates, accum=accum, pipelined=pipelined)
     acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
@@ -176,10 +178,9 @@ def estimate(
     return est
 
 
-def step_times(
-    shape: ModelShape, sz: Sizes, rates: Rates, *, accum: int, checkpointing: bool
-) -> StepTimes:
-    """See [Note: the step model]."""
+def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -> StepTimes:
+    """See [Note: the step model]; without `pipelined` (offload_optimizer.pipeline_read and
+    pipeline_write) the state's transfers and CPU-Adam take turns."""
     compute = rates.compute_s
     copies = (sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step) / (
         rates.copy_bytes_per_s
@@ -195,7 +196,7 @@ def step_times(
     )
     adam = sz.flat_numel / rates.adam_numel_per_s
     norm = sz.grad_host_bytes / rates.norm_bytes_per_s
-    optimizer = max(adam, state_io) + norm
+    optimizer = (max(adam, state_io) if pipelined else adam + state_io) + norm
     return StepTimes(
         compute_s=accum * compute,
         nvme_s=accum * param_read + state_io,
