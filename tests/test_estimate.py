@@ -365,3 +365,14 @@ def test_unpipelined_optimizer_adds_adam_and_transfers(tmp_path):
     assert t.optimizer_step_s > on.times.optimizer_step_s
     assert t.optimizer_step_s == pytest.approx(on.times.optimizer_step_s + min(
         t.cpu_adam_s - off.sizes.grad_host_bytes / 2e10, t.nvme_s))  # fmt: skip
+
+
+def test_pinned_bytes_on_a_gpu_follow_pin_memory(tmp_path):
+    shape = model_shape(LlamaConfig(**SHAPE))
+    raw = _config(tmp_path)
+    unpinned = sizes(shape, resolve_config(Config.load(raw), shape), pins=True)
+    assert unpinned.pinned_bytes == unpinned.param_pool_bytes  # offload_param pins by default
+    raw["zero_optimization"]["offload_optimizer"]["pin_memory"] = True
+    pinned = sizes(shape, resolve_config(Config.load(raw), shape), pins=True)
+    assert pinned.pinned_bytes == pinned.param_pool_bytes + pinned.state_host_bytes
+    assert sizes(shape, resolve_config(Config.load(raw), shape), pins=False).pinned_bytes == 0
