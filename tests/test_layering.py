@@ -23,6 +23,7 @@ RANKS = {
     "models": 3,
     "engine": 4,
     "data": 4,
+    "estimate": 4,
     "cli": 5,
 }
 

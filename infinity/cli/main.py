@@ -22,6 +22,7 @@ COMMANDS = [
     "infinity.cli.bench",
     "infinity.cli.export",
     "infinity.cli.config_check",
+    "infinity.cli.estimate",
 ]
 
 

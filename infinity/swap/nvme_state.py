@@ -49,6 +49,11 @@ KIND = "optim"
 _F32 = 4
 
 
+def state_nbytes(numel: int) -> int:
+    """Bytes of one sub-group's state on disk: master, exp_avg and exp_avg_sq in fp32."""
+    return 3 * numel * _F32
+
+
 class Residency(enum.Enum):
     """Where a sub-group's latest state is."""
 
@@ -122,7 +127,7 @@ class NvmeStateStore:
         self.store = store
         self._owns_aio = isinstance(aio, AioConfig)
         self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
-        sizes = {self._key(i): 3 * n * _F32 for i, n in enumerate(self.numels)}
+        sizes = {self._key(i): state_nbytes(n) for i, n in enumerate(self.numels)}
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
         slot_bytes = max((e.padded_nbytes for e in self._extents), default=4096)
         self.pool = PinnedBufferPool(buffer_count, slot_bytes, pin=pin_memory, name="optim")
@@ -438,7 +443,7 @@ class NvmeStateStore:
 
     def _views(self, index: int, buf: PoolBuffer) -> SubGroupState:
         n = self.numels[index]
-        flat = buf.data[: align_up(3 * n * _F32)].view(torch.float32)
+        flat = buf.data[: align_up(state_nbytes(n))].view(torch.float32)
         return SubGroupState(flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n])
 
     def _transition(self, index: int, sources: tuple[Residency, ...], to: Residency) -> None:

@@ -80,6 +80,18 @@ def memlock_allows(nbytes: int) -> tuple[bool, int]:
     return nbytes <= soft, soft
 
 
+def param_buffer_numel(config: OffloadParamConfig, largest_numel: int) -> int:
+    """Elements per parameter staging buffer: `offload_param.buffer_size` ("auto": the
+    largest parameter); ValueError when a set size cannot hold the largest parameter."""
+    numel = largest_numel if config.buffer_size == "auto" else int(config.buffer_size)
+    if numel < largest_numel:
+        raise ValueError(
+            f"offload_param.buffer_size={numel} elements is smaller than the largest "
+            f'parameter ({largest_numel} elements); raise it or set it to "auto"'
+        )
+    return numel
+
+
 class PinnedBufferPool:
     """`buffer_count` host buffers of `buffer_bytes`, allocated once.
 
@@ -127,12 +139,7 @@ class PinnedBufferPool:
     ) -> PinnedBufferPool:
         """The parameter staging pool from `offload_param`: `buffer_size` elements per buffer
         ("auto": the largest parameter), `buffer_count` buffers, pinned if `pin_memory`."""
-        numel = largest_numel if config.buffer_size == "auto" else int(config.buffer_size)
-        if numel < largest_numel:
-            raise ValueError(
-                f"offload_param.buffer_size={numel} elements is smaller than the largest "
-                f'parameter ({largest_numel} elements); raise it or set it to "auto"'
-            )
+        numel = param_buffer_numel(config, largest_numel)
         depth = -(-prefetch_numel // max(numel, 1)) + 1
         if depth > config.buffer_count:
             logger.warning(

@@ -43,6 +43,11 @@ def align_up(nbytes: int, align: int = ALIGN_BYTES) -> int:
     return -(-nbytes // align) * align
 
 
+def reserved_nbytes(nbytes: int) -> int:
+    """Disk bytes `reserve` lays out for a key of `nbytes` (an empty key still takes a page)."""
+    return align_up(max(nbytes, 1))
+
+
 @dataclass(frozen=True, slots=True)
 class Extent:
     """Where one tensor's bytes live: `nbytes` at `offset` of `path` (offset 4 KiB-aligned;
@@ -177,7 +182,7 @@ class SwapStore:
         for key, nbytes in sizes.items():
             if nbytes < 0:
                 raise ValueError(f"{kind} key {key!r}: nbytes must be >= 0, got {nbytes}")
-            padded = align_up(max(nbytes, 1))
+            padded = reserved_nbytes(nbytes)
             if extents and used + padded > self.file_bytes:
                 plan.append((path, used, extents))
                 n += 1

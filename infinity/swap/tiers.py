@@ -76,7 +76,8 @@ def make_state_store(
         raise ValueError(
             "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
         )
-    check_host_buffers(offload.buffer_count * 12 * max(numels, default=0))
+    buffer_count = state_buffer_count(offload)
+    check_host_buffers(buffer_count * 12 * max(numels, default=0))
     if not (offload.pipeline_read and offload.pipeline_write):
         logger.info(
             "offload_optimizer.pipeline_read=%s, pipeline_write=%s: the optimizer's NVMe "
@@ -87,11 +88,17 @@ def make_state_store(
         numels,
         store=stores.get(offload.nvme_path),
         aio=aio,
-        buffer_count=offload.buffer_count,
+        buffer_count=buffer_count,
         pin_memory=offload.pin_memory,
         pipeline_read=offload.pipeline_read,
         pipeline_write=offload.pipeline_write,
     )
+
+
+def state_buffer_count(offload: OffloadOptimizerConfig) -> int:
+    """Host buffers of the NVMe optimizer pipeline: `offload_optimizer.buffer_count` (the
+    config checks it is at least 3: one read ahead, one stepped, one written back)."""
+    return offload.buffer_count
 
 
 def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:

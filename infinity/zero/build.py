@@ -45,6 +45,11 @@ def model_dtype(config: Config) -> torch.dtype:
     return _DTYPES[config.precision]
 
 
+def is_persistent(numel: int, threshold: int) -> bool:
+    """A parameter below `param_persistence_threshold` elements stays gathered between uses."""
+    return numel < threshold
+
+
 def home_tier(config: Config) -> HomeTier:
     device = config.zero_optimization.offload_param.device
     return HomeTier.NVME if device == "nvme" else HomeTier.HOST
@@ -124,7 +129,11 @@ def partition_model(
         else:
             part = _new_partition(param, dtype, accel, pin)
         rec = OffloadParam(
-            name, param, part, device=accel.device, persistent=param.numel() < threshold
+            name,
+            param,
+            part,
+            device=accel.device,
+            persistent=is_persistent(param.numel(), threshold),
         )
         rec.offload()  # the parameter's own memory (if not the partition) is freed here
         records.append(rec)

@@ -23,6 +23,16 @@ _RING = 2
 """Staging buffers of NvmeWeights: one filled by the step while the other is written."""
 
 
+def staging_numel(layout: FlatLayout) -> int:
+    """Elements of each of NvmeWeights' staging buffers: one sub-group."""
+    return max(min(layout.sub_group_size, layout.total), 1)
+
+
+def staging_host_bytes(layout: FlatLayout, dtype: torch.dtype) -> int:
+    """Host bytes of NvmeWeights' ring of staging buffers."""
+    return _RING * staging_numel(layout) * dtype.itemsize
+
+
 class HostWeights:
     """Every slot's weights in one flat host tensor (padding included) that the step writes
     in place."""
@@ -64,8 +74,7 @@ class NvmeWeights:
         spans = zip(names, layout.offsets, layout.numels, strict=True)
         entries = {name: (off, n) for name, off, n in spans}
         home.reserve_flat(entries, layout.total, dtype)
-        size = min(layout.sub_group_size, layout.total)
-        self._ring = [aligned_empty(max(size, 1), dtype) for _ in range(_RING)]
+        self._ring = [aligned_empty(staging_numel(layout), dtype) for _ in range(_RING)]
         self._pending: list[Any] = [None] * _RING
         self._next = 0
 

@@ -1,0 +1,156 @@
+"""Claim: `infinity estimate` predicts the bytes of a run exactly and its peak RSS and step
+time within 20%, on the runs `benchmarks/bigger_than_ram.py` recorded on this machine.
+
+For each `bigger_than_ram_*.json` given: the model shape and the config it recorded, the disk
+rates its `bench aio` measured and the CPU-Adam rate its probe measured; the compute, norm
+and copy rates are probed here (one block and the head of the run's model, forward and
+backward at its tokens; once per model, median of repeats). Then the estimate against the
+record: NVMe bytes read and written per step (optimizer and parameter tiers), the host
+buffers `memory_stats()` reported, peak RSS and the step's wall time (the medians of the
+steps after the first). One JSON record per run, with the rates used, so
+`tests/test_estimate.py` replays them without probing. The 2026-11-22 507M runs predate the
+current layout (sub-groups that split parameters), so they are not replayed:
+
+    flock /work/bench.lock python benchmarks/estimate_vs_measured.py \\
+        benchmarks/results/bigger_than_ram_2026-11-22_2.1B_nvme_run*.json \\
+        benchmarks/results/bigger_than_ram_2026-11-23_500M_cpu_run4.json \\
+        --json benchmarks/results/estimate_vs_measured_2026-11-23.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+
+import torch
+
+from infinity.config import Config
+from infinity.estimate import Rates, estimate, hardware, model_shape
+from infinity.estimate.result import Estimate
+from infinity.models import LlamaConfig
+
+_SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "tie_word_embeddings",
+)
+
+
+def shape_of(record: dict):
+    m = record["model"]
+    cfg = LlamaConfig(**{k: m[k] for k in _SHAPE_KEYS}, max_position_embeddings=4096)
+    return model_shape(cfg)
+
+
+def rates_of(record: dict, probed: dict) -> Rates:
+    """The run's own disk and CPU-Adam figures, with the probed compute, norm and copy rates."""
+    aio, adam = record["bench_aio"], record["cpu_adam"]
+    return Rates(
+        device="cpu",
+        gpu=None,
+        compute_s=probed["compute_s"],
+        adam_numel_per_s=adam["numel"] / adam["median_s"],
+        norm_bytes_per_s=probed["norm_bytes_per_s"],
+        copy_bytes_per_s=probed["copy_bytes_per_s"],
+        nvme_read_bps=aio["best_read_gbps"] * 1e9,
+        nvme_write_bps=aio["best_write_gbps"] * 1e9,
+        sources={"record": "bench aio and CPU-Adam of the run; compute, norm, copies probed"},
+    )
+
+
+def estimate_record(record: dict, probed: dict) -> Estimate:
+    seq = int(record["args"]["seq_len"])
+    return estimate(
+        shape_of(record),
+        Config.load(record["config"]),
+        rates_of(record, probed),
+        seq_len=seq,
+        activation_checkpointing=bool(record["model"]["activation_checkpointing"]),
+        runtime_bytes=int(record["rss_bytes"]["baseline_peak"]),
+        ram_bytes=int(record["machine"]["ram_bytes"]),
+    )
+
+
+def measured(record: dict) -> dict:
+    """The record's figures the estimate predicts (steady steps: after the first)."""
+    later = record["steps"][1:] or record["steps"]
+    last = later[-1]
+    reads = last["step_bytes_read"] + sum(
+        v for k, v in last["fwd_bwd_nvme"].items() if k.endswith("bytes_read")
+    )
+    return {
+        "nvme_read_bytes_per_step": reads,
+        "nvme_write_bytes_per_step": last["step_bytes_written"],
+        "host_bytes": record["memory_stats"]["host_bytes"],
+        "peak_rss_bytes": record["summary"]["peak_rss_bytes"],
+        "step_seconds": statistics.median(s["wall_s"] for s in later),
+        "optimizer_step_seconds": statistics.median(s["optimizer_step_s"] for s in later),
+        "fwd_bwd_seconds": statistics.median(s["fwd_bwd_s"] for s in later),
+    }
+
+
+def predicted(est: Estimate) -> dict:
+    j = est.as_json()
+    return {
+        "nvme_read_bytes_per_step": j["nvme_read_bytes_per_step"],
+        "nvme_write_bytes_per_step": j["nvme_write_bytes_per_step"],
+        "host_bytes": j["host_bytes"],
+        "peak_rss_bytes": j["peak_rss_bytes"],
+        "step_seconds": j["step_seconds"],
+        "optimizer_step_seconds": est.times.optimizer_step_s,
+        "fwd_bwd_seconds": est.times.micro_step_s,
+    }
+
+
+def probe(record: dict) -> dict:
+    shape = shape_of(record)
+    seq = int(record["args"]["seq_len"])
+    micro = int(record["config"].get("train_micro_batch_size_per_gpu", 1))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(record["model"]["dtype"])
+    dtype = dtype or torch.float32
+    ckpt = bool(record["model"]["activation_checkpointing"])
+    return {
+        "compute_s": hardware.probe_compute_s(
+            shape.config, micro, seq, dtype, frozen=False, checkpointing=ckpt
+        ),
+        "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
+        "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("records", nargs="+", help="bigger_than_ram_*.json files")
+    p.add_argument("--json", required=True, help="output file")
+    args = p.parse_args(argv)
+    probes: dict[str, dict] = {}
+    out = []
+    for path in args.records:
+        with open(path) as f:
+            record = json.load(f)
+        key = json.dumps(record["model"], sort_keys=True) + str(record["args"]["seq_len"])
+        if key not in probes:
+            probes[key] = probe(record)
+        est = estimate_record(record, probes[key])
+        got, want = predicted(est), measured(record)
+        ratio = {k: got[k] / want[k] for k in got if want[k]}
+        times = dataclasses.asdict(est.times)
+        out.append({"record": path, "probed": probes[key], "estimate": got, "measured": want,
+                    "ratio": ratio, "bound": est.bound, "times": times})  # fmt: skip
+        print(f"{path}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()), flush=True)
+    machine = {"platform": platform.platform(), "torch": torch.__version__,
+               "threads": torch.get_num_threads()}  # fmt: skip
+    with open(args.json, "w") as f:
+        json.dump({"bench": "estimate_vs_measured", "machine": machine, "runs": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""`infinity estimate`'s model: what a run needs (host RAM, pinned memory, device memory,
+disk) and how long its steps take, before anything is allocated.
+
+Owns the estimate only: the byte terms call the engine's own sizing functions
+(`infinity.estimate.sizing`), the rates come from published GPU figures or short probes on
+this machine (`infinity.estimate.hardware`), and `infinity.estimate.result` combines them and
+says what bounds the step. The engine never imports this package.
+"""
+
+from __future__ import annotations
+
+import os
+
+from infinity.config import Config
+from infinity.estimate import hardware
+from infinity.estimate.hardware import DEVICES, GPUS, Rates
+from infinity.estimate.result import Bound, Estimate, StepTimes, estimate
+from infinity.estimate.shapes import ModelShape, model_shape
+from infinity.estimate.sizing import Sizes, resolve_config, sizes
+from infinity.zero import model_dtype
+
+__all__ = [
+    "DEVICES",
+    "GPUS",
+    "Bound",
+    "Estimate",
+    "ModelShape",
+    "Rates",
+    "Sizes",
+    "StepTimes",
+    "estimate",
+    "measure_rates",
+    "model_shape",
+    "sizes",
+]
+
+
+def measure_rates(
+    shape: ModelShape,
+    config: Config,
+    *,
+    device: str,
+    seq_len: int,
+    activation_checkpointing: bool = False,
+    nvme_path: str | None = None,
+    bench_aio: str | None = None,
+) -> Rates:
+    """The rates for `device` ("cpu": probed here; a name in `GPUS`: published figures),
+    CPU-Adam and the norm pass probed here, the disk from `bench_aio` (a `bench aio --json`
+    file), else a probe of `nvme_path` when the tiers use NVMe, else an assumed SSD."""
+    if device not in DEVICES:
+        raise ValueError(f"--device {device!r} is not known; choose one of {', '.join(DEVICES)}")
+    config = resolve_config(config, shape)
+    dtype = model_dtype(config)
+    micro = int(config.train_micro_batch_size_per_gpu)
+    c = shape.config
+    frozen = shape.lora_r > 0
+    sources = {}
+    gpu = GPUS.get(device)
+    if gpu is None:
+        compute_s = hardware.probe_compute_s(
+            c, micro, seq_len, dtype, frozen=frozen, checkpointing=activation_checkpointing
+        )
+        copy = hardware.probe_copy_bytes_per_s()
+        sources["compute"] = "probe: one block and the head, forward and backward, on this CPU"
+        sources["copies"] = "probe: a host memory copy"
+    else:
+        flops = c.train_flops_per_token(seq_len) / 3 * micro * seq_len  # one forward
+        n = hardware.passes(frozen=frozen, checkpointing=activation_checkpointing)
+        compute_s = hardware.gpu_compute_s(gpu, flops, dtype, n)
+        copy = gpu.host_link_bps
+        peak = "fp32" if dtype.itemsize == 4 else "16-bit tensor"
+        sources["compute"] = (
+            f"{gpu.name}: published {peak} peak x {hardware.GPU_UTILIZATION:.0%} utilization"
+        )
+        sources["copies"] = f"{gpu.name}: PCIe {gpu.host_link_bps / 1e9:.0f} GB/s"
+    read, write, sources["nvme"] = _disk(config, nvme_path, bench_aio)
+    sources["cpu_adam"] = "probe: adam_step_flat on this CPU"
+    return Rates(
+        device=device,
+        gpu=gpu,
+        compute_s=compute_s,
+        adam_numel_per_s=hardware.probe_adam_numel_per_s(dtype),
+        norm_bytes_per_s=hardware.probe_norm_bytes_per_s(),
+        copy_bytes_per_s=copy,
+        nvme_read_bps=read,
+        nvme_write_bps=write,
+        sources=sources,
+    )
+
+
+def _disk(config: Config, nvme_path: str | None, bench_aio: str | None) -> tuple[float, float, str]:
+    zero = config.zero_optimization
+    uses_nvme = "nvme" in (zero.offload_param.device, zero.offload_optimizer.device)
+    path = nvme_path or zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path
+    if bench_aio:
+        read, write = hardware.rates_from_bench_aio(bench_aio)
+        return read, write, f"bench aio file {bench_aio}: best read and write"
+    if uses_nvme and path and _probeable(path):
+        read, write = hardware.probe_nvme(path)
+        return read, write, f"probe: 256 MiB O_DIRECT write and read in {path}"
+    why = f"{path} is not here to probe" if uses_nvme and path else "nothing measured"
+    return (
+        hardware.ASSUMED_NVME_READ_BPS,
+        hardware.ASSUMED_NVME_WRITE_BPS,
+        f"assumed PCIe 4.0 SSD ({why}; pass --bench-aio FILE for measured rates)",
+    )
+
+
+def _probeable(path: str) -> bool:
+    return os.path.isdir(path) and os.access(path, os.W_OK)

@@ -1,0 +1,311 @@
+"""One estimate: memory, disk, traffic and the time of a step, what bounds it, what to change.
+
+`estimate(shape, config, rates, ...)` combines the byte terms of `sizing` with the rates of
+`hardware` into an `Estimate` record; `as_json()` is what `infinity estimate --json` writes.
+
+[Note: the step model] A micro step's forward and backward cost the compute (see
+`hardware.passes`); NVMe parameter reads overlap it, and so do host-device copies on a GPU (a
+copy stream), while on the CPU device copies take the same cores and add. The optimizer
+step reads and writes the state (and writes the new 16-bit weights) one sub-group at a time
+while CPU-Adam steps the previous one, so it costs the slower of the two (their sum with
+`pipeline_read` or `pipeline_write` off), plus the gradient-norm pass before it. A step is
+`gradient_accumulation_steps` micro steps and one optimizer step.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import asdict, dataclass, field
+
+from infinity.config import Config
+from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
+from infinity.estimate.shapes import ModelShape
+from infinity.estimate.sizing import Sizes, resolve_config, sizes
+
+_GIB = float(1 << 30)
+
+
+class Bound(enum.StrEnum):
+    """What limits the step (the largest of the step's time components)."""
+
+    COMPUTE = "compute"
+    NVME = "nvme"
+    CPU_ADAM = "cpu_adam"
+    COPIES = "copies"
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Seconds of one optimizer step, by component (see [Note: the step model])."""
+
+    compute_s: float
+    """Forward + backward compute of every micro step."""
+    nvme_s: float
+    """NVMe parameter reads of every micro step, and the optimizer's state traffic."""
+    cpu_adam_s: float
+    """CPU-Adam over the trainable elements, and the gradient-norm pass."""
+    copies_s: float
+    """Host <-> device copies of gathered parameters and gradients."""
+    micro_step_s: float
+    optimizer_step_s: float
+    step_s: float
+
+
+@dataclass(slots=True)
+class Estimate:
+    """Everything `infinity estimate` reports; bytes are per rank."""
+
+    sizes: Sizes
+    times: StepTimes
+    rates: Rates
+    peak_rss_bytes: int
+    steady_rss_bytes: int
+    device_bytes: int
+    activation_bytes: int
+    bound: Bound
+    advice: list[str]
+    params: int
+    trainable_params: int
+    tokens_per_step: int
+    inputs: dict = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        s = self.sizes
+        return {
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "steady_rss_bytes": self.steady_rss_bytes,
+            "host_bytes": s.host_bytes,
+            "pinned_bytes": s.pinned_bytes,
+            "device_bytes": self.device_bytes,
+            "activation_bytes": self.activation_bytes,
+            "nvme_bytes": s.nvme_bytes,
+            "nvme_read_bytes_per_step": self.nvme_read_bytes_per_step,
+            "nvme_write_bytes_per_step": self.nvme_write_bytes_per_step,
+            "host_device_bytes_per_step": self.host_device_bytes_per_step,
+            "step_seconds": self.times.step_s,
+            "tokens_per_second": self.tokens_per_step / self.times.step_s,
+            "bound": self.bound,
+            "advice": self.advice,
+            "times": asdict(self.times),
+            "params": self.params,
+            "trainable_params": self.trainable_params,
+            "tokens_per_step": self.tokens_per_step,
+            "terms": asdict(s),
+            "rates": {k: v for k, v in asdict(self.rates).items() if k != "gpu"},
+            "inputs": self.inputs,
+        }
+
+    @property
+    def nvme_read_bytes_per_step(self) -> int:
+        s, accum = self.sizes, self.inputs["gradient_accumulation_steps"]
+        return s.optim_read_bytes_per_step + accum * s.param_read_bytes_per_micro_step
+
+    @property
+    def nvme_write_bytes_per_step(self) -> int:
+        s = self.sizes
+        return s.optim_write_bytes_per_step + s.param_write_bytes_per_step
+
+    @property
+    def host_device_bytes_per_step(self) -> int:
+        s, accum = self.sizes, self.inputs["gradient_accumulation_steps"]
+        return accum * (s.gather_bytes_per_micro_step + s.grad_offload_bytes_per_micro_step)
+
+
+def estimate(
+    shape: ModelShape,
+    config: Config,
+    rates: Rates,
+    *,
+    seq_len: int,
+    activation_checkpointing: bool = False,
+    runtime_bytes: int | None = None,
+    ram_bytes: int | None = None,
+) -> Estimate:
+    """The estimate for `shape` trained under `config` (unresolved, as given) at `rates`.
+    `runtime_bytes`: host memory of the Python process before any model (default: this
+    process's RSS now); `ram_bytes`: the machine's RAM for the advice (default: this one's)."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    config = resolve_config(config, shape)
+    gpu = rates.gpu
+    sz = sizes(shape, config, pins=gpu is not None)
+    micro = int(config.train_micro_batch_size_per_gpu)
+    accum = int(config.gradient_accumulation_steps)
+    tokens = micro * seq_len
+    offload = config.zero_optimization.offload_optimizer
+    pipelined = offload.pipeline_read and offload.pipeline_write
+    times = step_times(sz, rates, accum=accum, pipelined=pipelined)
+    acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
+    largest = max((p.numel for p in shape.params if p.trainable), default=0)
+    device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
+    runtime = _current_rss() if runtime_bytes is None else runtime_bytes
+    if gpu is not None:
+        runtime += CUDA_RUNTIME_HOST_BYTES
+    steady = runtime + sz.host_bytes + (device if gpu is None else 0)
+    peak = steady + grad_transient_bytes(shape)
+    est = Estimate(
+        sizes=sz,
+        times=times,
+        rates=rates,
+        peak_rss_bytes=peak,
+        steady_rss_bytes=steady,
+        device_bytes=device,
+        activation_bytes=acts,
+        bound=bound_of(times),
+        advice=[],
+        params=shape.numel,
+        trainable_params=shape.trainable_numel,
+        tokens_per_step=tokens * accum,
+        inputs={
+            "model_params": shape.numel,
+            "dtype": config.precision,
+            "device": rates.device,
+            "seq_len": seq_len,
+            "micro_batch": micro,
+            "gradient_accumulation_steps": accum,
+            "activation_checkpointing": activation_checkpointing,
+            "lora_r": shape.lora_r,
+            "offload_param": config.zero_optimization.offload_param.device,
+            "offload_optimizer": config.zero_optimization.offload_optimizer.device,
+            "sub_group_size": int(config.zero_optimization.sub_group_size),
+            "max_live_parameters": int(config.zero_optimization.max_live_parameters),
+        },
+    )
+    if ram_bytes is None:  # this machine's RAM says nothing about a GPU machine's
+        ram_bytes = _ram() if gpu is None else 0
+    est.advice = advice(est, config, ram_bytes=ram_bytes)
+    return est
+
+
+def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -> StepTimes:
+    """See [Note: the step model]; without `pipelined` (offload_optimizer.pipeline_read and
+    pipeline_write) the state's transfers and CPU-Adam take turns."""
+    compute = rates.compute_s
+    copies = (sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step) / (
+        rates.copy_bytes_per_s
+    )
+    param_read = sz.param_read_bytes_per_micro_step / rates.nvme_read_bps
+    if rates.gpu is None:  # the CPU device: copies run on the cores that compute
+        micro = max(compute + copies, param_read)
+    else:
+        micro = max(compute, copies, param_read)
+    state_io = (
+        sz.optim_read_bytes_per_step / rates.nvme_read_bps
+        + (sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step) / rates.nvme_write_bps
+    )
+    adam = sz.flat_numel / rates.adam_numel_per_s
+    norm = sz.grad_host_bytes / rates.norm_bytes_per_s
+    optimizer = (max(adam, state_io) if pipelined else adam + state_io) + norm
+    return StepTimes(
+        compute_s=accum * compute,
+        nvme_s=accum * param_read + state_io,
+        cpu_adam_s=adam + norm,
+        copies_s=accum * copies,
+        micro_step_s=micro,
+        optimizer_step_s=optimizer,
+        step_s=accum * micro + optimizer,
+    )
+
+
+def bound_of(times: StepTimes) -> Bound:
+    parts = {
+        Bound.COMPUTE: times.compute_s,
+        Bound.NVME: times.nvme_s,
+        Bound.CPU_ADAM: times.cpu_adam_s,
+        Bound.COPIES: times.copies_s,
+    }
+    return max(parts, key=parts.__getitem__)
+
+
+def activation_bytes(
+    shape: ModelShape, tokens: int, seq_len: int, itemsize: int, checkpointing: bool
+) -> int:
+    """Activations held for backward: per layer about tokens x hidden x (34 + 5 x heads x
+    seq / hidden) 16-bit bytes (Korthikanti et al., 2022, no recomputation), scaled to the
+    model dtype; with checkpointing each layer keeps only its input, and one layer at a time
+    is recomputed in full. The logits add tokens x vocab in the model dtype and two fp32
+    copies (the loss and its gradient)."""
+    c = shape.config
+    h, heads, layers = c.hidden_size, c.num_attention_heads, c.num_hidden_layers
+    layer = tokens * h * (34 + 5 * heads * seq_len / h) * itemsize / 2
+    kept = layers * tokens * h * itemsize + layer if checkpointing else layers * layer
+    return int(kept + tokens * c.vocab_size * (itemsize + 8))
+
+
+def grad_transient_bytes(shape: ModelShape) -> int:
+    """Host memory a gradient takes on its way into the fp32 partition: the largest
+    trainable parameter's gradient converted to fp32."""
+    return 4 * max((p.numel for p in shape.params if p.trainable), default=0)
+
+
+def advice(est: Estimate, config: Config, *, ram_bytes: int) -> list[str]:
+    """What to change: the bound's usual remedy, and whatever does not fit."""
+    zero = config.zero_optimization
+    out = []
+    if est.bound == Bound.NVME:
+        if zero.offload_param.device == "nvme" and ram_bytes:
+            need = est.peak_rss_bytes + est.sizes.flat_numel * est.sizes.itemsize
+            if need < 0.9 * ram_bytes:
+                out.append(
+                    f"the disk bounds the step: keep the 16-bit parameters in RAM "
+                    f'(offload_param.device "cpu", about {need / _GIB:.1f} GiB peak RSS) '
+                    "so forward and backward read nothing from NVMe"
+                )
+        out.append(
+            "the optimizer moves its state once per step whatever the batch: raise "
+            "--grad-accum (or --micro-batch) to spread it over more tokens, or put the swap "
+            "directory on a faster SSD (RAID 0 of several)"
+        )
+    elif est.bound == Bound.CPU_ADAM:
+        out.append(
+            "CPU-Adam bounds the step: more CPU cores (or a larger --grad-accum to run it "
+            "less often per token) shorten it"
+        )
+    elif est.bound == Bound.COPIES:
+        out.append(
+            "host-device copies bound the step: keep offload_param.pin_memory true, raise "
+            "stage3_max_live_parameters so fewer parameters are gathered twice, or raise "
+            "--micro-batch so each copy serves more tokens"
+        )
+    else:
+        out.append(
+            "compute bounds the step: offload costs little here; a larger --micro-batch "
+            "raises throughput while device memory allows"
+        )
+    gpu = est.rates.gpu
+    if gpu is not None and est.device_bytes > gpu.memory_bytes:
+        out.append(
+            f"device memory {est.device_bytes / _GIB:.1f} GiB exceeds the {gpu.name}'s "
+            f"{gpu.memory_bytes / _GIB:.0f} GiB: enable --activation-checkpointing, lower "
+            "--micro-batch or stage3_max_live_parameters"
+        )
+    if ram_bytes and est.peak_rss_bytes > ram_bytes:
+        fix = (
+            "lower zero_optimization.sub_group_size or offload_optimizer.buffer_count"
+            if zero.offload_optimizer.device == "nvme"
+            else "put the optimizer state and parameters on NVMe (--nvme PATH)"
+        )
+        out.append(
+            f"peak host memory {est.peak_rss_bytes / _GIB:.1f} GiB exceeds this machine's "
+            f"{ram_bytes / _GIB:.1f} GiB of RAM: {fix}"
+        )
+    return out
+
+
+def _current_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _ram() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0

@@ -1,0 +1,219 @@
+"""What the engine would allocate and move for one model and config, in bytes.
+
+Every term calls the function the engine sizes the same thing with: the flat layout and its
+sub-groups (`infinity.zero.sub_groups`), the swap store's extent padding
+(`reserved_nbytes`), the NVMe state extents and pipeline buffers (`state_nbytes`,
+`state_buffer_count`), the parameter staging pool (`param_buffer_numel`), the NVMe weight
+ring (`staging_host_bytes`) and the persistence rule (`is_persistent`). The byte counts
+match `engine.memory_stats()` exactly; nothing here allocates or measures.
+
+Terms that depend on where fp32 gradients live and on frozen parameters are their own
+functions (`grad_host_bytes`, `frozen_host_bytes`, `frozen_nvme_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infinity.config import Config
+from infinity.estimate.shapes import ModelShape
+from infinity.swap.nvme_state import state_nbytes
+from infinity.swap.pool import param_buffer_numel
+from infinity.swap.store import align_up, reserved_nbytes
+from infinity.swap.tiers import state_buffer_count
+from infinity.zero import model_dtype
+from infinity.zero.build import is_persistent
+from infinity.zero.sub_groups import FlatLayout, flat_layout, resolve_sub_group_size
+from infinity.zero.weights import staging_host_bytes
+
+_F32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """Bytes of one rank's run: resident, on disk, and moved per micro step or per step."""
+
+    grad_host_bytes: int
+    """fp32 gradient partitions in host memory."""
+    weights_host_bytes: int
+    """The trainable weights' host copy (0 when they alias the fp32 masters; the staging
+    ring with parameters on NVMe)."""
+    state_host_bytes: int
+    """fp32 master + Adam moments in host memory (the cpu tier), or the NVMe pipeline's
+    buffers."""
+    frozen_host_bytes: int
+    param_pool_bytes: int
+    """The parameter staging pool (NVMe parameter tier only)."""
+    host_bytes: int
+    """The sum above: `memory_stats()["host_bytes"]`."""
+    pinned_bytes: int
+    optim_nvme_bytes: int
+    param_nvme_bytes: int
+    optim_read_bytes_per_step: int
+    optim_write_bytes_per_step: int
+    param_write_bytes_per_step: int
+    """New 16-bit weights the optimizer writes to the NVMe parameter tier."""
+    param_read_bytes_per_micro_step: int
+    """Parameter reads from NVMe in one forward + backward (steady state)."""
+    gather_bytes_per_micro_step: int
+    """Home -> device copies of parameters in one forward + backward."""
+    grad_offload_bytes_per_micro_step: int
+    """Device -> host gradient copies (model dtype) in one backward."""
+    peak_live_numel: int
+    """Gathered parameter elements at most (non-persistent within the budget, plus every
+    persistent one)."""
+    trainable_numel: int
+    flat_numel: int
+    """Elements of the optimizer's flat space (alignment padding included)."""
+    num_sub_groups: int
+    itemsize: int
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.optim_nvme_bytes + self.param_nvme_bytes
+
+
+def resolve_config(config: Config, shape: ModelShape) -> Config:
+    """The config as `infinity train` and the engine resolve it for this model."""
+    if config.zero_optimization.stage != 3:
+        raise ValueError(
+            f"zero_optimization.stage is {config.zero_optimization.stage}: Infinity runs (and "
+            "estimates) stage 3 only; set it to 3"
+        )
+    largest = max((p.numel for p in shape.params), default=1)
+    return config.resolve(hidden_size=shape.config.hidden_size, largest_param_numel=max(1, largest))
+
+
+def layout_of(shape: ModelShape, config: Config) -> FlatLayout:
+    """The optimizer's flat space of the trainable parameters, in record order."""
+    numels = [p.numel for p in shape.params if p.trainable]
+    return flat_layout(numels, resolve_sub_group_size(config.zero_optimization.sub_group_size))
+
+
+def sizes(shape: ModelShape, config: Config, *, pins: bool) -> Sizes:
+    """Every byte term for `shape` under a resolved `config`; `pins`: the device's host
+    memory can be pinned (a GPU; the CPU device never pins)."""
+    zero = config.zero_optimization
+    dtype = model_dtype(config)
+    itemsize = dtype.itemsize
+    layout = layout_of(shape, config)
+    sub_groups = layout.sub_group_numels
+    optim_nvme = zero.offload_optimizer.device == "nvme"
+    param_nvme = zero.offload_param.device == "nvme"
+    grad = grad_host_bytes(layout)
+    if optim_nvme:
+        extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
+        optim_disk = sum(extents)
+        buffer = align_up(max(extents, default=4096))
+        state_host = state_buffer_count(zero.offload_optimizer) * buffer
+    else:
+        optim_disk, state_host = 0, 3 * _F32 * sum(sub_groups)
+    if param_nvme:
+        weights = staging_host_bytes(layout, dtype)
+        pool = param_pool_bytes(shape, config)
+        param_disk = reserved_nbytes(layout.total * itemsize) + frozen_nvme_bytes(shape, itemsize)
+        param_write = layout.total * itemsize
+        frozen_host = 0
+    else:
+        aliased = dtype == torch.float32 and not optim_nvme
+        weights = 0 if aliased else layout.total * itemsize
+        pool = param_disk = param_write = 0
+        frozen_host = frozen_host_bytes(shape, itemsize)
+    pool_pinned = pool if (pins and zero.offload_param.pin_memory) else 0
+    if optim_nvme and pins and zero.offload_optimizer.pin_memory:
+        pool_pinned += state_host  # the NVMe pipeline's buffers, pinned when asked
+    gathered = gathered_numel_per_micro_step(shape, config)
+    return Sizes(
+        grad_host_bytes=grad,
+        weights_host_bytes=weights,
+        state_host_bytes=state_host,
+        frozen_host_bytes=frozen_host,
+        param_pool_bytes=pool,
+        host_bytes=grad + weights + state_host + frozen_host + pool,
+        pinned_bytes=pool_pinned,
+        optim_nvme_bytes=optim_disk,
+        param_nvme_bytes=param_disk,
+        optim_read_bytes_per_step=optim_disk,
+        optim_write_bytes_per_step=optim_disk,
+        param_write_bytes_per_step=param_write,
+        param_read_bytes_per_micro_step=gathered * itemsize if param_nvme else 0,
+        gather_bytes_per_micro_step=gathered * itemsize,
+        grad_offload_bytes_per_micro_step=shape.trainable_numel * itemsize,
+        peak_live_numel=peak_live_numel(shape, config),
+        trainable_numel=shape.trainable_numel,
+        flat_numel=layout.total,
+        num_sub_groups=layout.num_sub_groups,
+        itemsize=itemsize,
+    )
+
+
+# -- terms that depend on where gradients and frozen parameters live ---------------------------
+
+
+def grad_host_bytes(layout: FlatLayout) -> int:
+    """fp32 gradients: one flat host buffer over the optimizer's flat space."""
+    return _F32 * layout.total
+
+
+def frozen_host_bytes(shape: ModelShape, itemsize: int) -> int:
+    """Frozen parameters' host partitions (host parameter tier)."""
+    return sum(p.numel * itemsize for p in shape.params if not p.trainable)
+
+
+def frozen_nvme_bytes(shape: ModelShape, itemsize: int) -> int:
+    """Frozen parameters' extents on NVMe: one per parameter, page-padded."""
+    return sum(reserved_nbytes(p.numel * itemsize) for p in shape.params if not p.trainable)
+
+
+# -- the parameter tier ------------------------------------------------------------------------
+
+
+def param_pool_bytes(shape: ModelShape, config: Config) -> int:
+    """The NVMe parameter staging pool: `buffer_count` buffers of the largest parameter."""
+    param = config.zero_optimization.offload_param
+    largest = max((p.numel for p in shape.params), default=1)
+    numel = param_buffer_numel(param, largest)
+    return param.buffer_count * align_up(numel * model_dtype(config).itemsize)
+
+
+def retained_numel(shape: ModelShape, config: Config) -> int:
+    """Non-persistent elements still gathered when forward turns into backward: the last
+    units of the forward, as many as the live budget (and the reuse distance) hold. Backward
+    finds them gathered; the rest it gathers again."""
+    zero = config.zero_optimization
+    threshold = int(zero.param_persistence_threshold)
+    room = min(int(zero.max_live_parameters), int(zero.max_reuse_distance))
+    kept = 0
+    for unit in reversed(shape.units):
+        n = shape.unit_numel(unit, threshold=threshold)
+        if kept and kept + n > room:  # the last unit stays whatever the budget
+            break
+        kept += n
+    return kept
+
+
+def non_persistent_numel(shape: ModelShape, config: Config) -> int:
+    threshold = int(config.zero_optimization.param_persistence_threshold)
+    return sum(p.numel for p in shape.params if not is_persistent(p.numel, threshold))
+
+
+def gathered_numel_per_micro_step(shape: ModelShape, config: Config) -> int:
+    """Parameter elements fetched from their home in one forward + backward, once the
+    execution order is traced: every non-persistent parameter in forward, and again in
+    backward except what is still gathered at the turn (the end of an iteration releases
+    everything that is not persistent)."""
+    return 2 * non_persistent_numel(shape, config) - retained_numel(shape, config)
+
+
+def peak_live_numel(shape: ModelShape, config: Config) -> int:
+    """Gathered elements at most: the budget (or the largest unit, which a gather may take
+    whatever the budget), never more than the non-persistent total, plus the persistent
+    ones."""
+    zero = config.zero_optimization
+    threshold = int(zero.param_persistence_threshold)
+    non_persistent = non_persistent_numel(shape, config)
+    largest = max((shape.unit_numel(u, threshold=threshold) for u in shape.units), default=0)
+    live = min(non_persistent, max(int(zero.max_live_parameters), largest))
+    return live + shape.numel - non_persistent
