@@ -15,6 +15,23 @@ took 13 ms each (0.35 s per step for 27 parameters at 507M).
 [Note: loss scaling] `backward(loss)` differentiates loss * loss_scale / accumulation_steps,
 as DeepSpeed does. Gradients therefore reach the fp32 partitions scaled by loss_scale; the
 optimizer divides it out inside its step (after the overflow check and global-norm clipping).
+
+[Note: plain backward] A plain `loss.backward()` works too, with PyTorch's meaning: the
+gradient of `loss` as it is (a loop that accumulates divides its loss itself, as the HF
+Trainer and Lightning do). The engine cannot see that loss, so it acts where the gradient
+enters the model: `forward` passes every output that requires grad through `BackwardEntry`,
+an identity whose backward (1) starts the engine's backward phase and queues the end of the
+iteration for when autograd finishes (the way FSDP ends its backward), and (2) multiplies the
+incoming gradient by the fp16 loss scale. Outputs the model computes from one another (loss
+from logits) are wrapped after the fact, so each gradient is scaled exactly once. What fp16
+cannot do this way: a loss computed outside the model from fp16 outputs (cross-entropy on
+`logits.float()`) has its gradient cast to fp16 before it reaches the scale, so values below
+fp16's range (about 6e-8) are lost; compute the loss inside the model (HF models do, in fp32,
+when given `labels`) or call `engine.backward(loss)`, which scales the loss itself. Under
+`engine.backward` the entry passes gradients through unscaled. Activation checkpointing
+recomputes modules inside backward: there the hooks enter the engine's torch-function mode
+themselves (see `ModelHooks`), since autograd runs each node with the thread state captured
+when backward was called.
 """
 
 from __future__ import annotations
@@ -29,9 +46,10 @@ from torch import nn
 from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.config import Config
-from infinity.optim import build_loss_scaler, build_schedule
+from infinity.optim import Schedule, build_loss_scaler, build_schedule
 from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
 from infinity.zero import (
+    BackwardEntry,
     Coordinator,
     ModelHooks,
     OffloadParam,
@@ -68,7 +86,11 @@ class Engine:
         config: Config | dict | str | os.PathLike,
         *,
         accelerator: Accelerator | None = None,
+        lr_schedule: Schedule | None = None,
     ) -> None:
+        """`lr_schedule` replaces the config's schedule: anything with `lr` (the rate of the
+        next step), `step()` (one step applied) and `state_dict`/`load_state_dict`, such as
+        the HF Trainer's own scheduler seen through `infinity.integrations.hf`."""
         config = Config.load(config)
         largest = max((p.numel() for p in model.parameters()), default=1)
         self.config = config.resolve(largest_param_numel=max(1, largest))
@@ -95,7 +117,12 @@ class Engine:
             self._close_stores(self.optimizer.store)
             raise
         self.loss_scaler = build_loss_scaler(self.config.fp16)
-        self.lr_schedule = build_schedule(self.config.scheduler, float(self.config.optimizer.lr))
+        self.lr_schedule = lr_schedule or build_schedule(
+            self.config.scheduler, float(self.config.optimizer.lr)
+        )
+        self.entry = BackwardEntry(
+            self.hooks, self.coordinator, loss_scale=lambda: self.loss_scaler.scale
+        )
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
         self.micro_steps = 0
         self.global_steps = 0
@@ -183,10 +210,15 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model; parameters are gathered module by module. With fp16.auto_cast,
-        floating-point tensor arguments are cast to fp16 first."""
+        floating-point tensor arguments are cast to fp16 first. Outputs that require grad
+        come back as aliases that let a plain `loss.backward()` drive the engine (see
+        [Note: plain backward])."""
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
+        if coord.phase is not Phase.IDLE:  # a forward whose backward never came (or failed)
+            self.hooks.reset()
+        self.entry.new_iteration()
         coord.begin_iteration(self._iteration_key())
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
@@ -198,18 +230,24 @@ class Engine:
         if not torch.is_grad_enabled():
             self.hooks.reset()
             coord.end_iteration()
-        return out
+            return out
+        return self.entry.wrap(out)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate loss * loss_scale / gradient_accumulation_steps."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate loss * loss_scale / gradient_accumulation_steps (DeepSpeed's meaning;
+        `scale_wrt_gas=False` leaves out the division, for loops that divide themselves).
+        A plain `loss.backward()` is accepted as well (see [Note: plain backward])."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 f"backward: expected a scalar loss tensor, got {type(loss).__name__} "
                 f"with shape {getattr(loss, 'shape', None)}"
             )
-        factor = self.loss_scaler.scale / self.gradient_accumulation_steps
+        factor = self.loss_scaler.scale
+        if scale_wrt_gas:
+            factor /= self.gradient_accumulation_steps
         coord = self.coordinator
         coord.phase = Phase.BACKWARD
+        self.entry.caller_scaled = True
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
                 (loss.float() * factor).backward()
@@ -217,18 +255,29 @@ class Engine:
             self.hooks.reset()
             coord.abort_iteration()
             raise
-        self.hooks.reset()
+        finally:
+            self.entry.caller_scaled = False
+        self.hooks.reset()  # already done by the entry, unless the loss bypassed the outputs
         coord.end_iteration()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next `step()` applies the optimizer (DeepSpeed's meaning)."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def step(self) -> None:
-        """Count a micro step; at the accumulation boundary run the optimizer."""
-        if self.is_gradient_accumulation_boundary():
+    def step(self, *, boundary: bool | None = None) -> None:
+        """Count a micro step; at the accumulation boundary run the optimizer.
+
+        `boundary` overrides the count for loops that keep their own (the HF Trainer, whose
+        last window of an epoch may be shorter): True runs the optimizer now and starts a new
+        window, False only counts."""
+        ga = self.gradient_accumulation_steps
+        if boundary is None:
+            boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._optimizer_step()
-        self.micro_steps += 1
+            self.micro_steps = (self.micro_steps // ga + 1) * ga
+        else:
+            self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
         if self.param_store is not None:
