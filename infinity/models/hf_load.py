@@ -96,9 +96,7 @@ def check_names_and_shapes(
     Names in `ignore` (a tied parameter's second name) may be present and are skipped."""
     shapes = tensor_shapes(files)
     missing = sorted(set(expected) - set(shapes))
-    unexpected = sorted(
-        n for n in set(shapes) - set(expected) if not _ignorable(n, config, ignore)
-    )
+    unexpected = sorted(n for n in set(shapes) - set(expected) if not _ignorable(n, config, ignore))
     if missing or unexpected:
         parts = []
         if missing:
