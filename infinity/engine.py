@@ -19,11 +19,12 @@ optimizer divides it out inside its step (after the overflow check and global-no
 [Note: plain backward] A plain `loss.backward()` works too, with PyTorch's meaning: the
 gradient of `loss` as it is (a loop that accumulates divides its loss itself, as the HF
 Trainer and Lightning do). The engine cannot see that loss, so it acts where the gradient
-enters the model: `forward` passes every output that requires grad through `BackwardEntry`,
-an identity whose backward (1) starts the engine's backward phase and queues the end of the
-iteration for when autograd finishes (the way FSDP ends its backward), and (2) multiplies the
-incoming gradient by the fp16 loss scale. Outputs the model computes from one another (loss
-from logits) are wrapped after the fact, so each gradient is scaled exactly once. What fp16
+enters the model: `forward` marks every output that requires grad (`BackwardEntry`); the
+first gradient to reach one (1) starts the engine's backward phase and queues the end of the
+iteration for when autograd finishes (the way FSDP ends its backward), and (2) with fp16 is
+multiplied by the loss scale, inside an identity function the output passes through. Outputs
+the model computes from one another (loss from logits) are wrapped after the fact, so each
+gradient is scaled exactly once. What fp16
 cannot do this way: a loss computed outside the model from fp16 outputs (cross-entropy on
 `logits.float()`) has its gradient cast to fp16 before it reaches the scale, so values below
 fp16's range (about 6e-8) are lost; compute the loss inside the model (HF models do, in fp32,
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -86,11 +88,10 @@ class Engine:
         config: Config | dict | str | os.PathLike,
         *,
         accelerator: Accelerator | None = None,
-        lr_schedule: Schedule | None = None,
+        no_decay: Collection[str] = (),
     ) -> None:
-        """`lr_schedule` replaces the config's schedule: anything with `lr` (the rate of the
-        next step), `step()` (one step applied) and `state_dict`/`load_state_dict`, such as
-        the HF Trainer's own scheduler seen through `infinity.integrations.hf`."""
+        """`no_decay`: names of parameters the optimizer's weight decay skips (the HF
+        Trainer's biases and norms)."""
         config = Config.load(config)
         largest = max((p.numel() for p in model.parameters()), default=1)
         self.config = config.resolve(largest_param_numel=max(1, largest))
@@ -100,7 +101,7 @@ class Engine:
         self.module = model
         self.accelerator = accelerator or get_accelerator()
         self.records, units = partition_model(model, self.config, self.accelerator)
-        self.optimizer = self._build_optimizer()
+        self.optimizer = self._build_optimizer(set(no_decay))
         if self.param_store is not None:  # see [Note: gathered weights after a step]
             self._live_trainable = [r for r in self.records if r.trainable and r.persistent]
             self.optimizer.on_new_weights = self._refresh_live
@@ -117,11 +118,17 @@ class Engine:
             self._close_stores(self.optimizer.store)
             raise
         self.loss_scaler = build_loss_scaler(self.config.fp16)
-        self.lr_schedule = lr_schedule or build_schedule(
+        self.lr_schedule: Schedule = build_schedule(
             self.config.scheduler, float(self.config.optimizer.lr)
         )
+        """The lr of each step. An integration may replace it between steps with anything
+        that has `lr` (the next step's rate), `step()` and `state_dict`/`load_state_dict`
+        (`infinity.integrations.hf` puts the HF Trainer's own scheduler here)."""
+        fp16 = self.config.fp16.enabled
         self.entry = BackwardEntry(
-            self.hooks, self.coordinator, loss_scale=lambda: self.loss_scaler.scale
+            self.hooks,
+            self.coordinator,
+            loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
         )
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
         self.micro_steps = 0
@@ -130,11 +137,17 @@ class Engine:
         self._grad_norm: float | None = None
         self._last_overflow = False
 
-    def _build_optimizer(self) -> PartitionedOptimizer:
+    def _build_optimizer(self, no_decay: set[str]) -> PartitionedOptimizer:
         trainable: list[OffloadParam] = [r for r in self.records if r.param.requires_grad]
         if not trainable:
             raise ValueError(
                 "initialize: the model has no parameter with requires_grad=True; nothing to train"
+            )
+        unknown = sorted(no_decay - {r.name for r in self.records})
+        if unknown:
+            raise ValueError(
+                f"initialize: no_decay names {unknown[:5]}, which are not parameters of the "
+                "model; use names from model.named_parameters()"
             )
         slots = [Slot(name=r.name, numel=r.numel, partition=r.partition) for r in trainable]
         zero = self.config.zero_optimization
@@ -155,6 +168,7 @@ class Engine:
                 zero=zero,
                 state_store=store,
                 weight_home=self.param_store,
+                no_decay=[i for i, r in enumerate(trainable) if r.name in no_decay],
             )
             del slots  # the host partitions of an NVMe home are dropped below
             for i, rec in enumerate(trainable):

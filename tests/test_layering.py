@@ -24,6 +24,7 @@ RANKS = {
     "engine": 4,
     "data": 4,
     "cli": 5,
+    "integrations": 5,
 }
 
 

@@ -1,8 +1,12 @@
 """Where gradients enter a partitioned model: the start and the end of a plain backward.
 
-`BackwardEntry.wrap` passes a forward's outputs through an identity whose backward starts
-the engine's backward phase, queues the end of the iteration for when autograd finishes and
-applies the fp16 loss scale. See [Note: plain backward] in infinity/engine.py.
+`BackwardEntry.wrap` marks a forward's outputs so that the first gradient reaching one
+starts the engine's backward phase and queues the end of the iteration for when autograd
+finishes. Without loss scaling a tensor hook on each output does it and the outputs are
+returned untouched. With fp16 the gradient must also be multiplied by the loss scale
+exactly once, so each output is passed through an identity function whose backward scales:
+scalars (the loss) come back as copies, larger outputs as aliases, which cannot be modified
+in place (clone them first). See [Note: plain backward] in infinity/engine.py.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ class _Entry(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, entry: BackwardEntry) -> torch.Tensor:
         ctx.entry = entry
-        return x.view_as(x)  # an alias, not a copy: logits can be large
+        # A copy of a scalar costs nothing and may be modified in place (the HF Trainer
+        # does `loss *= ...`); logits can be gigabytes, so they get an alias.
+        return x.clone() if x.numel() <= 1 else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -36,8 +42,13 @@ class BackwardEntry:
     `engine.backward(loss)` alike."""
 
     def __init__(
-        self, hooks: ModelHooks, coordinator: Coordinator, *, loss_scale: Callable[[], float]
+        self,
+        hooks: ModelHooks,
+        coordinator: Coordinator,
+        *,
+        loss_scale: Callable[[], float] | None,
     ) -> None:
+        """`loss_scale` returns the current fp16 loss scale (None: no loss scaling)."""
         self.hooks = hooks
         self.coord = coordinator
         self.loss_scale = loss_scale
@@ -53,9 +64,12 @@ class BackwardEntry:
         """`out` with each tensor that requires grad (in tuples, lists, dicts, HF
         ModelOutputs) replaced by its entry alias."""
         if isinstance(out, torch.Tensor):
-            if out.requires_grad and not isinstance(out, nn.Parameter):
-                return _Entry.apply(out, self)
-            return out
+            if not out.requires_grad or isinstance(out, nn.Parameter):
+                return out
+            if self.loss_scale is None:
+                out.register_hook(self._on_grad)
+                return out
+            return _Entry.apply(out, self)
         if isinstance(out, dict):  # ModelOutput too: its __setitem__ keeps attributes in step
             for key in list(out.keys()):
                 out[key] = self.wrap(out[key])
@@ -74,7 +88,12 @@ class BackwardEntry:
             self._started = True
             self.coord.phase = Phase.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        return 1.0 if self.caller_scaled else float(self.loss_scale())
+        if self.caller_scaled or self.loss_scale is None:
+            return 1.0
+        return float(self.loss_scale())
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        self.enter()
 
     def _finish(self) -> None:
         """Autograd has finished the backward: the iteration ends."""
