@@ -204,3 +204,18 @@ def test_missing_config_and_foreign_checkpoints_are_refused(tmp_path):
     foreign.mkdir()
     with pytest.raises(ValueError, match="not written by InfinityTrainer"):
         trainer.train(resume_from_checkpoint=str(foreign))
+
+
+def test_a_model_built_under_init_trains_like_the_plain_trainer(tmp_path, plain):
+    """A model too large for from_pretrained: built by its transformers class under
+    infinity.init with its weights streamed into the partitions, then handed to the Trainer."""
+    from infinity.models import hf_auto
+
+    _model().save_pretrained(tmp_path / "base")
+    auto = {**INFINITY, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    model = hf_auto.from_pretrained(tmp_path / "base", auto)
+    trainer = InfinityTrainer(
+        model=model, args=_args(tmp_path / "o"), train_dataset=_dataset(), infinity_config=auto
+    )
+    trainer.train()
+    assert _rel(_logs(trainer, "loss"), _logs(plain, "loss")) < 1e-5

@@ -144,3 +144,30 @@ def test_cli_refuses_a_model_that_is_not_a_causal_lm(tmp_path, capsys, model_typ
     err = capsys.readouterr().err
     assert all(n in err for n in needles), err
     assert "Traceback" not in err
+
+
+def test_cli_activation_checkpointing_uses_the_models_own(tmp_path, monkeypatch):
+    """--activation-checkpointing turns on transformers' own checkpointing: same losses."""
+    model_dir = write_model_dir(transformers, "qwen2", tmp_path)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    enabled = []
+    cls = transformers.Qwen2ForCausalLM
+    original = cls.activation_checkpointing_enable
+
+    def spy(self, *args, **kwargs):
+        enabled.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "activation_checkpointing_enable", spy)
+    runs = {}
+    for flag in ([], ["--activation-checkpointing"]):
+        save = tmp_path / f"run{len(flag)}"
+        assert main([
+            "train", "--model", str(model_dir), "--data", str(corpus), "--save-dir", str(save),
+            "--seq-len", "12", "--micro-batch", "2", "--steps", "2", "--seed", "1",
+            "--no-progress", *flag,
+        ]) == 0  # fmt: skip
+        lines = (save / "metrics.jsonl").read_text().splitlines()
+        runs[len(flag)] = [json.loads(line)["loss"] for line in lines]
+    assert enabled == ["Qwen2ForCausalLM"]
+    assert max_rel_diff(runs[1], runs[0]) < 1e-6

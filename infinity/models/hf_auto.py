@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity.config import Config
 from infinity.models.config import PRESETS, preset, read_config_json
 from infinity.models.hf_load import copying_sink, expected_shapes, stream_hf_weights
 from infinity.zero import init
@@ -161,9 +162,11 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
 def from_pretrained(model: str | os.PathLike, config) -> nn.Module:
     """Build a model directory's (or preset's) transformers class under `infinity.init(config)`
     and stream its weights into the partitions: the whole model never sits in RAM twice,
-    unlike `from_pretrained`. Use it before `infinity.initialize` or `InfinityTrainer`."""
+    unlike `from_pretrained`. Use it before `infinity.initialize` or `InfinityTrainer`;
+    `config` may keep "auto" values (only its precision and pinning matter here)."""
     spec = model if isinstance(model, CausalLMSpec) else describe(model)
-    with init(config):
+    # init needs only the dtype and pinning: a schedule's "auto" run length may stay open.
+    with init(Config.load(config).resolve(total_num_steps=1)):
         built = build(spec.hf_config, init_weights=spec.model_dir is None)
     if spec.model_dir is not None:
         load_weights(built, spec.model_dir)
