@@ -171,3 +171,15 @@ def test_cli_activation_checkpointing_uses_the_models_own(tmp_path, monkeypatch)
         runs[len(flag)] = [json.loads(line)["loss"] for line in lines]
     assert enabled == ["Qwen2ForCausalLM"]
     assert max_rel_diff(runs[1], runs[0]) < 1e-6
+
+
+def test_cli_without_transformers_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    code = main(["train", "--model", "tiny", "--data", str(corpus), "--save-dir",
+                 str(tmp_path / "s"), "--no-progress"])  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "infinity-trainer[hf]" in err and "Traceback" not in err
