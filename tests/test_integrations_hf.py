@@ -219,3 +219,15 @@ def test_a_model_built_under_init_trains_like_the_plain_trainer(tmp_path, plain)
     )
     trainer.train()
     assert _rel(_logs(trainer, "loss"), _logs(plain, "loss")) < 1e-5
+
+
+def test_the_trainers_activation_checkpointing_runs_on_the_engine(tmp_path, plain):
+    args = _args(tmp_path, max_steps=3, activation_checkpointing=True)
+    trainer = InfinityTrainer(
+        model=_model(), args=args, train_dataset=_dataset(), infinity_config=INFINITY
+    )
+    trainer.train()
+    assert trainer.model.is_activation_checkpointing
+    losses = _logs(trainer, "loss")
+    ref = _logs(plain, "loss")[:3]
+    assert max(abs(a - b) / b for a, b in zip(losses, ref, strict=True)) < 1e-5
