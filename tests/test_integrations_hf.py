@@ -231,3 +231,26 @@ def test_the_trainers_activation_checkpointing_runs_on_the_engine(tmp_path, plai
     losses = _logs(trainer, "loss")
     ref = _logs(plain, "loss")[:3]
     assert max(abs(a - b) / b for a, b in zip(losses, ref, strict=True)) < 1e-5
+
+
+def test_nvme_offload_trains_like_ram_and_end_removes_the_swap_files(tmp_path, plain):
+    nvme = tmp_path / "ssd"
+    nvme.mkdir()
+    cfg = copy.deepcopy(INFINITY)
+    cfg["zero_optimization"].update(
+        offload_optimizer={"device": "nvme", "nvme_path": str(nvme)},
+        offload_param={"device": "nvme", "nvme_path": str(nvme)},
+        sub_group_size=10_000,
+    )
+    trainer = InfinityTrainer(
+        model=_model(), args=_args(tmp_path / "o", max_steps=3), train_dataset=_dataset(),
+        infinity_config=cfg,
+    )  # fmt: skip
+    trainer.train()
+    assert [p for p in nvme.rglob("*") if p.is_file()]  # the swap files are in use
+    ref = _logs(plain, "loss")[:3]
+    assert max(abs(a - b) / b for a, b in zip(_logs(trainer, "loss"), ref, strict=True)) < 1e-5
+    trainer.save_model(tmp_path / "saved")  # read back from NVMe, one tensor at a time
+    trainer.end()
+    assert not [p for p in nvme.rglob("*") if p.is_file()]
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")

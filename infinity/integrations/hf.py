@@ -223,6 +223,13 @@ class InfinityTrainer(transformers.Trainer):
             grad_norm = self.engine.get_global_grad_norm()
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
+    def end(self) -> None:
+        """The Trainer's end, then the engine's: its swap files under NVMe are removed (the
+        weights stay in the partitions and can still be saved)."""
+        super().end()
+        if self.engine is not None:
+            self.engine.close()
+
     # ---- saving and resuming -----------------------------------------------------------
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
