@@ -24,12 +24,12 @@ first gradient to reach one (1) starts the engine's backward phase and queues th
 iteration for when autograd finishes (the way FSDP ends its backward), and (2) with fp16 is
 multiplied by the loss scale, inside an identity function the output passes through. Outputs
 the model computes from one another (loss from logits) are wrapped after the fact, so each
-gradient is scaled exactly once. What fp16
-cannot do this way: a loss computed outside the model from fp16 outputs (cross-entropy on
-`logits.float()`) has its gradient cast to fp16 before it reaches the scale, so values below
-fp16's range (about 6e-8) are lost; compute the loss inside the model (HF models do, in fp32,
-when given `labels`) or call `engine.backward(loss)`, which scales the loss itself. Under
-`engine.backward` the entry passes gradients through unscaled. Activation checkpointing
+gradient is scaled exactly once. What fp16 cannot do this way: a loss computed outside the
+model from fp16 outputs (cross-entropy on `logits.float()`) has its gradient cast to fp16
+before it reaches the scale, so values below fp16's range (about 6e-8) are lost; compute the
+loss inside the model (HF models do, in fp32, when given `labels`) or call
+`engine.backward(loss)`, which scales the loss itself (the entry then passes gradients
+through unscaled). Activation checkpointing
 recomputes modules inside backward: there the hooks enter the engine's torch-function mode
 themselves (see `ModelHooks`), since autograd runs each node with the thread state captured
 when backward was called.
@@ -225,8 +225,8 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model; parameters are gathered module by module. With fp16.auto_cast,
         floating-point tensor arguments are cast to fp16 first. Outputs that require grad
-        come back as aliases that let a plain `loss.backward()` drive the engine (see
-        [Note: plain backward])."""
+        are marked so that a plain `loss.backward()` drives the engine (see [Note: plain
+        backward])."""
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator

@@ -179,3 +179,26 @@ def test_step_boundary_overrides_the_count():
     assert engine.global_steps == 1 and engine.micro_steps == 4
     engine.step(boundary=False)
     assert engine.global_steps == 1 and engine.micro_steps == 5
+
+
+def test_backward_without_scaling_by_accumulation():
+    """`engine.backward(loss / 2, scale_wrt_gas=False)` is `engine.backward(loss)` at
+    accumulation 2 (the HF Trainer's division, DeepSpeed's keyword)."""
+    torch.manual_seed(0)
+    model = _gpt2()
+    cfg = config()
+    cfg["gradient_accumulation_steps"] = 2
+    data = batches(4, seed=8)
+    norms = []
+    for divided in (False, True):
+        engine = infinity.initialize(copy.deepcopy(model), cfg)
+        for ids in data:
+            loss = engine(input_ids=ids, labels=ids).loss
+            if divided:
+                engine.backward(loss / 2, scale_wrt_gas=False)
+            else:
+                engine.backward(loss)
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    assert engine.global_steps == 2
+    assert abs(norms[0] - norms[1]) <= 1e-6 * norms[0]
