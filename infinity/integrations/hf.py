@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 ENGINE_TAG = "infinity"
 """The engine's state inside a Trainer checkpoint folder (`checkpoint-N/infinity/`)."""
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-_DTYPE_NAMES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 class _EngineOptimizer(torch.optim.Optimizer):
@@ -290,7 +289,7 @@ def save_hf_weights(engine: Engine, model: torch.nn.Module, output_dir: Path) ->
         engine.named_parameters_host(),
         config,
         staging,
-        dtype=_DTYPE_NAMES[engine.config.precision],
+        dtype=engine.config.precision,  # "fp32" | "bf16" | "fp16": the weights as trained
     )
     new = {p.name for p in staging.iterdir()}
     for name in sorted(new):
