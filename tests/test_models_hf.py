@@ -183,3 +183,13 @@ def test_cli_without_transformers_says_what_to_install(tmp_path, capsys, monkeyp
     assert code == 1
     err = capsys.readouterr().err
     assert "infinity-trainer[hf]" in err and "Traceback" not in err
+
+
+def test_cli_refuses_a_sequence_longer_than_the_models_positions(tmp_path, capsys):
+    model_dir = write_model_dir(transformers, "gpt2", tmp_path)  # learned positions: 64
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    code = main(["train", "--model", str(model_dir), "--data", str(corpus), "--save-dir",
+                 str(tmp_path / "s"), "--seq-len", "65", "--no-progress"])  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "--seq-len 65" in err and "64 positions" in err and "Traceback" not in err

@@ -50,6 +50,12 @@ class TrainRun:
     # -- building ------------------------------------------------------------------------
 
     def _data(self) -> PackedDataset:
+        limit = self.model.max_positions
+        if limit and self.args.seq_len > limit:
+            raise ValueError(
+                f"--seq-len {self.args.seq_len} is longer than the {limit} positions the model "
+                f"covers (max_position_embeddings in its config); use --seq-len {limit} or less"
+            )
         data = open_dataset(
             self.args.data,
             seq_len=self.args.seq_len,

@@ -63,6 +63,12 @@ class CausalLMSpec:
         return int(self.hf_config.vocab_size)
 
     @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model's positions cover (None: not stated)."""
+        value = getattr(self.hf_config, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
     def num_params(self) -> int:
         return sum(math.prod(s) for s in self.param_shapes.values())
 
