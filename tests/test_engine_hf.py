@@ -202,3 +202,51 @@ def test_backward_without_scaling_by_accumulation():
         norms.append(engine.get_global_grad_norm())
     assert engine.global_steps == 2
     assert abs(norms[0] - norms[1]) <= 1e-6 * norms[0]
+
+
+class _Body(torch.nn.Module):
+    """A checkpointed block that reads another module's weight (not its own)."""
+
+    def __init__(self, embed: torch.nn.Embedding) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        object.__setattr__(self, "owner", embed)  # a reference, not a submodule
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) @ self.owner.weight.t()  # (B, T, VOCAB)
+
+
+class _TiedInside(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.body = _Body(self.embed)
+
+    def forward(self, ids, labels):
+        logits = torch.utils.checkpoint.checkpoint(self.body, self.embed(ids), use_reentrant=False)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_plain_backward_recomputation_gathers_weights_used_outside_their_module():
+    """After a plain `loss.backward()` the recomputed block runs without the engine's
+    torch-function mode on autograd's thread state: the hooks enter it for the block."""
+    torch.manual_seed(0)
+    model = _TiedInside()
+    data = batches(3, seed=4)
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
+    ref = []
+    for ids in data:
+        loss = ref_model(ids, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    engine = infinity.initialize(copy.deepcopy(model), config())
+    got = []
+    for ids in data:
+        loss = engine(ids, ids)
+        loss.backward()
+        engine.step()
+        got.append(loss.item())
+    assert max_rel_diff(got, ref) < 1e-5, (got, ref)
