@@ -14,6 +14,7 @@ from _hf_models import VOCAB
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import infinity  # noqa: E402
 from infinity.integrations.hf import ENGINE_TAG, InfinityTrainer  # noqa: E402
 
 STEPS = 10
@@ -183,6 +184,12 @@ def test_auto_values_are_filled_and_conflicts_named(tmp_path):
     assert cfg["optimizer"]["params"]["lr"] == 1e-2
     assert cfg["optimizer"]["params"]["betas"] == [0.9, 0.95]
     assert cfg["optimizer"]["params"]["weight_decay"] == 0.01  # left out: the Trainer's
+    # An infinity.Config: values equal to its defaults count as not given, not as conflicts.
+    typed = InfinityTrainer(
+        model=_model(), args=_args(tmp_path), infinity_config=infinity.Config.load(INFINITY)
+    )
+    assert typed.infinity_config["gradient_clipping"] == 0.5
+    assert typed.infinity_config["zero_optimization"]["stage3_max_live_parameters"] == 6000
 
     bad = copy.deepcopy(INFINITY)
     bad.update(train_micro_batch_size_per_gpu=4, gradient_clipping=1.0)
