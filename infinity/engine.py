@@ -15,12 +15,31 @@ took 13 ms each (0.35 s per step for 27 parameters at 507M).
 [Note: loss scaling] `backward(loss)` differentiates loss * loss_scale / accumulation_steps,
 as DeepSpeed does. Gradients therefore reach the fp32 partitions scaled by loss_scale; the
 optimizer divides it out inside its step (after the overflow check and global-norm clipping).
+
+[Note: plain backward] A plain `loss.backward()` works too, with PyTorch's meaning: the
+gradient of `loss` as it is (a loop that accumulates divides its loss itself, as the HF
+Trainer and Lightning do). The engine cannot see that loss, so it acts where the gradient
+enters the model: `forward` marks every output that requires grad (`BackwardEntry`); the
+first gradient to reach one (1) starts the engine's backward phase and queues the end of the
+iteration for when autograd finishes (the way FSDP ends its backward), and (2) with fp16 is
+multiplied by the loss scale, inside an identity function the output passes through. Outputs
+the model computes from one another (loss from logits) are wrapped after the fact, so each
+gradient is scaled exactly once. What fp16 cannot do this way: a loss computed outside the
+model from fp16 outputs (cross-entropy on `logits.float()`) has its gradient cast to fp16
+before it reaches the scale, so values below fp16's range (about 6e-8) are lost; compute the
+loss inside the model (HF models do, in fp32, when given `labels`) or call
+`engine.backward(loss)`, which scales the loss itself (the entry then passes gradients
+through unscaled). Activation checkpointing
+recomputes modules inside backward: there the hooks enter the engine's torch-function mode
+themselves (see `ModelHooks`), since autograd runs each node with the thread state captured
+when backward was called.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -30,10 +49,11 @@ from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.checkpoint import model16
 from infinity.config import Config
-from infinity.optim import build_loss_scaler, build_schedule
+from infinity.optim import Schedule, build_loss_scaler, build_schedule
 from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
 from infinity.utils.step_timer import StepTimer, format_breakdown
 from infinity.zero import (
+    BackwardEntry,
     Coordinator,
     ModelHooks,
     OffloadParam,
@@ -74,7 +94,10 @@ class Engine:
         config: Config | dict | str | os.PathLike,
         *,
         accelerator: Accelerator | None = None,
+        no_decay: Collection[str] = (),
     ) -> None:
+        """`no_decay`: names of parameters the optimizer's weight decay skips (the HF
+        Trainer's biases and norms)."""
         config = Config.load(config)
         largest = max((p.numel() for p in model.parameters()), default=1)
         self.config = config.resolve(largest_param_numel=max(1, largest))
@@ -84,7 +107,7 @@ class Engine:
         self.module = model
         self.accelerator = accelerator or get_accelerator()
         self.records, units = partition_model(model, self.config, self.accelerator)
-        self.optimizer = self._build_optimizer()
+        self.optimizer = self._build_optimizer(set(no_decay))
         if self.param_store is not None:  # see [Note: gathered weights after a step]
             self._live_trainable = [r for r in self.records if r.trainable and r.persistent]
             self.optimizer.on_new_weights = self._refresh_live
@@ -101,7 +124,18 @@ class Engine:
             self._close_stores(self.optimizer.store)
             raise
         self.loss_scaler = build_loss_scaler(self.config.fp16)
-        self.lr_schedule = build_schedule(self.config.scheduler, float(self.config.optimizer.lr))
+        self.lr_schedule: Schedule = build_schedule(
+            self.config.scheduler, float(self.config.optimizer.lr)
+        )
+        """The lr of each step. An integration may replace it between steps with anything
+        that has `lr` (the next step's rate), `step()` and `state_dict`/`load_state_dict`
+        (`infinity.integrations.hf` puts the HF Trainer's own scheduler here)."""
+        fp16 = self.config.fp16.enabled
+        self.entry = BackwardEntry(
+            self.hooks,
+            self.coordinator,
+            loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
+        )
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
         self.micro_steps = 0
         self._backwards = 0
@@ -117,11 +151,17 @@ class Engine:
             self._add_disk_waits()
             self._timer.discard()
 
-    def _build_optimizer(self) -> PartitionedOptimizer:
+    def _build_optimizer(self, no_decay: set[str]) -> PartitionedOptimizer:
         trainable: list[OffloadParam] = [r for r in self.records if r.param.requires_grad]
         if not trainable:
             raise ValueError(
                 "initialize: the model has no parameter with requires_grad=True; nothing to train"
+            )
+        unknown = sorted(no_decay - {r.name for r in self.records})
+        if unknown:
+            raise ValueError(
+                f"initialize: no_decay names {unknown[:5]}, which are not parameters of the "
+                "model; use names from model.named_parameters()"
             )
         slots = [Slot(name=r.name, numel=r.numel, partition=r.partition) for r in trainable]
         zero = self.config.zero_optimization
@@ -142,6 +182,7 @@ class Engine:
                 zero=zero,
                 state_store=store,
                 weight_home=self.param_store,
+                no_decay=[i for i, r in enumerate(trainable) if r.name in no_decay],
             )
             del slots  # the host partitions of an NVMe home are dropped below
             for i, rec in enumerate(trainable):
@@ -199,12 +240,17 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model; parameters are gathered module by module. With fp16.auto_cast,
-        floating-point tensor arguments are cast to fp16 first."""
+        floating-point tensor arguments are cast to fp16 first. Outputs that require grad
+        are marked so that a plain `loss.backward()` drives the engine (see [Note: plain
+        backward])."""
         self._check_open("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
         start = self._timer.start()
+        if coord.phase is not Phase.IDLE:  # a forward whose backward never came (or failed)
+            self.hooks.reset()
+        self.entry.new_iteration()
         coord.begin_iteration(self._iteration_key())
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
@@ -216,21 +262,28 @@ class Engine:
         if not torch.is_grad_enabled():
             self.hooks.reset()
             coord.end_iteration()
+            self._timer.stop("forward", start)
+            return out
         self._timer.stop("forward", start)
-        return out
+        return self.entry.wrap(out)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate loss * loss_scale / gradient_accumulation_steps."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate loss * loss_scale / gradient_accumulation_steps (DeepSpeed's meaning;
+        `scale_wrt_gas=False` leaves out the division, for loops that divide themselves).
+        A plain `loss.backward()` is accepted as well (see [Note: plain backward])."""
         self._check_open("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 f"backward: expected a scalar loss tensor, got {type(loss).__name__} "
                 f"with shape {getattr(loss, 'shape', None)}"
             )
-        factor = self.loss_scaler.scale / self.gradient_accumulation_steps
+        factor = self.loss_scaler.scale
+        if scale_wrt_gas:
+            factor /= self.gradient_accumulation_steps
         coord = self.coordinator
         start = self._timer.start()
         coord.phase = Phase.BACKWARD
+        self.entry.caller_scaled = True
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
                 (loss.float() * factor).backward()
@@ -238,7 +291,9 @@ class Engine:
             self.hooks.reset()
             coord.abort_iteration()
             raise
-        self.hooks.reset()
+        finally:
+            self.entry.caller_scaled = False
+        self.hooks.reset()  # already done by the entry, unless the loss bypassed the outputs
         coord.end_iteration()
         self._backwards += 1
         self._timer.stop("backward", start)
@@ -247,19 +302,28 @@ class Engine:
         """True when the next `step()` applies the optimizer (DeepSpeed's meaning)."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def step(self) -> None:
-        """Count a micro step; at the accumulation boundary run the optimizer."""
+    def step(self, *, boundary: bool | None = None) -> None:
+        """Count a micro step; at the accumulation boundary run the optimizer.
+
+        `boundary` overrides the count for loops that keep their own (the HF Trainer, whose
+        last window of an epoch may be shorter): True runs the optimizer now and starts a new
+        window, False only counts."""
         self._check_open("step")
-        if self._backwards == 0:
+        if self._backwards == 0 and self.entry.finished == 0:
             # Adam on no gradient still moves the weights (weight decay, the moments).
             raise RuntimeError(
-                "step: no backward() since the last step(); call engine.backward(loss) on "
-                "each micro batch's loss before engine.step()"
+                "step: no backward since the last step(); call engine.backward(loss) (or "
+                "loss.backward()) on each micro batch's loss before engine.step()"
             )
-        self._backwards = 0
-        if self.is_gradient_accumulation_boundary():
+        self._backwards = self.entry.finished = 0
+        ga = self.gradient_accumulation_steps
+        if boundary is None:
+            boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._optimizer_step()
-        self.micro_steps += 1
+            self.micro_steps = (self.micro_steps // ga + 1) * ga
+        else:
+            self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
         start = self._timer.start()

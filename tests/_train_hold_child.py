@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import infinity.checkpoint.writer as writer
-import infinity.cli.train_run as train_run
+import infinity.models.hf_auto as hf_auto
 from infinity.cli.main import main
 from infinity.swap.store import SwapStore
 
@@ -34,7 +34,7 @@ def pausing(fn):
 
 
 if hold == "load":
-    train_run.stream_hf_weights = pausing(train_run.stream_hf_weights)
+    hf_auto.load_weights = pausing(hf_auto.load_weights)
 elif hold == "engine":
     real_reserve = SwapStore.reserve
 

@@ -104,3 +104,27 @@ def test_bigger_than_ram_tiny(tmp_path):
     assert s["checks"]["state_over_2x_limit"] is False  # a 2M model's state is tiny
     assert "PASS peak_rss_under_limit" in proc.stdout
     assert list(swap.iterdir()) == []  # swap directories and the bench file removed
+
+
+def test_llama_impl_bench_tiny(tmp_path):
+    out = tmp_path / "l.json"
+    args = ["--vocab", "128", "--hidden", "32", "--intermediate", "64", "--layers", "2"]
+    args += ["--heads", "4", "--batch", "2", "--seq", "16", "--warmup", "1", "--rounds", "2"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "llama_impl_bench.py"),
+            *args,
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(out.read_text())
+    assert len(rec["step_s"]["infinity_llama"]) == len(rec["step_s"]["transformers_llama"]) == 2
+    assert rec["ratio_infinity_over_transformers"] > 0
+    assert rec["max_rel_loss_diff"] < 1e-5  # same weights, same batches: the same losses

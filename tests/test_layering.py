@@ -25,6 +25,7 @@ RANKS = {
     "data": 4,
     "estimate": 4,
     "cli": 5,
+    "integrations": 5,
 }
 
 

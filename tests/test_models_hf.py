@@ -1,10 +1,17 @@
-"""The Llama model against Hugging Face transformers: same logits both ways."""
+"""Hugging Face models: Infinity's Llama against transformers (same logits both ways), and
+every architecture through `infinity train` and `infinity export`."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from _engine_models import max_rel_diff
+from _hf_models import ARCHS, VOCAB, reference_losses, write_corpus, write_model_dir
 
+from infinity.cli.main import main
+from infinity.data import open_dataset
 from infinity.models import export_hf, from_pretrained_dir
 
 SMALL = dict(
@@ -75,3 +82,114 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, variant):
     ids = _ids(300, T=29, seed=3)
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_cli_trains_and_exports_every_architecture(tmp_path, arch):
+    """`infinity train` on a saved directory of each architecture gives the losses and
+    gradient norms of PyTorch + AdamW on the same batches (accumulation 2, clipping on);
+    `infinity export` writes a directory the same transformers class loads, with the
+    logits of the reference model after the same steps."""
+    model_dir = write_model_dir(transformers, arch, tmp_path)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 8000},
+    }))  # fmt: skip
+    save = tmp_path / "run"
+    assert main([
+        "train", "--model", str(model_dir), "--data", str(corpus), "--save-dir", str(save),
+        "--seq-len", "12", "--micro-batch", "2", "--grad-accum", "2", "--seed", "5",
+        "--steps", "3", "--config", str(ds), "--no-progress",
+    ]) == 0  # fmt: skip
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    data = open_dataset(corpus, seq_len=12, seed=5, model_dir=model_dir, cache_dir=tmp_path / "t")
+    batches = [data.next_batch(2) for _ in range(6)]  # the batches the run saw, in order
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    ref, norms, trained = reference_losses(
+        ref_model, batches, accum=2, clip=0.5, lr=1e-2, weight_decay=0.01
+    )
+    assert max_rel_diff([r["loss"] for r in records], ref) < 1e-5
+    assert max_rel_diff([r["grad_norm"] for r in records], norms) < 1e-5
+
+    out = tmp_path / "export"
+    tok = [str(model_dir / n) for n in ("tokenizer.json", "tokenizer_config.json")]
+    assert (
+        main(["export", str(save), "--out", str(out), "--dtype", "fp32", "--copy-files", *tok]) == 0
+    )
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back) is type(trained)
+    ids = _ids(VOCAB, T=12, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            back(ids).logits, trained.eval()(ids).logits, rtol=1e-4, atol=1e-4
+        )
+    assert transformers.AutoTokenizer.from_pretrained(out)("fox").input_ids
+
+
+@pytest.mark.parametrize(
+    "model_type,needles",
+    [("vit", ["model_type 'vit'", "AutoModelForCausalLM"]), ("made-up", ["cannot read it"])],
+)
+def test_cli_refuses_a_model_that_is_not_a_causal_lm(tmp_path, capsys, model_type, needles):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": model_type}))
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    code = main(["train", "--model", str(model_dir), "--data", str(corpus), "--save-dir",
+                 str(tmp_path / "s"), "--no-progress"])  # fmt: skip
+    assert code != 0
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles), err
+    assert "Traceback" not in err
+
+
+def test_cli_activation_checkpointing_uses_the_models_own(tmp_path, monkeypatch):
+    """--activation-checkpointing turns on transformers' own checkpointing: same losses."""
+    model_dir = write_model_dir(transformers, "qwen2", tmp_path)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    enabled = []
+    cls = transformers.Qwen2ForCausalLM
+    original = cls.activation_checkpointing_enable
+
+    def spy(self, *args, **kwargs):
+        enabled.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "activation_checkpointing_enable", spy)
+    runs = {}
+    for flag in ([], ["--activation-checkpointing"]):
+        save = tmp_path / f"run{len(flag)}"
+        assert main([
+            "train", "--model", str(model_dir), "--data", str(corpus), "--save-dir", str(save),
+            "--seq-len", "12", "--micro-batch", "2", "--steps", "2", "--seed", "1",
+            "--no-progress", *flag,
+        ]) == 0  # fmt: skip
+        lines = (save / "metrics.jsonl").read_text().splitlines()
+        runs[len(flag)] = [json.loads(line)["loss"] for line in lines]
+    assert enabled == ["Qwen2ForCausalLM"]
+    assert max_rel_diff(runs[1], runs[0]) < 1e-6
+
+
+def test_cli_without_transformers_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    code = main(["train", "--model", "tiny", "--data", str(corpus), "--save-dir",
+                 str(tmp_path / "s"), "--no-progress"])  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "infinity-trainer[hf]" in err and "Traceback" not in err
+
+
+def test_cli_refuses_a_sequence_longer_than_the_models_positions(tmp_path, capsys):
+    model_dir = write_model_dir(transformers, "gpt2", tmp_path)  # learned positions: 64
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    code = main(["train", "--model", str(model_dir), "--data", str(corpus), "--save-dir",
+                 str(tmp_path / "s"), "--seq-len", "65", "--no-progress"])  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "--seq-len 65" in err and "64 positions" in err and "Traceback" not in err

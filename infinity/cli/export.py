@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from infinity.checkpoint import CheckpointNotFoundError, layout, load_checkpoint
-from infinity.models import LlamaConfig, export_hf
+from infinity.models import export_hf
 from infinity.utils.safetensors_stream import SafetensorsReader
 
 
@@ -52,15 +52,21 @@ def _open_checkpoint(path: Path, tag: str | None):
         ) from None
 
 
-def checkpoint_weights(ckpt) -> tuple[LlamaConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """The model config and a (name, full tensor) stream from an engine checkpoint."""
+def checkpoint_weights(ckpt) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
+    """The model's config.json content and a (name, full tensor) stream from an engine
+    checkpoint (any transformers causal LM: the config names its class)."""
     model = ckpt.state.get("model")
     if not model or "config" not in model or "param_shapes" not in model:
         raise ValueError(
             f"checkpoint {ckpt.path} has no model description (state['model'] with 'config' and "
             "'param_shapes'); it was not written by `infinity train`, so it cannot be exported"
         )
-    config = LlamaConfig.from_hf_dict(model["config"], source=f"{ckpt.path} model config")
+    config = dict(model["config"])
+    if "model_type" not in config:
+        raise ValueError(
+            f"checkpoint {ckpt.path}: its model config has no model_type, so transformers could "
+            "not load an export; it was written by an older `infinity train`"
+        )
     shapes = {name: tuple(shape) for name, shape in model["param_shapes"].items()}
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""`infinity train`: fine-tune or pre-train a Llama-style model with offload, from the shell.
+"""`infinity train`: fine-tune or pre-train a causal LM with offload, from the shell.
 
 Owns the command line: flags, how they override the JSON config, and the checks of the
 inputs before any work starts. The run itself (model, data, loop, checkpoints) is in
@@ -51,8 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train a causal LM with parameters and optimizer states offloaded to RAM or NVMe",
         description=(
-            "Train a Llama-style causal LM from a local Hugging Face directory (config.json + "
-            "safetensors) or a preset shape with random weights, on a text or JSONL file. "
+            "Train a causal LM from a local Hugging Face directory (config.json + safetensors; "
+            "the model is its own transformers class: Llama, Qwen2, Mistral, Gemma, Phi-3, "
+            "GPT-2, ...) or a Llama preset shape with random weights, on a text or JSONL file. "
             "Flags override the JSON config. Ctrl-C, SIGTERM or SIGHUP saves a checkpoint after "
             "the current step and exits (a second one stops at once, without saving); --resume "
             "continues from the newest checkpoint in --save-dir with the same data order, RNG, "
@@ -121,7 +122,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--activation-checkpointing",
         action="store_true",
-        help="recompute each layer's activations in backward (less memory, ~1.3x compute)",
+        help="recompute each layer's activations in backward (less memory, ~1.3x compute), "
+        "through the model's own activation checkpointing",
     )
     parser.add_argument(
         "--save-dir",

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -29,17 +30,7 @@ from infinity.cli.train_stop import Phase, StopNow, StopSignals, stop_in_chain
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
 from infinity.data.tokenizer import tokenizer_files
-from infinity.models import (
-    PRESETS,
-    LlamaConfig,
-    LlamaForCausalLM,
-    copying_sink,
-    expected_shapes,
-    load_config,
-    param_shapes,
-    preset,
-    stream_hf_weights,
-)
+from infinity.models import hf_auto
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +41,12 @@ class TrainRun:
     def __init__(self, args: argparse.Namespace, config: Config) -> None:
         self.args = args
         self.save_dir = Path(args.save_dir).expanduser()
-        self.model_dir = None if args.model in PRESETS else Path(args.model).expanduser()
-        self.model_config: LlamaConfig = (
-            preset(args.model) if self.model_dir is None else load_config(self.model_dir)
-        )
+        self.model: hf_auto.CausalLMSpec = hf_auto.describe(args.model)
+        """The transformers config of the directory (or preset) and the parameter shapes."""
+        self.model_dir = self.model.model_dir
         self.config = config
         self.metrics = MetricsLog(self.save_dir)
-        self.param_shapes = param_shapes(self.model_config)
+        self.param_shapes = self.model.param_shapes
         """HF names and shapes of the model's unique parameters (from a meta model, once)."""
         self._saved: str | None = None
         """The tag of the checkpoint of the current step, once it is saved."""
@@ -64,6 +54,12 @@ class TrainRun:
     # -- building ------------------------------------------------------------------------
 
     def _data(self) -> PackedDataset:
+        limit = self.model.max_positions
+        if limit and self.args.seq_len > limit:
+            raise ValueError(
+                f"--seq-len {self.args.seq_len} is longer than the {limit} positions the model "
+                f"covers (max_position_embeddings in its config); use --seq-len {limit} or less"
+            )
         data = open_dataset(
             self.args.data,
             seq_len=self.args.seq_len,
@@ -82,16 +78,16 @@ class TrainRun:
                 ", ".join(own),
                 self.model_dir,
             )
-        if tok.vocab_size > self.model_config.vocab_size:
+        if tok.vocab_size > self.model.vocab_size:
             raise ValueError(
                 f"the tokenizer ({tok.describe()}) has {tok.vocab_size} token ids but the "
-                f"model's embedding has {self.model_config.vocab_size} rows; use the model's "
+                f"model's embedding has {self.model.vocab_size} rows; use the model's "
                 "own tokenizer or a model with a larger vocab_size"
             )
         return data
 
     def _resolved(self, data: PackedDataset) -> tuple[Config, int]:
-        first = self.config.resolve(hidden_size=self.model_config.hidden_size, total_num_steps=1)
+        first = self.config.resolve(hidden_size=self.model.hidden_size, total_num_steps=1)
         micro = first.train_micro_batch_size_per_gpu
         if micro > data.num_sequences:
             # A micro batch is one forward: more sequences than the data holds is a mistake,
@@ -104,33 +100,25 @@ class TrainRun:
         per_step = micro * first.gradient_accumulation_steps
         steps = self.args.steps or max(1, math.ceil(data.num_sequences / per_step))
         config = self.config.resolve(
-            hidden_size=self.model_config.hidden_size,
+            hidden_size=self.model.hidden_size,
             total_num_steps=steps,
             largest_param_numel=max(math.prod(s) for s in self.param_shapes.values()),
         )
         return config, steps
 
     def _model(self, config: Config) -> torch.nn.Module:
+        """The transformers class of the directory's config.json (a preset: Llama), built
+        under `infinity.init` with the weights streamed into the partitions."""
         torch.manual_seed(config.seed)
-        with infinity.init(config):
-            # With a model directory the random init would be overwritten at once: skip it.
-            model = LlamaForCausalLM(self.model_config, init_weights=self.model_dir is None)
-        if self.model_dir is not None:
-            n = stream_hf_weights(
-                self.model_dir,
-                expected_shapes(model),
-                copying_sink(model),
-                config=self.model_config,
-            )
-            log.info("loaded %d tensors from %s", n, self.model_dir)
+        model = hf_auto.from_pretrained(self.model, config)
         if self.args.activation_checkpointing:
-            model.set_gradient_checkpointing(True)
+            hf_auto.enable_activation_checkpointing(model)
         return model
 
     def _client_state(self, data: PackedDataset) -> dict:
         return {
             "model": {
-                "config": self.model_config.to_hf_dict(),
+                "config": self.model.to_dict(),
                 "param_shapes": {k: list(v) for k, v in self.param_shapes.items()},
             },
             "data": data.state_dict(),
@@ -139,7 +127,7 @@ class TrainRun:
 
     def _shape(self) -> RunShape:
         """The settings a resume must keep, from the flags and the config."""
-        config = self.config.resolve(hidden_size=self.model_config.hidden_size, total_num_steps=1)
+        config = self.config.resolve(hidden_size=self.model.hidden_size, total_num_steps=1)
         return RunShape(
             dtype=config.precision,
             micro_batch=config.train_micro_batch_size_per_gpu,
@@ -159,7 +147,7 @@ class TrainRun:
         check_resume(
             ckpt,
             self._shape(),
-            model=self.model_config.to_hf_dict(),
+            model=self.model.to_dict(),
             shapes=self.param_shapes,
         )
         return ckpt
@@ -294,7 +282,7 @@ class TrainRun:
         micro = config.train_micro_batch_size_per_gpu
         accum = config.gradient_accumulation_steps
         tokens_per_step = micro * accum * data.seq_len
-        flops_per_token = self.model_config.train_flops_per_token(data.seq_len)
+        flops_per_token = self.model.train_flops_per_token(data.seq_len)
         bar = tqdm(
             total=steps,
             initial=engine.global_steps,
@@ -331,7 +319,7 @@ class TrainRun:
         total = 0.0
         for _ in range(accum):
             input_ids, labels = data.next_batch(micro)
-            loss = engine(input_ids, labels)
+            loss = causal_lm_loss(engine(input_ids=input_ids).logits, labels)
             engine.backward(loss)
             engine.step()
             total += float(loss.detach())
@@ -351,6 +339,12 @@ class TrainRun:
             record["loss_scale"] = engine.loss_scale
             record["skipped"] = engine.was_step_skipped
         return record
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy in fp32. `labels` are already shifted by the data pipeline
+    (labels[t] follows input_ids[t]), so the model's own loss, which shifts, is not used."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 def _first_errno(exc: BaseException | None) -> int | None:

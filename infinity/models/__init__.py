@@ -1,6 +1,7 @@
-"""Models Infinity knows by architecture: a Llama-style causal LM with Hugging Face names,
-its config (HF config.json keys, presets), streaming load of HF safetensors and export.
-Does not import `transformers`.
+"""Models: any transformers causal LM built under `infinity.init` with its weights streamed
+in (`hf_auto`, which imports `transformers` when used), a dependency-free Llama with Hugging
+Face names and its config (HF config.json keys, presets), streaming load of HF safetensors
+and export.
 """
 
 from infinity.models.config import PRESETS, LlamaConfig, load_config, preset

@@ -156,8 +156,8 @@ class LlamaConfig:
         return d
 
 
-def load_config(model_dir: str | os.PathLike) -> LlamaConfig:
-    """Read `model_dir/config.json`, with errors that name the directory and the fix."""
+def read_config_json(model_dir: str | os.PathLike) -> dict:
+    """`model_dir/config.json` as a dict, with errors that name the directory and the fix."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(
@@ -175,7 +175,15 @@ def load_config(model_dir: str | os.PathLike) -> LlamaConfig:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); re-download it") from None
-    return LlamaConfig.from_hf_dict(d, source=str(path))
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} holds {type(d).__name__}, not a JSON object; re-download it")
+    return d
+
+
+def load_config(model_dir: str | os.PathLike) -> LlamaConfig:
+    """Read `model_dir/config.json` as a Llama config."""
+    d = read_config_json(model_dir)
+    return LlamaConfig.from_hf_dict(d, source=str(Path(model_dir) / "config.json"))
 
 
 PRESETS: dict[str, dict] = {

@@ -35,7 +35,7 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 def export_hf(
     named_tensors: Iterable[tuple[str, torch.Tensor | Callable[[], torch.Tensor]]],
-    config: LlamaConfig,
+    config: LlamaConfig | dict,
     out_dir: str | os.PathLike,
     *,
     dtype: str | torch.dtype = "bf16",
@@ -44,11 +44,15 @@ def export_hf(
 ) -> Path:
     """Write `named_tensors` (HF names; values or callables) as a HF directory at `out_dir`.
 
+    `config` is a `LlamaConfig` or the config.json content of any transformers model (its
+    `to_dict()`); its dtype entry is set to the export's.
+
     Shards are cut at `max_shard_bytes` (a tensor larger than that gets a shard of its own).
     A tied `lm_head.weight` is skipped. `extra_files` (e.g. tokenizer.json) are copied in.
     Returns `out_dir`. Fails without touching `out_dir` if it exists.
     """
     dtype = parse_dtype(dtype)
+    config = config.to_hf_dict() if isinstance(config, LlamaConfig) else dict(config)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out_dir = Path(out_dir)
@@ -77,7 +81,7 @@ def _write_shards(named_tensors, config, tmp: Path, dtype, max_shard_bytes) -> l
     writer = None
     try:
         for name, value in named_tensors:
-            if config.tie_word_embeddings and name == "lm_head.weight":
+            if config.get("tie_word_embeddings") and name == "lm_head.weight":
                 continue
             tensor = value() if callable(value) else value
             tensor = tensor.detach().to("cpu", dtype)
@@ -119,7 +123,7 @@ def _finish(tmp: Path, shards: list[dict], config, dtype, extra_files) -> None:
             "weight_map": dict(sorted(weight_map.items())),
         }
         write_file_atomic(tmp / INDEX_FILE, json.dumps(index, indent=2).encode())
-    hf = config.to_hf_dict()
+    hf = dict(config)
     hf["torch_dtype"] = hf["dtype"] = _DTYPE_NAMES[dtype]
     write_file_atomic(tmp / "config.json", json.dumps(hf, indent=2).encode())
     for extra in extra_files:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -77,9 +77,11 @@ def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _ignorable(name: str, config: LlamaConfig | None) -> bool:
+def _ignorable(name: str, config: LlamaConfig | None, ignore: Collection[str]) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True  # older exports saved the RoPE buffer; it is recomputed here
+    if name in ignore:
+        return True
     return bool(config and config.tie_word_embeddings and name == "lm_head.weight")
 
 
@@ -88,11 +90,13 @@ def check_names_and_shapes(
     files: dict[str, Path],
     expected: dict[str, tuple[int, ...]],
     config: LlamaConfig | None = None,
+    ignore: Collection[str] = (),
 ) -> list[str]:
-    """The names to load, after checking none is missing, unexpected or of the wrong shape."""
+    """The names to load, after checking none is missing, unexpected or of the wrong shape.
+    Names in `ignore` (a tied parameter's second name) may be present and are skipped."""
     shapes = tensor_shapes(files)
     missing = sorted(set(expected) - set(shapes))
-    unexpected = sorted(n for n in set(shapes) - set(expected) if not _ignorable(n, config))
+    unexpected = sorted(n for n in set(shapes) - set(expected) if not _ignorable(n, config, ignore))
     if missing or unexpected:
         parts = []
         if missing:
@@ -101,8 +105,7 @@ def check_names_and_shapes(
             parts.append(f"unexpected {len(unexpected)} tensor(s) {unexpected[:5]}")
         raise ValueError(
             f"the weights in {model_dir} do not match the model its config.json describes: "
-            f"{'; '.join(parts)}; check that config.json belongs to these weights (a Llama "
-            "LlamaForCausalLM checkpoint)"
+            f"{'; '.join(parts)}; check that config.json belongs to these weights"
         )
     for name, shape in expected.items():
         if tuple(shapes[name]) != tuple(shape):
@@ -142,6 +145,7 @@ def stream_hf_weights(
     *,
     config: LlamaConfig | None = None,
     part: PartFn | None = None,
+    ignore: Collection[str] = (),
 ) -> int:
     """Check names/shapes against `expected`, then `sink(name, tensor)` for each. Returns count.
 
@@ -150,7 +154,7 @@ def stream_hf_weights(
     """
     model_dir = Path(model_dir)
     files = weight_map(model_dir)
-    names = check_names_and_shapes(model_dir, files, expected, config)
+    names = check_names_and_shapes(model_dir, files, expected, config, ignore)
     count = 0
     for name, tensor in iter_hf_tensors(files, names, part):
         sink(name, tensor)

@@ -7,6 +7,7 @@ backward, the coordinator that prefetches along the traced order under the live 
 the CPU-Adam step over fp32 masters and gradient partitions (`PartitionedOptimizer`).
 """
 
+from infinity.zero.backward_entry import BackwardEntry
 from infinity.zero.build import init, model_dtype, partition_model
 from infinity.zero.coordinator import Coordinator, Phase
 from infinity.zero.hooks import GatherOnUse, ModelHooks, install_grad_hooks
@@ -17,6 +18,7 @@ from infinity.zero.trace import Trace
 from infinity.zero.unit import ModuleUnit
 
 __all__ = [
+    "BackwardEntry",
     "Coordinator",
     "GatherOnUse",
     "HomeTier",

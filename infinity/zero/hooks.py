@@ -16,6 +16,8 @@ trainable parameter is released only once its gradient has been accumulated. Act
 checkpointing re-runs forwards inside backward: the pre-forward hook gathers and pins there
 too, and the post-forward hook only unpins (the recomputed graph still needs the weights).
 Non-reentrant checkpointing stops its recomputation with an exception, hence `always_call`.
+After a plain `loss.backward()` the engine's `GatherOnUse` mode is not on the thread state
+autograd runs nodes with, so a recomputed call enters it for its own duration.
 
 [Note: saved weights] Autograd saves a leaf parameter by reference, but many ops save a view
 of it instead (`F.linear` saves `weight.t()`), and a view keeps the gathered buffer alive
@@ -64,7 +66,15 @@ class _SavedWeight:
 class _Call:
     """One call of one module: its unit and where it stands in backward."""
 
-    __slots__ = ("unit", "pos", "bw_pos", "bw_state", "inputs_pending", "grads_pending")
+    __slots__ = (
+        "unit",
+        "pos",
+        "bw_pos",
+        "bw_state",
+        "inputs_pending",
+        "grads_pending",
+        "entered_mode",
+    )
 
     def __init__(self, unit: ModuleUnit, pos: int | None) -> None:
         self.unit = unit
@@ -73,6 +83,7 @@ class _Call:
         self.bw_state = 0  # 0 not started, 1 gathered, 2 done
         self.inputs_pending = 0
         self.grads_pending: set[OffloadParam] | None = None
+        self.entered_mode = False
 
 
 def _grad_tensors(obj, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
@@ -143,7 +154,11 @@ class ModelHooks:
     def _pre_forward(self, module: nn.Module, args, kwargs):
         self.busy = True
         try:
-            self.stack.append(self._enter(self.units[module], args, kwargs))
+            call = self._enter(self.units[module], args, kwargs)
+            if self.coord.phase is Phase.BACKWARD and not self.mode.depth:
+                self.mode.__enter__()  # a recomputation after a plain loss.backward()
+                call.entered_mode = True
+            self.stack.append(call)
         finally:
             self.busy = False
 
@@ -164,10 +179,13 @@ class ModelHooks:
         if not self.stack or self.stack[-1].unit is not self.units[module]:
             return  # its pre-forward hook raised (the error in flight says why): no call to end
         self.busy = True
+        call = self.stack.pop()
         try:
-            self._exit(self.stack.pop(), output)
+            self._exit(call, output)
         finally:
             self.busy = False
+            if call.entered_mode:
+                self.mode.__exit__(None, None, None)
 
     def _exit(self, call: _Call, output) -> None:
         unit = call.unit
@@ -322,6 +340,16 @@ class GatherOnUse(TorchFunctionMode):
     def __init__(self, hooks: ModelHooks) -> None:
         super().__init__()
         self.hooks = hooks
+        self.depth = 0
+        """How many times the mode is entered (0: not active on this thread's stack)."""
+
+    def __enter__(self):
+        self.depth += 1
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.depth -= 1
+        return super().__exit__(exc_type, exc_value, traceback)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
