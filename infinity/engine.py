@@ -28,6 +28,7 @@ from torch import nn
 
 from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
+from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base, describe_base
 from infinity.config import Config
 from infinity.optim import build_loss_scaler, build_schedule
 from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Engine", "initialize"]
 
 # Keys of a checkpoint's JSON state that the engine owns; the rest is the client's.
-_ENGINE_STATE_KEYS = ("engine", "optimizer", "lr_schedule", "loss_scaler")
+_ENGINE_STATE_KEYS = ("engine", "optimizer", "lr_schedule", "loss_scaler", BASE_MODEL_KEY)
 
 
 def initialize(
@@ -68,7 +69,11 @@ class Engine:
         config: Config | dict | str | os.PathLike,
         *,
         accelerator: Accelerator | None = None,
+        base_model: str | os.PathLike | dict | None = None,
     ) -> None:
+        """`base_model` says where the frozen weights came from (a Hugging Face directory,
+        or a JSON-able description such as {"preset": ..., "seed": ...}): checkpoints, which
+        leave them out, record it and refuse to resume on another base."""
         config = Config.load(config)
         largest = max((p.numel() for p in model.parameters()), default=1)
         self.config = config.resolve(largest_param_numel=max(1, largest))
@@ -76,6 +81,8 @@ class Engine:
         if zero.stage != 3:
             raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
         self.module = model
+        self._base_source = base_model
+        self._base_record: dict | None = None
         self.accelerator = accelerator or get_accelerator()
         self.records, units = partition_model(model, self.config, self.accelerator)
         self.optimizer = self._build_optimizer()
@@ -137,9 +144,8 @@ class Engine:
                 else:
                     rec.repoint(optimizer.partition(i))
             if self.param_store is not None:
-                for rec in self.records:
-                    if not rec.trainable:
-                        rec.move_home_to_nvme(self.param_store, write=True)
+                for rec in self._frozen_on_nvme():
+                    rec.move_home_to_nvme(self.param_store, write=True)
         except BaseException:
             self._close_stores()  # no swap directory or lock outlives a failed start
             raise
@@ -149,7 +155,7 @@ class Engine:
         """The NVMe parameter tier: frozen parameters laid out one extent each (the optimizer
         lays out the trainable ones in its flat space)."""
         zero = self.config.zero_optimization
-        frozen = {r.name: (r.numel, r.dtype) for r in self.records if not r.param.requires_grad}
+        frozen = {r.name: (r.numel, r.dtype) for r in self._frozen_on_nvme()}
         return make_param_store(
             frozen,
             zero.offload_param,
@@ -159,6 +165,21 @@ class Engine:
             element_size=self.records[0].itemsize,
             prefetch_numel=int(zero.prefetch_bucket_size),
         )
+
+    def _frozen_on_nvme(self) -> list[OffloadParam]:
+        """With parameters on NVMe, the frozen ones that go there: all but the first
+        `offload_param.max_in_cpu` elements' worth (in model order), which stay in RAM."""
+        room = int(self.config.zero_optimization.offload_param.max_in_cpu)
+        out = []
+        for rec in self.records:
+            if rec.param.requires_grad:
+                continue
+            if rec.numel <= room:
+                room -= rec.numel
+            else:
+                out.append(rec)
+                room = 0  # model order: what is read first stays in RAM, the rest goes
+        return out
 
     def _close_stores(self, state_store=None) -> None:
         """Close the optimizer's state tier (if given), the parameter tier, then the swap
@@ -323,12 +344,15 @@ class Engine:
         tag: str | None = None,
         *,
         client_state: dict | None = None,
+        include_frozen: bool = False,
     ) -> str:
         """Write weights (from the partitions), optimizer state, schedule, loss scale, step
         counts and RNG states atomically under `save_dir/tag` (default: the step's tag).
-        `client_state` (JSON-able: data position, model description...) is stored with them
-        and handed back by `load_checkpoint`. Returns the tag. Call between steps (not
-        between forward and backward)."""
+        Frozen weights are left out unless `include_frozen`: a record of their base takes
+        their place (see `infinity.checkpoint.base_model`). `client_state` (JSON-able: data
+        position, model description...) is stored with them and handed back by
+        `load_checkpoint`. Returns the tag. Call between steps (not between forward and
+        backward)."""
         self._check_idle("save_checkpoint")
         clash = sorted(set(client_state or {}) & set(_ENGINE_STATE_KEYS))
         if clash:
@@ -337,8 +361,11 @@ class Engine:
             )
         tag = tag or checkpoint.step_tag(self.global_steps)
 
+        frozen = [r for r in self.records if not r.trainable]
+        saved = self.records if include_frozen else [r for r in self.records if r.trainable]
+
         def tensors():
-            for rec in self.records:
+            for rec in saved:
                 yield f"{checkpoint.layout.PARAM_PREFIX}{rec.name}", _weights_of(rec)
             for name, thunk in self.optimizer.state_tensors():
                 yield f"optim/{name}", thunk
@@ -355,6 +382,8 @@ class Engine:
             "loss_scaler": self.loss_scaler.state_dict(),
             **(client_state or {}),
         }
+        if frozen and not include_frozen:
+            state[BASE_MODEL_KEY] = self._base()
         checkpoint.save_checkpoint(
             save_dir, tensors(), step=self.global_steps, state=state, tag=tag
         )
@@ -370,7 +399,11 @@ class Engine:
         ckpt = checkpoint.load_checkpoint(save_dir, tag)
         names = set(ckpt.tensor_names())
         prefix = checkpoint.layout.PARAM_PREFIX
-        missing = [prefix + r.name for r in self.records if prefix + r.name not in names]
+        with_frozen = BASE_MODEL_KEY not in ckpt.state
+        if not with_frozen:
+            check_base(ckpt.state[BASE_MODEL_KEY], self._base(), str(ckpt.path))
+        needed = [r for r in self.records if r.trainable or with_frozen]
+        missing = [prefix + r.name for r in needed if prefix + r.name not in names]
         if missing:
             raise ValueError(
                 f"checkpoint {ckpt.path} has no weights for {missing[:5]} "
@@ -378,11 +411,13 @@ class Engine:
             )
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.optimizer.load_state_tensors(lambda name: ckpt.get_tensor(f"optim/{name}"))
-        with torch.no_grad():
-            for rec in self.records:
-                if not rec.trainable:
+        frozen = [r for r in self.records if not r.trainable]
+        if with_frozen and frozen:
+            self.coordinator.release_all()  # gathered frozen copies predate their new homes
+            with torch.no_grad():
+                for rec in frozen:
                     rec.write_home(ckpt.get_tensor(prefix + rec.name).reshape(-1))
-        self.coordinator.refresh_persistent()
+        self.coordinator.refresh_persistent(frozen=with_frozen)
         self.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
         self.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
         counters = ckpt.state["engine"]
@@ -396,6 +431,17 @@ class Engine:
         logger.info("loaded checkpoint %s", ckpt.path)
         client_state = {k: v for k, v in ckpt.state.items() if k not in _ENGINE_STATE_KEYS}
         return str(ckpt.path), client_state
+
+    def _base(self) -> dict:
+        """The record of this engine's frozen base (built once: it fingerprints files)."""
+        if self._base_record is None:
+            frozen = {
+                r.name: (r.shape, str(r.dtype).removeprefix("torch."))
+                for r in self.records
+                if not r.trainable
+            }
+            self._base_record = describe_base(frozen, self._base_source)
+        return self._base_record
 
     def close(self) -> None:
         """Remove the engine's hooks from the model, release what is gathered and close the
