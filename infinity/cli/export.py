@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from infinity.checkpoint import layout, load_checkpoint
+from infinity.cli import export_lora
 from infinity.models import LlamaConfig, export_hf
 from infinity.utils.safetensors_stream import SafetensorsReader
 
@@ -39,7 +40,9 @@ def _open_checkpoint(path: Path, tag: str | None):
     return load_checkpoint(path, tag)
 
 
-def checkpoint_weights(ckpt) -> tuple[LlamaConfig, Iterator[tuple[str, torch.Tensor]]]:
+def checkpoint_weights(
+    ckpt, *, check: bool = True
+) -> tuple[LlamaConfig, Iterator[tuple[str, torch.Tensor]]]:
     """The model config and a (name, full tensor) stream from an engine checkpoint."""
     model = ckpt.state.get("model")
     if not model or "config" not in model or "param_shapes" not in model:
@@ -48,6 +51,11 @@ def checkpoint_weights(ckpt) -> tuple[LlamaConfig, Iterator[tuple[str, torch.Ten
             "'param_shapes'); it was not written by `infinity train`, so it cannot be exported"
         )
     config = LlamaConfig.from_hf_dict(model["config"], source=f"{ckpt.path} model config")
+    if check and "base_model" in ckpt.state:
+        raise ValueError(
+            f"checkpoint {ckpt.path} holds only its trainable weights, not the frozen base "
+            "it was trained on; it can be exported only as LoRA adapters (a run with --lora-r)"
+        )
     shapes = {name: tuple(shape) for name, shape in model["param_shapes"].items()}
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -80,6 +88,21 @@ def checkpoint_weights(ckpt) -> tuple[LlamaConfig, Iterator[tuple[str, torch.Ten
 
 def run(args: argparse.Namespace) -> int:
     ckpt = _open_checkpoint(Path(args.checkpoint), args.tag)
+    if (args.adapter or args.base) and not export_lora.is_lora_checkpoint(ckpt):
+        flag = "--adapter" if args.adapter else "--base"
+        raise ValueError(
+            f"{flag}: checkpoint {ckpt.path} has no LoRA adapters (it was not trained with "
+            "--lora-r); export it without that flag"
+        )
+    if args.adapter:
+        out = export_lora.export_adapter(ckpt, args.out)
+        print(f"exported the adapter of {ckpt.path} (step {ckpt.step}) to {out}")
+        return 0
+    if export_lora.is_lora_checkpoint(ckpt):
+        config, _ = checkpoint_weights(ckpt, check=False)
+        out = export_lora.export_merged(ckpt, args, config)
+        print(f"exported {ckpt.path} (step {ckpt.step}) merged into its base to {out}")
+        return 0
     config, weights = checkpoint_weights(ckpt)
     extra = [Path(p) for p in args.copy_files]
     out = export_hf(
@@ -98,7 +121,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
         help="write a checkpoint's weights as a Hugging Face model directory",
-        description="Write config.json, sharded safetensors and an index, one tensor at a time.",
+        description="Write config.json, sharded safetensors and an index, one tensor at a time. "
+        "A LoRA checkpoint is merged into its base model, or written as the adapter alone "
+        "with --adapter.",
     )
     parser.add_argument(
         "checkpoint", help="a --save-dir (uses its latest) or one checkpoint directory"
@@ -116,6 +141,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=_parse_bytes,
         default=5 * 10**9,
         help="largest shard file, e.g. 5GB (default) or 500MB",
+    )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA checkpoints: write the adapter alone (adapter_config.json + "
+        "adapter_model.safetensors, loadable with peft.PeftModel.from_pretrained) instead of "
+        "the merged model",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="DIR",
+        help="LoRA checkpoints: the base model directory to merge into, if it moved (default: "
+        "the one recorded in the checkpoint; checked against its fingerprints)",
     )
     parser.add_argument(
         "--copy-files",

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, OSError, NotImplementedError) as exc:
+    except (ValueError, OSError, NotImplementedError, ImportError) as exc:
         # Bad input and I/O failures carry their own fix in the message: no traceback.
         print(f"infinity: error: {exc}", file=sys.stderr)
         return 1

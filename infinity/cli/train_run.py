@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import infinity
 from infinity.checkpoint import MetricsLog, latest_tag
+from infinity.cli.train import lora_spec
 from infinity.cli.train_stop import Phase, StopNow, StopSignals
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
@@ -36,6 +37,7 @@ from infinity.models import (
     preset,
     stream_hf_weights,
 )
+from infinity.models.lora import LoraSpec, apply_lora, lora_targets
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class TrainRun:
         """HF names and shapes of the model's unique parameters (from a meta model, once)."""
         self._saved: str | None = None
         """The tag of the checkpoint of the current step, once it is saved."""
+        self.lora = lora_spec(args)
+        self._lora_targets: list[str] = []
+        """The layer names the adapters went on (resolved from --lora-targets or all)."""
 
     # -- building ------------------------------------------------------------------------
 
@@ -102,7 +107,17 @@ class TrainRun:
             log.info("loaded %d tensors from %s", n, self.model_dir)
         if self.args.activation_checkpointing:
             model.set_gradient_checkpointing(True)
+        if self.lora is not None:
+            self._lora_targets = lora_targets(model, self.lora)
+            with infinity.init(config):  # the adapters are created as partitions too
+                model = apply_lora(model, self.lora)
         return model
+
+    def _base_source(self, config: Config) -> str | Path | dict:
+        """Where the frozen weights come from, for the checkpoints' base record."""
+        if self.model_dir is not None:
+            return self.model_dir
+        return {"preset": self.args.model, "seed": config.seed, "precision": config.precision}
 
     def _client_state(self, data: PackedDataset) -> dict:
         return {
@@ -111,7 +126,12 @@ class TrainRun:
                 "param_shapes": {k: list(v) for k, v in self.param_shapes.items()},
             },
             "data": data.state_dict(),
+            **({"lora": self._lora_state()} if self.lora is not None else {}),
         }
+
+    def _lora_state(self) -> dict:
+        assert self.lora is not None
+        return {**self.lora.to_dict(), "resolved_targets": self._lora_targets}
 
     # -- running -------------------------------------------------------------------------
 
@@ -127,7 +147,8 @@ class TrainRun:
     def _run(self, signals: StopSignals) -> int:
         data = self._data()
         config, steps = self._resolved(data)
-        engine = infinity.initialize(self._model(config), config)
+        model = self._model(config)
+        engine = infinity.initialize(model, config, base_model=self._base_source(config))
         try:
             code = self._train(engine, data, config, steps, signals)
         except BaseException:
@@ -140,6 +161,7 @@ class TrainRun:
 
     def _train(self, engine, data, config: Config, steps: int, signals: StopSignals) -> int:
         if self.args.resume:
+            self._check_same_adapters()
             _, client_state = engine.load_checkpoint(self.save_dir)
             data.load_state_dict(client_state["data"])
             self.metrics.truncate_after(engine.global_steps)
@@ -158,6 +180,29 @@ class TrainRun:
             + (" (continue with --resume)" if stopped else "")
         )
         return 0
+
+    def _check_same_adapters(self) -> None:
+        """--resume with other LoRA flags than the checkpoint's is refused before loading."""
+        from infinity.checkpoint import load_checkpoint
+
+        saved = load_checkpoint(self.save_dir, verify=False).state.get("lora")
+        now = self._lora_state() if self.lora is not None else None
+        if saved != now:
+
+            def flags(state):
+                if state is None:
+                    return "no LoRA"
+                spec = LoraSpec.from_dict(state)
+                return (
+                    f"--lora-r {spec.r} --lora-alpha {spec.alpha or spec.r} --lora-dropout "
+                    f"{spec.dropout} --lora-targets {','.join(state['resolved_targets'])}"
+                )
+
+            raise ValueError(
+                f"--resume: the checkpoint in {self.save_dir} was trained with {flags(saved)}, "
+                f"this run asks for {flags(now)}; resume with the checkpoint's flags, or use "
+                "another --save-dir for a new run"
+            )
 
     def _save(self, engine, data: PackedDataset) -> str:
         """Checkpoint the state after the last step. A failed save (a full disk...) stops the
