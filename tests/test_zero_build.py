@@ -15,6 +15,7 @@ import torch
 from _engine_models import batches, config, tiny_gpt, train_steps
 
 import infinity
+from infinity.zero.build_files import BuildFiles, release_build_pages
 
 
 def _cfg(device: str, path, dtype: str = "bf16") -> dict:
@@ -106,3 +107,25 @@ def test_nvme_build_anonymous_memory_is_one_parameter_not_the_model(tmp_path):
     assert ram["model"] > 200 << 20
     assert ram["grew"] >= ram["model"]  # the peer: a build in RAM holds the whole model
     assert nvme["grew"] < nvme["largest"] + (32 << 20), nvme
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_release_build_pages_drops_only_build_partitions(tmp_path):
+    files = BuildFiles(str(tmp_path))
+    n = 16 << 20  # 64 MiB of fp32
+    part = files.new_partition(torch.zeros(1), torch.float32)  # a small one, then a large one
+    part = files.new_partition(torch.arange(n, dtype=torch.float32), torch.float32)
+    files.close()
+    other = torch.arange(n, dtype=torch.float32)
+    part.sum()  # fault the mapping in
+    before = _rss_file()
+    release_build_pages([part, other])
+    assert before - _rss_file() > (n * 4) // 2
+    assert torch.equal(part, other)  # the contents come back from the file; `other` untouched

@@ -16,6 +16,7 @@ import torch
 
 _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_PREFIX = ".infinity-build-"
 _counter = itertools.count()
 
 
@@ -42,7 +43,7 @@ class BuildFiles:
 
     def new_partition(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A flat partition of `src`'s values in `dtype`, in a shared mapping of a new file."""
-        path = os.path.join(self.directory, f".infinity-build-{os.getpid()}-{next(_counter)}")
+        path = os.path.join(self.directory, f"{_PREFIX}{os.getpid()}-{next(_counter)}")
         try:
             part = torch.from_file(path, shared=True, size=max(src.numel(), 1), dtype=dtype)
         except RuntimeError as e:
@@ -68,9 +69,7 @@ class BuildFiles:
         """Drop every partition's pages from the process; their contents stay in the file
         (through the page cache) and come back on the next touch."""
         for part in self._parts:
-            nbytes = -(-part.untyped_storage().nbytes() // _PAGE) * _PAGE
-            if self._madvise(part.untyped_storage().data_ptr(), nbytes, _MADV_DONTNEED):
-                raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a build partition")
+            _dont_need(self._madvise, part)
 
     def close(self) -> None:
         """Drop the pages once more and forget the partitions (the model holds them now)."""
@@ -78,3 +77,33 @@ class BuildFiles:
             self.release_pages()
         finally:
             self._parts, self._ptrs = [], set()
+
+
+def _dont_need(madvise, part: torch.Tensor) -> None:
+    storage = part.untyped_storage()
+    nbytes = -(-storage.nbytes() // _PAGE) * _PAGE
+    if madvise(storage.data_ptr(), nbytes, _MADV_DONTNEED):
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a build partition")
+
+
+def release_build_pages(tensors) -> None:
+    """Drop the pages of those `tensors` that are build partitions (their contents stay in
+    the file); any other tensor is left alone. For a reader that walks many partitions once
+    (the optimizer loading its first masters), so the model is not mapped in at once.
+
+    A partition is recognized by the mapping its storage starts in (a file named by
+    `BuildFiles`, in /proc/self/maps), never by an address remembered from earlier: advising
+    anonymous memory would zero it."""
+    candidates = {t.untyped_storage().data_ptr(): t for t in tensors if t.device.type == "cpu"}
+    if not candidates or not os.path.exists("/proc/self/maps"):
+        return
+    madvise = None
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if _PREFIX not in line:
+                continue
+            lo = int(line.split("-", 1)[0], 16)
+            part = candidates.get(lo)
+            if part is not None:
+                madvise = madvise or _madvise()
+                _dont_need(madvise, part)

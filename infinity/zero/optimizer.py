@@ -36,6 +36,7 @@ from infinity.config import AUTO, OptimizerConfig, ZeroConfig
 from infinity.optim import adam_step_flat
 from infinity.swap.grad_store import HostGradStore
 from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
+from infinity.zero.build_files import release_build_pages
 from infinity.zero.sub_groups import (
     MODEL_DTYPES,
     FlatLayout,
@@ -148,9 +149,11 @@ class PartitionedOptimizer:
             out = self.weights.out(start, stop)
             if not self.aliased:
                 out.zero_()
-            for slot, a, b in layout.pieces(g):
+            pieces = layout.pieces(g)
+            for slot, a, b in pieces:
                 at = layout.offsets[slot] + a - start
                 out[at : at + b - a].copy_(slots[slot].partition[a:b])
+            release_build_pages(slots[slot].partition for slot, _, _ in pieces)
             if not self.aliased:
                 self.store.initialize(g, out)
             self.weights.commit(start, out)
