@@ -31,7 +31,13 @@ from infinity.accelerator import Accelerator, get_accelerator
 from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base, describe_base
 from infinity.config import Config
 from infinity.optim import build_loss_scaler, build_schedule
-from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
+from infinity.swap import (
+    NvmeParamStore,
+    SwapStores,
+    make_grad_store,
+    make_param_store,
+    make_state_store,
+)
 from infinity.zero import (
     Coordinator,
     ModelHooks,
@@ -96,10 +102,10 @@ class Engine:
                 model, units, by_param, self.coordinator, iteration_key=self._iteration_key
             )
             self._grad_handles = install_grad_hooks(
-                self.records, self.optimizer.grad, self.hooks, self.accelerator
+                self.records, self.optimizer.accumulate_grad, self.hooks, self.accelerator
             )
         except BaseException:  # no swap directory outlives a failed start
-            self._close_stores(self.optimizer.store)
+            self._close_stores(self.optimizer)
             raise
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule = build_schedule(self.config.scheduler, float(self.config.optimizer.lr))
@@ -123,11 +129,12 @@ class Engine:
         try:
             if zero.offload_param.device == "nvme":
                 self.param_store = self._make_param_store()
+            numels = sub_group_numels([s.numel for s in slots], zero)
             store = make_state_store(
-                sub_group_numels([s.numel for s in slots], zero),
-                zero.offload_optimizer,
-                self.config.aio,
-                stores=self._swap_stores,
+                numels, zero.offload_optimizer, self.config.aio, stores=self._swap_stores
+            )
+            grads = make_grad_store(
+                numels, zero.offload_optimizer, self.config.aio, stores=self._swap_stores
             )
             optimizer = PartitionedOptimizer(
                 slots,
@@ -135,6 +142,7 @@ class Engine:
                 zero=zero,
                 state_store=store,
                 weight_home=self.param_store,
+                grad_store=grads,
             )
             del slots  # the host partitions of an NVMe home are dropped below
             for i, rec in enumerate(trainable):
@@ -181,12 +189,15 @@ class Engine:
                 room = 0  # model order: what is read first stays in RAM, the rest goes
         return out
 
-    def _close_stores(self, state_store=None) -> None:
-        """Close the optimizer's state tier (if given), the parameter tier, then the swap
-        stores under them, each even if an earlier one fails."""
+    def _close_stores(self, optimizer: PartitionedOptimizer | None = None) -> None:
+        """Close the optimizer's state and gradient tiers (if given), the parameter tier,
+        then the swap stores under them, each even if an earlier one fails."""
         try:
-            if state_store is not None:
-                state_store.close()
+            if optimizer is not None:
+                try:
+                    optimizer.store.close()
+                finally:
+                    optimizer.grads.close()
         finally:
             try:
                 if self.param_store is not None:
@@ -324,7 +335,11 @@ class Engine:
         optim = self.optimizer.memory_stats()
         stats["host_bytes"] = host + optim["host_bytes"]
         stats.update(
-            {k: v for k, v in optim.items() if k.startswith(("nvme_", "optim_host_buffer"))}
+            {
+                k: v
+                for k, v in optim.items()
+                if k.startswith(("nvme_", "optim_host_buffer", "grad_"))
+            }
         )
         pinned = peak_pinned = 0  # the optimizer's buffers are stepped on the host: unpinned
         if self.param_store is not None:
@@ -455,7 +470,7 @@ class Engine:
             handle.remove()
         self._grad_handles = []
         self.coordinator.abort_iteration()
-        self._close_stores(self.optimizer.store)
+        self._close_stores(self.optimizer)
 
     def _check_idle(self, what: str) -> None:
         if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():
