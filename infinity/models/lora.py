@@ -11,7 +11,6 @@ base out. peft is an optional dependency (the `lora` extra), imported when first
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
@@ -206,7 +205,3 @@ def merged_weights(
     missing = sorted(set(pairs) - used)
     if missing:
         raise ValueError(f"adapters {missing[:3]} have no base weight to merge into")
-
-
-def spec_json(spec: LoraSpec) -> str:
-    return json.dumps(spec.to_dict(), sort_keys=True)
