@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import infinity
 from infinity.checkpoint import MetricsLog, latest_tag
+from infinity.cli import train_disk
 from infinity.cli.train import lora_spec
 from infinity.cli.train_stop import Phase, StopNow, StopSignals
 from infinity.config import Config
@@ -113,6 +114,25 @@ class TrainRun:
                 model = apply_lora(model, self.lora)
         return model
 
+    def _check_disk(self, config: Config, steps: int) -> None:
+        """Print the disk space the run needs; refuse to start without it (train_disk)."""
+        targets = None
+        if self.lora is not None:
+            with torch.device("meta"):
+                meta = LlamaForCausalLM(self.model_config, init_weights=False)
+            targets = lora_targets(meta, self.lora)
+        every = self.args.save_every
+        uses = train_disk.plan(
+            config,
+            self.param_shapes,
+            trainable=train_disk.trainable_numel(
+                self.param_shapes, self.lora.r if self.lora else None, targets
+            ),
+            save_dir=self.save_dir,
+            saves=math.ceil(steps / every) if every else 1,
+        )
+        print(train_disk.check(uses), flush=True)
+
     def _base_source(self, config: Config) -> str | Path | dict:
         """Where the frozen weights come from, for the checkpoints' base record."""
         if self.model_dir is not None:
@@ -147,6 +167,7 @@ class TrainRun:
     def _run(self, signals: StopSignals) -> int:
         data = self._data()
         config, steps = self._resolved(data)
+        self._check_disk(config, steps)
         model = self._model(config)
         engine = infinity.initialize(model, config, base_model=self._base_source(config))
         try:
