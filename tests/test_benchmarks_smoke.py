@@ -104,3 +104,26 @@ def test_bigger_than_ram_tiny(tmp_path):
     assert s["checks"]["state_over_2x_limit"] is False  # a 2M model's state is tiny
     assert "PASS peak_rss_under_limit" in proc.stdout
     assert list(swap.iterdir()) == []  # swap directories and the bench file removed
+
+
+def test_ram_floor_tiny(tmp_path):
+    out, swap = tmp_path / "r.json", tmp_path / "nvme"
+    args = ["--path", str(swap), "--sizes", "2e6", "--steps", "2", "--sub-group-size", "5e5"]
+    args += ["--aio-args", "--size 8M --block-size 1M --queue-depth 8 --threads 1"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ram_floor.py"), *args, "--json", str(out)],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(out.read_text())
+    (row,) = rec["summary"]["rows"]
+    assert 1e6 < row["params"] < 4e6
+    assert row["disk_bytes"] >= 18 * row["params"]  # weights, fp32 state and gradients
+    assert row["grad_host_bytes"] < 4 * row["params"]  # the gradients are not all in RAM
+    assert row["peak_rss_bytes"] >= row["build_peak_rss_bytes"] > 0
+    assert row["optimizer_step_s"] > 0 and row["io_bound_s"] > 0 and row["io_ratio"] > 0
+    step = rec["runs"][0]["steps"][1]
+    assert step["step_nvme"]["nvme_grad_bytes_read"] > 0  # the step read the spilled gradients
+    assert len(row["gather_wait_s_per_step"]) == 1
+    assert set(rec["summary"]["checks"]) >= {"io_ratio_at_most_1.2"}
+    assert not [p for p in swap.rglob("*") if p.is_file()], "swap files left behind"
