@@ -127,3 +127,22 @@ def test_ram_floor_tiny(tmp_path):
     assert len(row["gather_wait_s_per_step"]) == 1
     assert set(rec["summary"]["checks"]) >= {"io_ratio_at_most_1.2"}
     assert not [p for p in swap.rglob("*") if p.is_file()], "swap files left behind"
+
+
+def test_lora_13b_tiny(tmp_path):
+    out, swap = tmp_path / "r.json", tmp_path / "nvme"
+    args = ["--model", "tiny", "--r", "4", "--path", str(swap), "--live", "1e6"]
+    args += ["--sub-group-size", "1e5", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lora_13b.py"), *args],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    # At this size the fixed overheads (page padding, token cache) pass the printed need, so
+    # only that check may fail; the run itself must succeed.
+    assert proc.returncode in (0, 1), proc.stderr
+    rec = json.loads(out.read_text())
+    assert len(rec["step_s"]) == 2 and rec["checkpoint_params"] > 0
+    assert rec["disk_line"].startswith("disk: ") and rec["disk_need_bytes"] > 0
+    assert rec["checks"]["checkpoint holds only adapters and their optimizer state"]
+    assert 0 < rec["peak_rss_bytes"] < 6 << 30
+    assert not swap.exists(), "the run directory is removed"
