@@ -46,6 +46,7 @@ from infinity.zero import (
     PartitionedOptimizer,
     Phase,
     Slot,
+    frozen_on_nvme,
     install_grad_hooks,
     partition_model,
     sub_group_numels,
@@ -175,19 +176,7 @@ class Engine:
         )
 
     def _frozen_on_nvme(self) -> list[OffloadParam]:
-        """With parameters on NVMe, the frozen ones that go there: all but the first
-        `offload_param.max_in_cpu` elements' worth (in model order), which stay in RAM."""
-        room = int(self.config.zero_optimization.offload_param.max_in_cpu)
-        out = []
-        for rec in self.records:
-            if rec.param.requires_grad:
-                continue
-            if rec.numel <= room:
-                room -= rec.numel
-            else:
-                out.append(rec)
-                room = 0  # model order: what is read first stays in RAM, the rest goes
-        return out
+        return frozen_on_nvme(self.records, self.config.zero_optimization.offload_param)
 
     def _close_stores(self, optimizer: PartitionedOptimizer | None = None) -> None:
         """Close the optimizer's state and gradient tiers (if given), the parameter tier,
