@@ -33,12 +33,14 @@ from infinity.models import (
     LlamaForCausalLM,
     copying_sink,
     expected_shapes,
+    init_module,
     load_config,
     param_shapes,
     preset,
     stream_hf_weights,
 )
 from infinity.models.lora import LoraSpec, apply_lora, lora_targets
+from infinity.zero.build_files import release_build_pages
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,9 @@ class TrainRun:
         torch.manual_seed(config.seed)
         with infinity.init(config):
             # With a model directory the random init would be overwritten at once: skip it.
-            model = LlamaForCausalLM(self.model_config, init_weights=self.model_dir is None)
+            model = LlamaForCausalLM(self.model_config, init_weights=False)
+            if self.model_dir is None:
+                _init_module_by_module(model)
         if self.model_dir is not None:
             n = stream_hf_weights(
                 self.model_dir,
@@ -337,6 +341,16 @@ class TrainRun:
             record["loss_scale"] = engine.loss_scale
             record["skipped"] = engine.was_step_skipped
         return record
+
+
+def _init_module_by_module(model: LlamaForCausalLM) -> None:
+    """`init_weights`, one module at a time (the same values, in the same order), dropping
+    each module's build pages once it is written, so a build on NVMe never maps the whole
+    model into the process (see [Note: building on NVMe] in infinity.zero.build)."""
+    std = model.config.initializer_range
+    for module in model.modules():
+        init_module(module, std)
+        release_build_pages(module.parameters(recurse=False))
 
 
 def _first_errno(exc: BaseException | None) -> int | None:
