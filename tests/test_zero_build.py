@@ -129,3 +129,22 @@ def test_release_build_pages_drops_only_build_partitions(tmp_path):
     release_build_pages([part, other])
     assert before - _rss_file() > (n * 4) // 2
     assert torch.equal(part, other)  # the contents come back from the file; `other` untouched
+
+
+def test_a_transformers_model_builds_on_nvme_bitwise(tmp_path):
+    """Hugging Face's post_init re-initializes every module after the model exists: it runs
+    on the file-backed partitions like on host ones."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    built = {}
+    for device in ("cpu", "nvme"):
+        torch.manual_seed(0)
+        with infinity.init(_cfg(device, tmp_path)):
+            built[device] = transformers.AutoModelForCausalLM.from_config(hf_cfg).state_dict()
+    assert built["cpu"].keys() == built["nvme"].keys()
+    for name, want in built["cpu"].items():
+        assert torch.equal(built["nvme"][name], want), name
+    assert os.listdir(tmp_path) == []
