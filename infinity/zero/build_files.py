@@ -17,6 +17,10 @@ import torch
 _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PREFIX = ".infinity-build-"
+RELEASE_EVERY_BYTES = 64 << 20
+"""New partition bytes between two page drops: bounds the file-backed pages a build keeps
+mapped (this much plus the parameters being initialized) while dropping the pages of n
+partitions at most model size / this many times, not n times."""
 _counter = itertools.count()
 
 
@@ -40,6 +44,7 @@ class BuildFiles:
         self._madvise = _madvise()
         self._parts: list[torch.Tensor] = []  # mapped partitions, page-aligned each
         self._ptrs: set[int] = set()
+        self._new_bytes = 0  # partition bytes created since the last page drop
 
     def new_partition(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A flat partition of `src`'s values in `dtype`, in a shared mapping of a new file."""
@@ -59,15 +64,20 @@ class BuildFiles:
             part.copy_(src.detach().reshape(-1))
         self._parts.append(part)
         self._ptrs.add(part.data_ptr())
+        self._new_bytes += part.nbytes
         return part
 
     def owns(self, param: torch.Tensor) -> bool:
         """Is `param` (a view of) one of these partitions?"""
         return param.device.type == "cpu" and param.data_ptr() in self._ptrs
 
-    def release_pages(self) -> None:
+    def release_pages(self, *, force: bool = True) -> None:
         """Drop every partition's pages from the process; their contents stay in the file
-        (through the page cache) and come back on the next touch."""
+        (through the page cache) and come back on the next touch. Unless `force`, only once
+        `RELEASE_EVERY_BYTES` of new partitions have been made since the last drop."""
+        if not force and self._new_bytes < RELEASE_EVERY_BYTES:
+            return
+        self._new_bytes = 0
         for part in self._parts:
             _dont_need(self._madvise, part)
 
@@ -86,24 +96,37 @@ def _dont_need(madvise, part: torch.Tensor) -> None:
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a build partition")
 
 
-def release_build_pages(tensors) -> None:
-    """Drop the pages of those `tensors` that are build partitions (their contents stay in
-    the file); any other tensor is left alone. For a reader that walks many partitions once
-    (the optimizer loading its first masters), so the model is not mapped in at once.
+class BuildPages:
+    """The build partitions among `tensors`, found once, whose pages a reader drops as it
+    finishes with each (the optimizer loading its first masters, a loader writing weights),
+    so the model is never mapped in at once.
 
     A partition is recognized by the mapping its storage starts in (a file named by
-    `BuildFiles`, in /proc/self/maps), never by an address remembered from earlier: advising
-    anonymous memory would zero it."""
-    candidates = {t.untyped_storage().data_ptr(): t for t in tensors if t.device.type == "cpu"}
-    if not candidates or not os.path.exists("/proc/self/maps"):
-        return
-    madvise = None
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if _PREFIX not in line:
-                continue
-            lo = int(line.split("-", 1)[0], 16)
-            part = candidates.get(lo)
-            if part is not None:
-                madvise = madvise or _madvise()
-                _dont_need(madvise, part)
+    `BuildFiles`, in /proc/self/maps), never by an address remembered from an earlier
+    lifetime: advising anonymous memory would zero it. This object holds the tensors, so
+    their mappings outlive it."""
+
+    def __init__(self, tensors) -> None:
+        tensors = [t for t in tensors if t.device.type == "cpu"]
+        starts = set()
+        if tensors and os.path.exists("/proc/self/maps"):
+            with open("/proc/self/maps") as f:
+                starts = {int(line.split("-", 1)[0], 16) for line in f if _PREFIX in line}
+        self._parts = {
+            id(t): t for t in tensors if t.untyped_storage().data_ptr() in starts
+        }  # fmt: skip
+        self._madvise = _madvise() if self._parts else None
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Drop `tensor`'s pages if it is one of the build partitions found; else nothing."""
+        part = self._parts.get(id(tensor))
+        if part is not None:
+            _dont_need(self._madvise, part)
+
+
+def release_build_pages(tensors) -> None:
+    """Drop the pages of those `tensors` that are build partitions (see `BuildPages`)."""
+    tensors = list(tensors)
+    pages = BuildPages(tensors)
+    for t in tensors:
+        pages.release(t)
