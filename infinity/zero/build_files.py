@@ -11,16 +11,17 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import threading
 
 import torch
 
 _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PREFIX = ".infinity-build-"
-RELEASE_EVERY_BYTES = 64 << 20
-"""New partition bytes between two page drops: bounds the file-backed pages a build keeps
-mapped (this much plus the parameters being initialized) while dropping the pages of n
-partitions at most model size / this many times, not n times."""
+RELEASE_PERIOD_S = 0.05
+"""How often the pages of the partitions are dropped while a model is built: what init code
+can touch in this time is what a build keeps mapped (a whole-model init pass after
+construction, like Hugging Face's post_init, registers nothing that could trigger a drop)."""
 _counter = itertools.count()
 
 
@@ -44,7 +45,15 @@ class BuildFiles:
         self._madvise = _madvise()
         self._parts: list[torch.Tensor] = []  # mapped partitions, page-aligned each
         self._ptrs: set[int] = set()
-        self._new_bytes = 0  # partition bytes created since the last page drop
+        self._lock = threading.Lock()  # the list is appended here and read by the dropper
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        # Drops pages on a timer: see RELEASE_PERIOD_S. Safe while init code writes: a
+        # dropped page of a shared file mapping keeps its data and is faulted back in.
+        self._dropper = threading.Thread(
+            target=self._drop_loop, name="infinity-build-pages", daemon=True
+        )
+        self._dropper.start()
 
     def new_partition(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A flat partition of `src`'s values in `dtype`, in a shared mapping of a new file."""
@@ -62,31 +71,41 @@ class BuildFiles:
         part = part[: src.numel()]
         with torch.no_grad():
             part.copy_(src.detach().reshape(-1))
-        self._parts.append(part)
-        self._ptrs.add(part.data_ptr())
-        self._new_bytes += part.nbytes
+        with self._lock:
+            self._parts.append(part)
+            self._ptrs.add(part.data_ptr())
         return part
 
     def owns(self, param: torch.Tensor) -> bool:
         """Is `param` (a view of) one of these partitions?"""
         return param.device.type == "cpu" and param.data_ptr() in self._ptrs
 
-    def release_pages(self, *, force: bool = True) -> None:
+    def release_pages(self) -> None:
         """Drop every partition's pages from the process; their contents stay in the file
-        (through the page cache) and come back on the next touch. Unless `force`, only once
-        `RELEASE_EVERY_BYTES` of new partitions have been made since the last drop."""
-        if not force and self._new_bytes < RELEASE_EVERY_BYTES:
-            return
-        self._new_bytes = 0
-        for part in self._parts:
+        (through the page cache) and come back on the next touch."""
+        with self._lock:
+            parts = list(self._parts)
+        for part in parts:
             _dont_need(self._madvise, part)
 
+    def _drop_loop(self) -> None:
+        try:
+            while not self._stop.wait(RELEASE_PERIOD_S):
+                self.release_pages()
+        except BaseException as e:  # reported by close()
+            self._error = e
+
     def close(self) -> None:
-        """Drop the pages once more and forget the partitions (the model holds them now)."""
+        """Stop the timer, drop the pages once more and forget the partitions (the model
+        holds them now)."""
+        self._stop.set()
+        self._dropper.join()
         try:
             self.release_pages()
         finally:
             self._parts, self._ptrs = [], set()
+        if self._error is not None:
+            raise OSError(f"dropping the pages of build partitions failed: {self._error}")
 
 
 def _dont_need(madvise, part: torch.Tensor) -> None:
