@@ -155,3 +155,13 @@ def test_a_transformers_model_builds_on_nvme_bitwise(tmp_path):
     for name, want in built["cpu"].items():
         assert torch.equal(built["nvme"][name], want), name
     assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_while_building_is_a_clear_error(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"build partition of \d+ bytes .*No space left.*free space"):
+        _build(_cfg("nvme", tmp_path))
+    assert os.listdir(tmp_path) == []

@@ -58,12 +58,21 @@ class BuildFiles:
     def new_partition(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A flat partition of `src`'s values in `dtype`, in a shared mapping of a new file."""
         path = os.path.join(self.directory, f"{_PREFIX}{os.getpid()}-{next(_counter)}")
+        numel = max(src.numel(), 1)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         try:
-            part = torch.from_file(path, shared=True, size=max(src.numel(), 1), dtype=dtype)
-        except RuntimeError as e:
+            # Allocated before mapping: a full disk is this error, not a SIGBUS at first touch.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+            part = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        except (OSError, RuntimeError) as e:
             raise OSError(
-                f"could not map a {src.numel()}-element build partition at {path}: {e}; check "
-                f"free space and write access in offload_param.nvme_path"
+                f"could not create a build partition of {nbytes} bytes at {path}: {e}; free "
+                f"space in offload_param.nvme_path (building needs the model in its dtype "
+                f"there once) or fix its permissions"
             ) from e
         finally:
             if os.path.exists(path):
