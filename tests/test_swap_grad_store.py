@@ -5,6 +5,7 @@ and through the engine: accumulation over micro-steps bitwise equal to the host 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -154,6 +155,31 @@ def test_small_adds_to_spilled_sub_groups_update_only_their_rows(tmp_path):
             s.hex() for s in host.sums_of_squares()
         ]
         for g in range(2):
+            assert torch.equal(nvme.take(g), host.take(g)), g
+            nvme.release(g)
+        nvme.close()
+
+
+def test_later_micro_steps_read_the_next_sub_group_down_ahead(tmp_path):
+    host = HostGradStore(NUMELS)
+    with SwapStore(str(tmp_path), run_id="t") as store:
+        nvme = NvmeGradStore(NUMELS, store=store, aio=AIO, buffer_count=3)
+        ahead = []
+        for _ in range(3):  # micro-steps, each going down the sub-groups as backward does
+            for g in reversed(range(len(NUMELS))):
+                values = torch.full((NUMELS[g],), float(g + 1))
+                host.add(g, 0, values)
+                nvme.add(g, 0, values)
+                time.sleep(0.05)  # the layer's compute: the write started at this add lands
+                nvme.add(g, 0, values)
+                host.add(g, 0, values)
+                ahead.append(g > 0 and nvme.residency[g - 1].name == "READING")
+        assert not any(ahead[: len(NUMELS)])  # the first micro-step has nothing on disk
+        assert sum(ahead[len(NUMELS) :]) >= len(NUMELS)  # later ones mostly read ahead
+        assert [s.hex() for s in nvme.sums_of_squares()] == [
+            s.hex() for s in host.sums_of_squares()
+        ]
+        for g in range(len(NUMELS)):
             assert torch.equal(nvme.take(g), host.take(g)), g
             nvme.release(g)
         nvme.close()

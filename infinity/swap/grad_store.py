@@ -222,6 +222,7 @@ class NvmeGradStore:
         self._grads(buf, index)[start : start + src.numel()].add_(src)
         if not any(b.owner is None for b in self._buffers):  # keep one free: see GRAD_BUFFERS
             self._evict(self._least_recent(but=buf))
+        self._read_behind(index - 1, current=buf)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -392,23 +393,39 @@ class NvmeGradStore:
         """Reads of the sub-groups on disk from `first` on, into free buffers that need no
         waiting; stops at the first one no buffer is free for."""
         for g in range(first, len(self.numels)):
-            state = self.residency[g]
-            if state is not GradResidency.ON_NVME:
-                continue
-            free = [
-                b
-                for b in self._buffers
-                if b.owner is None and (b.future is None or b.future.done())
-            ]
-            if not free:
+            if self.residency[g] is GradResidency.ON_NVME and not self._read_into_free(g):
                 return
-            buf = free[0]
-            self._settle_buffer(buf)
-            self._settle_write_of(g)
-            buf.future = self._submit("read", buf, g)
-            buf.owner = g
-            self._where[g] = buf
-            self.residency[g] = GradResidency.READING
+
+    def _read_behind(self, index: int, *, current: _Buffer) -> None:
+        """Backward goes down the sub-groups: from the second micro-step of a window on, the
+        one below is on disk, so its read starts while this one fills, when a buffer is
+        free and another (free, or filled and not `current`) is left to write out next."""
+        if index < 0 or self.residency[index] is not GradResidency.ON_NVME:
+            return
+        spare = [
+            b
+            for b in self._buffers
+            if b.owner is None
+            or (b is not current and self.residency[b.owner] is GradResidency.HOST)
+        ]
+        if len(spare) >= 2:
+            self._read_into_free(index)
+
+    def _read_into_free(self, index: int) -> bool:
+        """Start reading sub-group `index` into a free buffer that needs no waiting."""
+        free = [
+            b for b in self._buffers if b.owner is None and (b.future is None or b.future.done())
+        ]
+        if not free:
+            return False
+        buf = free[0]
+        self._settle_buffer(buf)
+        self._settle_write_of(index)
+        buf.future = self._submit("read", buf, index)
+        buf.owner = index
+        self._where[index] = buf
+        self.residency[index] = GradResidency.READING
+        return True
 
     def _settle_write_of(self, index: int) -> None:
         for buf in self._buffers:
