@@ -10,15 +10,16 @@ know what the optimizer computes from them.
 [Note: spilled gradients] Backward reaches the sub-groups roughly from the last to the first,
 so a sub-group is filled while it is one of the most recently used and written to disk once
 it drops out of them (read back and added to at the next micro-step of an accumulation
-window). Every write records the norms of what it wrote by rows of 4096 elements, so at the
-step the global norm is the in-order sum of one value per sub-group made from them, without
-reading the gradients: the host store computes the same rows the same way, and the two give
-bitwise the same norm. A small gradient (at most 1/`PARTIAL_FRACTION` of its sub-group, e.g.
-a layer's norm weights, reached in backward after the rest of its layer) added to a
-sub-group on disk is added there: only the rows it touches are read, added to, re-measured
-and written back. The step
-takes the sub-groups in order (`take`), reading ahead into the free buffers, and `release`
-forgets each one once stepped: a released sub-group reads as zeros without any I/O.
+window, the read of the sub-group below starting while backward fills the current one).
+Every write records the norms of what it wrote by rows of 4096 elements, so at the step the
+global norm is the in-order sum of one value per sub-group made from them, without reading
+the gradients: the host store computes the same rows the same way, and the two give bitwise
+the same norm. A small gradient (at most 1/`PARTIAL_FRACTION` of its sub-group, e.g. a
+layer's norm weights, reached in backward after the rest of its layer) added to a sub-group
+on disk is added there: only the rows it touches are read, added to, re-measured and written
+back. The step takes the sub-groups in order (`take`), reading ahead into the free buffers,
+and `release` forgets each one once stepped: a released sub-group reads as zeros without any
+I/O.
 """
 
 from __future__ import annotations
