@@ -72,10 +72,14 @@ _CHILD = textwrap.dedent(
     from infinity.models.config import LlamaConfig
     from infinity.models.llama import LlamaForCausalLM
 
+    def status(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+
     def anon():
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon"):
-                return int(line.split()[1]) * 1024
+        return status("RssAnon")
 
     cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param":
            {"device": sys.argv[1], "nvme_path": sys.argv[2]}}}
@@ -83,13 +87,13 @@ _CHILD = textwrap.dedent(
                        num_hidden_layers=8, num_attention_heads=8, tie_word_embeddings=True)
     torch.manual_seed(0)
     torch.zeros(1).normal_()  # load the kernels before the baseline
-    before = anon()
+    before, peak_before = anon(), status("VmHWM")
     with infinity.init(cfg):
-        model = LlamaForCausalLM(mcfg)
-    grew = anon() - before
+        model = LlamaForCausalLM(mcfg)  # its init_weights touches every parameter again
+    grew, peak_grew = anon() - before, status("VmHWM") - peak_before
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() for p in model.parameters()) * 4  # created in fp32 by nn
-    print(json.dumps({"grew": grew, "model": nbytes, "largest": largest}))
+    print(json.dumps({"grew": grew, "peak_grew": peak_grew, "model": nbytes, "largest": largest}))
     """
 )
 
@@ -107,6 +111,9 @@ def test_nvme_build_anonymous_memory_is_one_parameter_not_the_model(tmp_path):
     assert ram["model"] > 200 << 20
     assert ram["grew"] >= ram["model"]  # the peer: a build in RAM holds the whole model
     assert nvme["grew"] < nvme["largest"] + (32 << 20), nvme
+    # Nor does the whole-model init pass map the model in (file pages count in VmHWM too).
+    assert ram["peak_grew"] >= ram["model"]
+    assert nvme["peak_grew"] < nvme["largest"] + (96 << 20), nvme
 
 
 def _rss_file() -> int:
@@ -129,3 +136,32 @@ def test_release_build_pages_drops_only_build_partitions(tmp_path):
     release_build_pages([part, other])
     assert before - _rss_file() > (n * 4) // 2
     assert torch.equal(part, other)  # the contents come back from the file; `other` untouched
+
+
+def test_a_transformers_model_builds_on_nvme_bitwise(tmp_path):
+    """Hugging Face's post_init re-initializes every module after the model exists: it runs
+    on the file-backed partitions like on host ones."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    built = {}
+    for device in ("cpu", "nvme"):
+        torch.manual_seed(0)
+        with infinity.init(_cfg(device, tmp_path)):
+            built[device] = transformers.AutoModelForCausalLM.from_config(hf_cfg).state_dict()
+    assert built["cpu"].keys() == built["nvme"].keys()
+    for name, want in built["cpu"].items():
+        assert torch.equal(built["nvme"][name], want), name
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_while_building_is_a_clear_error(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"build partition of \d+ bytes .*No space left.*free space"):
+        _build(_cfg("nvme", tmp_path))
+    assert os.listdir(tmp_path) == []

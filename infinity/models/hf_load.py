@@ -19,7 +19,7 @@ import torch
 from infinity.models.config import LlamaConfig, load_config
 from infinity.models.llama import LlamaForCausalLM
 from infinity.utils.safetensors_stream import SafetensorsReader
-from infinity.zero.build_files import release_build_pages
+from infinity.zero.build_files import BuildPages
 
 log = logging.getLogger(__name__)
 
@@ -184,11 +184,12 @@ def copying_sink(model: torch.nn.Module) -> Sink:
     each one's pages leave the process once it is written: loading holds one tensor in
     memory, not the model."""
     params = dict(model.named_parameters())
+    pages = BuildPages(params.values())
 
     def sink(name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
             params[name].copy_(tensor.view(params[name].shape))
-        release_build_pages([params[name]])
+        pages.release(params[name])
 
     return sink
 

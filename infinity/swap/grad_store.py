@@ -10,11 +10,16 @@ know what the optimizer computes from them.
 [Note: spilled gradients] Backward reaches the sub-groups roughly from the last to the first,
 so a sub-group is filled while it is one of the most recently used and written to disk once
 it drops out of them (read back and added to at the next micro-step of an accumulation
-window). Every write records the sum of squares of what it wrote, so at the step the global
-norm is the in-order sum of one value per sub-group, without reading the gradients: the host
-store sums the same per-sub-group values, and the two give bitwise the same norm. The step
-takes the sub-groups in order (`take`), reading ahead into the free buffers, and `release`
-forgets each one once stepped: a released sub-group reads as zeros without any I/O.
+window, the read of the sub-group below starting while backward fills the current one).
+Every write records the norms of what it wrote by rows of 4096 elements, so at the step the
+global norm is the in-order sum of one value per sub-group made from them, without reading
+the gradients: the host store computes the same rows the same way, and the two give bitwise
+the same norm. A small gradient (at most 1/`PARTIAL_FRACTION` of its sub-group, e.g. a
+layer's norm weights, reached in backward after the rest of its layer) added to a sub-group
+on disk is added there: only the rows it touches are read, added to, re-measured and written
+back. The step takes the sub-groups in order (`take`), reading ahead into the free buffers,
+and `release` forgets each one once stepped: a released sub-group reads as zeros without any
+I/O.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,7 +44,38 @@ GRAD_BUFFERS = 3
 """Host buffers of `NvmeGradStore` by default: two sub-groups being filled by backward (the
 one a layer's gradients straddle into, and the one before it) and one being written."""
 _F32 = 4
+PARTIAL_FRACTION = 16
+"""A gradient of at most 1/this of its sub-group, added while the sub-group is on disk, is
+added there (its rows read, added to and written back) instead of loading the sub-group: a
+layer's norm weights, reached in backward after the layer's other sub-groups were written."""
 _NORM_ROW_NUMEL = 4096  # see [Note: accurate norms]
+
+
+class Norms(NamedTuple):
+    """A flat fp32 tensor's L2 norms by rows of `_NORM_ROW_NUMEL` (and the short tail): what
+    its sum of squares is made of, updatable row by row (see [Note: spilled gradients])."""
+
+    rows: torch.Tensor
+    """[numel // _NORM_ROW_NUMEL] fp32."""
+    tail: torch.Tensor | None
+    """0-d fp32, the norm of the last numel % _NORM_ROW_NUMEL elements (None if none)."""
+
+
+def row_norms(flat: torch.Tensor) -> Norms:
+    """The norms a sum of squares is made of (see `sum_of_squares`)."""
+    rows = flat.numel() // _NORM_ROW_NUMEL * _NORM_ROW_NUMEL
+    norms = torch.linalg.vector_norm(flat[:rows].view(-1, _NORM_ROW_NUMEL), dim=1)
+    tail = torch.linalg.vector_norm(flat[rows:]) if rows < flat.numel() else None
+    return Norms(norms, tail)
+
+
+def sum_from_norms(norms: Norms) -> float:
+    total = torch.zeros((), dtype=torch.float64)
+    if norms.rows.numel():
+        total += norms.rows.double().square().sum()
+    if norms.tail is not None:
+        total += norms.tail.double().square()
+    return float(total.item())
 
 
 def sum_of_squares(flat: torch.Tensor) -> float:
@@ -50,14 +86,7 @@ def sum_of_squares(flat: torch.Tensor) -> float:
     reduced in fp32, then summed in fp64, are within 1e-8 and faster (one pass, better
     vectorized); see benchmarks/zero_optimizer_bench.py for the step's timings.
     """
-    rows = flat.numel() // _NORM_ROW_NUMEL * _NORM_ROW_NUMEL
-    total = torch.zeros((), dtype=torch.float64)
-    if rows:
-        row_norms = torch.linalg.vector_norm(flat[:rows].view(-1, _NORM_ROW_NUMEL), dim=1)
-        total += row_norms.double().square().sum()
-    if rows < flat.numel():
-        total += torch.linalg.vector_norm(flat[rows:]).double().square()
-    return float(total.item())
+    return sum_from_norms(row_norms(flat))
 
 
 class HostGradStore:
@@ -173,7 +202,7 @@ class NvmeGradStore:
         count = min(buffer_count, max(len(self.numels), 1) + 1)
         self._buffers = [_Buffer(aligned_empty(nbytes, torch.uint8)) for _ in range(count)]
         self.residency = [GradResidency.ZERO] * len(self.numels)
-        self._sumsq = [0.0] * len(self.numels)
+        self._norms: list[Norms | None] = [None] * len(self.numels)  # of the disk copy
         self._where: dict[int, _Buffer] = {}  # sub-group -> its buffer (HOST or READING)
         self._tick = 0
         self.stats = GradStats()
@@ -185,10 +214,16 @@ class NvmeGradStore:
     def add(self, index: int, start: int, src: torch.Tensor) -> None:
         """Elements [start, start + src.numel()) of sub-group `index` += src."""
         self._check_usable("add")
+        if self.residency[index] is GradResidency.ON_NVME and src.numel() <= self._partial_limit(
+            index
+        ):
+            self._add_on_disk(index, start, src)
+            return
         buf = self._resident(index)
         self._grads(buf, index)[start : start + src.numel()].add_(src)
         if not any(b.owner is None for b in self._buffers):  # keep one free: see GRAD_BUFFERS
             self._evict(self._least_recent(but=buf))
+        self._read_behind(index - 1, current=buf)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -196,11 +231,15 @@ class NvmeGradStore:
         """One value per sub-group, in order: recorded when written, computed for those in
         host buffers (see [Note: spilled gradients])."""
         self._check_usable("sums_of_squares")
-        for g, buf in self._where.items():
-            if self.residency[g] is GradResidency.HOST:
-                self._sumsq[g] = sum_of_squares(self._grads(buf, g))
-        zero = GradResidency.ZERO
-        return [0.0 if self.residency[g] is zero else s for g, s in enumerate(self._sumsq)]
+        out = []
+        for g, state in enumerate(self.residency):
+            if state is GradResidency.ZERO:
+                out.append(0.0)
+            elif state is GradResidency.HOST:
+                out.append(sum_of_squares(self._grads(self._where[g], g)))
+            else:
+                out.append(sum_from_norms(self._norms[g]))
+        return out
 
     def take(self, index: int) -> torch.Tensor:
         """Sub-group `index`'s gradient for the step, then reads of the following sub-groups
@@ -280,6 +319,48 @@ class NvmeGradStore:
         buf.used = self._tick
         return buf
 
+    def _partial_limit(self, index: int) -> int:
+        return self.numels[index] // PARTIAL_FRACTION
+
+    def _add_on_disk(self, index: int, start: int, src: torch.Tensor) -> None:
+        """A small add to a sub-group on disk: read-add-write of the norm rows it touches
+        only, and those rows' norms updated (see [Note: spilled gradients])."""
+        n, row = self.numels[index], _NORM_ROW_NUMEL
+        lo = start // row * row
+        hi = min(-(-(start + src.numel()) // row) * row, n)
+        ext = self._extents[index]
+        data = aligned_empty(align_up((hi - lo) * _F32), torch.uint8)
+        grads = data[: (hi - lo) * _F32].view(torch.float32)
+        self._settle_write_of(index)
+        self._sync_io("read", data, ext.path, ext.offset + lo * _F32)
+        grads[start - lo : start - lo + src.numel()].add_(src)
+        self._update_norms(index, lo, grads)
+        self._sync_io("write", data, ext.path, ext.offset + lo * _F32)
+
+    def _sync_io(self, op: str, data: torch.Tensor, path: str, offset: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            (self.aio.pwrite if op == "write" else self.aio.pread)(data, path, offset).wait()
+        except BaseException as e:
+            raise self._fail(op, path, offset, data.numel(), e) from e
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+        if op == "write":
+            self.stats.bytes_written += data.numel()
+        else:
+            self.stats.bytes_read += data.numel()
+
+    def _update_norms(self, index: int, lo: int, grads: torch.Tensor) -> None:
+        norms, row = self._norms[index], _NORM_ROW_NUMEL
+        full = grads.numel() // row * row
+        if lo + full > norms.rows.numel() * row:  # the range ends in the tail
+            full = norms.rows.numel() * row - lo
+        if full:
+            part = row_norms(grads[:full])
+            norms.rows[lo // row : (lo + full) // row] = part.rows
+        if full < grads.numel():
+            self._norms[index] = Norms(norms.rows, torch.linalg.vector_norm(grads[full:]))
+
     def _least_recent(self, but: _Buffer | None = None) -> _Buffer:
         held = [b for b in self._buffers if b is not but and b.owner is not None]
         held = [b for b in held if self.residency[b.owner] is GradResidency.HOST]
@@ -302,7 +383,7 @@ class NvmeGradStore:
         index = buf.owner
         assert index is not None and self.residency[index] is not GradResidency.READING
         self._settle_buffer(buf)
-        self._sumsq[index] = sum_of_squares(self._grads(buf, index))
+        self._norms[index] = row_norms(self._grads(buf, index))
         self._settle_write_of(index)  # two writes of one extent in flight could land reversed
         buf.future = self._submit("write", buf, index)
         buf.written, buf.owner = index, None
@@ -313,23 +394,39 @@ class NvmeGradStore:
         """Reads of the sub-groups on disk from `first` on, into free buffers that need no
         waiting; stops at the first one no buffer is free for."""
         for g in range(first, len(self.numels)):
-            state = self.residency[g]
-            if state is not GradResidency.ON_NVME:
-                continue
-            free = [
-                b
-                for b in self._buffers
-                if b.owner is None and (b.future is None or b.future.done())
-            ]
-            if not free:
+            if self.residency[g] is GradResidency.ON_NVME and not self._read_into_free(g):
                 return
-            buf = free[0]
-            self._settle_buffer(buf)
-            self._settle_write_of(g)
-            buf.future = self._submit("read", buf, g)
-            buf.owner = g
-            self._where[g] = buf
-            self.residency[g] = GradResidency.READING
+
+    def _read_behind(self, index: int, *, current: _Buffer) -> None:
+        """Backward goes down the sub-groups: from the second micro-step of a window on, the
+        one below is on disk, so its read starts while this one fills, when a buffer is
+        free and another (free, or filled and not `current`) is left to write out next."""
+        if index < 0 or self.residency[index] is not GradResidency.ON_NVME:
+            return
+        spare = [
+            b
+            for b in self._buffers
+            if b.owner is None
+            or (b is not current and self.residency[b.owner] is GradResidency.HOST)
+        ]
+        if len(spare) >= 2:
+            self._read_into_free(index)
+
+    def _read_into_free(self, index: int) -> bool:
+        """Start reading sub-group `index` into a free buffer that needs no waiting."""
+        free = [
+            b for b in self._buffers if b.owner is None and (b.future is None or b.future.done())
+        ]
+        if not free:
+            return False
+        buf = free[0]
+        self._settle_buffer(buf)
+        self._settle_write_of(index)
+        buf.future = self._submit("read", buf, index)
+        buf.owner = index
+        self._where[index] = buf
+        self.residency[index] = GradResidency.READING
+        return True
 
     def _settle_write_of(self, index: int) -> None:
         for buf in self._buffers:

@@ -18,13 +18,14 @@ that re-initializes every module after the whole model exists). With
 [Note: building on NVMe] Each partition is a shared mapping of its own file in
 `offload_param.nvme_path`, unlinked as soon as it is mapped (the space returns to the disk
 when the mapping goes; a crash leaves nothing behind). Init code writes into the page cache,
-and whenever a new parameter is registered the pages of the earlier ones are dropped from the
-process (`MADV_DONTNEED`: the kernel keeps their contents in the page cache, writes them back
-to the file and can reclaim them; a later touch faults them back in). So the anonymous peak of
-a build is one parameter, whatever the model size, and the weights are bitwise those of a
-build in RAM: the same code runs on the same values in the same order. The engine then copies
-every partition to its NVMe home one sub-group at a time, and the mappings go with the records'
-partitions.
+and every `RELEASE_PERIOD_S` a timer drops the pages of all partitions from the process
+(`MADV_DONTNEED`: the kernel keeps their contents in the page cache, writes them back to the
+file and can reclaim them; a later touch faults them back in), so neither construction nor a
+whole-model init pass after it (Hugging Face's `post_init`) maps the model in. The anonymous
+peak of a build is one parameter, whatever the model size, and the weights are bitwise those
+of a build in RAM: the same code runs on the same values in the same order. The engine then
+copies every partition to its NVMe home one sub-group at a time, and the mappings go with the
+records' partitions.
 
 Supported: any module whose parameters are registered through `nn.Module.__setattr__` or
 `register_parameter` (all of torch.nn, `infinity.models`, Hugging Face models), tied
@@ -102,7 +103,6 @@ def init(config: Config | dict | str) -> Iterator[None]:
         if files is not None:
             if files.owns(param):
                 return None  # already a partition (a tied parameter registered again)
-            files.release_pages()  # see [Note: building on NVMe]
             part = files.new_partition(param, dtype)
         elif _adoptable(param, dtype, accel, pin):
             return None  # already a partition (a tied parameter registered again)
