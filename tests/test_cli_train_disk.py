@@ -77,6 +77,7 @@ def test_plan_by_tier(tmp_path):
     parts = {k: v for u in uses for k, v in u.parts.items()}
     assert parts == {
         "parameters": 5100 * 2 + 2 * 4096,
+        "trainable build files (while starting)": 5100 * 2,
         "optimizer states": 5100 * 12,
         "gradients": 5100 * 4,
         "3 checkpoint(s)": 3 * 5100 * 14,

@@ -3,8 +3,9 @@
 Owns the formula, per file system (the NVMe swap directory and --save-dir may share one):
 
 - parameters on NVMe: every weight in the model dtype (the frozen base and the trainable
-  weights), one page of padding each; while the model is built the same bytes sit in the
-  build files instead, so this is the peak too;
+  weights), one page of padding each; while the model is built they sit in build files, and
+  the trainable ones' build files live on until `initialize` has written them to their place
+  (a frozen one goes as soon as it is moved), so those bytes count twice at the start;
 - optimizer states on NVMe: fp32 master, Adam m and v (12 bytes per trainable element) and
   the fp32 gradient sums that spill there (4 bytes);
 - checkpoints: the trainable weights in the model dtype + 12 bytes of optimizer state per
@@ -75,7 +76,11 @@ def plan(
     if zero.offload_param.device == "nvme":
         numel = base_numel + (0 if full else trainable)
         weights = numel * itemsize + _PAGE * n_params
-        uses.append(DiskUse(path=Path(zero.offload_param.nvme_path), parts={"parameters": weights}))
+        parts = {
+            "parameters": weights,
+            "trainable build files (while starting)": trainable * itemsize,
+        }
+        uses.append(DiskUse(path=Path(zero.offload_param.nvme_path), parts=parts))
     if zero.offload_optimizer.device == "nvme":
         uses.append(
             DiskUse(
