@@ -155,7 +155,9 @@ class TrainRun:
 
     def _lora_state(self) -> dict:
         assert self.lora is not None
-        return {**self.lora.to_dict(), "resolved_targets": self._lora_targets}
+        # alpha as applied (None means r), so --lora-alpha R and no --lora-alpha resume alike
+        alpha = self.lora.r if self.lora.alpha is None else self.lora.alpha
+        return {**self.lora.to_dict(), "alpha": alpha, "resolved_targets": self._lora_targets}
 
     # -- running -------------------------------------------------------------------------
 
