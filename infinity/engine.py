@@ -48,9 +48,16 @@ from torch import nn
 from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.checkpoint import model16
+from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base, describe_base
 from infinity.config import Config
 from infinity.optim import Schedule, build_loss_scaler, build_schedule
-from infinity.swap import NvmeParamStore, SwapStores, make_param_store, make_state_store
+from infinity.swap import (
+    NvmeParamStore,
+    SwapStores,
+    make_grad_store,
+    make_param_store,
+    make_state_store,
+)
 from infinity.utils.step_timer import StepTimer, format_breakdown
 from infinity.zero import (
     BackwardEntry,
@@ -61,6 +68,7 @@ from infinity.zero import (
     PartitionedOptimizer,
     Phase,
     Slot,
+    frozen_on_nvme,
     install_grad_hooks,
     partition_model,
     sub_group_numels,
@@ -71,7 +79,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Engine", "initialize"]
 
 # Keys of a checkpoint's JSON state that the engine owns; the rest is the client's.
-_ENGINE_STATE_KEYS = ("engine", "optimizer", "lr_schedule", "loss_scaler")
+_ENGINE_STATE_KEYS = ("engine", "optimizer", "lr_schedule", "loss_scaler", BASE_MODEL_KEY)
 
 
 def initialize(
@@ -95,9 +103,13 @@ class Engine:
         *,
         accelerator: Accelerator | None = None,
         no_decay: Collection[str] = (),
+        base_model: str | os.PathLike | dict | None = None,
     ) -> None:
         """`no_decay`: names of parameters the optimizer's weight decay skips (the HF
-        Trainer's biases and norms)."""
+        Trainer's biases and norms). `base_model` says where the frozen weights came from (a
+        Hugging Face directory, or a JSON-able description such as {"preset": ..., "seed":
+        ...}): checkpoints, which leave them out, record it and refuse to resume on another
+        base."""
         config = Config.load(config)
         largest = max((p.numel() for p in model.parameters()), default=1)
         self.config = config.resolve(largest_param_numel=max(1, largest))
@@ -105,6 +117,8 @@ class Engine:
         if zero.stage != 3:
             raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
         self.module = model
+        self._base_source = base_model
+        self._base_record: dict | None = None
         self.accelerator = accelerator or get_accelerator()
         self.records, units = partition_model(model, self.config, self.accelerator)
         self.optimizer = self._build_optimizer(set(no_decay))
@@ -118,10 +132,10 @@ class Engine:
                 model, units, by_param, self.coordinator, iteration_key=self._iteration_key
             )
             self._grad_handles = install_grad_hooks(
-                self.records, self.optimizer.grad, self.hooks, self.accelerator
+                self.records, self.optimizer.accumulate_grad, self.hooks, self.accelerator
             )
         except BaseException:  # no swap directory outlives a failed start
-            self._close_stores(self.optimizer.store)
+            self._close_stores(self.optimizer)
             raise
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule: Schedule = build_schedule(
@@ -170,11 +184,12 @@ class Engine:
         try:
             if zero.offload_param.device == "nvme":
                 self.param_store = self._make_param_store()
+            numels = sub_group_numels([s.numel for s in slots], zero)
             store = make_state_store(
-                sub_group_numels([s.numel for s in slots], zero),
-                zero.offload_optimizer,
-                self.config.aio,
-                stores=self._swap_stores,
+                numels, zero.offload_optimizer, self.config.aio, stores=self._swap_stores
+            )
+            grads = make_grad_store(
+                numels, zero.offload_optimizer, self.config.aio, stores=self._swap_stores
             )
             optimizer = PartitionedOptimizer(
                 slots,
@@ -183,6 +198,7 @@ class Engine:
                 state_store=store,
                 weight_home=self.param_store,
                 no_decay=[i for i, r in enumerate(trainable) if r.name in no_decay],
+                grad_store=grads,
             )
             del slots  # the host partitions of an NVMe home are dropped below
             for i, rec in enumerate(trainable):
@@ -192,9 +208,8 @@ class Engine:
                 else:
                     rec.repoint(optimizer.partition(i))
             if self.param_store is not None:
-                for rec in self.records:
-                    if not rec.trainable:
-                        rec.move_home_to_nvme(self.param_store, write=True)
+                for rec in self._frozen_on_nvme():
+                    rec.move_home_to_nvme(self.param_store, write=True)
         except BaseException:
             self._close_stores()  # no swap directory or lock outlives a failed start
             raise
@@ -204,7 +219,7 @@ class Engine:
         """The NVMe parameter tier: frozen parameters laid out one extent each (the optimizer
         lays out the trainable ones in its flat space)."""
         zero = self.config.zero_optimization
-        frozen = {r.name: (r.numel, r.dtype) for r in self.records if not r.param.requires_grad}
+        frozen = {r.name: (r.numel, r.dtype) for r in self._frozen_on_nvme()}
         return make_param_store(
             frozen,
             zero.offload_param,
@@ -217,12 +232,18 @@ class Engine:
             prefetch_numel=min(int(zero.prefetch_bucket_size), sum(r.numel for r in self.records)),
         )
 
-    def _close_stores(self, state_store=None) -> None:
-        """Close the optimizer's state tier (if given), the parameter tier, then the swap
-        stores under them, each even if an earlier one fails."""
+    def _frozen_on_nvme(self) -> list[OffloadParam]:
+        return frozen_on_nvme(self.records, self.config.zero_optimization.offload_param)
+
+    def _close_stores(self, optimizer: PartitionedOptimizer | None = None) -> None:
+        """Close the optimizer's state and gradient tiers (if given), the parameter tier,
+        then the swap stores under them, each even if an earlier one fails."""
         try:
-            if state_store is not None:
-                state_store.close()
+            if optimizer is not None:
+                try:
+                    optimizer.store.close()
+                finally:
+                    optimizer.grads.close()
         finally:
             try:
                 if self.param_store is not None:
@@ -438,7 +459,11 @@ class Engine:
         optim = self.optimizer.memory_stats()
         stats["host_bytes"] = host + optim["host_bytes"]
         stats.update(
-            {k: v for k, v in optim.items() if k.startswith(("nvme_", "optim_host_buffer"))}
+            {
+                k: v
+                for k, v in optim.items()
+                if k.startswith(("nvme_", "optim_host_buffer", "grad_"))
+            }
         )
         pinned = optim.get("optim_host_buffer_pinned_bytes", 0)  # offload_optimizer.pin_memory
         peak_pinned = optim.get("optim_host_buffer_peak_bytes", 0) if pinned else 0
@@ -460,12 +485,15 @@ class Engine:
         tag: str | None = None,
         *,
         client_state: dict | None = None,
+        include_frozen: bool = False,
     ) -> str:
         """Write weights (from the partitions), optimizer state, schedule, loss scale, step
         counts and RNG states atomically under `save_dir/tag` (default: the step's tag).
-        `client_state` (JSON-able: data position, model description...) is stored with them
-        and handed back by `load_checkpoint`. Returns the tag. Call between steps (not
-        between forward and backward)."""
+        Frozen weights are left out unless `include_frozen`: a record of their base takes
+        their place (see `infinity.checkpoint.base_model`). `client_state` (JSON-able: data
+        position, model description...) is stored with them and handed back by
+        `load_checkpoint`. Returns the tag. Call between steps (not between forward and
+        backward)."""
         self._check_idle("save_checkpoint")
         clash = sorted(set(client_state or {}) & set(_ENGINE_STATE_KEYS))
         if clash:
@@ -474,8 +502,11 @@ class Engine:
             )
         tag = tag or checkpoint.step_tag(self.global_steps)
 
+        frozen = [r for r in self.records if not r.trainable]
+        saved = self.records if include_frozen else [r for r in self.records if r.trainable]
+
         def tensors():
-            for rec in self.records:
+            for rec in saved:
                 yield f"{checkpoint.layout.PARAM_PREFIX}{rec.name}", _weights_of(rec)
             for name, thunk in self.optimizer.state_tensors():
                 yield f"optim/{name}", thunk
@@ -492,6 +523,8 @@ class Engine:
             "loss_scaler": self.loss_scaler.state_dict(),
             **(client_state or {}),
         }
+        if frozen and not include_frozen:
+            state[BASE_MODEL_KEY] = self._base()
         checkpoint.save_checkpoint(
             save_dir, tensors(), step=self.global_steps, state=state, tag=tag
         )
@@ -535,7 +568,11 @@ class Engine:
         ckpt = checkpoint.load_checkpoint(save_dir, tag)
         names = set(ckpt.tensor_names())
         prefix = checkpoint.layout.PARAM_PREFIX
-        missing = [prefix + r.name for r in self.records if prefix + r.name not in names]
+        with_frozen = BASE_MODEL_KEY not in ckpt.state
+        if not with_frozen:
+            check_base(ckpt.state[BASE_MODEL_KEY], self._base(), str(ckpt.path))
+        needed = [r for r in self.records if r.trainable or with_frozen]
+        missing = [prefix + r.name for r in needed if prefix + r.name not in names]
         if missing:
             raise ValueError(
                 f"checkpoint {ckpt.path} has no weights for {missing[:5]} "
@@ -543,11 +580,13 @@ class Engine:
             )
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.optimizer.load_state_tensors(lambda name: ckpt.get_tensor(f"optim/{name}"))
-        with torch.no_grad():
-            for rec in self.records:
-                if not rec.trainable:
+        frozen = [r for r in self.records if not r.trainable]
+        if with_frozen and frozen:
+            self.coordinator.release_all()  # gathered frozen copies predate their new homes
+            with torch.no_grad():
+                for rec in frozen:
                     rec.write_home(ckpt.get_tensor(prefix + rec.name).reshape(-1))
-        self.coordinator.refresh_persistent()
+        self.coordinator.refresh_persistent(frozen=with_frozen)
         self.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
         self.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
         counters = ckpt.state["engine"]
@@ -562,6 +601,17 @@ class Engine:
         client_state = {k: v for k, v in ckpt.state.items() if k not in _ENGINE_STATE_KEYS}
         return str(ckpt.path), client_state
 
+    def _base(self) -> dict:
+        """The record of this engine's frozen base (built once: it fingerprints files)."""
+        if self._base_record is None:
+            frozen = {
+                r.name: (r.shape, str(r.dtype).removeprefix("torch."))
+                for r in self.records
+                if not r.trainable
+            }
+            self._base_record = describe_base(frozen, self._base_source)
+        return self._base_record
+
     def close(self) -> None:
         """Remove the engine's hooks from the model, release what is gathered and close the
         optimizer's state tier. The weights stay in the partitions
@@ -574,7 +624,7 @@ class Engine:
             handle.remove()
         self._grad_handles = []
         self.coordinator.abort_iteration()
-        self._close_stores(self.optimizer.store)
+        self._close_stores(self.optimizer)
 
     def _check_open(self, what: str) -> None:
         if getattr(self, "_closed", False):

@@ -11,8 +11,9 @@ from _engine_models import Zoo, batches, config, train_steps
 import infinity
 
 
+@pytest.mark.parametrize("include_frozen", [False, True], ids=["base-left-out", "with-base"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_save_then_resume_is_exact(tmp_path, precision):
+def test_save_then_resume_is_exact(tmp_path, precision, include_frozen):
     torch.manual_seed(0)
     model = Zoo(lora=True)
     model.proj.base.requires_grad_(False)  # frozen weights are saved from their partitions
@@ -24,10 +25,17 @@ def test_save_then_resume_is_exact(tmp_path, precision):
     data = batches(12, seed=20)
     engine = infinity.initialize(copy.deepcopy(model), cfg)
     train_steps(engine, data[:6])
-    tag = engine.save_checkpoint(tmp_path)
+    tag = engine.save_checkpoint(tmp_path, include_frozen=include_frozen)
     after_save = torch.rand(3)
     expected = train_steps(engine, data[6:])
-    fresh = Zoo(lora=True)  # different random weights: everything must come from the file
+    if include_frozen:
+        fresh = Zoo(lora=True)  # different random weights: everything must come from the file
+    else:  # the same frozen base, different trainable weights
+        fresh = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in fresh.parameters():
+                if p.requires_grad:
+                    p.add_(1.0)
     resumed = infinity.initialize(fresh, cfg)
     path, client_state = resumed.load_checkpoint(tmp_path)
     assert path.endswith(tag) and client_state == {}

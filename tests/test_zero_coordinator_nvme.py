@@ -62,6 +62,8 @@ class Model:
             rec = OffloadParam(n, param, param.detach().reshape(-1).clone(),
                                device=self.accel.device, persistent=n == "l0.p2")  # fmt: skip
             rec.offload()
+            if n in entries or n == HOST:  # trainable: the optimizer has a slot for it
+                rec.slot = len(self.records)
             if n != HOST:
                 rec.move_home_to_nvme(self.ps, write=n not in entries)
             self.records[n] = rec

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from infinity.checkpoint import CheckpointNotFoundError, layout, load_checkpoint
+from infinity.cli import export_lora
 from infinity.models import export_hf
 from infinity.utils.safetensors_stream import SafetensorsReader
 
@@ -52,9 +53,12 @@ def _open_checkpoint(path: Path, tag: str | None):
         ) from None
 
 
-def checkpoint_weights(ckpt) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
+def checkpoint_weights(
+    ckpt, *, check: bool = True
+) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
     """The model's config.json content and a (name, full tensor) stream from an engine
-    checkpoint (any transformers causal LM: the config names its class)."""
+    checkpoint (any transformers causal LM: the config names its class). With `check`, a
+    checkpoint without its frozen base (a LoRA run) is refused."""
     model = ckpt.state.get("model")
     if not model or "config" not in model or "param_shapes" not in model:
         raise ValueError(
@@ -66,6 +70,11 @@ def checkpoint_weights(ckpt) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
         raise ValueError(
             f"checkpoint {ckpt.path}: its model config has no model_type, so transformers could "
             "not load an export; it was written by an older `infinity train`"
+        )
+    if check and "base_model" in ckpt.state:
+        raise ValueError(
+            f"checkpoint {ckpt.path} holds only its trainable weights, not the frozen base "
+            "it was trained on; it can be exported only as LoRA adapters (a run with --lora-r)"
         )
     shapes = {name: tuple(shape) for name, shape in model["param_shapes"].items()}
 
@@ -114,6 +123,21 @@ def run(args: argparse.Namespace) -> int:
     extra = [Path(p) for p in args.copy_files]
     _check_outputs(Path(args.out), extra)
     ckpt = _open_checkpoint(Path(args.checkpoint), args.tag)
+    if (args.adapter or args.base) and not export_lora.is_lora_checkpoint(ckpt):
+        flag = "--adapter" if args.adapter else "--base"
+        raise ValueError(
+            f"{flag}: checkpoint {ckpt.path} has no LoRA adapters (it was not trained with "
+            "--lora-r); export it without that flag"
+        )
+    if args.adapter:
+        out = export_lora.export_adapter(ckpt, args.out)
+        print(f"exported the adapter of {ckpt.path} (step {ckpt.step}) to {out}")
+        return 0
+    if export_lora.is_lora_checkpoint(ckpt):
+        config, _ = checkpoint_weights(ckpt, check=False)
+        out = export_lora.export_merged(ckpt, args, config)
+        print(f"exported {ckpt.path} (step {ckpt.step}) merged into its base to {out}")
+        return 0
     config, weights = checkpoint_weights(ckpt)
     out = export_hf(
         weights,
@@ -131,7 +155,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
         help="write a checkpoint's weights as a Hugging Face model directory",
-        description="Write config.json, sharded safetensors and an index, one tensor at a time.",
+        description="Write config.json, sharded safetensors and an index, one tensor at a time. "
+        "A LoRA checkpoint is merged into its base model, or written as the adapter alone "
+        "with --adapter.",
     )
     parser.add_argument(
         "checkpoint", help="a --save-dir (uses its latest) or one checkpoint directory"
@@ -149,6 +175,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=_parse_bytes,
         default=5 * 10**9,
         help="largest shard file, e.g. 5GB (default) or 500MB",
+    )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA checkpoints: write the adapter alone (adapter_config.json + "
+        "adapter_model.safetensors, loadable with peft.PeftModel.from_pretrained) instead of "
+        "the merged model",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="DIR",
+        help="LoRA checkpoints: the base model directory to merge into, if it moved (default: "
+        "the one recorded in the checkpoint; checked against its fingerprints)",
     )
     parser.add_argument(
         "--copy-files",

@@ -46,6 +46,46 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _dropout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1)")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no layer; e.g. q_proj,v_proj")
+    return names
+
+
+def lora_spec(args: argparse.Namespace):
+    """The run's LoRA adapters, or None without --lora-r (the other LoRA flags need it)."""
+    from infinity.models.lora import LoraSpec
+
+    if args.lora_r is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--lora-alpha", args.lora_alpha),
+                ("--lora-targets", args.lora_targets),
+            )
+            if value is not None
+        ] + (["--lora-dropout"] if args.lora_dropout else [])
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} need --lora-r R (the adapter rank) to enable LoRA"
+            )
+        return None
+    return LoraSpec(
+        r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, targets=args.lora_targets
+    )
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train",
@@ -124,6 +164,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="recompute each layer's activations in backward (less memory, ~1.3x compute), "
         "through the model's own activation checkpointing",
+    )
+    lora = parser.add_argument_group(
+        "LoRA", "train low-rank adapters (peft) on a frozen base; checkpoints hold only them"
+    )
+    lora.add_argument(
+        "--lora-r", type=_positive_int, metavar="R", help="adapter rank (enables LoRA)"
+    )
+    lora.add_argument(
+        "--lora-alpha",
+        type=_positive_float,
+        metavar="A",
+        help="scale numerator: updates are B @ A * A / R (default: R, a scale of 1)",
+    )
+    lora.add_argument(
+        "--lora-dropout",
+        type=_dropout,
+        default=0.0,
+        metavar="P",
+        help="dropout on the adapters' input, in [0, 1) (default 0)",
+    )
+    lora.add_argument(
+        "--lora-targets",
+        type=_names,
+        metavar="NAMES",
+        help="comma-separated linear layers to adapt, e.g. q_proj,v_proj (default: every "
+        "linear layer of the blocks: q,k,v,o,gate,up,down_proj)",
     )
     parser.add_argument(
         "--save-dir",
@@ -257,6 +323,7 @@ def check_inputs(args: argparse.Namespace) -> None:
         check_seed(args.seed)
     _check_seq_len(args)
     check_tokenizer_dir(args)
+    lora_spec(args)
 
 
 def _create_save_dir(save_dir: Path) -> None:
@@ -379,6 +446,7 @@ __all__ = [
     "check_seed",
     "check_tokenizer_dir",
     "config_from_args",
+    "lora_spec",
     "positive_int",
     "register",
     "run",

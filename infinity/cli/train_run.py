@@ -24,13 +24,15 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import infinity
 from infinity.checkpoint import Checkpoint, MetricsLog, latest_tag, prune
-from infinity.cli.train import tokenizer_dir
+from infinity.cli import train_disk
+from infinity.cli.train import lora_spec, tokenizer_dir
 from infinity.cli.train_savedir import RunShape, check_resume, find_resume, prepare_fresh
 from infinity.cli.train_stop import Phase, StopNow, StopSignals, stop_in_chain
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
 from infinity.data.tokenizer import tokenizer_files
 from infinity.models import hf_auto
+from infinity.models.lora import LoraSpec, apply_lora, lora_targets
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ class TrainRun:
         """HF names and shapes of the model's unique parameters (from a meta model, once)."""
         self._saved: str | None = None
         """The tag of the checkpoint of the current step, once it is saved."""
+        self.lora = lora_spec(args)
+        self._lora_targets: list[str] = []
+        """The layer names the adapters went on (resolved from --lora-targets or all)."""
 
     # -- building ------------------------------------------------------------------------
 
@@ -113,7 +118,36 @@ class TrainRun:
         model = hf_auto.from_pretrained(self.model, config)
         if self.args.activation_checkpointing:
             hf_auto.enable_activation_checkpointing(model)
+        if self.lora is not None:
+            self._lora_targets = lora_targets(model, self.lora)
+            with infinity.init(config):  # the adapters are created as partitions too
+                model = apply_lora(model, self.lora)
         return model
+
+    def _check_disk(self, config: Config, steps: int) -> None:
+        """Print the disk space the run needs; refuse to start without it (train_disk)."""
+        targets = None
+        if self.lora is not None:
+            with torch.device("meta"):
+                meta = hf_auto.build(self.model.hf_config, init_weights=False)
+            targets = lora_targets(meta, self.lora)
+        every = self.args.save_every
+        uses = train_disk.plan(
+            config,
+            self.param_shapes,
+            trainable=train_disk.trainable_numel(
+                self.param_shapes, self.lora.r if self.lora else None, targets
+            ),
+            save_dir=self.save_dir,
+            saves=math.ceil(steps / every) if every else 1,
+        )
+        print(train_disk.check(uses), flush=True)
+
+    def _base_source(self, config: Config) -> str | Path | dict:
+        """Where the frozen weights come from, for the checkpoints' base record."""
+        if self.model_dir is not None:
+            return self.model_dir
+        return {"preset": self.args.model, "seed": config.seed, "precision": config.precision}
 
     def _client_state(self, data: PackedDataset) -> dict:
         return {
@@ -123,6 +157,7 @@ class TrainRun:
             },
             "data": data.state_dict(),
             "run": self._shape().to_dict(),
+            **({"lora": self._lora_state()} if self.lora is not None else {}),
         }
 
     def _shape(self) -> RunShape:
@@ -152,6 +187,12 @@ class TrainRun:
         )
         return ckpt
 
+    def _lora_state(self) -> dict:
+        assert self.lora is not None
+        # alpha as applied (None means r), so --lora-alpha R and no --lora-alpha resume alike
+        alpha = self.lora.r if self.lora.alpha is None else self.lora.alpha
+        return {**self.lora.to_dict(), "alpha": alpha, "resolved_targets": self._lora_targets}
+
     # -- running -------------------------------------------------------------------------
 
     def run(self, signals: StopSignals) -> int:
@@ -180,7 +221,9 @@ class TrainRun:
         resume = self._prepare_save_dir()
         data = self._data()
         config, steps = self._resolved(data)
-        engine = infinity.initialize(self._model(config), config)
+        self._check_disk(config, steps)
+        model = self._model(config)
+        engine = infinity.initialize(model, config, base_model=self._base_source(config))
         try:
             code = self._train(engine, data, config, steps, signals, resume)
         except BaseException:
@@ -201,6 +244,7 @@ class TrainRun:
         resume: Checkpoint | None,
     ) -> int:
         if resume is not None:
+            self._check_same_adapters(resume)
             _, client_state = engine.load_checkpoint(self.save_dir, resume.tag)
             data.load_state_dict(client_state["data"])
             self.metrics.truncate_after(engine.global_steps)
@@ -221,6 +265,27 @@ class TrainRun:
             + (" (continue with --resume)" if stopped else "")
         )
         return 0
+
+    def _check_same_adapters(self, resume: Checkpoint) -> None:
+        """--resume with other LoRA flags than the checkpoint's is refused before loading."""
+        saved = resume.state.get("lora")
+        now = self._lora_state() if self.lora is not None else None
+        if saved != now:
+
+            def flags(state):
+                if state is None:
+                    return "no LoRA"
+                spec = LoraSpec.from_dict(state)
+                return (
+                    f"--lora-r {spec.r} --lora-alpha {spec.alpha or spec.r} --lora-dropout "
+                    f"{spec.dropout} --lora-targets {','.join(state['resolved_targets'])}"
+                )
+
+            raise ValueError(
+                f"--resume: the checkpoint in {self.save_dir} was trained with {flags(saved)}, "
+                f"this run asks for {flags(now)}; resume with the checkpoint's flags, or use "
+                "another --save-dir for a new run"
+            )
 
     def _save(self, engine, data: PackedDataset) -> str:
         """Checkpoint the state after the last step. A failed save (a full disk...) stops the

@@ -31,8 +31,10 @@ class OffloadParamConfig:
     """Number of pinned staging buffers for NVMe parameter reads."""
     buffer_size: int | str = AUTO
     """Elements per staging buffer; "auto" = at least the largest parameter."""
-    max_in_cpu: int = 1_000_000_000
-    """Elements of parameters kept in host memory when device is "nvme" (DeepSpeed's key)."""
+    max_in_cpu: int = 0
+    """Elements of frozen parameters kept in host memory when device is "nvme" (the first
+    ones in model order; the rest go to NVMe). DeepSpeed's key; its documented default of
+    1e9 is never read there, so here the default is 0: RAM is spent only when asked for."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -19,6 +19,7 @@ import torch
 from infinity.models.config import LlamaConfig, load_config
 from infinity.models.llama import LlamaForCausalLM
 from infinity.utils.safetensors_stream import SafetensorsReader
+from infinity.zero.build_files import BuildPages
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +183,17 @@ def materializing_sink(model: torch.nn.Module, dtype: torch.dtype | None = None)
 def copying_sink(model: torch.nn.Module) -> Sink:
     """A sink that copies each tensor into the existing parameter's storage, in place and cast
     to its dtype. Under `infinity.init` that storage is the parameter's partition, so weights
-    go straight to their home and nothing else is allocated."""
+    go straight to their home and nothing else is allocated. With parameters on NVMe the
+    partitions are file-backed (see [Note: building on NVMe] in infinity/zero/build.py) and
+    each one's pages leave the process once it is written: loading holds one tensor in
+    memory, not the model."""
     params = dict(model.named_parameters())
+    pages = BuildPages(params.values())
 
     def sink(name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
             params[name].copy_(tensor.view(params[name].shape))
+        pages.release(params[name])
 
     return sink
 

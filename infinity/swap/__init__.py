@@ -9,19 +9,23 @@ from infinity.swap.aio import (
     preallocate,
 )
 from infinity.swap.aio_checks import AioError, available_backends
+from infinity.swap.grad_store import HostGradStore, NvmeGradError, NvmeGradStore
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore
 from infinity.swap.param_store import NvmeParamError, NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
 from infinity.swap.store import SwapStore, SwapStoreError
-from infinity.swap.tiers import SwapStores, make_param_store, make_state_store
+from infinity.swap.tiers import SwapStores, make_grad_store, make_param_store, make_state_store
 
 __all__ = [
     "AioError",
     "AioFallbackWarning",
     "AioFuture",
     "AioHandle",
+    "HostGradStore",
     "HostStateStore",
+    "NvmeGradError",
+    "NvmeGradStore",
     "NvmeParamError",
     "NvmeParamStore",
     "NvmeStateError",
@@ -34,6 +38,7 @@ __all__ = [
     "SwapStores",
     "aligned_empty",
     "available_backends",
+    "make_grad_store",
     "make_param_store",
     "make_state_store",
     "preallocate",

@@ -17,6 +17,7 @@ import torch
 
 from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.swap.aio import AioHandle
+from infinity.swap.grad_store import GRAD_BUFFERS, HostGradStore, NvmeGradStore
 from infinity.swap.nvme_state import NvmeStateStore
 from infinity.swap.param_store import NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
@@ -77,7 +78,7 @@ def make_state_store(
             "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
         )
     buffer_count = state_buffer_count(offload)
-    check_host_buffers(buffer_count * 12 * max(numels, default=0))
+    check_host_buffers((buffer_count * 12 + GRAD_BUFFERS * 4) * max(numels, default=0))
     if not (offload.pipeline_read and offload.pipeline_write):
         logger.info(
             "offload_optimizer.pipeline_read=%s, pipeline_write=%s: the optimizer's NVMe "
@@ -101,6 +102,21 @@ def state_buffer_count(offload: OffloadOptimizerConfig) -> int:
     return offload.buffer_count
 
 
+def make_grad_store(
+    numels: Sequence[int],
+    offload: OffloadOptimizerConfig,
+    aio: AioConfig | AioHandle,
+    *,
+    stores: SwapStores,
+) -> HostGradStore | NvmeGradStore:
+    """The gradient tier follows the optimizer state's: with the state on NVMe the host
+    keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same swap store
+    (see [Note: spilled gradients] in grad_store.py); otherwise one flat host buffer."""
+    if offload.device != "nvme":
+        return HostGradStore(numels)
+    return NvmeGradStore(numels, store=stores.get(offload.nvme_path), aio=aio)
+
+
 def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:
     """Refuse NVMe optimizer buffers that would take more than half of the machine's RAM
     (the usual cause: the default sub_group_size of 1e9 elements, 12 GB per buffer)."""
@@ -108,9 +124,10 @@ def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:
     if ram and nbytes > ram // 2:
         raise ValueError(
             f"the NVMe optimizer pipeline needs {nbytes / 2**30:.1f} GiB of host buffers "
-            f"(offload_optimizer.buffer_count x 12 bytes x the largest sub-group) but the "
-            f"machine has {ram / 2**30:.1f} GiB of RAM; lower zero_optimization.sub_group_size "
-            f"(e.g. to 1e8 elements) or offload_optimizer.buffer_count (at least 3)"
+            f"(offload_optimizer.buffer_count x 12 bytes + 3 gradient buffers x 4 bytes, per "
+            f"element of the largest sub-group) but the machine has {ram / 2**30:.1f} GiB of "
+            f"RAM; lower zero_optimization.sub_group_size (e.g. to 1e8 elements) or "
+            f"offload_optimizer.buffer_count (at least 3)"
         )
 
 

@@ -12,7 +12,7 @@ from infinity.zero.build import init, model_dtype, partition_model
 from infinity.zero.coordinator import Coordinator, Phase
 from infinity.zero.hooks import GatherOnUse, ModelHooks, install_grad_hooks
 from infinity.zero.optimizer import PartitionedOptimizer, StepResult, sub_group_numels
-from infinity.zero.param import HomeTier, OffloadParam, ParamState
+from infinity.zero.param import HomeTier, OffloadParam, ParamState, frozen_on_nvme
 from infinity.zero.sub_groups import Slot
 from infinity.zero.trace import Trace
 from infinity.zero.unit import ModuleUnit
@@ -31,6 +31,7 @@ __all__ = [
     "Slot",
     "StepResult",
     "Trace",
+    "frozen_on_nvme",
     "init",
     "install_grad_hooks",
     "model_dtype",

@@ -9,12 +9,23 @@ RAM: the peak is the partitions plus one parameter. `partition_model` then build
 `OffloadParam` per parameter (adopting memory that qualifies as a partition, copying any
 other) and releases them all.
 
-Parameters are created in host memory rather than on the meta device because arbitrary
-init code must see real values; what the meta device would save is only the one transient
-parameter. With `offload_param.device = "nvme"` the partitions are still built in host
-memory and moved to NVMe by the engine, one parameter at a time: the model in its dtype must
-fit in RAM once while it is constructed (a 2B-parameter bf16 model: 4 GB), not the fp32
-state, which is written to NVMe one sub-group at a time.
+Parameters are created with real values rather than on the meta device because arbitrary
+init code must see them (a module's `reset_parameters`, a Hugging Face model's `post_init`
+that re-initializes every module after the whole model exists). With
+`offload_param.device = "nvme"` the partitions are not in anonymous host memory at all: see
+[Note: building on NVMe].
+
+[Note: building on NVMe] Each partition is a shared mapping of its own file in
+`offload_param.nvme_path`, unlinked as soon as it is mapped (the space returns to the disk
+when the mapping goes; a crash leaves nothing behind). Init code writes into the page cache,
+and every `RELEASE_PERIOD_S` a timer drops the pages of all partitions from the process
+(`MADV_DONTNEED`: the kernel keeps their contents in the page cache, writes them back to the
+file and can reclaim them; a later touch faults them back in), so neither construction nor a
+whole-model init pass after it (Hugging Face's `post_init`) maps the model in. The anonymous
+peak of a build is one parameter, whatever the model size, and the weights are bitwise those
+of a build in RAM: the same code runs on the same values in the same order. The engine then
+copies every partition to its NVMe home one sub-group at a time, and the mappings go with the
+records' partitions.
 
 Supported: any module whose parameters are registered through `nn.Module.__setattr__` or
 `register_parameter` (all of torch.nn, `infinity.models`, Hugging Face models), tied
@@ -33,6 +44,7 @@ from torch import nn
 
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.config import Config
+from infinity.zero.build_files import BuildFiles
 from infinity.zero.param import HomeTier, OffloadParam
 from infinity.zero.unit import ModuleUnit
 
@@ -85,15 +97,22 @@ def init(config: Config | dict | str) -> Iterator[None]:
     """Create every parameter registered inside this block directly as a host partition."""
     config = Config.load(config).resolve()
     dtype = model_dtype(config)
-    pin = config.zero_optimization.offload_param.pin_memory
+    offload = config.zero_optimization.offload_param
+    files = BuildFiles(offload.nvme_path) if home_tier(config) is HomeTier.NVME else None
+    pin = offload.pin_memory and files is None
     accel = get_accelerator()
 
     def on_register(module: nn.Module, name: str, param: nn.Parameter | None):
         if param is None or param.is_meta or not param.is_floating_point():
             return None
-        if _adoptable(param, dtype, accel, pin):
+        if files is not None:
+            if files.owns(param):
+                return None  # already a partition (a tied parameter registered again)
+            part = files.new_partition(param, dtype)
+        elif _adoptable(param, dtype, accel, pin):
             return None  # already a partition (a tied parameter registered again)
-        part = _new_partition(param, dtype, accel, pin)
+        else:
+            part = _new_partition(param, dtype, accel, pin)
         return nn.Parameter(part.view(param.shape), requires_grad=param.requires_grad)
 
     handle = nn.modules.module.register_module_parameter_registration_hook(on_register)
@@ -101,6 +120,8 @@ def init(config: Config | dict | str) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+        if files is not None:
+            files.close()
 
 
 def partition_model(
@@ -115,7 +136,8 @@ def partition_model(
     dtype = model_dtype(config)
     zero = config.zero_optimization
     threshold = int(zero.param_persistence_threshold)
-    pin = zero.offload_param.pin_memory
+    # An NVMe home is written from host memory, never copied to the device from it.
+    pin = zero.offload_param.pin_memory and home_tier(config) is HomeTier.HOST
     records: list[OffloadParam] = []
     by_param: dict[nn.Parameter, OffloadParam] = {}
     for name, param in model.named_parameters():

@@ -25,6 +25,13 @@ a buffer does it block on the pool (which times out with the holders' names).
 elements than `param_persistence_threshold`), if the trace says its next use comes within
 `max_reuse_distance` gathered elements, or if the next use is already inside the prefetch
 window (releasing it would only fetch it again).
+
+[Note: frozen parameters stay gathered] A frozen parameter (no optimizer slot: a LoRA base)
+never changes between iterations, so neither the end of its unit, nor of the iteration, nor
+the optimizer step releases it; it counts against the live budget like any other and is
+evicted (furthest next use first) only when a gather needs the room. A frozen base that fits
+the budget is read from its home once, not at every micro-step; one that does not is read
+as before. `abort_iteration` (after an error, or on close) still releases everything.
 """
 
 from __future__ import annotations
@@ -118,7 +125,7 @@ class Coordinator:
         self.phase = Phase.IDLE
         for rec in self.records:
             rec.pins = 0  # every running call has ended with the iteration
-        self.release_all()
+        self.release_all(keep_frozen=True)
 
     def abort_iteration(self) -> None:
         """After an exception: drop pins and the recording, release everything."""
@@ -176,24 +183,29 @@ class Coordinator:
         if rec.pins == 0 and not self._keep(rec, pos):
             self._release(rec)
 
-    def release_all(self) -> None:
-        """Release every unpinned, non-persistent parameter."""
+    def release_all(self, *, keep_frozen: bool = False) -> None:
+        """Release every unpinned, non-persistent parameter; with `keep_frozen`, frozen ones
+        stay gathered (see [Note: frozen parameters stay gathered])."""
         for rec in list(self._resident):
-            if rec.pins == 0:
+            if rec.pins == 0 and not (keep_frozen and not rec.trainable):
                 self._release(rec)
 
-    def refresh_persistent(self) -> None:
-        """Copy updated home copies into the buffers of parameters that stay gathered (a
-        persistent one still in flight lands first: its copy may predate the update)."""
+    def refresh_persistent(self, *, frozen: bool = False) -> None:
+        """Copy updated home copies into the buffers of trainable parameters that stay
+        gathered (and of frozen ones, with `frozen`: after their homes were rewritten). A
+        parameter still in flight lands first: its copy may predate the update."""
+        if frozen:
+            self.release_all()
         self.quiesce()
         for rec in self.records:
-            if rec.state is ParamState.LIVE:
+            if rec.state is ParamState.LIVE and (frozen or rec.trainable):
                 rec.refresh(self.accel)
 
     def quiesce(self) -> None:
-        """Before the weights change: release every unpinned non-persistent parameter and
-        land every read in flight (its copy would predate the change)."""
-        self.release_all()
+        """Before the trainable weights change: release every unpinned non-persistent
+        trainable parameter and land every read in flight (its copy would predate the
+        change). Frozen parameters never change here: they stay gathered."""
+        self.release_all(keep_frozen=True)
         for rec in self.records:
             if rec.state is ParamState.INFLIGHT:
                 self._land(rec)
@@ -212,7 +224,7 @@ class Coordinator:
         return pos
 
     def _keep(self, rec: OffloadParam, pos: int | None) -> bool:
-        if rec.persistent:
+        if rec.persistent or not rec.trainable:  # see [Note: frozen parameters stay gathered]
             return True
         trace = self._trace
         if trace is None or pos is None or not self._on_track:

@@ -377,12 +377,13 @@ class GatherOnUse(TorchFunctionMode):
 
 def install_grad_hooks(
     records: Iterable[OffloadParam],
-    grad_of: Callable[[int], torch.Tensor],
+    accumulate: Callable[[int, torch.Tensor], None],
     hooks: ModelHooks,
     accelerator: Accelerator,
 ) -> list:
-    """Move each trainable parameter's gradient into its fp32 host partition as soon as
-    autograd has accumulated it, and free the device gradient at once.
+    """Move each trainable parameter's gradient into its fp32 partition as soon as autograd
+    has accumulated it (`accumulate(slot, flat_host_grad)`, the optimizer's
+    `accumulate_grad`), and free the device gradient at once.
 
     On the CPU the device gradient is added straight into the partition. From another device
     it is first copied to host memory (a blocking copy through the accelerator: the
@@ -393,15 +394,14 @@ def install_grad_hooks(
     for rec in records:
         if rec.slot is None:
             continue
-        target = grad_of(rec.slot)
 
-        def hook(param: nn.Parameter, rec=rec, target=target) -> None:
+        def hook(param: nn.Parameter, rec=rec) -> None:
             grad = param.grad
             if grad is not None:
                 flat = grad.reshape(-1)
-                if flat.device != target.device:
+                if flat.device.type != "cpu":
                     flat = accelerator.to_host(flat, out=torch.empty(flat.shape, dtype=flat.dtype))
-                target.add_(flat)
+                accumulate(rec.slot, flat)
                 param.grad = None
             hooks.grad_accumulated(rec)
 

@@ -1,13 +1,14 @@
 """The partitioned optimizer the engine steps at each accumulation boundary.
 
 Owns, for the trainable slots of one rank: the flat space they are laid out in and its
-sub-groups (see [Note: the flat space] in sub_groups.py), the fp32 gradient partitions (one
-flat host buffer the engine's gradient hooks accumulate into), the Adam/AdamW step over the
-sub-groups, the global-norm clipping and the overflow check. The fp32 master weights and
-moments live behind a `StateStore` (host or NVMe); the weights in the model dtype live in a
-weight home (`infinity.zero.weights`: host memory, or NVMe through the parameter store). It
-does not own the loss scale (the engine drives the scaler and passes `loss_scale`), the
-learning-rate schedule (`lr` is passed to `step`), nor gathering parameters to the device.
+sub-groups (see [Note: the flat space] in sub_groups.py), the Adam/AdamW step over the
+sub-groups, the global-norm clipping and the overflow check. The fp32 gradient sums that the
+engine's hooks accumulate into live behind a grad store (`infinity.swap.grad_store`: one flat
+host buffer, or a few host buffers and NVMe); the fp32 master weights and moments behind a
+`StateStore` (host or NVMe); the weights in the model dtype in a weight home
+(`infinity.zero.weights`: host memory, or NVMe through the parameter store). It does not own
+the loss scale (the engine drives the scaler and passes `loss_scale`), the learning-rate
+schedule (`lr` is passed to `step`), nor gathering parameters to the device.
 
 [Note: where the weights live] With an fp32 model and the host tier, a slot's partition is a
 view of the master weights themselves: the step updates it in place and no copy exists (4
@@ -33,7 +34,9 @@ import torch
 
 from infinity.config import AUTO, OptimizerConfig, ZeroConfig
 from infinity.optim import adam_step_flat
+from infinity.swap.grad_store import HostGradStore
 from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
+from infinity.zero.build_files import release_build_pages
 from infinity.zero.sub_groups import (
     MODEL_DTYPES,
     FlatLayout,
@@ -52,7 +55,6 @@ __all__ = ["PartitionedOptimizer", "Slot", "StepResult", "sub_group_numels"]
 STATE_FIELDS = SubGroupState._fields  # ("master", "exp_avg", "exp_avg_sq")
 _KIND = "PartitionedOptimizer"
 _VERSION = 1
-_NORM_ROW_NUMEL = 4096  # see [Note: accurate norms]
 
 
 class StepResult(NamedTuple):
@@ -71,10 +73,12 @@ class PartitionedOptimizer:
     Slots are laid out in order (each on a SLOT_ALIGN boundary) and the space is cut into
     sub-groups of `zero.sub_group_size` elements, which may split a slot; master weights
     start from the slots' partitions. After construction the engine must use `partition(i)`
-    (host weight home) and `grad(i)` as slot i's storage, and must drop its own copies of
-    the partitions before the first `grad(i)` (the gradient buffer is allocated then).
+    (host weight home) as slot i's weights and add its gradients with `accumulate_grad(i,
+    grad)` (`grad(i)` is the host grad store's view of them), and must drop its own copies of
+    the partitions before the first gradient (the host gradient buffer is allocated then).
     `weight_home` (the parameter store, see `NvmeWeights`) keeps the weights on NVMe instead
-    of in host memory. Weight decay applies to every slot except the indices in `no_decay`.
+    of in host memory, `grad_store` (an `NvmeGradStore` of the same sub-groups) most of the
+    gradients. Weight decay applies to every slot except the indices in `no_decay`.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class PartitionedOptimizer:
         state_store: StateStore | None = None,
         no_decay: Collection[int] = (),
         weight_home: Any = None,
+        grad_store: Any = None,
     ) -> None:
         self.dtype = check_slots(slots) or torch.float32
         self.hyper = _hyperparameters(optimizer)
@@ -105,6 +110,14 @@ class PartitionedOptimizer:
                 "the store with infinity.zero.sub_group_numels(...)"
             )
         self.store = state_store
+        if grad_store is None:
+            grad_store = HostGradStore(numels)
+        elif list(grad_store.numels) != numels:
+            raise ValueError(
+                f"the grad store holds sub-groups of {list(grad_store.numels)} elements but "
+                f"these slots make {numels}; build it with infinity.zero.sub_group_numels(...)"
+            )
+        self.grads = grad_store
         # See [Note: where the weights live].
         self.aliased = (
             self.dtype == torch.float32
@@ -121,7 +134,6 @@ class PartitionedOptimizer:
             decay_runs(self.layout, g, self.no_decay) for g in range(self.layout.num_sub_groups)
         ]
         self._load_initial(slots)
-        self._grad: torch.Tensor | None = None  # allocated at first use, see the class doc
         self.on_new_weights: Callable[[int, torch.Tensor], None] | None = None
         """Called during the step with (flat start, new weights) of each sub-group, before
         they are written to the weight home (the engine refreshes gathered parameters)."""
@@ -137,9 +149,11 @@ class PartitionedOptimizer:
             out = self.weights.out(start, stop)
             if not self.aliased:
                 out.zero_()
-            for slot, a, b in layout.pieces(g):
+            pieces = layout.pieces(g)
+            for slot, a, b in pieces:
                 at = layout.offsets[slot] + a - start
                 out[at : at + b - a].copy_(slots[slot].partition[a:b])
+            release_build_pages(slots[slot].partition for slot, _, _ in pieces)
             if not self.aliased:
                 self.store.initialize(g, out)
             self.weights.commit(start, out)
@@ -166,20 +180,37 @@ class PartitionedOptimizer:
         return self.weights.view(*self._span(i))
 
     def grad(self, i: int) -> torch.Tensor:
-        """Slot i's gradient partition: [numel] fp32, accumulated into by the engine."""
+        """Slot i's gradient partition: [numel] fp32 (host grad store only)."""
         start, stop = self._span(i)
         return self.flat_grad[start:stop]
 
     @property
     def flat_grad(self) -> torch.Tensor:
-        """Every slot's gradient in the flat space (padding stays zero)."""
-        if self._grad is None:
-            self._grad = torch.zeros(self.layout.total, dtype=torch.float32)
-        return self._grad
+        """Every slot's gradient in the flat space (padding stays zero; host grad store
+        only: the sub-groups of the flat space are back to back in its buffer)."""
+        if not isinstance(self.grads, HostGradStore):
+            raise RuntimeError(
+                "the gradients are spilled to NVMe (offload_optimizer.device 'nvme'): there is "
+                "no flat host gradient; add to a slot's gradient with accumulate_grad(i, grad)"
+            )
+        return self.grads.flat
+
+    def accumulate_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Slot i's gradient += `grad` (flat host tensor of the slot's numel, any float
+        dtype), one sub-group piece at a time."""
+        lo, hi = self._span(i)
+        if grad.numel() != hi - lo:
+            raise ValueError(
+                f"accumulate_grad: slot {i} ({self._names[i]!r}) has {hi - lo} elements, "
+                f"the gradient {grad.numel()}"
+            )
+        for g in self.layout.sub_groups_of(i):
+            start, stop = self.layout.range(g)
+            a, b = max(lo, start), min(hi, stop)
+            self.grads.add(g, a - start, grad[a - lo : b - lo])
 
     def zero_grad(self) -> None:
-        if self._grad is not None:
-            self._grad.zero_()
+        self.grads.zero()
 
     def refresh_masters(self) -> None:
         """Master weights := the partitions, moments kept: call after writing new weights
@@ -220,19 +251,22 @@ class PartitionedOptimizer:
         return StepResult(overflow, norm)
 
     def _scaled_norm(self) -> float:
-        # One read of the flat gradient; inf/NaN anywhere propagates into the norm.
-        return math.sqrt(_sum_of_squares(self.flat_grad).item())
+        # In sub-group order on every grad store, so host and NVMe give the same bits (see
+        # [Note: spilled gradients]); inf/NaN anywhere propagates into the norm.
+        total = 0.0
+        for s in self.grads.sums_of_squares():
+            total += s
+        return math.sqrt(total)
 
     def _adam(self, lr: float, grad_scale: float) -> None:
         step = self.step_count + 1
         h = self.hyper
-        flat_grad = self.flat_grad
         try:
             for index, state in self.store.sweep():
                 start, stop = self.layout.range(index)
                 out = None if self.aliased else self.weights.out(start, stop)
                 half = out if self.dtype != torch.float32 else None
-                grad = flat_grad[start:stop]
+                grad = self.grads.take(index)
                 for a, b, decays in self._runs[index]:
                     adam_step_flat(
                         state.master[a:b],
@@ -257,7 +291,7 @@ class PartitionedOptimizer:
                     if self.on_new_weights is not None:
                         self.on_new_weights(start, out)
                     self.weights.commit(start, out)
-                grad.zero_()  # while the disk is busy with this sweep (no pass of its own)
+                self.grads.release(index)  # zeroed while the disk is busy with this sweep
         finally:
             self.weights.finish()
         self.step_count = step
@@ -358,7 +392,8 @@ class PartitionedOptimizer:
         masters; the staging ring with the NVMe weight home) and state: all of it with the
         host tier; with another tier, its host buffers ("optim_host_buffer_bytes" of the
         store's own `memory_stats()`, whose entries are merged in)."""
-        grad = 0 if self._grad is None else self._grad.nbytes
+        grad_stats = dict(self.grads.memory_stats())
+        grad = grad_stats.pop("grad_host_bytes")
         part = 0 if self.aliased else self.weights.host_bytes
         store_stats = {}
         if isinstance(self.store, HostStateStore):
@@ -369,6 +404,7 @@ class PartitionedOptimizer:
             state = int(store_stats.get("optim_host_buffer_bytes", 0))
         return {
             **store_stats,
+            **grad_stats,
             "numel": sum(self._numels),
             "grad_bytes": grad,
             "partition_bytes": part,
@@ -381,24 +417,6 @@ def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
     """Elements of each sub-group the optimizer will make of slots of `slot_numels`: the
     `numels` to build a `StateStore` with before constructing the optimizer."""
     return flat_layout(slot_numels, resolve_sub_group_size(zero.sub_group_size)).sub_group_numels
-
-
-def _sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of a flat fp32 tensor, as a 0-d fp64 tensor (inf/NaN propagate).
-
-    [Note: accurate norms] One fp32 `vector_norm` over 1e8 elements came out 1% low on this
-    machine (its accumulators grow too large to add small terms). Rows of `_NORM_ROW_NUMEL`
-    reduced in fp32, then summed in fp64, are within 1e-8 and faster (one pass, better
-    vectorized); see benchmarks/zero_optimizer_bench.py for the step's timings.
-    """
-    rows = flat.numel() // _NORM_ROW_NUMEL * _NORM_ROW_NUMEL
-    total = torch.zeros((), dtype=torch.float64)
-    if rows:
-        row_norms = torch.linalg.vector_norm(flat[:rows].view(-1, _NORM_ROW_NUMEL), dim=1)
-        total += row_norms.double().square().sum()
-    if rows < flat.numel():
-        total += torch.linalg.vector_norm(flat[rows:]).double().square()
-    return total
 
 
 def _hyperparameters(cfg: OptimizerConfig) -> dict:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from infinity.accelerator import Accelerator, Event, Stream
+from infinity.config import OffloadParamConfig
 from infinity.swap.param_store import NvmeParamError
 from infinity.swap.pool import aligned_host_bytes
 
@@ -368,3 +369,19 @@ class OffloadParam:
         if partition.data_ptr() != self.partition.data_ptr():
             partition.copy_(self.partition)
         self.partition = partition
+
+
+def frozen_on_nvme(records: list[OffloadParam], offload: OffloadParamConfig) -> list[OffloadParam]:
+    """With parameters on NVMe, the frozen ones that go there: all but the first
+    `offload.max_in_cpu` elements' worth (in model order), whose homes stay in host memory."""
+    room = int(offload.max_in_cpu)
+    out = []
+    for rec in records:
+        if rec.param.requires_grad:
+            continue
+        if rec.numel <= room:
+            room -= rec.numel
+        else:
+            out.append(rec)
+            room = 0  # a prefix in model order: what forward reads first stays in RAM
+    return out

@@ -1,0 +1,478 @@
+"""Where the fp32 gradient partitions live between backward and the optimizer step.
+
+A grad store holds, for each optimizer sub-group, the fp32 sum of the gradients since the
+last step. `HostGradStore` keeps all of them in one flat host buffer (4 bytes per trainable
+element). `NvmeGradStore` keeps a few sub-groups in host buffers and the rest on disk, so its
+RAM is `GRAD_BUFFERS` x the sub-group size whatever the model size. It owns the buffers, the
+disk extents (kind "grad") and the sums of squares the global norm is made of; it does not
+know what the optimizer computes from them.
+
+[Note: spilled gradients] Backward reaches the sub-groups roughly from the last to the first,
+so a sub-group is filled while it is one of the most recently used and written to disk once
+it drops out of them (read back and added to at the next micro-step of an accumulation
+window, the read of the sub-group below starting while backward fills the current one).
+Every write records the norms of what it wrote by rows of 4096 elements, so at the step the
+global norm is the in-order sum of one value per sub-group made from them, without reading
+the gradients: the host store computes the same rows the same way, and the two give bitwise
+the same norm. A small gradient (at most 1/`PARTIAL_FRACTION` of its sub-group, e.g. a
+layer's norm weights, reached in backward after the rest of its layer) added to a sub-group
+on disk is added there: only the rows it touches are read, added to, re-measured and written
+back. The step takes the sub-groups in order (`take`), reading ahead into the free buffers,
+and `release` forgets each one once stepped: a released sub-group reads as zeros without any
+I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from infinity.config.sections import AioConfig
+from infinity.swap.aio import AioHandle, aligned_empty
+from infinity.swap.store import SwapStore, align_up
+
+logger = logging.getLogger(__name__)
+
+KIND = "grad"
+GRAD_BUFFERS = 3
+"""Host buffers of `NvmeGradStore` by default: two sub-groups being filled by backward (the
+one a layer's gradients straddle into, and the one before it) and one being written."""
+_F32 = 4
+PARTIAL_FRACTION = 16
+"""A gradient of at most 1/this of its sub-group, added while the sub-group is on disk, is
+added there (its rows read, added to and written back) instead of loading the sub-group: a
+layer's norm weights, reached in backward after the layer's other sub-groups were written."""
+_NORM_ROW_NUMEL = 4096  # see [Note: accurate norms]
+
+
+class Norms(NamedTuple):
+    """A flat fp32 tensor's L2 norms by rows of `_NORM_ROW_NUMEL` (and the short tail): what
+    its sum of squares is made of, updatable row by row (see [Note: spilled gradients])."""
+
+    rows: torch.Tensor
+    """[numel // _NORM_ROW_NUMEL] fp32."""
+    tail: torch.Tensor | None
+    """0-d fp32, the norm of the last numel % _NORM_ROW_NUMEL elements (None if none)."""
+
+
+def row_norms(flat: torch.Tensor) -> Norms:
+    """The norms a sum of squares is made of (see `sum_of_squares`)."""
+    rows = flat.numel() // _NORM_ROW_NUMEL * _NORM_ROW_NUMEL
+    norms = torch.linalg.vector_norm(flat[:rows].view(-1, _NORM_ROW_NUMEL), dim=1)
+    tail = torch.linalg.vector_norm(flat[rows:]) if rows < flat.numel() else None
+    return Norms(norms, tail)
+
+
+def sum_from_norms(norms: Norms) -> float:
+    total = torch.zeros((), dtype=torch.float64)
+    if norms.rows.numel():
+        total += norms.rows.double().square().sum()
+    if norms.tail is not None:
+        total += norms.tail.double().square()
+    return float(total.item())
+
+
+def sum_of_squares(flat: torch.Tensor) -> float:
+    """Sum of squares of a flat fp32 tensor, computed in fp64 (inf/NaN propagate).
+
+    [Note: accurate norms] One fp32 `vector_norm` over 1e8 elements came out 1% low on this
+    machine (its accumulators grow too large to add small terms). Rows of `_NORM_ROW_NUMEL`
+    reduced in fp32, then summed in fp64, are within 1e-8 and faster (one pass, better
+    vectorized); see benchmarks/zero_optimizer_bench.py for the step's timings.
+    """
+    return sum_from_norms(row_norms(flat))
+
+
+class HostGradStore:
+    """Every sub-group's gradient in one flat host buffer, allocated at first use."""
+
+    def __init__(self, numels: Sequence[int]) -> None:
+        self.numels = list(numels)
+        self._starts = [0]
+        for n in self.numels:
+            self._starts.append(self._starts[-1] + n)
+        self._flat: torch.Tensor | None = None
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """All sub-groups back to back: [sum(numels)] fp32."""
+        if self._flat is None:
+            self._flat = torch.zeros(self._starts[-1], dtype=torch.float32)
+        return self._flat
+
+    def _view(self, index: int) -> torch.Tensor:
+        return self.flat[self._starts[index] : self._starts[index + 1]]
+
+    def add(self, index: int, start: int, src: torch.Tensor) -> None:
+        """Elements [start, start + src.numel()) of sub-group `index` += src."""
+        self._view(index)[start : start + src.numel()].add_(src)
+
+    def sums_of_squares(self) -> list[float]:
+        """One value per sub-group, in order (see [Note: spilled gradients])."""
+        return [sum_of_squares(self._view(g)) for g in range(len(self.numels))]
+
+    def take(self, index: int) -> torch.Tensor:
+        """Sub-group `index`'s gradient for the step: [numel] fp32 in host memory."""
+        return self._view(index)
+
+    def release(self, index: int) -> None:
+        """The step is done with sub-group `index`: it reads as zeros from now on."""
+        self._view(index).zero_()
+
+    def zero(self) -> None:
+        if self._flat is not None:
+            self._flat.zero_()
+
+    def close(self) -> None:
+        """Nothing outstanding."""
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"grad_host_bytes": 0 if self._flat is None else self._flat.nbytes}
+
+
+class GradResidency(enum.Enum):
+    """Where a sub-group's gradient sum is."""
+
+    ZERO = "nothing since the last step: no buffer, no disk read; reads as zeros"
+    HOST = "in a host buffer (the latest sum)"
+    READING = "being read ahead into a host buffer for the step"
+    ON_NVME = "the disk extent holds the latest sum (its write may still be in flight)"
+
+
+class NvmeGradError(OSError):
+    """A gradient transfer to or from NVMe failed; the store refuses further use."""
+
+
+@dataclass(eq=False, slots=True)
+class _Buffer:
+    data: torch.Tensor
+    """uint8, page-aligned, the largest sub-group's padded bytes."""
+    owner: int | None = None
+    """The sub-group it holds (HOST or READING), None when free."""
+    future: Any = None
+    """The write from it (owner None) or the read into it (owner READING) in flight."""
+    written: int | None = None
+    """The sub-group `future` writes, so a read of it waits for the write first."""
+    used: int = field(default=0)
+    """Tick of the last use (least recently used is written out first)."""
+
+
+@dataclass(slots=True)
+class GradStats:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    wait_s: float = 0.0
+    """Time spent waiting for gradient reads and writes."""
+
+
+class NvmeGradStore:
+    """Gradient sums on NVMe with `buffer_count` host buffers (see [Note: spilled gradients]).
+
+    `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
+    owned). Not thread-safe: the gradient hooks and the step run on one thread.
+    """
+
+    def __init__(
+        self,
+        numels: Sequence[int],
+        *,
+        store: SwapStore,
+        aio: Any,
+        buffer_count: int = GRAD_BUFFERS,
+        kind: str = KIND,
+    ) -> None:
+        if buffer_count < 2:
+            raise ValueError(
+                f"the NVMe gradient store needs at least 2 host buffers (one filled while "
+                f"another is written), got {buffer_count}"
+            )
+        self.numels = list(numels)
+        self.store = store
+        self._owns_aio = isinstance(aio, AioConfig)
+        self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
+        sizes = {f"subgroup.{g}": n * _F32 for g, n in enumerate(self.numels)}
+        self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
+        nbytes = align_up(max(self.numels, default=1) * _F32)
+        count = min(buffer_count, max(len(self.numels), 1) + 1)
+        self._buffers = [_Buffer(aligned_empty(nbytes, torch.uint8)) for _ in range(count)]
+        self.residency = [GradResidency.ZERO] * len(self.numels)
+        self._norms: list[Norms | None] = [None] * len(self.numels)  # of the disk copy
+        self._where: dict[int, _Buffer] = {}  # sub-group -> its buffer (HOST or READING)
+        self._tick = 0
+        self.stats = GradStats()
+        self._failed: BaseException | None = None
+        self._closed = False
+
+    # -- backward --------------------------------------------------------------------------
+
+    def add(self, index: int, start: int, src: torch.Tensor) -> None:
+        """Elements [start, start + src.numel()) of sub-group `index` += src."""
+        self._check_usable("add")
+        if self.residency[index] is GradResidency.ON_NVME and src.numel() <= self._partial_limit(
+            index
+        ):
+            self._add_on_disk(index, start, src)
+            return
+        buf = self._resident(index)
+        self._grads(buf, index)[start : start + src.numel()].add_(src)
+        if not any(b.owner is None for b in self._buffers):  # keep one free: see GRAD_BUFFERS
+            self._evict(self._least_recent(but=buf))
+        self._read_behind(index - 1, current=buf)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def sums_of_squares(self) -> list[float]:
+        """One value per sub-group, in order: recorded when written, computed for those in
+        host buffers (see [Note: spilled gradients])."""
+        self._check_usable("sums_of_squares")
+        out = []
+        for g, state in enumerate(self.residency):
+            if state is GradResidency.ZERO:
+                out.append(0.0)
+            elif state is GradResidency.HOST:
+                out.append(sum_of_squares(self._grads(self._where[g], g)))
+            else:
+                out.append(sum_from_norms(self._norms[g]))
+        return out
+
+    def take(self, index: int) -> torch.Tensor:
+        """Sub-group `index`'s gradient for the step, then reads of the following sub-groups
+        start into the free buffers."""
+        self._check_usable("take")
+        buf = self._resident(index)
+        self._read_ahead(index + 1)
+        return self._grads(buf, index)
+
+    def release(self, index: int) -> None:
+        """The step is done with sub-group `index`: its buffer is free, it reads as zeros."""
+        buf = self._where.pop(index, None)
+        if buf is not None:
+            self._settle_buffer(buf)
+            buf.owner = None
+        self.residency[index] = GradResidency.ZERO
+
+    def zero(self) -> None:
+        """Forget every gradient (a skipped step): no I/O, the reads ahead are waited for."""
+        for g in list(self._where):
+            self.release(g)
+        self.residency = [GradResidency.ZERO] * len(self.numels)
+
+    def close(self) -> None:
+        """Wait for every transfer (raising the first failure not yet reported)."""
+        if self._closed:
+            return
+        self._closed = True
+        first: BaseException | None = None
+        try:
+            for buf in self._buffers:
+                try:
+                    self._settle_buffer(buf)
+                except BaseException as e:
+                    first = first or e
+        finally:
+            if self._owns_aio and hasattr(self.aio, "close"):
+                self.aio.close()
+        if first is not None and self._failed is None:
+            raise first
+
+    def memory_stats(self) -> dict[str, int]:
+        s = self.stats
+        return {
+            "grad_host_bytes": sum(b.data.nbytes for b in self._buffers),
+            "nvme_grad_bytes_read": s.bytes_read,
+            "nvme_grad_bytes_written": s.bytes_written,
+            "nvme_grad_wait_us": int(s.wait_s * 1e6),
+        }
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def _grads(self, buf: _Buffer, index: int) -> torch.Tensor:
+        return buf.data[: self.numels[index] * _F32].view(torch.float32)
+
+    def _resident(self, index: int) -> _Buffer:
+        """Sub-group `index` in a host buffer (loaded, zeroed or waited for), most recent."""
+        self._tick += 1
+        state = self.residency[index]
+        if state is GradResidency.HOST:
+            buf = self._where[index]
+        elif state is GradResidency.READING:
+            buf = self._where[index]
+            self._settle_buffer(buf)
+            self.residency[index] = GradResidency.HOST
+        else:
+            buf = self._acquire()
+            if state is GradResidency.ZERO:
+                self._grads(buf, index).zero_()
+            else:
+                self._settle_write_of(index)
+                buf.future = self._submit("read", buf, index)
+                self._settle_buffer(buf)
+            buf.owner = index
+            self._where[index] = buf
+            self.residency[index] = GradResidency.HOST
+        buf.used = self._tick
+        return buf
+
+    def _partial_limit(self, index: int) -> int:
+        return self.numels[index] // PARTIAL_FRACTION
+
+    def _add_on_disk(self, index: int, start: int, src: torch.Tensor) -> None:
+        """A small add to a sub-group on disk: read-add-write of the norm rows it touches
+        only, and those rows' norms updated (see [Note: spilled gradients])."""
+        n, row = self.numels[index], _NORM_ROW_NUMEL
+        lo = start // row * row
+        hi = min(-(-(start + src.numel()) // row) * row, n)
+        ext = self._extents[index]
+        data = aligned_empty(align_up((hi - lo) * _F32), torch.uint8)
+        grads = data[: (hi - lo) * _F32].view(torch.float32)
+        self._settle_write_of(index)
+        self._sync_io("read", data, ext.path, ext.offset + lo * _F32)
+        grads[start - lo : start - lo + src.numel()].add_(src)
+        self._update_norms(index, lo, grads)
+        self._sync_io("write", data, ext.path, ext.offset + lo * _F32)
+
+    def _sync_io(self, op: str, data: torch.Tensor, path: str, offset: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            (self.aio.pwrite if op == "write" else self.aio.pread)(data, path, offset).wait()
+        except BaseException as e:
+            raise self._fail(op, path, offset, data.numel(), e) from e
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+        if op == "write":
+            self.stats.bytes_written += data.numel()
+        else:
+            self.stats.bytes_read += data.numel()
+
+    def _update_norms(self, index: int, lo: int, grads: torch.Tensor) -> None:
+        norms, row = self._norms[index], _NORM_ROW_NUMEL
+        full = grads.numel() // row * row
+        if lo + full > norms.rows.numel() * row:  # the range ends in the tail
+            full = norms.rows.numel() * row - lo
+        if full:
+            part = row_norms(grads[:full])
+            norms.rows[lo // row : (lo + full) // row] = part.rows
+        if full < grads.numel():
+            self._norms[index] = Norms(norms.rows, torch.linalg.vector_norm(grads[full:]))
+
+    def _least_recent(self, but: _Buffer | None = None) -> _Buffer:
+        held = [b for b in self._buffers if b is not but and b.owner is not None]
+        held = [b for b in held if self.residency[b.owner] is GradResidency.HOST]
+        assert held, "every buffer is being read ahead"  # reads ahead never take the last
+        return min(held, key=lambda b: b.used)
+
+    def _acquire(self) -> _Buffer:
+        """A free buffer whose last write has landed (the oldest-finished first)."""
+        free = [b for b in self._buffers if b.owner is None]
+        if not free:
+            self._evict(self._least_recent())
+            free = [b for b in self._buffers if b.owner is None]
+        done = [b for b in free if b.future is None or b.future.done()]
+        buf = (done or free)[0]
+        self._settle_buffer(buf)
+        return buf
+
+    def _evict(self, buf: _Buffer) -> None:
+        """Start writing the buffer's sub-group to disk; the buffer is free once it lands."""
+        index = buf.owner
+        assert index is not None and self.residency[index] is not GradResidency.READING
+        self._settle_buffer(buf)
+        self._norms[index] = row_norms(self._grads(buf, index))
+        self._settle_write_of(index)  # two writes of one extent in flight could land reversed
+        buf.future = self._submit("write", buf, index)
+        buf.written, buf.owner = index, None
+        del self._where[index]
+        self.residency[index] = GradResidency.ON_NVME
+
+    def _read_ahead(self, first: int) -> None:
+        """Reads of the sub-groups on disk from `first` on, into free buffers that need no
+        waiting; stops at the first one no buffer is free for."""
+        for g in range(first, len(self.numels)):
+            if self.residency[g] is GradResidency.ON_NVME and not self._read_into_free(g):
+                return
+
+    def _read_behind(self, index: int, *, current: _Buffer) -> None:
+        """Backward goes down the sub-groups: from the second micro-step of a window on, the
+        one below is on disk, so its read starts while this one fills, when a buffer is
+        free and another (free, or filled and not `current`) is left to write out next."""
+        if index < 0 or self.residency[index] is not GradResidency.ON_NVME:
+            return
+        spare = [
+            b
+            for b in self._buffers
+            if b.owner is None
+            or (b is not current and self.residency[b.owner] is GradResidency.HOST)
+        ]
+        if len(spare) >= 2:
+            self._read_into_free(index)
+
+    def _read_into_free(self, index: int) -> bool:
+        """Start reading sub-group `index` into a free buffer that needs no waiting."""
+        free = [
+            b for b in self._buffers if b.owner is None and (b.future is None or b.future.done())
+        ]
+        if not free:
+            return False
+        buf = free[0]
+        self._settle_buffer(buf)
+        self._settle_write_of(index)
+        buf.future = self._submit("read", buf, index)
+        buf.owner = index
+        self._where[index] = buf
+        self.residency[index] = GradResidency.READING
+        return True
+
+    def _settle_write_of(self, index: int) -> None:
+        for buf in self._buffers:
+            if buf.written == index:
+                self._settle_buffer(buf)
+
+    def _settle_buffer(self, buf: _Buffer) -> None:
+        """Wait for the buffer's transfer in flight, if any."""
+        fut, buf.future, buf.written = buf.future, None, None
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            fut.wait()
+        except BaseException as e:
+            raise self._fail(fut.op, fut.path, fut.offset, fut.nbytes, e) from e
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+
+    def _submit(self, op: str, buf: _Buffer, index: int) -> Any:
+        ext = self._extents[index]
+        data = buf.data[: ext.padded_nbytes]
+        try:
+            if op == "write":
+                fut = self.aio.pwrite(data, ext.path, ext.offset)
+                self.stats.bytes_written += ext.padded_nbytes
+            else:
+                fut = self.aio.pread(data, ext.path, ext.offset)
+                self.stats.bytes_read += ext.padded_nbytes
+        except BaseException as e:  # refused before any I/O
+            raise self._fail(op, ext.path, ext.offset, ext.padded_nbytes, e) from e
+        return fut
+
+    def _fail(self, op: str, path: str, offset: int, nbytes: int, e: BaseException) -> Exception:
+        err = NvmeGradError(
+            f"{op} of gradients ({nbytes} bytes at offset {offset} of {path}) failed: {e}. "
+            "This step's gradients are lost; free space or fix the disk, then resume from the "
+            "last checkpoint"
+        )
+        self._failed = self._failed or err
+        return err
+
+    def _check_usable(self, op: str) -> None:
+        if self._closed:
+            raise NvmeGradError(f"{op}: the NVMe gradient store at {self.store.dir} is closed")
+        if self._failed is not None:
+            raise NvmeGradError(f"{op}: refused, an earlier gradient transfer failed") from (
+                self._failed
+            )

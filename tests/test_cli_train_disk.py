@@ -1,0 +1,89 @@
+"""The disk space of an `infinity train` run: printed before it starts, counted as the run
+really writes it, and a run on a disk without it refused before anything is built."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+from _train_inputs import write_inputs
+
+from infinity.checkpoint import load_checkpoint
+from infinity.cli import train_disk
+from infinity.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return write_inputs(tmp_path_factory.mktemp("disk"))
+
+
+def _args(model, data, save_dir, nvme, *extra):
+    return [
+        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
+        "--seq-len", "16", "--micro-batch", "2", "--steps", "2", "--no-progress",
+        "--nvme", str(nvme), *map(str, extra),
+    ]  # fmt: skip
+
+
+def test_the_need_is_printed_and_counts_what_the_run_saves(tmp_path, capsys, inputs):
+    model, data = inputs
+    save = tmp_path / "run"
+    assert main(_args(model, data, save, tmp_path, "--lora-r", 4, "--save-every", 1)) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("disk: "))
+    assert "parameters" in line and "optimizer states" in line and "2 checkpoint(s)" in line
+    assert "free" in line
+    ckpt = load_checkpoint(save)
+    adapters = sum(
+        math.prod(ckpt.get_tensor(n).shape) for n in ckpt.tensor_names() if n.startswith("param/")
+    )
+    shapes = {k: tuple(v) for k, v in ckpt.state["model"]["param_shapes"].items()}
+    targets = ckpt.state["lora"]["resolved_targets"]
+    assert train_disk.trainable_numel(shapes, 4, targets) == adapters
+    assert train_disk.trainable_numel(shapes, None, None) == sum(
+        math.prod(s) for s in shapes.values()
+    )
+
+
+def test_a_disk_without_room_is_refused_naming_both_numbers(tmp_path, capsys, inputs, monkeypatch):
+    model, data = inputs
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(train_disk.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 50_000))
+    save = tmp_path / "run"
+    assert main(_args(model, data, save, tmp_path, "--lora-r", 4)) == 1
+    err = capsys.readouterr().err
+    assert "the run needs" in err and "only 0.05 MB are free" in err, err
+    assert "larger disk" in err
+    assert not list(tmp_path.glob("infinity-*")) and not (save / "latest").exists()
+
+
+def test_plan_by_tier(tmp_path):
+    from infinity.config import Config
+
+    shapes = {"a.weight": (100, 50), "b.weight": (100,)}
+    cfg = Config.load(
+        {
+            "bf16": {"enabled": True},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            },
+        }
+    )
+    uses = train_disk.plan(cfg, shapes, trainable=5100, save_dir=tmp_path / "s", saves=3)
+    parts = {k: v for u in uses for k, v in u.parts.items()}
+    assert parts == {
+        "parameters": 5100 * 2 + 2 * 4096,
+        "trainable build files (while starting)": 5100 * 2,
+        "optimizer states": 5100 * 12,
+        "gradients": 5100 * 4,
+        "3 checkpoint(s)": 3 * 5100 * 14,
+    }
+    lora = train_disk.plan(cfg, shapes, trainable=30, save_dir=tmp_path / "s", saves=1)
+    parts = {k: v for u in lora for k, v in u.parts.items()}
+    assert parts["parameters"] == (5100 + 30) * 2 + 2 * 4096  # the frozen base + adapters
+    assert parts["1 checkpoint(s)"] == 30 * 14
+    assert train_disk.check(lora, free=lambda p: 10**12).startswith("disk: ")

@@ -1,0 +1,167 @@
+"""Building under infinity.init with parameters on NVMe: bitwise the weights of a build in
+RAM, trains the same, leaves no file behind, and its anonymous memory stays near one
+parameter whatever the model size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from _engine_models import batches, config, tiny_gpt, train_steps
+
+import infinity
+from infinity.zero.build_files import BuildFiles, release_build_pages
+
+
+def _cfg(device: str, path, dtype: str = "bf16") -> dict:
+    cfg = config(sub_group_size=3000)
+    cfg["bf16"] = {"enabled": dtype == "bf16"}
+    cfg["zero_optimization"]["offload_param"] = {"device": device, "nvme_path": str(path)}
+    return cfg
+
+
+def _build(cfg: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    with infinity.init(cfg):
+        return tiny_gpt(layers=2, hidden=64, checkpointing=False)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_nvme_build_is_bitwise_the_ram_build(tmp_path, dtype):
+    ram = _build(_cfg("cpu", tmp_path, dtype))
+    nvme = _build(_cfg("nvme", tmp_path, dtype))
+    got, want = nvme.state_dict(), ram.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert torch.equal(got[name], want[name]), name
+    # The tie survives: one parameter object, one partition.
+    assert nvme.lm_head.weight is nvme.model.embed_tokens.weight
+    assert os.listdir(tmp_path) == []  # the build files are unlinked as they are mapped
+
+
+def test_an_nvme_built_model_trains_like_a_ram_built_one(tmp_path):
+    data = batches(3, seed=4)
+    losses = []
+    for device in ("cpu", "nvme"):
+        cfg = _cfg(device, tmp_path)
+        cfg["zero_optimization"]["offload_optimizer"] = {
+            "device": device,
+            "nvme_path": str(tmp_path),
+        }
+        engine = infinity.initialize(_build(cfg), cfg)
+        losses.append(train_steps(engine, data))
+        engine.close()
+    assert losses[0] == losses[1]
+
+
+def test_nvme_build_without_a_directory_is_a_clear_error(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match=r"offload_param.nvme_path .*nope.* not a directory"):
+        _build(_cfg("nvme", missing))
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys, torch, infinity
+    from infinity.models.config import LlamaConfig
+    from infinity.models.llama import LlamaForCausalLM
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+
+    def anon():
+        return status("RssAnon")
+
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param":
+           {"device": sys.argv[1], "nvme_path": sys.argv[2]}}}
+    mcfg = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816,
+                       num_hidden_layers=8, num_attention_heads=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    torch.zeros(1).normal_()  # load the kernels before the baseline
+    before, peak_before = anon(), status("VmHWM")
+    with infinity.init(cfg):
+        model = LlamaForCausalLM(mcfg)  # its init_weights touches every parameter again
+    grew, peak_grew = anon() - before, status("VmHWM") - peak_before
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters()) * 4  # created in fp32 by nn
+    print(json.dumps({"grew": grew, "peak_grew": peak_grew, "model": nbytes, "largest": largest}))
+    """
+)
+
+
+def test_nvme_build_anonymous_memory_is_one_parameter_not_the_model(tmp_path):
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed tensors go back
+    out = {}
+    for device in ("cpu", "nvme"):
+        run = subprocess.run(
+            [sys.executable, "-c", _CHILD, device, str(tmp_path)],
+            capture_output=True, text=True, env=env, timeout=300, check=True,
+        )  # fmt: skip
+        out[device] = json.loads(run.stdout.strip().splitlines()[-1])
+    ram, nvme = out["cpu"], out["nvme"]
+    assert ram["model"] > 200 << 20
+    assert ram["grew"] >= ram["model"]  # the peer: a build in RAM holds the whole model
+    assert nvme["grew"] < nvme["largest"] + (32 << 20), nvme
+    # Nor does the whole-model init pass map the model in (file pages count in VmHWM too).
+    assert ram["peak_grew"] >= ram["model"]
+    assert nvme["peak_grew"] < nvme["largest"] + (96 << 20), nvme
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_release_build_pages_drops_only_build_partitions(tmp_path):
+    files = BuildFiles(str(tmp_path))
+    n = 16 << 20  # 64 MiB of fp32
+    part = files.new_partition(torch.zeros(1), torch.float32)  # a small one, then a large one
+    part = files.new_partition(torch.arange(n, dtype=torch.float32), torch.float32)
+    files.close()
+    other = torch.arange(n, dtype=torch.float32)
+    part.sum()  # fault the mapping in
+    before = _rss_file()
+    release_build_pages([part, other])
+    assert before - _rss_file() > (n * 4) // 2
+    assert torch.equal(part, other)  # the contents come back from the file; `other` untouched
+
+
+def test_a_transformers_model_builds_on_nvme_bitwise(tmp_path):
+    """Hugging Face's post_init re-initializes every module after the model exists: it runs
+    on the file-backed partitions like on host ones."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    built = {}
+    for device in ("cpu", "nvme"):
+        torch.manual_seed(0)
+        with infinity.init(_cfg(device, tmp_path)):
+            built[device] = transformers.AutoModelForCausalLM.from_config(hf_cfg).state_dict()
+    assert built["cpu"].keys() == built["nvme"].keys()
+    for name, want in built["cpu"].items():
+        assert torch.equal(built["nvme"][name], want), name
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_while_building_is_a_clear_error(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"build partition of \d+ bytes .*No space left.*free space"):
+        _build(_cfg("nvme", tmp_path))
+    assert os.listdir(tmp_path) == []
