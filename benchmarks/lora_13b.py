@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
         "--data", str(corpus(path)), "--nvme", str(path), "--dtype", "bf16",
         "--lora-r", str(args.r), "--steps", str(args.steps), "--seq-len", str(args.seq_len),
         "--activation-checkpointing", "--config", str(cfg), "--save-dir", str(save),
-        "--no-progress",
+        "--no-progress", "--byte-tokens",
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu")
     t0 = time.perf_counter()

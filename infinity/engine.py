@@ -333,7 +333,7 @@ class Engine:
         if self._backwards == 0 and self.entry.finished == 0:
             # Adam on no gradient still moves the weights (weight decay, the moments).
             raise RuntimeError(
-                "step: no backward since the last step(); call engine.backward(loss) (or "
+                "step: no backward() since the last step(); call engine.backward(loss) (or "
                 "loss.backward()) on each micro batch's loss before engine.step()"
             )
         self._backwards = self.entry.finished = 0

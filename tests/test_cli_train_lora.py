@@ -116,21 +116,3 @@ def test_export_flags_need_a_lora_checkpoint(tmp_path, capsys, inputs):
     assert not (tmp_path / "a").exists()
 
 
-def test_preset_init_module_by_module_is_bitwise_init_weights(tmp_path):
-    """A preset's build on NVMe initializes one module at a time (so the build never maps
-    the whole model in); the weights are those of `init_weights` in RAM."""
-    import infinity
-    from infinity.cli.train_run import _init_module_by_module
-    from infinity.models import LlamaForCausalLM, preset
-
-    cfg = preset("tiny")
-    nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
-    torch.manual_seed(3)
-    with infinity.init({"bf16": {"enabled": True}, "zero_optimization": nvme}):
-        built = LlamaForCausalLM(cfg, init_weights=False)
-        _init_module_by_module(built)
-    torch.manual_seed(3)
-    with infinity.init({"bf16": {"enabled": True}}):
-        ref = LlamaForCausalLM(cfg)
-    for (name, a), (_, b) in zip(built.state_dict().items(), ref.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name

@@ -177,6 +177,7 @@ def test_step_boundary_overrides_the_count():
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step(boundary=True)  # a short last window: the optimizer runs now
     assert engine.global_steps == 1 and engine.micro_steps == 4
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step(boundary=False)
     assert engine.global_steps == 1 and engine.micro_steps == 5
 

@@ -105,7 +105,7 @@ def test_cli_trains_and_exports_every_architecture(tmp_path, arch):
         "--steps", "3", "--config", str(ds), "--no-progress",
     ]) == 0  # fmt: skip
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    data = open_dataset(corpus, seq_len=12, seed=5, model_dir=model_dir, cache_dir=tmp_path / "t")
+    data = open_dataset(corpus, seq_len=12, seed=5, tokenizer_dir=model_dir, cache_dir=tmp_path / "t")
     batches = [data.next_batch(2) for _ in range(6)]  # the batches the run saw, in order
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     ref, norms, trained = reference_losses(
@@ -139,7 +139,7 @@ def test_cli_refuses_a_model_that_is_not_a_causal_lm(tmp_path, capsys, model_typ
     (model_dir / "config.json").write_text(json.dumps({"model_type": model_type}))
     corpus = write_corpus(tmp_path / "c.jsonl")
     code = main(["train", "--model", str(model_dir), "--data", str(corpus), "--save-dir",
-                 str(tmp_path / "s"), "--no-progress"])  # fmt: skip
+                 str(tmp_path / "s"), "--byte-tokens", "--no-progress"])  # fmt: skip
     assert code != 0
     err = capsys.readouterr().err
     assert all(n in err for n in needles), err
@@ -179,7 +179,7 @@ def test_cli_without_transformers_says_what_to_install(tmp_path, capsys, monkeyp
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     corpus = write_corpus(tmp_path / "c.jsonl")
     code = main(["train", "--model", "tiny", "--data", str(corpus), "--save-dir",
-                 str(tmp_path / "s"), "--no-progress"])  # fmt: skip
+                 str(tmp_path / "s"), "--byte-tokens", "--no-progress"])  # fmt: skip
     assert code == 1
     err = capsys.readouterr().err
     assert "infinity-trainer[hf]" in err and "Traceback" not in err

@@ -139,7 +139,7 @@ class TrainRun:
                 self.param_shapes, self.lora.r if self.lora else None, targets
             ),
             save_dir=self.save_dir,
-            saves=math.ceil(steps / every) if every else 1,
+            saves=_checkpoints_kept(steps, every, self.args.keep_last),
         )
         print(train_disk.check(uses), flush=True)
 
@@ -410,6 +410,13 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy in fp32. `labels` are already shifted by the data pipeline
     (labels[t] follows input_ids[t]), so the model's own loss, which shifts, is not used."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _checkpoints_kept(steps: int, every: int | None, keep_last: int | None) -> int:
+    """Checkpoints on disk at the most: one per --save-every and the last, or with
+    --keep-last N, N plus the one being written before the oldest is removed."""
+    saves = math.ceil(steps / every) if every else 1
+    return saves if keep_last is None else min(saves, keep_last + 1)
 
 
 def _first_errno(exc: BaseException | None) -> int | None:

@@ -83,7 +83,13 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if not texts:  # transformers cannot encode an empty batch
             return []
-        return self._tok(texts, add_special_tokens=False)["input_ids"]
+        try:
+            return self._tok(texts, add_special_tokens=False)["input_ids"]
+        except Exception as exc:  # the tokenizers backend raises a bare Exception
+            raise ValueError(
+                f"the tokenizer {self.describe()} cannot encode the data ({exc}); its files do "
+                "not fit its class: use the model's own tokenizer files (or --tokenizer DIR)"
+            ) from None
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)

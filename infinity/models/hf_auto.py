@@ -82,8 +82,11 @@ class CausalLMSpec:
         return 6 * matmul + 12 * int(cfg.num_hidden_layers) * heads * head_dim * seq_len
 
     def to_dict(self) -> dict:
-        """The config.json content (as `save_pretrained` writes it)."""
-        return self.hf_config.to_dict()
+        """The config.json content (as `save_pretrained` writes it), without the path it was
+        read from: a moved model directory is still the same model."""
+        config = self.hf_config.to_dict()
+        config.pop("_name_or_path", None)
+        return config
 
 
 def describe(model: str | os.PathLike) -> CausalLMSpec:
@@ -103,7 +106,9 @@ def _auto_config(model_dir: Path):
     tf = _transformers()
     try:
         config = tf.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except (ValueError, KeyError) as exc:
+    # transformers validates config values with ValueError, TypeError, KeyError and
+    # huggingface_hub's StrictDataclassError (an Exception): all mean a bad config.json.
+    except Exception as exc:
         raise ValueError(
             f"{model_dir}/config.json: transformers {tf.__version__} cannot read it ({exc}); "
             "upgrade transformers (pip install -U transformers) if the architecture is newer"
@@ -119,8 +124,15 @@ def _auto_config(model_dir: Path):
 
 
 def _spec(config, model_dir: Path | None) -> CausalLMSpec:
-    with torch.device("meta"):
-        meta = build(config, init_weights=False)
+    try:
+        with torch.device("meta"):
+            meta = build(config, init_weights=False)
+    except (RuntimeError, ValueError, TypeError) as exc:  # e.g. a negative size
+        where = f"{model_dir}/config.json" if model_dir is not None else "the preset"
+        raise ValueError(
+            f"{where}: transformers cannot build {type(config).__name__} from its values "
+            f"({exc}); check the sizes in it (hidden_size, num_attention_heads, ...)"
+        ) from None
     embed = meta.get_input_embeddings().weight
     out = meta.get_output_embeddings()
     return CausalLMSpec(
