@@ -75,6 +75,9 @@ def estimate_record(record: dict, probed: dict) -> Estimate:
         activation_checkpointing=bool(record["model"]["activation_checkpointing"]),
         runtime_bytes=int(record["rss_bytes"]["baseline_peak"]),
         ram_bytes=int(record["machine"]["ram_bytes"]),
+        # Runs recorded before the fp32 gradients could spill to NVMe kept them in one
+        # host buffer: their stats have no gradient traffic.
+        grads_spill=any("nvme_grad_bytes" in k for k in record["memory_stats"]),
     )
 
 

@@ -105,7 +105,9 @@ def test_cli_trains_and_exports_every_architecture(tmp_path, arch):
         "--steps", "3", "--config", str(ds), "--no-progress",
     ]) == 0  # fmt: skip
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    data = open_dataset(corpus, seq_len=12, seed=5, tokenizer_dir=model_dir, cache_dir=tmp_path / "t")
+    data = open_dataset(
+        corpus, seq_len=12, seed=5, tokenizer_dir=model_dir, cache_dir=tmp_path / "t"
+    )
     batches = [data.next_batch(2) for _ in range(6)]  # the batches the run saw, in order
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     ref, norms, trained = reference_losses(

@@ -157,12 +157,14 @@ def render(est, model: str) -> str:
             "NVMe",
             s.nvme_bytes,
             f"optimizer state {s.optim_nvme_bytes / _GIB:.1f} GiB, parameters "
-            f"{s.param_nvme_bytes / _GIB:.1f} GiB",
+            f"{s.param_nvme_bytes / _GIB:.1f} GiB, gradients {s.grad_nvme_bytes / _GIB:.1f} GiB",
         ),
         "",
         "per step",
         f"  {'NVMe read / written':<28}{est.nvme_read_bytes_per_step / _GB:9.1f} GB "
         f"/ {est.nvme_write_bytes_per_step / _GB:.1f} GB",
+        f"  {'  of which gradients':<28}{s.grad_read_bytes_per_step / _GB:9.1f} GB "
+        f"/ {s.grad_write_bytes_per_step / _GB:.1f} GB",
         f"  {'host <-> device':<28}{est.host_device_bytes_per_step / _GB:9.1f} GB",
         "",
         f"time per step {t.step_s:.2f} s ({est.tokens_per_step / t.step_s:,.0f} tokens/s); "

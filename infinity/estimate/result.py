@@ -99,12 +99,20 @@ class Estimate:
     @property
     def nvme_read_bytes_per_step(self) -> int:
         s, accum = self.sizes, self.inputs["gradient_accumulation_steps"]
-        return s.optim_read_bytes_per_step + accum * s.param_read_bytes_per_micro_step
+        return (
+            s.optim_read_bytes_per_step
+            + s.grad_read_bytes_per_step
+            + accum * s.param_read_bytes_per_micro_step
+        )
 
     @property
     def nvme_write_bytes_per_step(self) -> int:
         s = self.sizes
-        return s.optim_write_bytes_per_step + s.param_write_bytes_per_step
+        return (
+            s.optim_write_bytes_per_step
+            + s.grad_write_bytes_per_step
+            + s.param_write_bytes_per_step
+        )
 
     @property
     def host_device_bytes_per_step(self) -> int:
@@ -121,15 +129,17 @@ def estimate(
     activation_checkpointing: bool = False,
     runtime_bytes: int | None = None,
     ram_bytes: int | None = None,
+    grads_spill: bool | None = None,
 ) -> Estimate:
     """The estimate for `shape` trained under `config` (unresolved, as given) at `rates`.
     `runtime_bytes`: host memory of the Python process before any model (default: this
-    process's RSS now); `ram_bytes`: the machine's RAM for the advice (default: this one's)."""
+    process's RSS now); `ram_bytes`: the machine's RAM for the advice (default: this one's);
+    `grads_spill`: see `sizes`."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     config = resolve_config(config, shape)
     gpu = rates.gpu
-    sz = sizes(shape, config, pins=gpu is not None)
+    sz = sizes(shape, config, pins=gpu is not None, grads_spill=grads_spill)
     micro = int(config.train_micro_batch_size_per_gpu)
     accum = int(config.gradient_accumulation_steps)
     tokens = micro * seq_len
@@ -194,17 +204,21 @@ def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -
         sz.optim_read_bytes_per_step / rates.nvme_read_bps
         + (sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step) / rates.nvme_write_bps
     )
+    grad_io = (  # spilled gradients: written and read back in backward, read by the step
+        sz.grad_read_bytes_per_step / rates.nvme_read_bps
+        + sz.grad_write_bytes_per_step / rates.nvme_write_bps
+    )
     adam = sz.flat_numel / rates.adam_numel_per_s
     norm = sz.grad_host_bytes / rates.norm_bytes_per_s
     optimizer = (max(adam, state_io) if pipelined else adam + state_io) + norm
     return StepTimes(
         compute_s=accum * compute,
-        nvme_s=accum * param_read + state_io,
+        nvme_s=accum * param_read + state_io + grad_io,
         cpu_adam_s=adam + norm,
         copies_s=accum * copies,
         micro_step_s=micro,
         optimizer_step_s=optimizer,
-        step_s=accum * micro + optimizer,
+        step_s=accum * micro + grad_io + optimizer,
     )
 
 

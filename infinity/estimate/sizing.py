@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from infinity.config import Config
+from infinity.estimate.grad_traffic import grad_traffic
 from infinity.estimate.shapes import ModelShape
+from infinity.swap.grad_store import grad_buffers
 from infinity.swap.nvme_state import state_nbytes
 from infinity.swap.pool import param_buffer_numel
 from infinity.swap.store import align_up, reserved_nbytes
@@ -36,7 +38,8 @@ class Sizes:
     """Bytes of one rank's run: resident, on disk, and moved per micro step or per step."""
 
     grad_host_bytes: int
-    """fp32 gradient partitions in host memory."""
+    """fp32 gradient partitions in host memory: one flat buffer, or with the optimizer on
+    NVMe the grad store's `GRAD_BUFFERS` sub-group buffers."""
     weights_host_bytes: int
     """The trainable weights' host copy (0 when they alias the fp32 masters; the staging
     ring with parameters on NVMe)."""
@@ -51,6 +54,11 @@ class Sizes:
     pinned_bytes: int
     optim_nvme_bytes: int
     param_nvme_bytes: int
+    grad_nvme_bytes: int
+    """fp32 gradient extents on NVMe (optimizer on NVMe only)."""
+    grad_read_bytes_per_step: int
+    """Gradient reads from NVMe in one optimizer step (all its micro-steps)."""
+    grad_write_bytes_per_step: int
     optim_read_bytes_per_step: int
     optim_write_bytes_per_step: int
     param_write_bytes_per_step: int
@@ -72,7 +80,7 @@ class Sizes:
 
     @property
     def nvme_bytes(self) -> int:
-        return self.optim_nvme_bytes + self.param_nvme_bytes
+        return self.optim_nvme_bytes + self.param_nvme_bytes + self.grad_nvme_bytes
 
 
 def resolve_config(config: Config, shape: ModelShape) -> Config:
@@ -92,9 +100,13 @@ def layout_of(shape: ModelShape, config: Config) -> FlatLayout:
     return flat_layout(numels, resolve_sub_group_size(config.zero_optimization.sub_group_size))
 
 
-def sizes(shape: ModelShape, config: Config, *, pins: bool) -> Sizes:
+def sizes(
+    shape: ModelShape, config: Config, *, pins: bool, grads_spill: bool | None = None
+) -> Sizes:
     """Every byte term for `shape` under a resolved `config`; `pins`: the device's host
-    memory can be pinned (a GPU; the CPU device never pins)."""
+    memory can be pinned (a GPU; the CPU device never pins). `grads_spill`: the fp32
+    gradients go to NVMe per sub-group (default: when the optimizer state does, as the
+    engine does; False replays runs made before gradients could spill)."""
     zero = config.zero_optimization
     dtype = model_dtype(config)
     itemsize = dtype.itemsize
@@ -102,7 +114,11 @@ def sizes(shape: ModelShape, config: Config, *, pins: bool) -> Sizes:
     sub_groups = layout.sub_group_numels
     optim_nvme = zero.offload_optimizer.device == "nvme"
     param_nvme = zero.offload_param.device == "nvme"
-    grad = grad_host_bytes(layout)
+    spill = optim_nvme if grads_spill is None else grads_spill
+    grad = grad_host_bytes(layout, nvme=spill)
+    grad_disk = grad_nvme_bytes(layout) if spill else 0
+    accum = int(config.gradient_accumulation_steps)
+    grad_read, grad_write = grad_traffic(shape, layout, accum) if spill else (0, 0)
     if optim_nvme:
         extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
         optim_disk = sum(extents)
@@ -135,6 +151,9 @@ def sizes(shape: ModelShape, config: Config, *, pins: bool) -> Sizes:
         pinned_bytes=pool_pinned,
         optim_nvme_bytes=optim_disk,
         param_nvme_bytes=param_disk,
+        grad_nvme_bytes=grad_disk,
+        grad_read_bytes_per_step=grad_read,
+        grad_write_bytes_per_step=grad_write,
         optim_read_bytes_per_step=optim_disk,
         optim_write_bytes_per_step=optim_disk,
         param_write_bytes_per_step=param_write,
@@ -152,9 +171,18 @@ def sizes(shape: ModelShape, config: Config, *, pins: bool) -> Sizes:
 # -- terms that depend on where gradients and frozen parameters live ---------------------------
 
 
-def grad_host_bytes(layout: FlatLayout) -> int:
-    """fp32 gradients: one flat host buffer over the optimizer's flat space."""
+def grad_host_bytes(layout: FlatLayout, *, nvme: bool = False) -> int:
+    """fp32 gradients: one flat host buffer over the optimizer's flat space, or with the
+    optimizer on NVMe the `NvmeGradStore`'s sub-group buffers (`grad_buffers`)."""
+    if nvme:
+        count, nbytes = grad_buffers(layout.sub_group_numels)
+        return count * nbytes
     return _F32 * layout.total
+
+
+def grad_nvme_bytes(layout: FlatLayout) -> int:
+    """The `NvmeGradStore`'s extents: one fp32 sub-group each, page-padded."""
+    return sum(reserved_nbytes(n * _F32) for n in layout.sub_group_numels)
 
 
 def frozen_host_bytes(shape: ModelShape, itemsize: int) -> int:

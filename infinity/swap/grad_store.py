@@ -89,6 +89,11 @@ def sum_of_squares(flat: torch.Tensor) -> float:
     return sum_from_norms(row_norms(flat))
 
 
+def grad_buffers(numels: Sequence[int], buffer_count: int = GRAD_BUFFERS) -> tuple[int, int]:
+    """`NvmeGradStore`'s host buffers for sub-groups of `numels`: (count, bytes of each)."""
+    return min(buffer_count, max(len(numels), 1) + 1), align_up(max(numels, default=1) * _F32)
+
+
 class HostGradStore:
     """Every sub-group's gradient in one flat host buffer, allocated at first use."""
 
@@ -198,8 +203,7 @@ class NvmeGradStore:
         self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
         sizes = {f"subgroup.{g}": n * _F32 for g, n in enumerate(self.numels)}
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
-        nbytes = align_up(max(self.numels, default=1) * _F32)
-        count = min(buffer_count, max(len(self.numels), 1) + 1)
+        count, nbytes = grad_buffers(self.numels, buffer_count)
         self._buffers = [_Buffer(aligned_empty(nbytes, torch.uint8)) for _ in range(count)]
         self.residency = [GradResidency.ZERO] * len(self.numels)
         self._norms: list[Norms | None] = [None] * len(self.numels)  # of the disk copy
