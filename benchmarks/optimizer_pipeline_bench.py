@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from benchmarks.optimizer_swap_bench import machine
+from benchmarks.optimizer_swap_bench import machine, open_aio, state_groups
 from infinity.optim import adam_step_flat
 from infinity.swap.aio import AioHandle
 from infinity.swap.nvme_state import NvmeStateStore
-from infinity.swap.store import SwapStore, align_up
+from infinity.swap.store import SwapStore
 
 _GB = 1e9
 SETTINGS = [(True, True), (True, False), (False, True), (False, False)]
@@ -98,15 +98,8 @@ def _adam_seconds(grad: torch.Tensor, master: torch.Tensor) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    numel = args.sub_group_numel
-    groups = max(1, round(args.state_gib * (1 << 30) / (12 * numel)))
-    state_bytes = groups * align_up(12 * numel)
-    with AioHandle(
-        block_size=args.block_size,
-        queue_depth=args.queue_depth,
-        threads=args.threads,
-        backend=args.backend,
-    ) as aio:
+    numel, groups, state_bytes = state_groups(args)
+    with open_aio(args) as aio:
         result = measure(args, aio, numel, groups)
     med = {k: statistics.median(v) for k, v in result["sweep_s"].items()}
     both = med[_name(True, True)]

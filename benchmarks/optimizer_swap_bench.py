@@ -101,16 +101,27 @@ def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -
     return rows
 
 
-def run(args: argparse.Namespace) -> dict:
+def state_groups(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(elements per sub-group, sub-groups, state bytes on disk) for --state-gib of fp32
+    master + m + v in sub-groups of --sub-group-numel."""
     numel = args.sub_group_numel
     groups = max(1, round(args.state_gib * (1 << 30) / (12 * numel)))
-    state_bytes = groups * align_up(12 * numel)
-    with AioHandle(
+    return numel, groups, groups * align_up(12 * numel)
+
+
+def open_aio(args: argparse.Namespace) -> AioHandle:
+    """The handle the flags describe (--block-size, --queue-depth, --threads, --backend)."""
+    return AioHandle(
         block_size=args.block_size,
         queue_depth=args.queue_depth,
         threads=args.threads,
         backend=args.backend,
-    ) as aio:
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    numel, groups, state_bytes = state_groups(args)
+    with open_aio(args) as aio:
         rows = measure(args, aio, numel, groups)
     med = {k: statistics.median(v) for k, v in rows.items()}
     best = read_bench_aio(args.bench_aio_json) if args.bench_aio_json else None
