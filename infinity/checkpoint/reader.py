@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from infinity.checkpoint import jsonfloat, layout
+from infinity.checkpoint.spans import SpanReader
 from infinity.utils.safetensors_stream import SafetensorsReader, file_digests
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,11 @@ class Checkpoint:
     def get_tensor(self, name: str, rank: int = 0) -> torch.Tensor:
         with SafetensorsReader(self.shard_path(rank)) as f:
             return f.get_tensor(name)
+
+    def span_reader(self) -> SpanReader:
+        """Reads any span of a tensor from the shards of all saved ranks (see
+        `infinity.checkpoint.spans`): how a checkpoint loads under another world size."""
+        return SpanReader(self.path, [self.shard_path(r) for r in range(self.world_size)])
 
 
 def _damage_fix(path: Path) -> str:
