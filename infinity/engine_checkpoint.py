@@ -59,17 +59,13 @@ def _span(rec: OffloadParam, comm: Any) -> tuple[int, int]:
 
 
 def _weights(rec: OffloadParam, comm: Any):
-    """A parameter's saved weights: its shape with one rank (as ever), else this rank's
-    unpadded span of its padded shard. A tensor, or a thunk that reads an NVMe home when the
-    writer reaches it (one parameter in memory at a time)."""
+    """A thunk for a parameter's saved weights, read from its home when the writer reaches
+    it (one parameter in memory at a time): in its shape with one rank (as ever), else this
+    rank's unpadded span of the padded shard its home holds."""
     if comm.world_size == 1:
-        if rec.partition is not None:
-            return rec.partition.view(rec.shape)
-        return lambda: rec.read_home().view(rec.shape)
+        return lambda: rec.home.read().view(rec.shape)
     lo, hi = _span(rec, comm)
-    if rec.partition is not None:
-        return rec.partition[: hi - lo]
-    return lambda: rec.read_home()[: hi - lo]
+    return lambda: rec.home.read()[: hi - lo]
 
 
 def _cut(thunk, numel: int):
@@ -150,13 +146,13 @@ def load(engine: Engine, save_dir: str | os.PathLike, tag: str | None) -> tuple[
         engine.optimizer.load_state_tensors(
             lambda name: _read_own(spans, OPTIM + name, by_name[name.rsplit(".", 1)[0]], comm)
         )
-        frozen = [r for r in engine.records if not r.trainable]
-        if with_frozen and frozen:
-            engine.coordinator.release_all()  # gathered frozen copies predate their new homes
-            with torch.no_grad():
-                for rec in frozen:
-                    rec.write_home(_read_own(spans, PARAM + rec.name, rec, comm))
-    engine.coordinator.refresh_persistent(frozen=with_frozen)
+        if with_frozen:
+            for rec in engine.records:
+                if not rec.trainable:
+                    rec.home.write(_read_own(spans, PARAM + rec.name, rec, comm))
+    for rec in engine.records:
+        if rec.trainable or with_frozen:
+            engine.coordinator.refresh(rec)
     engine.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
     engine.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
     counters = ckpt.state["engine"]
