@@ -84,6 +84,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "initialize"]
 
+
 def initialize(
     model: nn.Module, config: Config | dict | str | os.PathLike, **kwargs: Any
 ) -> Engine:

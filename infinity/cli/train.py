@@ -12,7 +12,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +225,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (log lines only)"
     )
+    parser.add_argument(
+        "--comm-timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="under torchrun: how long a rank waits for the others in one collective before "
+        "the run stops with an error naming the rank (default: $INFINITY_COMM_TIMEOUT_S, else "
+        "600)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -421,24 +428,42 @@ def check_tokenizer_dir(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infinity.checkpoint import SaveDirLock
-    from infinity.cli.train_run import TrainRun
-    from infinity.cli.train_stop import StopNow, StopSignals
+    from infinity.cli.train_ranks import FollowedRankZero, join
+    from infinity.cli.train_stop import StopSignals
     from infinity.utils.host_memory import unmap_large_allocations
 
     unmap_large_allocations()  # freed parameter-sized buffers leave RSS at once
 
     with StopSignals() as signals, contextlib.ExitStack() as held:
+        ranks = None
         try:
             check_inputs(args)
             config = config_from_args(args)
-            # Held until the run ends or the process dies: a second run there is refused.
-            held.enter_context(SaveDirLock(Path(args.save_dir).expanduser()))
-            run = TrainRun(args, config)
-        except StopNow as stop:
-            print(f"infinity: stopped by {stop.name} before training started", file=sys.stderr)
-            return stop.exit_code
-        return run.run(signals)
+            ranks = held.enter_context(join(Path(args.save_dir).expanduser(), args.comm_timeout))
+            return _run(args, config, ranks, signals, held)
+        except FollowedRankZero:
+            return 1  # rank 0 says why
+        except Exception as exc:
+            if ranks is None or not ranks.many:
+                raise
+            return ranks.failed(exc)
+
+
+def _run(args, config: Config, ranks, signals, held: contextlib.ExitStack) -> int:
+    from infinity.checkpoint import SaveDirLock
+    from infinity.cli.train_run import TrainRun
+    from infinity.cli.train_stop import StopNow
+
+    try:
+        # Held by rank 0 until the run ends or the process dies: a second run there is refused.
+        save_dir = Path(args.save_dir).expanduser()
+        ranks.decide(lambda: held.enter_context(SaveDirLock(save_dir)) and None)
+        ranks.start()
+        run = TrainRun(args, config, ranks)
+    except StopNow as stop:
+        ranks.say(f"stopped by {stop.name} before training started", err=True)
+        return stop.exit_code
+    return run.run(signals)
 
 
 __all__ = [
