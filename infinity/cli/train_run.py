@@ -126,6 +126,9 @@ class TrainRun:
         """The transformers class of the directory's config.json (a preset: Llama), built
         under `infinity.init` with the weights streamed into the partitions."""
         torch.manual_seed(config.seed)
+        # Building needs only the precision and pinning; `infinity.init` resolves the config
+        # for one process, so the batch triple (which counts all ranks) is left to it.
+        config = Config.load({**config.to_dict(), "train_batch_size": "auto"})
         model = hf_auto.from_pretrained(self.model, config)
         if self.args.activation_checkpointing:
             hf_auto.enable_activation_checkpointing(model)
@@ -253,6 +256,8 @@ class TrainRun:
         """Rank 0, when a collective broke: the rank that failed and why, and where to go
         on from (see [Note: one run, several ranks] in train_ranks.py)."""
         why = self.ranks.explain(self.ranks.comm.timeout_s)
+        if "--resume" in why:  # the failed rank's own message says where to go on from
+            return _error(None, f"the run stopped: {why}")
         return _error(None, f"the run stopped: {why}. {self._resume_hint('it is fixed')}")
 
     def _run(self, signals: StopSignals) -> int:

@@ -1,0 +1,212 @@
+"""`infinity train` on 2 gloo ranks through torchrun: one progress bar and one metrics.jsonl,
+the single-rank losses, a failing or killed rank stopping the other with a message that names
+it, a clean stop on SIGTERM to the launcher, and checkpoints across world sizes."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _train_inputs import write_inputs
+
+from infinity.checkpoint import list_checkpoints, load_checkpoint
+from infinity.cli.main import main
+from infinity.engine import Engine
+
+# The engine shards across ranks once it takes a communicator; before that, nothing to run.
+pytestmark = pytest.mark.skipif(
+    "comm" not in inspect.signature(Engine.__init__).parameters,
+    reason="needs the sharded engine (Engine(comm=...))",
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = Path(__file__).with_name("_rank_child.py")
+RUN_S = 240  # a hung run fails its test instead of the suite
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return write_inputs(tmp_path_factory.mktemp("inputs"))
+
+
+def _args(inputs, save_dir, *extra):
+    model, data = inputs
+    return [
+        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
+        "--seq-len", "16", "--lr", "1e-2", "--seed", "5", *map(str, extra),
+    ]  # fmt: skip
+
+
+def _torchrun(args, logs: Path, *, child: list[str] | None = None) -> subprocess.Popen:
+    """2 ranks of `python -m infinity ARGS` (or of the failing child), each rank's output in
+    logs/<run>/attempt_0/<rank>/{stdout,stderr}.log."""
+    target = ["-m", "infinity"] if child is None else [str(CHILD), *child]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "--log-dir", str(logs), "--redirects", "3", *target, *map(str, args),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = RUN_S) -> tuple[int, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun did not end within {timeout} s:\n{out}\n{err}")
+    return proc.returncode, out + err
+
+
+def _rank_log(logs: Path, rank: int, stream: str) -> str:
+    (path,) = logs.glob(f"*/attempt_0/{rank}/{stream}.log")
+    return path.read_text()
+
+
+def _losses(save_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (save_dir / "metrics.jsonl").open()]
+
+
+def _wait_for(proc, ready, timeout=RUN_S):
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early: {_finish(proc)[1]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the run did not get there in time")
+        time.sleep(0.2)
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the worker of `rank` started by torchrun process `launcher`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} under pid {launcher}")
+
+
+def _single_rank_losses(inputs, tmp_path, steps: int) -> list[float]:
+    """The same global batch (2 sequences x 2 micro steps) on one process."""
+    save = tmp_path / "one"
+    args = _args(inputs, save, "--micro-batch", 2, "--grad-accum", 2, "--steps", steps)
+    assert main([*args, "--no-progress"]) == 0
+    return _losses(save)
+
+
+def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_path):
+    save, logs = tmp_path / "two", tmp_path / "logs"
+    args = _args(inputs, save, "--micro-batch", 1, "--grad-accum", 2, "--steps", 3)
+    code, out = _finish(_torchrun(args, logs))
+    assert code == 0, out
+    expected = _single_rank_losses(inputs, tmp_path, 3)
+    assert _losses(save) == pytest.approx(expected, rel=1e-5)
+    assert not list(save.glob("metrics.*.jsonl"))  # one metrics file, rank 0's
+    assert "step/s" in _rank_log(logs, 0, "stderr")  # the progress bar
+    rank1 = _rank_log(logs, 1, "stderr") + _rank_log(logs, 1, "stdout")
+    assert "step/s" not in rank1 and "INFO" not in rank1  # warnings and errors only
+    assert "finished at step 3" in _rank_log(logs, 0, "stdout")
+    assert "finished at step" not in rank1
+    ckpt = load_checkpoint(save)
+    assert ckpt.world_size == 2 and ckpt.state["run"]["world_size"] == 2
+    assert not list(save.glob("rank-*.error"))
+
+
+def test_saved_on_two_resumes_on_one_and_on_two(inputs, tmp_path):
+    expected = _single_rank_losses(inputs, tmp_path, 5)
+    save, logs = tmp_path / "two", tmp_path / "logs"
+    two = ("--micro-batch", 1, "--grad-accum", 2, "--no-progress")
+    code, out = _finish(_torchrun(_args(inputs, save, *two, "--steps", 3), logs / "a"))
+    assert code == 0, out
+    other = tmp_path / "copy"
+    shutil.copytree(save, other)  # the same run, resumed twice
+    # On one rank: the same 4 sequences per step as 2 x 2.
+    one = _args(inputs, save, "--micro-batch", 2, "--grad-accum", 2, "--steps", 5, "--resume")
+    assert main([*one, "--no-progress"]) == 0
+    assert _losses(save) == pytest.approx(expected, rel=1e-5)
+    code, out = _finish(_torchrun(_args(inputs, other, *two, "--steps", 5, "--resume"), logs / "b"))
+    assert code == 0, out
+    assert _losses(other) == pytest.approx(expected, rel=1e-5)
+    assert load_checkpoint(other).world_size == 2 and load_checkpoint(save).world_size == 1
+
+
+def test_saved_on_one_resumes_on_two(inputs, tmp_path):
+    expected = _single_rank_losses(inputs, tmp_path, 4)
+    save = tmp_path / "run"
+    one = _args(inputs, save, "--micro-batch", 2, "--grad-accum", 2, "--no-progress")
+    assert main([*one, "--steps", "2"]) == 0
+    two = _args(inputs, save, "--micro-batch", 1, "--grad-accum", 2, "--no-progress")
+    code, out = _finish(_torchrun([*two, "--steps", 4, "--resume"], tmp_path / "logs"))
+    assert code == 0, out
+    assert _losses(save) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["raise", "disk"])
+def test_a_failing_rank_stops_both_and_rank_zero_names_it(inputs, tmp_path, kind):
+    save, logs = tmp_path / "run", tmp_path / "logs"
+    args = _args(
+        inputs, save, "--micro-batch", 1, "--steps", 50, "--save-every", 2, "--no-progress",
+        "--comm-timeout", 60,
+    )  # fmt: skip
+    start = time.monotonic()
+    code, out = _finish(_torchrun(args, logs, child=["1", "4", kind]))
+    assert code != 0 and time.monotonic() - start < 120, out
+    err0 = _rank_log(logs, 0, "stderr")
+    assert "rank 1 failed" in err0, err0
+    cause = "broken on purpose" if kind == "raise" else "Input/output error"
+    assert cause in err0 and cause in (save / "rank-1.error").read_text()
+    assert "step2 is intact" in err0 and "--resume" in err0
+    assert "Traceback" not in err0
+    assert list_checkpoints(save) == ["step2"]
+    load_checkpoint(save).verify()
+
+
+def test_killing_a_rank_stops_the_other_within_the_timeout(inputs, tmp_path):
+    save, logs = tmp_path / "run", tmp_path / "logs"
+    args = _args(
+        inputs, save, "--micro-batch", 1, "--steps", 100000, "--save-every", 2,
+        "--no-progress", "--comm-timeout", 60,
+    )  # fmt: skip
+    proc = _torchrun(args, logs)
+    _wait_for(proc, lambda: (save / "latest").exists())
+    victim = _rank_pid(proc.pid, 1)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    code, out = _finish(proc, timeout=90)
+    assert code != 0 and time.monotonic() - killed < 90, out
+    err0 = _rank_log(logs, 0, "stderr")
+    assert f"rank 1 (pid {victim}) ended without an error report" in err0, err0
+    assert "is intact and is the latest" in err0
+    load_checkpoint(save).verify()
+
+
+def test_sigterm_to_the_launcher_stops_all_ranks_after_a_common_step(inputs, tmp_path):
+    save, logs = tmp_path / "run", tmp_path / "logs"
+    args = _args(inputs, save, "--micro-batch", 1, "--steps", 100000, "--no-progress")
+    proc = _torchrun(args, logs)
+    _wait_for(proc, lambda: (save / "metrics.jsonl").exists() and len(_losses(save)) >= 2)
+    proc.send_signal(signal.SIGTERM)
+    _finish(proc, timeout=90)  # torchrun itself exits non-zero after a signal
+    out0 = _rank_log(logs, 0, "stdout")
+    assert "stopped by SIGTERM at step" in out0, out0 + _rank_log(logs, 0, "stderr")
+    step = int(out0.split("stopped by SIGTERM at step ")[1].split(";")[0])
+    assert list_checkpoints(save) == [f"step{step}"]
+    ckpt = load_checkpoint(save)  # verifies both ranks' shards
+    assert ckpt.world_size == 2 and ckpt.step == step == len(_losses(save))
+    assert "Traceback" not in _rank_log(logs, 1, "stderr")
