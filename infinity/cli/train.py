@@ -242,8 +242,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 NVME_SUB_GROUP_SIZE = 100_000_000
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The JSON config (if any) with the flags laid over it, validated."""
+def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:
+    """The JSON config (if any) with the flags laid over it, validated; its batch triple
+    checked for `world_size` ranks (train_batch_size counts all of them)."""
     raw: dict[str, Any] = {}
     if args.config:
         from infinity.config.parse import read_json
@@ -293,7 +294,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.seed is None:
         check_seed(config.seed, f"the seed in {args.config}")
     # The batch triple is checked now, not after the data is tokenized.
-    check_batch(config)
+    check_batch(config, world_size)
     return config
 
 
@@ -438,8 +439,8 @@ def run(args: argparse.Namespace) -> int:
         ranks = None
         try:
             check_inputs(args)
-            config = config_from_args(args)
             ranks = held.enter_context(join(Path(args.save_dir).expanduser(), args.comm_timeout))
+            config = config_from_args(args, ranks.world_size)
             return _run(args, config, ranks, signals, held)
         except FollowedRankZero:
             return 1  # rank 0 says why
