@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,10 +20,12 @@ from _train_inputs import write_inputs
 
 from infinity.checkpoint import list_checkpoints, load_checkpoint
 from infinity.cli.main import main
+from infinity.cli.train_ranks import FollowedRankZero, Ranks
+from infinity.comm import SingleProcess
 from infinity.engine import Engine
 
 # The engine shards across ranks once it takes a communicator; before that, nothing to run.
-pytestmark = pytest.mark.skipif(
+needs_sharded_engine = pytest.mark.skipif(
     "comm" not in inspect.signature(Engine.__init__).parameters,
     reason="needs the sharded engine (Engine(comm=...))",
 )
@@ -110,6 +113,7 @@ def _single_rank_losses(inputs, tmp_path, steps: int) -> list[float]:
     return _losses(save)
 
 
+@needs_sharded_engine
 def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_path):
     save, logs = tmp_path / "two", tmp_path / "logs"
     args = _args(inputs, save, "--micro-batch", 1, "--grad-accum", 2, "--steps", 3)
@@ -128,6 +132,7 @@ def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_pa
     assert not list(save.glob("rank-*.error"))
 
 
+@needs_sharded_engine
 def test_saved_on_two_resumes_on_one_and_on_two(inputs, tmp_path):
     expected = _single_rank_losses(inputs, tmp_path, 5)
     save, logs = tmp_path / "two", tmp_path / "logs"
@@ -146,6 +151,7 @@ def test_saved_on_two_resumes_on_one_and_on_two(inputs, tmp_path):
     assert load_checkpoint(other).world_size == 2 and load_checkpoint(save).world_size == 1
 
 
+@needs_sharded_engine
 def test_saved_on_one_resumes_on_two(inputs, tmp_path):
     expected = _single_rank_losses(inputs, tmp_path, 4)
     save = tmp_path / "run"
@@ -157,6 +163,7 @@ def test_saved_on_one_resumes_on_two(inputs, tmp_path):
     assert _losses(save) == pytest.approx(expected, rel=1e-5)
 
 
+@needs_sharded_engine
 @pytest.mark.parametrize("kind", ["raise", "disk"])
 def test_a_failing_rank_stops_both_and_rank_zero_names_it(inputs, tmp_path, kind):
     save, logs = tmp_path / "run", tmp_path / "logs"
@@ -177,6 +184,7 @@ def test_a_failing_rank_stops_both_and_rank_zero_names_it(inputs, tmp_path, kind
     load_checkpoint(save).verify()
 
 
+@needs_sharded_engine
 def test_killing_a_rank_stops_the_other_within_the_timeout(inputs, tmp_path):
     save, logs = tmp_path / "run", tmp_path / "logs"
     args = _args(
@@ -196,6 +204,7 @@ def test_killing_a_rank_stops_the_other_within_the_timeout(inputs, tmp_path):
     load_checkpoint(save).verify()
 
 
+@needs_sharded_engine
 def test_sigterm_to_the_launcher_stops_all_ranks_after_a_common_step(inputs, tmp_path):
     save, logs = tmp_path / "run", tmp_path / "logs"
     args = _args(inputs, save, "--micro-batch", 1, "--steps", 100000, "--no-progress")
@@ -210,3 +219,117 @@ def test_sigterm_to_the_launcher_stops_all_ranks_after_a_common_step(inputs, tmp
     ckpt = load_checkpoint(save)  # verifies both ranks' shards
     assert ckpt.world_size == 2 and ckpt.step == step == len(_losses(save))
     assert "Traceback" not in _rank_log(logs, 1, "stderr")
+
+
+# -- the pieces, in one process ---------------------------------------------------------------
+
+
+class FakeComm:
+    """Rank `rank` of `world`; the other ranks' answers are given."""
+
+    def __init__(self, rank=0, world=2, peers=(), shared=None):
+        self.rank, self.world_size, self.local_rank = rank, world, rank
+        self.timeout_s = 7.0
+        self._peers, self._shared = list(peers), shared
+        self.reduced = []
+
+    def all_gather_object(self, obj):
+        return [obj, *self._peers]
+
+    def broadcast_object(self, obj, src=0):
+        return obj if self.rank == src else self._shared
+
+    def all_reduce_(self, tensor, op="sum"):
+        self.reduced.append(op)
+        tensor.mul_(self.world_size if op == "sum" else 1)
+        return tensor
+
+
+def test_python_dash_m_runs_the_cli():
+    out = subprocess.run(
+        [sys.executable, "-m", "infinity", "--version"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.startswith("infinity ")
+
+
+def test_one_rank_issues_no_collective(tmp_path, capsys):
+    ranks = Ranks(SingleProcess(), tmp_path)
+    assert ranks.is_main and not ranks.many
+    assert ranks.decide(lambda: 3) == 3 and ranks.main_first(lambda: 4) == 4
+    assert ranks.mean(2.5) == 2.5
+    assert ranks.any_stop(None) is False and ranks.any_stop(15) is True
+    ranks.say("hello")
+    ranks.say("broken", err=True)
+    out = capsys.readouterr()
+    assert out.out == "hello\n" and out.err == "infinity: broken\n"
+    assert ranks.report(ValueError("x")) is None and not list(tmp_path.iterdir())
+
+
+def test_other_ranks_follow_rank_zero_and_stay_quiet(tmp_path, capsys):
+    follower = Ranks(FakeComm(rank=1, shared=(None, "ValueError: --save-dir holds...")), tmp_path)
+    with pytest.raises(FollowedRankZero, match="save-dir holds"):
+        follower.decide(lambda: pytest.fail("only rank 0 decides"))
+    follower.say("finished")
+    assert capsys.readouterr().out == ""
+    ok = Ranks(FakeComm(rank=1, shared=("step4", None)), tmp_path)
+    assert ok.decide(lambda: pytest.fail("only rank 0 decides")) == "step4"
+    main_rank = Ranks(FakeComm(rank=0), tmp_path)
+    with pytest.raises(ValueError, match="refused"):
+        main_rank.decide(lambda: (_ for _ in ()).throw(ValueError("refused")))
+
+
+def test_ranks_agree_on_a_stop_and_average_the_loss(tmp_path):
+    comm = FakeComm(rank=1)
+    ranks = Ranks(comm, tmp_path)
+    assert ranks.any_stop(None) is False and ranks.any_stop(15) is True
+    assert ranks.mean(3.0) == 3.0  # the fake's other rank saw the same loss
+    assert comm.reduced == ["max", "max", "sum"]
+
+
+def test_rank_zero_names_the_rank_that_reported(tmp_path):
+    ranks = Ranks(FakeComm(rank=1), tmp_path)
+    try:
+        raise OSError(5, "Input/output error")
+    except OSError as exc:
+        path = ranks.report(exc)
+    assert path == tmp_path / "rank-1.error"
+    text = path.read_text()
+    assert text.startswith("OSError: [Errno 5] Input/output error") and "Traceback" in text
+    peer = {"rank": 1, "pid": os.getpid(), "host": socket.gethostname()}
+    zero = Ranks(FakeComm(rank=0, peers=[peer]), tmp_path)
+    zero.start()
+    why = zero.explain(7.0)
+    assert why.startswith("rank 1 failed: OSError: [Errno 5] Input/output error")
+    assert str(path) in why
+
+
+def test_rank_zero_names_a_killed_rank_and_a_stuck_one(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    peer = {"rank": 1, "pid": gone.pid, "host": socket.gethostname()}
+    zero = Ranks(FakeComm(rank=0, peers=[peer]), tmp_path)
+    zero.start()
+    assert f"rank 1 (pid {gone.pid}) ended without an error report" in zero.explain(7.0)
+    alive = {"rank": 1, "pid": os.getpid(), "host": socket.gethostname()}
+    stuck = Ranks(FakeComm(rank=0, peers=[alive]), tmp_path)
+    stuck.start()
+    start = time.monotonic()
+    why = stuck.explain(7.0)
+    assert "did not complete within 7 s" in why and "--comm-timeout" in why
+    assert time.monotonic() - start < 30
+
+
+def test_an_earlier_runs_report_is_not_this_runs(tmp_path):
+    old = tmp_path / "rank-1.error"
+    old.write_text("ValueError: last week\n")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    (tmp_path / "rank-0.error").write_text("ValueError: rank 0's own, from before\n")
+    alive = {"rank": 1, "pid": os.getpid(), "host": socket.gethostname()}
+    zero = Ranks(FakeComm(rank=0, peers=[alive]), tmp_path)
+    zero.start()
+    assert not (tmp_path / "rank-0.error").exists()  # each rank removes its own
+    assert "last week" not in zero.explain(1.0)
