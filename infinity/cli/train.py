@@ -440,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             check_inputs(args)
             ranks = held.enter_context(join(Path(args.save_dir).expanduser(), args.comm_timeout))
+            signals.rank = ranks.rank if ranks.many else None
             config = config_from_args(args, ranks.world_size)
             return _run(args, config, ranks, signals, held)
         except FollowedRankZero:

@@ -168,6 +168,8 @@ class Ranks:
         self.report(exc)
         if not isinstance(exc, USER_ERRORS):
             raise exc
+        if self.is_main and isinstance(exc, CommError):  # the cause is another rank's
+            exc = CommError(f"the run stopped: {self.explain(self.comm.timeout_s)}")
         self.say(f"error: {exc}", err=True)
         return 1
 
