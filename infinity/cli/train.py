@@ -459,13 +459,17 @@ def _run(args, config: Config, ranks, signals, held: contextlib.ExitStack) -> in
     try:
         # Held by rank 0 until the run ends or the process dies: a second run there is refused.
         save_dir = Path(args.save_dir).expanduser()
-        ranks.decide(lambda: held.enter_context(SaveDirLock(save_dir)) and None)
+        ranks.decide(lambda: _hold(held, SaveDirLock(save_dir)))
         ranks.start()
         run = TrainRun(args, config, ranks)
     except StopNow as stop:
         ranks.say(f"stopped by {stop.name} before training started", err=True)
         return stop.exit_code
     return run.run(signals)
+
+
+def _hold(held: contextlib.ExitStack, lock) -> None:
+    held.enter_context(lock)
 
 
 __all__ = [

@@ -264,7 +264,7 @@ class TrainRun:
         resume = self._prepare_save_dir()
         data = self._data()
         config, steps = self._resolved(data)
-        self._check_disk(config, steps)
+        self.ranks.decide(lambda: self._check_disk(config, steps))  # one disk check
         model = self._model(config)
         # The sharded engine takes the communicator; one rank keeps today's call.
         comm = {"comm": self.ranks.comm} if self.ranks.many else {}
