@@ -114,11 +114,16 @@ def _single_rank_losses(inputs, tmp_path, steps: int) -> list[float]:
 
 
 @needs_sharded_engine
-def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_path):
-    save, logs = tmp_path / "two", tmp_path / "logs"
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_path, tier):
+    save, logs, nvme = tmp_path / "two", tmp_path / "logs", tmp_path / "nvme"
     args = _args(inputs, save, "--micro-batch", 1, "--grad-accum", 2, "--steps", 3)
+    if tier == "nvme":
+        nvme.mkdir()
+        args += ["--nvme", str(nvme)]
     code, out = _finish(_torchrun(args, logs))
     assert code == 0, out
+    assert not nvme.exists() or list(nvme.iterdir()) == []  # each rank removed its swap files
     expected = _single_rank_losses(inputs, tmp_path, 3)
     assert _losses(save) == pytest.approx(expected, rel=1e-5)
     assert not list(save.glob("metrics.*.jsonl"))  # one metrics file, rank 0's
