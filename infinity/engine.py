@@ -269,24 +269,26 @@ class Engine:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
         start = self._timer.start()
-        if coord.phase is not Phase.IDLE:  # a forward whose backward never came (or failed)
+        if coord.phase is Phase.BACKWARD_PENDING:  # a forward whose backward never came
+            self.hooks.reset()  # (begin_forward closes its iteration)
+        elif coord.phase is Phase.BACKWARD:  # a plain backward that raised out of autograd
             self.hooks.reset()
+            coord.abort()
         self.entry.new_iteration()
-        coord.begin_iteration(self._iteration_key())
+        coord.begin_forward(self._iteration_key())
+        grad = torch.is_grad_enabled()
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
                 out = self.module(*args, **kwargs)
         except BaseException:
             self.hooks.reset()
-            coord.abort_iteration()
+            coord.abort()
             raise
-        if not torch.is_grad_enabled():
+        if not grad:
             self.hooks.reset()
-            coord.end_iteration()
-            self._timer.stop("forward", start)
-            return out
+        coord.end_forward(backward=grad)
         self._timer.stop("forward", start)
-        return self.entry.wrap(out)
+        return self.entry.wrap(out) if grad else out
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backpropagate loss * loss_scale / gradient_accumulation_steps (DeepSpeed's meaning;
@@ -303,19 +305,20 @@ class Engine:
             factor /= self.gradient_accumulation_steps
         coord = self.coordinator
         start = self._timer.start()
-        coord.phase = Phase.BACKWARD
+        coord.begin_backward()
         self.entry.caller_scaled = True
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
                 (loss.float() * factor).backward()
         except BaseException:
             self.hooks.reset()
-            coord.abort_iteration()
+            coord.abort()
             raise
         finally:
             self.entry.caller_scaled = False
-        self.hooks.reset()  # already done by the entry, unless the loss bypassed the outputs
-        coord.end_iteration()
+        if coord.phase is Phase.BACKWARD:  # the loss bypassed the outputs: no entry ended it
+            self.hooks.reset()
+            coord.end_backward()
         self._backwards += 1
         self._timer.stop("backward", start)
 
@@ -623,7 +626,7 @@ class Engine:
         for handle in self._grad_handles:
             handle.remove()
         self._grad_handles = []
-        self.coordinator.abort_iteration()
+        self.coordinator.abort()
         self._close_stores(self.optimizer)
 
     def _check_open(self, what: str) -> None:

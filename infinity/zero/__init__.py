@@ -9,8 +9,8 @@ the CPU-Adam step over fp32 masters and gradient partitions (`PartitionedOptimiz
 
 from infinity.zero.backward_entry import BackwardEntry
 from infinity.zero.build import init, model_dtype, partition_model
-from infinity.zero.coordinator import Coordinator, Phase
-from infinity.zero.hooks import GatherOnUse, ModelHooks, install_grad_hooks
+from infinity.zero.coordinator import Coordinator, LiveEvent, Phase
+from infinity.zero.hooks import CallState, GatherOnUse, ModelHooks, install_grad_hooks
 from infinity.zero.optimizer import PartitionedOptimizer, StepResult, sub_group_numels
 from infinity.zero.param import HomeTier, OffloadParam, ParamState, frozen_on_nvme
 from infinity.zero.sub_groups import Slot
@@ -19,9 +19,11 @@ from infinity.zero.unit import ModuleUnit
 
 __all__ = [
     "BackwardEntry",
+    "CallState",
     "Coordinator",
     "GatherOnUse",
     "HomeTier",
+    "LiveEvent",
     "ModelHooks",
     "ModuleUnit",
     "OffloadParam",

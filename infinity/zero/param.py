@@ -271,6 +271,14 @@ class OffloadParam:
         self.param.data = self.device_tensor.view(self.shape)
         self.state = ParamState.LIVE
 
+    def finish_read(self, accel: Accelerator) -> None:
+        """From NVMe: wait for the read and copy it to the new device buffer, giving the pool
+        buffer back. The parameter stays INFLIGHT: only `wait` makes it LIVE, so reads can
+        finish in any order without changing what is gathered."""
+        self._assert_state(ParamState.INFLIGHT)
+        if self._read is not None:
+            self._land(accel)
+
     def _land(self, accel: Accelerator) -> None:
         """The NVMe read: wait, copy the pool buffer to a new device buffer, give it back."""
         read, self._read = self._read, None
