@@ -3,7 +3,8 @@
 `initialize(model, config)` partitions the model (`infinity.zero`), builds the partitioned
 CPU-Adam optimizer, the loss scaler and the learning-rate schedule, and returns an `Engine`.
 The engine owns the loop's bookkeeping (micro steps, accumulation boundaries, skipped steps,
-the last gradient norm) and checkpoints; gathering and releasing belong to the coordinator.
+the last gradient norm) and checkpoints; gathering, releasing and the iteration's lifecycle
+belong to the coordinator (the engine calls its verbs around forward and backward).
 
 [Note: gathered weights after a step] Parameters that stay gathered between iterations
 (persistent ones) must see each step's new weights. With host partitions they are copied
@@ -20,8 +21,8 @@ optimizer divides it out inside its step (after the overflow check and global-no
 gradient of `loss` as it is (a loop that accumulates divides its loss itself, as the HF
 Trainer and Lightning do). The engine cannot see that loss, so it acts where the gradient
 enters the model: `forward` marks every output that requires grad (`BackwardEntry`); the
-first gradient to reach one (1) starts the engine's backward phase and queues the end of the
-iteration for when autograd finishes (the way FSDP ends its backward), and (2) with fp16 is
+first gradient to reach one (1) begins the coordinator's backward and queues its end for
+when autograd finishes (the way FSDP ends its backward), and (2) with fp16 is
 multiplied by the loss scale, inside an identity function the output passes through. Outputs
 the model computes from one another (loss from logits) are wrapped after the fact, so each
 gradient is scaled exactly once. What fp16 cannot do this way: a loss computed outside the
@@ -637,9 +638,11 @@ class Engine:
             )
 
     def _check_idle(self, what: str) -> None:
-        if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():
+        phase = self.coordinator.phase
+        if phase is not Phase.IDLE and torch.is_grad_enabled():
             raise RuntimeError(
-                f"{what}: a forward is waiting for its backward; call it between steps"
+                f"{what}: a forward is waiting for its backward (phase {phase.name}); call it "
+                "between steps"
             )
 
     def named_parameters_host(self):

@@ -1,14 +1,17 @@
 """Module and gradient hooks: they tell the coordinator when a unit starts and ends.
 
-Owns the hooks on a partitioned model and the stack of running module calls. It decides no
-policy; gathering and releasing are the coordinator's.
+Owns the hooks on a partitioned model, one record per module call (`_Call`: its unit, trace
+positions, `CallState`, and the inputs and gradients its backward still waits for) and the
+stack of running calls. It decides no policy and never changes the iteration's phase:
+gathering, releasing and the lifecycle are the coordinator's.
 
 [Note: backward] Autograd keeps leaf parameters by reference, so a module's parameters must be
 gathered again before its backward runs. In forward, each module call with a gather set puts a
-gradient hook on its outputs (fires before the module's backward: gather) and on its inputs
-that require grad (fires after it: release, per the reuse rule). A call whose inputs need no
-gradient (the embedding of token ids) ends instead when its trainable parameters' gradients
-have been accumulated; anything left is released when the backward ends. Backward pins
+gradient hook on its outputs (fires before the module's backward: gather, FORWARD -> GATHERED;
+the first one may begin the coordinator's backward) and on its inputs that require grad (fires
+after it: GATHERED -> DONE, release per the reuse rule). A call whose inputs need no gradient
+(the embedding of token ids) ends instead when its trainable parameters' gradients have been
+accumulated; anything left is released when the backward ends. Backward pins
 nothing past the gather: a weight evicted under budget pressure before an op reads it is
 gathered again by the saved-tensor hooks, and one evicted before autograd accumulates its
 gradient (accumulation checks the parameter's shape) by a tensor hook on the parameter; a
