@@ -228,7 +228,10 @@ class ModelHooks:
             try:
                 # The first gradient may reach a module before the engine's entry sees it:
                 # the root module's outputs are the engine's, and tensor hooks run in order.
-                self.coord.begin_backward()
+                try:
+                    self.coord.begin_backward()
+                except RuntimeError as e:
+                    raise RuntimeError(f"backward of module {call.unit.name!r}: {e}") from None
                 call.state = CallState.GATHERED
                 call.bw_pos = self.coord.gather(call.unit, pin=False)
             finally:
