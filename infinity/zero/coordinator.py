@@ -387,14 +387,15 @@ class Coordinator:
         (freeing pool buffers), then issue queued reads (those in `first`, then the rest in
         the order decided) while the pool has buffers. What is LIVE does not change."""
         for rec in [r for r in self._reading if r.read_done()]:
-            self._finish_read(rec)
+            if not self._finish_read(rec):
+                break  # reads that land with a collective wait for their gather
         for rec in first:
             if rec in self._queued and not self._issue(rec):
                 return
         for rec in list(self._queued):
             if not self._issue(rec):
                 return
-            if rec.read_done():  # a fast disk (or page cache): free the buffer at once
+            if rec.read_done():  # a fast disk (or the page cache): free the buffer at once
                 self._finish_read(rec)
 
     def _issue(self, rec: OffloadParam, *, block: bool = False) -> bool:
@@ -405,14 +406,17 @@ class Coordinator:
         self._reading[rec] = None
         return True
 
-    def _finish_read(self, rec: OffloadParam) -> None:
+    def _finish_read(self, rec: OffloadParam) -> bool:
         """Copy `rec`'s read to its device buffer and free the pool buffer; it stays
-        pending. A failed read is kept and raised when the parameter is needed."""
-        del self._reading[rec]
+        pending. A failed read is kept and raised when the parameter is needed. False when
+        the read cannot be finished apart from its landing (nothing done)."""
         try:
-            rec.finish_read(self.accel)
+            if not rec.finish_read(self.accel):
+                return False
         except Exception as e:  # the read failed; rec is RELEASED with its buffer back
             self._failed[rec] = e
+        del self._reading[rec]
+        return True
 
     def _land(self, rec: OffloadParam) -> None:
         """pending -> LIVE; a failed NVMe read leaves `rec` RELEASED and uncounted."""
@@ -423,7 +427,11 @@ class Coordinator:
                 if not self._reading:
                     self._issue(rec, block=True)  # the pool is held elsewhere: wait for it
                     break
-                self._finish_read(next(iter(self._reading)))
+                oldest = next(iter(self._reading))
+                if not self._finish_read(oldest):
+                    # Its landing is a collective: it lands here, at a point every rank
+                    # reaches (with no read finished early, `_reading` is the same too).
+                    self._land(oldest)
         self._reading.pop(rec, None)
         self._pending.pop(rec, None)
         try:

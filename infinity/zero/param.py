@@ -187,14 +187,18 @@ class OffloadParam:
         self.param.data = self.device_tensor.view(self.shape)
         self.state = ParamState.LIVE
 
-    def finish_read(self, accel: Accelerator) -> None:
+    def finish_read(self, accel: Accelerator) -> bool:
         """From NVMe: wait for the read and copy it to the new device buffer, giving the pool
         buffer back. The parameter stays INFLIGHT: only `wait` makes it LIVE, so reads may
         finish in any order without changing what is gathered (a failed read raises
-        NvmeParamError, leaving RELEASED)."""
+        NvmeParamError, leaving RELEASED). False when there is no read to finish early (a
+        transfer whose landing is a collective must not be finished here: it would follow
+        the disk's timing)."""
         self._assert_state(ParamState.INFLIGHT)
-        if self.reading:
-            self._land(accel)
+        if not self.reading:
+            return False
+        self._land(accel)
+        return True
 
     def _land(self, accel: Accelerator) -> None:
         """The transfer in flight (if not landed yet): its device buffer and copy event."""
