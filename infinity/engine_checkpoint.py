@@ -112,6 +112,8 @@ def save(
         "loss_scaler": engine.loss_scaler.state_dict(),
         **(client_state or {}),
     }
+    if comm.world_size > 1:  # the files hold flat spans: the shapes, for joining them
+        state["engine"]["shapes"] = {r.name: list(r.shape) for r in saved}
     if frozen and not include_frozen:
         state[BASE_MODEL_KEY] = engine._base()
     save_on_all_ranks(

@@ -84,3 +84,18 @@ def test_reader_refuses_a_different_model(tmp_path):
             spans.read("v", 10, 0, 10)
         with pytest.raises(ValueError, match=r"span \[4, 11\) is outside 'w'"):
             spans.read("w", 10, 4, 11)
+
+
+def test_full_tensor_joins_the_ranks_with_the_saved_shape(tmp_path):
+    w = torch.arange(21, dtype=torch.float32).reshape(3, 7)
+    pending = begin_save(tmp_path, "t")
+    for rank in range(2):
+        lo, hi = rank_span(21, 2, rank)
+        pending.write_shard(rank, [("param/w", w.reshape(-1)[lo:hi].clone())], rng_state=None)
+    pending.commit(step=1, state={"engine": {"shapes": {"w": [3, 7]}}}, world_size=2)
+    assert torch.equal(load_checkpoint(tmp_path, "t").full_tensor("param/w"), w)
+    one = tmp_path / "one"
+    pending = begin_save(one, "t")
+    pending.write_shard(0, [("param/w", w)], rng_state=None)
+    pending.commit(step=1, world_size=1)
+    assert torch.equal(load_checkpoint(one, "t").full_tensor("param/w"), w)

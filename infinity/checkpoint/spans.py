@@ -76,6 +76,18 @@ class SpanReader:
             self._open[rank] = self._stack.enter_context(SafetensorsReader(self._files[rank]))
         return self._open[rank]
 
+    def saved_numel(self, key: str) -> int:
+        """The elements of saved tensor `key` in full: its spans' lengths summed."""
+        total = 0
+        for rank in range(self.world_size):
+            try:
+                total += int(torch.Size(self._reader(rank).shape(key)).numel())
+            except KeyError:
+                raise ValueError(
+                    f"checkpoint {self.path}: rank {rank}'s shard has no {key!r}"
+                ) from None
+        return total
+
     def read(
         self, key: str, numel: int, lo: int, hi: int, *, pad_to: int | None = None
     ) -> torch.Tensor:
