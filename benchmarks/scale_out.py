@@ -160,7 +160,9 @@ def _run_world(args, world: int, out: Path) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", str(world), *own]  # fmt: skip
     env = dict(os.environ, INFINITY_ACCELERATOR="cpu", OMP_NUM_THREADS=str(max(1, 2 // world)))
-    subprocess.run(cmd, env=env, check=True, timeout=3600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"world size {world} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 
