@@ -175,9 +175,9 @@ class StopSignals:
             return
         if self.phase is Phase.TRAINING and self.requested is None:
             self.requested = signum
-            every = "all ranks stop" if self.rank is not None else "stopping"
+            every = "all ranks save" if self.rank is not None else "saving"
             _say(
-                f"{who} {what}: {every} after this step with a checkpoint "
+                f"{who} {what}: {every} a checkpoint after this step "
                 f"(send it again to stop at once without one)"
             )
             return
