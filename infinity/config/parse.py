@@ -65,9 +65,6 @@ _IGNORED: dict[type, frozenset[str]] = {
     ),
     ZeroConfig: frozenset(
         {
-            "overlap_comm",
-            "contiguous_gradients",
-            "reduce_bucket_size",
             "reduce_scatter",
             "allgather_partitions",
             "allgather_bucket_size",
@@ -113,6 +110,7 @@ _MINIMUM: dict[tuple[type, str], tuple[float, bool]] = {
     (ZeroConfig, "max_reuse_distance"): (0, False),
     (ZeroConfig, "param_persistence_threshold"): (0, False),
     (ZeroConfig, "sub_group_size"): (1, False),
+    (ZeroConfig, "reduce_bucket_size"): (1, False),
     (AioConfig, "block_size"): (1, False),
     (AioConfig, "queue_depth"): (1, False),
     (AioConfig, "thread_count"): (1, False),

@@ -81,6 +81,15 @@ class ZeroConfig:
     """Parameters with fewer elements stay resident on the device."""
     sub_group_size: int | str = 1_000_000_000
     """Elements per optimizer sub-group (the unit of CPU-Adam and NVMe swapping)."""
+    reduce_bucket_size: int | str = 500_000_000
+    """With several ranks: gradient elements reduce-scattered in one collective (a larger
+    parameter goes alone); "auto" = hidden_size^2 with `Config.resolve(hidden_size=...)`."""
+    overlap_comm: bool = True
+    """With several ranks: reduce-scatter a full gradient bucket while backward goes on (two
+    buckets in use); False waits for each reduction before backward continues."""
+    contiguous_gradients: bool = True
+    """With several ranks: copy each gradient into the bucket's buffer as it is produced and
+    free it at once; False keeps the gradients until their bucket is reduced."""
     gather_16bit_weights_on_model_save: bool = False
     """Allow `Engine.save_16bit_model`: consolidated 16-bit weights in one safetensors file
     (DeepSpeed's stage3_ key). `infinity export` does the same from a checkpoint."""
