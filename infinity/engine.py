@@ -49,6 +49,7 @@ from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.checkpoint import model16
 from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base, describe_base
+from infinity.comm import Comm, from_env
 from infinity.config import Config
 from infinity.optim import Schedule, build_loss_scaler, build_schedule
 from infinity.swap import (
@@ -73,6 +74,7 @@ from infinity.zero import (
     partition_model,
     sub_group_numels,
 )
+from infinity.zero.grad_reduce import GradReducer
 
 logger = logging.getLogger(__name__)
 
@@ -104,22 +106,28 @@ class Engine:
         accelerator: Accelerator | None = None,
         no_decay: Collection[str] = (),
         base_model: str | os.PathLike | dict | None = None,
+        comm: Comm | None = None,
     ) -> None:
         """`no_decay`: names of parameters the optimizer's weight decay skips (the HF
         Trainer's biases and norms). `base_model` says where the frozen weights came from (a
         Hugging Face directory, or a JSON-able description such as {"preset": ..., "seed":
         ...}): checkpoints, which leave them out, record it and refuse to resume on another
-        base."""
+        base. `comm` connects the ranks (default: `infinity.comm.from_env()`, one process
+        unless launched by torchrun); the engine closes it only if it made it."""
         config = Config.load(config)
         largest = max((p.numel() for p in model.parameters()), default=1)
-        self.config = config.resolve(largest_param_numel=max(1, largest))
+        self.accelerator = accelerator or get_accelerator()
+        self._owns_comm = comm is None
+        self.comm: Comm = comm if comm is not None else from_env(device=self.accelerator.device)
+        self.config = config.resolve(
+            world_size=self.comm.world_size, largest_param_numel=max(1, largest)
+        )
         zero = self.config.zero_optimization
         if zero.stage != 3:
             raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
         self.module = model
         self._base_source = base_model
         self._base_record: dict | None = None
-        self.accelerator = accelerator or get_accelerator()
         self.records, units = partition_model(model, self.config, self.accelerator)
         self.optimizer = self._build_optimizer(set(no_decay))
         if self.param_store is not None:  # see [Note: gathered weights after a step]
@@ -131,8 +139,13 @@ class Engine:
             self.hooks = ModelHooks(
                 model, units, by_param, self.coordinator, iteration_key=self._iteration_key
             )
+            self.grad_reducer = self._make_grad_reducer()
             self._grad_handles = install_grad_hooks(
-                self.records, self.optimizer.accumulate_grad, self.hooks, self.accelerator
+                self.records,
+                self.optimizer.accumulate_grad,
+                self.hooks,
+                self.accelerator,
+                self.grad_reducer,
             )
         except BaseException:  # no swap directory outlives a failed start
             self._close_stores(self.optimizer)
@@ -199,6 +212,7 @@ class Engine:
                 weight_home=self.param_store,
                 no_decay=[i for i, r in enumerate(trainable) if r.name in no_decay],
                 grad_store=grads,
+                comm=self.comm,
             )
             del slots  # the host partitions of an NVMe home are dropped below
             for i, rec in enumerate(trainable):
@@ -214,6 +228,21 @@ class Engine:
             self._close_stores()  # no swap directory or lock outlives a failed start
             raise
         return optimizer
+
+    def _make_grad_reducer(self) -> GradReducer | None:
+        """With several ranks, the buckets that reduce-scatter gradients into the slots."""
+        if self.comm.world_size == 1:
+            return None
+        zero = self.config.zero_optimization
+        return GradReducer(
+            self.comm,
+            self.optimizer.accumulate_grad,
+            self.accelerator,
+            bucket_numel=int(zero.reduce_bucket_size),
+            overlap=zero.overlap_comm,
+            contiguous=zero.contiguous_gradients,
+            total_shard_numel=self.optimizer.layout.total,
+        )
 
     def _make_param_store(self) -> NvmeParamStore:
         """The NVMe parameter tier: frozen parameters laid out one extent each (the optimizer
@@ -348,6 +377,8 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         start = self._timer.start()
+        if self.grad_reducer is not None:  # normally done at the end of each backward
+            self.grad_reducer.flush()
         if self.param_store is not None:
             self.coordinator.quiesce()
         lr = self.lr_schedule.lr
@@ -366,6 +397,7 @@ class Engine:
             if self.param_store is None:
                 self.coordinator.refresh_persistent()
         self.global_steps += 1
+        self.comm.end_step()  # with INFINITY_COMM_CHECK: the ranks' collectives compared
         self._timer.stop("step", start)
         self._time_step_parts()
         self._log_progress(lr, self._timer.finish())
@@ -450,7 +482,8 @@ class Engine:
     def memory_stats(self) -> dict[str, int]:
         """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
         NVMe tiers, bytes read and written, time waited, the staging buffers' sizes and peak
-        use, and the pinned bytes (allocated, and the peak in use)."""
+        use, and the pinned bytes (allocated, and the peak in use); this rank's figures, with
+        `rank`, `world_size` and the comm's bytes and calls per collective."""
         stats = self.coordinator.stats()
         # Trainable partitions belong to the optimizer (it counts them, or they alias its
         # fp32 masters); frozen ones are only ours.
@@ -475,6 +508,10 @@ class Engine:
                 pinned += pool.total_bytes
                 peak_pinned += pool.peak_bytes_in_use
         stats["pinned_bytes"], stats["peak_pinned_bytes"] = pinned, peak_pinned
+        stats["rank"], stats["world_size"] = self.comm.rank, self.comm.world_size
+        stats.update(self.comm.stats())
+        if self.grad_reducer is not None:
+            stats.update(self.grad_reducer.memory_stats())
         return stats
 
     # ---- checkpoints ------------------------------------------------------------------
@@ -624,7 +661,11 @@ class Engine:
             handle.remove()
         self._grad_handles = []
         self.coordinator.abort_iteration()
-        self._close_stores(self.optimizer)
+        try:
+            self._close_stores(self.optimizer)
+        finally:
+            if self._owns_comm:
+                self.comm.close()
 
     def _check_open(self, what: str) -> None:
         if getattr(self, "_closed", False):

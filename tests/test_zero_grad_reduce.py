@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
-
-from tests._dist import run_ranks
-
-
-def _results(procs) -> list[dict]:
-    out = []
-    for rank, p in enumerate(procs):
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert lines, f"rank {rank} printed no result (exit {p.returncode}):\n{p.stderr[-3000:]}"
-        out.append(json.loads(lines[-1].removeprefix("RESULT ")))
-    return out
+from _dist import rank_results, run_ranks
 
 
 @pytest.mark.parametrize(
@@ -25,7 +14,7 @@ def _results(procs) -> list[dict]:
     ids=["overlap-contiguous", "sync-contiguous", "overlap-kept", "one-bucket"],
 )
 def test_buckets_reduce_scatter_the_mean_into_each_shard(bucket, overlap, contiguous):
-    res = _results(
+    res = rank_results(
         run_ranks("_grad_reduce_child.py", ["reduce", str(bucket), str(overlap), str(contiguous)])
     )
     for out in res:
@@ -45,9 +34,9 @@ def test_buckets_reduce_scatter_the_mean_into_each_shard(bucket, overlap, contig
 
 
 def test_optimizer_norm_and_overflow_are_global():
-    res = _results(run_ranks("_grad_reduce_child.py", ["norm"]))
+    res = rank_results(run_ranks("_grad_reduce_child.py", ["norm"]))
     for out in res:
         assert not out["overflow"]
         assert math.isclose(out["norm"], out["want"], rel_tol=1e-6)
-    res = _results(run_ranks("_grad_reduce_child.py", ["norm", "inf-on-rank-1"]))
+    res = rank_results(run_ranks("_grad_reduce_child.py", ["norm", "inf-on-rank-1"]))
     assert [out["overflow"] for out in res] == [True, True]
