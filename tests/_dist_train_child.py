@@ -1,0 +1,103 @@
+"""One rank of the scale-out parity tests: trains the Zoo model on its share of each global
+batch and prints a JSON line with the global losses and its memory_stats.
+
+argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated: "delay" delays
+this rank's NVMe reads at random when it is rank 1; "gpt" trains the tiny Llama instead).
+"""
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+
+import torch
+from _engine_models import Zoo, batches, config, tiny_gpt
+from _fake_aio import FakeAio, FakeFuture
+
+import infinity
+from infinity import comm
+from infinity.swap.aio import AioHandle
+
+GLOBAL_BATCH = 4
+
+
+class DelayedFuture(FakeFuture):
+    """A read that finishes on another thread after a random delay."""
+
+    def __init__(self, run, delay_s: float):
+        super().__init__(run)
+        self._event = threading.Event()
+        threading.Thread(target=self._later, args=(delay_s,), daemon=True).start()
+
+    def _later(self, delay_s: float) -> None:
+        time.sleep(delay_s)
+        self._finish_once()
+        self._event.set()
+
+    def _finish_once(self) -> None:
+        with _LOCK:
+            if not self._done:
+                self._finish()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+
+_LOCK = threading.Lock()
+
+
+class DelayedAio(FakeAio):
+    """Reads land 0-30 ms after they are issued, at random; writes at once."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def _submit(self, run):
+        return DelayedFuture(run, self.rng.uniform(0.0, 0.03))
+
+
+def main() -> dict:
+    tier, nvme_dir, steps, options = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    options = set(options.split(",")) - {""}
+    c = comm.from_env(timeout=60)
+    if "delay" in options and c.rank == 1:
+        AioHandle.from_config = staticmethod(lambda cfg, **kw: DelayedAio(seed=os.getpid()))
+    torch.manual_seed(0)  # every rank builds the same initial weights
+    model = tiny_gpt(layers=2, hidden=32, checkpointing=False) if "gpt" in options else Zoo()
+    zero = {}
+    if tier == "nvme":
+        zero = {
+            "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 4},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir},
+            "sub_group_size": 700,
+        }
+    cfg = config(**zero)
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // c.world_size
+    cfg["gradient_clipping"] = 1.0
+    engine = infinity.initialize(model, cfg, comm=c)
+    per_rank = GLOBAL_BATCH // c.world_size
+    losses = []
+    for ids in batches(steps, batch=GLOBAL_BATCH, seq=8):
+        mine = ids[c.rank * per_rank : (c.rank + 1) * per_rank]
+        loss = engine(mine, mine)
+        engine.backward(loss)
+        engine.step()
+        # The loss of the global batch: the mean of the ranks' equal-sized means.
+        losses.append(sum(c.all_gather_object(loss.item())) / c.world_size)
+    stats = engine.memory_stats()
+    norm = engine.get_global_grad_norm()
+    engine.close()
+    c.close()
+    return {"losses": losses, "stats": stats, "grad_norm": norm}
+
+
+print("RESULT " + json.dumps(main()), flush=True)
+os._exit(0)
