@@ -190,7 +190,8 @@ class Engine:
         """The homes first (decided once, see `HomePlan`), the records with them, then the
         optimizer, which writes the trainable weights into their homes."""
         named = list(self.module.named_parameters())
-        trainable = [(n, p.numel()) for n, p in named if p.requires_grad]
+        shard = self._shard_numel
+        trainable = [(n, shard(p.numel())) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(
                 "initialize: the model has no parameter with requires_grad=True; nothing to train"
@@ -204,7 +205,7 @@ class Engine:
         zero = self.config.zero_optimization
         dtype = model_dtype(self.config)
         names = [n for n, _ in trainable]
-        self._swap_stores = SwapStores()
+        self._swap_stores = SwapStores(rank=self.comm.rank)
         self.param_store: NvmeParamStore | None = None
         try:
             on_nvme: set[str] = set()
@@ -224,6 +225,7 @@ class Engine:
                 {n: i for i, n in enumerate(names)},
                 self.param_store,
                 frozenset(on_nvme),
+                comm=self.comm if self.comm.world_size > 1 else None,
             )
             self.records, units, sources = partition_model(
                 self.module, self.config, self.accelerator, plan
@@ -248,6 +250,10 @@ class Engine:
             raise
         return optimizer, units
 
+    def _shard_numel(self, numel: int) -> int:
+        """Elements of this rank's shard of a parameter (all of them with one rank)."""
+        return -(-numel // self.comm.world_size)
+
     def _make_grad_reducer(self) -> GradReducer | None:
         """With several ranks, the buckets that reduce-scatter gradients into the slots."""
         if self.comm.world_size == 1:
@@ -267,11 +273,11 @@ class Engine:
         self, named: list[tuple[str, nn.Parameter]], on_nvme: set[str], dtype: torch.dtype
     ) -> NvmeParamStore:
         """The NVMe parameter tier: frozen parameters laid out one extent each (the optimizer
-        lays out the trainable ones in its flat space)."""
+        lays out the trainable ones in its flat space); this rank's shards of them."""
         zero = self.config.zero_optimization
-        numels = [p.numel() for _, p in named]
+        numels = [self._shard_numel(p.numel()) for _, p in named]
         return make_param_store(
-            {n: (p.numel(), dtype) for n, p in named if n in on_nvme},
+            {n: (k, dtype) for (n, _), k in zip(named, numels, strict=True) if n in on_nvme},
             zero.offload_param,
             self.config.aio,
             stores=self._swap_stores,
@@ -701,8 +707,8 @@ class Engine:
 
 def _weights_of(rec: OffloadParam):
     """A thunk for a parameter's weights that reads its home when the writer reaches it (one
-    parameter in memory at a time)."""
-    return lambda: rec.home.read().view(rec.shape)
+    parameter in memory at a time; with several ranks every rank's shard, gathered)."""
+    return lambda: rec.read_full().view(rec.shape)
 
 
 def _to_half(obj: Any) -> Any:

@@ -47,10 +47,12 @@ import torch
 from torch import nn
 
 from infinity.accelerator import Accelerator, get_accelerator
+from infinity.comm import Comm
 from infinity.config import Config
 from infinity.zero.build_files import BuildFiles
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
 from infinity.zero.param import OffloadParam
+from infinity.zero.shard import Shard, shard_of
 from infinity.zero.unit import ModuleUnit
 from infinity.zero.weights import HostWeights, NvmeWeights
 
@@ -101,6 +103,14 @@ def _adoptable(param: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin:
     )
 
 
+def _padded(param: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """The shard's span of `param`, flattened, then zeros up to `shard.numel`."""
+    out = torch.zeros(shard.numel, dtype=param.dtype)
+    with torch.no_grad():
+        out[: shard.stop - shard.start].copy_(param.detach().reshape(-1)[shard.start : shard.stop])
+    return out
+
+
 @contextlib.contextmanager
 def init(config: Config | dict | str) -> Iterator[None]:
     """Create every parameter registered inside this block directly as a host partition."""
@@ -147,6 +157,13 @@ class HomePlan:
     frozen_on_nvme: frozenset[str] = frozenset()
     """Frozen parameters whose home is their own extent in `param_store` (the others keep
     their partition in host memory)."""
+    comm: Comm | None = None
+    """With several ranks, every home holds this rank's shard (see `infinity.zero.shard`)."""
+
+    def shard(self, numel: int) -> Shard:
+        """This rank's shard of a parameter of `numel` elements."""
+        c = self.comm
+        return shard_of(numel, 1, 0) if c is None else shard_of(numel, c.world_size, c.rank)
 
     def home(self, name: str, partition: torch.Tensor) -> ParamHome:
         """The home of parameter `name` whose build partition is `partition`. A trainable
@@ -168,7 +185,9 @@ def partition_model(
 ) -> tuple[list[OffloadParam], dict[nn.Module, ModuleUnit], list[torch.Tensor]]:
     """One record per parameter with its home from `plan`, one unit per module, and the
     trainable parameters' partitions in slot order (the optimizer's initial weights: it
-    writes them into their homes; drop them after).
+    writes them into their homes; drop them after). With several ranks (`plan.comm`) the
+    homes and the returned partitions are this rank's shards: every rank must have built
+    the same weights (the same seed), and the rest of each parameter is dropped here.
 
     Every parameter is released on return; floating-point buffers are cast to the model dtype
     and moved to the device (they stay resident).
@@ -187,7 +206,10 @@ def partition_model(
                 f"parameter {name!r} is on the meta device: its values do not exist; build "
                 f"the model under `with infinity.init(config):` instead"
             )
-        if _adoptable(param, dtype, accel, pin):
+        shard = plan.shard(param.numel())
+        if shard.numel != param.numel():
+            part = _new_partition(_padded(param, shard), dtype, accel, pin)
+        elif _adoptable(param, dtype, accel, pin):
             part = param.detach().view(-1)
         else:
             part = _new_partition(param, dtype, accel, pin)
@@ -197,6 +219,7 @@ def partition_model(
             plan.home(name, part),
             device=accel.device,
             persistent=is_persistent(param.numel(), threshold),
+            comm=plan.comm,
         )
         rec.slot = plan.slots.get(name)
         if rec.slot is not None:

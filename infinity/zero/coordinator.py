@@ -69,6 +69,7 @@ class Coordinator:
         self, records: Iterable[OffloadParam], zero: ZeroConfig, *, accelerator: Accelerator
     ) -> None:
         self.records = list(records)
+        self._sharded = any(r.comm is not None for r in self.records)
         self.accel = accelerator
         self.copy_stream = accelerator.new_stream()
         self.budget = int(zero.max_live_parameters)
@@ -282,6 +283,8 @@ class Coordinator:
         """Fetch for prefetch without waiting: False when the NVMe pool stays full."""
         if self._fetch(rec, block=False):
             return True
+        if self._sharded:  # landing gathers across ranks: never decided by the disk's timing
+            return False
         landed = [r for r in self._reading if r.read_done()]
         for r in landed:
             self._land(r)
