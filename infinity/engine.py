@@ -502,7 +502,8 @@ class Engine:
         """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
         NVMe tiers, bytes read and written, time waited, the staging buffers' sizes and peak
         use, and the pinned bytes (allocated, and the peak in use); this rank's figures, with
-        `rank`, `world_size` and the comm's bytes and calls per collective."""
+        `rank`, `world_size`, `home_numel` (the elements its homes hold: about 1/world_size
+        of the model) and the comm's bytes and calls per collective."""
         stats = self.coordinator.stats()
         # Trainable homes are the optimizer's buffers (it counts them, or they alias its fp32
         # masters); frozen ones are only ours.
@@ -527,6 +528,7 @@ class Engine:
                 peak_pinned += pool.peak_bytes_in_use
         stats["pinned_bytes"], stats["peak_pinned_bytes"] = pinned, peak_pinned
         stats["rank"], stats["world_size"] = self.comm.rank, self.comm.world_size
+        stats["home_numel"] = sum(r.home.numel for r in self.records)  # this rank's shards
         stats.update(self.comm.stats())
         if self.grad_reducer is not None:
             stats.update(self.grad_reducer.memory_stats())

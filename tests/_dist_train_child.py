@@ -64,14 +64,13 @@ class DelayedAio(FakeAio):
         return DelayedFuture(run, self.rng.uniform(0.0, 0.03))
 
 
-def main() -> dict:
-    tier, nvme_dir, steps, options = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    options = set(options.split(",")) - {""}
-    c = comm.from_env(timeout=60)
+def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str]) -> dict:
+    """Train on this rank's share of each global batch; the global losses and this rank's
+    figures."""
     if "delay" in options and c.rank == 1:
         AioHandle.from_config = staticmethod(lambda cfg, **kw: DelayedAio(seed=os.getpid()))
     torch.manual_seed(0)  # every rank builds the same initial weights
-    model = tiny_gpt(layers=2, hidden=32, checkpointing=False) if "gpt" in options else Zoo()
+    model = tiny_gpt(layers=2, hidden=64) if "gpt" in options else Zoo(d=64)
     zero = {}
     if tier == "nvme":
         zero = {
@@ -94,10 +93,15 @@ def main() -> dict:
         losses.append(sum(c.all_gather_object(loss.item())) / c.world_size)
     stats = engine.memory_stats()
     norm = engine.get_global_grad_norm()
+    weights = {n: w.sum().item() for n, w in engine.named_parameters_host()}
     engine.close()
+    return {"losses": losses, "stats": stats, "grad_norm": norm, "weight_sums": weights}
+
+
+if __name__ == "__main__":
+    tier, nvme_dir, steps, options = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    c = comm.from_env(timeout=60)
+    result = train(c, tier, nvme_dir, steps, set(options.split(",")) - {""})
     c.close()
-    return {"losses": losses, "stats": stats, "grad_norm": norm}
-
-
-print("RESULT " + json.dumps(main()), flush=True)
-os._exit(0)
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
