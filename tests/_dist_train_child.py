@@ -2,7 +2,9 @@
 batch and prints a JSON line with the global losses and its memory_stats.
 
 argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated: "delay" delays
-this rank's NVMe reads at random when it is rank 1; "gpt" trains the tiny Llama instead).
+this rank's NVMe reads at random when it is rank 1; "gpt" trains the tiny Llama instead;
+"lora" gives the model frozen base weights; "accum" takes each global batch in two micro
+batches; "kept" keeps gradients until their small bucket is reduced, synchronously).
 """
 
 import json
@@ -70,27 +72,36 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     if "delay" in options and c.rank == 1:
         AioHandle.from_config = staticmethod(lambda cfg, **kw: DelayedAio(seed=os.getpid()))
     torch.manual_seed(0)  # every rank builds the same initial weights
-    model = tiny_gpt(layers=2, hidden=64) if "gpt" in options else Zoo(d=64)
+    model = tiny_gpt(layers=2, hidden=64) if "gpt" in options else Zoo(d=64, lora="lora" in options)
     zero = {}
+    if "kept" in options:
+        zero = {"overlap_comm": False, "contiguous_gradients": False, "reduce_bucket_size": 300}
     if tier == "nvme":
-        zero = {
+        zero |= {
             "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 4},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir},
             "sub_group_size": 700,
         }
     cfg = config(**zero)
-    cfg["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // c.world_size
+    accum = 2 if "accum" in options else 1
+    per_rank = GLOBAL_BATCH // c.world_size
+    micro = per_rank // accum
+    cfg["gradient_accumulation_steps"] = accum
+    cfg["train_micro_batch_size_per_gpu"] = micro
     cfg["gradient_clipping"] = 1.0
     engine = infinity.initialize(model, cfg, comm=c)
-    per_rank = GLOBAL_BATCH // c.world_size
     losses = []
     for ids in batches(steps, batch=GLOBAL_BATCH, seq=8):
         mine = ids[c.rank * per_rank : (c.rank + 1) * per_rank]
-        loss = engine(mine, mine)
-        engine.backward(loss)
-        engine.step()
+        total = 0.0
+        for k in range(accum):
+            part = mine[k * micro : (k + 1) * micro]
+            loss = engine(part, part)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / accum
         # The loss of the global batch: the mean of the ranks' equal-sized means.
-        losses.append(sum(c.all_gather_object(loss.item())) / c.world_size)
+        losses.append(sum(c.all_gather_object(total)) / c.world_size)
     stats = engine.memory_stats()
     norm = engine.get_global_grad_norm()
     weights = {n: w.sum().item() for n, w in engine.named_parameters_host()}

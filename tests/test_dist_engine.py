@@ -84,3 +84,12 @@ def test_tiny_llama_with_activation_checkpointing(tmp_path):
     one = _one_rank(tmp_path, "cpu", "gpt")
     two = _two_ranks(tmp_path, "cpu", "gpt", env={comm.CHECK_ENV_VAR: "1"})
     _assert_same_training(one, two)
+
+
+def test_frozen_base_accumulation_and_kept_gradients(tmp_path):
+    # Frozen (LoRA base) weights are sharded and gathered too; two micro batches per step
+    # accumulate into the shards; gradients kept until small synchronous buckets go.
+    one = _one_rank(tmp_path, "cpu", "lora,accum,kept")
+    two = _two_ranks(tmp_path, "cpu", "lora,accum,kept")
+    _assert_same_training(one, two)
+    assert two[0]["stats"]["comm_reduce_scatter_calls"] > 2 * STEPS * 2  # small buckets
