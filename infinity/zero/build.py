@@ -79,14 +79,26 @@ def home_tier(config: Config) -> HomeTier:
 
 
 def _new_partition(
-    src: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin: bool
+    src: torch.Tensor,
+    dtype: torch.dtype,
+    accel: Accelerator,
+    pin: bool,
+    shard: Shard | None = None,
 ) -> torch.Tensor:
+    """A new flat partition holding `src` (or its `shard`'s span, zero-padded)."""
+    numel = src.numel() if shard is None else shard.numel
     if pin and accel.pin_supported():
-        part = accel.empty_pinned((src.numel(),), dtype)
+        part = accel.empty_pinned((numel,), dtype)
     else:
-        part = torch.empty(src.numel(), dtype=dtype)
+        part = torch.empty(numel, dtype=dtype)
+    flat = src.detach().reshape(-1)
     with torch.no_grad():
-        part.copy_(src.detach().reshape(-1))
+        if shard is None:
+            part.copy_(flat)
+        else:
+            n = shard.stop - shard.start
+            part[:n].copy_(flat[shard.start : shard.stop])
+            part[n:].zero_()
     return part
 
 
@@ -101,14 +113,6 @@ def _adoptable(param: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin:
         and param.untyped_storage().nbytes() == param.numel() * param.element_size()
         and (param.is_pinned() or not (pin and accel.pin_supported()))
     )
-
-
-def _padded(param: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """The shard's span of `param`, flattened, then zeros up to `shard.numel`."""
-    out = torch.zeros(shard.numel, dtype=param.dtype)
-    with torch.no_grad():
-        out[: shard.stop - shard.start].copy_(param.detach().reshape(-1)[shard.start : shard.stop])
-    return out
 
 
 @contextlib.contextmanager
@@ -208,7 +212,7 @@ def partition_model(
             )
         shard = plan.shard(param.numel())
         if shard.numel != param.numel():
-            part = _new_partition(_padded(param, shard), dtype, accel, pin)
+            part = _new_partition(param, dtype, accel, pin, shard)
         elif _adoptable(param, dtype, accel, pin):
             part = param.detach().view(-1)
         else:
