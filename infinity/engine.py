@@ -127,7 +127,7 @@ class Engine:
         self.comm: Comm = comm if comm is not None else from_env(device=self.accelerator.device)
         self.config = config.resolve(
             world_size=self.comm.world_size, largest_param_numel=max(1, largest)
-        )
+        ).for_local_rank(self.comm.local_rank)
         zero = self.config.zero_optimization
         if zero.stage != 3:
             raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")

@@ -4,7 +4,8 @@ batch and prints a JSON line with the global losses and its memory_stats.
 argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated: "delay" delays
 this rank's NVMe reads at random when it is rank 1; "gpt" trains the tiny Llama instead;
 "lora" gives the model frozen base weights; "accum" takes each global batch in two micro
-batches; "kept" keeps gradients until their small bucket is reduced, synchronously).
+batches; "kept" keeps gradients until their small bucket is reduced, synchronously; "paths" gives
+nvme_path as a list, one directory per local rank).
 """
 
 import json
@@ -76,10 +77,15 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     zero = {}
     if "kept" in options:
         zero = {"overlap_comm": False, "contiguous_gradients": False, "reduce_bucket_size": 300}
+    paths: str | list[str] = nvme_dir
+    if "paths" in options:
+        paths = [os.path.join(nvme_dir, f"ssd{i}") for i in range(2)]
+        for p in paths:
+            os.makedirs(p, exist_ok=True)
     if tier == "nvme":
         zero |= {
-            "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 4},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir},
+            "offload_param": {"device": "nvme", "nvme_path": paths, "buffer_count": 4},
+            "offload_optimizer": {"device": "nvme", "nvme_path": paths},
             "sub_group_size": 700,
         }
     cfg = config(**zero)
@@ -90,6 +96,12 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     cfg["train_micro_batch_size_per_gpu"] = micro
     cfg["gradient_clipping"] = 1.0
     engine = infinity.initialize(model, cfg, comm=c)
+    swap_dirs = sorted(
+        os.path.relpath(os.path.join(root, d), nvme_dir)
+        for root, dirs, _ in os.walk(nvme_dir)
+        for d in dirs
+        if d.startswith("rank")
+    )
     losses = []
     for ids in batches(steps, batch=GLOBAL_BATCH, seq=8):
         mine = ids[c.rank * per_rank : (c.rank + 1) * per_rank]
@@ -106,7 +118,13 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     norm = engine.get_global_grad_norm()
     weights = {n: w.sum().item() for n, w in engine.named_parameters_host()}
     engine.close()
-    return {"losses": losses, "stats": stats, "grad_norm": norm, "weight_sums": weights}
+    return {
+        "losses": losses,
+        "stats": stats,
+        "grad_norm": norm,
+        "weight_sums": weights,
+        "swap_dirs": swap_dirs,
+    }
 
 
 if __name__ == "__main__":

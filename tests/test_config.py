@@ -793,3 +793,26 @@ def test_docs_list_every_unsupported_feature_and_its_reason():
         for key, entry in table.items():
             assert f"| `{key}` (" in docs, key
             assert entry.why[1:] in docs, key
+
+
+def test_nvme_path_per_local_rank():
+    cfg = Config.from_dict(
+        {
+            "zero_optimization": {
+                "offload_param": {"device": "nvme", "nvme_path": ["/ssd0", "/ssd1"]},
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/shared"},
+            }
+        }
+    )
+    assert cfg.zero_optimization.offload_param.nvme_path == ["/ssd0", "/ssd1"]
+    assert Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    mine = cfg.for_local_rank(1).zero_optimization
+    assert mine.offload_param.nvme_path == "/ssd1"
+    assert mine.offload_optimizer.nvme_path == "/shared"  # one path: every rank under it
+    assert cfg.zero_optimization.offload_param.nvme_path == ["/ssd0", "/ssd1"]  # unchanged
+    with pytest.raises(ValueError, match=r"lists 2 directories .* local rank 2"):
+        cfg.for_local_rank(2)
+    with pytest.raises(TypeError, match=r"nvme_path: expected a non-empty list"):
+        Config.from_dict({"zero_optimization": {"offload_param": {"nvme_path": []}}})
+    with pytest.raises(TypeError, match=r"nvme_path\[1\]: expected a string"):
+        Config.from_dict({"zero_optimization": {"offload_param": {"nvme_path": ["/a", 3]}}})

@@ -66,10 +66,16 @@ def _assert_half_the_state(one: dict, two: list[dict], tier: str) -> None:
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_two_ranks_train_as_one(tmp_path, tier):
-    one = _one_rank(tmp_path, tier)
-    two = _two_ranks(tmp_path, tier)
+    # On NVMe, nvme_path lists one directory per local rank: each rank swaps on its own.
+    options = "paths" if tier == "nvme" else ""
+    one = _one_rank(tmp_path, tier, options)
+    two = _two_ranks(tmp_path, tier, options)
     _assert_same_training(one, two)
     _assert_half_the_state(one, two, tier)
+    if tier == "nvme":
+        for rank, out in enumerate(two):
+            mine = [d for d in out["swap_dirs"] if d.endswith(f"rank{rank}")]
+            assert len(mine) == 1 and mine[0].startswith(f"ssd{rank}/"), out["swap_dirs"]
 
 
 def test_delayed_reads_on_one_rank_neither_hang_nor_diverge(tmp_path):

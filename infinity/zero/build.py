@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,9 +117,11 @@ def _adoptable(param: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin:
 
 
 @contextlib.contextmanager
-def init(config: Config | dict | str) -> Iterator[None]:
-    """Create every parameter registered inside this block directly as a host partition."""
-    config = Config.load(config).resolve()
+def init(config: Config | dict | str, *, comm: Comm | None = None) -> Iterator[None]:
+    """Create every parameter registered inside this block directly as a host partition.
+    `comm` (default: $LOCAL_RANK) picks this rank's entry of a per-rank `nvme_path` list."""
+    local_rank = comm.local_rank if comm is not None else int(os.environ.get("LOCAL_RANK", 0))
+    config = Config.load(config).resolve().for_local_rank(local_rank)
     dtype = model_dtype(config)
     offload = config.zero_optimization.offload_param
     files = BuildFiles(offload.nvme_path) if home_tier(config) is HomeTier.NVME else None
