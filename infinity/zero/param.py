@@ -19,12 +19,13 @@ for the copy's event; on the CPU the copy is synchronous). A failed read leaves 
 RELEASED with its buffer given back.
 
 [Note: gathering shards] With W ranks the home holds the rank's shard (S = ceil(N / W)
-elements, see `infinity.zero.shard`) and the record's `comm` is set: `wait` lands the shard
-in a device buffer of S elements, then all-gathers every rank's shard into the gathered
+elements, see `infinity.zero.shard`) and the record's `comm` is set: a fetch lands the shard
+in a device buffer of S elements and all-gathers every rank's shard into the gathered
 buffer (W*S elements, the parameter and its zero padding), of which `param.data` views the
-first N. A gather is a collective, so every rank makes the same parameters LIVE in the same
-order (see [Note: the same order on every rank] in coordinator.py); the local transfer before
-it (a host copy or an NVMe read of the shard) may finish whenever it does. `refresh` after a
+first N (`infinity.zero.gather`; [Note: early all-gathers] says when the collective is
+issued). An all-gather is a collective, so every rank fetches and lands the same parameters
+in the same order (see [Note: the same order on every rank] in coordinator.py); the local
+transfer of the shard (a host copy or an NVMe read) may finish whenever it does. `refresh` after a
 step all-gathers the new shards the same way, and `read_full` gathers a host copy of the
 whole parameter (a collective too: every rank calls it for the same parameters).
 
@@ -45,6 +46,7 @@ from torch import nn
 
 from infinity.accelerator import Accelerator, Event, Stream
 from infinity.comm import Comm
+from infinity.zero.gather import ShardGather
 from infinity.zero.home import Fetch, ParamHome
 from infinity.zero.shard import Shard, shard_of
 
@@ -195,6 +197,8 @@ class OffloadParam:
         fetch = self.home.fetch(accel, stream, block=block)
         if fetch is None:
             return False
+        if self.comm is not None:  # see [Note: gathering shards]
+            fetch = ShardGather(fetch, self.comm, accel, stream)
         self._fetch = fetch
         self.state = ParamState.INFLIGHT
         return True
@@ -216,8 +220,6 @@ class OffloadParam:
         # The buffer was allocated on the copy stream and is used on the compute stream.
         accel.record_stream(self.device_tensor, compute)
         self._event = None
-        if self.comm is not None:
-            self.device_tensor = self._all_gather(self.device_tensor)
         self.param.data = self.device_tensor[: self.numel].view(self.shape)
         self.state = ParamState.LIVE
 
