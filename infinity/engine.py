@@ -81,6 +81,7 @@ from infinity.zero import (
     partition_model,
 )
 from infinity.zero.grad_reduce import GradReducer
+from infinity.zero.shard import check_same_weights
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class Engine:
         self.module = model
         self._base_source = base_model
         self._base_record: dict | None = None
+        if self.comm.world_size > 1:
+            check_same_weights(model.named_parameters(), self.comm)
         self.optimizer, units = self._build_optimizer(set(no_decay))
         # By slot (records are in model order, as the slots): see [Note: gathered weights
         # after a step].

@@ -5,7 +5,7 @@ argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated: "delay" 
 this rank's NVMe reads at random when it is rank 1; "gpt" trains the tiny Llama instead;
 "lora" gives the model frozen base weights; "accum" takes each global batch in two micro
 batches; "kept" keeps gradients until their small bucket is reduced, synchronously; "paths" gives
-nvme_path as a list, one directory per local rank).
+nvme_path as a list, one directory per local rank; "unseeded" seeds each rank differently).
 """
 
 import json
@@ -72,7 +72,7 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     figures."""
     if "delay" in options and c.rank == 1:
         AioHandle.from_config = staticmethod(lambda cfg, **kw: DelayedAio(seed=os.getpid()))
-    torch.manual_seed(0)  # every rank builds the same initial weights
+    torch.manual_seed(c.rank if "unseeded" in options else 0)  # the same weights everywhere
     model = tiny_gpt(layers=2, hidden=64) if "gpt" in options else Zoo(d=64, lora="lora" in options)
     zero = {}
     if "kept" in options:

@@ -99,3 +99,13 @@ def test_frozen_base_accumulation_and_kept_gradients(tmp_path):
     two = _two_ranks(tmp_path, "cpu", "lora,accum,kept")
     _assert_same_training(one, two)
     assert two[0]["stats"]["comm_reduce_scatter_calls"] > 2 * STEPS * 2  # small buckets
+
+
+def test_ranks_that_built_different_weights_are_refused(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    procs = run_ranks("_dist_train_child.py", ["cpu", str(nvme), "1", "unseeded"], timeout_s=120)
+    for p in procs:
+        assert p.returncode != 0
+        assert "rank 1 built different initial weights than rank 0" in p.stderr
+        assert "torch.manual_seed" in p.stderr
