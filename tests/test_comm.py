@@ -98,9 +98,11 @@ def test_describe_mismatch_names_position_and_each_rank():
 # ---- two gloo ranks ---------------------------------------------------------------------
 
 
-def test_two_ranks_collectives_and_counters():
-    res = rank_results(run_ranks("_comm_child.py", ["collectives"]))
+def _two_ranks_collectives(device: str) -> None:
+    env = {"COMM_TEST_DEVICE": device}
+    res = rank_results(run_ranks("_comm_child.py", ["collectives"], env=env))
     for r, out in enumerate(res):
+        assert out["backend"] == ("nccl" if device == "cuda" else "gloo")
         assert (out["rank"], out["world_size"], out["local_rank"]) == (r, 2, r)
         assert out["all_gather"] == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
         assert out["all_gather_bf16"] == out["all_gather"]
@@ -116,6 +118,15 @@ def test_two_ranks_collectives_and_counters():
         assert s["comm_reduce_scatter_bytes"] == 8 * 4
         assert s["comm_all_reduce_bytes"] == 2 * 8 and s["comm_all_reduce_calls"] == 2
         assert s["comm_barrier_calls"] == 1 and s["comm_broadcast_object_calls"] == 1
+
+
+def test_two_ranks_collectives_and_counters():
+    _two_ranks_collectives("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices")
+def test_two_ranks_collectives_over_nccl():
+    _two_ranks_collectives("cuda")
 
 
 def test_step_check_names_first_difference():
