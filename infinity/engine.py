@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -598,7 +599,8 @@ class Engine:
         safetensors file, `save_dir/save_filename`, with the model's config.json when it has
         one, so `from_pretrained(save_dir)` loads it. The training dtype when it is fp16 or
         bf16, else bf16. Needs zero_optimization.stage3_gather_16bit_weights_on_model_save
-        (DeepSpeed's switch for this). Returns the file's path."""
+        (DeepSpeed's switch for this). Returns the file's path. With several ranks every
+        rank calls it (each parameter is gathered from all of them) and rank 0 writes."""
         if not self.config.zero_optimization.gather_16bit_weights_on_model_save:
             raise ValueError(
                 "save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save "
@@ -609,6 +611,11 @@ class Engine:
         dtype = self.records[0].dtype
         dtype = dtype if dtype in model16.SIXTEEN_BIT else torch.bfloat16
         weights = [(r.name, _weights_of(r)) for r in self.records]
+        if self.comm.rank != 0:  # the gathers are collectives: take part, write nothing
+            for _, gather in weights:
+                gather()
+            self.comm.barrier()  # returns once rank 0 has written the file
+            return str(Path(save_dir) / save_filename)
         path = model16.save_16bit_model(
             weights + list(model16.persistent_buffers(self.module)),
             save_dir,
@@ -616,6 +623,8 @@ class Engine:
             dtype=dtype,
             config_json=model16.model_config_json(self.module, dtype),
         )
+        if self.comm.world_size > 1:
+            self.comm.barrier()
         logger.info("saved 16-bit model weights to %s", path)
         return str(path)
 
@@ -705,7 +714,8 @@ class Engine:
 
     def named_parameters_host(self):
         """(name, a host copy of the weights in the parameter's shape) for every parameter,
-        read from its home when reached."""
+        read from its home when reached (with several ranks, gathered from every rank: all
+        of them must iterate it together)."""
         for rec in self.records:
             yield rec.name, _weights_of(rec)()
 

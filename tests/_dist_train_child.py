@@ -1,11 +1,15 @@
 """One rank of the scale-out parity tests: trains the Zoo model on its share of each global
 batch and prints a JSON line with the global losses and its memory_stats.
 
-argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated: "delay" delays
-this rank's NVMe reads at random when it is rank 1; "gpt" trains the tiny Llama instead;
-"lora" gives the model frozen base weights; "accum" takes each global batch in two micro
-batches; "kept" keeps gradients until their small bucket is reduced, synchronously; "paths" gives
-nvme_path as a list, one directory per local rank; "unseeded" seeds each rank differently).
+argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated):
+- "delay": rank 1's NVMe reads land 0-30 ms late, at random;
+- "gpt": the tiny Llama (activation checkpointing) instead of the Zoo model;
+- "lora": frozen base weights;
+- "accum": each global batch in two micro batches;
+- "kept": gradients kept until their small bucket is reduced, synchronously;
+- "paths": nvme_path as a list, one directory per local rank;
+- "unseeded": each rank seeded differently;
+- "export": the 16-bit model saved at the end.
 """
 
 import json
@@ -95,6 +99,7 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     cfg["gradient_accumulation_steps"] = accum
     cfg["train_micro_batch_size_per_gpu"] = micro
     cfg["gradient_clipping"] = 1.0
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     engine = infinity.initialize(model, cfg, comm=c)
     swap_dirs = sorted(
         os.path.relpath(os.path.join(root, d), nvme_dir)
@@ -117,6 +122,9 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     stats = engine.memory_stats()
     norm = engine.get_global_grad_norm()
     weights = {n: w.sum().item() for n, w in engine.named_parameters_host()}
+    exported = None
+    if "export" in options:  # every rank takes part; rank 0 writes
+        exported = engine.save_16bit_model(os.path.join(nvme_dir, "export"))
     engine.close()
     return {
         "losses": losses,
@@ -124,6 +132,7 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
         "grad_norm": norm,
         "weight_sums": weights,
         "swap_dirs": swap_dirs,
+        "exported": exported,
     }
 
 

@@ -10,8 +10,10 @@ half-batch gradients), and the two ranks agree with each other bitwise.
 from __future__ import annotations
 
 import pytest
+import torch
 from _dist import rank_results, run_ranks
 from _dist_train_child import train
+from safetensors.torch import load_file
 
 from infinity import comm
 
@@ -92,12 +94,18 @@ def test_tiny_llama_with_activation_checkpointing(tmp_path):
     _assert_same_training(one, two)
 
 
-def test_frozen_base_accumulation_and_kept_gradients(tmp_path):
+def test_frozen_base_accumulation_kept_gradients_and_export(tmp_path):
     # Frozen (LoRA base) weights are sharded and gathered too; two micro batches per step
-    # accumulate into the shards; gradients kept until small synchronous buckets go.
-    one = _one_rank(tmp_path, "cpu", "lora,accum,kept")
-    two = _two_ranks(tmp_path, "cpu", "lora,accum,kept")
+    # accumulate into the shards; gradients kept until small synchronous buckets go; the
+    # 16-bit export gathers every weight and rank 0 writes the file.
+    one = _one_rank(tmp_path, "cpu", "lora,accum,kept,export")
+    two = _two_ranks(tmp_path, "cpu", "lora,accum,kept,export")
     _assert_same_training(one, two)
+    a, b = load_file(one["exported"]), load_file(two[0]["exported"])
+    assert two[1]["exported"] == two[0]["exported"]
+    assert a.keys() == b.keys()
+    for name in a:  # the same weights to 1e-5, rounded to bf16 (one ulp apart at most)
+        torch.testing.assert_close(a[name].float(), b[name].float(), rtol=1e-2, atol=1e-3)
     assert two[0]["stats"]["comm_reduce_scatter_calls"] > 2 * STEPS * 2  # small buckets
 
 
