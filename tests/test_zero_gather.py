@@ -90,3 +90,13 @@ def test_cancel_gives_the_read_back_or_completes_the_collective():
     g = ShardGather(HostHome(torch.ones(2)).fetch(accel, stream), comm, accel, stream)
     g.cancel()  # the peer issued it too: it must complete, not be abandoned
     assert comm.handles[0].waited
+
+
+def test_an_nvme_read_finished_early_is_gathered_only_when_landed():
+    accel, comm = CpuAccelerator(), TwoRanks()
+    read = _SlowRead(torch.ones(2))
+    g = ShardGather(read, comm, accel, accel.new_stream())
+    g.finish_read(accel)  # whenever the disk is done: local only, the pool buffer goes back
+    assert read.landed and not g.reading and comm.issued == []
+    full, _ = g.land(accel)  # the point every rank reaches: the collective
+    assert comm.issued == [(2, False)] and full.tolist() == [1.0, 1.0, 101.0, 101.0]
