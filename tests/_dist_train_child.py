@@ -9,7 +9,8 @@ argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated):
 - "kept": gradients kept until their small bucket is reduced, synchronously;
 - "paths": nvme_path as a list, one directory per local rank;
 - "unseeded": each rank seeded differently;
-- "export": the 16-bit model saved at the end.
+- "export": the 16-bit model saved at the end;
+- "diverge": from the second step on, rank 1 bypasses a block (a rank-dependent branch).
 """
 
 import json
@@ -108,7 +109,9 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
         if d.startswith("rank")
     )
     losses = []
-    for ids in batches(steps, batch=GLOBAL_BATCH, seq=8):
+    for step, ids in enumerate(batches(steps, batch=GLOBAL_BATCH, seq=8)):
+        if "diverge" in options and step == 1 and c.rank == 1:
+            engine.module.skip = {1}
         mine = ids[c.rank * per_rank : (c.rank + 1) * per_rank]
         total = 0.0
         for k in range(accum):

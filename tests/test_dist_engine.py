@@ -117,3 +117,19 @@ def test_ranks_that_built_different_weights_are_refused(tmp_path):
         assert p.returncode != 0
         assert "rank 1 built different initial weights than rank 0" in p.stderr
         assert "torch.manual_seed" in p.stderr
+
+
+def test_a_rank_dependent_branch_is_reported_not_hung(tmp_path):
+    # Rank 1 bypasses a block from step 2 on: its all-gathers differ from rank 0's. With the
+    # check at every collective, both ranks stop at the first difference with its position
+    # and each rank's collective, instead of pairing the wrong buffers or waiting forever.
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    env = {comm.CHECK_ENV_VAR: "2"}
+    args = ["cpu", str(nvme), "3", "diverge"]
+    procs = run_ranks("_dist_train_child.py", args, timeout_s=120, env=env)
+    for p in procs:
+        assert p.returncode != 0 and "killed after" not in p.stderr
+        assert "CollectiveMismatchError" in p.stderr, p.stderr[-2000:]
+        assert "the ranks issued different collectives in optimizer step 2" in p.stderr
+        assert "rank 0: all_gather(" in p.stderr and "rank 1: " in p.stderr
