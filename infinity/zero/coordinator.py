@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Iterable
 
 from infinity.accelerator import Accelerator
@@ -82,6 +83,9 @@ class Coordinator:
         self.largest_unit = 0
         """Elements of the largest unit gathered so far: the allowance over the budget."""
         self.trace_updates = 0
+        self.gather_wait_s = 0.0
+        """Seconds forward and backward spent inside gathers (fetching, landing, issuing
+        prefetch): what compute waited for its parameters."""
         self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or INFLIGHT
         self._reading: dict[OffloadParam, None] = {}  # NVMe reads in flight, oldest first
         self.by_storage: dict[int, OffloadParam] = {}
@@ -141,6 +145,13 @@ class Coordinator:
     def gather(self, unit: ModuleUnit, *, pin: bool = True) -> int | None:
         """Make every parameter of `unit` LIVE (and keep it pinned with `pin`, for a forward
         that reads `param.data` directly); returns its trace position."""
+        start = time.perf_counter()
+        with self.accel.range("infinity::zero::gather"):
+            pos = self._gather(unit, pin)
+        self.gather_wait_s += time.perf_counter() - start
+        return pos
+
+    def _gather(self, unit: ModuleUnit, pin: bool) -> int | None:
         pos = self._advance(unit)
         self._recording.append(unit)
         if unit.numel > self.largest_unit:
@@ -164,9 +175,12 @@ class Coordinator:
 
     def gather_one(self, rec: OffloadParam) -> None:
         """Gather a parameter used outside the unit that owns it (counted as a miss)."""
-        if rec.state is ParamState.RELEASED:
-            self._make_room(rec.numel, None)
-        self._ensure_live(rec, count=not rec.persistent)
+        start = time.perf_counter()
+        with self.accel.range("infinity::zero::gather"):
+            if rec.state is ParamState.RELEASED:
+                self._make_room(rec.numel, None)
+            self._ensure_live(rec, count=not rec.persistent)
+        self.gather_wait_s += time.perf_counter() - start
 
     def done(
         self, unit: ModuleUnit, pos: int | None, *, release: bool = True, unpin: bool = True
@@ -315,7 +329,8 @@ class Coordinator:
             if self.by_storage.get(ptr) is rec:
                 del self.by_storage[ptr]
         self._reading.pop(rec, None)
-        rec.release()
+        with self.accel.range("infinity::zero::release"):
+            rec.release()
         self._uncount(rec)
 
     def _uncount(self, rec: OffloadParam) -> None:
@@ -360,6 +375,10 @@ class Coordinator:
         trace = self._trace
         if trace is None or not self._on_track or self.prefetch_numel <= 0:
             return
+        with self.accel.range("infinity::zero::prefetch"):
+            self._prefetch_along(trace, running)
+
+    def _prefetch_along(self, trace: Trace, running: ModuleUnit | None) -> None:
         pos = max(self._prefetch_upto, self._cursor)
         while pos < len(trace):
             if trace.distance(self._cursor, pos) >= self.prefetch_numel:
@@ -386,4 +405,5 @@ class Coordinator:
             "prefetch_misses": self.misses,
             "budget_overruns": self.budget_overruns,
             "trace_updates": self.trace_updates,
+            "gather_wait_us": int(self.gather_wait_s * 1e6),
         }
