@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,12 +53,13 @@ class StepProfiler:
         """Begin with the step after `global_steps` (the engine's count so far)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._first = global_steps + 1 + self.warmup_steps
-        self._prof = torch.profiler.profile(
-            activities=self.activities,
-            schedule=torch.profiler.schedule(
+        with warnings.catch_warnings():  # no warm-up was asked for: no warning about it
+            warnings.filterwarnings("ignore", "Profiler won't be using warmup")
+            schedule = torch.profiler.schedule(
                 wait=0, warmup=self.warmup_steps, active=self.steps, repeat=1
-            ),
-            on_trace_ready=self._write,
+            )
+        self._prof = torch.profiler.profile(
+            activities=self.activities, schedule=schedule, on_trace_ready=self._write
         )
         self._prof.start()
 
