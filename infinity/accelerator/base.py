@@ -136,6 +136,10 @@ class Accelerator(abc.ABC):
         self.copies.device_to_host_bytes += dev.nbytes
         return out
 
+    def device_name(self) -> str:
+        """The device's product name, for reports."""
+        return self.name
+
     def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
         """What torch.profiler records on this device (the host's ops, and its kernels)."""
         return [torch.profiler.ProfilerActivity.CPU]
