@@ -75,7 +75,7 @@ def test_ranges_cost_nothing_without_a_profiler(accel, monkeypatch):
 
 
 def test_ranges_are_recorded_while_a_profiler_runs(accel):
-    with torch.profiler.profile(activities=accel.profiler_activities()) as prof:
-        with accel.range("infinity::test::op"):
-            torch.ones(4).sum()
+    activities = accel.profiler_activities()
+    with torch.profiler.profile(activities=activities) as prof, accel.range("infinity::test::op"):
+        torch.ones(4).sum()
     assert "infinity::test::op" in {e.key for e in prof.key_averages()}

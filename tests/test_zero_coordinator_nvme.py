@@ -1,6 +1,7 @@
 """The coordinator over NVMe homes: gathered values equal the weights written, the live budget
 and the tiny pool hold, prefetch hits after the first iteration, no deadlock when a unit has
-more parameters than pool buffers, refresh of persistent parameters, read failures."""
+more parameters than pool buffers, refresh of gathered parameters after their homes changed,
+read failures."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ from infinity.swap.aio_checks import available_backends
 from infinity.swap.param_store import NvmeParamError, NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore, align_up
-from infinity.zero import Coordinator, HomeTier, ModuleUnit, OffloadParam, ParamState
+from infinity.zero import (
+    Coordinator,
+    HomeTier,
+    HostHome,
+    ModuleUnit,
+    NvmeHome,
+    OffloadParam,
+    ParamState,
+)
 
 LAYERS = 5
 SHAPES = [(30, 70), (2049,), (5,)]  # per layer: three parameters, odd sizes
@@ -59,13 +68,16 @@ class Model:
         for n, _ in names:
             param = nn.Parameter(torch.empty(0, dtype=DT))
             param.data = self.weights[n].clone()
-            rec = OffloadParam(n, param, param.detach().reshape(-1).clone(),
-                               device=self.accel.device, persistent=n == "l0.p2")  # fmt: skip
+            if n == HOST:
+                home = HostHome(param.detach().reshape(-1).clone(), name=n)
+            else:
+                home = NvmeHome(self.ps, n)
+                if n not in entries:
+                    home.write(param.detach())
+            rec = OffloadParam(n, param, home, device=self.accel.device, persistent=n == "l0.p2")
             rec.offload()
             if n in entries or n == HOST:  # trainable: the optimizer has a slot for it
                 rec.slot = len(self.records)
-            if n != HOST:
-                rec.move_home_to_nvme(self.ps, write=n not in entries)
             self.records[n] = rec
         self.units = [
             ModuleUnit(f"l{i}", [self.records[f"l{i}.p{j}"] for j in range(len(SHAPES))])
@@ -104,7 +116,13 @@ class Model:
             self.ps.write_flat(start, self.flat[start : start + 4096])
         self.ps.flush()
         self.weights[HOST] = (self.weights[HOST].float() * scale).to(DT)
-        self.records[HOST].write_home(self.weights[HOST])
+        self.records[HOST].home.write(self.weights[HOST])
+
+    def refresh(self, c):
+        """What the engine does after a step: every trainable record's home changed."""
+        for rec in self.records.values():
+            if rec.trainable:
+                c.refresh(rec)
 
 
 def _hit_rate(c, before):
@@ -117,7 +135,7 @@ def _hit_rate(c, before):
 def test_values_budget_pool_and_prefetch_hits(swap, buffers):
     m = Model(swap, FakeAio(), buffers=buffers)
     c = m.coordinator(budget=m.total * 3 // 5, prefetch=m.total // 4)
-    assert all(r.home is HomeTier.NVME for n, r in m.records.items() if n != HOST)
+    assert all(r.home.tier is HomeTier.NVME for n, r in m.records.items() if n != HOST)
     m.iterate(c)
     first = (c.hits, c.misses)
     assert c.misses > 0
@@ -141,7 +159,7 @@ def test_slow_disk_tiny_pool_never_deadlocks(swap, buffers):
     first = (c.hits, c.misses)
     m.iterate(c)
     m.step(0.5)
-    c.refresh_persistent()
+    m.refresh(c)
     m.iterate(c)
     rate = _hit_rate(c, first)
     assert 0.3 < rate < 1.0, rate  # prefetch covered what the pool let it (a third per buffer)
@@ -157,7 +175,7 @@ def test_real_io_after_optimizer_steps(swap, backend):
         m.iterate(c)
         for scale in (-2.0, 0.25):
             m.step(scale)
-            c.refresh_persistent()
+            m.refresh(c)
             assert torch.equal(m.records["l0.p2"].param.detach(), m.weights["l0.p2"])
             m.iterate(c)
         m.ps.close()
@@ -170,7 +188,7 @@ def test_refresh_lands_a_persistent_read_in_flight(swap):
     c._fetch(rec, block=False)  # as prefetch would
     assert rec.state is ParamState.INFLIGHT
     m.step(3.0)  # its read lands first, with the old weights
-    c.refresh_persistent()
+    m.refresh(c)
     assert rec.state is ParamState.LIVE and torch.equal(rec.param.detach(), m.weights["l0.p2"])
     assert m.pool.free_count == 1 and c.live_numel == rec.numel
 

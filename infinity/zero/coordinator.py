@@ -41,9 +41,12 @@ import logging
 import time
 from collections.abc import Iterable
 
+import torch
+
 from infinity.accelerator import Accelerator
 from infinity.config import ZeroConfig
-from infinity.zero.param import HomeTier, OffloadParam, ParamState
+from infinity.zero.home import HomeTier
+from infinity.zero.param import OffloadParam, ParamState
 from infinity.zero.trace import Trace
 from infinity.zero.unit import ModuleUnit
 
@@ -204,16 +207,20 @@ class Coordinator:
             if rec.pins == 0 and not (keep_frozen and not rec.trainable):
                 self._release(rec)
 
-    def refresh_persistent(self, *, frozen: bool = False) -> None:
-        """Copy updated home copies into the buffers of trainable parameters that stay
-        gathered (and of frozen ones, with `frozen`: after their homes were rewritten). A
-        parameter still in flight lands first: its copy may predate the update."""
-        if frozen:
-            self.release_all()
-        self.quiesce()
-        for rec in self.records:
-            if rec.state is ParamState.LIVE and (frozen or rec.trainable):
-                rec.refresh(self.accel)
+    def refresh(
+        self, rec: OffloadParam, values: torch.Tensor | None = None, *, start: int = 0
+    ) -> None:
+        """`rec`'s home changed: make a gathered copy match. `values` (host, model dtype)
+        are its new elements [start, start + values.numel()) when the caller holds them
+        (the optimizer's sweep, see [Note: gathered weights after a step] in engine.py);
+        without them the whole home is copied again. A released parameter needs nothing
+        (its next fetch reads the new home); one in flight lands first (its copy may predate
+        the change)."""
+        if rec.state is ParamState.RELEASED:
+            return
+        if rec.state is ParamState.INFLIGHT:
+            self._land(rec)
+        rec.refresh(self.accel, values, start)
 
     def quiesce(self) -> None:
         """Before the trainable weights change: release every unpinned non-persistent
@@ -253,7 +260,7 @@ class Coordinator:
         pool takes), so that a miss waits for the disk once rather than once per parameter."""
         issued = set()
         for rec in unit.records:
-            if rec.state is ParamState.RELEASED and rec.home is HomeTier.NVME:
+            if rec.state is ParamState.RELEASED and rec.home.tier is HomeTier.NVME:
                 if not self._fetch(rec, block=False):
                     break
                 issued.add(rec)
