@@ -4,7 +4,10 @@ named ranges, written atomically."""
 from __future__ import annotations
 
 import copy
+import errno
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +100,18 @@ def test_one_profile_at_a_time(tmp_path):
 def test_bad_step_counts_are_refused(tmp_path, steps, warmup, bad):
     with pytest.raises(ValueError, match=f"profile: {bad} must be an integer"):
         StepProfiler(steps, tmp_path, warmup_steps=warmup)
+
+
+def test_a_trace_that_cannot_be_written_does_not_stop_training(tmp_path, monkeypatch):
+    def full_disk(self, path):
+        Path(path).write_text("{")  # a partial file, as a full disk leaves it
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", full_disk)
+    engine = _engine(tmp_path, nvme=False)
+    prof = engine.profile(1, tmp_path / "profile")
+    _steps(engine, 3)  # the trace fails after step 2; steps go on
+    assert engine.global_steps == 3 and prof.path is None
+    assert "could not write" in prof.error and "No space left on device" in prof.error
+    assert not list((tmp_path / "profile").iterdir())  # the partial file is gone
+    engine.close()

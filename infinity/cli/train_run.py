@@ -375,7 +375,7 @@ class TrainRun:
                     f"loss={loss:.4f}, tok_s={record['tokens_per_s']:.0f}, "
                     f"tflops={record['tflops']:.3g} | {engine.last_step_telemetry().compact()}"
                 )
-                if profiler is not None and profiler.path is not None:
+                if profiler is not None and (profiler.path or profiler.error):
                     tqdm.write(_profile_written(profiler))
                     profiler = None
                 every = self.args.save_every
@@ -438,14 +438,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _end_profile(profiler: StepProfiler) -> None:
     """Write what was recorded (a stop may come before the profile's last step)."""
     profiler.stop()
-    if profiler.path is None:
+    if profiler.path is None and profiler.error is None:
         print("--profile: the run ended in the warm-up step; no trace was written")
     else:
         print(_profile_written(profiler))
 
 
 def _profile_written(profiler: StepProfiler) -> str:
-    assert profiler.recorded is not None
+    if profiler.recorded is None:
+        return f"--profile: {profiler.error}; training went on without the trace"
     first, last = profiler.recorded
     return f"--profile: steps {first}-{last} written to {profiler.path} (Chrome trace)"
 

@@ -45,6 +45,8 @@ class StepProfiler:
         """The trace, once written."""
         self.recorded: tuple[int, int] | None = None
         """The first and last optimizer step in the trace, once written."""
+        self.error: str | None = None
+        """Why the trace could not be written (a full disk...): training goes on without it."""
         self._prof: torch.profiler.profile | None = None
         self._first = 0
         self._done = 0
@@ -65,7 +67,7 @@ class StepProfiler:
 
     def step(self, global_steps: int) -> bool:
         """An optimizer step ended (the engine's count is now `global_steps`); True once the
-        trace is written and the profiler stopped."""
+        profiler has stopped (its trace written, or `error` set)."""
         if self._prof is None:
             return True
         self._done = global_steps
@@ -92,9 +94,14 @@ class StepProfiler:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            fsync_dir(self.out_dir)
+        except OSError as exc:  # the run goes on: a lost trace is not a failed step
+            tmp.unlink(missing_ok=True)
+            self.error = f"could not write {path}: {exc.strerror or exc}"
+            logger.error("profile of steps %d-%d: %s", self._first, last, self.error)
+            return
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        fsync_dir(self.out_dir)
         self.path, self.recorded = path, (self._first, last)
         logger.info("wrote the profile of steps %d-%d to %s", self._first, last, path)
