@@ -108,3 +108,18 @@ def test_profile_longer_than_the_run_is_refused(tmp_path, capsys, inputs):
     err = capsys.readouterr().err
     assert "--profile 2 records 2 steps after 1 warm-up step, but --steps is 2" in err
     assert "--steps 3 or more, or --profile 1" in err and "Traceback" not in err
+
+
+def test_profile_of_a_resumed_run_fits_the_steps_left(tmp_path, capsys, inputs):
+    run = tmp_path / "run"
+    assert main([*_args(inputs, run, "--steps", 1), "--no-progress"]) == 0
+    capsys.readouterr()
+    resumed = _args(inputs, run, "--steps", 2, "--profile", 1, "--resume", "--no-progress")
+    assert main(resumed) == 0
+    out = capsys.readouterr().out
+    assert "--profile 1: the run has 1 step(s) left; profiling 1 after 0 warm-up step(s)" in out
+    trace = run / "profile" / "trace-steps-2-2.json"
+    assert f"--profile: steps 2-2 written to {trace}" in out
+    assert "infinity::zero::gather" in {
+        e.get("name") for e in json.loads(trace.read_text())["traceEvents"]
+    }
