@@ -290,7 +290,10 @@ class Engine:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
-        start = self._timer.start()
+        training = torch.is_grad_enabled()
+        # An evaluation forward belongs to no optimizer step's telemetry.
+        before = None if training else self._counters()
+        start = self._timer.start() if training else 0.0
         if coord.phase is not Phase.IDLE:  # a forward whose backward never came (or failed)
             self.hooks.reset()
         self.entry.new_iteration()
@@ -306,10 +309,10 @@ class Engine:
             self.hooks.reset()
             coord.abort_iteration()
             raise
-        if not torch.is_grad_enabled():
+        if not training:
             self.hooks.reset()
             coord.end_iteration()
-            self._timer.stop("forward", start)
+            self._deltas.skip(before, self._counters())
             return out
         self._timer.stop("forward", start)
         return self.entry.wrap(out)

@@ -254,3 +254,28 @@ def test_counter_deltas_turn_running_totals_into_per_step_figures():
         "bytes": 10,
         "new": 4,
     }
+
+
+def test_evaluation_forwards_belong_to_no_step(caplog):
+    seen = []
+
+    def each(engine):
+        seen.append(engine.last_step_telemetry())
+        if engine.global_steps == 1:  # an evaluation between steps 1 and 2
+            with torch.no_grad():
+                for ids in batches(3, seed=9):
+                    engine(ids, ids)
+
+    engine, _ = _train(caplog, steps=3, each=each)
+    # Step 2 copies and gathers what step 3 does: the evaluation's copies are in neither.
+    assert seen[1].host_to_device_bytes == seen[2].host_to_device_bytes
+    assert seen[1].prefetch_hits + seen[1].prefetch_misses == (
+        seen[2].prefetch_hits + seen[2].prefetch_misses
+    )
+    engine.close()
+
+
+def test_counter_deltas_skip_what_grew_between_steps():
+    deltas = CounterDeltas({"bytes": 0})
+    deltas.skip({"bytes": 10}, {"bytes": 25})
+    assert deltas.take({"bytes": 40}) == {"bytes": 25}

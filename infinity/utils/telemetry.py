@@ -112,6 +112,12 @@ class CounterDeltas:
         the start's initial writes) belongs to no step."""
         self._last = dict(counters)
 
+    def skip(self, before: Mapping[str, float], after: Mapping[str, float]) -> None:
+        """Leave out of the next `take` what the counters grew by from `before` to `after`
+        (work between steps that is no step's, such as an evaluation forward)."""
+        for k, v in after.items():
+            self._last[k] = self._last.get(k, 0) + v - before.get(k, 0)
+
     def take(self, counters: Mapping[str, float]) -> dict[str, float]:
         out = {k: v - self._last.get(k, 0) for k, v in counters.items()}
         self._last = dict(counters)
