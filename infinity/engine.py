@@ -524,9 +524,10 @@ class Engine:
         return self._profiler
 
     def memory_stats(self) -> dict[str, int]:
-        """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
-        NVMe tiers, bytes read and written, time waited, the staging buffers' sizes and peak
-        use, and the pinned bytes (allocated, and the peak in use)."""
+        """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses, the
+        time gathers waited (`gather_wait_us`, a running total); with NVMe tiers, bytes read
+        and written, time waited, the staging buffers' sizes and peak use, and the pinned
+        bytes (allocated, and the peak in use)."""
         stats = self.coordinator.stats()
         # Trainable homes are the optimizer's buffers (it counts them, or they alias its fp32
         # masters); frozen ones are only ours.
