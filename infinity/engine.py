@@ -63,7 +63,9 @@ from infinity.swap import (
     make_param_store,
     make_state_store,
 )
-from infinity.utils.step_timer import StepTimer, format_breakdown
+from infinity.utils.profiler import StepProfiler
+from infinity.utils.step_timer import StepTimer
+from infinity.utils.telemetry import CounterDeltas, StepTelemetry, step_telemetry
 from infinity.zero import (
     BackwardEntry,
     Coordinator,
@@ -169,10 +171,14 @@ class Engine:
         that has `lr` (the next step's rate), `step()` and `state_dict`/`load_state_dict`
         (`infinity.integrations.hf` puts the HF Trainer's own scheduler here)."""
         fp16 = self.config.fp16.enabled
+        # See docs/telemetry.md: always timed; the device synchronized only when asked.
+        sync = self.accelerator.synchronize if self.config.wall_clock_breakdown else None
+        self._timer = StepTimer(synchronize=sync)
         self.entry = BackwardEntry(
             self.hooks,
             self.coordinator,
             loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
+            timer=self._timer,
         )
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
         self.micro_steps = 0
@@ -182,12 +188,10 @@ class Engine:
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self._last_overflow = False
-        self._timer = StepTimer(
-            enabled=self.config.wall_clock_breakdown, synchronize=self.accelerator.synchronize
-        )
-        if self._timer.enabled:  # the start's waits for the disk are not the first step's
-            self._add_disk_waits()
-            self._timer.discard()
+        # The start's writes and waits for the disk are not the first step's.
+        self._deltas = CounterDeltas(self._counters())
+        self._telemetry: StepTelemetry | None = None
+        self._profiler: StepProfiler | None = None
 
     def _build_optimizer(
         self, no_decay: set[str]
@@ -326,7 +330,10 @@ class Engine:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
-        start = self._timer.start()
+        grad = torch.is_grad_enabled()
+        # An evaluation forward belongs to no optimizer step's telemetry.
+        before = None if grad else self._counters()
+        start = self._timer.start() if grad else 0.0
         if coord.phase is Phase.BACKWARD_PENDING:  # a forward whose backward never came
             self.hooks.reset()  # (begin_forward closes its iteration)
         elif coord.phase is Phase.BACKWARD:  # a plain backward that raised out of autograd
@@ -334,9 +341,12 @@ class Engine:
             coord.abort()
         self.entry.new_iteration()
         coord.begin_forward(self._iteration_key())
-        grad = torch.is_grad_enabled()
         try:
-            with self.hooks.mode, self.hooks.saved_tensors():
+            with (
+                self.accelerator.range("infinity::engine::forward"),
+                self.hooks.mode,
+                self.hooks.saved_tensors(),
+            ):
                 out = self.module(*args, **kwargs)
         except BaseException:
             self.hooks.reset()
@@ -345,8 +355,11 @@ class Engine:
         if not grad:
             self.hooks.reset()
         coord.end_forward(backward=grad)
+        if not grad:
+            self._deltas.skip(before, self._counters())
+            return out
         self._timer.stop("forward", start)
-        return self.entry.wrap(out) if grad else out
+        return self.entry.wrap(out)
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backpropagate loss * loss_scale / gradient_accumulation_steps (DeepSpeed's meaning;
@@ -366,7 +379,11 @@ class Engine:
         coord.begin_backward()
         self.entry.caller_scaled = True
         try:
-            with self.hooks.mode, self.hooks.saved_tensors():
+            with (
+                self.accelerator.range("infinity::engine::backward"),
+                self.hooks.mode,
+                self.hooks.saved_tensors(),
+            ):
                 (loss.float() * factor).backward()
         except BaseException:
             self.hooks.reset()
@@ -408,6 +425,15 @@ class Engine:
             self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
+        with self.accelerator.range("infinity::engine::step"):
+            lr = self._run_optimizer()
+        self._telemetry = self._measure_step()
+        self._log_progress(lr, self._telemetry)
+        if self._profiler is not None and self._profiler.step(self.global_steps):
+            self._profiler = None  # its trace is written
+
+    def _run_optimizer(self) -> float:
+        """The optimizer step proper; returns the lr it used."""
         start = self._timer.start()
         if self.grad_reducer is not None:  # normally done at the end of each backward
             self.grad_reducer.flush()
@@ -427,29 +453,34 @@ class Engine:
             self.lr_schedule.step()
         self.global_steps += 1
         self.comm.end_step()  # with INFINITY_COMM_CHECK: the ranks' collectives compared
-        self._timer.stop("step", start)
-        self._time_step_parts()
-        self._log_progress(lr, self._timer.finish())
+        self._timer.stop("optimizer", start)
+        return lr
 
-    def _time_step_parts(self) -> None:
-        """With `wall_clock_breakdown`: the optimizer's own parts, and the time waited for
-        the disk (optimizer state in the step, parameters in the whole iteration)."""
-        if not self._timer.enabled:
-            return
-        for part, seconds in self.optimizer.last_timings.items():
-            self._timer.add(f"step.{part.removesuffix('_s')}", seconds)
-        self._add_disk_waits()
+    def _counters(self) -> dict[str, float]:
+        """The running counters a step's telemetry is the difference of."""
+        copies = self.accelerator.copies
+        return {
+            **self.memory_stats(),
+            "host_to_device_bytes": copies.host_to_device_bytes,
+            "device_to_host_bytes": copies.device_to_host_bytes,
+            "copy_s": copies.seconds,
+        }
 
-    def _add_disk_waits(self) -> None:
-        stats = self.memory_stats()
-        for key, name in (
-            ("nvme_optim_wait_us", "step.nvme_wait"),
-            ("nvme_param_wait_us", "nvme_param_wait"),
-        ):
-            if key in stats:
-                self._timer.add_total(name, stats[key] / 1e6)
+    def _measure_step(self) -> StepTelemetry:
+        """The finished optimizer step's record: its phase times and what the counters grew
+        by (perf_counter pairs and integer differences; no device synchronization unless
+        `wall_clock_breakdown`)."""
+        phases = self._timer.finish()
+        return step_telemetry(
+            step=self.global_steps,
+            window_s=self._timer.last_window_s,
+            phases=phases,
+            deltas=self._deltas.take(self._counters()),
+            optimizer_compute_s=self.optimizer.last_compute_s,
+            synchronized=self._timer.synchronizes,
+        )
 
-    def _log_progress(self, lr: float, breakdown: dict[str, float]) -> None:
+    def _log_progress(self, lr: float, telemetry: StepTelemetry) -> None:
         """Every `steps_per_print` optimizer steps: a progress line and, with
         `wall_clock_breakdown`, where the step's time went."""
         if self.global_steps % self.config.steps_per_print:
@@ -458,8 +489,8 @@ class Engine:
             "step %d: lr %.4g, loss scale %g, grad norm %.4g, skipped steps %d",
             self.global_steps, lr, self.loss_scaler.scale, self._grad_norm, self.skipped_steps,
         )  # fmt: skip
-        if breakdown:
-            logger.info("step %d time: %s", self.global_steps, format_breakdown(breakdown))
+        if self.config.wall_clock_breakdown:
+            logger.info("step %d time: %s", self.global_steps, telemetry.describe())
 
     def _weights_changed(self, start: int, weights: torch.Tensor) -> None:
         """The optimizer's new weights of flat elements [start, start + numel): gathered
@@ -502,16 +533,45 @@ class Engine:
         return self._last_overflow
 
     def wall_clock_breakdown(self) -> dict[str, float]:
-        """Seconds spent in forward, backward and step (and the step's parts) over the last
-        optimizer step; {} unless the config's `wall_clock_breakdown` is true."""
-        return dict(self._timer.last)
+        """The `*_seconds` parts of the last optimizer step's telemetry, with the device
+        synchronized around each; {} unless the config's `wall_clock_breakdown` is true."""
+        if not self.config.wall_clock_breakdown or self._telemetry is None:
+            return {}
+        return self._telemetry.seconds()
+
+    def last_step_telemetry(self) -> StepTelemetry | None:
+        """Where the last optimizer step's time went and what it moved (None before the
+        first step): recorded for every step, see docs/telemetry.md."""
+        return self._telemetry
+
+    def profile(
+        self, steps: int, out_dir: str | os.PathLike, *, warmup_steps: int = 1
+    ) -> StepProfiler:
+        """Record the optimizer steps after the next `warmup_steps` ones, `steps` of them,
+        with torch.profiler (the engine's ranges are `infinity::<component>::<op>`), and
+        write a Chrome trace into `out_dir` (atomically) once they are done, or when the
+        engine closes. Returns the profiler: its `path` is the trace's, once written."""
+        if self._profiler is not None:
+            raise RuntimeError(
+                "profile: a profile is already being recorded; wait for its trace (its "
+                "`path`) or close the engine first"
+            )
+        self._profiler = StepProfiler(
+            steps,
+            out_dir,
+            warmup_steps=warmup_steps,
+            activities=self.accelerator.profiler_activities(),
+        )
+        self._profiler.start(self.global_steps)
+        return self._profiler
 
     def memory_stats(self) -> dict[str, int]:
-        """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
-        NVMe tiers, bytes read and written, time waited, the staging buffers' sizes and peak
-        use, and the pinned bytes (allocated, and the peak in use); this rank's figures, with
-        `rank`, `world_size`, `home_numel` (the elements its homes hold: about 1/world_size
-        of the model) and the comm's bytes and calls per collective."""
+        """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses, the
+        time gathers waited (`gather_wait_us`, a running total); with NVMe tiers, bytes read
+        and written, time waited, the staging buffers' sizes and peak use, and the pinned
+        bytes (allocated, and the peak in use); this rank's figures, with `rank`,
+        `world_size`, `home_numel` (the elements its homes hold: about 1/world_size of the
+        model) and the comm's bytes and calls per collective."""
         stats = self.coordinator.stats()
         # Trainable homes are the optimizer's buffers (it counts them, or they alias its fp32
         # masters); frozen ones are only ours.
@@ -593,6 +653,7 @@ class Engine:
         checkpoint.save_checkpoint(
             save_dir, tensors(), step=self.global_steps, state=state, tag=tag
         )
+        self._deltas.rebase(self._counters())  # a checkpoint's reads are no step's
         logger.info("saved checkpoint %s/%s", save_dir, tag)
         return tag
 
@@ -670,6 +731,7 @@ class Engine:
         rng = ckpt.rng_state()
         if rng:
             checkpoint.restore_rng_state(rng)
+        self._deltas.rebase(self._counters())  # its writes are no step's
         logger.info("loaded checkpoint %s", ckpt.path)
         client_state = {k: v for k, v in ckpt.state.items() if k not in _ENGINE_STATE_KEYS}
         return str(ckpt.path), client_state
@@ -692,6 +754,9 @@ class Engine:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self._profiler is not None:  # a trace of the steps recorded so far
+            self._profiler.stop()
+            self._profiler = None
         self.hooks.remove()
         for handle in self._grad_handles:
             handle.remove()

@@ -204,9 +204,9 @@ class Config:
     """Log a progress line (step, skipped steps, lr, loss scale, grad norm) every this many
     optimizer steps, at INFO level."""
     wall_clock_breakdown: bool = False
-    """Time forward, backward and the optimizer step (and the step's own parts) over each
-    optimizer step, log them every `steps_per_print` steps and keep the last ones in
-    `Engine.wall_clock_breakdown()`. Synchronizes the device around each timed part."""
+    """Synchronize the device around each timed part of a step (the telemetry every step
+    records, docs/telemetry.md), log the breakdown every `steps_per_print` steps and return
+    it from `Engine.wall_clock_breakdown()`."""
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:

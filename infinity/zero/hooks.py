@@ -418,15 +418,16 @@ def install_grad_hooks(
         def hook(param: nn.Parameter, rec=rec) -> None:
             grad = param.grad
             if grad is not None:
-                flat = grad.reshape(-1)
-                if reducer is not None:
-                    reducer.add(rec.slot, flat)
-                else:
-                    if flat.device.type != "cpu":
-                        flat = accelerator.to_host(
-                            flat, out=torch.empty(flat.shape, dtype=flat.dtype)
-                        )
-                    accumulate(rec.slot, flat)
+                with accelerator.range("infinity::zero::accumulate_grad"):
+                    flat = grad.reshape(-1)
+                    if reducer is not None:
+                        reducer.add(rec.slot, flat)
+                    else:
+                        if flat.device.type != "cpu":
+                            flat = accelerator.to_host(
+                                flat, out=torch.empty(flat.shape, dtype=flat.dtype)
+                            )
+                        accumulate(rec.slot, flat)
                 param.grad = None
             hooks.grad_accumulated(rec)
 

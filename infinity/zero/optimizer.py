@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from infinity.accelerator import profile_range
 from infinity.comm import Comm, SingleProcess
 from infinity.config import AUTO, OptimizerConfig, ZeroConfig
 from infinity.optim import adam_step_flat
@@ -152,6 +153,8 @@ class PartitionedOptimizer:
         see [Note: gathered weights after a step] in engine.py)."""
         self.step_count = 0
         self.last_timings: dict[str, float] = {}
+        self.last_compute_s = 0.0
+        """Seconds the last step spent in the Adam kernels (its sweep also waits for I/O)."""
 
     @torch.no_grad()  # a partition may be a leaf that requires grad; the buffers never do
     def _load_initial(self, slots: Sequence[Slot]) -> None:
@@ -244,7 +247,8 @@ class PartitionedOptimizer:
         out inside the same pass. On inf/NaN nothing is updated (see `StepResult`).
         """
         _check_step_args(lr, loss_scale, max_grad_norm)
-        with torch.profiler.record_function("infinity::zero::step"):
+        self.last_compute_s = 0.0
+        with profile_range("infinity::zero::step"):
             t0 = time.perf_counter()
             norm = self._scaled_norm() / loss_scale
             t1 = time.perf_counter()
@@ -282,24 +286,27 @@ class PartitionedOptimizer:
                 out = None if self.aliased else self.weights.out(start, stop)
                 half = out if self.dtype != torch.float32 else None
                 grad = self.grads.take(index)
-                for a, b, decays in self._runs[index]:
-                    adam_step_flat(
-                        state.master[a:b],
-                        grad[a:b],
-                        state.exp_avg[a:b],
-                        state.exp_avg_sq[a:b],
-                        step=step,
-                        lr=lr,
-                        beta1=h["beta1"],
-                        beta2=h["beta2"],
-                        eps=h["eps"],
-                        weight_decay=h["weight_decay"] if decays else 0.0,
-                        adamw_mode=h["adamw_mode"],
-                        bias_correction=h["bias_correction"],
-                        grad_scale=grad_scale,
-                        half_out=half[a:b] if half is not None else None,
-                        backend=self.backend,
-                    )
+                t0 = time.perf_counter()
+                with profile_range("infinity::zero::adam_sub_group"):
+                    for a, b, decays in self._runs[index]:
+                        adam_step_flat(
+                            state.master[a:b],
+                            grad[a:b],
+                            state.exp_avg[a:b],
+                            state.exp_avg_sq[a:b],
+                            step=step,
+                            lr=lr,
+                            beta1=h["beta1"],
+                            beta2=h["beta2"],
+                            eps=h["eps"],
+                            weight_decay=h["weight_decay"] if decays else 0.0,
+                            adamw_mode=h["adamw_mode"],
+                            bias_correction=h["bias_correction"],
+                            grad_scale=grad_scale,
+                            half_out=half[a:b] if half is not None else None,
+                            backend=self.backend,
+                        )
+                self.last_compute_s += time.perf_counter() - t0
                 if out is not None and half is None:
                     out.copy_(state.master)
                 if self.on_new_weights is not None:
