@@ -375,6 +375,11 @@ class Engine:
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps
         coord = self.coordinator
+        if coord.phase is Phase.IDLE:
+            raise RuntimeError(
+                "backward: no forward is waiting for its backward (its backward already ran, "
+                "or the loss was not computed from engine(...)); run one backward per forward"
+            )
         start = self._timer.start()
         coord.begin_backward()
         self.entry.caller_scaled = True
