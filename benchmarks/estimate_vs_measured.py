@@ -46,7 +46,7 @@ _SHAPE_KEYS = (
 def shape_of(record: dict):
     m = record["model"]
     cfg = LlamaConfig(**{k: m[k] for k in _SHAPE_KEYS}, max_position_embeddings=4096)
-    return model_shape(cfg)
+    return model_shape(cfg, lora_r=int(record["args"].get("lora_r", 0)))
 
 
 def rates_of(record: dict, probed: dict) -> Rates:
@@ -83,14 +83,16 @@ def estimate_record(record: dict, probed: dict) -> Estimate:
 
 def measured(record: dict) -> dict:
     """The record's figures the estimate predicts (steady steps: after the first)."""
-    later = record["steps"][1:] or record["steps"]
+    later = _later(record)
     last = later[-1]
-    reads = last["step_bytes_read"] + sum(
-        v for k, v in last["fwd_bwd_nvme"].items() if k.endswith("bytes_read")
+    fwd_bwd = last["fwd_bwd_nvme"]
+    reads = last["step_bytes_read"] + sum(v for k, v in fwd_bwd.items() if k.endswith("_read"))
+    writes = last["step_bytes_written"] + sum(
+        v for k, v in fwd_bwd.items() if k.endswith("_written")
     )
     return {
         "nvme_read_bytes_per_step": reads,
-        "nvme_write_bytes_per_step": last["step_bytes_written"],
+        "nvme_write_bytes_per_step": writes,
         "host_bytes": record["memory_stats"]["host_bytes"],
         "peak_rss_bytes": record["summary"]["peak_rss_bytes"],
         "step_seconds": statistics.median(s["wall_s"] for s in later),
@@ -112,6 +114,20 @@ def predicted(est: Estimate) -> dict:
     }
 
 
+def recorded_probe(record: dict) -> dict | None:
+    """The rates the run probed just before each of the steps compared (the same model, under
+    the load each step met): their medians. None for runs recorded without them."""
+    probes = [s["estimate_probe"] for s in _later(record) if s.get("estimate_probe")]
+    if not probes:
+        return None
+    keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s")
+    return {k: statistics.median(p[k] for p in probes) for k in keys} | {"source": "record"}
+
+
+def _later(record: dict) -> list[dict]:
+    return record["steps"][1:] or record["steps"]
+
+
 def probe(record: dict) -> dict:
     shape = shape_of(record)
     seq = int(record["args"]["seq_len"])
@@ -121,7 +137,7 @@ def probe(record: dict) -> dict:
     ckpt = bool(record["model"]["activation_checkpointing"])
     return {
         "compute_s": hardware.probe_compute_s(
-            shape.config, micro, seq, dtype, frozen=False, checkpointing=ckpt
+            shape.config, micro, seq, dtype, frozen=shape.lora_r > 0, checkpointing=ckpt
         ),
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
         "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
@@ -138,14 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.records:
         with open(path) as f:
             record = json.load(f)
-        key = json.dumps(record["model"], sort_keys=True) + str(record["args"]["seq_len"])
-        if key not in probes:
-            probes[key] = probe(record)
-        est = estimate_record(record, probes[key])
+        rates = recorded_probe(record)
+        if rates is None:
+            key = json.dumps(record["model"], sort_keys=True) + str(record["args"]["seq_len"])
+            key += str(record["args"].get("lora_r", 0))
+            if key not in probes:
+                probes[key] = probe(record)
+            rates = probes[key]
+        est = estimate_record(record, rates)
         got, want = predicted(est), measured(record)
         ratio = {k: got[k] / want[k] for k in got if want[k]}
         times = dataclasses.asdict(est.times)
-        out.append({"record": path, "probed": probes[key], "estimate": got, "measured": want,
+        out.append({"record": path, "probed": rates, "estimate": got, "measured": want,
                     "ratio": ratio, "bound": est.bound, "times": times})  # fmt: skip
         print(f"{path}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()), flush=True)
     machine = {"platform": platform.platform(), "torch": torch.__version__,

@@ -3,13 +3,17 @@
 `estimate(shape, config, rates, ...)` combines the byte terms of `sizing` with the rates of
 `hardware` into an `Estimate` record; `as_json()` is what `infinity estimate --json` writes.
 
-[Note: the step model] A micro step's forward and backward cost the compute (see
-`hardware.passes`); NVMe parameter reads overlap it, and so do host-device copies on a GPU (a
-copy stream), while on the CPU device copies take the same cores and add. The optimizer
-step reads and writes the state (and writes the new 16-bit weights) one sub-group at a time
-while CPU-Adam steps the previous one, so it costs the slower of the two (their sum with
-`pipeline_read` or `pipeline_write` off), plus the gradient-norm pass before it. A step is
-`gradient_accumulation_steps` micro steps and one optimizer step.
+[Note: the step model] The forward and backward of an accumulation window cost the
+slower of two things that run at once: the compute of its micro steps (see
+`hardware.passes`; on the CPU device the gather and gradient copies take the same cores
+and add to it, on a GPU a copy stream overlaps them), and the disk: the NVMe parameter
+reads, the spilled fp32 gradients written in backward and read back for the next
+micro step, and the optimizer state the last sweep read ahead. The optimizer step reads and
+writes the rest of the state (and the step's share of the gradients, and writes the new
+16-bit weights) one sub-group at a time while CPU-Adam steps the previous one, so it costs
+the slower of the two (their sum with `pipeline_read` or `pipeline_write` off), plus the
+gradient-norm pass before it. The disk's reads and writes are taken one after the other at
+their measured rates.
 """
 
 from __future__ import annotations
@@ -42,12 +46,15 @@ class StepTimes:
     compute_s: float
     """Forward + backward compute of every micro step."""
     nvme_s: float
-    """NVMe parameter reads of every micro step, and the optimizer's state traffic."""
+    """Every NVMe transfer of the step: parameter reads, spilled gradients, the optimizer's
+    state and new weights."""
     cpu_adam_s: float
     """CPU-Adam over the trainable elements, and the gradient-norm pass."""
     copies_s: float
     """Host <-> device copies of gathered parameters and gradients."""
     micro_step_s: float
+    """Forward + backward of one micro step: its share of the accumulation window, which
+    costs the slower of the compute (with the copies, on the CPU device) and the disk."""
     optimizer_step_s: float
     step_s: float
 
@@ -191,34 +198,37 @@ def estimate(
 def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -> StepTimes:
     """See [Note: the step model]; without `pipelined` (offload_optimizer.pipeline_read and
     pipeline_write) the state's transfers and CPU-Adam take turns."""
+    read, write = rates.nvme_read_bps, rates.nvme_write_bps
     compute = rates.compute_s
     copies = (sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step) / (
         rates.copy_bytes_per_s
     )
-    param_read = sz.param_read_bytes_per_micro_step / rates.nvme_read_bps
+    # The disk during forward and backward: parameter reads, the spilled gradients written
+    # and read back, and the optimizer state the last sweep read ahead.
+    window_io = (
+        (accum * sz.param_read_bytes_per_micro_step
+         + sz.grad_read_bytes_per_step - sz.grad_step_read_bytes
+         + sz.optim_ahead_read_bytes) / read
+        + sz.grad_write_bytes_per_step / write
+    )  # fmt: skip
     if rates.gpu is None:  # the CPU device: copies run on the cores that compute
-        micro = max(compute + copies, param_read)
+        window = max(accum * (compute + copies), window_io)
     else:
-        micro = max(compute, copies, param_read)
+        window = max(accum * compute, accum * copies, window_io)
     state_io = (
-        sz.optim_read_bytes_per_step / rates.nvme_read_bps
-        + (sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step) / rates.nvme_write_bps
-    )
-    grad_io = (  # spilled gradients: written and read back in backward, read by the step
-        sz.grad_read_bytes_per_step / rates.nvme_read_bps
-        + sz.grad_write_bytes_per_step / rates.nvme_write_bps
-    )
+        sz.optim_read_bytes_per_step - sz.optim_ahead_read_bytes + sz.grad_step_read_bytes
+    ) / read + (sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step) / write
     adam = sz.flat_numel / rates.adam_numel_per_s
     norm = sz.grad_host_bytes / rates.norm_bytes_per_s
     optimizer = (max(adam, state_io) if pipelined else adam + state_io) + norm
     return StepTimes(
         compute_s=accum * compute,
-        nvme_s=accum * param_read + state_io + grad_io,
+        nvme_s=window_io + state_io,
         cpu_adam_s=adam + norm,
         copies_s=accum * copies,
-        micro_step_s=micro,
+        micro_step_s=window / accum,
         optimizer_step_s=optimizer,
-        step_s=accum * micro + grad_io + optimizer,
+        step_s=window + optimizer,
     )
 
 
