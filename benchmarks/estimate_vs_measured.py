@@ -148,13 +148,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("records", nargs="+", help="bigger_than_ram_*.json files")
     p.add_argument("--json", required=True, help="output file")
+    p.add_argument(
+        "--probes-from",
+        metavar="FILE",
+        help="an earlier output: its rates for records made without per-step probes are "
+        "reused instead of probed again",
+    )
     args = p.parse_args(argv)
     probes: dict[str, dict] = {}
+    earlier = {}
+    if args.probes_from:
+        with open(args.probes_from) as f:
+            earlier = {run["record"]: run["probed"] for run in json.load(f)["runs"]}
     out = []
     for path in args.records:
         with open(path) as f:
             record = json.load(f)
-        rates = recorded_probe(record)
+        rates = recorded_probe(record) or earlier.get(path)
         if rates is None:
             key = json.dumps(record["model"], sort_keys=True) + str(record["args"]["seq_len"])
             key += str(record["args"].get("lora_r", 0))

@@ -137,8 +137,8 @@ def render(est, model: str) -> str:
         f"{i['gradient_accumulation_steps']} = {est.tokens_per_step} tokens per step, "
         f"device {i['device']}",
         f"offload: parameters to {i['offload_param']}, optimizer state to "
-        f"{i['offload_optimizer']}; {s.num_sub_groups} sub-groups of at most "
-        f"{i['sub_group_size']:,} elements",
+        f"{i['offload_optimizer']}; {s.num_sub_groups} sub-group{_plural(s.num_sub_groups)} "
+        f"of at most {i['sub_group_size']:,} elements",
         "",
         "memory",
         _row("host RAM, peak", est.peak_rss_bytes, f"steady {est.steady_rss_bytes / _GIB:.1f} GiB"),
@@ -179,6 +179,10 @@ def render(est, model: str) -> str:
         "rates: " + "; ".join(f"{k}: {v}" for k, v in est.rates.sources.items()),
     ]
     return "\n".join(lines)
+
+
+def _plural(n: int) -> str:
+    return "" if n == 1 else "s"
 
 
 def _row(label: str, nbytes: int, note: str = "") -> str:
