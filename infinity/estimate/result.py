@@ -51,7 +51,8 @@ class StepTimes:
     cpu_adam_s: float
     """CPU-Adam over the trainable elements, and the gradient-norm pass."""
     copies_s: float
-    """Host <-> device copies of gathered parameters and gradients."""
+    """Host <-> device copies of gathered parameters and gradients (on the CPU device, the
+    gradients' adds into their fp32 partitions)."""
     micro_step_s: float
     """Forward + backward of one micro step: its share of the accumulation window, which
     costs the slower of the compute (with the copies, on the CPU device) and the disk."""
@@ -200,9 +201,7 @@ def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -
     pipeline_write) the state's transfers and CPU-Adam take turns."""
     read, write = rates.nvme_read_bps, rates.nvme_write_bps
     compute = rates.compute_s
-    copies = (sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step) / (
-        rates.copy_bytes_per_s
-    )
+    copies = micro_step_copies_s(sz, rates)
     # The disk during forward and backward: parameter reads, the spilled gradients written
     # and read back, and the optimizer state the last sweep read ahead.
     window_io = (
@@ -230,6 +229,18 @@ def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -
         optimizer_step_s=optimizer,
         step_s=window + optimizer,
     )
+
+
+def micro_step_copies_s(sz: Sizes, rates: Rates) -> float:
+    """Host-device copies of one micro step: gathered parameters to the device, gradients
+    back. On the CPU device a gradient is added straight into its fp32 partition: that add
+    reads the gradient and the partition and writes the partition (itemsize + 8 bytes per
+    element), against a copy's 2 bytes of memory traffic per byte copied."""
+    gathers = sz.gather_bytes_per_micro_step / rates.copy_bytes_per_s
+    if rates.gpu is not None:
+        return gathers + sz.grad_offload_bytes_per_micro_step / rates.copy_bytes_per_s
+    grad_add = sz.trainable_numel * (sz.itemsize + 8) / (2 * rates.copy_bytes_per_s)
+    return gathers + grad_add
 
 
 def bound_of(times: StepTimes) -> Bound:
