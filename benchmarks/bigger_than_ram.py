@@ -150,8 +150,13 @@ def _estimate_probe_child(args: argparse.Namespace) -> dict:
     compute = hardware.probe_compute_s(
         mcfg, 1, args.seq_len, torch.bfloat16, frozen=args.lora_r > 0, checkpointing=True
     )
+    from infinity.cli.estimate_probe import probe_module_overhead_s
+
     return {
         "compute_s": compute,
+        "module_overhead_s": probe_module_overhead_s(
+            torch.bfloat16, lora_r=args.lora_r, checkpointing=True
+        ),
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
         "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
         "seconds": time.perf_counter() - t0,

@@ -62,6 +62,7 @@ def rates_of(record: dict, probed: dict) -> Rates:
         nvme_read_bps=aio["best_read_gbps"] * 1e9,
         nvme_write_bps=aio["best_write_gbps"] * 1e9,
         sources={"record": "bench aio and CPU-Adam of the run; compute, norm, copies probed"},
+        module_overhead_s=probed.get("module_overhead_s", 0.0),
     )
 
 
@@ -120,8 +121,26 @@ def recorded_probe(record: dict) -> dict | None:
     probes = [s["estimate_probe"] for s in _later(record) if s.get("estimate_probe")]
     if not probes:
         return None
-    keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s")
-    return {k: statistics.median(p[k] for p in probes) for k in keys} | {"source": "record"}
+    keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s", "module_overhead_s")
+    out = {k: statistics.median(p[k] for p in probes) for k in keys if k in probes[0]}
+    if "module_overhead_s" not in out:  # runs recorded before the engine's hooks were probed
+        out["module_overhead_s"] = _module_overhead_s(record)
+    return out | {"source": "record"}
+
+
+def _module_overhead_s(record: dict) -> float:
+    from infinity.cli.estimate_probe import probe_module_overhead_s
+
+    return probe_module_overhead_s(
+        _dtype(record),
+        lora_r=int(record["args"].get("lora_r", 0)),
+        checkpointing=bool(record["model"]["activation_checkpointing"]),
+    )
+
+
+def _dtype(record: dict) -> torch.dtype:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(record["model"]["dtype"])
+    return dtype or torch.float32
 
 
 def _later(record: dict) -> list[dict]:
@@ -132,13 +151,13 @@ def probe(record: dict) -> dict:
     shape = shape_of(record)
     seq = int(record["args"]["seq_len"])
     micro = int(record["config"].get("train_micro_batch_size_per_gpu", 1))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(record["model"]["dtype"])
-    dtype = dtype or torch.float32
+    dtype = _dtype(record)
     ckpt = bool(record["model"]["activation_checkpointing"])
     return {
         "compute_s": hardware.probe_compute_s(
             shape.config, micro, seq, dtype, frozen=shape.lora_r > 0, checkpointing=ckpt
         ),
+        "module_overhead_s": _module_overhead_s(record),
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
         "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
     }
@@ -182,7 +201,36 @@ def main(argv: list[str] | None = None) -> int:
                "threads": torch.get_num_threads()}  # fmt: skip
     with open(args.json, "w") as f:
         json.dump({"bench": "estimate_vs_measured", "machine": machine, "runs": out}, f, indent=1)
+    print("\n".join(table(out)))
     return 0
+
+
+def table(runs: list[dict]) -> list[str]:
+    """BENCHMARKS.md's rows: estimate / measured for each run."""
+    gib, gb = float(1 << 30), 1e9
+    rows = [
+        "| run | NVMe read / written per step, GB | peak RSS, GiB | step, s | forward+backward, s"
+        " | optimizer step, s | probed forward+backward, s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        e, m, r = run["estimate"], run["measured"], run["ratio"]
+        same = all(e[k] == m[k] for k in ("nvme_read_bytes_per_step", "nvme_write_bytes_per_step"))
+        nvme = (
+            f"{e['nvme_read_bytes_per_step'] / gb:.3f} / {e['nvme_write_bytes_per_step'] / gb:.3f}"
+            + (" (**equal**)" if same else f" (measured {m['nvme_read_bytes_per_step'] / gb:.3f}"
+               f" / {m['nvme_write_bytes_per_step'] / gb:.3f})")
+        )  # fmt: skip
+        name = run["record"].split("bigger_than_ram_")[-1].removesuffix(".json")
+        rows.append(
+            f"| {name} | {nvme} | {e['peak_rss_bytes'] / gib:.2f} / "
+            f"{m['peak_rss_bytes'] / gib:.2f} (**{r['peak_rss_bytes']:.2f}**) | "
+            f"{e['step_seconds']:.1f} / {m['step_seconds']:.1f} (**{r['step_seconds']:.2f}**) | "
+            f"{e['fwd_bwd_seconds']:.1f} / {m['fwd_bwd_seconds']:.1f} | "
+            f"{e['optimizer_step_seconds']:.2f} / {m['optimizer_step_seconds']:.2f} | "
+            f"{run['probed']['compute_s']:.2f} |"
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -463,3 +463,24 @@ def test_pinned_bytes_on_a_gpu_follow_pin_memory(tmp_path):
     pinned = sizes(shape, resolve_config(Config.load(raw), shape), pins=True)
     assert pinned.pinned_bytes == pinned.param_pool_bytes + pinned.state_host_bytes
     assert sizes(shape, resolve_config(Config.load(raw), shape), pins=False).pinned_bytes == 0
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_module_count_is_what_the_engine_hooks(lora_r):
+    mc = LlamaConfig(**SHAPE)
+    model = LlamaForCausalLM(mc)
+    if lora_r:
+        model = apply_lora(model, LoraSpec(r=lora_r))
+    hooked = sum(1 for m in model.modules() if next(m.parameters(recurse=False), None) is not None)
+    assert model_shape(mc, lora_r=lora_r).modules == hooked
+
+
+def test_engine_hooks_add_on_the_cpu_device_only(tmp_path):
+    shape = model_shape(LlamaConfig(**SHAPE), lora_r=4)
+    cfg = Config.load(_config(tmp_path, accum=2))
+    bare = estimate(shape, cfg, _rates(), seq_len=64, runtime_bytes=0)
+    hooked = estimate(shape, cfg, _rates(module_overhead_s=1e-3), seq_len=64, runtime_bytes=0)
+    assert hooked.times.hooks_s == pytest.approx(2 * shape.modules * 1e-3)
+    assert hooked.times.step_s == pytest.approx(bare.times.step_s + hooked.times.hooks_s)
+    gpu = _rates(device="a100", gpu=GPUS["a100"], module_overhead_s=1e-3)
+    assert estimate(shape, cfg, gpu, seq_len=64, runtime_bytes=0).times.hooks_s == 0.0

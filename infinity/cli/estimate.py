@@ -102,6 +102,16 @@ def run(args: argparse.Namespace) -> int:
         )
     shape = model_shape(model_config(args.model), lora_r=args.lora_r or 0)
     config = config_from_args(argparse.Namespace(**{**vars(args), "lr": None, "seed": None}))
+    overhead = 0.0
+    if args.device == "cpu":  # the engine's hooks take the cores that compute
+        from infinity.cli.estimate_probe import probe_module_overhead_s
+        from infinity.zero import model_dtype
+
+        overhead = probe_module_overhead_s(
+            model_dtype(config),
+            lora_r=shape.lora_r,
+            checkpointing=args.activation_checkpointing,
+        )
     rates = measure_rates(
         shape,
         config,
@@ -110,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing,
         nvme_path=args.nvme,
         bench_aio=args.bench_aio,
+        module_overhead_s=overhead,
     )
     est = estimate(
         shape,
@@ -173,6 +184,7 @@ def render(est, model: str) -> str:
         f"  {'NVMe transfers':<28}{t.nvme_s:9.2f} s",
         f"  {'CPU-Adam (+ norm)':<28}{t.cpu_adam_s:9.2f} s",
         f"  {'host-device copies':<28}{t.copies_s:9.2f} s",
+        *([f"  {'engine hooks':<28}{t.hooks_s:9.2f} s"] if t.hooks_s else []),
         "",
         *(f"- {a}" for a in est.advice),
         "",

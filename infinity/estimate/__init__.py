@@ -44,10 +44,13 @@ def measure_rates(
     activation_checkpointing: bool = False,
     nvme_path: str | None = None,
     bench_aio: str | None = None,
+    module_overhead_s: float = 0.0,
 ) -> Rates:
     """The rates for `device` ("cpu": probed here; a name in `GPUS`: published figures),
     CPU-Adam and the norm pass probed here, the disk from `bench_aio` (a `bench aio --json`
-    file), else a probe of `nvme_path` when the tiers use NVMe, else an assumed SSD."""
+    file), else a probe of `nvme_path` when the tiers use NVMe, else an assumed SSD.
+    `module_overhead_s`: the engine's cost per module on this CPU, which a caller that may
+    run the engine probes (`infinity.cli.estimate_probe`)."""
     if device not in DEVICES:
         raise ValueError(f"--device {device!r} is not known; choose one of {', '.join(DEVICES)}")
     config = resolve_config(config, shape)
@@ -64,6 +67,8 @@ def measure_rates(
         copy = hardware.probe_copy_bytes_per_s()
         sources["compute"] = "probe: one block and the head, forward and backward, on this CPU"
         sources["copies"] = "probe: a host memory copy"
+        if module_overhead_s:
+            sources["hooks"] = "probe: a tiny Llama through the engine against plain PyTorch"
     else:
         flops = c.train_flops_per_token(seq_len) / 3 * micro * seq_len  # one forward
         n = hardware.passes(frozen=frozen, checkpointing=activation_checkpointing)
@@ -86,6 +91,7 @@ def measure_rates(
         nvme_read_bps=read,
         nvme_write_bps=write,
         sources=sources,
+        module_overhead_s=module_overhead_s if gpu is None else 0.0,
     )
 
 

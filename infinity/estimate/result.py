@@ -5,15 +5,15 @@
 
 [Note: the step model] The forward and backward of an accumulation window cost the
 slower of two things that run at once: the compute of its micro steps (see
-`hardware.passes`; on the CPU device the gather and gradient copies take the same cores
-and add to it, on a GPU a copy stream overlaps them), and the disk: the NVMe parameter
-reads, the spilled fp32 gradients written in backward and read back for the next
-micro step, and the optimizer state the last sweep read ahead. The optimizer step reads and
-writes the rest of the state (and the step's share of the gradients, and writes the new
-16-bit weights) one sub-group at a time while CPU-Adam steps the previous one, so it costs
-the slower of the two (their sum with `pipeline_read` or `pipeline_write` off), plus the
-gradient-norm pass before it. The disk's reads and writes are taken one after the other at
-their measured rates.
+`hardware.passes`; on the CPU device the gather and gradient copies and the engine's hooks
+take the same cores and add to it, on a GPU a copy stream overlaps the copies), and the
+disk: the NVMe parameter reads, the spilled fp32 gradients written in backward and read
+back for the next micro step, and the optimizer state the last sweep read ahead. The
+optimizer step reads and writes the rest of the state (and the step's share of the
+gradients, and writes the new 16-bit weights) one sub-group at a time while CPU-Adam steps
+the previous one, so it costs the slower of the two (their sum with `pipeline_read` or
+`pipeline_write` off), plus the gradient-norm pass before it. The disk's reads and writes
+are taken one after the other at their measured rates.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class StepTimes:
     copies_s: float
     """Host <-> device copies of gathered parameters and gradients (on the CPU device, the
     gradients' adds into their fp32 partitions)."""
+    hooks_s: float
+    """The engine's own work per module (gather, release and gradient hooks) on the CPU
+    device, where it takes the cores that compute."""
     micro_step_s: float
     """Forward + backward of one micro step: its share of the accumulation window, which
     costs the slower of the compute (with the copies, on the CPU device) and the disk."""
@@ -153,7 +156,7 @@ def estimate(
     tokens = micro * seq_len
     offload = config.zero_optimization.offload_optimizer
     pipelined = offload.pipeline_read and offload.pipeline_write
-    times = step_times(sz, rates, accum=accum, pipelined=pipelined)
+    times = step_times(sz, rates, accum=accum, pipelined=pipelined, modules=shape.modules)
     acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
@@ -196,12 +199,16 @@ def estimate(
     return est
 
 
-def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -> StepTimes:
+def step_times(
+    sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True, modules: int = 0
+) -> StepTimes:
     """See [Note: the step model]; without `pipelined` (offload_optimizer.pipeline_read and
-    pipeline_write) the state's transfers and CPU-Adam take turns."""
+    pipeline_write) the state's transfers and CPU-Adam take turns. `modules`: the model's
+    modules with parameters (the engine's hooks cost `rates.module_overhead_s` each)."""
     read, write = rates.nvme_read_bps, rates.nvme_write_bps
     compute = rates.compute_s
     copies = micro_step_copies_s(sz, rates)
+    hooks = modules * rates.module_overhead_s if rates.gpu is None else 0.0
     # The disk during forward and backward: parameter reads, the spilled gradients written
     # and read back, and the optimizer state the last sweep read ahead.
     window_io = (
@@ -211,7 +218,7 @@ def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -
         + sz.grad_write_bytes_per_step / write
     )  # fmt: skip
     if rates.gpu is None:  # the CPU device: copies run on the cores that compute
-        window = max(accum * (compute + copies), window_io)
+        window = max(accum * (compute + copies + hooks), window_io)
     else:
         window = max(accum * compute, accum * copies, window_io)
     state_io = (
@@ -225,6 +232,7 @@ def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -
         nvme_s=window_io + state_io,
         cpu_adam_s=adam + norm,
         copies_s=accum * copies,
+        hooks_s=accum * hooks,
         micro_step_s=window / accum,
         optimizer_step_s=optimizer,
         step_s=window + optimizer,
