@@ -132,8 +132,9 @@ def cpu_adam(numel: int, total_numel: int, repeats: int) -> dict:
 
 
 def estimate_probe(args: argparse.Namespace) -> dict:
-    """`infinity estimate`'s rate probes of this run's model (one block and the head, forward
-    and backward; the norm pass; a host copy) in a fresh interpreter, so that a replay of the
+    """`infinity estimate`'s rate probes of this run's model (forward and backward of the
+    model cut to one layer and of one block; the engine's cost per module; the norm pass; a
+    host copy) in a fresh interpreter, so that a replay of the
     run (benchmarks/estimate_vs_measured.py) has rates measured under the run's own load."""
     cmd = [sys.executable, os.path.abspath(__file__), "--estimate-probe", "--params"]
     cmd += [str(args.params), "--vocab", str(args.vocab), "--seq-len", str(args.seq_len)]

@@ -1,20 +1,22 @@
 """Claim: `infinity estimate` predicts the bytes of a run exactly and its peak RSS and step
 time within 20%, on the runs `benchmarks/bigger_than_ram.py` recorded on this machine.
 
-For each `bigger_than_ram_*.json` given: the model shape and the config it recorded, the disk
-rates its `bench aio` measured and the CPU-Adam rate its probe measured; the compute, norm
-and copy rates are probed here (one block and the head of the run's model, forward and
-backward at its tokens; once per model, median of repeats). Then the estimate against the
-record: NVMe bytes read and written per step (optimizer and parameter tiers), the host
-buffers `memory_stats()` reported, peak RSS and the step's wall time (the medians of the
-steps after the first). One JSON record per run, with the rates used, so
-`tests/test_estimate.py` replays them without probing. The 2026-11-22 507M runs predate the
-current layout (sub-groups that split parameters), so they are not replayed:
+For each `bigger_than_ram_*.json` given: the model shape (LoRA included) and the config it
+recorded, the disk rates its `bench aio` measured and the CPU-Adam rate its probe measured.
+The compute (the model cut to one layer, and a block per further layer, forward and backward
+at its tokens), the engine's cost per module, the norm and copy rates are those the run
+probed just before each step it compares (the medians), so the estimate meets the load the
+step met; records made before those probes are probed here (or take the rates of an earlier
+output with `--probes-from`). Then the estimate against the record: NVMe bytes read and
+written per step (optimizer, parameter and gradient traffic), the host buffers
+`memory_stats()` reported, peak RSS and the step's wall time (the medians of the steps after
+the first). One JSON record per run, with the rates used, so `tests/test_estimate.py`
+replays them without probing; the BENCHMARKS.md table is printed at the end:
 
     flock /work/bench.lock python benchmarks/estimate_vs_measured.py \\
-        benchmarks/results/bigger_than_ram_2026-11-22_2.1B_nvme_run*.json \\
-        benchmarks/results/bigger_than_ram_2026-11-23_500M_cpu_run4.json \\
-        --json benchmarks/results/estimate_vs_measured_2026-11-23.json
+        benchmarks/results/bigger_than_ram_*.json \\
+        --probes-from benchmarks/results/estimate_vs_measured_2026-11-23.json \\
+        --json benchmarks/results/estimate_vs_measured_2026-11-23_run2.json
 """
 
 from __future__ import annotations

@@ -65,7 +65,10 @@ def measure_rates(
             c, micro, seq_len, dtype, frozen=frozen, checkpointing=activation_checkpointing
         )
         copy = hardware.probe_copy_bytes_per_s()
-        sources["compute"] = "probe: one block and the head, forward and backward, on this CPU"
+        sources["compute"] = (
+            "probe: the model cut to one layer, and a block per further layer, forward and "
+            "backward on this CPU"
+        )
         sources["copies"] = "probe: a host memory copy"
         if module_overhead_s:
             sources["hooks"] = "probe: a tiny Llama through the engine against plain PyTorch"
