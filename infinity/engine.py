@@ -3,14 +3,17 @@
 `initialize(model, config)` partitions the model (`infinity.zero`), builds the partitioned
 CPU-Adam optimizer, the loss scaler and the learning-rate schedule, and returns an `Engine`.
 The engine owns the loop's bookkeeping (micro steps, accumulation boundaries, skipped steps,
-the last gradient norm) and checkpoints; gathering and releasing belong to the coordinator.
+the last gradient norm) and checkpoints; gathering, releasing and the iteration's lifecycle
+belong to the coordinator (the engine calls its verbs around forward and backward).
 
-[Note: gathered weights after a step] Parameters that stay gathered between iterations
-(persistent ones) must see each step's new weights. With host partitions they are copied
-again after the step. With the NVMe parameter tier they are copied from the optimizer's new
-weights while its sweep holds them (`on_new_weights`), not read back from disk: right after
-a step the disk is busy with the next sweep's read-ahead, and small reads queued behind it
-took 13 ms each (0.35 s per step for 27 parameters at 507M).
+[Note: gathered weights after a step] Trainable parameters that stay gathered between
+iterations (persistent ones) must see each step's new weights. On both tiers they take them
+from the optimizer's new weights while its sweep holds them (`on_new_weights`, then the
+coordinator's `refresh`), not from their homes after the step: on the NVMe tier the disk is
+then busy with the next sweep's read-ahead, and small reads queued behind it took 13 ms each
+(0.35 s per step for 27 parameters at 507M); on the host tier the values are still in cache.
+Anything in flight lands before the step (`Coordinator.quiesce`), so every gathered copy is
+LIVE when the sweep reaches it.
 
 [Note: loss scaling] `backward(loss)` differentiates loss * loss_scale / accumulation_steps,
 as DeepSpeed does. Gradients therefore reach the fp32 partitions scaled by loss_scale; the
@@ -20,8 +23,8 @@ optimizer divides it out inside its step (after the overflow check and global-no
 gradient of `loss` as it is (a loop that accumulates divides its loss itself, as the HF
 Trainer and Lightning do). The engine cannot see that loss, so it acts where the gradient
 enters the model: `forward` marks every output that requires grad (`BackwardEntry`); the
-first gradient to reach one (1) starts the engine's backward phase and queues the end of the
-iteration for when autograd finishes (the way FSDP ends its backward), and (2) with fp16 is
+first gradient to reach one (1) begins the coordinator's backward and queues its end for
+when autograd finishes (the way FSDP ends its backward), and (2) with fp16 is
 multiplied by the loss scale, inside an identity function the output passes through. Outputs
 the model computes from one another (loss from logits) are wrapped after the fact, so each
 gradient is scaled exactly once. What fp16 cannot do this way: a loss computed outside the
@@ -62,7 +65,9 @@ from infinity.utils.step_timer import StepTimer, format_breakdown
 from infinity.zero import (
     BackwardEntry,
     Coordinator,
+    HomePlan,
     ModelHooks,
+    ModuleUnit,
     OffloadParam,
     ParamState,
     PartitionedOptimizer,
@@ -70,8 +75,10 @@ from infinity.zero import (
     Slot,
     frozen_on_nvme,
     install_grad_hooks,
+    make_weights,
+    model_dtype,
+    optimizer_layout,
     partition_model,
-    sub_group_numels,
 )
 
 logger = logging.getLogger(__name__)
@@ -120,11 +127,11 @@ class Engine:
         self._base_source = base_model
         self._base_record: dict | None = None
         self.accelerator = accelerator or get_accelerator()
-        self.records, units = partition_model(model, self.config, self.accelerator)
-        self.optimizer = self._build_optimizer(set(no_decay))
-        if self.param_store is not None:  # see [Note: gathered weights after a step]
-            self._live_trainable = [r for r in self.records if r.trainable and r.persistent]
-            self.optimizer.on_new_weights = self._refresh_live
+        self.optimizer, units = self._build_optimizer(set(no_decay))
+        # By slot (records are in model order, as the slots): see [Note: gathered weights
+        # after a step].
+        self._trainable = [r for r in self.records if r.trainable]
+        self.optimizer.on_new_weights = self._weights_changed
         try:
             self.coordinator = Coordinator(self.records, zero, accelerator=self.accelerator)
             by_param = {rec.param: rec for rec in self.records}
@@ -165,29 +172,52 @@ class Engine:
             self._add_disk_waits()
             self._timer.discard()
 
-    def _build_optimizer(self, no_decay: set[str]) -> PartitionedOptimizer:
-        trainable: list[OffloadParam] = [r for r in self.records if r.param.requires_grad]
+    def _build_optimizer(
+        self, no_decay: set[str]
+    ) -> tuple[PartitionedOptimizer, dict[nn.Module, ModuleUnit]]:
+        """The homes first (decided once, see `HomePlan`), the records with them, then the
+        optimizer, which writes the trainable weights into their homes."""
+        named = list(self.module.named_parameters())
+        trainable = [(n, p.numel()) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(
                 "initialize: the model has no parameter with requires_grad=True; nothing to train"
             )
-        unknown = sorted(no_decay - {r.name for r in self.records})
+        unknown = sorted(no_decay - {n for n, _ in named})
         if unknown:
             raise ValueError(
                 f"initialize: no_decay names {unknown[:5]}, which are not parameters of the "
                 "model; use names from model.named_parameters()"
             )
-        slots = [Slot(name=r.name, numel=r.numel, partition=r.partition) for r in trainable]
         zero = self.config.zero_optimization
+        dtype = model_dtype(self.config)
+        names = [n for n, _ in trainable]
         self._swap_stores = SwapStores()
         self.param_store: NvmeParamStore | None = None
         try:
+            on_nvme: set[str] = set()
             if zero.offload_param.device == "nvme":
-                self.param_store = self._make_param_store()
-            numels = sub_group_numels([s.numel for s in slots], zero)
+                on_nvme = frozen_on_nvme(named, zero.offload_param)
+                self.param_store = self._make_param_store(named, on_nvme, dtype)
+            layout = optimizer_layout([n for _, n in trainable], zero)
+            numels = layout.sub_group_numels
             store = make_state_store(
                 numels, zero.offload_optimizer, self.config.aio, stores=self._swap_stores
             )
+            weights = make_weights(
+                layout, names, dtype, state_store=store, param_store=self.param_store
+            )
+            plan = HomePlan(
+                weights,
+                {n: i for i, n in enumerate(names)},
+                self.param_store,
+                frozenset(on_nvme),
+            )
+            self.records, units, sources = partition_model(
+                self.module, self.config, self.accelerator, plan
+            )
+            slots = [Slot(n, k, src) for (n, k), src in zip(trainable, sources, strict=True)]
+            del sources
             grads = make_grad_store(
                 numels, zero.offload_optimizer, self.config.aio, stores=self._swap_stores
             )
@@ -196,44 +226,33 @@ class Engine:
                 optimizer=self.config.optimizer,
                 zero=zero,
                 state_store=store,
-                weight_home=self.param_store,
-                no_decay=[i for i, r in enumerate(trainable) if r.name in no_decay],
+                weights=weights,
+                no_decay=[i for i, n in enumerate(names) if n in no_decay],
                 grad_store=grads,
             )
-            del slots  # the host partitions of an NVMe home are dropped below
-            for i, rec in enumerate(trainable):
-                rec.slot = i
-                if self.param_store is not None:  # written by the optimizer
-                    rec.move_home_to_nvme(self.param_store, write=False)
-                else:
-                    rec.repoint(optimizer.partition(i))
-            if self.param_store is not None:
-                for rec in self._frozen_on_nvme():
-                    rec.move_home_to_nvme(self.param_store, write=True)
         except BaseException:
             self._close_stores()  # no swap directory or lock outlives a failed start
             raise
-        return optimizer
+        return optimizer, units
 
-    def _make_param_store(self) -> NvmeParamStore:
+    def _make_param_store(
+        self, named: list[tuple[str, nn.Parameter]], on_nvme: set[str], dtype: torch.dtype
+    ) -> NvmeParamStore:
         """The NVMe parameter tier: frozen parameters laid out one extent each (the optimizer
         lays out the trainable ones in its flat space)."""
         zero = self.config.zero_optimization
-        frozen = {r.name: (r.numel, r.dtype) for r in self._frozen_on_nvme()}
+        numels = [p.numel() for _, p in named]
         return make_param_store(
-            frozen,
+            {n: (p.numel(), dtype) for n, p in named if n in on_nvme},
             zero.offload_param,
             self.config.aio,
             stores=self._swap_stores,
-            largest_numel=max(r.numel for r in self.records),
-            element_size=self.records[0].itemsize,
+            largest_numel=max(numels),
+            element_size=dtype.itemsize,
             # Prefetch never reads ahead more than the whole model: a bucket larger than the
             # model asks for no more buffers than the model has parameters to fill.
-            prefetch_numel=min(int(zero.prefetch_bucket_size), sum(r.numel for r in self.records)),
+            prefetch_numel=min(int(zero.prefetch_bucket_size), sum(numels)),
         )
-
-    def _frozen_on_nvme(self) -> list[OffloadParam]:
-        return frozen_on_nvme(self.records, self.config.zero_optimization.offload_param)
 
     def _close_stores(self, optimizer: PartitionedOptimizer | None = None) -> None:
         """Close the optimizer's state and gradient tiers (if given), the parameter tier,
@@ -269,24 +288,26 @@ class Engine:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
         start = self._timer.start()
-        if coord.phase is not Phase.IDLE:  # a forward whose backward never came (or failed)
+        if coord.phase is Phase.BACKWARD_PENDING:  # a forward whose backward never came
+            self.hooks.reset()  # (begin_forward closes its iteration)
+        elif coord.phase is Phase.BACKWARD:  # a plain backward that raised out of autograd
             self.hooks.reset()
+            coord.abort()
         self.entry.new_iteration()
-        coord.begin_iteration(self._iteration_key())
+        coord.begin_forward(self._iteration_key())
+        grad = torch.is_grad_enabled()
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
                 out = self.module(*args, **kwargs)
         except BaseException:
             self.hooks.reset()
-            coord.abort_iteration()
+            coord.abort()
             raise
-        if not torch.is_grad_enabled():
+        if not grad:
             self.hooks.reset()
-            coord.end_iteration()
-            self._timer.stop("forward", start)
-            return out
+        coord.end_forward(backward=grad)
         self._timer.stop("forward", start)
-        return self.entry.wrap(out)
+        return self.entry.wrap(out) if grad else out
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backpropagate loss * loss_scale / gradient_accumulation_steps (DeepSpeed's meaning;
@@ -303,19 +324,20 @@ class Engine:
             factor /= self.gradient_accumulation_steps
         coord = self.coordinator
         start = self._timer.start()
-        coord.phase = Phase.BACKWARD
+        coord.begin_backward()
         self.entry.caller_scaled = True
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
                 (loss.float() * factor).backward()
         except BaseException:
             self.hooks.reset()
-            coord.abort_iteration()
+            coord.abort()
             raise
         finally:
             self.entry.caller_scaled = False
-        self.hooks.reset()  # already done by the entry, unless the loss bypassed the outputs
-        coord.end_iteration()
+        if coord.phase is Phase.BACKWARD:  # the loss bypassed the outputs: no entry ended it
+            self.hooks.reset()
+            coord.end_backward()
         self._backwards += 1
         self._timer.stop("backward", start)
 
@@ -348,8 +370,7 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         start = self._timer.start()
-        if self.param_store is not None:
-            self.coordinator.quiesce()
+        self.coordinator.quiesce()
         lr = self.lr_schedule.lr
         result = self.optimizer.step(
             lr=lr,
@@ -363,8 +384,6 @@ class Engine:
             self.skipped_steps += 1
         else:
             self.lr_schedule.step()
-            if self.param_store is None:
-                self.coordinator.refresh_persistent()
         self.global_steps += 1
         self._timer.stop("step", start)
         self._time_step_parts()
@@ -400,18 +419,16 @@ class Engine:
         if breakdown:
             logger.info("step %d time: %s", self.global_steps, format_breakdown(breakdown))
 
-    def _refresh_live(self, start: int, weights: torch.Tensor) -> None:
-        """The optimizer's new weights of flat elements [start, start + numel) go into the
-        buffers of the parameters that stay gathered."""
-        stop = start + weights.numel()
-        offsets = self.optimizer.layout.offsets
-        for rec in self._live_trainable:
-            if rec.state is not ParamState.LIVE:
-                continue
-            lo = offsets[rec.slot]
-            a, b = max(lo, start), min(lo + rec.numel, stop)
-            if a < b:
-                rec.update_live(self.accelerator, a - lo, weights[a - start : b - start])
+    def _weights_changed(self, start: int, weights: torch.Tensor) -> None:
+        """The optimizer's new weights of flat elements [start, start + numel): gathered
+        trainable parameters take them (see [Note: gathered weights after a step])."""
+        layout = self.optimizer.layout
+        refresh = self.coordinator.refresh
+        for slot, a, b in layout.pieces(start // layout.sub_group_size):
+            rec = self._trainable[slot]
+            if rec.state is not ParamState.RELEASED:
+                at = layout.offsets[slot] + a - start
+                refresh(rec, weights[at : at + b - a], start=a)
 
     # ---- accessors ----------------------------------------------------------------------
 
@@ -452,10 +469,9 @@ class Engine:
         NVMe tiers, bytes read and written, time waited, the staging buffers' sizes and peak
         use, and the pinned bytes (allocated, and the peak in use)."""
         stats = self.coordinator.stats()
-        # Trainable partitions belong to the optimizer (it counts them, or they alias its
-        # fp32 masters); frozen ones are only ours.
-        frozen = [r for r in self.records if not r.trainable and r.partition is not None]
-        host = sum(r.numel * r.itemsize for r in frozen)
+        # Trainable homes are the optimizer's buffers (it counts them, or they alias its fp32
+        # masters); frozen ones are only ours.
+        host = sum(r.home.host_bytes for r in self.records if not r.trainable)
         optim = self.optimizer.memory_stats()
         stats["host_bytes"] = host + optim["host_bytes"]
         stats.update(
@@ -580,13 +596,13 @@ class Engine:
             )
         self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.optimizer.load_state_tensors(lambda name: ckpt.get_tensor(f"optim/{name}"))
-        frozen = [r for r in self.records if not r.trainable]
-        if with_frozen and frozen:
-            self.coordinator.release_all()  # gathered frozen copies predate their new homes
-            with torch.no_grad():
-                for rec in frozen:
-                    rec.write_home(ckpt.get_tensor(prefix + rec.name).reshape(-1))
-        self.coordinator.refresh_persistent(frozen=with_frozen)
+        if with_frozen:
+            for rec in self.records:
+                if not rec.trainable:
+                    rec.home.write(ckpt.get_tensor(prefix + rec.name))
+        for rec in self.records:
+            if rec.trainable or with_frozen:
+                self.coordinator.refresh(rec)
         self.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
         self.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
         counters = ckpt.state["engine"]
@@ -623,7 +639,7 @@ class Engine:
         for handle in self._grad_handles:
             handle.remove()
         self._grad_handles = []
-        self.coordinator.abort_iteration()
+        self.coordinator.abort()
         self._close_stores(self.optimizer)
 
     def _check_open(self, what: str) -> None:
@@ -634,25 +650,24 @@ class Engine:
             )
 
     def _check_idle(self, what: str) -> None:
-        if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():
+        phase = self.coordinator.phase
+        if phase is not Phase.IDLE and torch.is_grad_enabled():
             raise RuntimeError(
-                f"{what}: a forward is waiting for its backward; call it between steps"
+                f"{what}: a forward is waiting for its backward (phase {phase.name}); call it "
+                "between steps"
             )
 
     def named_parameters_host(self):
-        """(name, host weights in the parameter's shape) for every parameter: the partition
-        itself in host memory, a copy read when reached for an NVMe home."""
+        """(name, a host copy of the weights in the parameter's shape) for every parameter,
+        read from its home when reached."""
         for rec in self.records:
-            weights = _weights_of(rec)
-            yield rec.name, weights() if callable(weights) else weights
+            yield rec.name, _weights_of(rec)()
 
 
 def _weights_of(rec: OffloadParam):
-    """A parameter's weights for a checkpoint: the host partition itself, or a thunk that
-    reads an NVMe home when the writer reaches it (one parameter in memory at a time)."""
-    if rec.partition is not None:
-        return rec.partition.view(rec.shape)
-    return lambda: rec.read_home().view(rec.shape)
+    """A thunk for a parameter's weights that reads its home when the writer reaches it (one
+    parameter in memory at a time)."""
+    return lambda: rec.home.read().view(rec.shape)
 
 
 def _to_half(obj: Any) -> Any:

@@ -113,7 +113,7 @@ def test_half_precision_tracks_fp32(precision, tol):
     got, engine = run_engine(model, data, cfg)
     assert max_rel_diff(got, ref) < tol, (got, ref)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    assert all(r.partition.dtype == dtype for r in engine.records)
+    assert all(r.home.dtype == dtype for r in engine.records)
 
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():

@@ -31,7 +31,9 @@ def _nvme_cfg(tmp_path, budget: int, **offload) -> dict:
 
 
 def _frozen_bytes(engine, home=HomeTier.NVME) -> int:
-    return sum(r.numel * r.itemsize for r in engine.records if not r.trainable and r.home is home)
+    return sum(
+        r.numel * r.itemsize for r in engine.records if not r.trainable and r.home.tier is home
+    )
 
 
 def test_frozen_base_is_read_once_when_it_fits_the_budget(tmp_path):
@@ -69,13 +71,13 @@ def test_max_in_cpu_keeps_the_first_frozen_parameters_in_ram(tmp_path):
     room = frozen[0][1] + frozen[1][1]  # exactly the first two
     ref, _ = run_engine(model, data, config())
     got, engine = run_engine(model, data, _nvme_cfg(tmp_path, 700, max_in_cpu=room))
-    homes = {r.name: r.home for r in engine.records if not r.trainable}
+    homes = {r.name: r.home.tier for r in engine.records if not r.trainable}
     assert [homes[n] for n, _ in frozen[:2]] == [HomeTier.HOST] * 2
     assert all(homes[n] is HomeTier.NVME for n, _ in frozen[2:])
     assert got == ref
     engine.close()
     got, engine = run_engine(model, data, _nvme_cfg(tmp_path, 700))  # default: none in RAM
-    assert all(r.home is HomeTier.NVME for r in engine.records)
+    assert all(r.home.tier is HomeTier.NVME for r in engine.records)
     engine.close()
 
 

@@ -1,4 +1,5 @@
-"""OffloadParam: state transitions, gathered buffers are copies, .data swaps under autograd."""
+"""OffloadParam with a host home: state transitions, gathered buffers are copies, .data swaps
+under autograd, the home's reads and writes."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from infinity.accelerator import CpuAccelerator
-from infinity.zero import HomeTier, OffloadParam, ParamState
+from infinity.zero import HomeTier, HostHome, OffloadParam, ParamState
 
 
-def _record(shape=(3, 4), home=HomeTier.HOST, accel=None):
+def _record(shape=(3, 4), accel=None):
     accel = accel or CpuAccelerator()
     param = nn.Parameter(torch.randn(shape))
-    part = param.detach().reshape(-1).clone()
-    rec = OffloadParam("w", param, part, device=accel.device, home=home)
+    home = HostHome(param.detach().reshape(-1).clone(), name="w")
+    rec = OffloadParam("w", param, home, device=accel.device)
     rec.offload()
     return rec, accel
 
@@ -34,7 +35,7 @@ def test_states_and_guards(accel):
     rec.wait(accel)
     assert rec.state is ParamState.LIVE and rec.param.shape == (3, 4)
     assert rec.param.device.type == accel.device.type
-    torch.testing.assert_close(rec.param.detach().cpu().reshape(-1), rec.partition)
+    torch.testing.assert_close(rec.param.detach().cpu().reshape(-1), rec.home.flat)
     rec.release()
     assert rec.state is ParamState.RELEASED and rec.param.numel() == 0
 
@@ -43,32 +44,39 @@ def test_gathered_is_a_copy_not_an_alias():
     rec, accel = _record()
     rec.fetch(accel, accel.current_stream())
     rec.wait(accel)
-    assert rec.param.data_ptr() != rec.partition.data_ptr()
-    torch.testing.assert_close(rec.param.detach().reshape(-1), rec.partition)
+    assert rec.param.data_ptr() != rec.home.flat.data_ptr()
+    torch.testing.assert_close(rec.param.detach().reshape(-1), rec.home.flat)
     with torch.no_grad():
         rec.param.add_(1.0)  # the device copy changes, the partition does not
-    assert not torch.equal(rec.param.detach().reshape(-1), rec.partition)
-    rec.partition.fill_(7.0)
+    assert not torch.equal(rec.param.detach().reshape(-1), rec.home.flat)
+    rec.home.flat.fill_(7.0)
     rec.refresh(accel)
     assert torch.all(rec.param == 7.0)
 
 
-def test_nvme_home_needs_a_store_and_no_partition():
-    with pytest.raises(ValueError, match="move_home_to_nvme"):
-        _record(home=HomeTier.NVME)
+def test_refresh_copies_given_values_into_a_range():
+    rec, accel = _record()
+    rec.fetch(accel, accel.current_stream())
+    rec.wait(accel)
+    before = rec.param.detach().clone().reshape(-1)
+    rec.refresh(accel, torch.full((5,), 3.0), 4)
+    got = rec.param.detach().reshape(-1)
+    assert torch.all(got[4:9] == 3.0)
+    assert torch.equal(got[:4], before[:4]) and torch.equal(got[9:], before[9:])
 
 
 def test_host_home_reads_and_writes_its_partition():
     rec, accel = _record()
     assert rec.itemsize == 4 and rec.fetch(accel, accel.current_stream(), block=False)
     rec.wait(accel)
-    home = rec.read_home()
-    assert torch.equal(home, rec.partition) and home.data_ptr() != rec.partition.data_ptr()
-    rec.write_home(torch.arange(12.0).reshape(3, 4))
-    assert torch.equal(rec.partition, torch.arange(12.0))
-    assert not torch.equal(rec.param.detach().reshape(-1), rec.partition)  # until refresh
+    assert rec.home.tier is HomeTier.HOST and rec.home.host_bytes == 48
+    home = rec.home.read()
+    assert torch.equal(home, rec.home.flat) and home.data_ptr() != rec.home.flat.data_ptr()
+    rec.home.write(torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(rec.home.flat, torch.arange(12.0))
+    assert not torch.equal(rec.param.detach().reshape(-1), rec.home.flat)  # until refresh
     rec.refresh(accel)
-    assert torch.equal(rec.param.detach().reshape(-1), rec.partition)
+    assert torch.equal(rec.param.detach().reshape(-1), rec.home.flat)
 
 
 def test_release_and_regather_between_forward_and_backward():
@@ -92,7 +100,11 @@ def test_release_and_regather_between_forward_and_backward():
     torch.testing.assert_close(rec.param.grad, w2.grad)
 
 
-def test_partition_shape_is_checked():
+def test_home_shape_is_checked():
     param = nn.Parameter(torch.randn(2, 2))
-    with pytest.raises(ValueError, match="1-D with 4 elements"):
-        OffloadParam("w", param, torch.zeros(2, 2), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="flat host tensor"):
+        HostHome(torch.zeros(2, 2), name="w")
+    with pytest.raises(ValueError, match="holds 3 elements, the parameter has 4"):
+        OffloadParam("w", param, HostHome(torch.zeros(3)), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="5 elements, the home holds 4"):
+        HostHome(torch.zeros(4)).write(torch.zeros(5))

@@ -1,5 +1,6 @@
 """OffloadParam with an NVMe home: fetch reads into a pool buffer, wait copies it to the
-device and gives the buffer back, release/refresh/read_home/write_home, and read failures."""
+device and gives the buffer back, release, refresh, the home's reads and writes, and read
+failures."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from infinity.swap.aio_checks import available_backends
 from infinity.swap.param_store import NvmeParamError, NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore
-from infinity.zero import HomeTier, OffloadParam, ParamState
+from infinity.zero import HomeTier, NvmeHome, OffloadParam, ParamState
 
 SHAPE = (3, 700)  # 2100 elements: not a whole number of pages
 NUMEL = 2100
@@ -36,13 +37,18 @@ def _store(swap, aio, buffers=2):
     return ps, pool
 
 
-def _host_record(name, accel, seed=0):
+def _nvme_record(ps, name, accel, seed=0, *, write=True):
+    """A record whose home is `name` in `ps`, written with its weights unless the caller
+    writes the flat space (as the optimizer does)."""
     g = torch.Generator().manual_seed(seed)
     param = nn.Parameter(torch.randn(SHAPE, generator=g).half())
-    part = param.detach().reshape(-1).clone()
-    rec = OffloadParam(name, param, part, device=accel.device)
+    weights = param.detach().reshape(-1).clone()
+    home = NvmeHome(ps, name)
+    if write:
+        home.write(weights)
+    rec = OffloadParam(name, param, home, device=accel.device)
     rec.offload()
-    return rec, part
+    return rec, weights
 
 
 def _gathered(rec):
@@ -52,9 +58,8 @@ def _gathered(rec):
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_fetch_wait_release_from_nvme(swap, accel, lazy):
     ps, pool = _store(swap, FakeAio(lazy=lazy))
-    rec, weights = _host_record("frozen", accel)
-    rec.move_home_to_nvme(ps, write=True)
-    assert rec.home is HomeTier.NVME and rec.partition is None and rec.itemsize == 2
+    rec, weights = _nvme_record(ps, "frozen", accel)
+    assert rec.home.tier is HomeTier.NVME and rec.home.host_bytes == 0 and rec.itemsize == 2
     assert rec.fetch(accel, accel.new_stream())
     assert rec.state is ParamState.INFLIGHT and rec.reading and rec.device_tensor is None
     assert pool.free_count == 1
@@ -71,12 +76,10 @@ def test_fetch_wait_release_from_nvme(swap, accel, lazy):
 def test_fetch_without_a_free_buffer(swap):
     accel = CpuAccelerator()
     ps, pool = _store(swap, FakeAio(lazy=True), buffers=1)
-    a, _ = _host_record("frozen", accel)
-    a.move_home_to_nvme(ps, write=True)
-    b = OffloadParam("a", nn.Parameter(torch.zeros(SHAPE).half()), None, device=accel.device,
-                     home=HomeTier.NVME, store=ps)  # fmt: skip
+    a, _ = _nvme_record(ps, "frozen", accel)
+    b, _ = _nvme_record(ps, "a", accel, write=False)
     ps.write_flat(0, torch.ones(8192).half())
-    assert b.dtype == torch.float16 and b.numel == NUMEL and b.partition is None
+    assert b.dtype == torch.float16 and b.numel == NUMEL and b.home.numel == NUMEL
     assert a.fetch(accel, accel.current_stream(), block=False)
     assert not b.fetch(accel, accel.current_stream(), block=False)
     assert b.state is ParamState.RELEASED and not b.reading
@@ -89,12 +92,11 @@ def test_fetch_without_a_free_buffer(swap):
 
 def test_refresh_and_home_reads_and_writes(swap, accel):
     ps, pool = _store(swap, FakeAio(lazy=True))
-    rec, weights = _host_record("a", accel)
-    rec.move_home_to_nvme(ps, write=False)  # the optimizer writes the flat space
+    rec, weights = _nvme_record(ps, "a", accel, write=False)
     flat = torch.zeros(8192).half()
     flat[:NUMEL] = weights
-    ps.write_flat(0, flat)
-    assert torch.equal(rec.read_home(), weights)
+    ps.write_flat(0, flat)  # the optimizer writes the flat space
+    assert torch.equal(rec.home.read(), weights)
     rec.fetch(accel, accel.new_stream())
     rec.wait(accel)
     assert torch.equal(_gathered(rec), weights)
@@ -102,12 +104,16 @@ def test_refresh_and_home_reads_and_writes(swap, accel):
     ps.write_flat(0, flat[:4096])
     rec.refresh(accel)
     assert torch.all(rec.param == 5.0) and pool.free_count == 2
-    rec.write_home(torch.full(SHAPE, 7.0))  # fp32 in: stored in the model dtype
-    assert torch.all(rec.read_home() == 7.0) and torch.all(rec.param == 5.0)
+    rec.home.write(torch.full(SHAPE, 7.0))  # fp32 in: stored in the model dtype
+    assert torch.all(rec.home.read() == 7.0) and torch.all(rec.param == 5.0)
     rec.refresh(accel)
     assert torch.all(rec.param == 7.0)
+    rec.refresh(accel, torch.full((3,), 2.0).half(), 2097)  # new values at hand: no read
+    read = ps.stats.bytes_read
+    assert torch.all(rec.param.reshape(-1)[2097:] == 2.0) and torch.all(rec.param[0] == 7.0)
+    assert ps.stats.bytes_read == read and pool.free_count == 2
     with pytest.raises(ValueError, match="2100"):
-        rec.write_home(torch.zeros(5))
+        rec.home.write(torch.zeros(5))
 
 
 @pytest.mark.parametrize("backend", available_backends())
@@ -115,23 +121,21 @@ def test_nvme_fetch_real_io(swap, backend):
     accel = CpuAccelerator()
     with AioHandle(block_size=8192, queue_depth=4, backend=backend) as aio:
         ps, pool = _store(swap, aio, buffers=1)
-        recs = [_host_record(name, accel, seed=i) for i, name in enumerate(["frozen", "a", "b"])]
-        for rec, _ in recs:
-            rec.move_home_to_nvme(ps, write=True)
+        names = ["frozen", "a", "b"]
+        recs = [_nvme_record(ps, name, accel, seed=i) for i, name in enumerate(names)]
         for _ in range(2):
             for rec, weights in recs:
                 assert rec.fetch(accel, accel.current_stream(), block=False)
                 rec.wait(accel)
                 assert torch.equal(_gathered(rec), weights) and pool.free_count == 1
-                assert torch.equal(rec.read_home(), weights)
+                assert torch.equal(rec.home.read(), weights)
                 rec.release()
         ps.close()
 
 
 def test_failed_read_leaves_the_record_released(swap, accel):
     ps, pool = _store(swap, FakeAio(lazy=True, fail_read=0))
-    rec, weights = _host_record("frozen", accel)
-    rec.move_home_to_nvme(ps, write=True)
+    rec, weights = _nvme_record(ps, "frozen", accel)
     rec.fetch(accel, accel.new_stream())
     with pytest.raises(NvmeParamError, match=r"parameter 'frozen' .*param\.0\.swp"):
         rec.wait(accel)
@@ -142,24 +146,14 @@ def test_failed_read_leaves_the_record_released(swap, accel):
     assert torch.equal(_gathered(rec), weights)
 
 
-def test_moving_home_checks_the_layout(swap):
+def test_a_home_is_a_reserved_layout(swap):
     accel = CpuAccelerator()
     ps, _ = _store(swap, FakeAio())
     param = nn.Parameter(torch.zeros(10).half())
-    rec = OffloadParam("a", param, param.detach().clone(), device=accel.device)
-    with pytest.raises(ValueError, match="holds 2100 x torch.float16"):
-        rec.move_home_to_nvme(ps, write=False)
-    rec = OffloadParam("nobody", param, param.detach().clone(), device=accel.device)
+    with pytest.raises(ValueError, match="holds 2100 elements, the parameter has 10"):
+        OffloadParam("a", param, NvmeHome(ps, "a"), device=accel.device)
     with pytest.raises(KeyError, match="no NVMe home"):
-        rec.move_home_to_nvme(ps, write=True)
-    with pytest.raises(ValueError, match="HOST home needs its partition"):
-        OffloadParam("a", param, None, device=accel.device)
-    rec, _ = _host_record("frozen", accel)
-    rec.move_home_to_nvme(ps, write=True)
-    with pytest.raises(RuntimeError, match="already lives on nvme"):
-        rec.move_home_to_nvme(ps, write=True)
-    with pytest.raises(RuntimeError, match="only a host partition"):
-        rec.repoint(torch.zeros(NUMEL).half())
+        NvmeHome(ps, "nobody")
 
 
 def test_read_refused_at_submit_real_io(swap):
@@ -167,8 +161,7 @@ def test_read_refused_at_submit_real_io(swap):
     accel = CpuAccelerator()
     with AioHandle(block_size=8192, queue_depth=2) as aio:
         ps, pool = _store(swap, aio)
-        rec, _ = _host_record("b", accel)
-        rec.move_home_to_nvme(ps, write=False)
+        rec, _ = _nvme_record(ps, "b", accel, write=False)
         ps.write_flat(0, torch.ones(8192).half()).wait()
         os.truncate(ps.flat.extent.path, ps.flat.extent.offset + 4096)
         with pytest.raises(NvmeParamError, match=r"parameter 'b' .*param\.\d\.swp"):

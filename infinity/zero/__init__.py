@@ -1,30 +1,44 @@
 """ZeRO stage 3: partitioned parameters, their gather/release hooks, the coordinator, and the
 partitioned optimizer over sub-groups of parameter partitions.
 
-Owns one record per parameter (`OffloadParam`), building partitioned models (`init`,
-`partition_model`), the hooks that gather a module's parameters around its forward and
-backward, the coordinator that prefetches along the traced order under the live budget, and
-the CPU-Adam step over fp32 masters and gradient partitions (`PartitionedOptimizer`).
+Owns one record per parameter (`OffloadParam`) with its home (`infinity.zero.home`),
+building partitioned models (`init`, `partition_model`), the hooks that gather a module's
+parameters around its forward and backward, the coordinator that prefetches along the
+traced order under the live budget, and the CPU-Adam step over fp32 masters and gradient
+partitions (`PartitionedOptimizer`).
 """
 
 from infinity.zero.backward_entry import BackwardEntry
-from infinity.zero.build import init, model_dtype, partition_model
-from infinity.zero.coordinator import Coordinator, Phase
-from infinity.zero.hooks import GatherOnUse, ModelHooks, install_grad_hooks
-from infinity.zero.optimizer import PartitionedOptimizer, StepResult, sub_group_numels
-from infinity.zero.param import HomeTier, OffloadParam, ParamState, frozen_on_nvme
+from infinity.zero.build import HomePlan, init, model_dtype, partition_model
+from infinity.zero.coordinator import Coordinator, LiveEvent, Phase
+from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
+from infinity.zero.hooks import CallState, GatherOnUse, ModelHooks, install_grad_hooks
+from infinity.zero.optimizer import (
+    PartitionedOptimizer,
+    StepResult,
+    optimizer_layout,
+    sub_group_numels,
+)
+from infinity.zero.param import OffloadParam, ParamState, frozen_on_nvme
 from infinity.zero.sub_groups import Slot
 from infinity.zero.trace import Trace
 from infinity.zero.unit import ModuleUnit
+from infinity.zero.weights import make_weights
 
 __all__ = [
     "BackwardEntry",
+    "CallState",
     "Coordinator",
     "GatherOnUse",
+    "HomePlan",
     "HomeTier",
+    "HostHome",
+    "LiveEvent",
     "ModelHooks",
     "ModuleUnit",
+    "NvmeHome",
     "OffloadParam",
+    "ParamHome",
     "ParamState",
     "PartitionedOptimizer",
     "Phase",
@@ -34,7 +48,9 @@ __all__ = [
     "frozen_on_nvme",
     "init",
     "install_grad_hooks",
+    "make_weights",
     "model_dtype",
+    "optimizer_layout",
     "partition_model",
     "sub_group_numels",
 ]

@@ -6,8 +6,10 @@ parameter becomes a view of it (one whose own memory already qualifies is kept).
 own initialization (`reset_parameters`, `nn.Parameter(torch.ones(...))`, a model's
 `init_weights`) therefore runs on the partition itself, and the model never exists twice in
 RAM: the peak is the partitions plus one parameter. `partition_model` then builds one
-`OffloadParam` per parameter (adopting memory that qualifies as a partition, copying any
-other) and releases them all.
+`OffloadParam` per parameter with the home a `HomePlan` gives it (a frozen parameter's home
+is its partition, adopted from memory that qualifies or copied, or its NVMe extent written
+from it; a trainable parameter's partition is handed to the optimizer, which writes it into
+its home) and releases them all.
 
 Parameters are created with real values rather than on the meta device because arbitrary
 init code must see them (a module's `reset_parameters`, a Hugging Face model's `post_init`
@@ -23,9 +25,9 @@ and every `RELEASE_PERIOD_S` a timer drops the pages of all partitions from the 
 file and can reclaim them; a later touch faults them back in), so neither construction nor a
 whole-model init pass after it (Hugging Face's `post_init`) maps the model in. The anonymous
 peak of a build is one parameter, whatever the model size, and the weights are bitwise those
-of a build in RAM: the same code runs on the same values in the same order. The engine then
-copies every partition to its NVMe home one sub-group at a time, and the mappings go with the
-records' partitions.
+of a build in RAM: the same code runs on the same values in the same order. The optimizer
+then copies every trainable partition to its NVMe home one sub-group at a time (a frozen one
+is written as its record is built), and the mappings go with the partitions.
 
 Supported: any module whose parameters are registered through `nn.Module.__setattr__` or
 `register_parameter` (all of torch.nn, `infinity.models`, Hugging Face models), tied
@@ -38,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -45,8 +49,13 @@ from torch import nn
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.config import Config
 from infinity.zero.build_files import BuildFiles
-from infinity.zero.param import HomeTier, OffloadParam
+from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
+from infinity.zero.param import OffloadParam
 from infinity.zero.unit import ModuleUnit
+from infinity.zero.weights import HostWeights, NvmeWeights
+
+if TYPE_CHECKING:
+    from infinity.swap.param_store import NvmeParamStore
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +133,45 @@ def init(config: Config | dict | str) -> Iterator[None]:
             files.close()
 
 
-def partition_model(
-    model: nn.Module, config: Config, accel: Accelerator
-) -> tuple[list[OffloadParam], dict[nn.Module, ModuleUnit]]:
-    """One record per parameter (partitions adopted or copied) and one unit per module.
+@dataclass(frozen=True, slots=True)
+class HomePlan:
+    """Which home each parameter gets: decided once, before any record or the optimizer
+    exists, so every record is built with its final home."""
 
-    Every record's home is host memory on return (the engine then moves the homes to NVMe
-    when `offload_param.device` is "nvme"), and every parameter is released; floating-point
-    buffers are cast to the model dtype and moved to the device (they stay resident).
+    weights: HostWeights | NvmeWeights
+    """The optimizer's weight output: trainable slot i's home is `weights.home(i)`."""
+    slots: dict[str, int]
+    """Trainable parameter name -> its slot in the optimizer, in model order."""
+    param_store: NvmeParamStore | None = None
+    """The NVMe parameter tier, when `offload_param.device` is "nvme"."""
+    frozen_on_nvme: frozenset[str] = frozenset()
+    """Frozen parameters whose home is their own extent in `param_store` (the others keep
+    their partition in host memory)."""
+
+    def home(self, name: str, partition: torch.Tensor) -> ParamHome:
+        """The home of parameter `name` whose build partition is `partition`. A trainable
+        home starts empty: the optimizer writes it from the partition (see `partition_model`);
+        a frozen one on NVMe is written here (and the partition can go)."""
+        slot = self.slots.get(name)
+        if slot is not None:
+            return self.weights.home(slot)
+        if name in self.frozen_on_nvme:
+            assert self.param_store is not None
+            home = NvmeHome(self.param_store, name)
+            home.write(partition)
+            return home
+        return HostHome(partition, name=name)
+
+
+def partition_model(
+    model: nn.Module, config: Config, accel: Accelerator, plan: HomePlan
+) -> tuple[list[OffloadParam], dict[nn.Module, ModuleUnit], list[torch.Tensor]]:
+    """One record per parameter with its home from `plan`, one unit per module, and the
+    trainable parameters' partitions in slot order (the optimizer's initial weights: it
+    writes them into their homes; drop them after).
+
+    Every parameter is released on return; floating-point buffers are cast to the model dtype
+    and moved to the device (they stay resident).
     """
     dtype = model_dtype(config)
     zero = config.zero_optimization
@@ -139,6 +179,7 @@ def partition_model(
     # An NVMe home is written from host memory, never copied to the device from it.
     pin = zero.offload_param.pin_memory and home_tier(config) is HomeTier.HOST
     records: list[OffloadParam] = []
+    sources: list[torch.Tensor] = [torch.empty(0)] * len(plan.slots)
     by_param: dict[nn.Parameter, OffloadParam] = {}
     for name, param in model.named_parameters():
         if param.is_meta:
@@ -153,10 +194,13 @@ def partition_model(
         rec = OffloadParam(
             name,
             param,
-            part,
+            plan.home(name, part),
             device=accel.device,
             persistent=is_persistent(param.numel(), threshold),
         )
+        rec.slot = plan.slots.get(name)
+        if rec.slot is not None:
+            sources[rec.slot] = part
         rec.offload()  # the parameter's own memory (if not the partition) is freed here
         records.append(rec)
         by_param[param] = rec
@@ -170,4 +214,4 @@ def partition_model(
         if module not in units:
             own = [by_param[p] for p in module.parameters(recurse=False)]
             units[module] = ModuleUnit(mname or "<root>", own)
-    return records, units
+    return records, units, sources

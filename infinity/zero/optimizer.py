@@ -5,18 +5,19 @@ sub-groups (see [Note: the flat space] in sub_groups.py), the Adam/AdamW step ov
 sub-groups, the global-norm clipping and the overflow check. The fp32 gradient sums that the
 engine's hooks accumulate into live behind a grad store (`infinity.swap.grad_store`: one flat
 host buffer, or a few host buffers and NVMe); the fp32 master weights and moments behind a
-`StateStore` (host or NVMe); the weights in the model dtype in a weight home
-(`infinity.zero.weights`: host memory, or NVMe through the parameter store). It does not own
+`StateStore` (host or NVMe); the weights in the model dtype in a weight output
+(`infinity.zero.weights`: host memory, or NVMe through the parameter store) whose ranges are
+the trainable parameters' homes. It does not own
 the loss scale (the engine drives the scaler and passes `loss_scale`), the learning-rate
 schedule (`lr` is passed to `step`), nor gathering parameters to the device.
 
-[Note: where the weights live] With an fp32 model and the host tier, a slot's partition is a
+[Note: where the weights live] With an fp32 model and the host tier, a slot's home is a
 view of the master weights themselves: the step updates it in place and no copy exists (4
 bytes per parameter saved, one pass fewer). With fp16/bf16 the partitions are their own flat
 buffer, written by the step's fused copy-out (the master rounded to nearest-even). With an
-fp32 model on any other tier the master is not resident between steps, so the partitions are
+fp32 model on any other tier the master is not resident between steps, so the homes are
 their own fp32 buffer, copied from the master while the sub-group is resident during the
-sweep. With the NVMe weight home no partition is in memory: each sub-group's new weights go
+sweep. With the NVMe parameter tier no weights are in memory: each sub-group's new weights go
 through a staging buffer to disk during the sweep.
 """
 
@@ -46,11 +47,17 @@ from infinity.zero.sub_groups import (
     flat_layout,
     resolve_sub_group_size,
 )
-from infinity.zero.weights import HostWeights, NvmeWeights
+from infinity.zero.weights import HostWeights, NvmeWeights, aliases_masters, make_weights
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PartitionedOptimizer", "Slot", "StepResult", "sub_group_numels"]
+__all__ = [
+    "PartitionedOptimizer",
+    "Slot",
+    "StepResult",
+    "optimizer_layout",
+    "sub_group_numels",
+]
 
 STATE_FIELDS = SubGroupState._fields  # ("master", "exp_avg", "exp_avg_sq")
 _KIND = "PartitionedOptimizer"
@@ -72,13 +79,14 @@ class PartitionedOptimizer:
 
     Slots are laid out in order (each on a SLOT_ALIGN boundary) and the space is cut into
     sub-groups of `zero.sub_group_size` elements, which may split a slot; master weights
-    start from the slots' partitions. After construction the engine must use `partition(i)`
-    (host weight home) as slot i's weights and add its gradients with `accumulate_grad(i,
-    grad)` (`grad(i)` is the host grad store's view of them), and must drop its own copies of
-    the partitions before the first gradient (the host gradient buffer is allocated then).
-    `weight_home` (the parameter store, see `NvmeWeights`) keeps the weights on NVMe instead
-    of in host memory, `grad_store` (an `NvmeGradStore` of the same sub-groups) most of the
-    gradients. Weight decay applies to every slot except the indices in `no_decay`.
+    start from the slots' partitions and the weights are written to `weights` (built with
+    `make_weights` before the optimizer: its `home(i)` is slot i's home from then on; by
+    default a host buffer, `partition(i)`). The engine adds gradients with
+    `accumulate_grad(i, grad)` (`grad(i)` is the host grad store's view of them) and must
+    drop its own copies of the partitions before the first gradient (the host gradient
+    buffer is allocated then). `grad_store` (an `NvmeGradStore` of the same sub-groups)
+    keeps most of the gradients on NVMe. Weight decay applies to every slot except the
+    indices in `no_decay`.
     """
 
     def __init__(
@@ -89,7 +97,7 @@ class PartitionedOptimizer:
         zero: ZeroConfig,
         state_store: StateStore | None = None,
         no_decay: Collection[int] = (),
-        weight_home: Any = None,
+        weights: HostWeights | NvmeWeights | None = None,
         grad_store: Any = None,
     ) -> None:
         self.dtype = check_slots(slots) or torch.float32
@@ -118,25 +126,23 @@ class PartitionedOptimizer:
                 f"these slots make {numels}; build it with infinity.zero.sub_group_numels(...)"
             )
         self.grads = grad_store
-        # See [Note: where the weights live].
-        self.aliased = (
-            self.dtype == torch.float32
-            and isinstance(state_store, HostStateStore)
-            and weight_home is None
-        )
-        if weight_home is not None:
-            self.weights = NvmeWeights(weight_home, self.layout, self._names, self.dtype)
-        elif self.aliased:
-            self.weights = HostWeights(state_store.flat.master)
-        else:
-            self.weights = HostWeights(torch.zeros(self.layout.total, dtype=self.dtype))
+        if weights is None:
+            weights = make_weights(self.layout, self._names, self.dtype, state_store=state_store)
+        elif weights.layout != self.layout:
+            raise ValueError(
+                "the weights were made for another flat layout than these slots'; build them "
+                "with make_weights(optimizer_layout(...), ...) from the same slots and config"
+            )
+        self.weights = weights
+        self.aliased = aliases_masters(weights, state_store)  # [Note: where the weights live]
         self._runs = [
             decay_runs(self.layout, g, self.no_decay) for g in range(self.layout.num_sub_groups)
         ]
         self._load_initial(slots)
         self.on_new_weights: Callable[[int, torch.Tensor], None] | None = None
         """Called during the step with (flat start, new weights) of each sub-group, before
-        they are written to the weight home (the engine refreshes gathered parameters)."""
+        they are written to their homes (the engine refreshes gathered parameters from them:
+        see [Note: gathered weights after a step] in engine.py)."""
         self.step_count = 0
         self.last_timings: dict[str, float] = {}
 
@@ -285,11 +291,11 @@ class PartitionedOptimizer:
                         half_out=half[a:b] if half is not None else None,
                         backend=self.backend,
                     )
+                if out is not None and half is None:
+                    out.copy_(state.master)
+                if self.on_new_weights is not None:
+                    self.on_new_weights(start, state.master if out is None else out)
                 if out is not None:
-                    if half is None:
-                        out.copy_(state.master)
-                    if self.on_new_weights is not None:
-                        self.on_new_weights(start, out)
                     self.weights.commit(start, out)
                 self.grads.release(index)  # zeroed while the disk is busy with this sweep
         finally:
@@ -413,10 +419,16 @@ class PartitionedOptimizer:
         }
 
 
+def optimizer_layout(slot_numels: Sequence[int], zero: ZeroConfig) -> FlatLayout:
+    """The flat layout the optimizer will make of slots of `slot_numels`: to build its state
+    store (`sub_group_numels`) and weights (`make_weights`) before constructing it."""
+    return flat_layout(slot_numels, resolve_sub_group_size(zero.sub_group_size))
+
+
 def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
     """Elements of each sub-group the optimizer will make of slots of `slot_numels`: the
     `numels` to build a `StateStore` with before constructing the optimizer."""
-    return flat_layout(slot_numels, resolve_sub_group_size(zero.sub_group_size)).sub_group_numels
+    return optimizer_layout(slot_numels, zero).sub_group_numels
 
 
 def _hyperparameters(cfg: OptimizerConfig) -> dict:

@@ -1,22 +1,23 @@
-"""One record per partitioned parameter: where its weights live and whether they are gathered.
+"""One record per partitioned parameter: its home and whether it is gathered.
 
-`OffloadParam` owns the parameter's home copy (flat, model dtype: a host partition, or a
-layout in the NVMe parameter store) and the device buffer while gathered. It never patches
-attributes onto the `nn.Parameter`: the parameter object stays in its module, and only its
-`.data` is swapped between an empty tensor (released) and the gathered device buffer. Policy
-(what to fetch, when to release, the budget) lives in `infinity.zero.coordinator`.
+`OffloadParam` holds the parameter's one home (`infinity.zero.home`: host memory or NVMe,
+never absent) and the device buffer while gathered. It never patches attributes onto the
+`nn.Parameter`: the parameter object stays in its module, and only its `.data` is swapped
+between an empty tensor (released) and the gathered device buffer. Policy (what to fetch,
+when to release, the budget) lives in `infinity.zero.coordinator`.
 
 [Note: gathered means copied] On every accelerator a gathered parameter is a copy of its
-partition in a new device buffer (`Accelerator.to_device`), never an alias. On the CPU the
+home in a new device buffer (`Accelerator.to_device`), never an alias. On the CPU the
 "device" is simply separate host memory, so the copy path and the live budget are exercised
 exactly as on a GPU.
 
-[Note: fetching from NVMe] With an NVMe home, `fetch` issues a read of the partition into a
+[Note: fetching from NVMe] With an NVMe home, `fetch` issues a read of the home into a
 buffer of the store's pinned pool (INFLIGHT, no device buffer yet); `wait` waits for the read,
 copies the buffer into a new device buffer on the copy stream, makes the compute stream wait
 for that copy, and gives the pool buffer back only once the copy has read it (the host waits
-for the copy's event; on the CPU the copy is synchronous). A failed read leaves the record
-RELEASED with its buffer given back.
+for the copy's event; on the CPU the copy is synchronous). `finish_read` does the first part
+early (the read and the copy, still INFLIGHT), to free the pool buffer for the next read. A
+failed read leaves the record RELEASED with its buffer given back.
 
 [Note: swapping .data] Autograd saves leaf parameters by reference. Replacing `param.data`
 keeps the parameter's version counter, so a parameter released after forward and gathered
@@ -34,12 +35,10 @@ import torch
 from torch import nn
 
 from infinity.accelerator import Accelerator, Event, Stream
-from infinity.config import OffloadParamConfig
-from infinity.swap.param_store import NvmeParamError
-from infinity.swap.pool import aligned_host_bytes
+from infinity.zero.home import Fetch, ParamHome
 
 if TYPE_CHECKING:
-    from infinity.swap.param_store import NvmeParamStore, SwapFuture
+    from infinity.config import OffloadParamConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,20 +54,11 @@ def empty_like_released(dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return t
 
 
-class HomeTier(enum.Enum):
-    """Where a parameter's partition lives between uses."""
-
-    HOST = "host"
-    """Host memory (pinned when the accelerator supports it)."""
-    NVME = "nvme"
-    """The NVMe parameter store (see [Note: fetching from NVMe])."""
-
-
 class ParamState(enum.Enum):
     """What is resident for one parameter."""
 
     RELEASED = "released"
-    """Only the partition exists; `param.data` is an empty tensor."""
+    """Only the home exists; `param.data` is an empty tensor."""
     INFLIGHT = "inflight"
     """A copy home -> device buffer (or, from NVMe, a read into a pool buffer) was issued and
     not yet waited."""
@@ -77,11 +67,11 @@ class ParamState(enum.Enum):
 
 
 class OffloadParam:
-    """One parameter: its shape, dtype, home tier, home copy and gathered state.
+    """One parameter: its shape, dtype, home and gathered state.
 
-    A tied parameter (one `nn.Parameter` registered in several modules) has one record. A
-    HOST home keeps `partition`; an NVMe home has `partition` None and `store` set, and the
-    parameter's name is its key in the store.
+    A tied parameter (one `nn.Parameter` registered in several modules) has one record.
+    `numel` is the parameter's; `home.numel` what its home holds (see [Note: the home's
+    numel] in home.py).
     """
 
     __slots__ = (
@@ -93,60 +83,40 @@ class OffloadParam:
         "numel",
         "home",
         "state",
-        "partition",
-        "store",
         "device_tensor",
         "persistent",
         "slot",
         "pins",
         "device",
         "_event",
-        "_read",
-        "_stream",
+        "_fetch",
     )
 
     def __init__(
         self,
         name: str,
         param: nn.Parameter,
-        partition: torch.Tensor | None,
+        home: ParamHome,
         *,
         device: torch.device,
-        home: HomeTier = HomeTier.HOST,
         persistent: bool = False,
-        store: NvmeParamStore | None = None,
     ) -> None:
-        if home is HomeTier.NVME:
-            if store is None or partition is not None:
-                raise ValueError(
-                    f"parameter {name!r}: an NVMe home takes store=<NvmeParamStore> and "
-                    f"partition=None (got store={store!r}, partition "
-                    f"{'given' if partition is not None else 'None'}); to move a host "
-                    f"partition there, build it HOST and call move_home_to_nvme(store, write=True)"
-                )
-            layout = store.layout(name)
-            dtype, numel = layout.dtype, layout.numel
-        else:
-            if partition is None:
-                raise ValueError(f"parameter {name!r}: a HOST home needs its partition")
-            dtype, numel = partition.dtype, partition.numel()
-        if (partition is not None and partition.dim() != 1) or numel != param.numel():
-            shape = tuple(partition.shape) if partition is not None else (numel,)
+        # Scale-out relaxes this to the rank's shard of the parameter.
+        if home.numel != param.numel():
             raise ValueError(
-                f"partition of {name!r} must be 1-D with {param.numel()} elements, "
-                f"got shape {shape}"
+                f"the home of {name!r} holds {home.numel} elements, the parameter has "
+                f"{param.numel()}; build the home from the parameter's flattened weights"
             )
         self.name = name
         self.param = param
         self.shape = tuple(param.shape)
-        self.dtype = dtype
-        self.itemsize = dtype.itemsize
-        """Bytes per element of the home copy and of the gathered buffer."""
-        self.numel = numel
+        self.dtype = home.dtype
+        self.itemsize = home.dtype.itemsize
+        """Bytes per element of the home and of the gathered buffer."""
+        self.numel = param.numel()
+        """Elements of the whole parameter (the gathered buffer)."""
         self.home = home
         self.state = ParamState.RELEASED
-        self.partition = partition
-        self.store = store
         self.device_tensor: torch.Tensor | None = None
         self.persistent = persistent
         self.slot: int | None = None
@@ -156,9 +126,8 @@ class OffloadParam:
         self.device = device
         """The accelerator's device (where gathered buffers and released stubs live)."""
         self._event: Event | None = None
-        self._read: SwapFuture | None = None
-        """The NVMe read in flight (INFLIGHT from an NVMe home)."""
-        self._stream: Stream | None = None
+        self._fetch: Fetch | None = None
+        """The transfer from the home in flight (INFLIGHT)."""
 
     def __repr__(self) -> str:
         return f"OffloadParam({self.name!r}, {self.shape}, {self.dtype}, {self.state.name})"
@@ -170,11 +139,11 @@ class OffloadParam:
     @property
     def reading(self) -> bool:
         """INFLIGHT with an NVMe read holding a pool buffer."""
-        return self._read is not None
+        return self._fetch is not None and self._fetch.reading
 
     def read_done(self) -> bool:
         """Whether an NVMe read in flight has finished (never blocks)."""
-        return self._read is not None and self._read.done()
+        return self.reading and self._fetch.done()  # type: ignore[union-attr]
 
     def _assert_state(self, *states: ParamState) -> None:
         if self.state not in states:
@@ -184,74 +153,22 @@ class OffloadParam:
             )
 
     def offload(self) -> None:
-        """Drop the parameter's own values (they live in the home copy): RELEASED stays."""
+        """Drop the parameter's own values (they live in the home): RELEASED stays."""
         self._assert_state(ParamState.RELEASED)
         self.param.data = empty_like_released(self.dtype, self.device)
-
-    # ---- the home tier ---------------------------------------------------------------
-
-    def move_home_to_nvme(self, store: NvmeParamStore, *, write: bool) -> None:
-        """Make `store` (where this parameter's name is reserved) the home. `write=True`
-        swaps the current partition out and waits; `write=False` when the owner of the flat
-        space (the optimizer) writes it. The host partition is dropped either way."""
-        self._assert_state(ParamState.RELEASED, ParamState.LIVE)
-        if self.home is not HomeTier.HOST:
-            raise RuntimeError(f"parameter {self.name!r} already lives on {self.home.value}")
-        layout = store.layout(self.name)
-        if layout.numel != self.numel or layout.dtype != self.dtype:
-            raise ValueError(
-                f"NVMe home of {self.name!r} holds {layout.numel} x {layout.dtype}, the "
-                f"parameter is {self.numel} x {self.dtype}; reserve it with its own size"
-            )
-        if write:
-            assert self.partition is not None
-            store.swap_out(self.name, self.partition).wait()
-        self.home, self.store, self.partition = HomeTier.NVME, store, None
-
-    def read_home(self) -> torch.Tensor:
-        """A flat host copy of the weights in their home (model dtype)."""
-        if self.home is HomeTier.HOST:
-            assert self.partition is not None
-            return self.partition.clone()
-        assert self.store is not None
-        nbytes = self.numel * self.itemsize
-        raw, _ = aligned_host_bytes(max(nbytes, 1), pin=False)  # page-aligned: O_DIRECT
-        out = raw[:nbytes].view(self.dtype)
-        return self.store.swap_in(self.name, out).wait()
-
-    def write_home(self, src: torch.Tensor) -> None:
-        """Replace the weights in their home with `src` (numel elements); durable on return.
-        A LIVE buffer keeps the old values until `refresh`."""
-        if src.numel() != self.numel:
-            raise ValueError(
-                f"write_home of {self.name!r}: {src.numel()} elements, expected {self.numel}"
-            )
-        if self.home is HomeTier.HOST:
-            assert self.partition is not None
-            self.partition.copy_(src.reshape(-1))
-            return
-        assert self.store is not None
-        flat = src.detach().to(device="cpu", dtype=self.dtype).reshape(-1).contiguous()
-        self.store.swap_out(self.name, flat).wait()
 
     # ---- gathering -------------------------------------------------------------------
 
     def fetch(self, accel: Accelerator, stream: Stream, *, block: bool = True) -> bool:
-        """Start bringing the home copy to a new device buffer (RELEASED -> INFLIGHT): a copy
-        on `stream` from the host, or a read into a pool buffer from NVMe. The only path from
-        the home tier to the device. False (still RELEASED, nothing issued) when `block` is
+        """Start bringing the home to a new device buffer (RELEASED -> INFLIGHT): a copy on
+        `stream` from the host, or a read into a pool buffer from NVMe. The only path from
+        the home to the device. False (still RELEASED, nothing issued) when `block` is
         False and the NVMe pool has no free buffer."""
         self._assert_state(ParamState.RELEASED)
-        if self.home is HomeTier.NVME:
-            assert self.store is not None
-            read = self.store.swap_in(self.name, block=block)
-            if read is None:
-                return False
-            self._read, self._stream = read, stream
-        else:
-            self.device_tensor = accel.to_device(self.partition, stream)
-            self._event = accel.new_event()
-            self._event.record(stream)
+        fetch = self.home.fetch(accel, stream, block=block)
+        if fetch is None:
+            return False
+        self._fetch = fetch
         self.state = ParamState.INFLIGHT
         return True
 
@@ -260,8 +177,7 @@ class OffloadParam:
         (INFLIGHT -> LIVE). From NVMe, first wait for the read and copy it (see [Note:
         fetching from NVMe]); a failed read raises NvmeParamError, leaving RELEASED."""
         self._assert_state(ParamState.INFLIGHT)
-        if self._read is not None:
-            self._land(accel)
+        self._land(accel)
         assert self.device_tensor is not None and self._event is not None
         compute = accel.current_stream()
         compute.wait_event(self._event)
@@ -271,117 +187,79 @@ class OffloadParam:
         self.param.data = self.device_tensor.view(self.shape)
         self.state = ParamState.LIVE
 
+    def finish_read(self, accel: Accelerator) -> bool:
+        """From NVMe: wait for the read and copy it to the new device buffer, giving the pool
+        buffer back. The parameter stays INFLIGHT: only `wait` makes it LIVE, so reads may
+        finish in any order without changing what is gathered (a failed read raises
+        NvmeParamError, leaving RELEASED). False when there is no read to finish early (a
+        transfer whose landing is a collective must not be finished here: it would follow
+        the disk's timing)."""
+        self._assert_state(ParamState.INFLIGHT)
+        if not self.reading:
+            return False
+        self._land(accel)
+        return True
+
     def _land(self, accel: Accelerator) -> None:
-        """The NVMe read: wait, copy the pool buffer to a new device buffer, give it back."""
-        read, self._read = self._read, None
-        assert read is not None and self._stream is not None
+        """The transfer in flight (if not landed yet): its device buffer and copy event."""
+        fetch, self._fetch = self._fetch, None
+        if fetch is None:
+            return
         try:
-            host = read.wait()
-            self.device_tensor = self._from_staging(accel, host, self._stream)
-            self._event = accel.new_event()
-            self._event.record(self._stream)
+            self.device_tensor, self._event = fetch.land(accel)
         except BaseException:
             self._drop()
             raise
-        finally:
-            assert self.store is not None
-            self.store.release(read)
-        self._stream = None
-
-    def _from_staging(
-        self,
-        accel: Accelerator,
-        host: torch.Tensor,
-        stream: Stream,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Copy a landed pool buffer to the device on `stream`; returns once the copy has
-        read the buffer, so the caller may give it back."""
-        dev = accel.to_device(host, stream, out=out)
-        done = accel.new_event()
-        done.record(stream)
-        done.synchronize()
-        return dev
 
     def release(self) -> None:
-        """Free the device buffer (LIVE/INFLIGHT -> RELEASED). An NVMe read in flight lands
-        first and its pool buffer is given back (its failure, if any, is only logged: its
-        data is no longer wanted)."""
+        """Free the device buffer (LIVE/INFLIGHT -> RELEASED). A transfer in flight finishes
+        first (an NVMe read gives its pool buffer back; its failure, if any, is only logged:
+        its data is no longer wanted)."""
         self._assert_state(ParamState.LIVE, ParamState.INFLIGHT)
-        if self._read is not None:
-            read, self._read = self._read, None
-            try:
-                read.wait()
-            except NvmeParamError as e:
-                logger.warning("dropped NVMe read of %s failed: %s", self.name, e)
-            finally:
-                assert self.store is not None
-                self.store.release(read)
-        elif self.state is ParamState.INFLIGHT and self._event is not None:
-            self._event.synchronize()
+        if self._fetch is not None:
+            fetch, self._fetch = self._fetch, None
+            fetch.cancel()
         self._drop()
 
     def _drop(self) -> None:
         self._event = None
-        self._stream = None
+        self._fetch = None
         self.device_tensor = None
         self.param.data = empty_like_released(self.dtype, self.device)
         self.state = ParamState.RELEASED
 
-    def refresh(self, accel: Accelerator) -> None:
-        """Copy the home copy into the live buffer again (after the optimizer rewrote it);
-        from NVMe through a pool buffer (waits for one)."""
+    def refresh(
+        self, accel: Accelerator, values: torch.Tensor | None = None, start: int = 0
+    ) -> None:
+        """Make the live buffer match the home after it changed: `values` (host, model
+        dtype) are the new elements [start, start + values.numel()), or, without them, the
+        whole home is copied again (from NVMe through a pool buffer, waiting for one).
+        Returns once the copy has read its source (the caller may reuse `values`)."""
         self._assert_state(ParamState.LIVE)
         assert self.device_tensor is not None
-        if self.home is HomeTier.HOST:
-            accel.to_device(self.partition, out=self.device_tensor)
+        stream = accel.current_stream()
+        if values is None:
+            self.home.fetch(accel, stream, out=self.device_tensor).land(accel)  # type: ignore[union-attr]
             return
-        assert self.store is not None
-        read = self.store.swap_in(self.name)
-        assert read is not None
-        try:
-            host = read.wait()
-            self._from_staging(accel, host, accel.current_stream(), out=self.device_tensor)
-        finally:
-            self.store.release(read)
-
-    def update_live(self, accel: Accelerator, start: int, src: torch.Tensor) -> None:
-        """Copy new weights into the live buffer: `src` (host, model dtype) holds elements
-        [start, start + src.numel()) of this parameter. Returns once the copy has read `src`
-        (the caller may reuse it)."""
-        self._assert_state(ParamState.LIVE)
-        assert self.device_tensor is not None
-        dst = self.device_tensor.view(-1)[start : start + src.numel()]
-        self._from_staging(accel, src, accel.current_stream(), out=dst)
-
-    def repoint(self, partition: torch.Tensor) -> None:
-        """Adopt `partition` as the home copy (the optimizer's flat buffer view)."""
-        if self.home is not HomeTier.HOST or self.partition is None:
-            raise RuntimeError(
-                f"repoint of {self.name!r}: it lives on {self.home.value}; only a host "
-                f"partition can be re-pointed"
-            )
-        if partition.numel() != self.numel or partition.dtype != self.dtype:
-            raise ValueError(
-                f"new partition for {self.name!r}: {partition.numel()} x {partition.dtype}, "
-                f"expected {self.numel} x {self.dtype}"
-            )
-        if partition.data_ptr() != self.partition.data_ptr():
-            partition.copy_(self.partition)
-        self.partition = partition
+        dst = self.device_tensor.view(-1)[start : start + values.numel()]
+        accel.to_device(values, stream, out=dst)
+        copied = accel.new_event()
+        copied.record(stream)
+        copied.synchronize()
 
 
-def frozen_on_nvme(records: list[OffloadParam], offload: OffloadParamConfig) -> list[OffloadParam]:
-    """With parameters on NVMe, the frozen ones that go there: all but the first
-    `offload.max_in_cpu` elements' worth (in model order), whose homes stay in host memory."""
+def frozen_on_nvme(params: list[tuple[str, nn.Parameter]], offload: OffloadParamConfig) -> set[str]:
+    """With parameters on NVMe, the names of the frozen ones that go there: all but the
+    first `offload.max_in_cpu` elements' worth (in model order), whose homes stay in host
+    memory."""
     room = int(offload.max_in_cpu)
-    out = []
-    for rec in records:
-        if rec.param.requires_grad:
+    out = set()
+    for name, param in params:
+        if param.requires_grad:
             continue
-        if rec.numel <= room:
-            room -= rec.numel
+        if param.numel() <= room:
+            room -= param.numel()
         else:
-            out.append(rec)
+            out.add(name)
             room = 0  # a prefix in model order: what forward reads first stays in RAM
     return out

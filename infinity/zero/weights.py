@@ -1,12 +1,15 @@
-"""Where the optimizer writes the trainable weights it produces: the weight homes.
+"""Where the optimizer writes the trainable weights it produces, and their homes.
 
 The partitioned optimizer produces, for each sub-group (a range of its flat space, see
-[Note: the flat space] in sub_groups.py), new weights in the model dtype. A weight home says
-where they go: `HostWeights` keeps every slot's partition in one flat host buffer that the
+[Note: the flat space] in sub_groups.py), new weights in the model dtype. The weight output
+says where they go: `HostWeights` keeps every slot's weights in one flat host buffer that the
 step writes in place; `NvmeWeights` keeps none in memory: each sub-group's weights are
-written into a small ring of staging buffers and from there to the parameter store on NVMe,
-while the next sub-group is stepped. It owns those buffers, not the decision of what to
-write (the optimizer's) nor the files (the parameter store's).
+written into a small ring of staging buffers and from there to the parameter store's flat
+extent on NVMe, while the next sub-group is stepped. Either is built before the optimizer
+(`make_weights`) and gives each trainable parameter its home (`home(slot)`: a range of the
+same flat buffer or extent), so the records and the optimizer share one copy. It owns those
+buffers, not the decision of what to write (the optimizer's) nor the files (the parameter
+store's).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 import torch
 
 from infinity.swap.aio import aligned_empty
+from infinity.swap.state_store import HostStateStore
+from infinity.zero.home import HostHome, NvmeHome
 from infinity.zero.sub_groups import FlatLayout
 
 _RING = 2
@@ -37,11 +42,18 @@ class HostWeights:
     """Every slot's weights in one flat host tensor (padding included) that the step writes
     in place."""
 
-    def __init__(self, flat: torch.Tensor) -> None:
+    def __init__(self, flat: torch.Tensor, layout: FlatLayout, names: Sequence[str]) -> None:
         self.flat = flat
+        self.layout = layout
+        self.names = tuple(names)
+
+    def home(self, slot: int) -> HostHome:
+        """Slot `slot`'s home: its range of the flat buffer."""
+        start = self.layout.offsets[slot]
+        return HostHome(self.flat[start : start + self.layout.numels[slot]], name=self.names[slot])
 
     def view(self, start: int, stop: int) -> torch.Tensor:
-        """The weights of flat elements [start, stop): the engine's partitions are these."""
+        """The weights of flat elements [start, stop) (the slots' homes are such views)."""
         return self.flat[start:stop]
 
     def out(self, start: int, stop: int) -> torch.Tensor:
@@ -65,23 +77,29 @@ class NvmeWeights:
 
     def __init__(
         self,
-        home: Any,
+        store: Any,
         layout: FlatLayout,
         names: Sequence[str],
         dtype: torch.dtype,
     ) -> None:
-        self.home = home
+        self.store = store
+        self.layout = layout
+        self.names = tuple(names)
         spans = zip(names, layout.offsets, layout.numels, strict=True)
         entries = {name: (off, n) for name, off, n in spans}
-        home.reserve_flat(entries, layout.total, dtype)
+        store.reserve_flat(entries, layout.total, dtype)
         self._ring = [aligned_empty(staging_numel(layout), dtype) for _ in range(_RING)]
         self._pending: list[Any] = [None] * _RING
         self._next = 0
 
+    def home(self, slot: int) -> NvmeHome:
+        """Slot `slot`'s home: its range of the flat extent."""
+        return NvmeHome(self.store, self.names[slot])
+
     def view(self, start: int, stop: int) -> torch.Tensor:
         raise RuntimeError(
             "the trainable weights live on NVMe (offload_param.device 'nvme'): there is no host "
-            "partition to view; read a parameter with its record's read_home()"
+            "partition to view; read a parameter with its record's home.read()"
         )
 
     def out(self, start: int, stop: int) -> torch.Tensor:
@@ -94,7 +112,7 @@ class NvmeWeights:
         """Start writing `out` (from `out()`) to flat element `start` of the home."""
         k = self._next
         assert out.data_ptr() == self._ring[k].data_ptr(), "commit the buffer out() returned"
-        self._pending[k] = self.home.write_flat(start, out)
+        self._pending[k] = self.store.write_flat(start, out)
         self._next = (k + 1) % _RING
 
     def finish(self) -> None:
@@ -116,3 +134,30 @@ class NvmeWeights:
     @property
     def host_bytes(self) -> int:
         return sum(t.nbytes for t in self._ring)
+
+
+def make_weights(
+    layout: FlatLayout,
+    names: Sequence[str],
+    dtype: torch.dtype,
+    *,
+    state_store: Any,
+    param_store: Any = None,
+) -> HostWeights | NvmeWeights:
+    """The weight output of an optimizer over `layout` with `state_store`: on NVMe in
+    `param_store` when given; else the fp32 masters themselves when they are in host memory
+    (see [Note: where the weights live] in optimizer.py); else a new flat host buffer."""
+    if param_store is not None:
+        return NvmeWeights(param_store, layout, names, dtype)
+    if dtype == torch.float32 and isinstance(state_store, HostStateStore):
+        return HostWeights(state_store.flat.master, layout, names)
+    return HostWeights(torch.zeros(layout.total, dtype=dtype), layout, names)
+
+
+def aliases_masters(weights: HostWeights | NvmeWeights, state_store: Any) -> bool:
+    """Whether `weights` are the fp32 masters of `state_store` (stepped in place)."""
+    return (
+        isinstance(weights, HostWeights)
+        and isinstance(state_store, HostStateStore)
+        and weights.flat.data_ptr() == state_store.flat.master.data_ptr()
+    )
