@@ -193,30 +193,26 @@ def _frozen_base_over_budget(est) -> bool:
 
 
 def test_recorded_runs_replay_within_20_percent():
-    """Every recorded bigger_than_ram run, replayed: bytes equal, peak RSS and step time
-    within 20%. A step's time is compared when its rates were probed just before it (under
-    the same load) or, for older records, when the machine was not busier than its cores."""
+    """Every recorded bigger_than_ram run, replayed: bytes equal the engine's counters and
+    peak RSS lands within 20%; the optimizer step (disk-bound, full fine-tuning) and the
+    whole step within 20% where the run had the machine: its load average no higher than
+    its cores (another engineer's tests on the two cores slow forward and backward 2-6x
+    from one minute to the next, so a busy run's times say nothing about the model)."""
     evm, replays = _replays()
     records = sorted(glob.glob(str(ROOT / "benchmarks/results/bigger_than_ram_*.json")))
     records = [str(pathlib.Path(r).relative_to(ROOT)) for r in records]
     missing = [r for r in records if r not in replays]
     assert not missing, f"replay {missing} with benchmarks/estimate_vs_measured.py"
-    sizes_seen = set()
+    kinds, timed = set(), 0
     for path in records:
         with open(ROOT / path) as f:
             record = json.load(f)
         est = evm.estimate_record(record, replays[path]["probed"])
         got, want = evm.predicted(est), evm.measured(record)
-        sizes_seen.add((record["model"]["params"] > 1e9, est.inputs["offload_param"]))
-        keys = ["peak_rss_bytes"]
-        machine = record["machine"]
-        load, cores = machine["loadavg_end"][0], machine.get("cpus") or machine["cores"]
-        if evm.recorded_probe(record) is not None or load <= cores:
-            keys.append("step_seconds")
-        for key in keys:
-            assert abs(got[key] / want[key] - 1) <= 0.2, (path, key, got[key], want[key])
+        kinds.add((record["model"]["params"] > 1e9, est.inputs["offload_param"], est.params))
         if any(tag in path for tag in OLD_LAYOUT):
             continue
+        assert abs(got["peak_rss_bytes"] / want["peak_rss_bytes"] - 1) <= 0.2, path
         assert got["host_bytes"] == want["host_bytes"], path
         assert got["nvme_write_bytes_per_step"] == want["nvme_write_bytes_per_step"], path
         reads, measured_reads = got["nvme_read_bytes_per_step"], want["nvme_read_bytes_per_step"]
@@ -228,7 +224,19 @@ def test_recorded_runs_replay_within_20_percent():
             assert abs(reads - measured_reads) <= 1e-3 * measured_reads, path
         else:
             assert reads == measured_reads, path
-    assert sizes_seen >= {(False, "cpu"), (True, "nvme")}
+    for path in records:
+        with open(ROOT / path) as f:
+            record = json.load(f)
+        machine = record["machine"]
+        if machine["loadavg_end"][0] > (machine.get("cpus") or machine["cores"]):
+            continue
+        est = evm.estimate_record(record, replays[path]["probed"])
+        got, want = evm.predicted(est), evm.measured(record)
+        keys = ["step_seconds"] + ([] if est.inputs["lora_r"] else ["optimizer_step_seconds"])
+        for key in keys:
+            assert abs(got[key] / want[key] - 1) <= 0.2, (path, key, got[key], want[key])
+        timed += 1
+    assert timed and {(False, "cpu"), (True, "nvme")} <= {k[:2] for k in kinds}
 
 
 # -- shapes -------------------------------------------------------------------------------------
@@ -484,3 +492,16 @@ def test_engine_hooks_add_on_the_cpu_device_only(tmp_path):
     assert hooked.times.step_s == pytest.approx(bare.times.step_s + hooked.times.hooks_s)
     gpu = _rates(device="a100", gpu=GPUS["a100"], module_overhead_s=1e-3)
     assert estimate(shape, cfg, gpu, seq_len=64, runtime_bytes=0).times.hooks_s == 0.0
+
+
+def test_rss_leaves_out_optimizer_buffers_no_sub_group_lands_in(tmp_path):
+    """LoRA adapters in one sub-group touch two of the four pipeline buffers (the sweep's and
+    the next sweep's read-ahead): the other two are allocated, never resident."""
+    shape = model_shape(LlamaConfig(**SHAPE), lora_r=4)
+    one = Config.load(_config(tmp_path, sub_group_size=10**8))
+    many = Config.load(_config(tmp_path, sub_group_size=1000))
+    a, b = (estimate(shape, c, _rates(), seq_len=16, runtime_bytes=0) for c in (one, many))
+    assert a.sizes.num_sub_groups == 1 and b.sizes.num_sub_groups > 4
+    buffer = a.sizes.state_host_bytes // 4
+    assert a.steady_rss_bytes == a.sizes.host_bytes + a.device_bytes - 2 * buffer
+    assert b.steady_rss_bytes == b.sizes.host_bytes + b.device_bytes

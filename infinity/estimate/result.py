@@ -26,6 +26,7 @@ from infinity.config import Config
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, resolve_config, sizes
+from infinity.swap.tiers import state_buffer_count
 
 _GIB = float(1 << 30)
 
@@ -163,7 +164,8 @@ def estimate(
     runtime = _current_rss() if runtime_bytes is None else runtime_bytes
     if gpu is not None:
         runtime += CUDA_RUNTIME_HOST_BYTES
-    steady = runtime + sz.host_bytes + (device if gpu is None else 0)
+    resident = sz.host_bytes - untouched_state_buffer_bytes(sz, config)
+    steady = runtime + resident + (device if gpu is None else 0)
     peak = steady + grad_transient_bytes(shape)
     est = Estimate(
         sizes=sz,
@@ -274,6 +276,16 @@ def activation_bytes(
     layer = tokens * h * (34 + 5 * heads * seq_len / h) * itemsize / 2
     kept = layers * tokens * h * itemsize + layer if checkpointing else layers * layer
     return int(kept + tokens * c.vocab_size * (itemsize + 8))
+
+
+def untouched_state_buffer_bytes(sz: Sizes, config: Config) -> int:
+    """The NVMe optimizer pipeline's buffers that no sub-group ever lands in, so their pages
+    never become resident: with n sub-groups a sweep and the next one's read-ahead use at
+    most n + 1 of them (one sub-group of LoRA adapters: two)."""
+    if config.zero_optimization.offload_optimizer.device != "nvme":
+        return 0
+    count = state_buffer_count(config.zero_optimization.offload_optimizer)
+    return (count - min(count, sz.num_sub_groups + 1)) * (sz.state_host_bytes // count)
 
 
 def grad_transient_bytes(shape: ModelShape) -> int:
