@@ -166,7 +166,10 @@ def estimate(
         runtime += CUDA_RUNTIME_HOST_BYTES
     resident = sz.host_bytes - untouched_state_buffer_bytes(sz, config)
     steady = runtime + resident + (device if gpu is None else 0)
-    peak = steady + grad_transient_bytes(shape)
+    peak = max(
+        steady + grad_transient_bytes(shape),
+        runtime + resident + build_partition_bytes(shape, config, sz.itemsize),
+    )
     est = Estimate(
         sizes=sz,
         times=times,
@@ -286,6 +289,17 @@ def untouched_state_buffer_bytes(sz: Sizes, config: Config) -> int:
         return 0
     count = state_buffer_count(config.zero_optimization.offload_optimizer)
     return (count - min(count, sz.num_sub_groups + 1)) * (sz.state_host_bytes // count)
+
+
+def build_partition_bytes(shape: ModelShape, config: Config, itemsize: int) -> int:
+    """Host memory the trainable parameters' build partitions hold while `initialize` lays
+    out the optimizer's buffers: with parameters in host memory the model is built there,
+    and (as measured: 9.05 GiB at initialization against 5.6 GiB steady for a 2.1B bf16
+    model, 2026-11-23) its partitions stay until the optimizer holds their weights. Built
+    straight to NVMe (offload_param "nvme") they hold nothing."""
+    if config.zero_optimization.offload_param.device == "nvme":
+        return 0
+    return shape.trainable_numel * itemsize
 
 
 def grad_transient_bytes(shape: ModelShape) -> int:
