@@ -160,6 +160,7 @@ def _estimate_probe_child(args: argparse.Namespace) -> dict:
         ),
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
         "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
+        "fresh_copy_bytes_per_s": hardware.probe_fresh_copy_bytes_per_s(),
         "seconds": time.perf_counter() - t0,
         "loadavg": list(os.getloadavg()),
     }

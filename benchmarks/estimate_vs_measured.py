@@ -65,6 +65,7 @@ def rates_of(record: dict, probed: dict) -> Rates:
         nvme_write_bps=aio["best_write_gbps"] * 1e9,
         sources={"record": "bench aio and CPU-Adam of the run; compute, norm, copies probed"},
         module_overhead_s=probed.get("module_overhead_s", 0.0),
+        fresh_copy_bytes_per_s=probed.get("fresh_copy_bytes_per_s", 0.0),
     )
 
 
@@ -127,6 +128,8 @@ def recorded_probe(record: dict) -> dict | None:
     out = {k: statistics.median(p[k] for p in probes) for k in keys if k in probes[0]}
     if "module_overhead_s" not in out:  # runs recorded before the engine's hooks were probed
         out["module_overhead_s"] = _module_overhead_s(record)
+    if "fresh_copy_bytes_per_s" not in out:  # ... or copies into new memory
+        out["fresh_copy_bytes_per_s"] = hardware.probe_fresh_copy_bytes_per_s()
     return out | {"source": "record"}
 
 
@@ -162,6 +165,7 @@ def probe(record: dict) -> dict:
         "module_overhead_s": _module_overhead_s(record),
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
         "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
+        "fresh_copy_bytes_per_s": hardware.probe_fresh_copy_bytes_per_s(),
     }
 
 

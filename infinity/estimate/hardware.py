@@ -77,6 +77,9 @@ class Rates:
     nvme_read_bps: float
     nvme_write_bps: float
     sources: dict[str, str] = field(default_factory=dict)
+    fresh_copy_bytes_per_s: float = 0.0
+    """Copies into newly allocated memory (gathers on the CPU device); 0: as
+    `copy_bytes_per_s`."""
     module_overhead_s: float = 0.0
     """What the engine adds per module with parameters in one micro step on the CPU device
     (its gather, release and gradient hooks; `infinity.cli.estimate_probe`); 0: not
@@ -180,10 +183,19 @@ def probe_norm_bytes_per_s(numel: int = 1 << 24) -> float:
 
 
 def probe_copy_bytes_per_s(numel: int = 1 << 24) -> float:
-    """Bytes per second of a host copy the size of a large parameter (bytes copied)."""
+    """Bytes per second of a host copy the size of a large parameter (bytes copied) between
+    buffers already in memory (a gradient's add into its partition)."""
     src = torch.randn(numel)
     dst = torch.empty_like(src)
     return src.nbytes / _median_s(lambda: dst.copy_(src), repeats=5)
+
+
+def probe_fresh_copy_bytes_per_s(numel: int = 1 << 24) -> float:
+    """Bytes per second of the same copy into a newly allocated buffer, as a gather copies a
+    parameter into a new device tensor: on the CPU device the kernel maps and zeroes its
+    pages first, which on this VM costs more than the copy."""
+    src = torch.randn(numel)
+    return src.nbytes / _median_s(lambda: torch.empty_like(src).copy_(src), repeats=5)
 
 
 # -- the disk --------------------------------------------------------------------------------
