@@ -246,16 +246,18 @@ def step_times(
 
 def micro_step_copies_s(sz: Sizes, rates: Rates) -> float:
     """Host-device copies of one micro step: gathered parameters to the device, gradients
-    back. On the CPU device a gather copies into newly allocated memory (the fresh-copy
-    rate), and a gradient is added straight into its fp32 partition: that add
-    reads the gradient and the partition and writes the partition (itemsize + 8 bytes per
-    element), against a copy's 2 bytes of memory traffic per byte copied."""
+    back. On the CPU device a gather copies into newly allocated memory and autograd writes
+    each gradient into new memory (both at the fresh-copy rate); the gradient is then added
+    straight into its fp32 partition, reading the gradient and the partition and writing
+    the partition (itemsize + 8 bytes per element, against a copy's 2 bytes of memory
+    traffic per byte copied)."""
     if rates.gpu is not None:
         moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
         return moved / rates.copy_bytes_per_s
-    gathers = sz.gather_bytes_per_micro_step / (
-        rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s
-    )
+    # A gather copies into a new device tensor, and autograd writes each weight's gradient
+    # into a new one: both land in newly allocated memory.
+    fresh = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
+    gathers = fresh / (rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s)
     grad_add = sz.trainable_numel * (sz.itemsize + 8) / (2 * rates.copy_bytes_per_s)
     return gathers + grad_add
 
