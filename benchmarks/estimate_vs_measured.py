@@ -15,7 +15,6 @@ replays them without probing; the BENCHMARKS.md table is printed at the end:
 
     flock /work/bench.lock python benchmarks/estimate_vs_measured.py \\
         benchmarks/results/bigger_than_ram_*.json \\
-        --probes-from benchmarks/results/estimate_vs_measured_2026-11-23.json \\
         --json benchmarks/results/estimate_vs_measured_2026-11-23_run2.json
 """
 
