@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.checkpoint import model16
 from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base, describe_base
+from infinity.comm import Comm, from_env
 from infinity.config import Config
 from infinity.optim import Schedule, build_loss_scaler, build_schedule
 from infinity.swap import (
@@ -80,6 +82,8 @@ from infinity.zero import (
     optimizer_layout,
     partition_model,
 )
+from infinity.zero.grad_reduce import GradReducer
+from infinity.zero.shard import check_same_weights
 
 logger = logging.getLogger(__name__)
 
@@ -111,22 +115,30 @@ class Engine:
         accelerator: Accelerator | None = None,
         no_decay: Collection[str] = (),
         base_model: str | os.PathLike | dict | None = None,
+        comm: Comm | None = None,
     ) -> None:
         """`no_decay`: names of parameters the optimizer's weight decay skips (the HF
         Trainer's biases and norms). `base_model` says where the frozen weights came from (a
         Hugging Face directory, or a JSON-able description such as {"preset": ..., "seed":
         ...}): checkpoints, which leave them out, record it and refuse to resume on another
-        base."""
+        base. `comm` connects the ranks (default: `infinity.comm.from_env()`, one process
+        unless launched by torchrun); the engine closes it only if it made it."""
         config = Config.load(config)
         largest = max((p.numel() for p in model.parameters()), default=1)
-        self.config = config.resolve(largest_param_numel=max(1, largest))
+        self.accelerator = accelerator or get_accelerator()
+        self._owns_comm = comm is None
+        self.comm: Comm = comm if comm is not None else from_env(device=self.accelerator.device)
+        self.config = config.resolve(
+            world_size=self.comm.world_size, largest_param_numel=max(1, largest)
+        ).for_local_rank(self.comm.local_rank)
         zero = self.config.zero_optimization
         if zero.stage != 3:
             raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
         self.module = model
         self._base_source = base_model
         self._base_record: dict | None = None
-        self.accelerator = accelerator or get_accelerator()
+        if self.comm.world_size > 1:
+            check_same_weights(model.named_parameters(), self.comm)
         self.optimizer, units = self._build_optimizer(set(no_decay))
         # By slot (records are in model order, as the slots): see [Note: gathered weights
         # after a step].
@@ -138,8 +150,13 @@ class Engine:
             self.hooks = ModelHooks(
                 model, units, by_param, self.coordinator, iteration_key=self._iteration_key
             )
+            self.grad_reducer = self._make_grad_reducer()
             self._grad_handles = install_grad_hooks(
-                self.records, self.optimizer.accumulate_grad, self.hooks, self.accelerator
+                self.records,
+                self.optimizer.accumulate_grad,
+                self.hooks,
+                self.accelerator,
+                self.grad_reducer,
             )
         except BaseException:  # no swap directory outlives a failed start
             self._close_stores(self.optimizer)
@@ -178,7 +195,8 @@ class Engine:
         """The homes first (decided once, see `HomePlan`), the records with them, then the
         optimizer, which writes the trainable weights into their homes."""
         named = list(self.module.named_parameters())
-        trainable = [(n, p.numel()) for n, p in named if p.requires_grad]
+        shard = self._shard_numel
+        trainable = [(n, shard(p.numel())) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(
                 "initialize: the model has no parameter with requires_grad=True; nothing to train"
@@ -192,7 +210,7 @@ class Engine:
         zero = self.config.zero_optimization
         dtype = model_dtype(self.config)
         names = [n for n, _ in trainable]
-        self._swap_stores = SwapStores()
+        self._swap_stores = SwapStores(rank=self.comm.rank)
         self.param_store: NvmeParamStore | None = None
         try:
             on_nvme: set[str] = set()
@@ -212,6 +230,7 @@ class Engine:
                 {n: i for i, n in enumerate(names)},
                 self.param_store,
                 frozenset(on_nvme),
+                comm=self.comm if self.comm.world_size > 1 else None,
             )
             self.records, units, sources = partition_model(
                 self.module, self.config, self.accelerator, plan
@@ -229,21 +248,41 @@ class Engine:
                 weights=weights,
                 no_decay=[i for i, n in enumerate(names) if n in no_decay],
                 grad_store=grads,
+                comm=self.comm,
             )
         except BaseException:
             self._close_stores()  # no swap directory or lock outlives a failed start
             raise
         return optimizer, units
 
+    def _shard_numel(self, numel: int) -> int:
+        """Elements of this rank's shard of a parameter (all of them with one rank)."""
+        return -(-numel // self.comm.world_size)
+
+    def _make_grad_reducer(self) -> GradReducer | None:
+        """With several ranks, the buckets that reduce-scatter gradients into the slots."""
+        if self.comm.world_size == 1:
+            return None
+        zero = self.config.zero_optimization
+        return GradReducer(
+            self.comm,
+            self.optimizer.accumulate_grad,
+            self.accelerator,
+            bucket_numel=int(zero.reduce_bucket_size),
+            overlap=zero.overlap_comm,
+            contiguous=zero.contiguous_gradients,
+            total_shard_numel=self.optimizer.layout.total,
+        )
+
     def _make_param_store(
         self, named: list[tuple[str, nn.Parameter]], on_nvme: set[str], dtype: torch.dtype
     ) -> NvmeParamStore:
         """The NVMe parameter tier: frozen parameters laid out one extent each (the optimizer
-        lays out the trainable ones in its flat space)."""
+        lays out the trainable ones in its flat space); this rank's shards of them."""
         zero = self.config.zero_optimization
-        numels = [p.numel() for _, p in named]
+        numels = [self._shard_numel(p.numel()) for _, p in named]
         return make_param_store(
-            {n: (p.numel(), dtype) for n, p in named if n in on_nvme},
+            {n: (k, dtype) for (n, _), k in zip(named, numels, strict=True) if n in on_nvme},
             zero.offload_param,
             self.config.aio,
             stores=self._swap_stores,
@@ -370,6 +409,8 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         start = self._timer.start()
+        if self.grad_reducer is not None:  # normally done at the end of each backward
+            self.grad_reducer.flush()
         self.coordinator.quiesce()
         lr = self.lr_schedule.lr
         result = self.optimizer.step(
@@ -385,6 +426,7 @@ class Engine:
         else:
             self.lr_schedule.step()
         self.global_steps += 1
+        self.comm.end_step()  # with INFINITY_COMM_CHECK: the ranks' collectives compared
         self._timer.stop("step", start)
         self._time_step_parts()
         self._log_progress(lr, self._timer.finish())
@@ -467,7 +509,9 @@ class Engine:
     def memory_stats(self) -> dict[str, int]:
         """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
         NVMe tiers, bytes read and written, time waited, the staging buffers' sizes and peak
-        use, and the pinned bytes (allocated, and the peak in use)."""
+        use, and the pinned bytes (allocated, and the peak in use); this rank's figures, with
+        `rank`, `world_size`, `home_numel` (the elements its homes hold: about 1/world_size
+        of the model) and the comm's bytes and calls per collective."""
         stats = self.coordinator.stats()
         # Trainable homes are the optimizer's buffers (it counts them, or they alias its fp32
         # masters); frozen ones are only ours.
@@ -491,6 +535,11 @@ class Engine:
                 pinned += pool.total_bytes
                 peak_pinned += pool.peak_bytes_in_use
         stats["pinned_bytes"], stats["peak_pinned_bytes"] = pinned, peak_pinned
+        stats["rank"], stats["world_size"] = self.comm.rank, self.comm.world_size
+        stats["home_numel"] = sum(r.home.numel for r in self.records)  # this rank's shards
+        stats.update(self.comm.stats())
+        if self.grad_reducer is not None:
+            stats.update(self.grad_reducer.memory_stats())
         return stats
 
     # ---- checkpoints ------------------------------------------------------------------
@@ -554,7 +603,8 @@ class Engine:
         safetensors file, `save_dir/save_filename`, with the model's config.json when it has
         one, so `from_pretrained(save_dir)` loads it. The training dtype when it is fp16 or
         bf16, else bf16. Needs zero_optimization.stage3_gather_16bit_weights_on_model_save
-        (DeepSpeed's switch for this). Returns the file's path."""
+        (DeepSpeed's switch for this). Returns the file's path. With several ranks every
+        rank calls it (each parameter is gathered from all of them) and rank 0 writes."""
         if not self.config.zero_optimization.gather_16bit_weights_on_model_save:
             raise ValueError(
                 "save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save "
@@ -565,6 +615,11 @@ class Engine:
         dtype = self.records[0].dtype
         dtype = dtype if dtype in model16.SIXTEEN_BIT else torch.bfloat16
         weights = [(r.name, _weights_of(r)) for r in self.records]
+        if self.comm.rank != 0:  # the gathers are collectives: take part, write nothing
+            for _, gather in weights:
+                gather()
+            self.comm.barrier()  # returns once rank 0 has written the file
+            return str(Path(save_dir) / save_filename)
         path = model16.save_16bit_model(
             weights + list(model16.persistent_buffers(self.module)),
             save_dir,
@@ -572,6 +627,8 @@ class Engine:
             dtype=dtype,
             config_json=model16.model_config_json(self.module, dtype),
         )
+        if self.comm.world_size > 1:
+            self.comm.barrier()
         logger.info("saved 16-bit model weights to %s", path)
         return str(path)
 
@@ -640,7 +697,11 @@ class Engine:
             handle.remove()
         self._grad_handles = []
         self.coordinator.abort()
-        self._close_stores(self.optimizer)
+        try:
+            self._close_stores(self.optimizer)
+        finally:
+            if self._owns_comm:
+                self.comm.close()
 
     def _check_open(self, what: str) -> None:
         if getattr(self, "_closed", False):
@@ -659,15 +720,16 @@ class Engine:
 
     def named_parameters_host(self):
         """(name, a host copy of the weights in the parameter's shape) for every parameter,
-        read from its home when reached."""
+        read from its home when reached (with several ranks, gathered from every rank: all
+        of them must iterate it together)."""
         for rec in self.records:
             yield rec.name, _weights_of(rec)()
 
 
 def _weights_of(rec: OffloadParam):
     """A thunk for a parameter's weights that reads its home when the writer reaches it (one
-    parameter in memory at a time)."""
-    return lambda: rec.home.read().view(rec.shape)
+    parameter in memory at a time; with several ranks every rank's shard, gathered)."""
+    return lambda: rec.read_full().view(rec.shape)
 
 
 def _to_half(obj: Any) -> Any:

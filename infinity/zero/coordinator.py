@@ -23,8 +23,9 @@ the units of the next `prefetch_bucket_size` traced elements that fit the budget
 parameter becomes LIVE only when a gather (or the step's quiesce) needs it, and evictions
 follow the trace. What may depend on timing is local: when an NVMe read of the rank's own
 shard is issued and when a finished one is copied to its device buffer (see [Note: the NVMe
-pool]); so a collective belongs in `OffloadParam.wait`, never in `finish_read`. Observers
-(`observers`) see each decision as a `LiveEvent`.
+pool]); so a collective belongs in `OffloadParam.wait` (or, for a shard in host memory, in
+the fetch decided here: see [Note: early all-gathers] in gather.py), never in `finish_read`.
+Observers (`observers`) see each decision as a `LiveEvent`.
 
 [Note: the NVMe pool] A parameter whose home is on NVMe is read into a buffer of the param
 store's fixed pool before it is copied to the device. A fetch decided for such a parameter

@@ -9,7 +9,10 @@ host buffer, or a few host buffers and NVMe); the fp32 master weights and moment
 (`infinity.zero.weights`: host memory, or NVMe through the parameter store) whose ranges are
 the trainable parameters' homes. It does not own
 the loss scale (the engine drives the scaler and passes `loss_scale`), the learning-rate
-schedule (`lr` is passed to `step`), nor gathering parameters to the device.
+schedule (`lr` is passed to `step`), nor gathering parameters to the device. With several
+ranks each rank's optimizer steps its own shards (slots of S elements, see
+`infinity.zero.shard`) and agrees with the others on the global norm and overflow through
+the comm it is given.
 
 [Note: where the weights live] With an fp32 model and the host tier, a slot's home is a
 view of the master weights themselves: the step updates it in place and no copy exists (4
@@ -33,6 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from infinity.comm import Comm, SingleProcess
 from infinity.config import AUTO, OptimizerConfig, ZeroConfig
 from infinity.optim import adam_step_flat
 from infinity.swap.grad_store import HostGradStore
@@ -86,7 +90,8 @@ class PartitionedOptimizer:
     drop its own copies of the partitions before the first gradient (the host gradient
     buffer is allocated then). `grad_store` (an `NvmeGradStore` of the same sub-groups)
     keeps most of the gradients on NVMe. Weight decay applies to every slot except the
-    indices in `no_decay`.
+    indices in `no_decay`. `comm` (default: one process) sums the squared gradient norm over
+    the ranks, so every rank clips by the global norm and skips the same overflowing steps.
     """
 
     def __init__(
@@ -99,7 +104,9 @@ class PartitionedOptimizer:
         no_decay: Collection[int] = (),
         weights: HostWeights | NvmeWeights | None = None,
         grad_store: Any = None,
+        comm: Comm | None = None,
     ) -> None:
+        self.comm = comm or SingleProcess()
         self.dtype = check_slots(slots) or torch.float32
         self.hyper = _hyperparameters(optimizer)
         self.backend = "torch" if optimizer.torch_adam else None  # None: env var, then auto
@@ -262,6 +269,8 @@ class PartitionedOptimizer:
         total = 0.0
         for s in self.grads.sums_of_squares():
             total += s
+        if self.comm.world_size > 1:  # the shards' padding is zero: it adds nothing
+            total = float(self.comm.all_reduce_(torch.tensor([total], dtype=torch.float64)))
         return math.sqrt(total)
 
     def _adam(self, lr: float, grad_scale: float) -> None:
