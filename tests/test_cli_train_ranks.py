@@ -4,7 +4,6 @@ it, a clean stop on SIGTERM to the launcher, and checkpoints across world sizes.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -22,13 +21,6 @@ from infinity.checkpoint import list_checkpoints, load_checkpoint
 from infinity.cli.main import main
 from infinity.cli.train_ranks import FollowedRankZero, Ranks
 from infinity.comm import SingleProcess
-from infinity.engine import Engine
-
-# The engine shards across ranks once it takes a communicator; before that, nothing to run.
-needs_sharded_engine = pytest.mark.skipif(
-    "comm" not in inspect.signature(Engine.__init__).parameters,
-    reason="needs the sharded engine (Engine(comm=...))",
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("_rank_child.py")
@@ -113,17 +105,19 @@ def _single_rank_losses(inputs, tmp_path, steps: int) -> list[float]:
     return _losses(save)
 
 
-@needs_sharded_engine
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "nvme-per-rank"])
 def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_path, tier):
-    save, logs, nvme = tmp_path / "two", tmp_path / "logs", tmp_path / "nvme"
+    save, logs = tmp_path / "two", tmp_path / "logs"
     args = _args(inputs, save, "--micro-batch", 1, "--grad-accum", 2, "--steps", 3)
-    if tier == "nvme":
-        nvme.mkdir()
-        args += ["--nvme", str(nvme)]
+    nvme = {"cpu": [], "nvme": ["ssd"], "nvme-per-rank": ["ssd0", "ssd1"]}[tier]
+    nvme = [tmp_path / d for d in nvme]
+    for d in nvme:
+        d.mkdir()
+    if nvme:  # one directory the ranks share, or one per local rank
+        args += ["--nvme", ",".join(map(str, nvme))]
     code, out = _finish(_torchrun(args, logs))
     assert code == 0, out
-    assert not nvme.exists() or list(nvme.iterdir()) == []  # each rank removed its swap files
+    assert all(list(d.iterdir()) == [] for d in nvme)  # each rank removed its swap files
     expected = _single_rank_losses(inputs, tmp_path, 3)
     assert _losses(save) == pytest.approx(expected, rel=1e-5)
     assert not list(save.glob("metrics.*.jsonl"))  # one metrics file, rank 0's
@@ -137,7 +131,6 @@ def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_pa
     assert not list(save.glob("rank-*.error"))
 
 
-@needs_sharded_engine
 def test_saved_on_two_resumes_on_one_and_on_two(inputs, tmp_path):
     expected = _single_rank_losses(inputs, tmp_path, 5)
     save, logs = tmp_path / "two", tmp_path / "logs"
@@ -156,7 +149,6 @@ def test_saved_on_two_resumes_on_one_and_on_two(inputs, tmp_path):
     assert load_checkpoint(other).world_size == 2 and load_checkpoint(save).world_size == 1
 
 
-@needs_sharded_engine
 def test_saved_on_one_resumes_on_two(inputs, tmp_path):
     expected = _single_rank_losses(inputs, tmp_path, 4)
     save = tmp_path / "run"
@@ -168,7 +160,6 @@ def test_saved_on_one_resumes_on_two(inputs, tmp_path):
     assert _losses(save) == pytest.approx(expected, rel=1e-5)
 
 
-@needs_sharded_engine
 @pytest.mark.parametrize("kind", ["raise", "disk"])
 def test_a_failing_rank_stops_both_and_rank_zero_names_it(inputs, tmp_path, kind):
     save, logs = tmp_path / "run", tmp_path / "logs"
@@ -189,7 +180,6 @@ def test_a_failing_rank_stops_both_and_rank_zero_names_it(inputs, tmp_path, kind
     load_checkpoint(save).verify()
 
 
-@needs_sharded_engine
 def test_killing_a_rank_stops_the_other_within_the_timeout(inputs, tmp_path):
     save, logs = tmp_path / "run", tmp_path / "logs"
     args = _args(
@@ -209,7 +199,6 @@ def test_killing_a_rank_stops_the_other_within_the_timeout(inputs, tmp_path):
     load_checkpoint(save).verify()
 
 
-@needs_sharded_engine
 def test_sigterm_to_the_launcher_stops_all_ranks_after_a_common_step(inputs, tmp_path):
     save, logs = tmp_path / "run", tmp_path / "logs"
     args = _args(inputs, save, "--micro-batch", 1, "--steps", 100000, "--no-progress")

@@ -133,11 +133,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--nvme",
-        metavar="PATH",
+        metavar="PATH[,PATH...]",
         help="directory on a fast SSD for the fp32 master weights, the Adam moments and the "
         "16-bit parameters (default: host RAM, or as the config says; a config's "
-        "offload_param.device 'cpu' keeps the parameters in RAM). Unless the config sets "
-        "sub_group_size, it becomes 1e8 elements (4 x 1.2 GB of host buffers)",
+        "offload_param.device 'cpu' keeps the parameters in RAM); under torchrun, one "
+        "directory shared by the ranks or a comma-separated list of one per local rank. "
+        "Unless the config sets sub_group_size, it becomes 1e8 elements (4 x 1.2 GB of host "
+        "buffers)",
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
     parser.add_argument(
@@ -233,6 +235,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the run stops with an error naming the rank (default: $INFINITY_COMM_TIMEOUT_S, else "
         "600)",
     )
+    parser.add_argument(
+        "--profile",
+        type=_positive_int,
+        metavar="STEPS",
+        help="record STEPS optimizer steps after one warm-up step with torch.profiler and "
+        "write a Chrome trace (chrome://tracing, Perfetto) to SAVE_DIR/profile/",
+    )
     parser.set_defaults(func=run)
 
 
@@ -277,7 +286,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:
     if args.nvme is not None:
         # The optimizer states and the 16-bit parameters go to NVMe (the parameters stay in
         # RAM when the config says offload_param.device "cpu").
-        nvme = os.fspath(Path(args.nvme).expanduser())
+        paths = [os.fspath(Path(p.strip()).expanduser()) for p in args.nvme.split(",")]
+        nvme: str | list[str] = paths if len(paths) > 1 else paths[0]
         zero.setdefault("offload_optimizer", {}).update(device="nvme", nvme_path=nvme)
         param = zero.setdefault("offload_param", {})
         param["nvme_path"] = nvme
@@ -332,6 +342,22 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_seq_len(args)
     check_tokenizer_dir(args)
     lora_spec(args)
+    _check_profile(args)
+
+
+# The step before a profile's: it traces the execution order and fills caches.
+PROFILE_WARMUP_STEPS = 1
+
+
+def _check_profile(args: argparse.Namespace) -> None:
+    profile = getattr(args, "profile", None)
+    if profile and args.steps and args.steps < profile + PROFILE_WARMUP_STEPS:
+        fewer = args.steps - PROFILE_WARMUP_STEPS
+        raise ValueError(
+            f"--profile {profile} records {profile} steps after {PROFILE_WARMUP_STEPS} warm-up "
+            f"step, but --steps is {args.steps}; use --steps {profile + PROFILE_WARMUP_STEPS} "
+            "or more" + (f", or --profile {fewer}" if fewer >= 1 else "")
+        )
 
 
 def _create_save_dir(save_dir: Path) -> None:
@@ -441,7 +467,8 @@ def run(args: argparse.Namespace) -> int:
             check_inputs(args)
             ranks = held.enter_context(join(Path(args.save_dir).expanduser(), args.comm_timeout))
             signals.rank = ranks.rank if ranks.many else None
-            config = config_from_args(args, ranks.world_size)
+            # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
+            config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
             return _run(args, config, ranks, signals, held)
         except FollowedRankZero:
             return 1  # rank 0 says why
