@@ -126,6 +126,9 @@ def worker(args) -> None:
         if step >= args.warmup:
             times.append(seconds)
             counted.append({k: after[k] - before.get(k, 0) for k in after})
+    stats = engine.memory_stats()
+    comm.barrier()
+    engine.close()  # leaves the process group: no rank exits while the other still talks
     if rank != 0:
         return
     per_step = {op: statistics.median(c.get(f"comm_{op}_bytes", 0) for c in counted) for op in OPS}
@@ -145,7 +148,7 @@ def worker(args) -> None:
         },
         "zero3_bytes_per_step": expected,
         "measured_over_zero3": (moved / expected["total"]) if world > 1 else None,
-        "memory_stats": engine.memory_stats(),
+        "memory_stats": stats,
     }
     Path(args.worker).write_text(json.dumps(record))
 
