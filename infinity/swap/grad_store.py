@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
 from infinity.swap.aio import AioHandle, aligned_empty
 from infinity.swap.store import SwapStore, align_up
@@ -344,7 +345,8 @@ class NvmeGradStore:
     def _sync_io(self, op: str, data: torch.Tensor, path: str, offset: int) -> None:
         t0 = time.perf_counter()
         try:
-            (self.aio.pwrite if op == "write" else self.aio.pread)(data, path, offset).wait()
+            with profile_range("infinity::swap::grad_wait"):
+                (self.aio.pwrite if op == "write" else self.aio.pread)(data, path, offset).wait()
         except BaseException as e:
             raise self._fail(op, path, offset, data.numel(), e) from e
         finally:
@@ -444,7 +446,8 @@ class NvmeGradStore:
             return
         t0 = time.perf_counter()
         try:
-            fut.wait()
+            with profile_range("infinity::swap::grad_wait"):
+                fut.wait()
         except BaseException as e:
             raise self._fail(fut.op, fut.path, fut.offset, fut.nbytes, e) from e
         finally:
