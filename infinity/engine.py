@@ -49,10 +49,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity import checkpoint
+from infinity import checkpoint, engine_checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.checkpoint import model16
-from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base, describe_base
+from infinity.checkpoint.base_model import describe_base
 from infinity.comm import Comm, from_env
 from infinity.config import Config
 from infinity.optim import Schedule, build_loss_scaler, build_schedule
@@ -90,9 +90,6 @@ from infinity.zero.shard import check_same_weights
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "initialize"]
-
-# Keys of a checkpoint's JSON state that the engine owns; the rest is the client's.
-_ENGINE_STATE_KEYS = ("engine", "optimizer", "lr_schedule", "loss_scaler", BASE_MODEL_KEY)
 
 
 def initialize(
@@ -625,41 +622,11 @@ class Engine:
         `load_checkpoint`. Returns the tag. Call between steps (not between forward and
         backward)."""
         self._check_idle("save_checkpoint")
-        clash = sorted(set(client_state or {}) & set(_ENGINE_STATE_KEYS))
-        if clash:
-            raise ValueError(
-                f"save_checkpoint: client_state keys {clash} are the engine's own; rename them"
-            )
         tag = tag or checkpoint.step_tag(self.global_steps)
-
-        frozen = [r for r in self.records if not r.trainable]
-        saved = self.records if include_frozen else [r for r in self.records if r.trainable]
-
-        def tensors():
-            for rec in saved:
-                yield f"{checkpoint.layout.PARAM_PREFIX}{rec.name}", _weights_of(rec)
-            for name, thunk in self.optimizer.state_tensors():
-                yield f"optim/{name}", thunk
-
-        state = {
-            "engine": {
-                "micro_steps": self.micro_steps,
-                "global_steps": self.global_steps,
-                "skipped_steps": self.skipped_steps,
-                "grad_norm": self._grad_norm,
-            },
-            "optimizer": self.optimizer.state_dict(),
-            "lr_schedule": self.lr_schedule.state_dict(),
-            "loss_scaler": self.loss_scaler.state_dict(),
-            **(client_state or {}),
-        }
-        if frozen and not include_frozen:
-            state[BASE_MODEL_KEY] = self._base()
-        checkpoint.save_checkpoint(
-            save_dir, tensors(), step=self.global_steps, state=state, tag=tag
+        engine_checkpoint.save(
+            self, save_dir, tag, client_state=client_state, include_frozen=include_frozen
         )
         self._deltas.rebase(self._counters())  # a checkpoint's reads are no step's
-        logger.info("saved checkpoint %s/%s", save_dir, tag)
         return tag
 
     def save_16bit_model(
@@ -704,42 +671,9 @@ class Engine:
         """Resume exactly from `save_dir/tag` (default: the latest). Returns the checkpoint's
         path and the `client_state` it was saved with, as DeepSpeed does."""
         self._check_idle("load_checkpoint")
-        ckpt = checkpoint.load_checkpoint(save_dir, tag)
-        names = set(ckpt.tensor_names())
-        prefix = checkpoint.layout.PARAM_PREFIX
-        with_frozen = BASE_MODEL_KEY not in ckpt.state
-        if not with_frozen:
-            check_base(ckpt.state[BASE_MODEL_KEY], self._base(), str(ckpt.path))
-        needed = [r for r in self.records if r.trainable or with_frozen]
-        missing = [prefix + r.name for r in needed if prefix + r.name not in names]
-        if missing:
-            raise ValueError(
-                f"checkpoint {ckpt.path} has no weights for {missing[:5]} "
-                f"({len(missing)} missing): it was saved from a different model"
-            )
-        self.optimizer.load_state_dict(ckpt.state["optimizer"])
-        self.optimizer.load_state_tensors(lambda name: ckpt.get_tensor(f"optim/{name}"))
-        if with_frozen:
-            for rec in self.records:
-                if not rec.trainable:
-                    rec.home.write(ckpt.get_tensor(prefix + rec.name))
-        for rec in self.records:
-            if rec.trainable or with_frozen:
-                self.coordinator.refresh(rec)
-        self.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
-        self.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
-        counters = ckpt.state["engine"]
-        self.micro_steps = int(counters["micro_steps"])
-        self.global_steps = int(counters["global_steps"])
-        self.skipped_steps = int(counters["skipped_steps"])
-        self._grad_norm = counters["grad_norm"]
-        rng = ckpt.rng_state()
-        if rng:
-            checkpoint.restore_rng_state(rng)
+        result = engine_checkpoint.load(self, save_dir, tag)
         self._deltas.rebase(self._counters())  # its writes are no step's
-        logger.info("loaded checkpoint %s", ckpt.path)
-        client_state = {k: v for k, v in ckpt.state.items() if k not in _ENGINE_STATE_KEYS}
-        return str(ckpt.path), client_state
+        return result
 
     def _base(self) -> dict:
         """The record of this engine's frozen base (built once: it fingerprints files)."""

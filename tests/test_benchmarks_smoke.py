@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -170,3 +171,29 @@ def test_lora_13b_tiny(tmp_path):
     assert rec["checks"]["checkpoint holds only adapters and their optimizer state"]
     assert 0 < rec["peak_rss_bytes"] < 6 << 30
     assert not swap.exists(), "the run directory is removed"
+
+
+def test_scale_out_tiny(tmp_path):
+    out = tmp_path / "so.json"
+    args = ["--vocab", "128", "--hidden", "32", "--intermediate", "64", "--layers", "2"]
+    args += ["--heads", "4", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scale_out.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    one, two = json.loads(out.read_text())["records"]
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert sum(one["comm_bytes_per_step"].values()) == 0  # nothing leaves one process
+    assert (
+        two["comm_bytes_per_step"]["reduce_scatter"]
+        == two["zero3_bytes_per_step"]["reduce_scatter"]
+    )
+    assert 1.0 <= two["measured_over_zero3"] < 1.2  # the tied embedding is gathered twice
+    # The same global batch on 1 and 2 ranks trains alike.
+    for a, b in zip(one["losses"], two["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a)

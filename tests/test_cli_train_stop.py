@@ -21,6 +21,7 @@ import pytest
 from _fake_aio import FakeAio
 from _train_inputs import write_inputs
 
+import infinity.cli.train_ranks as train_ranks
 import infinity.cli.train_run as train_run
 import infinity.swap.aio as aio_module
 from infinity.checkpoint import MetricsLog, list_checkpoints, load_checkpoint
@@ -429,7 +430,7 @@ def test_signal_after_the_last_save_changes_nothing(tmp_path, inputs, monkeypatc
         if args and str(args[0]).startswith("stopped by"):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(train_run, "print", late, raising=False)
+    monkeypatch.setattr(train_ranks, "print", late, raising=False)  # where run lines are said
     again = tmp_path / "again"
     assert main(_args(inputs, again, "--steps", LONG)) == 0
     out = capsys.readouterr().out

@@ -24,10 +24,12 @@ RANKS = {
     "checkpoint": 3,
     "models": 3,
     "engine": 4,
+    "engine_checkpoint": 3.5,  # the engine's checkpoint contents: under the engine, over checkpoint
     "data": 4,
     "estimate": 4,
     "cli": 5,
     "integrations": 5,
+    "__main__": 6,
 }
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "cuda_available",
     "get_accelerator",
     "profile_range",
+    "use_local_device",
 ]
 
 
@@ -41,3 +42,19 @@ def get_accelerator(kind: str | None = None) -> Accelerator:
     from infinity.accelerator.cuda import CudaAccelerator
 
     return CudaAccelerator()
+
+
+def use_local_device(local_rank: int) -> None:
+    """Make the CUDA device of this process's local rank its current one (torchrun starts one
+    process per device); nothing on the CPU. Call it before `get_accelerator()`."""
+    if (os.environ.get("INFINITY_ACCELERATOR") or "").lower() == "cpu" or not cuda_available():
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise ValueError(
+            f"LOCAL_RANK is {local_rank} but this host sees {count} CUDA device(s); start at "
+            f"most {count} processes per host (torchrun --nproc_per_node {count})"
+        )
+    torch.cuda.set_device(local_rank)

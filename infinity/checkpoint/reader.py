@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from infinity.checkpoint import jsonfloat, layout
+from infinity.checkpoint.spans import SpanReader
 from infinity.utils.safetensors_stream import SafetensorsReader, file_digests
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,22 @@ class Checkpoint:
     def get_tensor(self, name: str, rank: int = 0) -> torch.Tensor:
         with SafetensorsReader(self.shard_path(rank)) as f:
             return f.get_tensor(name)
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name` whole: as saved with one rank, else the saved ranks' spans joined
+        and given the shape recorded at save time (state["engine"]["shapes"], flat without)."""
+        if self.world_size == 1:
+            return self.get_tensor(name)
+        with SpanReader(self.path, [self.shard_path(r) for r in range(self.world_size)]) as r:
+            numel = r.saved_numel(name)
+            flat = r.read(name, numel, 0, numel)
+        shape = self.state.get("engine", {}).get("shapes", {}).get(name.split("/", 1)[-1])
+        return flat.reshape(shape) if shape is not None else flat
+
+    def span_reader(self) -> SpanReader:
+        """Reads any span of a tensor from the shards of all saved ranks (see
+        `infinity.checkpoint.spans`): how a checkpoint loads under another world size."""
+        return SpanReader(self.path, [self.shard_path(r) for r in range(self.world_size)])
 
 
 def _damage_fix(path: Path) -> str:

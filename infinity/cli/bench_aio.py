@@ -194,8 +194,14 @@ def run(cfg: AioBenchConfig, progress: bool = True) -> dict:
     out = {"config": asdict(cfg), "machine": machine_info(cfg.path), "records": []}
     combos = [
         Setting(*c)
-        for c in itertools.product(cfg.backends, cfg.block_sizes, cfg.queue_depths, cfg.threads,
-                                   cfg.single_submit, cfg.overlap_events)  # fmt: skip
+        for c in itertools.product(
+            cfg.backends,
+            cfg.block_sizes,
+            cfg.queue_depths,
+            cfg.threads,
+            cfg.single_submit,
+            cfg.overlap_events,
+        )  # fmt: skip
     ]
     try:
         # The file is laid out by the first write, timed apart: later writes overwrite it.

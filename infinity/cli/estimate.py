@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from infinity.cli.train import _positive_int, config_from_args
+from infinity.config import Config
 from infinity.models import PRESETS, load_config, preset
 
 _GIB = float(1 << 30)
@@ -75,6 +76,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="disk rates from `infinity bench aio --json FILE` (default: a quick probe of "
         "--nvme, or an assumed PCIe 4.0 SSD)",
     )
+    parser.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="ranks of the run (torchrun's processes): the batch figures count all of them "
+        "(train_batch_size = micro batch x accumulation x N); memory and time are one rank's "
+        "(default 1)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the estimate as JSON")
     parser.set_defaults(func=run)
 
@@ -101,7 +111,11 @@ def run(args: argparse.Namespace) -> int:
             "--json FILE` first and pass FILE"
         )
     shape = model_shape(model_config(args.model), lora_r=args.lora_r or 0)
-    config = config_from_args(argparse.Namespace(**{**vars(args), "lr": None, "seed": None}))
+    config = config_from_args(
+        argparse.Namespace(**{**vars(args), "lr": None, "seed": None}), args.world_size
+    )
+    # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
+    config = Config.load({**config.to_dict(), "train_batch_size": "auto"}).for_local_rank(0)
     overhead = 0.0
     if args.device == "cpu":  # the engine's hooks take the cores that compute
         from infinity.cli.estimate_probe import probe_module_overhead_s
@@ -129,23 +143,30 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         activation_checkpointing=args.activation_checkpointing,
     )
-    print(render(est, args.model))
+    print(render(est, args.model, args.world_size))
     if args.json:
         out = est.as_json()
         out["inputs"]["model"] = args.model
+        out["inputs"]["world_size"] = args.world_size
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
 
-def render(est, model: str) -> str:
-    """The estimate as the terminal shows it."""
+def render(est, model: str, world_size: int = 1) -> str:
+    """The estimate as the terminal shows it (one rank's, with `world_size` ranks)."""
     s, t, i = est.sizes, est.times, est.inputs
     lora = f", LoRA r={i['lora_r']}" if i["lora_r"] else ""
+    ranks = (
+        f" per rank, x {world_size} ranks = {est.tokens_per_step * world_size} tokens per "
+        "optimizer step"
+        if world_size > 1
+        else " per step"
+    )
     lines = [
         f"{model}: {est.params / 1e9:.2f}B parameters ({est.trainable_params / 1e9:.3f}B "
         f"trainable{lora}), {i['dtype']}, {i['seq_len']} tokens x {i['micro_batch']} x "
-        f"{i['gradient_accumulation_steps']} = {est.tokens_per_step} tokens per step, "
+        f"{i['gradient_accumulation_steps']} = {est.tokens_per_step} tokens{ranks}, "
         f"device {i['device']}",
         f"offload: parameters to {i['offload_param']}, optimizer state to "
         f"{i['offload_optimizer']}; {s.num_sub_groups} sub-group{_plural(s.num_sub_groups)} "
@@ -178,7 +199,8 @@ def render(est, model: str) -> str:
         f"/ {s.grad_write_bytes_per_step / _GB:.1f} GB",
         f"  {'host <-> device':<28}{est.host_device_bytes_per_step / _GB:9.1f} GB",
         "",
-        f"time per step {t.step_s:.2f} s ({est.tokens_per_step / t.step_s:,.0f} tokens/s); "
+        f"time per step {t.step_s:.2f} s ({est.tokens_per_step / t.step_s:,.0f} tokens/s"
+        f"{' per rank' if world_size > 1 else ''}); "
         f"bound: {est.bound}",
         f"  {'compute':<28}{t.compute_s:9.2f} s",
         f"  {'NVMe transfers':<28}{t.nvme_s:9.2f} s",

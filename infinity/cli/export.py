@@ -1,14 +1,13 @@
 """`infinity export CKPT --out DIR`: a checkpoint's weights as a Hugging Face directory.
 
-Reads the `param/<name>` tensors of every rank's shard (see infinity.checkpoint.layout),
-joins the per-rank slices of one weight at a time, and streams them into `export_hf`, so
+Reads the `param/<name>` tensors of every rank's shard (see infinity.checkpoint.spans),
+joins the per-rank spans of one weight at a time, and streams them into `export_hf`, so
 memory stays near the largest weight.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,6 @@ import torch
 from infinity.checkpoint import CheckpointNotFoundError, layout, load_checkpoint
 from infinity.cli import export_lora
 from infinity.models import export_hf
-from infinity.utils.safetensors_stream import SafetensorsReader
 
 
 def _parse_bytes(text: str) -> int:
@@ -79,29 +77,11 @@ def checkpoint_weights(
     shapes = {name: tuple(shape) for name, shape in model["param_shapes"].items()}
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        with contextlib.ExitStack() as stack:
-            readers = [
-                stack.enter_context(SafetensorsReader(ckpt.shard_path(r)))
-                for r in range(ckpt.world_size)
-            ]
-            names = [set(r.names()) for r in readers]
+        # Each weight is joined from the spans the saved ranks hold (one rank: the whole).
+        with ckpt.span_reader() as spans:
             for name, shape in shapes.items():
-                key = layout.PARAM_PREFIX + name
-                pieces = [
-                    r.get_tensor(key) for r, n in zip(readers, names, strict=True) if key in n
-                ]
-                if not pieces:
-                    raise ValueError(
-                        f"checkpoint {ckpt.path} lists {name!r} but no shard holds {key!r}"
-                    )
-                full = pieces[0] if len(pieces) == 1 else torch.cat([p.reshape(-1) for p in pieces])
-                if full.numel() != torch.Size(shape).numel():
-                    raise ValueError(
-                        f"checkpoint {ckpt.path}: {name!r} has {full.numel()} elements across its "
-                        f"shards, its shape {list(shape)} needs {torch.Size(shape).numel()}"
-                    )
-                yield name, full.reshape(shape)
-                del full, pieces
+                numel = torch.Size(shape).numel()
+                yield name, spans.read(layout.PARAM_PREFIX + name, numel, 0, numel).reshape(shape)
 
     return config, stream()
 

@@ -30,7 +30,8 @@ def is_lora_checkpoint(ckpt) -> bool:
 def _trained(ckpt) -> dict[str, torch.Tensor]:
     """Every weight the checkpoint holds (the trainable ones: adapters, small), by peft name."""
     prefix = layout.PARAM_PREFIX
-    return {n[len(prefix) :]: t for n, t in ckpt.tensors() if n.startswith(prefix)}
+    names = [n for n in ckpt.tensor_names() if n.startswith(prefix)]
+    return {n[len(prefix) :]: ckpt.full_tensor(n) for n in names}  # joined across ranks
 
 
 def export_adapter(ckpt, out: str) -> Path:

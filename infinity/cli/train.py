@@ -12,7 +12,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -134,11 +133,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--nvme",
-        metavar="PATH",
+        metavar="PATH[,PATH...]",
         help="directory on a fast SSD for the fp32 master weights, the Adam moments and the "
         "16-bit parameters (default: host RAM, or as the config says; a config's "
-        "offload_param.device 'cpu' keeps the parameters in RAM). Unless the config sets "
-        "sub_group_size, it becomes 1e8 elements (4 x 1.2 GB of host buffers)",
+        "offload_param.device 'cpu' keeps the parameters in RAM); under torchrun, one "
+        "directory shared by the ranks or a comma-separated list of one per local rank. "
+        "Unless the config sets sub_group_size, it becomes 1e8 elements (4 x 1.2 GB of host "
+        "buffers)",
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
     parser.add_argument(
@@ -227,6 +228,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-progress", action="store_true", help="no progress bar (log lines only)"
     )
     parser.add_argument(
+        "--comm-timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="under torchrun: how long a rank waits for the others in one collective before "
+        "the run stops with an error naming the rank (default: $INFINITY_COMM_TIMEOUT_S, else "
+        "600)",
+    )
+    parser.add_argument(
         "--profile",
         type=_positive_int,
         metavar="STEPS",
@@ -242,8 +251,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 NVME_SUB_GROUP_SIZE = 100_000_000
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The JSON config (if any) with the flags laid over it, validated."""
+def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:
+    """The JSON config (if any) with the flags laid over it, validated; its batch triple
+    checked for `world_size` ranks (train_batch_size counts all of them)."""
     raw: dict[str, Any] = {}
     if args.config:
         from infinity.config.parse import read_json
@@ -276,7 +286,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.nvme is not None:
         # The optimizer states and the 16-bit parameters go to NVMe (the parameters stay in
         # RAM when the config says offload_param.device "cpu").
-        nvme = os.fspath(Path(args.nvme).expanduser())
+        paths = [os.fspath(Path(p.strip()).expanduser()) for p in args.nvme.split(",")]
+        nvme: str | list[str] = paths if len(paths) > 1 else paths[0]
         zero.setdefault("offload_optimizer", {}).update(device="nvme", nvme_path=nvme)
         param = zero.setdefault("offload_param", {})
         param["nvme_path"] = nvme
@@ -293,7 +304,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.seed is None:
         check_seed(config.seed, f"the seed in {args.config}")
     # The batch triple is checked now, not after the data is tokenized.
-    check_batch(config)
+    check_batch(config, world_size)
     return config
 
 
@@ -444,24 +455,48 @@ def check_tokenizer_dir(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infinity.checkpoint import SaveDirLock
-    from infinity.cli.train_run import TrainRun
-    from infinity.cli.train_stop import StopNow, StopSignals
+    from infinity.cli.train_ranks import FollowedRankZero, join
+    from infinity.cli.train_stop import StopSignals
     from infinity.utils.host_memory import unmap_large_allocations
 
     unmap_large_allocations()  # freed parameter-sized buffers leave RSS at once
 
     with StopSignals() as signals, contextlib.ExitStack() as held:
+        ranks = None
         try:
             check_inputs(args)
-            config = config_from_args(args)
-            # Held until the run ends or the process dies: a second run there is refused.
-            held.enter_context(SaveDirLock(Path(args.save_dir).expanduser()))
-            run = TrainRun(args, config)
-        except StopNow as stop:
-            print(f"infinity: stopped by {stop.name} before training started", file=sys.stderr)
-            return stop.exit_code
-        return run.run(signals)
+            ranks = held.enter_context(join(Path(args.save_dir).expanduser(), args.comm_timeout))
+            signals.rank = ranks.rank if ranks.many else None
+            # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
+            config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
+            return _run(args, config, ranks, signals, held)
+        except FollowedRankZero:
+            return 1  # rank 0 says why
+        except Exception as exc:
+            if ranks is None or not ranks.many:
+                raise
+            return ranks.failed(exc)
+
+
+def _run(args, config: Config, ranks, signals, held: contextlib.ExitStack) -> int:
+    from infinity.checkpoint import SaveDirLock
+    from infinity.cli.train_run import TrainRun
+    from infinity.cli.train_stop import StopNow
+
+    try:
+        # Held by rank 0 until the run ends or the process dies: a second run there is refused.
+        save_dir = Path(args.save_dir).expanduser()
+        ranks.decide(lambda: _hold(held, SaveDirLock(save_dir)))
+        ranks.start()
+        run = TrainRun(args, config, ranks)
+    except StopNow as stop:
+        ranks.say(f"stopped by {stop.name} before training started", err=True)
+        return stop.exit_code
+    return run.run(signals)
+
+
+def _hold(held: contextlib.ExitStack, lock) -> None:
+    held.enter_context(lock)
 
 
 __all__ = [

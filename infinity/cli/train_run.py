@@ -13,7 +13,6 @@ import argparse
 import errno
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -23,11 +22,13 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import infinity
-from infinity.checkpoint import Checkpoint, MetricsLog, latest_tag, prune
+from infinity.checkpoint import Checkpoint, MetricsLog, latest_tag, load_checkpoint, prune
 from infinity.cli import train_disk
 from infinity.cli.train import PROFILE_WARMUP_STEPS, lora_spec, tokenizer_dir
+from infinity.cli.train_ranks import Ranks
 from infinity.cli.train_savedir import RunShape, check_resume, find_resume, prepare_fresh
 from infinity.cli.train_stop import Phase, StopNow, StopSignals, stop_in_chain
+from infinity.comm import CommError
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
 from infinity.data.tokenizer import tokenizer_files
@@ -41,8 +42,10 @@ log = logging.getLogger(__name__)
 class TrainRun:
     """Builds everything from the parsed flags and the config, then trains."""
 
-    def __init__(self, args: argparse.Namespace, config: Config) -> None:
+    def __init__(self, args: argparse.Namespace, config: Config, ranks: Ranks) -> None:
         self.args = args
+        self.ranks = ranks
+        """This rank's place in the run (one rank without torchrun): see train_ranks."""
         self.save_dir = Path(args.save_dir).expanduser()
         self.model: hf_auto.CausalLMSpec = hf_auto.describe(args.model)
         """The transformers config of the directory (or preset) and the parameter shapes."""
@@ -66,13 +69,17 @@ class TrainRun:
                 f"--seq-len {self.args.seq_len} is longer than the {limit} positions the model "
                 f"covers (max_position_embeddings in its config); use --seq-len {limit} or less"
             )
-        data = open_dataset(
-            self.args.data,
-            seq_len=self.args.seq_len,
-            seed=self.config.seed,
-            tokenizer_dir=tokenizer_dir(self.args),
-            cache_dir=self.save_dir / "tokens",
-            field=self.args.data_field,
+        data = self.ranks.main_first(  # rank 0 fills the token cache the others read
+            lambda: open_dataset(
+                self.args.data,
+                seq_len=self.args.seq_len,
+                seed=self.config.seed,
+                tokenizer_dir=tokenizer_dir(self.args),
+                cache_dir=self.save_dir / "tokens",
+                field=self.args.data_field,
+                rank=self.ranks.rank,
+                world_size=self.ranks.world_size,
+            )
         )
         tok = data.tokenizer
         log.info("tokens: %s", tok.describe())
@@ -93,7 +100,10 @@ class TrainRun:
         return data
 
     def _resolved(self, data: PackedDataset) -> tuple[Config, int]:
-        first = self.config.resolve(hidden_size=self.model.hidden_size, total_num_steps=1)
+        world = self.ranks.world_size
+        first = self.config.resolve(
+            world_size=world, hidden_size=self.model.hidden_size, total_num_steps=1
+        )
         micro = first.train_micro_batch_size_per_gpu
         if micro > data.num_sequences:
             # A micro batch is one forward: more sequences than the data holds is a mistake,
@@ -103,9 +113,10 @@ class TrainRun:
                 f"train_micro_batch_size_per_gpu) is more than the {data.num_sequences} "
                 f"sequences of {data.seq_len} tokens in {self.args.data}; lower it or use more data"
             )
-        per_step = micro * first.gradient_accumulation_steps
+        per_step = micro * first.gradient_accumulation_steps * world
         steps = self.args.steps or max(1, math.ceil(data.num_sequences / per_step))
         config = self.config.resolve(
+            world_size=world,
             hidden_size=self.model.hidden_size,
             total_num_steps=steps,
             largest_param_numel=max(math.prod(s) for s in self.param_shapes.values()),
@@ -116,6 +127,9 @@ class TrainRun:
         """The transformers class of the directory's config.json (a preset: Llama), built
         under `infinity.init` with the weights streamed into the partitions."""
         torch.manual_seed(config.seed)
+        # Building needs only the precision and pinning; `infinity.init` resolves the config
+        # for one process, so the batch triple (which counts all ranks) is left to it.
+        config = Config.load({**config.to_dict(), "train_batch_size": "auto"})
         model = hf_auto.from_pretrained(self.model, config)
         if self.args.activation_checkpointing:
             hf_auto.enable_activation_checkpointing(model)
@@ -142,7 +156,7 @@ class TrainRun:
             save_dir=self.save_dir,
             saves=_checkpoints_kept(steps, every, self.args.keep_last),
         )
-        print(train_disk.check(uses), flush=True)
+        self.ranks.say(train_disk.check(uses))
 
     def _base_source(self, config: Config) -> str | Path | dict:
         """Where the frozen weights come from, for the checkpoints' base record."""
@@ -163,19 +177,36 @@ class TrainRun:
 
     def _shape(self) -> RunShape:
         """The settings a resume must keep, from the flags and the config."""
-        config = self.config.resolve(hidden_size=self.model.hidden_size, total_num_steps=1)
+        config = self.config.resolve(
+            world_size=self.ranks.world_size,
+            hidden_size=self.model.hidden_size,
+            total_num_steps=1,
+        )
         return RunShape(
             dtype=config.precision,
             micro_batch=config.train_micro_batch_size_per_gpu,
             grad_accum=config.gradient_accumulation_steps,
             seq_len=self.args.seq_len,
             seed=config.seed,
+            world_size=self.ranks.world_size,
         )
 
     def _prepare_save_dir(self) -> Checkpoint | None:
         """Before anything is built: the checkpoint to resume from, checked against this
         run's settings; or, for a fresh run, a save dir without checkpoints (see
-        infinity.cli.train_savedir)."""
+        infinity.cli.train_savedir). Decided on rank 0; the others open the same one."""
+        mine: list[Checkpoint | None] = []
+
+        def check() -> str | None:
+            mine.append(self._check_save_dir())
+            return None if mine[0] is None else mine[0].tag
+
+        tag = self.ranks.decide(check)
+        if tag is None:
+            return None
+        return mine[0] if mine else load_checkpoint(self.save_dir, tag, verify=False)
+
+    def _check_save_dir(self) -> Checkpoint | None:
         if not self.args.resume:
             prepare_fresh(self.save_dir, overwrite=self.args.overwrite)
             return None
@@ -201,6 +232,10 @@ class TrainRun:
         stopping on a signal] in train_stop.py)."""
         try:
             return self._run(signals)
+        except CommError as exc:
+            if not self.ranks.is_main or stop_in_chain(exc) is not None:
+                raise
+            raise self._other_rank_failed() from exc
         except BaseException as exc:
             # A stop at once can land inside I/O, whose clean-up may wrap it in its own
             # error: it is still the stop the user asked for, not a failed disk or step.
@@ -210,21 +245,31 @@ class TrainRun:
             if stop.phase is Phase.SAVING and self._saved is not None:
                 # It came after the checkpoint was complete, before the run said so: nothing
                 # was lost, so this is the clean stop the first signal asked for.
-                print(
+                self.ranks.say(
                     f"{stop.name} after the checkpoint was saved: {self.save_dir / self._saved} "
                     "is complete (continue with --resume)"
                 )
                 return 0
-            print(f"infinity: {self._stopped_at_once(stop)}", file=sys.stderr)
+            self.ranks.say(self._stopped_at_once(stop), err=True)
             return stop.exit_code
+
+    def _other_rank_failed(self) -> OSError:
+        """Rank 0, when a collective broke: the rank that failed and why, and where to go
+        on from (see [Note: one run, several ranks] in train_ranks.py)."""
+        why = self.ranks.explain(self.ranks.comm.timeout_s)
+        if "--resume" in why:  # the failed rank's own message says where to go on from
+            return _error(None, f"the run stopped: {why}")
+        return _error(None, f"the run stopped: {why}. {self._resume_hint('it is fixed')}")
 
     def _run(self, signals: StopSignals) -> int:
         resume = self._prepare_save_dir()
         data = self._data()
         config, steps = self._resolved(data)
-        self._check_disk(config, steps)
+        self.ranks.decide(lambda: self._check_disk(config, steps))  # one disk check
         model = self._model(config)
-        engine = infinity.initialize(model, config, base_model=self._base_source(config))
+        engine = infinity.initialize(
+            model, config, base_model=self._base_source(config), comm=self.ranks.comm
+        )
         try:
             code = self._train(engine, data, config, steps, signals, resume)
         except BaseException:
@@ -248,11 +293,12 @@ class TrainRun:
             self._check_same_adapters(resume)
             _, client_state = engine.load_checkpoint(self.save_dir, resume.tag)
             data.load_state_dict(client_state["data"])
-            self.metrics.truncate_after(engine.global_steps)
+            if self.ranks.is_main:
+                self.metrics.truncate_after(engine.global_steps)
             self._saved = resume.tag  # a stop before the first step has nothing new to save
             log.info("resumed from %s (step %d)", resume.path, engine.global_steps)
         if engine.global_steps >= steps:
-            print(f"already at step {engine.global_steps} of {steps}: nothing to do")
+            self.ranks.say(f"already at step {engine.global_steps} of {steps}: nothing to do")
             return 0
         signals.start_training()
         self._loop(engine, data, config, steps, signals)
@@ -260,8 +306,9 @@ class TrainRun:
         tag = self._saved or self._save(engine, data)
         signals.start_closing()  # the checkpoint is complete: a signal now changes nothing
         stopped = engine.global_steps < steps  # a signal asked for the stop
-        how = f"stopped by {signals.requested_by}" if stopped else "finished"
-        print(
+        by = signals.requested_by or "a signal to another rank"
+        how = f"stopped by {by}" if stopped else "finished"
+        self.ranks.say(
             f"{how} at step {engine.global_steps}; checkpoint {self.save_dir / tag}"
             + (" (continue with --resume)" if stopped else "")
         )
@@ -300,7 +347,7 @@ class TrainRun:
                 f"{engine.global_steps}. {self._resume_hint('there is room')}",
             ) from exc
         self._saved = tag
-        if self.args.keep_last:
+        if self.args.keep_last and self.ranks.is_main:
             try:
                 prune(self.save_dir, self.args.keep_last)
             except OSError as exc:  # the new checkpoint is safe: retention can wait
@@ -347,18 +394,19 @@ class TrainRun:
     def _loop(self, engine, data, config: Config, steps: int, signals: StopSignals) -> None:
         micro = config.train_micro_batch_size_per_gpu
         accum = config.gradient_accumulation_steps
-        tokens_per_step = micro * accum * data.seq_len
+        tokens_per_step = micro * accum * self.ranks.world_size * data.seq_len  # all ranks'
         flops_per_token = self.model.train_flops_per_token(data.seq_len)
         bar = tqdm(
             total=steps,
             initial=engine.global_steps,
             unit="step",
-            disable=self.args.no_progress,
+            disable=self.args.no_progress or not self.ranks.is_main,
             dynamic_ncols=True,
         )
         profiler = self._start_profile(engine, steps)
         with bar, logging_redirect_tqdm():  # the engine's progress lines go above the bar
-            while engine.global_steps < steps and not signals.requested:
+            # The ranks agree on a stop before each step (see train_ranks).
+            while engine.global_steps < steps and not self.ranks.any_stop(signals.requested):
                 lr = engine.get_lr()[0]  # the rate this step uses
                 start = time.perf_counter()
                 try:
@@ -366,10 +414,12 @@ class TrainRun:
                 except OSError as exc:
                     raise self._step_failed(engine, exc) from exc
                 self._saved = None
+                loss = self.ranks.mean(loss)
                 seconds = time.perf_counter() - start
                 record = self._record(engine, loss, lr, tokens_per_step / seconds, seconds)
                 record["tflops"] = flops_per_token * record["tokens_per_s"] / 1e12
-                self.metrics.append(record)
+                if self.ranks.is_main:
+                    self.metrics.append(record)
                 bar.update(1)
                 bar.set_postfix_str(
                     f"loss={loss:.4f}, tok_s={record['tokens_per_s']:.0f}, "

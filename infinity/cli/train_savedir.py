@@ -37,10 +37,22 @@ class RunShape:
     grad_accum: int
     seq_len: int
     seed: int
+    world_size: int = 1
+    """Ranks (torchrun's processes); each takes micro_batch sequences per micro step."""
 
     def to_dict(self) -> dict:
         """What the checkpoint records (the data state already holds seq_len and seed)."""
-        return {"dtype": self.dtype, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum}
+        return {
+            "dtype": self.dtype,
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "world_size": self.world_size,
+        }
+
+    @property
+    def per_step(self) -> int:
+        """Sequences per optimizer step over all ranks."""
+        return self.micro_batch * self.grad_accum * self.world_size
 
 
 def prepare_fresh(save_dir: Path, *, overwrite: bool) -> None:
@@ -162,23 +174,35 @@ def _model_changes(ckpt: Checkpoint, model: dict, shapes: dict) -> list[str]:
 def _batch_changes(ckpt: Checkpoint, now: RunShape) -> list[str]:
     run = ckpt.state.get("run", {})
     micro, accum = run.get("micro_batch"), run.get("grad_accum")
-    if micro is None or accum is None or (micro, accum) == (now.micro_batch, now.grad_accum):
+    if micro is None or accum is None:
         return []
-    if micro * accum == now.micro_batch * now.grad_accum:
+    saved = RunShape(
+        dtype="", micro_batch=micro, grad_accum=accum, seq_len=0, seed=0,
+        world_size=run.get("world_size", 1),
+    )  # fmt: skip
+    split = (saved.micro_batch, saved.grad_accum, saved.world_size)
+    if split == (now.micro_batch, now.grad_accum, now.world_size):
+        return []
+    if saved.per_step == now.per_step:
         log.warning(
-            "resuming with --micro-batch %d --grad-accum %d where the run had %d x %d: the same "
-            "%d sequences per optimizer step, so the data order and schedule are unchanged",
-            now.micro_batch, now.grad_accum, micro, accum, micro * accum,
+            "resuming with %s where the run had %s: the same %d sequences per optimizer step, "
+            "so the data order and schedule are unchanged",
+            _split(now), _split(saved), now.per_step,
         )  # fmt: skip
         return []
     return [
-        f"batch: the checkpoint's run took {micro} x {accum} = {micro * accum} sequences per "
-        f"optimizer step (--micro-batch {micro} --grad-accum {accum}), this run "
-        f"{now.micro_batch} x {now.grad_accum} = {now.micro_batch * now.grad_accum}; the data "
-        "position and the learning-rate schedule count those steps, so resume with any "
-        f"--micro-batch and --grad-accum whose product is {micro * accum}, or start a new run "
-        "in another --save-dir"
+        f"batch: the checkpoint's run took {saved.per_step} sequences per optimizer step "
+        f"({_split(saved)}), this run {now.per_step} ({_split(now)}); the data position and the "
+        "learning-rate schedule count those steps, so resume with any --micro-batch, "
+        f"--grad-accum and number of ranks whose product is {saved.per_step}, or start a new "
+        "run in another --save-dir"
     ]
+
+
+def _split(shape: RunShape) -> str:
+    """How a run splits its sequences per step, in flags."""
+    ranks = f" on {shape.world_size} ranks" if shape.world_size > 1 else ""
+    return f"--micro-batch {shape.micro_batch} --grad-accum {shape.grad_accum}{ranks}"
 
 
 def _few(names: list[str]) -> str:

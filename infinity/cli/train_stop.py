@@ -122,6 +122,8 @@ class StopSignals:
         self.phase = Phase.STARTING
         self.requested: int | None = None
         """The signal that asked for a stop during training, if one did."""
+        self.rank: int | None = None
+        """This process's rank when the run has several (its lines then name it)."""
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -164,16 +166,18 @@ class StopSignals:
         what = _describe(signum)
         if signum == signal.SIGHUP:
             detach_from_terminal()
+        who = f"infinity: rank {self.rank}:" if self.rank is not None else "infinity:"
         if self.phase is Phase.CLOSING:
             _say(
-                f"infinity: {what}: already stopping, removing the swap files first "
+                f"{who} {what}: already stopping, removing the swap files first "
                 "(SIGKILL ends it without cleaning up)"
             )
             return
         if self.phase is Phase.TRAINING and self.requested is None:
             self.requested = signum
+            every = "all ranks save" if self.rank is not None else "saving"
             _say(
-                f"infinity: {what}: saving a checkpoint after this step "
+                f"{who} {what}: {every} a checkpoint after this step "
                 f"(send it again to stop at once without one)"
             )
             return

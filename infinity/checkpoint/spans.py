@@ -1,0 +1,139 @@
+"""Which elements of a tensor each rank holds, and reading any span back from a checkpoint.
+
+Owns the partitioning arithmetic as checkpoints see it ([Note: spans]) and `SpanReader`, which
+assembles elements [lo, hi) of a saved tensor from whichever saved ranks hold them, so a
+checkpoint written by W ranks loads under any other world size. It does not know the engine:
+callers say which tensor, how many elements it has in full, and which span they want.
+
+[Note: spans] World size W, rank r, a tensor of N elements: the shard size is S = ceil(N / W)
+and rank r owns elements [r*S, (r+1)*S) of the tensor flattened and zero-padded to W*S. Its
+unpadded span is (min(r*S, N), min((r+1)*S, N)), empty for tiny tensors on high ranks. A rank's
+checkpoint shard holds exactly its unpadded span of each tensor (flat; with W == 1 the tensor
+keeps its shape, as single-process checkpoints always have), so the spans of ranks 0..W-1 laid
+end to end are the whole tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from infinity.utils.safetensors_stream import SafetensorsReader
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """S = ceil(N / W): the elements each rank's padded shard holds ([Note: spans])."""
+    _check_world(world_size)
+    if numel < 0:
+        raise ValueError(f"a tensor cannot have {numel} elements")
+    return -(-numel // world_size)
+
+
+def rank_span(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s unpadded span (lo, hi) of a tensor of `numel` elements."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    s = shard_numel(numel, world_size)
+    return min(rank * s, numel), min((rank + 1) * s, numel)
+
+
+def _check_world(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+
+
+class SpanReader:
+    """Reads spans of saved tensors from a checkpoint saved by any number of ranks.
+
+    Holds the shard files it has needed open until closed (a context manager), and reads only
+    the bytes of the asked span from each (`get_flat_slice`), so a rank loading its shard of a
+    weight never holds the whole weight.
+    """
+
+    def __init__(self, path: Path, shard_files: list[Path]) -> None:
+        self.path = path
+        self.world_size = len(shard_files)
+        """The world size the checkpoint was saved with."""
+        _check_world(self.world_size)
+        self._files = shard_files
+        self._open: dict[int, SafetensorsReader] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> SpanReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open.clear()
+
+    def _reader(self, rank: int) -> SafetensorsReader:
+        if rank not in self._open:
+            self._open[rank] = self._stack.enter_context(SafetensorsReader(self._files[rank]))
+        return self._open[rank]
+
+    def saved_numel(self, key: str) -> int:
+        """The elements of saved tensor `key` in full: its spans' lengths summed."""
+        total = 0
+        for rank in range(self.world_size):
+            try:
+                total += int(torch.Size(self._reader(rank).shape(key)).numel())
+            except KeyError:
+                raise ValueError(
+                    f"checkpoint {self.path}: rank {rank}'s shard has no {key!r}"
+                ) from None
+        return total
+
+    def read(
+        self, key: str, numel: int, lo: int, hi: int, *, pad_to: int | None = None
+    ) -> torch.Tensor:
+        """Elements [lo, hi) of saved tensor `key` (N = `numel` elements in full), flat, in
+        the saved dtype; zero-padded to `pad_to` elements when given (a padded shard)."""
+        if not 0 <= lo <= hi <= numel:
+            raise ValueError(f"span [{lo}, {hi}) is outside {key!r} ({numel} elements)")
+        if pad_to is not None and pad_to < hi - lo:
+            raise ValueError(f"pad_to {pad_to} is shorter than the span [{lo}, {hi})")
+        pieces = []
+        dtype = None
+        for rank in range(self.world_size):
+            a, b = rank_span(numel, self.world_size, rank)
+            reader = self._reader(rank)
+            self._check_saved(reader, key, numel, rank, b - a)
+            dtype = reader.dtype(key)
+            start, stop = max(a, lo), min(b, hi)
+            if start < stop:
+                pieces.append(reader.get_flat_slice(key, start - a, stop - start))
+            if b >= hi:
+                break
+        out = torch.zeros(hi - lo if pad_to is None else pad_to, dtype=dtype)
+        at = 0
+        for piece in pieces:
+            out[at : at + piece.numel()] = piece
+            at += piece.numel()
+        return out
+
+    def _check_saved(
+        self, reader: SafetensorsReader, key: str, numel: int, rank: int, span: int
+    ) -> None:
+        """The saved rank holds `key` with exactly its span's elements; else the model (or
+        world-size record) does not match the checkpoint."""
+        try:
+            saved = int(torch.Size(reader.shape(key)).numel())
+        except KeyError:
+            raise ValueError(
+                f"checkpoint {self.path}: rank {rank}'s shard has no {key!r}; it was saved "
+                "from a different model"
+            ) from None
+        if saved != span:
+            raise ValueError(
+                f"checkpoint {self.path}: rank {rank} of {self.world_size} saved {saved} "
+                f"elements of {key!r}, but a tensor of {numel} elements split over "
+                f"{self.world_size} ranks gives it {span}; it was saved from a different model"
+            )
+
+
+__all__ = ["SpanReader", "rank_span", "shard_numel"]

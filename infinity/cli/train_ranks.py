@@ -1,0 +1,249 @@
+"""The ranks of one `infinity train` run under torchrun: who decides, who speaks, who failed.
+
+Owns what the CLI does differently with several ranks ([Note: one run, several ranks]):
+decisions taken once on rank 0 and shared (`decide`, `main_first`), the per-step agreement
+on a stop and on the logged loss (`any_stop`, `mean`), log lines of other ranks (warnings and errors
+only, prefixed with the rank), and the failure reports that let rank 0 name the rank that
+failed and why (`SAVE_DIR/rank-N.error`, `RankFailures`). With one rank every method is the
+plain single-process behaviour and no collective is issued.
+
+[Note: one run, several ranks] Rank 0 holds the save directory's lock, checks and prepares
+the save directory, tokenizes the data into its cache, draws the progress bar and writes
+metrics.jsonl; the other ranks wait for its decisions (an error on rank 0 stops them too,
+without repeating it). A signal asks for a stop on the rank that got it; before each
+optimizer step the ranks all-reduce the request, so all of them stop after the same step and
+save one checkpoint together. A rank that fails writes its error to SAVE_DIR/rank-N.error
+before it exits; the others then fail in their next collective (the peer is gone) or, if it
+hangs, when the collective timeout expires, and torchrun stops the rest when a worker exits
+with an error. Rank 0 then reports the rank and the cause: its error file, or that its
+process is gone without one (killed), or that it did not answer within the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from infinity.accelerator import use_local_device
+from infinity.comm import CommError, from_env
+
+T = TypeVar("T")
+
+ERROR_FILE = "rank-{rank}.error"
+# How long rank 0 waits for a failed rank's report after a collective broke: the failing
+# rank writes it before exiting, but rank 0 sees the broken connection at about that moment.
+REPORT_WAIT_S = 5.0
+
+
+class FollowedRankZero(Exception):
+    """Raised on ranks other than 0 when rank 0 refused to go on (its error is rank 0's to
+    report): the rank exits with an error and says nothing more."""
+
+
+# Errors that carry their fix in the message: one line, no traceback (as in cli.main).
+USER_ERRORS = (ValueError, OSError, NotImplementedError, ImportError, CommError)
+
+
+@contextlib.contextmanager
+def join(save_dir: Path, timeout_s: float | None) -> Iterator[Ranks]:
+    """This process's `Ranks`: under torchrun it joins the process group (its device picked
+    by LOCAL_RANK) and leaves it on exit; otherwise a world of one."""
+    use_local_device(int(os.environ.get("LOCAL_RANK", "0") or 0))
+    comm = from_env(timeout_s)
+    try:
+        ranks = Ranks(comm, save_dir)
+        ranks.configure_logging()
+        yield ranks
+    finally:
+        comm.close()
+
+
+class Ranks:
+    """This process's place in the run (from the run's communicator) and the agreements."""
+
+    def __init__(self, comm: Any, save_dir: Path) -> None:
+        self.comm = comm
+        self.rank: int = comm.rank
+        self.world_size: int = comm.world_size
+        self.local_rank: int = getattr(comm, "local_rank", self.rank)
+        self.save_dir = save_dir
+        self.started = time.time()
+        self._peers: list[dict] = []
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: it decides, draws the progress bar and writes metrics.jsonl."""
+        return self.rank == 0
+
+    @property
+    def many(self) -> bool:
+        return self.world_size > 1
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def decide(self, fn: Callable[[], T]) -> T:
+        """`fn()` on rank 0 only; its (picklable) result on every rank. An error in `fn`
+        is raised on rank 0 and stops the others (`FollowedRankZero`)."""
+        if not self.many:
+            return fn()
+        result: Any = None
+        error: Exception | None = None
+        if self.is_main:
+            try:
+                result = fn()
+            except Exception as exc:
+                error = exc
+        shared = self.comm.broadcast_object(
+            (result, None if error is None else f"{type(error).__name__}: {error}"), src=0
+        )
+        if error is not None:
+            raise error
+        if shared[1] is not None:
+            raise FollowedRankZero(shared[1])
+        return shared[0]
+
+    def main_first(self, fn: Callable[[], T]) -> T:
+        """`fn()` on rank 0, then, once it succeeded, on the others (a cache rank 0 fills
+        that the others then read)."""
+        if not self.many:
+            return fn()
+        mine: list[T] = []
+        self.decide(lambda: mine.append(fn()))
+        return mine[0] if mine else fn()
+
+    def mean(self, value: float) -> float:
+        """`value` averaged over the ranks (the loss: each rank saw its own micro batches)."""
+        if not self.many:
+            return value
+        box = torch.tensor([value], dtype=torch.float64)
+        self.comm.all_reduce_(box, op="sum")
+        return float(box[0]) / self.world_size
+
+    def any_stop(self, requested: object) -> bool:
+        """Whether a signal asked any rank to stop (`requested`: this rank's signal or
+        None). Called by every rank before each optimizer step."""
+        if not self.many:
+            return requested is not None
+        flag = torch.tensor([0.0 if requested is None else 1.0])
+        self.comm.all_reduce_(flag, op="max")
+        return bool(flag[0] > 0)
+
+    # -- output ----------------------------------------------------------------------------
+
+    def configure_logging(self) -> None:
+        """Ranks other than 0 log warnings and errors only, each line prefixed with the rank."""
+        if not self.many:
+            return
+        root = logging.getLogger()
+        for handler in root.handlers:
+            handler.setFormatter(
+                logging.Formatter(f"rank {self.rank}: %(levelname)s %(name)s: %(message)s")
+            )
+        if not self.is_main:
+            root.setLevel(max(root.level, logging.WARNING))
+
+    def say(self, message: str, *, err: bool = False) -> None:
+        """A line for the user: from rank 0 only (errors from any rank, with its number)."""
+        if err:
+            prefix = f"infinity: rank {self.rank}: " if self.many else "infinity: "
+            print(prefix + message, file=sys.stderr, flush=True)
+        elif self.is_main:
+            print(message, flush=True)
+
+    # -- failures --------------------------------------------------------------------------
+
+    def failed(self, exc: Exception) -> int:
+        """This rank of a multi-rank run failed with `exc`: write its report for rank 0,
+        say it (with the rank), return the exit code. A bug keeps its traceback."""
+        self.report(exc)
+        if not isinstance(exc, USER_ERRORS):
+            raise exc
+        if self.is_main and isinstance(exc, CommError):  # the cause is another rank's
+            exc = CommError(f"the run stopped: {self.explain(self.comm.timeout_s)}")
+        self.say(f"error: {exc}", err=True)
+        return 1
+
+    def start(self) -> None:
+        """Remove this rank's report of an earlier run; learn the other ranks' processes."""
+        (self.save_dir / ERROR_FILE.format(rank=self.rank)).unlink(missing_ok=True)
+        if self.many:
+            me = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+            self._peers = self.comm.all_gather_object(me)
+
+    def report(self, exc: BaseException) -> Path | None:
+        """Write this rank's failure to SAVE_DIR/rank-N.error (best effort: a failed disk
+        may be the cause)."""
+        if not self.many:
+            return None
+        path = self.save_dir / ERROR_FILE.format(rank=self.rank)
+        text = f"{type(exc).__name__}: {exc}\n\n" + "".join(traceback.format_exception(exc))
+        try:
+            path.write_text(text)
+        except OSError:
+            return None
+        return path
+
+    def explain(self, timeout_s: float | None) -> str:
+        """Rank 0, after a collective failed: which other rank failed, and why."""
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while True:
+            gone = [p for p in self._peers if p["rank"] != self.rank and not self._alive(p)]
+            reports = self._reports()  # after `gone`: a report is written before its exit
+            if reports or gone or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        if reports:
+            rank = min(reports)
+            where = self.save_dir / ERROR_FILE.format(rank=rank)
+            return f"rank {rank} failed: {reports[rank]} (details in {where})"
+        if gone:
+            p = gone[0]
+            return (
+                f"rank {p['rank']} (pid {p['pid']}) ended without an error report: it was killed "
+                "(by a signal, or the out-of-memory killer: see dmesg) or crashed; torchrun's "
+                "summary gives its exit code"
+            )
+        limit = f"{timeout_s:g} s" if timeout_s else "the collective timeout"
+        return (
+            f"a collective did not complete within {limit}: another rank is stuck or much "
+            "slower (its disk?); see the other ranks' output, and raise --comm-timeout if "
+            "they only needed longer"
+        )
+
+    def _reports(self) -> dict[int, str]:
+        out = {}
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            path = self.save_dir / ERROR_FILE.format(rank=rank)
+            try:
+                if path.stat().st_mtime < self.started - 1:
+                    continue  # an earlier run's
+                out[rank] = path.read_text().split("\n", 1)[0]
+            except OSError:
+                continue
+        return out
+
+    def _alive(self, peer: dict) -> bool:
+        if peer["host"] != socket.gethostname():
+            return True  # cannot tell from here
+        try:
+            os.kill(peer["pid"], 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+__all__ = ["ERROR_FILE", "FollowedRankZero", "Ranks", "join"]

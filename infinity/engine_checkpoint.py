@@ -1,0 +1,207 @@
+"""The engine's checkpoints: what `Engine.save_checkpoint` writes and `load_checkpoint` reads.
+
+Owns which tensors and JSON state make up an engine checkpoint and how they map to the
+engine's records under any world size: every rank writes its unpadded span of each weight and
+optimizer field (`param/<name>`, `optim/<name>.<field>`; [Note: spans] in
+`infinity.checkpoint.spans`) into its own shard, all ranks at once; loading reads each rank's
+new span from whichever saved ranks hold it, so a run saved on W ranks resumes on any number.
+With one rank the files are exactly those of a single-process engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from infinity import checkpoint
+from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base
+from infinity.checkpoint.collective import save_on_all_ranks
+from infinity.checkpoint.spans import SpanReader, rank_span, shard_numel
+
+if TYPE_CHECKING:
+    from infinity.zero import OffloadParam
+
+Engine = Any  # infinity.engine.Engine, which imports this module
+
+logger = logging.getLogger(__name__)
+
+# Keys of a checkpoint's JSON state that the engine owns; the rest is the client's.
+ENGINE_STATE_KEYS = ("engine", "optimizer", "lr_schedule", "loss_scaler", BASE_MODEL_KEY)
+
+PARAM = checkpoint.layout.PARAM_PREFIX
+OPTIM = "optim/"
+
+
+@dataclass(frozen=True, slots=True)
+class _OneRank:
+    """The rank information of an engine built without a communicator."""
+
+    rank: int = 0
+    world_size: int = 1
+
+
+def comm_of(engine: Engine) -> Any:
+    """The engine's communicator (rank and world size), one rank when it has none."""
+    return getattr(engine, "comm", None) or _OneRank()
+
+
+def _full_numel(rec: OffloadParam) -> int:
+    return math.prod(rec.shape)
+
+
+def _span(rec: OffloadParam, comm: Any) -> tuple[int, int]:
+    return rank_span(_full_numel(rec), comm.world_size, comm.rank)
+
+
+def _weights(rec: OffloadParam, comm: Any):
+    """A thunk for a parameter's saved weights, read from its home when the writer reaches
+    it (one parameter in memory at a time): in its shape with one rank (as ever), else this
+    rank's unpadded span of the padded shard its home holds."""
+    if comm.world_size == 1:
+        return lambda: rec.home.read().view(rec.shape)
+    lo, hi = _span(rec, comm)
+    return lambda: rec.home.read()[: hi - lo]
+
+
+def _cut(thunk, numel: int):
+    return lambda: thunk()[:numel]
+
+
+def save(
+    engine: Engine,
+    save_dir: str | os.PathLike,
+    tag: str,
+    *,
+    client_state: dict | None,
+    include_frozen: bool,
+) -> str:
+    """See `Engine.save_checkpoint`. Every rank calls it; each writes its own shard."""
+    clash = sorted(set(client_state or {}) & set(ENGINE_STATE_KEYS))
+    if clash:
+        raise ValueError(
+            f"save_checkpoint: client_state keys {clash} are the engine's own; rename them"
+        )
+    comm = comm_of(engine)
+    frozen = [r for r in engine.records if not r.trainable]
+    saved = engine.records if include_frozen else [r for r in engine.records if r.trainable]
+    by_name = {r.name: r for r in engine.records}
+
+    def tensors():
+        for rec in saved:
+            yield f"{PARAM}{rec.name}", _weights(rec, comm)
+        for name, thunk in engine.optimizer.state_tensors():
+            if comm.world_size > 1:  # the slot is the padded shard: its span is saved
+                lo, hi = _span(by_name[name.rsplit(".", 1)[0]], comm)
+                thunk = _cut(thunk, hi - lo)
+            yield f"{OPTIM}{name}", thunk
+
+    state = {
+        "engine": {
+            "micro_steps": engine.micro_steps,
+            "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps,
+            "grad_norm": engine._grad_norm,
+        },
+        "optimizer": engine.optimizer.state_dict(),
+        "lr_schedule": engine.lr_schedule.state_dict(),
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        **(client_state or {}),
+    }
+    if comm.world_size > 1:  # the files hold flat spans: the shapes, for joining them
+        state["engine"]["shapes"] = {r.name: list(r.shape) for r in saved}
+    if frozen and not include_frozen:
+        state[BASE_MODEL_KEY] = engine._base()
+    save_on_all_ranks(
+        save_dir, tensors(), comm=comm, step=engine.global_steps, state=state, tag=tag
+    )
+    logger.info("saved checkpoint %s/%s", save_dir, tag)
+    return tag
+
+
+def load(engine: Engine, save_dir: str | os.PathLike, tag: str | None) -> tuple[str, dict]:
+    """See `Engine.load_checkpoint`. Every rank calls it and reads its own spans."""
+    comm = comm_of(engine)
+    ckpt = checkpoint.load_checkpoint(save_dir, tag, verify=False)
+    # A rank reads from the saved shards its spans overlap: its own under the same world size.
+    ckpt.verify([comm.rank] if ckpt.world_size == comm.world_size else None)
+    names = set(ckpt.tensor_names())
+    with_frozen = BASE_MODEL_KEY not in ckpt.state
+    if not with_frozen:
+        check_base(ckpt.state[BASE_MODEL_KEY], engine._base(), str(ckpt.path))
+    needed = [r for r in engine.records if r.trainable or with_frozen]
+    missing = [PARAM + r.name for r in needed if PARAM + r.name not in names]
+    if missing:
+        raise ValueError(
+            f"checkpoint {ckpt.path} has no weights for {missing[:5]} "
+            f"({len(missing)} missing): it was saved from a different model"
+        )
+    by_name = {r.name: r for r in engine.records}
+    engine.optimizer.load_state_dict(
+        _resharded(ckpt.state["optimizer"], by_name, ckpt.world_size, comm.world_size)
+    )
+    with ckpt.span_reader() as spans:
+        engine.optimizer.load_state_tensors(
+            lambda name: _read_own(spans, OPTIM + name, by_name[name.rsplit(".", 1)[0]], comm)
+        )
+        if with_frozen:
+            for rec in engine.records:
+                if not rec.trainable:
+                    rec.home.write(_read_own(spans, PARAM + rec.name, rec, comm))
+    for rec in engine.records:
+        if rec.trainable or with_frozen:
+            engine.coordinator.refresh(rec)
+    engine.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
+    engine.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
+    counters = ckpt.state["engine"]
+    engine.micro_steps = int(counters["micro_steps"])
+    engine.global_steps = int(counters["global_steps"])
+    engine.skipped_steps = int(counters["skipped_steps"])
+    engine._grad_norm = counters["grad_norm"]
+    _restore_rng(ckpt, comm)
+    logger.info("loaded checkpoint %s", ckpt.path)
+    client_state = {k: v for k, v in ckpt.state.items() if k not in ENGINE_STATE_KEYS}
+    return str(ckpt.path), client_state
+
+
+def _read_own(spans: SpanReader, key: str, rec: OffloadParam, comm: Any) -> torch.Tensor:
+    """This rank's padded shard of saved tensor `key` (the whole tensor with one rank)."""
+    lo, hi = _span(rec, comm)
+    n = _full_numel(rec)
+    return spans.read(key, n, lo, hi, pad_to=shard_numel(n, comm.world_size))
+
+
+def _resharded(state: dict, by_name: dict, saved_world: int, world: int) -> dict:
+    """The optimizer's JSON state with its slot sizes as this world size has them: a slot
+    holds a padded shard, whose size depends on the world size. A slot whose saved size is not
+    its parameter's shard under `saved_world` is left as saved (the optimizer then names it)."""
+    if saved_world == world or not isinstance(state, dict) or "slots" not in state:
+        return state
+    slots = []
+    for entry in state["slots"]:
+        name, numel = entry
+        rec = by_name.get(name)
+        if rec is not None and numel == shard_numel(_full_numel(rec), saved_world):
+            numel = shard_numel(_full_numel(rec), world)
+        slots.append([name, numel])
+    return {**state, "slots": slots}
+
+
+def _restore_rng(ckpt: checkpoint.Checkpoint, comm: Any) -> None:
+    """Each rank continues its own random streams; a rank the saved run did not have (more
+    ranks now) starts from rank 0's."""
+    rank = comm.rank if comm.rank < ckpt.world_size else 0
+    if ckpt.world_size != comm.world_size and comm.rank == 0:
+        logger.warning(
+            "checkpoint %s was saved by %d rank(s) and is loaded by %d: the weights and "
+            "optimizer state are exact; the random streams (dropout) of ranks the saved run "
+            "did not have start from rank 0's",
+            ckpt.path, ckpt.world_size, comm.world_size,
+        )  # fmt: skip
+    rng = ckpt.rng_state(rank)
+    if rng:
+        checkpoint.restore_rng_state(rng)
