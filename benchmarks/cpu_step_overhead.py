@@ -3,15 +3,18 @@
 CPU-Adam (`infinity.optim.CPUAdam`).
 
 Peers in one process on the same batches, interleaved round by round (the order rotates each
-round so neither always runs after the other): plain PyTorch + CPUAdam (the claim's peer),
-plain PyTorch + `AdamW(foreach=True)` (for reference), and the engine. Each step is timed
+round so none always runs after another): plain PyTorch + CPUAdam (the claim's peer), the
+engine as configured by default ("default": parameters above 100k elements are gathered
+again at every forward and backward) and with the model kept gathered ("kept": a
+persistence threshold above the largest parameter, which the 1e9 live budget holds), and
+optionally plain PyTorch + `AdamW(foreach=True)`. Each step is timed
 whole and by phase (forward, backward, optimizer step; the engine's own breakdown through
 `wall_clock_breakdown`), so the JSON says where the extra time goes; `--profile N` adds the
 engine's hottest Python functions over N more steps (cProfile). The live budget is the
 config's (`--budget`, default DeepSpeed's 1e9 elements: the whole model fits).
 
     PYTHONPATH=$PWD flock /work/bench.lock python benchmarks/cpu_step_overhead.py \\
-        --rounds 15 --profile 3 --json benchmarks/results/cpu_step_overhead_2026-11-23.json
+        --rounds 12 --profile 2 --json benchmarks/results/cpu_step_overhead_2026-11-23.json
 """
 
 from __future__ import annotations
@@ -55,19 +58,24 @@ def gpt2(args) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(cfg)
 
 
-def engine_config(args) -> dict:
+def engine_config(args, persistence: int | None = None) -> dict:
+    """The engine's config; `persistence` sets stage3_param_persistence_threshold (None:
+    the default, 100k elements)."""
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "cpu"},
+        "stage3_max_live_parameters": args.budget,
+    }
+    if persistence is not None:
+        zero["stage3_param_persistence_threshold"] = persistence
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "wall_clock_breakdown": True,
         "steps_per_print": 10**9,
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu"},
-            "offload_optimizer": {"device": "cpu"},
-            "stage3_max_live_parameters": args.budget,
-        },
+        "zero_optimization": zero,
     }
 
 
@@ -156,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--budget", type=int, default=10**9,
                         help="stage3_max_live_parameters (elements)")  # fmt: skip
-    parser.add_argument("--no-foreach-peer", action="store_true",
-                        help="leave out the AdamW(foreach=True) reference peer")  # fmt: skip
+    parser.add_argument("--foreach-peer", action="store_true",
+                        help="add plain PyTorch + AdamW(foreach=True) for reference")  # fmt: skip
+    parser.add_argument("--engines", default="default,kept",
+                        help="engine variants: 'default' (persistence threshold 100k, as "
+                             "before) and 'kept' (threshold above the largest parameter: the "
+                             "model stays gathered when it fits the budget)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0,
                         help="profile the engine over this many more steps")  # fmt: skip
     parser.add_argument("--json", default="cpu_step_overhead.json", help="output file")
@@ -170,20 +182,33 @@ def main(argv: list[str] | None = None) -> int:
     plain = copy.deepcopy(model)
     opt = CPUAdam(plain.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
     peers["torch_cpu_adam"] = Plain(plain, opt)
-    if not args.no_foreach_peer:
+    if args.foreach_peer:
         ref = copy.deepcopy(model)
         adamw = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
         peers["torch_adamw_foreach"] = Plain(ref, adamw)
-    engine = infinity.initialize(model, engine_config(args))
-    peers["infinity"] = Engine(engine)
+    largest = max(p.numel() for p in model.parameters())
+    variants = {"default": None, "kept": largest + 1}
+    configs = {}
+    for name in args.engines.split(","):
+        if name not in variants:
+            parser.error(f"--engines: unknown variant {name!r}; use default and/or kept")
+        configs[f"infinity_{name}"] = engine_config(args, variants[name])
+        peers[f"infinity_{name}"] = Engine(
+            infinity.initialize(copy.deepcopy(model), configs[f"infinity_{name}"])
+        )
+    del model
     g = torch.Generator().manual_seed(1)
     total = args.warmup + args.rounds + args.profile
     data = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(total)]
     runs = _run(peers, data[: args.warmup + args.rounds], args.warmup)
     med = {name: _medians(run) for name, run in runs.items()}
     base = med["torch_cpu_adam"]
-    ratio = med["infinity"]["total"] / base["total"]
-    extra = {p: med["infinity"][p] - base[p] for p in ("total", *PHASES)}
+    engines = [n for n in peers if n.startswith("infinity_")]
+    ratios = {n: med[n]["total"] / base["total"] for n in engines}
+    extra = {n: {p: med[n][p] - base[p] for p in ("total", *PHASES)} for n in engines}
+    if "torch_adamw_foreach" in med:
+        foreach = med["torch_adamw_foreach"]["total"]
+        ratios |= {f"{n}_vs_adamw_foreach": med[n]["total"] / foreach for n in engines}
     record = {
         "claim": "infinity step <= 1.05x plain torch + the same CPUAdam, fp32, cpu device",
         "model": {
@@ -193,27 +218,28 @@ def main(argv: list[str] | None = None) -> int:
             "hidden": args.hidden,
             "layers": args.layers,
             "heads": args.heads,
-        },  # fmt: skip
+        },
         "batch": args.batch,
         "seq": args.seq,
         "warmup": args.warmup,
         "rounds": args.rounds,
-        "config": engine_config(args),
+        "configs": configs,
         "median_s": med,
-        "ratio": ratio,
-        "ratio_vs_adamw_foreach": (
-            med["infinity"]["total"] / med["torch_adamw_foreach"]["total"]
-            if "torch_adamw_foreach" in med
-            else None
-        ),
+        "ratio": ratios,
         "extra_s": extra,
         "engine_breakdown_median_s": {
-            key: statistics.median(ph.get(key, 0.0) for ph in runs["infinity"]["phases_s"])
-            for key in sorted({k for ph in runs["infinity"]["phases_s"] for k in ph})
+            n: {
+                key: statistics.median(ph.get(key, 0.0) for ph in runs[n]["phases_s"])
+                for key in sorted({k for ph in runs[n]["phases_s"] for k in ph})
+            }
+            for n in engines
         },
         "runs": runs,
-        "memory_stats": engine.memory_stats(),
-        "profile": _profile(peers["infinity"], data[-args.profile :], 25) if args.profile else [],
+        "memory_stats": {n: peers[n].engine.memory_stats() for n in engines},
+        "profile": {
+            n: _profile(peers[n], data[-args.profile :], 25) if args.profile else []
+            for n in engines
+        },
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -225,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, m in med.items():
         parts = ", ".join(f"{p} {m[p]:.3f}" for p in PHASES)
         print(f"{name}: median step {m['total']:.3f} s ({parts})")
-    print(f"ratio infinity / torch+CPUAdam: {ratio:.3f}; extra per phase (s): "
-          + ", ".join(f"{p} {v:+.3f}" for p, v in extra.items()))  # fmt: skip
+    for n in engines:
+        print(f"ratio {n} / torch+CPUAdam: {ratios[n]:.3f}; extra per phase (s): "
+              + ", ".join(f"{p} {v:+.3f}" for p, v in extra[n].items()))  # fmt: skip
     with open(args.json, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {args.json}")
