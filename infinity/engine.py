@@ -3,7 +3,8 @@
 `initialize(model, config)` partitions the model (`infinity.zero`), builds the partitioned
 CPU-Adam optimizer, the loss scaler and the learning-rate schedule, and returns an `Engine`.
 The engine owns the loop's bookkeeping (micro steps, accumulation boundaries, skipped steps,
-the last gradient norm) and checkpoints; gathering and releasing belong to the coordinator.
+the last gradient norm) and checkpoints; gathering, releasing and the iteration's lifecycle
+belong to the coordinator (the engine calls its verbs around forward and backward).
 
 [Note: gathered weights after a step] Trainable parameters that stay gathered between
 iterations (persistent ones) must see each step's new weights. On both tiers they take them
@@ -22,8 +23,8 @@ optimizer divides it out inside its step (after the overflow check and global-no
 gradient of `loss` as it is (a loop that accumulates divides its loss itself, as the HF
 Trainer and Lightning do). The engine cannot see that loss, so it acts where the gradient
 enters the model: `forward` marks every output that requires grad (`BackwardEntry`); the
-first gradient to reach one (1) starts the engine's backward phase and queues the end of the
-iteration for when autograd finishes (the way FSDP ends its backward), and (2) with fp16 is
+first gradient to reach one (1) begins the coordinator's backward and queues its end for
+when autograd finishes (the way FSDP ends its backward), and (2) with fp16 is
 multiplied by the loss scale, inside an identity function the output passes through. Outputs
 the model computes from one another (loss from logits) are wrapped after the fact, so each
 gradient is scaled exactly once. What fp16 cannot do this way: a loss computed outside the
@@ -287,24 +288,26 @@ class Engine:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
         start = self._timer.start()
-        if coord.phase is not Phase.IDLE:  # a forward whose backward never came (or failed)
+        if coord.phase is Phase.BACKWARD_PENDING:  # a forward whose backward never came
+            self.hooks.reset()  # (begin_forward closes its iteration)
+        elif coord.phase is Phase.BACKWARD:  # a plain backward that raised out of autograd
             self.hooks.reset()
+            coord.abort()
         self.entry.new_iteration()
-        coord.begin_iteration(self._iteration_key())
+        coord.begin_forward(self._iteration_key())
+        grad = torch.is_grad_enabled()
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
                 out = self.module(*args, **kwargs)
         except BaseException:
             self.hooks.reset()
-            coord.abort_iteration()
+            coord.abort()
             raise
-        if not torch.is_grad_enabled():
+        if not grad:
             self.hooks.reset()
-            coord.end_iteration()
-            self._timer.stop("forward", start)
-            return out
+        coord.end_forward(backward=grad)
         self._timer.stop("forward", start)
-        return self.entry.wrap(out)
+        return self.entry.wrap(out) if grad else out
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backpropagate loss * loss_scale / gradient_accumulation_steps (DeepSpeed's meaning;
@@ -321,19 +324,20 @@ class Engine:
             factor /= self.gradient_accumulation_steps
         coord = self.coordinator
         start = self._timer.start()
-        coord.phase = Phase.BACKWARD
+        coord.begin_backward()
         self.entry.caller_scaled = True
         try:
             with self.hooks.mode, self.hooks.saved_tensors():
                 (loss.float() * factor).backward()
         except BaseException:
             self.hooks.reset()
-            coord.abort_iteration()
+            coord.abort()
             raise
         finally:
             self.entry.caller_scaled = False
-        self.hooks.reset()  # already done by the entry, unless the loss bypassed the outputs
-        coord.end_iteration()
+        if coord.phase is Phase.BACKWARD:  # the loss bypassed the outputs: no entry ended it
+            self.hooks.reset()
+            coord.end_backward()
         self._backwards += 1
         self._timer.stop("backward", start)
 
@@ -635,7 +639,7 @@ class Engine:
         for handle in self._grad_handles:
             handle.remove()
         self._grad_handles = []
-        self.coordinator.abort_iteration()
+        self.coordinator.abort()
         self._close_stores(self.optimizer)
 
     def _check_open(self, what: str) -> None:
@@ -646,9 +650,11 @@ class Engine:
             )
 
     def _check_idle(self, what: str) -> None:
-        if self.coordinator.phase is not Phase.IDLE and torch.is_grad_enabled():
+        phase = self.coordinator.phase
+        if phase is not Phase.IDLE and torch.is_grad_enabled():
             raise RuntimeError(
-                f"{what}: a forward is waiting for its backward; call it between steps"
+                f"{what}: a forward is waiting for its backward (phase {phase.name}); call it "
+                "between steps"
             )
 
     def named_parameters_host(self):

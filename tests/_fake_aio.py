@@ -1,10 +1,13 @@
-"""An I/O handle with the AioHandle API for tests: records every request, can run each one
-when it is issued or only when it is waited for, and can fail a chosen write or read."""
+"""I/O handles with the AioHandle API for tests: `FakeAio` records every request, can run
+each one when it is issued or only when it is waited for, and can fail a chosen write or
+read; `DelayedAio` makes another handle's reads finish after random delays."""
 
 from __future__ import annotations
 
 import errno
 import os
+import random
+import time
 
 import torch
 
@@ -95,3 +98,38 @@ class FakeAio:
                 os.close(fd)
 
         return self._submit(run)
+
+
+class DelayedFuture:
+    """A read that reports done only after a random delay (in wall-clock time)."""
+
+    def __init__(self, inner, delay_s: float):
+        self._inner = inner
+        self._ready = time.monotonic() + delay_s
+
+    def done(self) -> bool:
+        return time.monotonic() >= self._ready and self._inner.done()
+
+    def wait(self):
+        left = self._ready - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        return self._inner.wait()
+
+
+class DelayedAio:
+    """Wraps an I/O handle (a FakeAio or a real AioHandle) so that each read finishes after
+    a random delay of up to `max_delay_s` (seeded): a slow, jittery disk. Writes and
+    everything else pass through."""
+
+    def __init__(self, inner, *, seed: int, max_delay_s: float = 0.003):
+        self._inner = inner
+        self._rng = random.Random(seed)
+        self.max_delay_s = max_delay_s
+
+    def pread(self, buf, path, offset=0):
+        delay = self._rng.uniform(0.0, self.max_delay_s)
+        return DelayedFuture(self._inner.pread(buf, path, offset), delay)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)

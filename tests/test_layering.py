@@ -1,4 +1,5 @@
-"""The architecture as a test: torch.cuda stays in the accelerator, imports point down."""
+"""The architecture as a test: torch.cuda stays in the accelerator, torch.distributed in
+comm, imports point down."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "infinity"
 # A module may import only from packages of a lower rank, or from its own package.
 RANKS = {
     "accelerator": 0,
+    "comm": 0,
     "config": 0,
     "_aio": 0,
     "_cpu_adam": 0,
@@ -47,6 +49,48 @@ def test_torch_cuda_only_in_accelerator():
             if "torch.cuda" in line and not line.lstrip().startswith("#"):
                 offenders.append(f"{path.relative_to(PKG.parent)}:{lineno}: {line.strip()}")
     assert not offenders, "torch.cuda outside infinity/accelerator:\n" + "\n".join(offenders)
+
+
+def _imports_torch_distributed(path: pathlib.Path) -> list[int]:
+    """Lines that import torch.distributed (or a submodule, or `distributed` from torch)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            module = node.module or ""
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
+        else:
+            continue
+        if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_torch_distributed_only_in_comm():
+    offenders = []
+    for path, parts in _modules():
+        if parts[0] == "comm":
+            continue
+        for lineno in _imports_torch_distributed(path):
+            offenders.append(f"{path.relative_to(PKG.parent)}:{lineno}")
+    assert not offenders, (
+        "torch.distributed imported outside infinity/comm (go through infinity.comm.Comm):\n"
+        + "\n".join(offenders)
+    )
+
+
+def test_torch_distributed_check_sees_every_spelling(tmp_path):
+    for src in (
+        "import torch.distributed as dist",
+        "from torch import distributed",
+        "from torch.distributed import all_reduce",
+        "import torch.distributed.elastic",
+    ):
+        (tmp_path / "m.py").write_text(src + "\n")
+        assert _imports_torch_distributed(tmp_path / "m.py") == [1], src
+    (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\n")
+    assert _imports_torch_distributed(tmp_path / "m.py") == []
 
 
 def _imported_tops(path: pathlib.Path, parts) -> set[str]:

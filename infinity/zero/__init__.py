@@ -10,9 +10,9 @@ partitions (`PartitionedOptimizer`).
 
 from infinity.zero.backward_entry import BackwardEntry
 from infinity.zero.build import HomePlan, init, model_dtype, partition_model
-from infinity.zero.coordinator import Coordinator, Phase
+from infinity.zero.coordinator import Coordinator, LiveEvent, Phase
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
-from infinity.zero.hooks import GatherOnUse, ModelHooks, install_grad_hooks
+from infinity.zero.hooks import CallState, GatherOnUse, ModelHooks, install_grad_hooks
 from infinity.zero.optimizer import (
     PartitionedOptimizer,
     StepResult,
@@ -27,11 +27,13 @@ from infinity.zero.weights import make_weights
 
 __all__ = [
     "BackwardEntry",
+    "CallState",
     "Coordinator",
     "GatherOnUse",
     "HomePlan",
     "HomeTier",
     "HostHome",
+    "LiveEvent",
     "ModelHooks",
     "ModuleUnit",
     "NvmeHome",

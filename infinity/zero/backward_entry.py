@@ -1,12 +1,12 @@
 """Where gradients enter a partitioned model: the start and the end of a plain backward.
 
 `BackwardEntry.wrap` marks a forward's outputs so that the first gradient reaching one
-starts the engine's backward phase and queues the end of the iteration for when autograd
-finishes. Without loss scaling a tensor hook on each output does it and the outputs are
-returned untouched. With fp16 the gradient must also be multiplied by the loss scale
-exactly once, so each output is passed through an identity function whose backward scales:
-scalars (the loss) come back as copies, larger outputs as aliases, which cannot be modified
-in place (clone them first). See [Note: plain backward] in infinity/engine.py.
+begins the coordinator's backward and queues its end for when autograd finishes. Without
+loss scaling a tensor hook on each output does it and the outputs are returned untouched.
+With fp16 the gradient must also be multiplied by the loss scale exactly once, so each
+output is passed through an identity function whose backward scales: scalars (the loss)
+come back as copies, larger outputs as aliases, which cannot be modified in place (clone
+them first). See [Note: plain backward] in infinity/engine.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.zero.coordinator import Coordinator, Phase
+from infinity.zero.coordinator import Coordinator
 from infinity.zero.hooks import ModelHooks
 
 
@@ -88,7 +88,7 @@ class BackwardEntry:
         factor for the gradient (the loss scale, or 1 when the caller already scaled)."""
         if not self._started:
             self._started = True
-            self.coord.phase = Phase.BACKWARD
+            self.coord.begin_backward()  # unless a module's output hook or the engine began it
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if self.caller_scaled or self.loss_scale is None:
             return 1.0
@@ -102,4 +102,4 @@ class BackwardEntry:
         self._started = False
         self.finished += 1
         self.hooks.reset()
-        self.coord.end_iteration()
+        self.coord.end_backward()

@@ -1,8 +1,10 @@
-"""The coordinator: which parameters are gathered on the device, and when.
+"""The coordinator: the iteration's lifecycle, and which parameters are gathered when.
 
-It owns the live set and its budget, the traces and the prefetch cursor, and the counters
-behind `memory_stats()`. Hooks (`infinity.zero.hooks`) tell it when a unit starts (`gather`)
-and ends (`done`); it never touches modules.
+It owns the phase of the iteration (only its verbs `begin_forward`, `end_forward`,
+`begin_backward`, `end_backward` and `abort` change it), the live set and its budget, the
+traces and the prefetch cursor, and the counters behind `memory_stats()`. Hooks
+(`infinity.zero.hooks`) tell it when a unit starts (`gather`) and ends (`done`); it never
+touches modules.
 
 [Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked at
 every fetch. A gather that does not fit first evicts resident parameters that no running
@@ -13,13 +15,26 @@ budget + the largest unit; anything beyond that is counted in `budget_overruns`.
 pins nothing past the gather itself: a module's weights are read back through the
 saved-tensor hooks, which gather again whatever was evicted meanwhile.
 
+[Note: the same order on every rank] Across ranks a parameter becomes LIVE through a
+collective (the all-gather of its shards), so every rank must fetch, make LIVE and release
+the same parameters in the same order, or the job hangs. Every such decision is therefore a
+function of the gathers so far, the trace and the configured sizes only: prefetch fetches
+the units of the next `prefetch_bucket_size` traced elements that fit the budget, a
+parameter becomes LIVE only when a gather (or the step's quiesce) needs it, and evictions
+follow the trace. What may depend on timing is local: when an NVMe read of the rank's own
+shard is issued and when a finished one is copied to its device buffer (see [Note: the NVMe
+pool]); so a collective belongs in `OffloadParam.wait`, never in `finish_read`. Observers
+(`observers`) see each decision as a `LiveEvent`.
+
 [Note: the NVMe pool] A parameter whose home is on NVMe is read into a buffer of the param
-store's fixed pool before it is copied to the device, so fetches also need a free buffer.
-Prefetch never waits for one: it first lands reads that have finished (freeing their
-buffers) and otherwise stops, resuming at the next gather. A gather that finds the pool full
-completes the oldest NVMe read in flight (it was issued for a unit needed sooner) and retries,
-so a unit with more parameters than buffers never deadlocks; only when no read of ours holds
-a buffer does it block on the pool (which times out with the holders' names).
+store's fixed pool before it is copied to the device. A fetch decided for such a parameter
+is queued until a buffer is free; reads are issued in the order decided, and whenever the
+coordinator runs (each gather) the reads that have finished are copied to their device
+buffers, which frees their pool buffers for the next ones, without waiting for the disk.
+A gather that needs a parameter whose read is still queued first completes the oldest
+reads in flight (they were issued for units needed sooner) until a buffer is free, so a
+unit with more parameters than buffers never deadlocks; only when no read of ours holds a
+buffer does it block on the pool (which times out with the holders' names).
 
 [Note: reuse] After a unit ends, a parameter stays gathered if it is persistent (fewer
 elements than `param_persistence_threshold`), if the trace says its next use comes within
@@ -31,14 +46,14 @@ never changes between iterations, so neither the end of its unit, nor of the ite
 the optimizer step releases it; it counts against the live budget like any other and is
 evicted (furthest next use first) only when a gather needs the room. A frozen base that fits
 the budget is read from its home once, not at every micro-step; one that does not is read
-as before. `abort_iteration` (after an error, or on close) still releases everything.
+as before. `abort` (after an error, or on close) still releases everything.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -57,13 +72,48 @@ considered off track for the rest of the iteration."""
 
 
 class Phase(enum.Enum):
+    """Where the iteration stands. Only the coordinator's verbs change it."""
+
     IDLE = "idle"
+    """No iteration runs: a module called outside the engine gathers and releases its own
+    parameters, untraced."""
     FORWARD = "forward"
+    """The engine's forward runs; gathers are recorded in execution order."""
+    BACKWARD_PENDING = "backward_pending"
+    """The forward returned outputs that need gradients; their backward has not begun."""
     BACKWARD = "backward"
+    """Gradients flow through the model; gathers continue the recording."""
+
+
+class LiveEvent(enum.Enum):
+    """A decision about one parameter's device copy, as observers see it (see [Note: the
+    same order on every rank])."""
+
+    FETCH = "fetch"
+    """Its transfer to the device was decided; it counts against the budget from here."""
+    LIVE = "live"
+    """It became LIVE: `param.data` is the gathered buffer."""
+    RELEASE = "release"
+    """Its device buffer (or its decided transfer) was dropped."""
+
+
+Observer = Callable[[LiveEvent, OffloadParam], None]
+
+# What each verb expects, and what to do about it when the phase is another one.
+_HINTS = {
+    "begin_forward": "the engine's forward is not reentrant; run one forward at a time",
+    "end_forward": "end_forward closes the forward that begin_forward started",
+    "begin_backward": (
+        "a gradient reached the model with no engine forward waiting for it: compute the "
+        "loss from the outputs of engine(...) and run one backward per forward"
+    ),
+    "end_backward": "end_backward closes the backward that begin_backward started",
+}
 
 
 class Coordinator:
-    """Gathers, releases and prefetches parameters under the live budget."""
+    """Owns the iteration's lifecycle; gathers, releases and prefetches parameters under the
+    live budget."""
 
     def __init__(
         self, records: Iterable[OffloadParam], zero: ZeroConfig, *, accelerator: Accelerator
@@ -75,6 +125,8 @@ class Coordinator:
         self.prefetch_numel = int(zero.prefetch_bucket_size)
         self.reuse_distance = int(zero.max_reuse_distance)
         self.phase = Phase.IDLE
+        self.observers: list[Observer] = []
+        """Called with each `LiveEvent` (see [Note: the same order on every rank])."""
         self.live_numel = 0
         self.peak_live_numel = 0
         self.live_bytes = 0
@@ -85,8 +137,14 @@ class Coordinator:
         self.largest_unit = 0
         """Elements of the largest unit gathered so far: the allowance over the budget."""
         self.trace_updates = 0
-        self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or INFLIGHT
-        self._reading: dict[OffloadParam, None] = {}  # NVMe reads in flight, oldest first
+        self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or pending
+        # Fetched and not yet LIVE, in the order decided; the NVMe ones whose read waits for a
+        # pool buffer, those whose read holds one (oldest first), and reads that failed
+        # (raised when the parameter is needed). See [Note: the NVMe pool].
+        self._pending: dict[OffloadParam, None] = {}
+        self._queued: dict[OffloadParam, None] = {}
+        self._reading: dict[OffloadParam, None] = {}
+        self._failed: dict[OffloadParam, BaseException] = {}
         self.by_storage: dict[int, OffloadParam] = {}
         """Gathered buffers by storage address: tensors autograd saves are matched to their
         parameter through it (see [Note: saved weights] in hooks)."""
@@ -98,12 +156,15 @@ class Coordinator:
         self._prefetch_upto = 0
         self._on_track = True
 
-    # ---- iterations -------------------------------------------------------------------
+    # ---- the iteration's lifecycle ----------------------------------------------------
 
-    def begin_iteration(self, key: object) -> None:
-        """Start one forward(+backward); `key` names the kind (train / inference)."""
-        if self.phase is not Phase.IDLE:
-            self.end_iteration()
+    def begin_forward(self, key: object) -> None:
+        """The engine's forward starts an iteration of kind `key` (training / inference):
+        the one place an iteration begins. A previous forward whose backward never came is
+        closed first (its order still becomes the trace)."""
+        if self.phase is Phase.BACKWARD_PENDING:
+            self._close()
+        self._expect("begin_forward", Phase.IDLE)
         self._key = key
         self._trace = self._traces.get(key)
         self._recording = []
@@ -113,10 +174,48 @@ class Coordinator:
         self.phase = Phase.FORWARD
         self._prefetch()
 
-    def end_iteration(self) -> None:
-        """Close the iteration: keep its order as the trace, release what is not persistent."""
-        if self.phase is Phase.IDLE:
-            return
+    def end_forward(self, *, backward: bool) -> None:
+        """The forward returned. With `backward` its outputs need gradients and the
+        iteration waits for them; otherwise (no grad) the iteration ends here."""
+        self._expect("end_forward", Phase.FORWARD)
+        if backward:
+            self.phase = Phase.BACKWARD_PENDING
+        else:
+            self._close()
+
+    def begin_backward(self) -> bool:
+        """The first gradient reached the model (through an output of the engine's forward,
+        a module's outputs, or `engine.backward`). False when the backward had begun."""
+        if self.phase is Phase.BACKWARD:
+            return False
+        self._expect("begin_backward", Phase.BACKWARD_PENDING)
+        self.phase = Phase.BACKWARD
+        return True
+
+    def end_backward(self) -> None:
+        """Autograd finished the backward: the iteration ends."""
+        self._expect("end_backward", Phase.BACKWARD)
+        self._close()
+
+    def abort(self) -> None:
+        """After an exception (or on close), from any phase: drop pins and the recording,
+        release everything."""
+        for rec in self.records:
+            rec.pins = 0
+        self._recording = []
+        self._trace = None
+        self.phase = Phase.IDLE
+        self.release_all()
+
+    def _expect(self, verb: str, phase: Phase) -> None:
+        if self.phase is not phase:
+            raise RuntimeError(
+                f"{verb}: the iteration is in phase {self.phase.name}, expected "
+                f"{phase.name}; {_HINTS[verb]}"
+            )
+
+    def _close(self) -> None:
+        """End the iteration: keep its order as the trace, release what is not persistent."""
         trace = self._trace
         if trace is None or not trace.same_order(self._recording):
             if trace is not None:
@@ -130,35 +229,44 @@ class Coordinator:
             rec.pins = 0  # every running call has ended with the iteration
         self.release_all(keep_frozen=True)
 
-    def abort_iteration(self) -> None:
-        """After an exception: drop pins and the recording, release everything."""
-        for rec in self.records:
-            rec.pins = 0
-        self._recording = []
-        self._trace = None
-        self.phase = Phase.IDLE
-        self.release_all()
-
     # ---- gather / done ----------------------------------------------------------------
 
     def gather(self, unit: ModuleUnit, *, pin: bool = True) -> int | None:
         """Make every parameter of `unit` LIVE (and keep it pinned with `pin`, for a forward
         that reads `param.data` directly); returns its trace position."""
         pos = self._advance(unit)
-        self._recording.append(unit)
+        if self.phase is not Phase.IDLE:
+            self._recording.append(unit)
         if unit.numel > self.largest_unit:
             self.largest_unit = unit.numel
         need = 0
         for rec in unit.records:
             rec.pins += 1
-            if rec.state is ParamState.RELEASED:
+            if self._unfetched(rec):
                 need += rec.numel
-        missed: set[OffloadParam] = set()
         if need:
             self._make_room(need, unit)
-            missed = self._read_misses(unit)
+        # A miss is a parameter whose transfer had not started: fetched only now, or an NVMe
+        # read still queued. The unit's own reads are issued together, ahead of prefetch's,
+        # so that a miss waits for the disk once rather than once per parameter.
+        missed = []
         for rec in unit.records:
-            self._ensure_live(rec, count=not rec.persistent, missed=rec in missed)
+            if self._unfetched(rec):
+                self._fetch(rec)
+                missed.append(rec)
+            elif rec in self._queued:
+                missed.append(rec)
+        self._pump(first=missed)
+        for rec in unit.records:
+            count = not rec.persistent
+            if rec in missed:
+                self.misses += count
+                if count and logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("gather miss: %s (phase %s)", rec.name, self.phase.value)
+            else:
+                self.hits += count
+            if rec.state is not ParamState.LIVE:
+                self._land(rec)
             if not pin:
                 rec.pins -= 1
         if pos is not None:
@@ -167,9 +275,16 @@ class Coordinator:
 
     def gather_one(self, rec: OffloadParam) -> None:
         """Gather a parameter used outside the unit that owns it (counted as a miss)."""
-        if rec.state is ParamState.RELEASED:
+        if rec.state is ParamState.LIVE:
+            self.hits += not rec.persistent
+            return
+        if self._unfetched(rec):
             self._make_room(rec.numel, None)
-        self._ensure_live(rec, count=not rec.persistent)
+            self._fetch(rec)
+            self.misses += not rec.persistent
+        else:
+            self.hits += not rec.persistent
+        self._land(rec)
 
     def done(
         self, unit: ModuleUnit, pos: int | None, *, release: bool = True, unpin: bool = True
@@ -202,9 +317,9 @@ class Coordinator:
         without them the whole home is copied again. A released parameter needs nothing
         (its next fetch reads the new home); one in flight lands first (its copy may predate
         the change)."""
-        if rec.state is ParamState.RELEASED:
+        if self._unfetched(rec):
             return
-        if rec.state is ParamState.INFLIGHT:
+        if rec.state is not ParamState.LIVE:  # queued or in flight: the same on every rank
             self._land(rec)
         rec.refresh(self.accel, values, start)
 
@@ -214,7 +329,7 @@ class Coordinator:
         change). Frozen parameters never change here: they stay gathered."""
         self.release_all(keep_frozen=True)
         for rec in self.records:
-            if rec.state is ParamState.INFLIGHT:
+            if rec in self._pending:
                 self._land(rec)
 
     # ---- internals --------------------------------------------------------------------
@@ -241,57 +356,22 @@ class Coordinator:
             return False
         return nxt < self._prefetch_upto or trace.distance(pos + 1, nxt) <= self.reuse_distance
 
-    def _read_misses(self, unit: ModuleUnit) -> set[OffloadParam]:
-        """Start the NVMe reads of the unit's released parameters together (as many as the
-        pool takes), so that a miss waits for the disk once rather than once per parameter."""
-        issued = set()
-        for rec in unit.records:
-            if rec.state is ParamState.RELEASED and rec.home.tier is HomeTier.NVME:
-                if not self._fetch(rec, block=False):
-                    break
-                issued.add(rec)
-        return issued
+    def _unfetched(self, rec: OffloadParam) -> bool:
+        """No transfer of `rec` is decided (RELEASED, and not queued for a pool buffer)."""
+        return rec.state is ParamState.RELEASED and rec not in self._pending
 
-    def _ensure_live(self, rec: OffloadParam, *, count: bool, missed: bool = False) -> None:
-        state = rec.state
-        if state is ParamState.LIVE:
-            self.hits += count
-            return
-        if state is ParamState.INFLIGHT:
-            if missed:
-                self.misses += count
-            else:
-                self.hits += count
+    def _emit(self, event: LiveEvent, rec: OffloadParam) -> None:
+        for observer in self.observers:
+            observer(event, rec)
+
+    def _fetch(self, rec: OffloadParam) -> None:
+        """Decide `rec`'s transfer (RELEASED -> pending): a host copy starts now, an NVMe
+        read is queued for a pool buffer (see [Note: the NVMe pool])."""
+        if rec.home.tier is HomeTier.NVME:
+            self._queued[rec] = None
         else:
-            self.misses += count
-            if count and logger.isEnabledFor(logging.DEBUG):
-                logger.debug("gather miss: %s (phase %s)", rec.name, self.phase.value)
-            self._fetch_now(rec)
-        self._land(rec)
-
-    def _fetch_now(self, rec: OffloadParam) -> None:
-        """Fetch for a gather: with the NVMe pool full, complete the oldest read in flight
-        and retry (see [Note: the NVMe pool])."""
-        while not self._fetch(rec, block=False):
-            if not self._reading:
-                self._fetch(rec)  # the pool is held elsewhere: wait for it
-                return
-            self._land(next(iter(self._reading)))
-
-    def _fetch_ahead(self, rec: OffloadParam) -> bool:
-        """Fetch for prefetch without waiting: False when the NVMe pool stays full."""
-        if self._fetch(rec, block=False):
-            return True
-        landed = [r for r in self._reading if r.read_done()]
-        for r in landed:
-            self._land(r)
-        return bool(landed) and self._fetch(rec, block=False)
-
-    def _fetch(self, rec: OffloadParam, *, block: bool = True) -> bool:
-        if not rec.fetch(self.accel, self.copy_stream, block=block):
-            return False
-        if rec.reading:
-            self._reading[rec] = None
+            rec.fetch(self.accel, self.copy_stream)
+        self._pending[rec] = None
         if not rec.persistent:
             self._resident[rec] = None
         self.live_numel += rec.numel
@@ -300,12 +380,63 @@ class Coordinator:
             self.peak_live_numel = self.live_numel
         if self.live_bytes > self.peak_live_bytes:
             self.peak_live_bytes = self.live_bytes
+        self._emit(LiveEvent.FETCH, rec)
+
+    def _pump(self, first: Iterable[OffloadParam] = ()) -> None:
+        """Local I/O only, never waiting: copy finished NVMe reads to their device buffers
+        (freeing pool buffers), then issue queued reads (those in `first`, then the rest in
+        the order decided) while the pool has buffers. What is LIVE does not change."""
+        for rec in [r for r in self._reading if r.read_done()]:
+            if not self._finish_read(rec):
+                break  # reads that land with a collective wait for their gather
+        for rec in first:
+            if rec in self._queued and not self._issue(rec):
+                return
+        for rec in list(self._queued):
+            if not self._issue(rec):
+                return
+            if rec.read_done():  # a fast disk (or the page cache): free the buffer at once
+                self._finish_read(rec)
+
+    def _issue(self, rec: OffloadParam, *, block: bool = False) -> bool:
+        """Issue a queued NVMe read; False (still queued) when the pool has no free buffer."""
+        if not rec.fetch(self.accel, self.copy_stream, block=block):
+            return False
+        del self._queued[rec]
+        self._reading[rec] = None
+        return True
+
+    def _finish_read(self, rec: OffloadParam) -> bool:
+        """Copy `rec`'s read to its device buffer and free the pool buffer; it stays
+        pending. A failed read is kept and raised when the parameter is needed. False when
+        the read cannot be finished apart from its landing (nothing done)."""
+        try:
+            if not rec.finish_read(self.accel):
+                return False
+        except Exception as e:  # the read failed; rec is RELEASED with its buffer back
+            self._failed[rec] = e
+        del self._reading[rec]
         return True
 
     def _land(self, rec: OffloadParam) -> None:
-        """INFLIGHT -> LIVE; a failed NVMe read leaves `rec` RELEASED and uncounted."""
+        """pending -> LIVE; a failed NVMe read leaves `rec` RELEASED and uncounted."""
+        error = self._failed.pop(rec, None)
+        if error is None and rec in self._queued:
+            # Needed now: complete the oldest reads in flight until the pool has a buffer.
+            while not self._issue(rec):
+                if not self._reading:
+                    self._issue(rec, block=True)  # the pool is held elsewhere: wait for it
+                    break
+                oldest = next(iter(self._reading))
+                if not self._finish_read(oldest):
+                    # Its landing is a collective: it lands here, at a point every rank
+                    # reaches (with no read finished early, `_reading` is the same too).
+                    self._land(oldest)
         self._reading.pop(rec, None)
+        self._pending.pop(rec, None)
         try:
+            if error is not None:
+                raise error
             rec.wait(self.accel)
         except BaseException:
             if rec.state is ParamState.RELEASED:
@@ -313,17 +444,23 @@ class Coordinator:
             raise
         assert rec.device_tensor is not None
         self.by_storage[rec.device_tensor.untyped_storage().data_ptr()] = rec
+        self._emit(LiveEvent.LIVE, rec)
 
     def _release(self, rec: OffloadParam) -> None:
-        if rec.state is ParamState.RELEASED or rec.persistent:
+        if rec.persistent or self._unfetched(rec):
             return
         if rec.device_tensor is not None:
             ptr = rec.device_tensor.untyped_storage().data_ptr()
             if self.by_storage.get(ptr) is rec:
                 del self.by_storage[ptr]
+        self._queued.pop(rec, None)
         self._reading.pop(rec, None)
-        rec.release()
+        self._pending.pop(rec, None)
+        self._failed.pop(rec, None)
+        if rec.state is not ParamState.RELEASED:  # not a queued read or a failed one
+            rec.release()
         self._uncount(rec)
+        self._emit(LiveEvent.RELEASE, rec)
 
     def _uncount(self, rec: OffloadParam) -> None:
         self._resident.pop(rec, None)
@@ -362,8 +499,9 @@ class Coordinator:
             self._release(rec)
 
     def _prefetch(self, running: ModuleUnit | None = None) -> None:
-        """Fetch ahead along the trace: up to `prefetch_numel` elements, never past the budget,
-        never waiting for an NVMe pool buffer."""
+        """Fetch ahead along the trace: the units within `prefetch_numel` elements of the
+        cursor, in order, while they fit the budget. The pool does not stop it: reads wait
+        in the queue for buffers (see [Note: the same order on every rank])."""
         trace = self._trace
         if trace is None or not self._on_track or self.prefetch_numel <= 0:
             return
@@ -372,16 +510,18 @@ class Coordinator:
             if trace.distance(self._cursor, pos) >= self.prefetch_numel:
                 break
             recs = trace.records[pos]
-            need = sum(r.numel for r in recs if r.state is ParamState.RELEASED)
+            need = sum(r.numel for r in recs if self._unfetched(r))
             if self.live_numel + need > self.budget:
                 # Only parameters needed later than this unit make way for it.
                 self._evict(need, running, used_before=pos)
                 if self.live_numel + need > self.budget:
                     break  # prefetch waits for room
-            if not all(self._fetch_ahead(r) for r in recs if r.state is ParamState.RELEASED):
-                break  # the NVMe pool is full: resume at the next gather
+            for r in recs:
+                if self._unfetched(r):
+                    self._fetch(r)
             pos += 1
         self._prefetch_upto = pos
+        self._pump()
 
     def stats(self) -> dict[str, int]:
         return {

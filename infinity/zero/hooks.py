@@ -1,14 +1,17 @@
 """Module and gradient hooks: they tell the coordinator when a unit starts and ends.
 
-Owns the hooks on a partitioned model and the stack of running module calls. It decides no
-policy; gathering and releasing are the coordinator's.
+Owns the hooks on a partitioned model, one record per module call (`_Call`: its unit, trace
+positions, `CallState`, and the inputs and gradients its backward still waits for) and the
+stack of running calls. It decides no policy and never changes the iteration's phase:
+gathering, releasing and the lifecycle are the coordinator's.
 
 [Note: backward] Autograd keeps leaf parameters by reference, so a module's parameters must be
 gathered again before its backward runs. In forward, each module call with a gather set puts a
-gradient hook on its outputs (fires before the module's backward: gather) and on its inputs
-that require grad (fires after it: release, per the reuse rule). A call whose inputs need no
-gradient (the embedding of token ids) ends instead when its trainable parameters' gradients
-have been accumulated; anything left is released when the backward ends. Backward pins
+gradient hook on its outputs (fires before the module's backward: gather, FORWARD -> GATHERED;
+the first one may begin the coordinator's backward) and on its inputs that require grad (fires
+after it: GATHERED -> DONE, release per the reuse rule). A call whose inputs need no gradient
+(the embedding of token ids) ends instead when its trainable parameters' gradients have been
+accumulated; anything left is released when the backward ends. Backward pins
 nothing past the gather: a weight evicted under budget pressure before an op reads it is
 gathered again by the saved-tensor hooks, and one evicted before autograd accumulates its
 gradient (accumulation checks the parameter's shape) by a tensor hook on the parameter; a
@@ -38,6 +41,7 @@ held for the whole forward of the module that borrowed it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable
 
 import torch
@@ -63,14 +67,26 @@ class _SavedWeight:
         self.dtype = dtype
 
 
+class CallState(enum.Enum):
+    """Where one module call stands in the backward (see [Note: backward])."""
+
+    FORWARD = "forward"
+    """It ran forward; no gradient has reached its outputs yet."""
+    GATHERED = "gathered"
+    """A gradient reached its outputs: its parameters were gathered for its backward."""
+    DONE = "done"
+    """Its backward ran: its parameters were settled, except those in `grads_pending`,
+    which are settled when autograd has accumulated their gradients."""
+
+
 class _Call:
-    """One call of one module: its unit and where it stands in backward."""
+    """One call of one module: everything the hooks know about it."""
 
     __slots__ = (
         "unit",
         "pos",
         "bw_pos",
-        "bw_state",
+        "state",
         "inputs_pending",
         "grads_pending",
         "entered_mode",
@@ -79,11 +95,16 @@ class _Call:
     def __init__(self, unit: ModuleUnit, pos: int | None) -> None:
         self.unit = unit
         self.pos = pos
+        """Trace position of its forward gather (None off the trace)."""
         self.bw_pos: int | None = None
-        self.bw_state = 0  # 0 not started, 1 gathered, 2 done
+        """Trace position of its backward gather: where its parameters are settled from."""
+        self.state = CallState.FORWARD
         self.inputs_pending = 0
-        self.grads_pending: set[OffloadParam] | None = None
+        """Inputs needing gradients whose gradient autograd has not computed yet."""
+        self.grads_pending: set[OffloadParam] = set()
+        """Trainable parameters of its unit whose gradient has not been accumulated yet."""
         self.entered_mode = False
+        """Its pre-forward hook entered GatherOnUse (a recomputation inside backward)."""
 
 
 def _grad_tensors(obj, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
@@ -121,10 +142,12 @@ class ModelHooks:
         self.stack: list[_Call] = []
         self.busy = False
         """True while a hook runs: GatherOnUse lets the hooks' own tensor calls through."""
-        self._awaiting: dict[OffloadParam, list[_Call]] = {}
         self._external: dict[object, ModuleUnit] = {}  # parameter(s) used outside -> unit
-        self._accumulated: set[OffloadParam] = set()  # gradients accumulated this backward
-        self._settle_after_grad: dict[OffloadParam, int | None] = {}
+        self._waiting: dict[OffloadParam, list[_Call]] = {}
+        """Per trainable parameter, the calls whose `grads_pending` holds it: how an
+        accumulated gradient finds its calls (their state is on the calls)."""
+        self._accumulated: set[OffloadParam] = set()
+        """Parameters whose gradient this backward has accumulated."""
         self._handles: list = []
         for module in model.modules():
             self._handles.append(
@@ -145,9 +168,8 @@ class ModelHooks:
     def reset(self) -> None:
         """Forget running calls (after an exception or at the end of backward)."""
         self.stack.clear()
-        self._awaiting.clear()
+        self._waiting.clear()
         self._accumulated.clear()
-        self._settle_after_grad.clear()
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -163,10 +185,7 @@ class ModelHooks:
             self.busy = False
 
     def _enter(self, unit: ModuleUnit, args, kwargs) -> _Call:
-        coord = self.coord
-        if coord.phase is Phase.IDLE:
-            coord.begin_iteration(self.iteration_key())
-        pos = coord.gather(unit) if unit.records else None
+        pos = self.coord.gather(unit) if unit.records else None
         call = _Call(unit, pos)
         if unit.records and torch.is_grad_enabled():
             inputs = _grad_tensors(kwargs, _grad_tensors(args, []))
@@ -203,48 +222,46 @@ class ModelHooks:
 
     def _output_hook(self, call: _Call):
         def hook(grad: torch.Tensor) -> None:
-            if call.bw_state:
+            if call.state is not CallState.FORWARD:
                 return
-            coord = self.coord
-            coord.phase = Phase.BACKWARD
-            call.bw_state = 1
             self.busy = True
             try:
-                call.bw_pos = coord.gather(call.unit, pin=False)
+                # The first gradient may reach a module before the engine's entry sees it:
+                # the root module's outputs are the engine's, and tensor hooks run in order.
+                try:
+                    self.coord.begin_backward()
+                except RuntimeError as e:
+                    raise RuntimeError(f"backward of module {call.unit.name!r}: {e}") from None
+                call.state = CallState.GATHERED
+                call.bw_pos = self.coord.gather(call.unit, pin=False)
             finally:
                 self.busy = False
-            if call.inputs_pending == 0:
-                self._await_grads(call)
+            pending = {r for r in call.unit.records if r.trainable and r not in self._accumulated}
+            call.grads_pending = pending
+            # With no input needing a gradient (the embedding of token ids) the call ends
+            # when its gradients have been accumulated, or with the backward if it has none.
+            for rec in pending:
+                self._waiting.setdefault(rec, []).append(call)
 
         return hook
 
     def _input_hook(self, call: _Call):
         def hook(grad: torch.Tensor) -> None:
             call.inputs_pending -= 1
-            if call.inputs_pending == 0 and call.bw_state == 1:
+            if call.inputs_pending == 0 and call.state is CallState.GATHERED:
                 self._finish(call)
 
         return hook
-
-    def _await_grads(self, call: _Call) -> None:
-        pending = {r for r in call.unit.records if r.trainable}
-        if not pending:
-            return  # released when the backward ends
-        call.grads_pending = pending
-        for rec in pending:
-            self._awaiting.setdefault(rec, []).append(call)
 
     def _finish(self, call: _Call) -> None:
         """The call's backward is over. A trainable parameter whose gradient autograd has not
         accumulated yet stays gathered until it has (accumulation needs its shape); it may
         still be evicted under budget pressure and is gathered again for accumulation then."""
-        call.bw_state = 2
+        call.state = CallState.DONE
         self.busy = True
         try:
             for rec in call.unit.records:
-                if rec.trainable and rec not in self._accumulated:
-                    self._settle_after_grad[rec] = call.bw_pos
-                else:
+                if rec not in call.grads_pending:
                     self.coord.settle(rec, call.bw_pos)
         finally:
             self.busy = False
@@ -259,27 +276,26 @@ class ModelHooks:
             self.coord.gather_one(rec)
         finally:
             self.busy = False
-        self._settle_after_grad.setdefault(rec, None)
 
     def grad_accumulated(self, rec: OffloadParam) -> None:
-        """`rec`'s gradient left the device: it may be released, and calls waiting only on
-        gradients may end."""
+        """`rec`'s gradient left the device: calls waiting only on gradients end, and once
+        no running call needs `rec` it is settled from the furthest backward position of the
+        calls that waited for it (one gathered for the accumulation alone is settled too)."""
         self._accumulated.add(rec)
-        if rec in self._settle_after_grad:
-            pos = self._settle_after_grad.pop(rec)
+        calls = self._waiting.pop(rec, [])
+        for call in calls:
+            call.grads_pending.discard(rec)
+            if call.state is CallState.GATHERED and not (call.inputs_pending or call.grads_pending):
+                self._finish(call)  # it waited on its gradients only
+        if any(call.state is CallState.GATHERED for call in calls):
+            return  # a running call settles rec when it ends
+        positions = [call.bw_pos for call in calls if call.bw_pos is not None]
+        if rec.state is ParamState.LIVE:
             self.busy = True
             try:
-                self.coord.settle(rec, pos)
+                self.coord.settle(rec, max(positions, default=None))
             finally:
                 self.busy = False
-        waiting = self._awaiting.pop(rec, None)
-        if not waiting:
-            return
-        for call in waiting:
-            assert call.grads_pending is not None
-            call.grads_pending.discard(rec)
-            if not call.grads_pending and call.bw_state == 1:
-                self._finish(call)
 
     # ---- saved tensors ------------------------------------------------------------------
 

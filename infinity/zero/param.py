@@ -15,8 +15,9 @@ exactly as on a GPU.
 buffer of the store's pinned pool (INFLIGHT, no device buffer yet); `wait` waits for the read,
 copies the buffer into a new device buffer on the copy stream, makes the compute stream wait
 for that copy, and gives the pool buffer back only once the copy has read it (the host waits
-for the copy's event; on the CPU the copy is synchronous). A failed read leaves the record
-RELEASED with its buffer given back.
+for the copy's event; on the CPU the copy is synchronous). `finish_read` does the first part
+early (the read and the copy, still INFLIGHT), to free the pool buffer for the next read. A
+failed read leaves the record RELEASED with its buffer given back.
 
 [Note: swapping .data] Autograd saves leaf parameters by reference. Replacing `param.data`
 keeps the parameter's version counter, so a parameter released after forward and gathered
@@ -176,13 +177,8 @@ class OffloadParam:
         (INFLIGHT -> LIVE). From NVMe, first wait for the read and copy it (see [Note:
         fetching from NVMe]); a failed read raises NvmeParamError, leaving RELEASED."""
         self._assert_state(ParamState.INFLIGHT)
-        fetch, self._fetch = self._fetch, None
-        assert fetch is not None
-        try:
-            self.device_tensor, self._event = fetch.land(accel)
-        except BaseException:
-            self._drop()
-            raise
+        self._land(accel)
+        assert self.device_tensor is not None and self._event is not None
         compute = accel.current_stream()
         compute.wait_event(self._event)
         # The buffer was allocated on the copy stream and is used on the compute stream.
@@ -190,6 +186,30 @@ class OffloadParam:
         self._event = None
         self.param.data = self.device_tensor.view(self.shape)
         self.state = ParamState.LIVE
+
+    def finish_read(self, accel: Accelerator) -> bool:
+        """From NVMe: wait for the read and copy it to the new device buffer, giving the pool
+        buffer back. The parameter stays INFLIGHT: only `wait` makes it LIVE, so reads may
+        finish in any order without changing what is gathered (a failed read raises
+        NvmeParamError, leaving RELEASED). False when there is no read to finish early (a
+        transfer whose landing is a collective must not be finished here: it would follow
+        the disk's timing)."""
+        self._assert_state(ParamState.INFLIGHT)
+        if not self.reading:
+            return False
+        self._land(accel)
+        return True
+
+    def _land(self, accel: Accelerator) -> None:
+        """The transfer in flight (if not landed yet): its device buffer and copy event."""
+        fetch, self._fetch = self._fetch, None
+        if fetch is None:
+            return
+        try:
+            self.device_tensor, self._event = fetch.land(accel)
+        except BaseException:
+            self._drop()
+            raise
 
     def release(self) -> None:
         """Free the device buffer (LIVE/INFLIGHT -> RELEASED). A transfer in flight finishes

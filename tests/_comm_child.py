@@ -1,0 +1,93 @@
+"""One rank of the comm tests: runs a scenario and prints a JSON line with what it saw."""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from infinity import comm
+
+scenario = sys.argv[1]
+
+
+def collectives() -> dict:
+    c = comm.from_env(timeout=20)
+    r, w = c.rank, c.world_size
+    out: dict = {"rank": r, "world_size": w, "local_rank": c.local_rank}
+    shard = torch.arange(3, dtype=torch.float32) + 10 * r
+    full = torch.empty(3 * w)
+    c.all_gather_into(full, shard)
+    out["all_gather"] = full.tolist()
+    half = torch.empty(3 * w, dtype=torch.bfloat16)
+    work = c.all_gather_into(half, shard.bfloat16(), async_op=True)
+    work.wait()
+    out["all_gather_bf16"] = half.float().tolist()
+    flat = torch.arange(4 * w, dtype=torch.float32) * (r + 1)
+    mine = torch.empty(4)
+    c.reduce_scatter_into(mine, flat, async_op=True).wait()
+    out["reduce_scatter"] = mine.tolist()
+    out["all_reduce_sum"] = c.all_reduce_(torch.tensor([1.0, r])).tolist()
+    out["all_reduce_max"] = c.all_reduce_(torch.tensor([float(r), -r]), op="max").tolist()
+    out["broadcast"] = c.broadcast_object({"from": r}, src=1)
+    out["gathered"] = c.all_gather_object(("rank", r))
+    c.barrier()
+    c.end_step()
+    out["stats"] = c.stats()
+    c.close()
+    return out
+
+
+def mismatch() -> dict:
+    # Same bytes on the wire, different ops: the transport completes, the check must not.
+    c = comm.from_env(timeout=20, check=comm.CheckLevel.STEP)
+    t = torch.ones(4)
+    c.all_gather_into(torch.empty(8), torch.ones(4))
+    c.all_reduce_(t, op="sum" if c.rank == 0 else "max")
+    try:
+        c.end_step()
+    except comm.CollectiveMismatchError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def mismatch_per_call() -> dict:
+    # Different sizes would pair the wrong buffers: the per-call check stops it first.
+    c = comm.from_env(timeout=20, check=comm.CheckLevel.CALL)
+    n = 4 if c.rank == 0 else 6
+    try:
+        c.all_gather_into(torch.empty(2 * n), torch.ones(n))
+    except comm.CollectiveMismatchError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def stuck() -> dict:
+    c = comm.from_env(timeout=3)
+    if c.rank == 1:
+        time.sleep(8)  # alive but never reaching the collective
+        return {}
+    t0 = time.monotonic()
+    try:
+        c.all_reduce_(torch.ones(2))
+    except comm.CommError as e:
+        return {"error": str(e), "elapsed_s": time.monotonic() - t0}
+    return {"error": None}
+
+
+def dead() -> dict:
+    c = comm.from_env(timeout=20)
+    if c.rank == 1:
+        os._exit(3)  # dies without leaving the group
+    t0 = time.monotonic()
+    try:
+        c.barrier()
+    except comm.CommError as e:
+        return {"error": str(e), "elapsed_s": time.monotonic() - t0}
+    return {"error": None}
+
+
+result = globals()[scenario]()
+print("RESULT " + json.dumps(result), flush=True)
+os._exit(0)  # skip the process group's teardown: a peer may be gone
