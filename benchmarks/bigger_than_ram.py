@@ -10,7 +10,11 @@ One run, in this order, on the `--path` directory:
 3. Here: a Llama-style model (`LlamaForCausalLM`, untied embeddings) of about `--params`
    parameters in bf16, built under `infinity.init`, `infinity.initialize` with
    `offload_param` on `--param-tier` and `offload_optimizer` on NVMe under `--path`, then
-   `--steps` steps of batch 1 x `--seq-len` random tokens with activation checkpointing.
+   `--steps` steps of batch 1 x `--seq-len` random tokens with activation checkpointing
+   (`--lora-r R`: LoRA adapters through peft, the base frozen). Before each step a fresh
+   interpreter runs `infinity estimate`'s rate probes of the same model, so the estimate can
+   be replayed with rates measured under the load the step met (benchmarks/
+   estimate_vs_measured.py).
 
 Definitions (from the steps after the first):
 - state = 16-bit weights + fp32 master + exp_avg + exp_avg_sq = 14 bytes per parameter (the
@@ -127,6 +131,41 @@ def cpu_adam(numel: int, total_numel: int, repeats: int) -> dict:
     return rec
 
 
+def estimate_probe(args: argparse.Namespace) -> dict:
+    """`infinity estimate`'s rate probes of this run's model (forward and backward of the
+    model cut to one layer and of one block; the engine's cost per module; the norm pass; a
+    host copy) in a fresh interpreter, so that a replay of the
+    run (benchmarks/estimate_vs_measured.py) has rates measured under the run's own load."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--estimate-probe", "--params"]
+    cmd += [str(args.params), "--vocab", str(args.vocab), "--seq-len", str(args.seq_len)]
+    cmd += ["--lora-r", str(args.lora_r)]
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _estimate_probe_child(args: argparse.Namespace) -> dict:
+    from infinity.estimate import hardware
+
+    t0 = time.perf_counter()
+    mcfg = model_config(args.params, args.vocab)
+    compute = hardware.probe_compute_s(
+        mcfg, 1, args.seq_len, torch.bfloat16, frozen=args.lora_r > 0, checkpointing=True
+    )
+    from infinity.cli.estimate_probe import probe_module_overhead_s
+
+    return {
+        "compute_s": compute,
+        "module_overhead_s": probe_module_overhead_s(
+            torch.bfloat16, lora_r=args.lora_r, checkpointing=True
+        ),
+        "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
+        "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
+        "fresh_copy_bytes_per_s": hardware.probe_fresh_copy_bytes_per_s(),
+        "seconds": time.perf_counter() - t0,
+        "loadavg": list(os.getloadavg()),
+    }
+
+
 # -- the model and the engine config ----------------------------------------------------------
 
 
@@ -220,6 +259,7 @@ def train(engine, args: argparse.Namespace, vocab: int) -> list[dict]:
     steps = []
     for n in range(args.steps):
         ids = torch.randint(0, vocab, (1, args.seq_len), generator=g)
+        probe = estimate_probe(args)  # the rates under the load this step is about to meet
         s0 = engine.memory_stats()
         t0 = time.perf_counter()
         loss = engine(ids, ids)
@@ -243,6 +283,7 @@ def train(engine, args: argparse.Namespace, vocab: int) -> list[dict]:
             "step_nvme": step_nvme,
             "fwd_bwd_nvme": _delta(s0, s1),
             "peak_rss_bytes": _proc_status("VmHWM"),
+            "estimate_probe": probe,
         }
         steps.append(rec)
         print(
@@ -266,6 +307,10 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
     torch.manual_seed(0)
     with infinity.init(config):
         model = LlamaForCausalLM(mcfg)
+        if args.lora_r:  # adapters on every linear layer of the blocks, the base frozen
+            from infinity.models.lora import LoraSpec, apply_lora
+
+            model = apply_lora(model, LoraSpec(r=args.lora_r))
     model.set_gradient_checkpointing(True)
     rss["after_model_peak"] = _proc_status("VmHWM")
     t1 = time.perf_counter()
@@ -378,6 +423,7 @@ def machine(path: str) -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "nice": os.nice(0),  # below 0: the run took the cores ahead of other work
     }
 
 
@@ -394,6 +440,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="offload_param.buffer_count with --param-tier nvme (0: the default)",
     )
     p.add_argument("--sub-group-size", type=float, default=2.5e7)
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--rss-limit-gib", type=float, default=12.0)
@@ -415,6 +462,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--adam-repeats", type=int, default=7)
     p.add_argument("--adam-probe", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--estimate-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default="bigger_than_ram.json", help="output file")
     return p.parse_args(argv)
 
@@ -423,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.adam_probe:  # the child of cpu_adam()
         print(json.dumps(adam_probe(args.adam_probe, args.adam_repeats)))
+        return 0
+    if args.estimate_probe:  # the child of estimate_probe()
+        print(json.dumps(_estimate_probe_child(args)))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.malloc == "unmap":
@@ -456,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
         args, mcfg, aio["best_aio_section"] if args.aio_config == "bench" else {}
     )
     result = run_engine(args, mcfg, config)
+    print(
+        "estimate probes before each step: forward+backward "
+        + " / ".join(f"{s['estimate_probe']['compute_s']:.2f} s" for s in result["steps"]),
+        flush=True,
+    )
     summary = summarize(args, params, aio, adam, result, record["machine"]["ram_bytes"])
     record.update(
         model={

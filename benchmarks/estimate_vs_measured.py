@@ -1,20 +1,21 @@
 """Claim: `infinity estimate` predicts the bytes of a run exactly and its peak RSS and step
 time within 20%, on the runs `benchmarks/bigger_than_ram.py` recorded on this machine.
 
-For each `bigger_than_ram_*.json` given: the model shape and the config it recorded, the disk
-rates its `bench aio` measured and the CPU-Adam rate its probe measured; the compute, norm
-and copy rates are probed here (one block and the head of the run's model, forward and
-backward at its tokens; once per model, median of repeats). Then the estimate against the
-record: NVMe bytes read and written per step (optimizer and parameter tiers), the host
-buffers `memory_stats()` reported, peak RSS and the step's wall time (the medians of the
-steps after the first). One JSON record per run, with the rates used, so
-`tests/test_estimate.py` replays them without probing. The 2026-11-22 507M runs predate the
-current layout (sub-groups that split parameters), so they are not replayed:
+For each `bigger_than_ram_*.json` given: the model shape (LoRA included) and the config it
+recorded, the disk rates its `bench aio` measured and the CPU-Adam rate its probe measured.
+The compute (the model cut to one layer, and a block per further layer, forward and backward
+at its tokens), the engine's cost per module, the norm and copy rates are those the run
+probed just before each step it compares (the medians), so the estimate meets the load the
+step met; records made before those probes are probed here (or take the rates of an earlier
+output with `--probes-from`). Then the estimate against the record: NVMe bytes read and
+written per step (optimizer, parameter and gradient traffic), the host buffers
+`memory_stats()` reported, peak RSS and the step's wall time (the medians of the steps after
+the first). One JSON record per run, with the rates used, so `tests/test_estimate.py`
+replays them without probing; the BENCHMARKS.md table is printed at the end:
 
     flock /work/bench.lock python benchmarks/estimate_vs_measured.py \\
-        benchmarks/results/bigger_than_ram_2026-11-22_2.1B_nvme_run*.json \\
-        benchmarks/results/bigger_than_ram_2026-11-23_500M_cpu_run4.json \\
-        --json benchmarks/results/estimate_vs_measured_2026-11-23.json
+        benchmarks/results/bigger_than_ram_*.json \\
+        --json benchmarks/results/estimate_vs_measured_2026-11-23_run2.json
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ _SHAPE_KEYS = (
 def shape_of(record: dict):
     m = record["model"]
     cfg = LlamaConfig(**{k: m[k] for k in _SHAPE_KEYS}, max_position_embeddings=4096)
-    return model_shape(cfg)
+    return model_shape(cfg, lora_r=int(record["args"].get("lora_r", 0)))
 
 
 def rates_of(record: dict, probed: dict) -> Rates:
@@ -62,6 +63,8 @@ def rates_of(record: dict, probed: dict) -> Rates:
         nvme_read_bps=aio["best_read_gbps"] * 1e9,
         nvme_write_bps=aio["best_write_gbps"] * 1e9,
         sources={"record": "bench aio and CPU-Adam of the run; compute, norm, copies probed"},
+        module_overhead_s=probed.get("module_overhead_s", 0.0),
+        fresh_copy_bytes_per_s=probed.get("fresh_copy_bytes_per_s", 0.0),
     )
 
 
@@ -83,14 +86,16 @@ def estimate_record(record: dict, probed: dict) -> Estimate:
 
 def measured(record: dict) -> dict:
     """The record's figures the estimate predicts (steady steps: after the first)."""
-    later = record["steps"][1:] or record["steps"]
+    later = _later(record)
     last = later[-1]
-    reads = last["step_bytes_read"] + sum(
-        v for k, v in last["fwd_bwd_nvme"].items() if k.endswith("bytes_read")
+    fwd_bwd = last["fwd_bwd_nvme"]
+    reads = last["step_bytes_read"] + sum(v for k, v in fwd_bwd.items() if k.endswith("_read"))
+    writes = last["step_bytes_written"] + sum(
+        v for k, v in fwd_bwd.items() if k.endswith("_written")
     )
     return {
         "nvme_read_bytes_per_step": reads,
-        "nvme_write_bytes_per_step": last["step_bytes_written"],
+        "nvme_write_bytes_per_step": writes,
         "host_bytes": record["memory_stats"]["host_bytes"],
         "peak_rss_bytes": record["summary"]["peak_rss_bytes"],
         "step_seconds": statistics.median(s["wall_s"] for s in later),
@@ -112,19 +117,54 @@ def predicted(est: Estimate) -> dict:
     }
 
 
+def recorded_probe(record: dict) -> dict | None:
+    """The rates the run probed just before each of the steps compared (the same model, under
+    the load each step met): their medians. None for runs recorded without them."""
+    probes = [s["estimate_probe"] for s in _later(record) if s.get("estimate_probe")]
+    if not probes:
+        return None
+    keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s", "module_overhead_s")
+    out = {k: statistics.median(p[k] for p in probes) for k in keys if k in probes[0]}
+    if "module_overhead_s" not in out:  # runs recorded before the engine's hooks were probed
+        out["module_overhead_s"] = _module_overhead_s(record)
+    if "fresh_copy_bytes_per_s" not in out:  # ... or copies into new memory
+        out["fresh_copy_bytes_per_s"] = hardware.probe_fresh_copy_bytes_per_s()
+    return out | {"source": "record"}
+
+
+def _module_overhead_s(record: dict) -> float:
+    from infinity.cli.estimate_probe import probe_module_overhead_s
+
+    return probe_module_overhead_s(
+        _dtype(record),
+        lora_r=int(record["args"].get("lora_r", 0)),
+        checkpointing=bool(record["model"]["activation_checkpointing"]),
+    )
+
+
+def _dtype(record: dict) -> torch.dtype:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(record["model"]["dtype"])
+    return dtype or torch.float32
+
+
+def _later(record: dict) -> list[dict]:
+    return record["steps"][1:] or record["steps"]
+
+
 def probe(record: dict) -> dict:
     shape = shape_of(record)
     seq = int(record["args"]["seq_len"])
     micro = int(record["config"].get("train_micro_batch_size_per_gpu", 1))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(record["model"]["dtype"])
-    dtype = dtype or torch.float32
+    dtype = _dtype(record)
     ckpt = bool(record["model"]["activation_checkpointing"])
     return {
         "compute_s": hardware.probe_compute_s(
-            shape.config, micro, seq, dtype, frozen=False, checkpointing=ckpt
+            shape.config, micro, seq, dtype, frozen=shape.lora_r > 0, checkpointing=ckpt
         ),
+        "module_overhead_s": _module_overhead_s(record),
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
         "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
+        "fresh_copy_bytes_per_s": hardware.probe_fresh_copy_bytes_per_s(),
     }
 
 
@@ -132,27 +172,70 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("records", nargs="+", help="bigger_than_ram_*.json files")
     p.add_argument("--json", required=True, help="output file")
+    p.add_argument(
+        "--probes-from",
+        metavar="FILE",
+        help="an earlier output: its rates for records made without per-step probes are "
+        "reused instead of probed again",
+    )
     args = p.parse_args(argv)
     probes: dict[str, dict] = {}
+    earlier = {}
+    if args.probes_from:
+        with open(args.probes_from) as f:
+            earlier = {run["record"]: run["probed"] for run in json.load(f)["runs"]}
     out = []
     for path in args.records:
         with open(path) as f:
             record = json.load(f)
-        key = json.dumps(record["model"], sort_keys=True) + str(record["args"]["seq_len"])
-        if key not in probes:
-            probes[key] = probe(record)
-        est = estimate_record(record, probes[key])
+        rates = recorded_probe(record) or earlier.get(path)
+        if rates is None:
+            key = json.dumps(record["model"], sort_keys=True) + str(record["args"]["seq_len"])
+            key += str(record["args"].get("lora_r", 0))
+            if key not in probes:
+                probes[key] = probe(record)
+            rates = probes[key]
+        est = estimate_record(record, rates)
         got, want = predicted(est), measured(record)
         ratio = {k: got[k] / want[k] for k in got if want[k]}
         times = dataclasses.asdict(est.times)
-        out.append({"record": path, "probed": probes[key], "estimate": got, "measured": want,
+        out.append({"record": path, "probed": rates, "estimate": got, "measured": want,
                     "ratio": ratio, "bound": est.bound, "times": times})  # fmt: skip
         print(f"{path}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()), flush=True)
     machine = {"platform": platform.platform(), "torch": torch.__version__,
                "threads": torch.get_num_threads()}  # fmt: skip
     with open(args.json, "w") as f:
         json.dump({"bench": "estimate_vs_measured", "machine": machine, "runs": out}, f, indent=1)
+    print("\n".join(table(out)))
     return 0
+
+
+def table(runs: list[dict]) -> list[str]:
+    """BENCHMARKS.md's rows: estimate / measured for each run."""
+    gib, gb = float(1 << 30), 1e9
+    rows = [
+        "| run | NVMe read / written per step, GB | peak RSS, GiB | step, s | forward+backward, s"
+        " | optimizer step, s | probed forward+backward, s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        e, m, r = run["estimate"], run["measured"], run["ratio"]
+        same = all(e[k] == m[k] for k in ("nvme_read_bytes_per_step", "nvme_write_bytes_per_step"))
+        nvme = (
+            f"{e['nvme_read_bytes_per_step'] / gb:.3f} / {e['nvme_write_bytes_per_step'] / gb:.3f}"
+            + (" (**equal**)" if same else f" (measured {m['nvme_read_bytes_per_step'] / gb:.3f}"
+               f" / {m['nvme_write_bytes_per_step'] / gb:.3f})")
+        )  # fmt: skip
+        name = run["record"].split("bigger_than_ram_")[-1].removesuffix(".json")
+        rows.append(
+            f"| {name} | {nvme} | {e['peak_rss_bytes'] / gib:.2f} / "
+            f"{m['peak_rss_bytes'] / gib:.2f} (**{r['peak_rss_bytes']:.2f}**) | "
+            f"{e['step_seconds']:.1f} / {m['step_seconds']:.1f} (**{r['step_seconds']:.2f}**) | "
+            f"{e['fwd_bwd_seconds']:.1f} / {m['fwd_bwd_seconds']:.1f} | "
+            f"{e['optimizer_step_seconds']:.2f} / {m['optimizer_step_seconds']:.2f} | "
+            f"{run['probed']['compute_s']:.2f} |"
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from infinity import checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.checkpoint import model16
 from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base, describe_base
+from infinity.comm import Comm, from_env
 from infinity.config import Config
 from infinity.optim import Schedule, build_loss_scaler, build_schedule
 from infinity.swap import (
@@ -61,7 +63,9 @@ from infinity.swap import (
     make_param_store,
     make_state_store,
 )
-from infinity.utils.step_timer import StepTimer, format_breakdown
+from infinity.utils.profiler import StepProfiler
+from infinity.utils.step_timer import StepTimer
+from infinity.utils.telemetry import CounterDeltas, StepTelemetry, step_telemetry
 from infinity.zero import (
     BackwardEntry,
     Coordinator,
@@ -80,6 +84,8 @@ from infinity.zero import (
     optimizer_layout,
     partition_model,
 )
+from infinity.zero.grad_reduce import GradReducer
+from infinity.zero.shard import check_same_weights
 
 logger = logging.getLogger(__name__)
 
@@ -111,22 +117,30 @@ class Engine:
         accelerator: Accelerator | None = None,
         no_decay: Collection[str] = (),
         base_model: str | os.PathLike | dict | None = None,
+        comm: Comm | None = None,
     ) -> None:
         """`no_decay`: names of parameters the optimizer's weight decay skips (the HF
         Trainer's biases and norms). `base_model` says where the frozen weights came from (a
         Hugging Face directory, or a JSON-able description such as {"preset": ..., "seed":
         ...}): checkpoints, which leave them out, record it and refuse to resume on another
-        base."""
+        base. `comm` connects the ranks (default: `infinity.comm.from_env()`, one process
+        unless launched by torchrun); the engine closes it only if it made it."""
         config = Config.load(config)
         largest = max((p.numel() for p in model.parameters()), default=1)
-        self.config = config.resolve(largest_param_numel=max(1, largest))
+        self.accelerator = accelerator or get_accelerator()
+        self._owns_comm = comm is None
+        self.comm: Comm = comm if comm is not None else from_env(device=self.accelerator.device)
+        self.config = config.resolve(
+            world_size=self.comm.world_size, largest_param_numel=max(1, largest)
+        ).for_local_rank(self.comm.local_rank)
         zero = self.config.zero_optimization
         if zero.stage != 3:
             raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
         self.module = model
         self._base_source = base_model
         self._base_record: dict | None = None
-        self.accelerator = accelerator or get_accelerator()
+        if self.comm.world_size > 1:
+            check_same_weights(model.named_parameters(), self.comm)
         self.optimizer, units = self._build_optimizer(set(no_decay))
         # By slot (records are in model order, as the slots): see [Note: gathered weights
         # after a step].
@@ -138,8 +152,13 @@ class Engine:
             self.hooks = ModelHooks(
                 model, units, by_param, self.coordinator, iteration_key=self._iteration_key
             )
+            self.grad_reducer = self._make_grad_reducer()
             self._grad_handles = install_grad_hooks(
-                self.records, self.optimizer.accumulate_grad, self.hooks, self.accelerator
+                self.records,
+                self.optimizer.accumulate_grad,
+                self.hooks,
+                self.accelerator,
+                self.grad_reducer,
             )
         except BaseException:  # no swap directory outlives a failed start
             self._close_stores(self.optimizer)
@@ -152,10 +171,14 @@ class Engine:
         that has `lr` (the next step's rate), `step()` and `state_dict`/`load_state_dict`
         (`infinity.integrations.hf` puts the HF Trainer's own scheduler here)."""
         fp16 = self.config.fp16.enabled
+        # See docs/telemetry.md: always timed; the device synchronized only when asked.
+        sync = self.accelerator.synchronize if self.config.wall_clock_breakdown else None
+        self._timer = StepTimer(synchronize=sync)
         self.entry = BackwardEntry(
             self.hooks,
             self.coordinator,
             loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
+            timer=self._timer,
         )
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
         self.micro_steps = 0
@@ -165,12 +188,10 @@ class Engine:
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self._last_overflow = False
-        self._timer = StepTimer(
-            enabled=self.config.wall_clock_breakdown, synchronize=self.accelerator.synchronize
-        )
-        if self._timer.enabled:  # the start's waits for the disk are not the first step's
-            self._add_disk_waits()
-            self._timer.discard()
+        # The start's writes and waits for the disk are not the first step's.
+        self._deltas = CounterDeltas(self._counters())
+        self._telemetry: StepTelemetry | None = None
+        self._profiler: StepProfiler | None = None
 
     def _build_optimizer(
         self, no_decay: set[str]
@@ -178,7 +199,8 @@ class Engine:
         """The homes first (decided once, see `HomePlan`), the records with them, then the
         optimizer, which writes the trainable weights into their homes."""
         named = list(self.module.named_parameters())
-        trainable = [(n, p.numel()) for n, p in named if p.requires_grad]
+        shard = self._shard_numel
+        trainable = [(n, shard(p.numel())) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(
                 "initialize: the model has no parameter with requires_grad=True; nothing to train"
@@ -192,7 +214,7 @@ class Engine:
         zero = self.config.zero_optimization
         dtype = model_dtype(self.config)
         names = [n for n, _ in trainable]
-        self._swap_stores = SwapStores()
+        self._swap_stores = SwapStores(rank=self.comm.rank)
         self.param_store: NvmeParamStore | None = None
         try:
             on_nvme: set[str] = set()
@@ -212,6 +234,7 @@ class Engine:
                 {n: i for i, n in enumerate(names)},
                 self.param_store,
                 frozenset(on_nvme),
+                comm=self.comm if self.comm.world_size > 1 else None,
             )
             self.records, units, sources = partition_model(
                 self.module, self.config, self.accelerator, plan
@@ -229,21 +252,41 @@ class Engine:
                 weights=weights,
                 no_decay=[i for i, n in enumerate(names) if n in no_decay],
                 grad_store=grads,
+                comm=self.comm,
             )
         except BaseException:
             self._close_stores()  # no swap directory or lock outlives a failed start
             raise
         return optimizer, units
 
+    def _shard_numel(self, numel: int) -> int:
+        """Elements of this rank's shard of a parameter (all of them with one rank)."""
+        return -(-numel // self.comm.world_size)
+
+    def _make_grad_reducer(self) -> GradReducer | None:
+        """With several ranks, the buckets that reduce-scatter gradients into the slots."""
+        if self.comm.world_size == 1:
+            return None
+        zero = self.config.zero_optimization
+        return GradReducer(
+            self.comm,
+            self.optimizer.accumulate_grad,
+            self.accelerator,
+            bucket_numel=int(zero.reduce_bucket_size),
+            overlap=zero.overlap_comm,
+            contiguous=zero.contiguous_gradients,
+            total_shard_numel=self.optimizer.layout.total,
+        )
+
     def _make_param_store(
         self, named: list[tuple[str, nn.Parameter]], on_nvme: set[str], dtype: torch.dtype
     ) -> NvmeParamStore:
         """The NVMe parameter tier: frozen parameters laid out one extent each (the optimizer
-        lays out the trainable ones in its flat space)."""
+        lays out the trainable ones in its flat space); this rank's shards of them."""
         zero = self.config.zero_optimization
-        numels = [p.numel() for _, p in named]
+        numels = [self._shard_numel(p.numel()) for _, p in named]
         return make_param_store(
-            {n: (p.numel(), dtype) for n, p in named if n in on_nvme},
+            {n: (k, dtype) for (n, _), k in zip(named, numels, strict=True) if n in on_nvme},
             zero.offload_param,
             self.config.aio,
             stores=self._swap_stores,
@@ -287,7 +330,10 @@ class Engine:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
         coord = self.coordinator
-        start = self._timer.start()
+        grad = torch.is_grad_enabled()
+        # An evaluation forward belongs to no optimizer step's telemetry.
+        before = None if grad else self._counters()
+        start = self._timer.start() if grad else 0.0
         if coord.phase is Phase.BACKWARD_PENDING:  # a forward whose backward never came
             self.hooks.reset()  # (begin_forward closes its iteration)
         elif coord.phase is Phase.BACKWARD:  # a plain backward that raised out of autograd
@@ -295,9 +341,12 @@ class Engine:
             coord.abort()
         self.entry.new_iteration()
         coord.begin_forward(self._iteration_key())
-        grad = torch.is_grad_enabled()
         try:
-            with self.hooks.mode, self.hooks.saved_tensors():
+            with (
+                self.accelerator.range("infinity::engine::forward"),
+                self.hooks.mode,
+                self.hooks.saved_tensors(),
+            ):
                 out = self.module(*args, **kwargs)
         except BaseException:
             self.hooks.reset()
@@ -306,8 +355,11 @@ class Engine:
         if not grad:
             self.hooks.reset()
         coord.end_forward(backward=grad)
+        if not grad:
+            self._deltas.skip(before, self._counters())
+            return out
         self._timer.stop("forward", start)
-        return self.entry.wrap(out) if grad else out
+        return self.entry.wrap(out)
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backpropagate loss * loss_scale / gradient_accumulation_steps (DeepSpeed's meaning;
@@ -323,11 +375,20 @@ class Engine:
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps
         coord = self.coordinator
+        if coord.phase is Phase.IDLE:
+            raise RuntimeError(
+                "backward: no forward is waiting for its backward (its backward already ran, "
+                "or the loss was not computed from engine(...)); run one backward per forward"
+            )
         start = self._timer.start()
         coord.begin_backward()
         self.entry.caller_scaled = True
         try:
-            with self.hooks.mode, self.hooks.saved_tensors():
+            with (
+                self.accelerator.range("infinity::engine::backward"),
+                self.hooks.mode,
+                self.hooks.saved_tensors(),
+            ):
                 (loss.float() * factor).backward()
         except BaseException:
             self.hooks.reset()
@@ -369,7 +430,18 @@ class Engine:
             self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
+        with self.accelerator.range("infinity::engine::step"):
+            lr = self._run_optimizer()
+        self._telemetry = self._measure_step()
+        self._log_progress(lr, self._telemetry)
+        if self._profiler is not None and self._profiler.step(self.global_steps):
+            self._profiler = None  # its trace is written
+
+    def _run_optimizer(self) -> float:
+        """The optimizer step proper; returns the lr it used."""
         start = self._timer.start()
+        if self.grad_reducer is not None:  # normally done at the end of each backward
+            self.grad_reducer.flush()
         self.coordinator.quiesce()
         lr = self.lr_schedule.lr
         result = self.optimizer.step(
@@ -385,29 +457,35 @@ class Engine:
         else:
             self.lr_schedule.step()
         self.global_steps += 1
-        self._timer.stop("step", start)
-        self._time_step_parts()
-        self._log_progress(lr, self._timer.finish())
+        self.comm.end_step()  # with INFINITY_COMM_CHECK: the ranks' collectives compared
+        self._timer.stop("optimizer", start)
+        return lr
 
-    def _time_step_parts(self) -> None:
-        """With `wall_clock_breakdown`: the optimizer's own parts, and the time waited for
-        the disk (optimizer state in the step, parameters in the whole iteration)."""
-        if not self._timer.enabled:
-            return
-        for part, seconds in self.optimizer.last_timings.items():
-            self._timer.add(f"step.{part.removesuffix('_s')}", seconds)
-        self._add_disk_waits()
+    def _counters(self) -> dict[str, float]:
+        """The running counters a step's telemetry is the difference of."""
+        copies = self.accelerator.copies
+        return {
+            **self.memory_stats(),
+            "host_to_device_bytes": copies.host_to_device_bytes,
+            "device_to_host_bytes": copies.device_to_host_bytes,
+            "copy_s": copies.seconds,
+        }
 
-    def _add_disk_waits(self) -> None:
-        stats = self.memory_stats()
-        for key, name in (
-            ("nvme_optim_wait_us", "step.nvme_wait"),
-            ("nvme_param_wait_us", "nvme_param_wait"),
-        ):
-            if key in stats:
-                self._timer.add_total(name, stats[key] / 1e6)
+    def _measure_step(self) -> StepTelemetry:
+        """The finished optimizer step's record: its phase times and what the counters grew
+        by (perf_counter pairs and integer differences; no device synchronization unless
+        `wall_clock_breakdown`)."""
+        phases = self._timer.finish()
+        return step_telemetry(
+            step=self.global_steps,
+            window_s=self._timer.last_window_s,
+            phases=phases,
+            deltas=self._deltas.take(self._counters()),
+            optimizer_compute_s=self.optimizer.last_compute_s,
+            synchronized=self._timer.synchronizes,
+        )
 
-    def _log_progress(self, lr: float, breakdown: dict[str, float]) -> None:
+    def _log_progress(self, lr: float, telemetry: StepTelemetry) -> None:
         """Every `steps_per_print` optimizer steps: a progress line and, with
         `wall_clock_breakdown`, where the step's time went."""
         if self.global_steps % self.config.steps_per_print:
@@ -416,8 +494,8 @@ class Engine:
             "step %d: lr %.4g, loss scale %g, grad norm %.4g, skipped steps %d",
             self.global_steps, lr, self.loss_scaler.scale, self._grad_norm, self.skipped_steps,
         )  # fmt: skip
-        if breakdown:
-            logger.info("step %d time: %s", self.global_steps, format_breakdown(breakdown))
+        if self.config.wall_clock_breakdown:
+            logger.info("step %d time: %s", self.global_steps, telemetry.describe())
 
     def _weights_changed(self, start: int, weights: torch.Tensor) -> None:
         """The optimizer's new weights of flat elements [start, start + numel): gathered
@@ -460,14 +538,45 @@ class Engine:
         return self._last_overflow
 
     def wall_clock_breakdown(self) -> dict[str, float]:
-        """Seconds spent in forward, backward and step (and the step's parts) over the last
-        optimizer step; {} unless the config's `wall_clock_breakdown` is true."""
-        return dict(self._timer.last)
+        """The `*_seconds` parts of the last optimizer step's telemetry, with the device
+        synchronized around each; {} unless the config's `wall_clock_breakdown` is true."""
+        if not self.config.wall_clock_breakdown or self._telemetry is None:
+            return {}
+        return self._telemetry.seconds()
+
+    def last_step_telemetry(self) -> StepTelemetry | None:
+        """Where the last optimizer step's time went and what it moved (None before the
+        first step): recorded for every step, see docs/telemetry.md."""
+        return self._telemetry
+
+    def profile(
+        self, steps: int, out_dir: str | os.PathLike, *, warmup_steps: int = 1
+    ) -> StepProfiler:
+        """Record the optimizer steps after the next `warmup_steps` ones, `steps` of them,
+        with torch.profiler (the engine's ranges are `infinity::<component>::<op>`), and
+        write a Chrome trace into `out_dir` (atomically) once they are done, or when the
+        engine closes. Returns the profiler: its `path` is the trace's, once written."""
+        if self._profiler is not None:
+            raise RuntimeError(
+                "profile: a profile is already being recorded; wait for its trace (its "
+                "`path`) or close the engine first"
+            )
+        self._profiler = StepProfiler(
+            steps,
+            out_dir,
+            warmup_steps=warmup_steps,
+            activities=self.accelerator.profiler_activities(),
+        )
+        self._profiler.start(self.global_steps)
+        return self._profiler
 
     def memory_stats(self) -> dict[str, int]:
-        """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses; with
-        NVMe tiers, bytes read and written, time waited, the staging buffers' sizes and peak
-        use, and the pinned bytes (allocated, and the peak in use)."""
+        """Live/peak gathered elements and bytes, host bytes, prefetch hits and misses, the
+        time gathers waited (`gather_wait_us`, a running total); with NVMe tiers, bytes read
+        and written, time waited, the staging buffers' sizes and peak use, and the pinned
+        bytes (allocated, and the peak in use); this rank's figures, with `rank`,
+        `world_size`, `home_numel` (the elements its homes hold: about 1/world_size of the
+        model) and the comm's bytes and calls per collective."""
         stats = self.coordinator.stats()
         # Trainable homes are the optimizer's buffers (it counts them, or they alias its fp32
         # masters); frozen ones are only ours.
@@ -491,6 +600,11 @@ class Engine:
                 pinned += pool.total_bytes
                 peak_pinned += pool.peak_bytes_in_use
         stats["pinned_bytes"], stats["peak_pinned_bytes"] = pinned, peak_pinned
+        stats["rank"], stats["world_size"] = self.comm.rank, self.comm.world_size
+        stats["home_numel"] = sum(r.home.numel for r in self.records)  # this rank's shards
+        stats.update(self.comm.stats())
+        if self.grad_reducer is not None:
+            stats.update(self.grad_reducer.memory_stats())
         return stats
 
     # ---- checkpoints ------------------------------------------------------------------
@@ -544,6 +658,7 @@ class Engine:
         checkpoint.save_checkpoint(
             save_dir, tensors(), step=self.global_steps, state=state, tag=tag
         )
+        self._deltas.rebase(self._counters())  # a checkpoint's reads are no step's
         logger.info("saved checkpoint %s/%s", save_dir, tag)
         return tag
 
@@ -554,7 +669,8 @@ class Engine:
         safetensors file, `save_dir/save_filename`, with the model's config.json when it has
         one, so `from_pretrained(save_dir)` loads it. The training dtype when it is fp16 or
         bf16, else bf16. Needs zero_optimization.stage3_gather_16bit_weights_on_model_save
-        (DeepSpeed's switch for this). Returns the file's path."""
+        (DeepSpeed's switch for this). Returns the file's path. With several ranks every
+        rank calls it (each parameter is gathered from all of them) and rank 0 writes."""
         if not self.config.zero_optimization.gather_16bit_weights_on_model_save:
             raise ValueError(
                 "save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save "
@@ -565,6 +681,11 @@ class Engine:
         dtype = self.records[0].dtype
         dtype = dtype if dtype in model16.SIXTEEN_BIT else torch.bfloat16
         weights = [(r.name, _weights_of(r)) for r in self.records]
+        if self.comm.rank != 0:  # the gathers are collectives: take part, write nothing
+            for _, gather in weights:
+                gather()
+            self.comm.barrier()  # returns once rank 0 has written the file
+            return str(Path(save_dir) / save_filename)
         path = model16.save_16bit_model(
             weights + list(model16.persistent_buffers(self.module)),
             save_dir,
@@ -572,6 +693,8 @@ class Engine:
             dtype=dtype,
             config_json=model16.model_config_json(self.module, dtype),
         )
+        if self.comm.world_size > 1:
+            self.comm.barrier()
         logger.info("saved 16-bit model weights to %s", path)
         return str(path)
 
@@ -613,6 +736,7 @@ class Engine:
         rng = ckpt.rng_state()
         if rng:
             checkpoint.restore_rng_state(rng)
+        self._deltas.rebase(self._counters())  # its writes are no step's
         logger.info("loaded checkpoint %s", ckpt.path)
         client_state = {k: v for k, v in ckpt.state.items() if k not in _ENGINE_STATE_KEYS}
         return str(ckpt.path), client_state
@@ -635,12 +759,19 @@ class Engine:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self._profiler is not None:  # a trace of the steps recorded so far
+            self._profiler.stop()
+            self._profiler = None
         self.hooks.remove()
         for handle in self._grad_handles:
             handle.remove()
         self._grad_handles = []
         self.coordinator.abort()
-        self._close_stores(self.optimizer)
+        try:
+            self._close_stores(self.optimizer)
+        finally:
+            if self._owns_comm:
+                self.comm.close()
 
     def _check_open(self, what: str) -> None:
         if getattr(self, "_closed", False):
@@ -659,15 +790,16 @@ class Engine:
 
     def named_parameters_host(self):
         """(name, a host copy of the weights in the parameter's shape) for every parameter,
-        read from its home when reached."""
+        read from its home when reached (with several ranks, gathered from every rank: all
+        of them must iterate it together)."""
         for rec in self.records:
             yield rec.name, _weights_of(rec)()
 
 
 def _weights_of(rec: OffloadParam):
     """A thunk for a parameter's weights that reads its home when the writer reaches it (one
-    parameter in memory at a time)."""
-    return lambda: rec.home.read().view(rec.shape)
+    parameter in memory at a time; with several ranks every rank's shard, gathered)."""
+    return lambda: rec.read_full().view(rec.shape)
 
 
 def _to_half(obj: Any) -> Any:

@@ -13,23 +13,29 @@ scenario = sys.argv[1]
 
 
 def collectives() -> dict:
-    c = comm.from_env(timeout=20)
+    device = torch.device(os.environ.get("COMM_TEST_DEVICE", "cpu"))
+    if device.type == "cuda":  # NCCL: one device per local rank
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    c = comm.from_env(timeout=20, device=device)
     r, w = c.rank, c.world_size
     out: dict = {"rank": r, "world_size": w, "local_rank": c.local_rank}
-    shard = torch.arange(3, dtype=torch.float32) + 10 * r
-    full = torch.empty(3 * w)
+    shard = torch.arange(3, dtype=torch.float32, device=device) + 10 * r
+    full = torch.empty(3 * w, device=device)
     c.all_gather_into(full, shard)
     out["all_gather"] = full.tolist()
-    half = torch.empty(3 * w, dtype=torch.bfloat16)
+    half = torch.empty(3 * w, dtype=torch.bfloat16, device=device)
     work = c.all_gather_into(half, shard.bfloat16(), async_op=True)
     work.wait()
     out["all_gather_bf16"] = half.float().tolist()
-    flat = torch.arange(4 * w, dtype=torch.float32) * (r + 1)
-    mine = torch.empty(4)
+    flat = torch.arange(4 * w, dtype=torch.float32, device=device) * (r + 1)
+    mine = torch.empty(4, device=device)
     c.reduce_scatter_into(mine, flat, async_op=True).wait()
     out["reduce_scatter"] = mine.tolist()
-    out["all_reduce_sum"] = c.all_reduce_(torch.tensor([1.0, r])).tolist()
-    out["all_reduce_max"] = c.all_reduce_(torch.tensor([float(r), -r]), op="max").tolist()
+    out["all_reduce_sum"] = c.all_reduce_(torch.tensor([1.0, r], device=device)).tolist()
+    maxed = c.all_reduce_(torch.tensor([float(r), -r], device=device), op="max")
+    out["all_reduce_max"] = maxed.tolist()
+    out["backend"] = getattr(c, "backend", None)
     out["broadcast"] = c.broadcast_object({"from": r}, src=1)
     out["gathered"] = c.all_gather_object(("rank", r))
     c.barrier()

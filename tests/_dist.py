@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import socket
@@ -62,3 +63,13 @@ def run_ranks(
             err += f"\n[rank {rank} killed after {timeout_s} s]"
         results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     return results
+
+
+def rank_results(procs: list[subprocess.CompletedProcess]) -> list[dict]:
+    """The JSON each rank printed on its last `RESULT ` line (a clear failure if none)."""
+    out = []
+    for rank, p in enumerate(procs):
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"rank {rank} printed no result (exit {p.returncode}):\n{p.stderr[-3000:]}"
+        out.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return out

@@ -50,3 +50,32 @@ def test_cuda_requested_without_cuda_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="INFINITY_ACCELERATOR=cpu"):
         CudaAccelerator()
+
+
+def test_copies_are_counted(accel):
+    before = (accel.copies.host_to_device_bytes, accel.copies.device_to_host_bytes)
+    seconds = accel.copies.seconds
+    host = torch.ones(1000, dtype=torch.float32)
+    dev = accel.to_device(host)
+    accel.to_host(dev[:100], torch.empty(100))
+    accel.synchronize()
+    assert accel.copies.host_to_device_bytes - before[0] == 4000
+    assert accel.copies.device_to_host_bytes - before[1] == 400
+    assert accel.copies.seconds > seconds
+
+
+def test_ranges_cost_nothing_without_a_profiler(accel, monkeypatch):
+    def fail(name):
+        raise AssertionError(f"record_function({name!r}) opened with no profiler running")
+
+    monkeypatch.setattr(torch.profiler, "record_function", fail)
+    assert accel.range("infinity::test::a") is accel.range("infinity::test::b")
+    with accel.range("infinity::test::a"):
+        pass
+
+
+def test_ranges_are_recorded_while_a_profiler_runs(accel):
+    activities = accel.profiler_activities()
+    with torch.profiler.profile(activities=activities) as prof, accel.range("infinity::test::op"):
+        torch.ones(4).sum()
+    assert "infinity::test::op" in {e.key for e in prof.key_averages()}

@@ -444,7 +444,7 @@ def _closed(then):
 
 API_CASES = [
     ("step-before-backward", lambda: _engine().step(), RuntimeError, "no backward() since"),
-    ("backward-twice", _backward_twice, RuntimeError, "backward through the graph a second"),
+    ("backward-twice", _backward_twice, RuntimeError, "no forward is waiting for its backward"),
     ("backward-not-scalar", lambda: (e := _engine()).backward(e(torch.randn(2, 8))), ValueError,
      "expected a scalar loss"),
     ("forward-after-close", lambda: _closed(_loss), RuntimeError, "the engine is closed"),

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from _dist import rank_results, run_ranks
 
 from infinity import comm
 from infinity.comm.check import describe_mismatch
-from tests._dist import run_ranks
-
-
-def _results(procs) -> list[dict]:
-    out = []
-    for rank, p in enumerate(procs):
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert lines, f"rank {rank} printed no result (exit {p.returncode}):\n{p.stderr[-3000:]}"
-        out.append(json.loads(lines[-1].removeprefix("RESULT ")))
-    return out
-
 
 # ---- SingleProcess ------------------------------------------------------------------------
 
@@ -110,9 +98,11 @@ def test_describe_mismatch_names_position_and_each_rank():
 # ---- two gloo ranks ---------------------------------------------------------------------
 
 
-def test_two_ranks_collectives_and_counters():
-    res = _results(run_ranks("_comm_child.py", ["collectives"]))
+def _two_ranks_collectives(device: str) -> None:
+    env = {"COMM_TEST_DEVICE": device}
+    res = rank_results(run_ranks("_comm_child.py", ["collectives"], env=env))
     for r, out in enumerate(res):
+        assert out["backend"] == ("nccl" if device == "cuda" else "gloo")
         assert (out["rank"], out["world_size"], out["local_rank"]) == (r, 2, r)
         assert out["all_gather"] == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
         assert out["all_gather_bf16"] == out["all_gather"]
@@ -130,8 +120,17 @@ def test_two_ranks_collectives_and_counters():
         assert s["comm_barrier_calls"] == 1 and s["comm_broadcast_object_calls"] == 1
 
 
+def test_two_ranks_collectives_and_counters():
+    _two_ranks_collectives("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices")
+def test_two_ranks_collectives_over_nccl():
+    _two_ranks_collectives("cuda")
+
+
 def test_step_check_names_first_difference():
-    res = _results(run_ranks("_comm_child.py", ["mismatch"]))
+    res = rank_results(run_ranks("_comm_child.py", ["mismatch"]))
     for out in res:  # every rank raises, so none waits in the next collective
         assert out["error"] is not None
         assert "collective #1" in out["error"]
@@ -140,7 +139,7 @@ def test_step_check_names_first_difference():
 
 
 def test_per_call_check_stops_before_mismatched_collective():
-    res = _results(run_ranks("_comm_child.py", ["mismatch_per_call"]))
+    res = rank_results(run_ranks("_comm_child.py", ["mismatch_per_call"]))
     for out in res:
         assert "collective #0" in out["error"]
         assert "rank 0: all_gather(8 x float32)" in out["error"]
@@ -148,7 +147,7 @@ def test_per_call_check_stops_before_mismatched_collective():
 
 
 def test_stuck_rank_fails_peer_within_timeout():
-    res = _results(run_ranks("_comm_child.py", ["stuck"]))
+    res = rank_results(run_ranks("_comm_child.py", ["stuck"]))
     err = res[0]["error"]
     assert err is not None and "rank 0 of 2" in err and "all_reduce" in err
     assert "timeout_s=3" in err
@@ -158,7 +157,7 @@ def test_stuck_rank_fails_peer_within_timeout():
 def test_dead_rank_fails_peer_and_barrier_names_it():
     procs = run_ranks("_comm_child.py", ["dead"])
     assert procs[1].returncode == 3
-    out = _results(procs[:1])[0]
+    out = rank_results(procs[:1])[0]
     assert out["error"] is not None and "barrier" in out["error"]
     assert "Ranks 1" in out["error"]  # the monitored barrier names the missing rank
     assert out["elapsed_s"] < 20

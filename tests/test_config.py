@@ -191,6 +191,8 @@ def test_zero_infinity_json_loads_unchanged(tmp_path):
         assert zero.max_live_parameters == 300_000_000
         assert zero.prefetch_bucket_size == 50_000_000
         assert zero.sub_group_size == 100_000_000
+        assert zero.reduce_bucket_size == 500_000_000 and type(zero.reduce_bucket_size) is int
+        assert zero.overlap_comm is True and zero.contiguous_gradients is True
         assert zero.gather_16bit_weights_on_model_save is True
         assert cfg.aio.thread_count == 2 and cfg.aio.queue_depth == 16
         assert cfg.fp16.initial_scale_power == 12 and cfg.fp16.min_loss_scale == 0.5
@@ -234,7 +236,7 @@ def test_every_field_changed_round_trips():
 def test_hf_template_loads_and_resolves():
     cfg = Config.load(HF_ZERO3)
     assert cfg.train_batch_size == AUTO and cfg.optimizer.lr == AUTO
-    assert len(_autos(cfg.to_dict())) == 17  # 16 given + offload_param.buffer_size
+    assert len(_autos(cfg.to_dict())) == 18  # 17 given + offload_param.buffer_size
     out = cfg.resolve(world_size=1, hidden_size=512, total_num_steps=300)
     assert _autos(out.to_dict()) == []
     assert (out.train_batch_size, out.train_micro_batch_size_per_gpu) == (1, 1)
@@ -243,6 +245,7 @@ def test_hf_template_loads_and_resolves():
     assert out.optimizer == OptimizerConfig()
     assert out.zero_optimization.prefetch_bucket_size == int(0.9 * 512 * 512)
     assert out.zero_optimization.param_persistence_threshold == 10 * 512
+    assert out.zero_optimization.reduce_bucket_size == 512 * 512
     assert out.scheduler.params == {
         "warmup_min_lr": 0.0,
         "warmup_max_lr": out.optimizer.lr,
@@ -309,6 +312,9 @@ def test_ignored_keys_are_logged(caplog):
         )
     assert cfg.zero_optimization == ZeroConfig()
     assert "zero_optimization.round_robin_gradients" in caplog.text
+    assert "zero_optimization.overlap_comm" not in caplog.text  # read: it is a setting now
+    off = Config.from_dict({"zero_optimization": {"overlap_comm": False}})
+    assert off.zero_optimization.overlap_comm is False
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -589,11 +595,13 @@ def test_resolve_zero_sizes_without_hidden_size_take_defaults():
                 "stage3_prefetch_bucket_size": "auto",
                 "param_persistence_threshold": "auto",
                 "sub_group_size": "auto",
+                "reduce_bucket_size": "auto",
             }
         }
     )
     out = cfg.resolve()
     zero, default = out.zero_optimization, ZeroConfig()
+    assert zero.reduce_bucket_size == default.reduce_bucket_size
     assert zero.prefetch_bucket_size == default.prefetch_bucket_size
     assert zero.param_persistence_threshold == default.param_persistence_threshold
     assert zero.sub_group_size == default.sub_group_size
@@ -785,3 +793,26 @@ def test_docs_list_every_unsupported_feature_and_its_reason():
         for key, entry in table.items():
             assert f"| `{key}` (" in docs, key
             assert entry.why[1:] in docs, key
+
+
+def test_nvme_path_per_local_rank():
+    cfg = Config.from_dict(
+        {
+            "zero_optimization": {
+                "offload_param": {"device": "nvme", "nvme_path": ["/ssd0", "/ssd1"]},
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/shared"},
+            }
+        }
+    )
+    assert cfg.zero_optimization.offload_param.nvme_path == ["/ssd0", "/ssd1"]
+    assert Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    mine = cfg.for_local_rank(1).zero_optimization
+    assert mine.offload_param.nvme_path == "/ssd1"
+    assert mine.offload_optimizer.nvme_path == "/shared"  # one path: every rank under it
+    assert cfg.zero_optimization.offload_param.nvme_path == ["/ssd0", "/ssd1"]  # unchanged
+    with pytest.raises(ValueError, match=r"lists 2 directories .* local rank 2"):
+        cfg.for_local_rank(2)
+    with pytest.raises(TypeError, match=r"nvme_path: expected a non-empty list"):
+        Config.from_dict({"zero_optimization": {"offload_param": {"nvme_path": []}}})
+    with pytest.raises(TypeError, match=r"nvme_path\[1\]: expected a string"):
+        Config.from_dict({"zero_optimization": {"offload_param": {"nvme_path": ["/a", 3]}}})

@@ -8,10 +8,19 @@ from __future__ import annotations
 import functools
 import os
 
-from infinity.accelerator.base import Accelerator, Event, Stream
+from infinity.accelerator.base import Accelerator, CopyCounters, Event, Stream, profile_range
 from infinity.accelerator.cpu import CpuAccelerator
 
-__all__ = ["Accelerator", "Event", "Stream", "CpuAccelerator", "get_accelerator", "cuda_available"]
+__all__ = [
+    "Accelerator",
+    "CopyCounters",
+    "CpuAccelerator",
+    "Event",
+    "Stream",
+    "cuda_available",
+    "get_accelerator",
+    "profile_range",
+]
 
 
 def cuda_available() -> bool:

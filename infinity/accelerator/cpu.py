@@ -42,6 +42,7 @@ class CpuAccelerator(Accelerator):
     name = "cpu"
 
     def __init__(self) -> None:
+        super().__init__()
         self.device = torch.device("cpu")
 
     def new_stream(self) -> Stream:

@@ -44,6 +44,7 @@ class CudaAccelerator(Accelerator):
     name = "cuda"
 
     def __init__(self, index: int | None = None) -> None:
+        super().__init__()
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "the CUDA accelerator was requested but torch sees no CUDA device; "
@@ -78,6 +79,12 @@ class CudaAccelerator(Accelerator):
 
     def max_memory_allocated(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.device)
+
+    def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
+        return [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         tensor.record_stream(stream.raw)  # type: ignore[attr-defined]

@@ -102,6 +102,16 @@ def run(args: argparse.Namespace) -> int:
         )
     shape = model_shape(model_config(args.model), lora_r=args.lora_r or 0)
     config = config_from_args(argparse.Namespace(**{**vars(args), "lr": None, "seed": None}))
+    overhead = 0.0
+    if args.device == "cpu":  # the engine's hooks take the cores that compute
+        from infinity.cli.estimate_probe import probe_module_overhead_s
+        from infinity.zero import model_dtype
+
+        overhead = probe_module_overhead_s(
+            model_dtype(config),
+            lora_r=shape.lora_r,
+            checkpointing=args.activation_checkpointing,
+        )
     rates = measure_rates(
         shape,
         config,
@@ -110,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing,
         nvme_path=args.nvme,
         bench_aio=args.bench_aio,
+        module_overhead_s=overhead,
     )
     est = estimate(
         shape,
@@ -137,8 +148,8 @@ def render(est, model: str) -> str:
         f"{i['gradient_accumulation_steps']} = {est.tokens_per_step} tokens per step, "
         f"device {i['device']}",
         f"offload: parameters to {i['offload_param']}, optimizer state to "
-        f"{i['offload_optimizer']}; {s.num_sub_groups} sub-groups of at most "
-        f"{i['sub_group_size']:,} elements",
+        f"{i['offload_optimizer']}; {s.num_sub_groups} sub-group{_plural(s.num_sub_groups)} "
+        f"of at most {i['sub_group_size']:,} elements",
         "",
         "memory",
         _row("host RAM, peak", est.peak_rss_bytes, f"steady {est.steady_rss_bytes / _GIB:.1f} GiB"),
@@ -173,12 +184,17 @@ def render(est, model: str) -> str:
         f"  {'NVMe transfers':<28}{t.nvme_s:9.2f} s",
         f"  {'CPU-Adam (+ norm)':<28}{t.cpu_adam_s:9.2f} s",
         f"  {'host-device copies':<28}{t.copies_s:9.2f} s",
+        *([f"  {'engine hooks':<28}{t.hooks_s:9.2f} s"] if t.hooks_s else []),
         "",
         *(f"- {a}" for a in est.advice),
         "",
         "rates: " + "; ".join(f"{k}: {v}" for k, v in est.rates.sources.items()),
     ]
     return "\n".join(lines)
+
+
+def _plural(n: int) -> str:
+    return "" if n == 1 else "s"
 
 
 def _row(label: str, nbytes: int, note: str = "") -> str:

@@ -226,6 +226,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (log lines only)"
     )
+    parser.add_argument(
+        "--profile",
+        type=_positive_int,
+        metavar="STEPS",
+        help="record STEPS optimizer steps after one warm-up step with torch.profiler and "
+        "write a Chrome trace (chrome://tracing, Perfetto) to SAVE_DIR/profile/",
+    )
     parser.set_defaults(func=run)
 
 
@@ -324,6 +331,22 @@ def check_inputs(args: argparse.Namespace) -> None:
     _check_seq_len(args)
     check_tokenizer_dir(args)
     lora_spec(args)
+    _check_profile(args)
+
+
+# The step before a profile's: it traces the execution order and fills caches.
+PROFILE_WARMUP_STEPS = 1
+
+
+def _check_profile(args: argparse.Namespace) -> None:
+    profile = getattr(args, "profile", None)
+    if profile and args.steps and args.steps < profile + PROFILE_WARMUP_STEPS:
+        fewer = args.steps - PROFILE_WARMUP_STEPS
+        raise ValueError(
+            f"--profile {profile} records {profile} steps after {PROFILE_WARMUP_STEPS} warm-up "
+            f"step, but --steps is {args.steps}; use --steps {profile + PROFILE_WARMUP_STEPS} "
+            "or more" + (f", or --profile {fewer}" if fewer >= 1 else "")
+        )
 
 
 def _create_save_dir(save_dir: Path) -> None:

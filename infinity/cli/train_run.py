@@ -25,7 +25,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import infinity
 from infinity.checkpoint import Checkpoint, MetricsLog, latest_tag, prune
 from infinity.cli import train_disk
-from infinity.cli.train import lora_spec, tokenizer_dir
+from infinity.cli.train import PROFILE_WARMUP_STEPS, lora_spec, tokenizer_dir
 from infinity.cli.train_savedir import RunShape, check_resume, find_resume, prepare_fresh
 from infinity.cli.train_stop import Phase, StopNow, StopSignals, stop_in_chain
 from infinity.config import Config
@@ -33,6 +33,7 @@ from infinity.data import PackedDataset, open_dataset
 from infinity.data.tokenizer import tokenizer_files
 from infinity.models import hf_auto
 from infinity.models.lora import LoraSpec, apply_lora, lora_targets
+from infinity.utils.profiler import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +356,7 @@ class TrainRun:
             disable=self.args.no_progress,
             dynamic_ncols=True,
         )
+        profiler = self._start_profile(engine, steps)
         with bar, logging_redirect_tqdm():  # the engine's progress lines go above the bar
             while engine.global_steps < steps and not signals.requested:
                 lr = engine.get_lr()[0]  # the rate this step uses
@@ -369,14 +371,32 @@ class TrainRun:
                 record["tflops"] = flops_per_token * record["tokens_per_s"] / 1e12
                 self.metrics.append(record)
                 bar.update(1)
-                bar.set_postfix(
-                    loss=f"{loss:.4f}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                    tflops=f"{record['tflops']:.3g}",
+                bar.set_postfix_str(
+                    f"loss={loss:.4f}, tok_s={record['tokens_per_s']:.0f}, "
+                    f"tflops={record['tflops']:.3g} | {engine.last_step_telemetry().compact()}"
                 )
+                if profiler is not None and (profiler.path or profiler.error):
+                    tqdm.write(_profile_written(profiler))
+                    profiler = None
                 every = self.args.save_every
                 if every and engine.global_steps % every == 0 and engine.global_steps < steps:
                     self._save(engine, data)
+        if profiler is not None:  # the run ended before the profile did
+            _end_profile(profiler)
+
+    def _start_profile(self, engine, steps: int) -> StepProfiler | None:
+        """With --profile N: N steps after a warm-up step, or as many as the run has left."""
+        wanted = self.args.profile
+        if not wanted:
+            return None
+        left = steps - engine.global_steps
+        warmup = min(PROFILE_WARMUP_STEPS, max(0, left - wanted))
+        if left < wanted + PROFILE_WARMUP_STEPS:
+            print(
+                f"--profile {wanted}: the run has {left} step(s) left; profiling "
+                f"{min(wanted, left)} after {warmup} warm-up step(s)"
+            )
+        return engine.profile(min(wanted, left), self.save_dir / "profile", warmup_steps=warmup)
 
     @staticmethod
     def _one_step(engine, data: PackedDataset, micro: int, accum: int) -> float:
@@ -392,6 +412,8 @@ class TrainRun:
 
     @staticmethod
     def _record(engine, loss: float, lr: float, tokens_per_s: float, seconds: float) -> dict:
+        """The step's line in metrics.jsonl: the loop's figures, then the engine's telemetry
+        (names in docs/telemetry.md)."""
         record = {
             "step": engine.global_steps,
             "loss": loss,
@@ -400,6 +422,7 @@ class TrainRun:
             "step_s": seconds,
             "tokens_per_s": tokens_per_s,
         }
+        record.update(engine.last_step_telemetry().to_dict())
         if engine.config.precision == "fp16":
             record["loss_scale"] = engine.loss_scale
             record["skipped"] = engine.was_step_skipped
@@ -410,6 +433,22 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy in fp32. `labels` are already shifted by the data pipeline
     (labels[t] follows input_ids[t]), so the model's own loss, which shifts, is not used."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _end_profile(profiler: StepProfiler) -> None:
+    """Write what was recorded (a stop may come before the profile's last step)."""
+    profiler.stop()
+    if profiler.path is None and profiler.error is None:
+        print("--profile: the run ended in the warm-up step; no trace was written")
+    else:
+        print(_profile_written(profiler))
+
+
+def _profile_written(profiler: StepProfiler) -> str:
+    if profiler.recorded is None:
+        return f"--profile: {profiler.error}; training went on without the trace"
+    first, last = profiler.recorded
+    return f"--profile: steps {first}-{last} written to {profiler.path} (Chrome trace)"
 
 
 def _checkpoints_kept(steps: int, every: int | None, keep_last: int | None) -> int:

@@ -65,9 +65,6 @@ _IGNORED: dict[type, frozenset[str]] = {
     ),
     ZeroConfig: frozenset(
         {
-            "overlap_comm",
-            "contiguous_gradients",
-            "reduce_bucket_size",
             "reduce_scatter",
             "allgather_partitions",
             "allgather_bucket_size",
@@ -113,6 +110,7 @@ _MINIMUM: dict[tuple[type, str], tuple[float, bool]] = {
     (ZeroConfig, "max_reuse_distance"): (0, False),
     (ZeroConfig, "param_persistence_threshold"): (0, False),
     (ZeroConfig, "sub_group_size"): (1, False),
+    (ZeroConfig, "reduce_bucket_size"): (1, False),
     (AioConfig, "block_size"): (1, False),
     (AioConfig, "queue_depth"): (1, False),
     (AioConfig, "thread_count"): (1, False),
@@ -194,6 +192,10 @@ def _convert(raw: Any, hint: Any, path: str, auto: bool = False) -> Any:
         if raw is None and type(None) in args:
             return None
         rest = [a for a in args if a is not type(None)]
+        lists = [a for a in rest if typing.get_origin(a) is list]
+        if lists and isinstance(raw, (list, tuple)):  # "X or a list of X"
+            return _convert(raw, lists[0], path, auto)
+        rest = [a for a in rest if a not in lists]
         if str in rest and len(rest) > 1:  # "X or auto"
             if raw == AUTO:
                 return AUTO
@@ -230,6 +232,10 @@ def _convert(raw: Any, hint: Any, path: str, auto: bool = False) -> Any:
         return tuple(
             _convert(x, a, f"{path}[{i}]") for i, (x, a) in enumerate(zip(raw, args, strict=True))
         )
+    if origin is list:
+        if not isinstance(raw, (list, tuple)) or not raw:
+            raise TypeError(f"{path}: expected a non-empty list, got {raw!r}")
+        return [_convert(x, args[0], f"{path}[{i}]") for i, x in enumerate(raw)]
     if origin is dict:
         if not isinstance(raw, Mapping):
             raise TypeError(f"{path}: expected an object, got {raw!r}")

@@ -57,9 +57,13 @@ def _resolve_zero(cfg: Config, hidden: int | None, largest_param_numel: int | No
             zero.prefetch_bucket_size = int(0.9 * hidden * hidden)
         if zero.param_persistence_threshold == AUTO:
             zero.param_persistence_threshold = 10 * hidden
+        if zero.reduce_bucket_size == AUTO:
+            zero.reduce_bucket_size = hidden * hidden
     names = ("max_live_parameters", "prefetch_bucket_size", "max_reuse_distance")
     _fill(
-        zero, Config().zero_optimization, (*names, "param_persistence_threshold", "sub_group_size")
+        zero,
+        Config().zero_optimization,
+        (*names, "param_persistence_threshold", "sub_group_size", "reduce_bucket_size"),
     )
     if zero.offload_param.buffer_size == AUTO:
         zero.offload_param.buffer_size = largest_param_numel or 100_000_000  # DeepSpeed: 1e8

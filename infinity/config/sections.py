@@ -25,8 +25,9 @@ class OffloadParamConfig:
     pin_memory: bool = True
     """Pin the NVMe staging buffers so device copies are asynchronous (the CPU accelerator
     cannot pin: there it changes nothing, and `memory_stats` reports 0 pinned bytes)."""
-    nvme_path: str | None = None
-    """Directory on a fast SSD for the swap store; required when device is "nvme"."""
+    nvme_path: str | list[str] | None = None
+    """Directory on a fast SSD for the swap store; required when device is "nvme". A list
+    gives one directory per local rank (each rank on its own SSD); see `Config.for_local_rank`."""
     buffer_count: int = 5
     """Number of pinned staging buffers for NVMe parameter reads."""
     buffer_size: int | str = AUTO
@@ -47,8 +48,9 @@ class OffloadOptimizerConfig:
     """Pin the NVMe pipeline's host buffers (allocated pinned by the accelerator; the CPU
     accelerator cannot pin, so there it changes nothing and `memory_stats` reports 0 pinned
     bytes). With device "cpu" there are no such buffers: the state is stepped in place."""
-    nvme_path: str | None = None
-    """Directory on a fast SSD for the optimizer swap store; required when device is "nvme"."""
+    nvme_path: str | list[str] | None = None
+    """Directory on a fast SSD for the optimizer swap store; required when device is "nvme".
+    A list gives one directory per local rank; see `Config.for_local_rank`."""
     buffer_count: int = 4
     """Host buffers of the NVMe optimizer pipeline, one sub-group each; at least 3 (one read
     ahead, one stepped, one written back)."""
@@ -81,6 +83,15 @@ class ZeroConfig:
     """Parameters with fewer elements stay resident on the device."""
     sub_group_size: int | str = 1_000_000_000
     """Elements per optimizer sub-group (the unit of CPU-Adam and NVMe swapping)."""
+    reduce_bucket_size: int | str = 500_000_000
+    """With several ranks: gradient elements reduce-scattered in one collective (a larger
+    parameter goes alone); "auto" = hidden_size^2 with `Config.resolve(hidden_size=...)`."""
+    overlap_comm: bool = True
+    """With several ranks: reduce-scatter a full gradient bucket while backward goes on (two
+    buckets in use); False waits for each reduction before backward continues."""
+    contiguous_gradients: bool = True
+    """With several ranks: copy each gradient into the bucket's buffer as it is produced and
+    free it at once; False keeps the gradients until their bucket is reduced."""
     gather_16bit_weights_on_model_save: bool = False
     """Allow `Engine.save_16bit_model`: consolidated 16-bit weights in one safetensors file
     (DeepSpeed's stage3_ key). `infinity export` does the same from a checkpoint."""
@@ -193,9 +204,9 @@ class Config:
     """Log a progress line (step, skipped steps, lr, loss scale, grad norm) every this many
     optimizer steps, at INFO level."""
     wall_clock_breakdown: bool = False
-    """Time forward, backward and the optimizer step (and the step's own parts) over each
-    optimizer step, log them every `steps_per_print` steps and keep the last ones in
-    `Engine.wall_clock_breakdown()`. Synchronizes the device around each timed part."""
+    """Synchronize the device around each timed part of a step (the telemetry every step
+    records, docs/telemetry.md), log the breakdown every `steps_per_print` steps and return
+    it from `Engine.wall_clock_breakdown()`."""
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:
@@ -240,6 +251,29 @@ class Config:
         from infinity.config.parse import parse
 
         parse(Config, self.to_dict(), "")
+
+    def for_local_rank(self, local_rank: int) -> Config:
+        """A copy in which each `nvme_path` given as a list (one directory per local rank)
+        is this local rank's entry; `self` is unchanged. A single path serves every rank
+        (each rank has its own directory under it)."""
+        out = Config.from_dict(self.to_dict())
+        zero = out.zero_optimization
+        for name, section in (
+            ("offload_param", zero.offload_param),
+            ("offload_optimizer", zero.offload_optimizer),
+        ):
+            paths = section.nvme_path
+            if not isinstance(paths, list):
+                continue
+            if not 0 <= local_rank < len(paths):
+                raise ValueError(
+                    f"zero_optimization.{name}.nvme_path lists {len(paths)} director"
+                    f"{'y' if len(paths) == 1 else 'ies'} ({paths}) but this is local rank "
+                    f"{local_rank}: give one per process on the node, or a single path that "
+                    "all ranks share"
+                )
+            section.nvme_path = paths[local_rank]
+        return out
 
     def resolve(
         self,

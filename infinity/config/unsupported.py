@@ -57,7 +57,7 @@ _SINGLE_NODE = f"{_ONE_PROCESS} (ZeRO stage 3 with offload)"
 
 _METRICS = (
     "the engine does not log to it; `infinity train` writes metrics.jsonl, and a training "
-    "loop can log engine.memory_stats() and engine.wall_clock_breakdown() itself"
+    "loop can log engine.memory_stats() and engine.last_step_telemetry() itself"
 )
 TOP_LEVEL: dict[str, Unsupported] = {
     "amp": Unsupported("NVIDIA Apex AMP is not used; enable fp16 or bf16 instead", (OFF,)),

@@ -44,10 +44,13 @@ def measure_rates(
     activation_checkpointing: bool = False,
     nvme_path: str | None = None,
     bench_aio: str | None = None,
+    module_overhead_s: float = 0.0,
 ) -> Rates:
     """The rates for `device` ("cpu": probed here; a name in `GPUS`: published figures),
     CPU-Adam and the norm pass probed here, the disk from `bench_aio` (a `bench aio --json`
-    file), else a probe of `nvme_path` when the tiers use NVMe, else an assumed SSD."""
+    file), else a probe of `nvme_path` when the tiers use NVMe, else an assumed SSD.
+    `module_overhead_s`: the engine's cost per module on this CPU, which a caller that may
+    run the engine probes (`infinity.cli.estimate_probe`)."""
     if device not in DEVICES:
         raise ValueError(f"--device {device!r} is not known; choose one of {', '.join(DEVICES)}")
     config = resolve_config(config, shape)
@@ -62,13 +65,19 @@ def measure_rates(
             c, micro, seq_len, dtype, frozen=frozen, checkpointing=activation_checkpointing
         )
         copy = hardware.probe_copy_bytes_per_s()
-        sources["compute"] = "probe: one block and the head, forward and backward, on this CPU"
-        sources["copies"] = "probe: a host memory copy"
+        fresh = hardware.probe_fresh_copy_bytes_per_s()
+        sources["compute"] = (
+            "probe: the model cut to one layer, and a block per further layer, forward and "
+            "backward on this CPU"
+        )
+        sources["copies"] = "probe: a host memory copy, and one into new memory (gathers)"
+        if module_overhead_s:
+            sources["hooks"] = "probe: a tiny Llama through the engine against plain PyTorch"
     else:
         flops = c.train_flops_per_token(seq_len) / 3 * micro * seq_len  # one forward
         n = hardware.passes(frozen=frozen, checkpointing=activation_checkpointing)
         compute_s = hardware.gpu_compute_s(gpu, flops, dtype, n)
-        copy = gpu.host_link_bps
+        copy, fresh = gpu.host_link_bps, 0.0
         peak = "fp32" if dtype.itemsize == 4 else "16-bit tensor"
         sources["compute"] = (
             f"{gpu.name}: published {peak} peak x {hardware.GPU_UTILIZATION:.0%} utilization"
@@ -83,9 +92,11 @@ def measure_rates(
         adam_numel_per_s=hardware.probe_adam_numel_per_s(dtype),
         norm_bytes_per_s=hardware.probe_norm_bytes_per_s(),
         copy_bytes_per_s=copy,
+        fresh_copy_bytes_per_s=fresh,
         nvme_read_bps=read,
         nvme_write_bps=write,
         sources=sources,
+        module_overhead_s=module_overhead_s if gpu is None else 0.0,
     )
 
 

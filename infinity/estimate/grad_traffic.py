@@ -15,6 +15,7 @@ a small add then lands on disk instead of in a buffer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from infinity.estimate.shapes import ModelShape
 from infinity.swap.grad_store import _F32, _NORM_ROW_NUMEL, PARTIAL_FRACTION, grad_buffers
@@ -145,9 +146,17 @@ class _Replay:
         return True
 
 
-def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> tuple[int, int]:
-    """(bytes read, bytes written) of the NVMe gradient store in one optimizer step of
-    `accum` micro-steps."""
+class GradTraffic(NamedTuple):
+    """Bytes the NVMe gradient store moves in one optimizer step."""
+
+    read: int
+    written: int
+    step_read: int
+    """Of `read`, what the optimizer step reads (`take`); the rest is read in backward."""
+
+
+def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> GradTraffic:
+    """The NVMe gradient store's bytes in one optimizer step of `accum` micro-steps."""
     replay = _Replay(layout.sub_group_numels)
     order = backward_slots(shape)
     for _ in range(accum):
@@ -158,7 +167,8 @@ def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> tuple[int
                 start, stop = layout.range(g)
                 a, b = max(lo, start), min(hi, stop)
                 replay.add(g, a - start, b - a)
+    backward_read = replay.read
     for g in range(layout.num_sub_groups):
         replay.take(g)
         replay.release(g)
-    return replay.read, replay.written
+    return GradTraffic(replay.read, replay.written, replay.read - backward_read)

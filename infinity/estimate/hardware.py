@@ -11,6 +11,7 @@ directory, or an assumed PCIe 4.0 SSD (said so in `Rates.sources`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from infinity.config import AioConfig
-from infinity.models import LlamaConfig
+from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.llama import LlamaDecoderLayer, rope_cos_sin
 from infinity.optim import adam_step_flat
 from infinity.swap.aio import AioHandle, aligned_empty, preallocate
@@ -76,6 +77,13 @@ class Rates:
     nvme_read_bps: float
     nvme_write_bps: float
     sources: dict[str, str] = field(default_factory=dict)
+    fresh_copy_bytes_per_s: float = 0.0
+    """Copies into newly allocated memory (gathers on the CPU device); 0: as
+    `copy_bytes_per_s`."""
+    module_overhead_s: float = 0.0
+    """What the engine adds per module with parameters in one micro step on the CPU device
+    (its gather, release and gradient hooks; `infinity.cli.estimate_probe`); 0: not
+    probed. On a GPU the hooks run while the device computes."""
 
 
 # -- compute ---------------------------------------------------------------------------------
@@ -97,9 +105,10 @@ def probe_compute_s(
     config: LlamaConfig, micro: int, seq_len: int, dtype: torch.dtype, *, frozen: bool,
     checkpointing: bool,
 ) -> float:  # fmt: skip
-    """Seconds of one micro step's forward + backward on this CPU: one real decoder block
-    (its norms, attention, MLP and autograd, in the model dtype) timed and multiplied by the
-    layers, plus the head and its loss. Recomputation adds one forward of the block."""
+    """Seconds of one micro step's forward + backward on this CPU: the model cut to one
+    decoder layer (embedding, the layer, final norm, head and loss, in the model dtype)
+    timed whole, plus one real decoder block (its norms, attention, MLP and autograd) for
+    each further layer. Recomputation adds one forward of each block."""
     cos, sin = rope_cos_sin(config, torch.arange(seq_len), dtype)
     block = _filled(LlamaDecoderLayer(config), dtype, frozen)
     x = torch.randn(micro, seq_len, config.hidden_size).to(dtype).requires_grad_()
@@ -111,15 +120,19 @@ def probe_compute_s(
                 block(x, cos, sin)
         y.backward(torch.ones_like(y))
 
-    layers_s = config.num_hidden_layers * _median_s(block_step, repeats=3)
-    head = _filled(nn.Linear(config.hidden_size, config.vocab_size, bias=False), dtype, frozen)
-    labels = torch.randint(0, config.vocab_size, (micro * seq_len,))
+    layers_s = (config.num_hidden_layers - 1) * _median_s(block_step, repeats=3)
+    one = _filled(LlamaForCausalLM(dataclasses.replace(config, num_hidden_layers=1)), dtype,
+                  frozen)  # fmt: skip
+    one.set_gradient_checkpointing(checkpointing)
+    ids = torch.randint(0, config.vocab_size, (micro, seq_len))
+    if frozen:  # no weight needs a gradient: backward runs from the layer's input on
+        one.model.embed_tokens.register_forward_hook(lambda m, i, out: out.requires_grad_())
 
-    def head_step():
-        logits = head(x).float().flatten(0, 1)
-        nn.functional.cross_entropy(logits, labels).backward()
+    def model_step():
+        one(ids, ids).backward()
+        one.zero_grad(set_to_none=True)
 
-    return layers_s + _median_s(head_step, repeats=3)
+    return layers_s + _median_s(model_step, repeats=3)
 
 
 def _filled(module: nn.Module, dtype: torch.dtype, frozen: bool) -> nn.Module:
@@ -170,10 +183,19 @@ def probe_norm_bytes_per_s(numel: int = 1 << 24) -> float:
 
 
 def probe_copy_bytes_per_s(numel: int = 1 << 24) -> float:
-    """Bytes per second of a host copy the size of a large parameter (bytes copied)."""
+    """Bytes per second of a host copy the size of a large parameter (bytes copied) between
+    buffers already in memory (a gradient's add into its partition)."""
     src = torch.randn(numel)
     dst = torch.empty_like(src)
     return src.nbytes / _median_s(lambda: dst.copy_(src), repeats=5)
+
+
+def probe_fresh_copy_bytes_per_s(numel: int = 1 << 24) -> float:
+    """Bytes per second of the same copy into a newly allocated buffer, as a gather copies a
+    parameter into a new device tensor: on the CPU device the kernel maps and zeroes its
+    pages first, which on this VM costs more than the copy."""
+    src = torch.randn(numel)
+    return src.nbytes / _median_s(lambda: torch.empty_like(src).copy_(src), repeats=5)
 
 
 # -- the disk --------------------------------------------------------------------------------

@@ -3,13 +3,17 @@
 `estimate(shape, config, rates, ...)` combines the byte terms of `sizing` with the rates of
 `hardware` into an `Estimate` record; `as_json()` is what `infinity estimate --json` writes.
 
-[Note: the step model] A micro step's forward and backward cost the compute (see
-`hardware.passes`); NVMe parameter reads overlap it, and so do host-device copies on a GPU (a
-copy stream), while on the CPU device copies take the same cores and add. The optimizer
-step reads and writes the state (and writes the new 16-bit weights) one sub-group at a time
-while CPU-Adam steps the previous one, so it costs the slower of the two (their sum with
-`pipeline_read` or `pipeline_write` off), plus the gradient-norm pass before it. A step is
-`gradient_accumulation_steps` micro steps and one optimizer step.
+[Note: the step model] The forward and backward of an accumulation window cost the
+slower of two things that run at once: the compute of its micro steps (see
+`hardware.passes`; on the CPU device the gather and gradient copies and the engine's hooks
+take the same cores and add to it, on a GPU a copy stream overlaps the copies), and the
+disk: the NVMe parameter reads, the spilled fp32 gradients written in backward and read
+back for the next micro step, and the optimizer state the last sweep read ahead. The
+optimizer step reads and writes the rest of the state (and the step's share of the
+gradients, and writes the new 16-bit weights) one sub-group at a time while CPU-Adam steps
+the previous one, so it costs the slower of the two (their sum with `pipeline_read` or
+`pipeline_write` off), plus the gradient-norm pass before it. The disk's reads and writes
+are taken one after the other at their measured rates.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from infinity.config import Config
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, resolve_config, sizes
+from infinity.swap.tiers import state_buffer_count
 
 _GIB = float(1 << 30)
 
@@ -42,12 +47,19 @@ class StepTimes:
     compute_s: float
     """Forward + backward compute of every micro step."""
     nvme_s: float
-    """NVMe parameter reads of every micro step, and the optimizer's state traffic."""
+    """Every NVMe transfer of the step: parameter reads, spilled gradients, the optimizer's
+    state and new weights."""
     cpu_adam_s: float
     """CPU-Adam over the trainable elements, and the gradient-norm pass."""
     copies_s: float
-    """Host <-> device copies of gathered parameters and gradients."""
+    """Host <-> device copies of gathered parameters and gradients (on the CPU device, the
+    gradients' adds into their fp32 partitions)."""
+    hooks_s: float
+    """The engine's own work per module (gather, release and gradient hooks) on the CPU
+    device, where it takes the cores that compute."""
     micro_step_s: float
+    """Forward + backward of one micro step: its share of the accumulation window, which
+    costs the slower of the compute (with the copies, on the CPU device) and the disk."""
     optimizer_step_s: float
     step_s: float
 
@@ -145,15 +157,19 @@ def estimate(
     tokens = micro * seq_len
     offload = config.zero_optimization.offload_optimizer
     pipelined = offload.pipeline_read and offload.pipeline_write
-    times = step_times(sz, rates, accum=accum, pipelined=pipelined)
+    times = step_times(sz, rates, accum=accum, pipelined=pipelined, modules=shape.modules)
     acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
     runtime = _current_rss() if runtime_bytes is None else runtime_bytes
     if gpu is not None:
         runtime += CUDA_RUNTIME_HOST_BYTES
-    steady = runtime + sz.host_bytes + (device if gpu is None else 0)
-    peak = steady + grad_transient_bytes(shape)
+    resident = sz.host_bytes - untouched_state_buffer_bytes(sz, config)
+    steady = runtime + resident + (device if gpu is None else 0)
+    peak = max(
+        steady + grad_transient_bytes(shape),
+        runtime + resident + build_partition_bytes(shape, config, sz.itemsize),
+    )
     est = Estimate(
         sizes=sz,
         times=times,
@@ -188,38 +204,62 @@ def estimate(
     return est
 
 
-def step_times(sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True) -> StepTimes:
+def step_times(
+    sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True, modules: int = 0
+) -> StepTimes:
     """See [Note: the step model]; without `pipelined` (offload_optimizer.pipeline_read and
-    pipeline_write) the state's transfers and CPU-Adam take turns."""
+    pipeline_write) the state's transfers and CPU-Adam take turns. `modules`: the model's
+    modules with parameters (the engine's hooks cost `rates.module_overhead_s` each)."""
+    read, write = rates.nvme_read_bps, rates.nvme_write_bps
     compute = rates.compute_s
-    copies = (sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step) / (
-        rates.copy_bytes_per_s
-    )
-    param_read = sz.param_read_bytes_per_micro_step / rates.nvme_read_bps
+    copies = micro_step_copies_s(sz, rates)
+    hooks = modules * rates.module_overhead_s if rates.gpu is None else 0.0
+    # The disk during forward and backward: parameter reads, the spilled gradients written
+    # and read back, and the optimizer state the last sweep read ahead.
+    window_io = (
+        (accum * sz.param_read_bytes_per_micro_step
+         + sz.grad_read_bytes_per_step - sz.grad_step_read_bytes
+         + sz.optim_ahead_read_bytes) / read
+        + sz.grad_write_bytes_per_step / write
+    )  # fmt: skip
     if rates.gpu is None:  # the CPU device: copies run on the cores that compute
-        micro = max(compute + copies, param_read)
+        window = max(accum * (compute + copies + hooks), window_io)
     else:
-        micro = max(compute, copies, param_read)
+        window = max(accum * compute, accum * copies, window_io)
     state_io = (
-        sz.optim_read_bytes_per_step / rates.nvme_read_bps
-        + (sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step) / rates.nvme_write_bps
-    )
-    grad_io = (  # spilled gradients: written and read back in backward, read by the step
-        sz.grad_read_bytes_per_step / rates.nvme_read_bps
-        + sz.grad_write_bytes_per_step / rates.nvme_write_bps
-    )
+        sz.optim_read_bytes_per_step - sz.optim_ahead_read_bytes + sz.grad_step_read_bytes
+    ) / read + (sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step) / write
     adam = sz.flat_numel / rates.adam_numel_per_s
     norm = sz.grad_host_bytes / rates.norm_bytes_per_s
     optimizer = (max(adam, state_io) if pipelined else adam + state_io) + norm
     return StepTimes(
         compute_s=accum * compute,
-        nvme_s=accum * param_read + state_io + grad_io,
+        nvme_s=window_io + state_io,
         cpu_adam_s=adam + norm,
         copies_s=accum * copies,
-        micro_step_s=micro,
+        hooks_s=accum * hooks,
+        micro_step_s=window / accum,
         optimizer_step_s=optimizer,
-        step_s=accum * micro + grad_io + optimizer,
+        step_s=window + optimizer,
     )
+
+
+def micro_step_copies_s(sz: Sizes, rates: Rates) -> float:
+    """Host-device copies of one micro step: gathered parameters to the device, gradients
+    back. On the CPU device a gather copies into newly allocated memory and autograd writes
+    each gradient into new memory (both at the fresh-copy rate); the gradient is then added
+    straight into its fp32 partition, reading the gradient and the partition and writing
+    the partition (itemsize + 8 bytes per element, against a copy's 2 bytes of memory
+    traffic per byte copied)."""
+    if rates.gpu is not None:
+        moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
+        return moved / rates.copy_bytes_per_s
+    # A gather copies into a new device tensor, and autograd writes each weight's gradient
+    # into a new one: both land in newly allocated memory.
+    fresh = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
+    gathers = fresh / (rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s)
+    grad_add = sz.trainable_numel * (sz.itemsize + 8) / (2 * rates.copy_bytes_per_s)
+    return gathers + grad_add
 
 
 def bound_of(times: StepTimes) -> Bound:
@@ -245,6 +285,27 @@ def activation_bytes(
     layer = tokens * h * (34 + 5 * heads * seq_len / h) * itemsize / 2
     kept = layers * tokens * h * itemsize + layer if checkpointing else layers * layer
     return int(kept + tokens * c.vocab_size * (itemsize + 8))
+
+
+def untouched_state_buffer_bytes(sz: Sizes, config: Config) -> int:
+    """The NVMe optimizer pipeline's buffers that no sub-group ever lands in, so their pages
+    never become resident: with n sub-groups a sweep and the next one's read-ahead use at
+    most n + 1 of them (one sub-group of LoRA adapters: two)."""
+    if config.zero_optimization.offload_optimizer.device != "nvme":
+        return 0
+    count = state_buffer_count(config.zero_optimization.offload_optimizer)
+    return (count - min(count, sz.num_sub_groups + 1)) * (sz.state_host_bytes // count)
+
+
+def build_partition_bytes(shape: ModelShape, config: Config, itemsize: int) -> int:
+    """Host memory the trainable parameters' build partitions hold while `initialize` lays
+    out the optimizer's buffers: with parameters in host memory the model is built there,
+    and (as measured: 9.05 GiB at initialization against 5.6 GiB steady for a 2.1B bf16
+    model, 2026-11-23) its partitions stay until the optimizer holds their weights. Built
+    straight to NVMe (offload_param "nvme") they hold nothing."""
+    if config.zero_optimization.offload_param.device == "nvme":
+        return 0
+    return shape.trainable_numel * itemsize
 
 
 def grad_transient_bytes(shape: ModelShape) -> int:

@@ -67,6 +67,13 @@ class ModelShape:
         return sum(p.numel for p in self.params)
 
     @property
+    def modules(self) -> int:
+        """Modules with parameters of their own, as the engine hooks them: peft makes each
+        adapted linear layer three (the base layer, lora_A and lora_B)."""
+        adapted = sum(1 for lin in self.linears if ".layers." in f".{lin.name}")
+        return len(self.units) + (2 * adapted if self.lora_r else 0)
+
+    @property
     def trainable_numel(self) -> int:
         return sum(p.numel for p in self.params if p.trainable)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.config import Config
-from infinity.estimate.grad_traffic import grad_traffic
+from infinity.estimate.grad_traffic import GradTraffic, grad_traffic
 from infinity.estimate.shapes import ModelShape
 from infinity.swap.grad_store import grad_buffers
 from infinity.swap.nvme_state import state_nbytes
@@ -58,7 +58,12 @@ class Sizes:
     grad_read_bytes_per_step: int
     """Gradient reads from NVMe in one optimizer step (all its micro-steps)."""
     grad_write_bytes_per_step: int
+    grad_step_read_bytes: int
+    """Of `grad_read_bytes_per_step`, what the optimizer step reads (the rest, backward)."""
     optim_read_bytes_per_step: int
+    optim_ahead_read_bytes: int
+    """Of `optim_read_bytes_per_step`, the first sub-groups the end of a sweep reads ahead
+    into the free pipeline buffers: they land during the next forward and backward."""
     optim_write_bytes_per_step: int
     param_write_bytes_per_step: int
     """New 16-bit weights the optimizer writes to the NVMe parameter tier."""
@@ -117,14 +122,18 @@ def sizes(
     grad = grad_host_bytes(layout, nvme=spill)
     grad_disk = grad_nvme_bytes(layout) if spill else 0
     accum = int(config.gradient_accumulation_steps)
-    grad_read, grad_write = grad_traffic(shape, layout, accum) if spill else (0, 0)
+    grads = grad_traffic(shape, layout, accum) if spill else GradTraffic(0, 0, 0)
     if optim_nvme:
         extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
         optim_disk = sum(extents)
         buffer = align_up(max(extents, default=4096))
-        state_host = state_buffer_count(zero.offload_optimizer) * buffer
+        buffers = state_buffer_count(zero.offload_optimizer)
+        state_host = buffers * buffer
+        # NvmeStateStore's prefetch_next_sweep: every buffer is free when a sweep ends
+        pipelined = zero.offload_optimizer.pipeline_read
+        ahead = sum(extents[:buffers]) if pipelined else 0
     else:
-        optim_disk, state_host = 0, 3 * _F32 * sum(sub_groups)
+        optim_disk, state_host, ahead = 0, 3 * _F32 * sum(sub_groups), 0
     if param_nvme:
         weights = staging_host_bytes(layout, dtype)
         pool = param_pool_bytes(shape, config)
@@ -151,9 +160,11 @@ def sizes(
         optim_nvme_bytes=optim_disk,
         param_nvme_bytes=param_disk,
         grad_nvme_bytes=grad_disk,
-        grad_read_bytes_per_step=grad_read,
-        grad_write_bytes_per_step=grad_write,
+        grad_read_bytes_per_step=grads.read,
+        grad_write_bytes_per_step=grads.written,
+        grad_step_read_bytes=grads.step_read,
         optim_read_bytes_per_step=optim_disk,
+        optim_ahead_read_bytes=ahead,
         optim_write_bytes_per_step=optim_disk,
         param_write_bytes_per_step=param_write,
         param_read_bytes_per_micro_step=gathered * itemsize if param_nvme else 0,
@@ -221,16 +232,31 @@ def retained_numel(shape: ModelShape, config: Config) -> int:
     return kept
 
 
-def non_persistent_numel(shape: ModelShape, config: Config) -> int:
+def non_persistent_numel(shape: ModelShape, config: Config, *, trainable_only=False) -> int:
     persistent = shape.persistent(config.zero_optimization)
-    return sum(p.numel for p, keep in zip(shape.params, persistent, strict=True) if not keep)
+    return sum(
+        p.numel
+        for p, keep in zip(shape.params, persistent, strict=True)
+        if not keep and (p.trainable or not trainable_only)
+    )
+
+
+def frozen_stay_gathered(shape: ModelShape, config: Config) -> bool:
+    """Every parameter fits the live budget at once, so frozen ones, once gathered, are
+    never released (see [Note: frozen parameters stay gathered] in the coordinator)."""
+    return shape.trainable_numel < shape.numel <= int(config.zero_optimization.max_live_parameters)
 
 
 def gathered_numel_per_micro_step(shape: ModelShape, config: Config) -> int:
     """Parameter elements fetched from their home in one forward + backward, once the
     execution order is traced: every non-persistent parameter in forward, and again in
     backward except what is still gathered at the turn (the end of an iteration releases
-    everything that is not persistent)."""
+    everything that is not persistent). Frozen parameters that all fit the budget stay
+    gathered from the first step on; a frozen base larger than the budget is counted as
+    trainable parameters are (its evictions keep a few more of it gathered: an upper
+    bound)."""
+    if frozen_stay_gathered(shape, config):
+        return non_persistent_numel(shape, config, trainable_only=True)
     return 2 * non_persistent_numel(shape, config) - retained_numel(shape, config)
 
 

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
 from infinity.swap.aio import AioHandle, aligned_empty
 from infinity.swap.store import SwapStore, align_up
@@ -225,9 +226,11 @@ class NvmeGradStore:
             return
         buf = self._resident(index)
         self._grads(buf, index)[start : start + src.numel()].add_(src)
+        writing = None
         if not any(b.owner is None for b in self._buffers):  # keep one free: see GRAD_BUFFERS
-            self._evict(self._least_recent(but=buf))
-        self._read_behind(index - 1, current=buf)
+            writing = self._least_recent(but=buf)
+            self._evict(writing)
+        self._read_behind(index - 1, current=buf, writing=writing)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -344,7 +347,8 @@ class NvmeGradStore:
     def _sync_io(self, op: str, data: torch.Tensor, path: str, offset: int) -> None:
         t0 = time.perf_counter()
         try:
-            (self.aio.pwrite if op == "write" else self.aio.pread)(data, path, offset).wait()
+            with profile_range("infinity::swap::grad_wait"):
+                (self.aio.pwrite if op == "write" else self.aio.pread)(data, path, offset).wait()
         except BaseException as e:
             raise self._fail(op, path, offset, data.numel(), e) from e
         finally:
@@ -401,10 +405,15 @@ class NvmeGradStore:
             if self.residency[g] is GradResidency.ON_NVME and not self._read_into_free(g):
                 return
 
-    def _read_behind(self, index: int, *, current: _Buffer) -> None:
+    def _read_behind(self, index: int, *, current: _Buffer, writing: _Buffer | None) -> None:
         """Backward goes down the sub-groups: from the second micro-step of a window on, the
         one below is on disk, so its read starts while this one fills, when a buffer is
-        free and another (free, or filled and not `current`) is left to write out next."""
+        free and another (free, or filled and not `current`) is left to write out next.
+
+        The read takes a free buffer other than `writing` (the one this add started writing
+        out), waiting for an earlier add's write from it if that has not landed: whether the
+        read starts depends on the adds alone, never on the disk's timing, so every step
+        moves the same bytes (which `infinity.estimate.grad_traffic` replays)."""
         if index < 0 or self.residency[index] is not GradResidency.ON_NVME:
             return
         spare = [
@@ -414,7 +423,9 @@ class NvmeGradStore:
             or (b is not current and self.residency[b.owner] is GradResidency.HOST)
         ]
         if len(spare) >= 2:
-            self._read_into_free(index)
+            free = [b for b in self._buffers if b.owner is None and b is not writing]
+            if free:
+                self._start_read(index, free[0])
 
     def _read_into_free(self, index: int) -> bool:
         """Start reading sub-group `index` into a free buffer that needs no waiting."""
@@ -423,14 +434,16 @@ class NvmeGradStore:
         ]
         if not free:
             return False
-        buf = free[0]
+        self._start_read(index, free[0])
+        return True
+
+    def _start_read(self, index: int, buf: _Buffer) -> None:
         self._settle_buffer(buf)
         self._settle_write_of(index)
         buf.future = self._submit("read", buf, index)
         buf.owner = index
         self._where[index] = buf
         self.residency[index] = GradResidency.READING
-        return True
 
     def _settle_write_of(self, index: int) -> None:
         for buf in self._buffers:
@@ -444,7 +457,8 @@ class NvmeGradStore:
             return
         t0 = time.perf_counter()
         try:
-            fut.wait()
+            with profile_range("infinity::swap::grad_wait"):
+                fut.wait()
         except BaseException as e:
             raise self._fail(fut.op, fut.path, fut.offset, fut.nbytes, e) from e
         finally:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
 from infinity.swap.aio import AioHandle, aligned_empty
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
@@ -351,7 +352,8 @@ class NvmeStateStore:
         """Wait for one transfer; on failure mark the store failed and raise."""
         start = time.perf_counter()
         try:
-            t.future.wait()
+            with profile_range("infinity::swap::optim_wait"):
+                t.future.wait()
         except BaseException as e:
             self._fail(t, e)
         finally:

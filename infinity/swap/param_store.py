@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
 from infinity.swap.aio import AioHandle
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
@@ -106,7 +107,8 @@ class SwapFuture:
         if self._result is None:
             start = time.perf_counter()
             try:
-                self._future.wait()
+                with profile_range("infinity::swap::param_wait"):
+                    self._future.wait()
             except BaseException as e:
                 self._owner._failed(self)
                 raise NvmeParamError(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity.utils.step_timer import StepTimer
 from infinity.zero.coordinator import Coordinator
 from infinity.zero.hooks import ModelHooks
 
@@ -47,20 +48,26 @@ class BackwardEntry:
         coordinator: Coordinator,
         *,
         loss_scale: Callable[[], float] | None,
+        timer: StepTimer | None = None,
     ) -> None:
-        """`loss_scale` returns the current fp16 loss scale (None: no loss scaling)."""
+        """`loss_scale` returns the current fp16 loss scale (None: no loss scaling). `timer`
+        gets the time of each plain `loss.backward()` as "backward" (from the first gradient
+        reaching an output to autograd's end; `engine.backward` times itself)."""
         self.hooks = hooks
         self.coord = coordinator
         self.loss_scale = loss_scale
         self.caller_scaled = False
         """True inside `engine.backward`, which scaled the loss itself."""
+        self.timer = timer
         self._started = False
+        self._timed: float | None = None
         self.finished = 0
         """Backwards autograd has finished through the outputs (the engine resets it)."""
 
     def new_iteration(self) -> None:
         """A forward begins: a backward that failed half-way must not keep its state."""
         self._started = False
+        self._timed = None
 
     def wrap(self, out: Any) -> Any:
         """`out` with each tensor that requires grad (in tuples, lists, dicts, HF
@@ -88,6 +95,8 @@ class BackwardEntry:
         factor for the gradient (the loss scale, or 1 when the caller already scaled)."""
         if not self._started:
             self._started = True
+            if self.timer is not None and not self.caller_scaled:
+                self._timed = self.timer.start()
             self.coord.begin_backward()  # unless a module's output hook or the engine began it
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if self.caller_scaled or self.loss_scale is None:
@@ -103,3 +112,6 @@ class BackwardEntry:
         self.finished += 1
         self.hooks.reset()
         self.coord.end_backward()
+        if self._timed is not None:
+            start, self._timed = self._timed, None
+            self.timer.stop("backward", start)  # type: ignore[union-attr]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,10 +48,12 @@ import torch
 from torch import nn
 
 from infinity.accelerator import Accelerator, get_accelerator
+from infinity.comm import Comm
 from infinity.config import Config, ZeroConfig
 from infinity.zero.build_files import BuildFiles
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
 from infinity.zero.param import OffloadParam
+from infinity.zero.shard import Shard, shard_of
 from infinity.zero.unit import ModuleUnit
 from infinity.zero.weights import HostWeights, NvmeWeights
 
@@ -96,14 +99,26 @@ def home_tier(config: Config) -> HomeTier:
 
 
 def _new_partition(
-    src: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin: bool
+    src: torch.Tensor,
+    dtype: torch.dtype,
+    accel: Accelerator,
+    pin: bool,
+    shard: Shard | None = None,
 ) -> torch.Tensor:
+    """A new flat partition holding `src` (or its `shard`'s span, zero-padded)."""
+    numel = src.numel() if shard is None else shard.numel
     if pin and accel.pin_supported():
-        part = accel.empty_pinned((src.numel(),), dtype)
+        part = accel.empty_pinned((numel,), dtype)
     else:
-        part = torch.empty(src.numel(), dtype=dtype)
+        part = torch.empty(numel, dtype=dtype)
+    flat = src.detach().reshape(-1)
     with torch.no_grad():
-        part.copy_(src.detach().reshape(-1))
+        if shard is None:
+            part.copy_(flat)
+        else:
+            n = shard.stop - shard.start
+            part[:n].copy_(flat[shard.start : shard.stop])
+            part[n:].zero_()
     return part
 
 
@@ -121,9 +136,11 @@ def _adoptable(param: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin:
 
 
 @contextlib.contextmanager
-def init(config: Config | dict | str) -> Iterator[None]:
-    """Create every parameter registered inside this block directly as a host partition."""
-    config = Config.load(config).resolve()
+def init(config: Config | dict | str, *, comm: Comm | None = None) -> Iterator[None]:
+    """Create every parameter registered inside this block directly as a host partition.
+    `comm` (default: $LOCAL_RANK) picks this rank's entry of a per-rank `nvme_path` list."""
+    local_rank = comm.local_rank if comm is not None else int(os.environ.get("LOCAL_RANK", 0))
+    config = Config.load(config).resolve().for_local_rank(local_rank)
     dtype = model_dtype(config)
     offload = config.zero_optimization.offload_param
     files = BuildFiles(offload.nvme_path) if home_tier(config) is HomeTier.NVME else None
@@ -166,6 +183,13 @@ class HomePlan:
     frozen_on_nvme: frozenset[str] = frozenset()
     """Frozen parameters whose home is their own extent in `param_store` (the others keep
     their partition in host memory)."""
+    comm: Comm | None = None
+    """With several ranks, every home holds this rank's shard (see `infinity.zero.shard`)."""
+
+    def shard(self, numel: int) -> Shard:
+        """This rank's shard of a parameter of `numel` elements."""
+        c = self.comm
+        return shard_of(numel, 1, 0) if c is None else shard_of(numel, c.world_size, c.rank)
 
     def home(self, name: str, partition: torch.Tensor) -> ParamHome:
         """The home of parameter `name` whose build partition is `partition`. A trainable
@@ -187,7 +211,9 @@ def partition_model(
 ) -> tuple[list[OffloadParam], dict[nn.Module, ModuleUnit], list[torch.Tensor]]:
     """One record per parameter with its home from `plan`, one unit per module, and the
     trainable parameters' partitions in slot order (the optimizer's initial weights: it
-    writes them into their homes; drop them after).
+    writes them into their homes; drop them after). With several ranks (`plan.comm`) the
+    homes and the returned partitions are this rank's shards: every rank must have built
+    the same weights (the same seed), and the rest of each parameter is dropped here.
 
     Every parameter is released on return; floating-point buffers are cast to the model dtype
     and moved to the device (they stay resident).
@@ -207,7 +233,10 @@ def partition_model(
                 f"parameter {name!r} is on the meta device: its values do not exist; build "
                 f"the model under `with infinity.init(config):` instead"
             )
-        if _adoptable(param, dtype, accel, pin):
+        shard = plan.shard(param.numel())
+        if shard.numel != param.numel():
+            part = _new_partition(param, dtype, accel, pin, shard)
+        elif _adoptable(param, dtype, accel, pin):
             part = param.detach().view(-1)
         else:
             part = _new_partition(param, dtype, accel, pin)
@@ -217,6 +246,7 @@ def partition_model(
             plan.home(name, part),
             device=accel.device,
             persistent=keep,
+            comm=plan.comm,
         )
         rec.slot = plan.slots.get(name)
         if rec.slot is not None:

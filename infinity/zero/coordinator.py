@@ -23,8 +23,9 @@ the units of the next `prefetch_bucket_size` traced elements that fit the budget
 parameter becomes LIVE only when a gather (or the step's quiesce) needs it, and evictions
 follow the trace. What may depend on timing is local: when an NVMe read of the rank's own
 shard is issued and when a finished one is copied to its device buffer (see [Note: the NVMe
-pool]); so a collective belongs in `OffloadParam.wait`, never in `finish_read`. Observers
-(`observers`) see each decision as a `LiveEvent`.
+pool]); so a collective belongs in `OffloadParam.wait` (or, for a shard in host memory, in
+the fetch decided here: see [Note: early all-gathers] in gather.py), never in `finish_read`.
+Observers (`observers`) see each decision as a `LiveEvent`.
 
 [Note: the NVMe pool] A parameter whose home is on NVMe is read into a buffer of the param
 store's fixed pool before it is copied to the device. A fetch decided for such a parameter
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -137,6 +139,9 @@ class Coordinator:
         self.largest_unit = 0
         """Elements of the largest unit gathered so far: the allowance over the budget."""
         self.trace_updates = 0
+        self.gather_wait_s = 0.0
+        """Seconds forward and backward spent inside gathers (fetching, landing, issuing
+        prefetch): what compute waited for its parameters."""
         self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or pending
         # Fetched and not yet LIVE, in the order decided; the NVMe ones whose read waits for a
         # pool buffer, those whose read holds one (oldest first), and reads that failed
@@ -234,6 +239,13 @@ class Coordinator:
     def gather(self, unit: ModuleUnit, *, pin: bool = True) -> int | None:
         """Make every parameter of `unit` LIVE (and keep it pinned with `pin`, for a forward
         that reads `param.data` directly); returns its trace position."""
+        start = time.perf_counter()
+        with self.accel.range("infinity::zero::gather"):
+            pos = self._gather(unit, pin)
+        self.gather_wait_s += time.perf_counter() - start
+        return pos
+
+    def _gather(self, unit: ModuleUnit, pin: bool) -> int | None:
         pos = self._advance(unit)
         if self.phase is not Phase.IDLE:
             self._recording.append(unit)
@@ -275,6 +287,12 @@ class Coordinator:
 
     def gather_one(self, rec: OffloadParam) -> None:
         """Gather a parameter used outside the unit that owns it (counted as a miss)."""
+        start = time.perf_counter()
+        with self.accel.range("infinity::zero::gather"):
+            self._gather_one(rec)
+        self.gather_wait_s += time.perf_counter() - start
+
+    def _gather_one(self, rec: OffloadParam) -> None:
         if rec.state is ParamState.LIVE:
             self.hits += not rec.persistent
             return
@@ -458,7 +476,8 @@ class Coordinator:
         self._pending.pop(rec, None)
         self._failed.pop(rec, None)
         if rec.state is not ParamState.RELEASED:  # not a queued read or a failed one
-            rec.release()
+            with self.accel.range("infinity::zero::release"):
+                rec.release()
         self._uncount(rec)
         self._emit(LiveEvent.RELEASE, rec)
 
@@ -505,6 +524,10 @@ class Coordinator:
         trace = self._trace
         if trace is None or not self._on_track or self.prefetch_numel <= 0:
             return
+        with self.accel.range("infinity::zero::prefetch"):
+            self._prefetch_along(trace, running)
+
+    def _prefetch_along(self, trace: Trace, running: ModuleUnit | None) -> None:
         pos = max(self._prefetch_upto, self._cursor)
         while pos < len(trace):
             if trace.distance(self._cursor, pos) >= self.prefetch_numel:
@@ -533,4 +556,5 @@ class Coordinator:
             "prefetch_misses": self.misses,
             "budget_overruns": self.budget_overruns,
             "trace_updates": self.trace_updates,
+            "gather_wait_us": int(self.gather_wait_s * 1e6),
         }

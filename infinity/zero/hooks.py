@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from infinity.accelerator import Accelerator
 from infinity.zero.coordinator import Coordinator, Phase
+from infinity.zero.grad_reduce import GradReducer
 from infinity.zero.param import OffloadParam, ParamState
 from infinity.zero.unit import ModuleUnit
 
@@ -396,6 +397,7 @@ def install_grad_hooks(
     accumulate: Callable[[int, torch.Tensor], None],
     hooks: ModelHooks,
     accelerator: Accelerator,
+    reducer: GradReducer | None = None,
 ) -> list:
     """Move each trainable parameter's gradient into its fp32 partition as soon as autograd
     has accumulated it (`accumulate(slot, flat_host_grad)`, the optimizer's
@@ -403,7 +405,9 @@ def install_grad_hooks(
 
     On the CPU the device gradient is added straight into the partition. From another device
     it is first copied to host memory (a blocking copy through the accelerator: the
-    gradient's memory is freed as soon as the hook returns). Accumulation checks the
+    gradient's memory is freed as soon as the hook returns). With several ranks, `reducer`
+    takes the full device gradient instead and reduce-scatters it in buckets into the slots
+    (see [Note: gradient buckets] in grad_reduce.py). Accumulation checks the
     gradient against the parameter's shape, so a tensor hook gathers a released parameter
     just before (see `ModelHooks.before_accumulate`)."""
     handles = []
@@ -414,10 +418,16 @@ def install_grad_hooks(
         def hook(param: nn.Parameter, rec=rec) -> None:
             grad = param.grad
             if grad is not None:
-                flat = grad.reshape(-1)
-                if flat.device.type != "cpu":
-                    flat = accelerator.to_host(flat, out=torch.empty(flat.shape, dtype=flat.dtype))
-                accumulate(rec.slot, flat)
+                with accelerator.range("infinity::zero::accumulate_grad"):
+                    flat = grad.reshape(-1)
+                    if reducer is not None:
+                        reducer.add(rec.slot, flat)
+                    else:
+                        if flat.device.type != "cpu":
+                            flat = accelerator.to_host(
+                                flat, out=torch.empty(flat.shape, dtype=flat.dtype)
+                            )
+                        accumulate(rec.slot, flat)
                 param.grad = None
             hooks.grad_accumulated(rec)
 

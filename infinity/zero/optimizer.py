@@ -9,7 +9,10 @@ host buffer, or a few host buffers and NVMe); the fp32 master weights and moment
 (`infinity.zero.weights`: host memory, or NVMe through the parameter store) whose ranges are
 the trainable parameters' homes. It does not own
 the loss scale (the engine drives the scaler and passes `loss_scale`), the learning-rate
-schedule (`lr` is passed to `step`), nor gathering parameters to the device.
+schedule (`lr` is passed to `step`), nor gathering parameters to the device. With several
+ranks each rank's optimizer steps its own shards (slots of S elements, see
+`infinity.zero.shard`) and agrees with the others on the global norm and overflow through
+the comm it is given.
 
 [Note: where the weights live] With an fp32 model and the host tier, a slot's home is a
 view of the master weights themselves: the step updates it in place and no copy exists (4
@@ -33,6 +36,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from infinity.accelerator import profile_range
+from infinity.comm import Comm, SingleProcess
 from infinity.config import AUTO, OptimizerConfig, ZeroConfig
 from infinity.optim import adam_step_flat
 from infinity.swap.grad_store import HostGradStore
@@ -86,7 +91,8 @@ class PartitionedOptimizer:
     drop its own copies of the partitions before the first gradient (the host gradient
     buffer is allocated then). `grad_store` (an `NvmeGradStore` of the same sub-groups)
     keeps most of the gradients on NVMe. Weight decay applies to every slot except the
-    indices in `no_decay`.
+    indices in `no_decay`. `comm` (default: one process) sums the squared gradient norm over
+    the ranks, so every rank clips by the global norm and skips the same overflowing steps.
     """
 
     def __init__(
@@ -99,7 +105,9 @@ class PartitionedOptimizer:
         no_decay: Collection[int] = (),
         weights: HostWeights | NvmeWeights | None = None,
         grad_store: Any = None,
+        comm: Comm | None = None,
     ) -> None:
+        self.comm = comm or SingleProcess()
         self.dtype = check_slots(slots) or torch.float32
         self.hyper = _hyperparameters(optimizer)
         self.backend = "torch" if optimizer.torch_adam else None  # None: env var, then auto
@@ -145,6 +153,8 @@ class PartitionedOptimizer:
         see [Note: gathered weights after a step] in engine.py)."""
         self.step_count = 0
         self.last_timings: dict[str, float] = {}
+        self.last_compute_s = 0.0
+        """Seconds the last step spent in the Adam kernels (its sweep also waits for I/O)."""
 
     @torch.no_grad()  # a partition may be a leaf that requires grad; the buffers never do
     def _load_initial(self, slots: Sequence[Slot]) -> None:
@@ -237,7 +247,8 @@ class PartitionedOptimizer:
         out inside the same pass. On inf/NaN nothing is updated (see `StepResult`).
         """
         _check_step_args(lr, loss_scale, max_grad_norm)
-        with torch.profiler.record_function("infinity::zero::step"):
+        self.last_compute_s = 0.0
+        with profile_range("infinity::zero::step"):
             t0 = time.perf_counter()
             norm = self._scaled_norm() / loss_scale
             t1 = time.perf_counter()
@@ -262,6 +273,8 @@ class PartitionedOptimizer:
         total = 0.0
         for s in self.grads.sums_of_squares():
             total += s
+        if self.comm.world_size > 1:  # the shards' padding is zero: it adds nothing
+            total = float(self.comm.all_reduce_(torch.tensor([total], dtype=torch.float64)))
         return math.sqrt(total)
 
     def _adam(self, lr: float, grad_scale: float) -> None:
@@ -273,24 +286,27 @@ class PartitionedOptimizer:
                 out = None if self.aliased else self.weights.out(start, stop)
                 half = out if self.dtype != torch.float32 else None
                 grad = self.grads.take(index)
-                for a, b, decays in self._runs[index]:
-                    adam_step_flat(
-                        state.master[a:b],
-                        grad[a:b],
-                        state.exp_avg[a:b],
-                        state.exp_avg_sq[a:b],
-                        step=step,
-                        lr=lr,
-                        beta1=h["beta1"],
-                        beta2=h["beta2"],
-                        eps=h["eps"],
-                        weight_decay=h["weight_decay"] if decays else 0.0,
-                        adamw_mode=h["adamw_mode"],
-                        bias_correction=h["bias_correction"],
-                        grad_scale=grad_scale,
-                        half_out=half[a:b] if half is not None else None,
-                        backend=self.backend,
-                    )
+                t0 = time.perf_counter()
+                with profile_range("infinity::zero::adam_sub_group"):
+                    for a, b, decays in self._runs[index]:
+                        adam_step_flat(
+                            state.master[a:b],
+                            grad[a:b],
+                            state.exp_avg[a:b],
+                            state.exp_avg_sq[a:b],
+                            step=step,
+                            lr=lr,
+                            beta1=h["beta1"],
+                            beta2=h["beta2"],
+                            eps=h["eps"],
+                            weight_decay=h["weight_decay"] if decays else 0.0,
+                            adamw_mode=h["adamw_mode"],
+                            bias_correction=h["bias_correction"],
+                            grad_scale=grad_scale,
+                            half_out=half[a:b] if half is not None else None,
+                            backend=self.backend,
+                        )
+                self.last_compute_s += time.perf_counter() - t0
                 if out is not None and half is None:
                     out.copy_(state.master)
                 if self.on_new_weights is not None:

@@ -19,6 +19,17 @@ for the copy's event; on the CPU the copy is synchronous). `finish_read` does th
 early (the read and the copy, still INFLIGHT), to free the pool buffer for the next read. A
 failed read leaves the record RELEASED with its buffer given back.
 
+[Note: gathering shards] With W ranks the home holds the rank's shard (S = ceil(N / W)
+elements, see `infinity.zero.shard`) and the record's `comm` is set: a fetch lands the shard
+in a device buffer of S elements and all-gathers every rank's shard into the gathered
+buffer (W*S elements, the parameter and its zero padding), of which `param.data` views the
+first N (`infinity.zero.gather`; [Note: early all-gathers] says when the collective is
+issued). An all-gather is a collective, so every rank fetches and lands the same parameters
+in the same order (see [Note: the same order on every rank] in coordinator.py); the local
+transfer of the shard (a host copy or an NVMe read) may finish whenever it does. `refresh` after a
+step all-gathers the new shards the same way, and `read_full` gathers a host copy of the
+whole parameter (a collective too: every rank calls it for the same parameters).
+
 [Note: swapping .data] Autograd saves leaf parameters by reference. Replacing `param.data`
 keeps the parameter's version counter, so a parameter released after forward and gathered
 again before its module's backward gives backward the same values it saw in forward (the
@@ -35,7 +46,10 @@ import torch
 from torch import nn
 
 from infinity.accelerator import Accelerator, Event, Stream
+from infinity.comm import Comm
+from infinity.zero.gather import ShardGather
 from infinity.zero.home import Fetch, ParamHome
+from infinity.zero.shard import Shard, shard_of
 
 if TYPE_CHECKING:
     from infinity.config import OffloadParamConfig
@@ -71,7 +85,8 @@ class OffloadParam:
 
     A tied parameter (one `nn.Parameter` registered in several modules) has one record.
     `numel` is the parameter's; `home.numel` what its home holds (see [Note: the home's
-    numel] in home.py).
+    numel] in home.py): the rank's `shard` of it when `comm` joins several ranks (see [Note:
+    gathering shards]).
     """
 
     __slots__ = (
@@ -88,6 +103,8 @@ class OffloadParam:
         "slot",
         "pins",
         "device",
+        "shard",
+        "comm",
         "_event",
         "_fetch",
     )
@@ -100,12 +117,16 @@ class OffloadParam:
         *,
         device: torch.device,
         persistent: bool = False,
+        comm: Comm | None = None,
     ) -> None:
-        # Scale-out relaxes this to the rank's shard of the parameter.
-        if home.numel != param.numel():
+        world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
+        shard = shard_of(param.numel(), world, rank)
+        if home.numel != shard.numel:
+            what = "the parameter has" if world == 1 else f"rank {rank} of {world} keeps"
             raise ValueError(
-                f"the home of {name!r} holds {home.numel} elements, the parameter has "
-                f"{param.numel()}; build the home from the parameter's flattened weights"
+                f"the home of {name!r} holds {home.numel} elements, {what} {shard.numel}; "
+                "build the home from the parameter's flattened weights (its shard with "
+                "several ranks)"
             )
         self.name = name
         self.param = param
@@ -125,12 +146,21 @@ class OffloadParam:
         """How many running modules need this parameter now (never released while > 0)."""
         self.device = device
         """The accelerator's device (where gathered buffers and released stubs live)."""
+        self.shard: Shard = shard
+        """This rank's part of the parameter (all of it with one rank)."""
+        self.comm = comm if world > 1 else None
+        """The ranks the shards are gathered from; None with one rank."""
         self._event: Event | None = None
         self._fetch: Fetch | None = None
         """The transfer from the home in flight (INFLIGHT)."""
 
     def __repr__(self) -> str:
         return f"OffloadParam({self.name!r}, {self.shape}, {self.dtype}, {self.state.name})"
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The elements of the flattened parameter this rank's home holds (unpadded)."""
+        return self.shard.span
 
     @property
     def trainable(self) -> bool:
@@ -168,6 +198,8 @@ class OffloadParam:
         fetch = self.home.fetch(accel, stream, block=block)
         if fetch is None:
             return False
+        if self.comm is not None:  # see [Note: gathering shards]
+            fetch = ShardGather(fetch, self.comm, accel, stream)
         self._fetch = fetch
         self.state = ParamState.INFLIGHT
         return True
@@ -184,19 +216,26 @@ class OffloadParam:
         # The buffer was allocated on the copy stream and is used on the compute stream.
         accel.record_stream(self.device_tensor, compute)
         self._event = None
-        self.param.data = self.device_tensor.view(self.shape)
+        self.param.data = self.device_tensor[: self.numel].view(self.shape)
         self.state = ParamState.LIVE
 
     def finish_read(self, accel: Accelerator) -> bool:
         """From NVMe: wait for the read and copy it to the new device buffer, giving the pool
         buffer back. The parameter stays INFLIGHT: only `wait` makes it LIVE, so reads may
         finish in any order without changing what is gathered (a failed read raises
-        NvmeParamError, leaving RELEASED). False when there is no read to finish early (a
-        transfer whose landing is a collective must not be finished here: it would follow
-        the disk's timing)."""
+        NvmeParamError, leaving RELEASED). False when there is no read to finish early. A
+        sharded parameter lands only its shard here: the all-gather, a collective, waits for
+        `wait` (see [Note: gathering shards])."""
         self._assert_state(ParamState.INFLIGHT)
         if not self.reading:
             return False
+        if isinstance(self._fetch, ShardGather):
+            try:
+                self._fetch.finish_read(accel)
+            except BaseException:
+                self._drop()
+                raise
+            return True
         self._land(accel)
         return True
 
@@ -210,6 +249,14 @@ class OffloadParam:
         except BaseException:
             self._drop()
             raise
+
+    def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard (`local` here, on the device) in a new gathered buffer."""
+        assert self.comm is not None
+        full = torch.empty(self.comm.world_size * self.shard.numel, dtype=self.dtype,
+                           device=local.device)  # fmt: skip
+        self.comm.all_gather_into(full, local)
+        return full
 
     def release(self) -> None:
         """Free the device buffer (LIVE/INFLIGHT -> RELEASED). A transfer in flight finishes
@@ -238,6 +285,9 @@ class OffloadParam:
         self._assert_state(ParamState.LIVE)
         assert self.device_tensor is not None
         stream = accel.current_stream()
+        if self.comm is not None:
+            self._refresh_shards(accel, values, start)
+            return
         if values is None:
             self.home.fetch(accel, stream, out=self.device_tensor).land(accel)  # type: ignore[union-attr]
             return
@@ -246,6 +296,30 @@ class OffloadParam:
         copied = accel.new_event()
         copied.record(stream)
         copied.synchronize()
+
+    def _refresh_shards(self, accel: Accelerator, values: torch.Tensor | None, start: int):
+        """`refresh` with several ranks: every rank's new elements [start, start + k) of its
+        shard (all of it without `values`) gathered into the live buffer (a collective)."""
+        assert self.comm is not None and self.device_tensor is not None
+        if values is None:
+            values, start = self.home.read(), 0
+        k = values.numel()
+        local = accel.to_device(values, accel.current_stream())
+        pieces = torch.empty(self.comm.world_size * k, dtype=self.dtype, device=local.device)
+        self.comm.all_gather_into(pieces, local)
+        rows = self.device_tensor.view(self.comm.world_size, self.shard.numel)
+        rows[:, start : start + k].copy_(pieces.view(self.comm.world_size, k))
+
+    def read_full(self) -> torch.Tensor:
+        """A flat host copy of the whole parameter (N elements): the home itself with one
+        rank, every rank's shard gathered with several (a collective, see [Note: gathering
+        shards])."""
+        local = self.home.read()
+        if self.comm is None:
+            return local
+        local = local.to(self.device, self.dtype)  # NCCL gathers device memory only
+        full = self._all_gather(local)
+        return full[: self.numel].cpu()
 
 
 def frozen_on_nvme(params: list[tuple[str, nn.Parameter]], offload: OffloadParamConfig) -> set[str]:

@@ -1,0 +1,96 @@
+"""One rank of the gradient-reduction tests: prints a JSON line with what it checked."""
+
+import json
+import os
+import sys
+
+import torch
+
+from infinity import comm
+from infinity.accelerator import CpuAccelerator
+from infinity.config import Config
+from infinity.zero import PartitionedOptimizer, Slot
+from infinity.zero.grad_reduce import GradReducer
+from infinity.zero.shard import shard_of, take_shard
+
+SIZES = [5, 7, 1, 300, 64, 3]
+
+
+def grads_of(rank: int, micro: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + micro)
+    return [torch.randn(n, generator=g) for n in SIZES]
+
+
+def reduce(bucket: int, overlap: bool, contiguous: bool) -> dict:
+    c = comm.from_env(timeout=30)
+    w, r = c.world_size, c.rank
+    shards = [shard_of(n, w, r) for n in SIZES]
+    slots = [torch.zeros(s.numel) for s in shards]
+
+    def accumulate(i, g):
+        slots[i].add_(g)
+
+    reducer = GradReducer(
+        c,
+        accumulate,
+        CpuAccelerator(),
+        bucket_numel=bucket,
+        overlap=overlap,
+        contiguous=contiguous,
+        total_shard_numel=sum(s.numel for s in shards),
+    )
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in SIZES]
+
+    def hook(p, i):
+        reducer.add(i, p.grad.reshape(-1))
+        p.grad = None
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: hook(p, i))
+    for micro in range(2):  # two backwards accumulate
+        mine = grads_of(r, micro)
+        loss = sum((p * g).sum() for p, g in zip(params, mine, strict=True))
+        loss.backward()
+    ok = True
+    for i, (n, s) in enumerate(zip(SIZES, shards, strict=True)):
+        want = torch.zeros(n)
+        for micro in range(2):
+            total = grads_of(0, micro)[i].clone()
+            for q in range(1, w):
+                total += grads_of(q, micro)[i]
+            want += total / w
+        ok &= torch.equal(slots[i], take_shard(want, s))
+    stats = c.stats()
+    c.close()
+    return {"equal": bool(ok), "buckets": reducer.buckets_issued, "stats": stats}
+
+
+def norm() -> dict:
+    c = comm.from_env(timeout=30)
+    w, r = c.world_size, c.rank
+    shards = [shard_of(n, w, r) for n in SIZES]
+    cfg = Config.from_dict({"optimizer": {"params": {"lr": 0.1}}}).resolve()
+    slots = [
+        Slot(name=f"p{i}", numel=s.numel, partition=torch.zeros(s.numel))
+        for i, s in enumerate(shards)
+    ]
+    opt = PartitionedOptimizer(slots, optimizer=cfg.optimizer, zero=cfg.zero_optimization, comm=c)
+    full = grads_of(7, 0)  # the same "reduced" gradient everywhere; each rank adds its shard
+    for i, s in enumerate(shards):
+        opt.accumulate_grad(i, take_shard(full[i], s))
+    if r == 1 and len(sys.argv) > 2:
+        opt.accumulate_grad(0, torch.full((shards[0].numel,), float("inf")))
+    res = opt.step(lr=0.1, max_grad_norm=1.0)
+    want = torch.cat(full).double().norm().item()
+    c.close()
+    return {"norm": res.grad_norm, "want": want, "overflow": res.overflow}
+
+
+scenario = sys.argv[1]
+if scenario == "reduce":
+    b, o, ct = sys.argv[2:5]
+    result = reduce(int(b), o == "1", ct == "1")
+else:
+    result = norm()
+print("RESULT " + json.dumps(result), flush=True)
+os._exit(0)
