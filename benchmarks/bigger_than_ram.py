@@ -252,14 +252,16 @@ def _bytes(delta: dict, suffix: str) -> int:
     return sum(v for k, v in delta.items() if k.endswith(suffix))
 
 
-def train(engine, args: argparse.Namespace, vocab: int) -> list[dict]:
+def train(engine, args: argparse.Namespace, vocab: int, *, probes: bool = True) -> list[dict]:
     """`--steps` steps of batch 1 x seq_len random tokens; per step: times and the NVMe
-    counters' growth during forward+backward and during the optimizer step."""
+    counters' growth during forward+backward and during the optimizer step (and, with
+    `probes`, the estimate's rate probes taken just before it)."""
     g = torch.Generator().manual_seed(1)
     steps = []
     for n in range(args.steps):
         ids = torch.randint(0, vocab, (1, args.seq_len), generator=g)
-        probe = estimate_probe(args)  # the rates under the load this step is about to meet
+        # the rates under the load this step is about to meet
+        probe = estimate_probe(args) if probes else None
         s0 = engine.memory_stats()
         t0 = time.perf_counter()
         loss = engine(ids, ids)

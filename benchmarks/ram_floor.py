@@ -89,7 +89,7 @@ def one_size(args: argparse.Namespace) -> dict:
             f"{rss['init_peak'] / _GIB:.2f} GiB), {disk / _GB:.1f} GB on disk",
             flush=True,
         )
-        steps = btr.train(engine, args, mcfg.vocab_size)
+        steps = btr.train(engine, args, mcfg.vocab_size, probes=False)
         stats = engine.memory_stats()
     finally:
         engine.close()

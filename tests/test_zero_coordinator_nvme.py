@@ -189,7 +189,7 @@ def test_refresh_lands_a_persistent_read_in_flight(swap):
     c = m.coordinator(budget=m.total, prefetch=0)
     rec = m.records["l0.p2"]
     c._fetch(rec)  # as prefetch would
-    c._pump()
+    c._reads.pump()
     assert rec.state is ParamState.INFLIGHT
     m.step(3.0)  # its read lands first, with the old weights
     m.refresh(c)

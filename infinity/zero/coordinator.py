@@ -29,13 +29,14 @@ Observers (`observers`) see each decision as a `LiveEvent`.
 
 [Note: the NVMe pool] A parameter whose home is on NVMe is read into a buffer of the param
 store's fixed pool before it is copied to the device. A fetch decided for such a parameter
-is queued until a buffer is free; reads are issued in the order decided, and whenever the
-coordinator runs (each gather) the reads that have finished are copied to their device
-buffers, which frees their pool buffers for the next ones, without waiting for the disk.
-A gather that needs a parameter whose read is still queued first completes the oldest
-reads in flight (they were issued for units needed sooner) until a buffer is free, so a
-unit with more parameters than buffers never deadlocks; only when no read of ours holds a
-buffer does it block on the pool (which times out with the holders' names).
+is queued until a buffer is free (`infinity.zero.reads.ReadQueue`); reads are issued in the
+order decided, and whenever the coordinator runs (each gather) the reads that have finished
+are copied to their device buffers, which frees their pool buffers for the next ones,
+without waiting for the disk. A gather that needs a parameter whose read is still queued
+first completes the oldest reads in flight (they were issued for units needed sooner) until
+a buffer is free, so a unit with more parameters than buffers never deadlocks; only when no
+read of ours holds a buffer does it block on the pool (which times out with the holders'
+names).
 
 [Note: reuse] After a unit ends, a parameter stays gathered if it is persistent (fewer
 elements than `param_persistence_threshold`), if the trace says its next use comes within
@@ -63,6 +64,7 @@ from infinity.accelerator import Accelerator
 from infinity.config import ZeroConfig
 from infinity.zero.home import HomeTier
 from infinity.zero.param import OffloadParam, ParamState
+from infinity.zero.reads import ReadQueue
 from infinity.zero.trace import Trace
 from infinity.zero.unit import ModuleUnit
 
@@ -143,13 +145,8 @@ class Coordinator:
         """Seconds forward and backward spent inside gathers (fetching, landing, issuing
         prefetch): what compute waited for its parameters."""
         self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or pending
-        # Fetched and not yet LIVE, in the order decided; the NVMe ones whose read waits for a
-        # pool buffer, those whose read holds one (oldest first), and reads that failed
-        # (raised when the parameter is needed). See [Note: the NVMe pool].
-        self._pending: dict[OffloadParam, None] = {}
-        self._queued: dict[OffloadParam, None] = {}
-        self._reading: dict[OffloadParam, None] = {}
-        self._failed: dict[OffloadParam, BaseException] = {}
+        self._pending: dict[OffloadParam, None] = {}  # fetched, not yet LIVE, in order decided
+        self._reads = ReadQueue(accelerator, self.copy_stream)  # see [Note: the NVMe pool]
         self.by_storage: dict[int, OffloadParam] = {}
         """Gathered buffers by storage address: tensors autograd saves are matched to their
         parameter through it (see [Note: saved weights] in hooks)."""
@@ -266,9 +263,9 @@ class Coordinator:
             if self._unfetched(rec):
                 self._fetch(rec)
                 missed.append(rec)
-            elif rec in self._queued:
+            elif rec in self._reads.queued:
                 missed.append(rec)
-        self._pump(first=missed)
+        self._reads.pump(first=missed)
         for rec in unit.records:
             count = not rec.persistent
             if rec in missed:
@@ -386,7 +383,7 @@ class Coordinator:
         """Decide `rec`'s transfer (RELEASED -> pending): a host copy starts now, an NVMe
         read is queued for a pool buffer (see [Note: the NVMe pool])."""
         if rec.home.tier is HomeTier.NVME:
-            self._queued[rec] = None
+            self._reads.add(rec)
         else:
             rec.fetch(self.accel, self.copy_stream)
         self._pending[rec] = None
@@ -400,57 +397,10 @@ class Coordinator:
             self.peak_live_bytes = self.live_bytes
         self._emit(LiveEvent.FETCH, rec)
 
-    def _pump(self, first: Iterable[OffloadParam] = ()) -> None:
-        """Local I/O only, never waiting: copy finished NVMe reads to their device buffers
-        (freeing pool buffers), then issue queued reads (those in `first`, then the rest in
-        the order decided) while the pool has buffers. What is LIVE does not change."""
-        for rec in [r for r in self._reading if r.read_done()]:
-            if not self._finish_read(rec):
-                break  # reads that land with a collective wait for their gather
-        for rec in first:
-            if rec in self._queued and not self._issue(rec):
-                return
-        for rec in list(self._queued):
-            if not self._issue(rec):
-                return
-            if rec.read_done():  # a fast disk (or the page cache): free the buffer at once
-                self._finish_read(rec)
-
-    def _issue(self, rec: OffloadParam, *, block: bool = False) -> bool:
-        """Issue a queued NVMe read; False (still queued) when the pool has no free buffer."""
-        if not rec.fetch(self.accel, self.copy_stream, block=block):
-            return False
-        del self._queued[rec]
-        self._reading[rec] = None
-        return True
-
-    def _finish_read(self, rec: OffloadParam) -> bool:
-        """Copy `rec`'s read to its device buffer and free the pool buffer; it stays
-        pending. A failed read is kept and raised when the parameter is needed. False when
-        the read cannot be finished apart from its landing (nothing done)."""
-        try:
-            if not rec.finish_read(self.accel):
-                return False
-        except Exception as e:  # the read failed; rec is RELEASED with its buffer back
-            self._failed[rec] = e
-        del self._reading[rec]
-        return True
-
     def _land(self, rec: OffloadParam) -> None:
         """pending -> LIVE; a failed NVMe read leaves `rec` RELEASED and uncounted."""
-        error = self._failed.pop(rec, None)
-        if error is None and rec in self._queued:
-            # Needed now: complete the oldest reads in flight until the pool has a buffer.
-            while not self._issue(rec):
-                if not self._reading:
-                    self._issue(rec, block=True)  # the pool is held elsewhere: wait for it
-                    break
-                oldest = next(iter(self._reading))
-                if not self._finish_read(oldest):
-                    # Its landing is a collective: it lands here, at a point every rank
-                    # reaches (with no read finished early, `_reading` is the same too).
-                    self._land(oldest)
-        self._reading.pop(rec, None)
+        self._reads.issue_now(rec, self._land)
+        error = self._reads.forget(rec)
         self._pending.pop(rec, None)
         try:
             if error is not None:
@@ -471,10 +421,8 @@ class Coordinator:
             ptr = rec.device_tensor.untyped_storage().data_ptr()
             if self.by_storage.get(ptr) is rec:
                 del self.by_storage[ptr]
-        self._queued.pop(rec, None)
-        self._reading.pop(rec, None)
+        self._reads.forget(rec)  # a failed read's error: its data is no longer wanted
         self._pending.pop(rec, None)
-        self._failed.pop(rec, None)
         if rec.state is not ParamState.RELEASED:  # not a queued read or a failed one
             with self.accel.range("infinity::zero::release"):
                 rec.release()
@@ -544,7 +492,7 @@ class Coordinator:
                     self._fetch(r)
             pos += 1
         self._prefetch_upto = pos
-        self._pump()
+        self._reads.pump()
 
     def stats(self) -> dict[str, int]:
         return {
