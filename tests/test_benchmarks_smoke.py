@@ -197,3 +197,29 @@ def test_scale_out_tiny(tmp_path):
     # The same global batch on 1 and 2 ranks trains alike.
     for a, b in zip(one["losses"], two["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(a)
+
+
+def test_cpu_step_overhead_tiny(tmp_path):
+    out = tmp_path / "c.json"
+    # A 131k-element embedding: above the default persistence threshold, gathered each time.
+    args = ["--vocab", "4096", "--hidden", "32", "--layers", "2", "--heads", "4", "--seq", "16"]
+    args += ["--warmup", "1", "--rounds", "2", "--profile", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_step_overhead.py"), *args, "--json", out],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(out.read_text())
+    assert set(rec["ratio"]) == {"infinity_default", "infinity_kept"}
+    assert all(len(run["step_s"]) == 2 for run in rec["runs"].values())
+    # Same model, same batches, the same Adam: the peers train identically.
+    want = rec["runs"]["torch_cpu_adam"]["losses"]
+    for name in ("infinity_default", "infinity_kept"):
+        for a, b in zip(rec["runs"][name]["losses"], want, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), name
+    assert rec["memory_stats"]["infinity_kept"]["live_param_numel"] == rec["model"]["params"]
+    assert rec["memory_stats"]["infinity_default"]["live_param_numel"] < rec["model"]["params"]
+    assert rec["profile"]["infinity_default"]  # the engine's own functions, by own time

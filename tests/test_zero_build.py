@@ -4,6 +4,7 @@ parameter whatever the model size."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -165,3 +166,60 @@ def test_a_full_disk_while_building_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"build partition of \d+ bytes .*No space left.*free space"):
         _build(_cfg("nvme", tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def _zero(threshold, budget):
+    return (
+        infinity.Config.load(
+            config(stage3_param_persistence_threshold=threshold, stage3_max_live_parameters=budget)
+        )
+        .resolve()
+        .zero_optimization
+    )
+
+
+def test_persistence_stays_within_the_live_budget():
+    from infinity.zero.build import persistent_flags
+
+    numels = [100, 5, 300, 40]  # 445 in all
+    assert persistent_flags(numels, _zero(50, 10**9)) == [False, True, False, True]
+    # The whole model fits: a threshold above the largest parameter keeps everything.
+    assert persistent_flags(numels, _zero(10**9, 445)) == [True] * 4
+    # It does not: persistent ones leave the largest parameter's room under the budget.
+    assert persistent_flags(numels, _zero(10**9, 444)) == [True, True, False, False]  # 144
+    assert persistent_flags(numels, _zero(10**9, 300)) == [False] * 4
+    assert persistent_flags([], _zero(10**9, 1)) == []
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_model_kept_gathered_is_copied_once_per_step(tmp_path, tier):
+    """With every parameter persistent, iterations gather nothing: each step's sweep
+    refreshes the gathered copies, and training is bitwise the default path's."""
+    data = batches(4, seed=9)
+    torch.manual_seed(0)
+    model = tiny_gpt(layers=2, hidden=32, checkpointing=False)
+    numel = sum(p.numel() for p in model.parameters())
+    runs = {}
+    for threshold in (0, 10**9):
+        cfg = config(stage3_param_persistence_threshold=threshold)
+        if tier == "nvme":
+            path = tmp_path / str(threshold)
+            path.mkdir()
+            cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(path)}
+        engine = infinity.initialize(copy.deepcopy(model), cfg)
+        losses = train_steps(engine, data)
+        stats = engine.memory_stats()
+        runs[threshold] = losses, dict(engine.named_parameters_host()), stats, engine
+    (base, base_w, _, _), (kept, kept_w, stats, engine) = runs[0], runs[10**9]
+    assert kept == base
+    assert all(torch.equal(kept_w[n], base_w[n]) for n in base_w)
+    assert stats["live_param_numel"] == numel and stats["budget_overruns"] == 0
+    assert all(r.state.name == "LIVE" for r in engine.records)
+    for rec in engine.records:  # the gathered copies hold the last step's weights
+        assert torch.equal(rec.param.detach().reshape(-1), rec.home.read())
+    if tier == "nvme":  # read once at the first gather, never again
+        itemsize = engine.records[0].itemsize
+        assert stats["nvme_param_bytes_read"] <= numel * itemsize + 4096 * len(engine.records)
+        assert runs[0][2]["nvme_param_bytes_read"] > 3 * numel * itemsize
+    for *_, e in runs.values():
+        e.close()

@@ -158,13 +158,13 @@ ZERO: dict[str, Unsupported] = {
         (False,),
     ),
     "stage3_model_persistence_threshold": Unsupported(
-        "there is no cap on the total size of persistent parameters; lower "
-        "stage3_param_persistence_threshold instead",
+        "persistent parameters are capped by stage3_max_live_parameters (they leave "
+        "the largest parameter's room); lower it or stage3_param_persistence_threshold instead",
         (sys.maxsize,),
     ),
     "model_persistence_threshold": Unsupported(
-        "there is no cap on the total size of persistent parameters; lower "
-        "stage3_param_persistence_threshold instead",
+        "persistent parameters are capped by stage3_max_live_parameters (they leave "
+        "the largest parameter's room); lower it or stage3_param_persistence_threshold instead",
         (sys.maxsize,),
     ),
     "legacy_stage1": Unsupported("only ZeRO stage 3 is implemented", (False,)),

@@ -9,13 +9,15 @@ from shapes alone: r x (in + out) per linear layer of the blocks, the base weigh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from infinity.config import ZeroConfig
 from infinity.models import LlamaConfig, LlamaForCausalLM
-from infinity.zero.build import is_persistent
+from infinity.zero.build import persistent_flags
 
 _PROBE_TOKENS = 8  # tokens of the meta forward that records the order (any length will do)
 
@@ -75,10 +77,13 @@ class ModelShape:
     def trainable_numel(self) -> int:
         return sum(p.numel for p in self.params if p.trainable)
 
-    def unit_numel(self, unit: UnitShape, *, threshold: int) -> int:
+    def persistent(self, zero: ZeroConfig) -> list[bool]:
+        """Which parameters stay gathered: the engine's rule (`persistent_flags`)."""
+        return persistent_flags([p.numel for p in self.params], zero)
+
+    def unit_numel(self, unit: UnitShape, *, persistent: Sequence[bool]) -> int:
         """Elements of the unit's non-persistent parameters (what a gather moves)."""
-        numels = (self.params[i].numel for i in unit.params)
-        return sum(n for n in numels if not is_persistent(n, threshold))
+        return sum(self.params[i].numel for i in unit.params if not persistent[i])
 
 
 def model_shape(config: LlamaConfig, *, lora_r: int = 0) -> ModelShape:

@@ -4,7 +4,7 @@ Every term calls the function the engine sizes the same thing with: the flat lay
 sub-groups (`infinity.zero.sub_groups`), the swap store's extent padding
 (`reserved_nbytes`), the NVMe state extents and pipeline buffers (`state_nbytes`,
 `state_buffer_count`), the parameter staging pool (`param_buffer_numel`), the NVMe weight
-ring (`staging_host_bytes`) and the persistence rule (`is_persistent`). The byte counts
+ring (`staging_host_bytes`) and the persistence rule (`persistent_flags`). The byte counts
 match `engine.memory_stats()` exactly; nothing here allocates or measures.
 
 Terms that depend on where fp32 gradients live and on frozen parameters are their own
@@ -26,7 +26,6 @@ from infinity.swap.pool import param_buffer_numel
 from infinity.swap.store import align_up, reserved_nbytes
 from infinity.swap.tiers import state_buffer_count
 from infinity.zero import model_dtype
-from infinity.zero.build import is_persistent
 from infinity.zero.sub_groups import FlatLayout, flat_layout, resolve_sub_group_size
 from infinity.zero.weights import staging_host_bytes
 
@@ -222,11 +221,11 @@ def retained_numel(shape: ModelShape, config: Config) -> int:
     units of the forward, as many as the live budget (and the reuse distance) hold. Backward
     finds them gathered; the rest it gathers again."""
     zero = config.zero_optimization
-    threshold = int(zero.param_persistence_threshold)
+    persistent = shape.persistent(zero)
     room = min(int(zero.max_live_parameters), int(zero.max_reuse_distance))
     kept = 0
     for unit in reversed(shape.units):
-        n = shape.unit_numel(unit, threshold=threshold)
+        n = shape.unit_numel(unit, persistent=persistent)
         if kept and kept + n > room:  # the last unit stays whatever the budget
             break
         kept += n
@@ -234,11 +233,11 @@ def retained_numel(shape: ModelShape, config: Config) -> int:
 
 
 def non_persistent_numel(shape: ModelShape, config: Config, *, trainable_only=False) -> int:
-    threshold = int(config.zero_optimization.param_persistence_threshold)
+    persistent = shape.persistent(config.zero_optimization)
     return sum(
         p.numel
-        for p in shape.params
-        if not is_persistent(p.numel, threshold) and (p.trainable or not trainable_only)
+        for p, keep in zip(shape.params, persistent, strict=True)
+        if not keep and (p.trainable or not trainable_only)
     )
 
 
@@ -266,8 +265,8 @@ def peak_live_numel(shape: ModelShape, config: Config) -> int:
     whatever the budget), never more than the non-persistent total, plus the persistent
     ones."""
     zero = config.zero_optimization
-    threshold = int(zero.param_persistence_threshold)
+    persistent = shape.persistent(zero)
     non_persistent = non_persistent_numel(shape, config)
-    largest = max((shape.unit_numel(u, threshold=threshold) for u in shape.units), default=0)
+    largest = max((shape.unit_numel(u, persistent=persistent) for u in shape.units), default=0)
     live = min(non_persistent, max(int(zero.max_live_parameters), largest))
     return live + shape.numel - non_persistent

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,7 +49,7 @@ from torch import nn
 
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.comm import Comm
-from infinity.config import Config
+from infinity.config import Config, ZeroConfig
 from infinity.zero.build_files import BuildFiles
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
 from infinity.zero.param import OffloadParam
@@ -70,8 +70,27 @@ def model_dtype(config: Config) -> torch.dtype:
 
 
 def is_persistent(numel: int, threshold: int) -> bool:
-    """A parameter below `param_persistence_threshold` elements stays gathered between uses."""
+    """A parameter below `param_persistence_threshold` elements stays gathered between uses
+    (within the live budget: see `persistent_flags`)."""
     return numel < threshold
+
+
+def persistent_flags(numels: Sequence[int], zero: ZeroConfig) -> list[bool]:
+    """Which parameters (in model order) stay gathered between uses: those below
+    `param_persistence_threshold`, as long as they fit the live budget. When every
+    parameter fits `max_live_parameters` at once, all below the threshold do (a threshold
+    above the largest parameter then keeps the whole model gathered across iterations: no
+    gather copies, one refresh per step). Otherwise persistent ones stop where they would
+    leave less than the largest parameter's room under the budget, so persistence never
+    breaks the bound (see [Note: the live budget] in coordinator.py)."""
+    threshold, budget = int(zero.param_persistence_threshold), int(zero.max_live_parameters)
+    room = budget if sum(numels) <= budget else budget - max(numels, default=0)
+    flags = []
+    for numel in numels:
+        keep = is_persistent(numel, threshold) and numel <= room
+        room -= numel if keep else 0
+        flags.append(keep)
+    return flags
 
 
 def home_tier(config: Config) -> HomeTier:
@@ -201,13 +220,14 @@ def partition_model(
     """
     dtype = model_dtype(config)
     zero = config.zero_optimization
-    threshold = int(zero.param_persistence_threshold)
+    named = list(model.named_parameters())
+    persistent = persistent_flags([p.numel() for _, p in named], zero)
     # An NVMe home is written from host memory, never copied to the device from it.
     pin = zero.offload_param.pin_memory and home_tier(config) is HomeTier.HOST
     records: list[OffloadParam] = []
     sources: list[torch.Tensor] = [torch.empty(0)] * len(plan.slots)
     by_param: dict[nn.Parameter, OffloadParam] = {}
-    for name, param in model.named_parameters():
+    for (name, param), keep in zip(named, persistent, strict=True):
         if param.is_meta:
             raise ValueError(
                 f"parameter {name!r} is on the meta device: its values do not exist; build "
@@ -225,7 +245,7 @@ def partition_model(
             param,
             plan.home(name, part),
             device=accel.device,
-            persistent=is_persistent(param.numel(), threshold),
+            persistent=keep,
             comm=plan.comm,
         )
         rec.slot = plan.slots.get(name)
