@@ -125,9 +125,7 @@ def child_init_load(model_dir: Path) -> dict:
     ds = {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
     with infinity.init(ds):
         model = LlamaForCausalLM(config, init_weights=False)
-    n = stream_hf_weights(
-        model_dir, expected_shapes(model), copying_sink(model), config=config
-    )
+    n = stream_hf_weights(model_dir, expected_shapes(model), copying_sink(model), config=config)
     return {"baseline_rss_bytes": baseline, "seconds": time.perf_counter() - t0, "tensors": n}
 
 

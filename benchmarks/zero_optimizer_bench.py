@@ -125,8 +125,7 @@ def bench(args) -> dict:
         if isinstance(cand, Ours):
             skip = args.warmup
             results[name]["breakdown_median_s"] = {
-                k: statistics.median(b[k] for b in cand.breakdown[skip:])
-                for k in cand.breakdown[0]
+                k: statistics.median(b[k] for b in cand.breakdown[skip:]) for k in cand.breakdown[0]
             }
             results[name]["memory"] = cand.opt.memory_stats()
     for name in results:

@@ -114,5 +114,3 @@ def test_export_flags_need_a_lora_checkpoint(tmp_path, capsys, inputs):
     assert main(["export", str(save), "--out", str(tmp_path / "a"), "--adapter"]) == 1
     assert "has no LoRA adapters" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
-
-

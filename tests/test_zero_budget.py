@@ -71,8 +71,6 @@ def test_budget_bound_and_prefetch_hits(monkeypatch, fraction):
     assert hits / (hits + misses) >= 0.95, (hits, misses)
 
 
-
-
 def test_order_change_updates_trace_and_stays_correct():
     torch.manual_seed(0)
     model = Zoo()
