@@ -85,7 +85,7 @@ from infinity.zero import (
     partition_model,
 )
 from infinity.zero.grad_reduce import GradReducer
-from infinity.zero.shard import check_same_weights
+from infinity.zero.shard import check_same_weights, shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class Engine:
 
     def _shard_numel(self, numel: int) -> int:
         """Elements of this rank's shard of a parameter (all of them with one rank)."""
-        return -(-numel // self.comm.world_size)
+        return shard_of(numel, self.comm.world_size, self.comm.rank).numel
 
     def _make_grad_reducer(self) -> GradReducer | None:
         """With several ranks, the buckets that reduce-scatter gradients into the slots."""

@@ -5,12 +5,13 @@ assembles elements [lo, hi) of a saved tensor from whichever saved ranks hold th
 checkpoint written by W ranks loads under any other world size. It does not know the engine:
 callers say which tensor, how many elements it has in full, and which span they want.
 
-[Note: spans] World size W, rank r, a tensor of N elements: the shard size is S = ceil(N / W)
-and rank r owns elements [r*S, (r+1)*S) of the tensor flattened and zero-padded to W*S. Its
-unpadded span is (min(r*S, N), min((r+1)*S, N)), empty for tiny tensors on high ranks. A rank's
-checkpoint shard holds exactly its unpadded span of each tensor (flat; with W == 1 the tensor
-keeps its shape, as single-process checkpoints always have), so the spans of ranks 0..W-1 laid
-end to end are the whole tensor.
+[Note: spans] The rule is the engine's (`infinity.zero.shard.shard_of`): world size W, rank
+r, a tensor of N elements: the shard size is S = ceil(N / W) and rank r owns elements
+[r*S, (r+1)*S) of the tensor flattened and zero-padded to W*S. Its unpadded span is
+(min(r*S, N), min((r+1)*S, N)), empty for tiny tensors on high ranks. A rank's checkpoint
+shard holds exactly its unpadded span of each tensor (flat; with W == 1 the tensor keeps its
+shape, as single-process checkpoints always have), so the spans of ranks 0..W-1 laid end to
+end are the whole tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from infinity.utils.safetensors_stream import SafetensorsReader
+from infinity.zero.shard import shard_of
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -28,15 +30,15 @@ def shard_numel(numel: int, world_size: int) -> int:
     _check_world(world_size)
     if numel < 0:
         raise ValueError(f"a tensor cannot have {numel} elements")
-    return -(-numel // world_size)
+    return shard_of(numel, world_size, 0).numel
 
 
 def rank_span(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """Rank `rank`'s unpadded span (lo, hi) of a tensor of `numel` elements."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
-    s = shard_numel(numel, world_size)
-    return min(rank * s, numel), min((rank + 1) * s, numel)
+    shard_numel(numel, world_size)  # the same checks of numel and world size
+    return shard_of(numel, world_size, rank).span
 
 
 def _check_world(world_size: int) -> None:
