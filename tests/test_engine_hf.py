@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from _engine_models import VOCAB, batches, config, max_rel_diff
-from _hf_models import ARCHS, causal_lm_loss, reference_losses, write_model_dir
+from _hf_models import ARCHS, causal_lm_loss, hf_model, reference_losses, write_model_dir
 from _hf_models import batches as hf_batches
 
 import infinity
@@ -18,33 +18,11 @@ transformers = pytest.importorskip("transformers")
 
 
 def _gpt2():
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        attn_pdrop=0.0,
-        embd_pdrop=0.0,
-        resid_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    return hf_model(transformers, "gpt2", vocab=VOCAB)
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return hf_model(transformers, "llama", vocab=VOCAB, tie_word_embeddings=True)
 
 
 @pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])

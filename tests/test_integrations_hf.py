@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from _hf_models import VOCAB
+from _hf_models import VOCAB, hf_model
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -21,17 +21,7 @@ STEPS = 10
 
 
 def _model():
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    return hf_model(transformers, "qwen2")
 
 
 def _dataset(n=48, seq=12, seed=0):
