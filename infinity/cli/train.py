@@ -444,7 +444,7 @@ def check_tokenizer_dir(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infinity.cli.train_ranks import FollowedRankZero, join
+    from infinity.cli.train_ranks import FollowedRankZero, InputsRefused, join
     from infinity.cli.train_stop import StopSignals
     from infinity.utils.host_memory import unmap_large_allocations
 
@@ -453,18 +453,25 @@ def run(args: argparse.Namespace) -> int:
     with StopSignals() as signals, contextlib.ExitStack() as held:
         ranks = None
         try:
-            model = check_inputs(args)
             ranks = held.enter_context(join(Path(args.save_dir).expanduser(), args.comm_timeout))
             signals.rank = ranks.rank if ranks.many else None
-            # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
-            config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
+            # Checked on every rank (a path one node lacks fails there only), said once.
+            model, config = ranks.check_inputs(lambda: _inputs(args, ranks))
             return _run(args, config, ranks, signals, held, model)
-        except FollowedRankZero:
+        except (FollowedRankZero, InputsRefused):
             return 1  # rank 0 says why
         except Exception as exc:
             if ranks is None or not ranks.many:
                 raise
             return ranks.failed(exc)
+
+
+def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config]:
+    """The checked inputs: the model's description and this rank's config."""
+    model = check_inputs(args)
+    # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
+    config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
+    return model, config
 
 
 def _run(
