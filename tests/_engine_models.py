@@ -119,11 +119,24 @@ def config(**zero) -> dict:
     }
 
 
+def model_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """The loss of the models here: `model(ids, labels)`."""
+    return model(ids, ids)
+
+
 def run_reference(
-    model: nn.Module, data, *, accum: int = 1, clip: float = 0.0, before=None, **adamw
+    model: nn.Module,
+    data,
+    *,
+    accum: int = 1,
+    clip: float = 0.0,
+    before=None,
+    loss_of=model_loss,
+    **adamw,
 ):
     """Plain PyTorch: AdamW over the trainable parameters; mean loss per optimizer step.
-    `before(i, model)` runs before optimizer step i's micro batches."""
+    `before(i, model)` runs before optimizer step i's micro batches; `loss_of(model, ids)` is
+    a micro batch's loss."""
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=adamw.get("lr", 1e-2), weight_decay=adamw.get("wd", 0.01))
@@ -133,7 +146,7 @@ def run_reference(
             before(i // accum, model)
         total = 0.0
         for ids in data[i : i + accum]:
-            loss = model(ids, ids)
+            loss = loss_of(model, ids)
             (loss / accum).backward()
             total += loss.item() / accum
         if clip:
@@ -144,7 +157,7 @@ def run_reference(
     return losses, model
 
 
-def run_engine(model: nn.Module, data, cfg: dict, *, before=None):
+def run_engine(model: nn.Module, data, cfg: dict, *, before=None, loss_of=model_loss):
     """The same loop through an Engine; mean loss per optimizer step, and the engine."""
     engine = infinity.initialize(copy.deepcopy(model), cfg)
     accum = engine.gradient_accumulation_steps
@@ -154,7 +167,7 @@ def run_engine(model: nn.Module, data, cfg: dict, *, before=None):
             before(i // accum, engine.module)
         total = 0.0
         for ids in data[i : i + accum]:
-            loss = engine(ids, ids)
+            loss = loss_of(engine, ids)
             engine.backward(loss)
             engine.step()
             total += loss.item() / accum

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from _engine_models import VOCAB, batches, config, max_rel_diff
+from _engine_models import VOCAB, batches, config, max_rel_diff, run_engine, run_reference
 from _hf_models import ARCHS, causal_lm_loss, hf_model, reference_losses, write_model_dir
 from _hf_models import batches as hf_batches
 
@@ -25,6 +25,10 @@ def _llama():
     return hf_model(transformers, "llama", vocab=VOCAB, tie_word_embeddings=True)
 
 
+def _hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss  # a ModelOutput, keyword arguments in
+
+
 @pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
 def test_hf_causal_lm_parity(make, checkpointing):
@@ -35,24 +39,10 @@ def test_hf_causal_lm_parity(make, checkpointing):
         (enable or model.gradient_checkpointing_enable)()
     model.train()
     data = batches(4, seed=30)
-    ref_model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
-    ref = []
-    for ids in data:
-        loss = ref_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
-    total = sum(p.numel() for p in model.parameters())
-    budget = total // 3
-    engine = infinity.initialize(copy.deepcopy(model), config(stage3_max_live_parameters=budget))
-    got = []
-    for ids in data:
-        loss = engine(input_ids=ids, labels=ids).loss  # a ModelOutput, kwargs in
-        engine.backward(loss)
-        engine.step()
-        got.append(loss.item())
+    ref, _ = run_reference(model, data, loss_of=_hf_loss)
+    budget = sum(p.numel() for p in model.parameters()) // 3
+    cfg = config(stage3_max_live_parameters=budget)
+    got, engine = run_engine(model, data, cfg, loss_of=_hf_loss)
     assert max_rel_diff(got, ref) < 1e-5, (got, ref)
     stats = engine.memory_stats()
     # The bound: the budget plus the largest unit (a module's own parameters).
@@ -69,19 +59,11 @@ def test_plain_loss_backward_with_activation_checkpointing(make):
     model.activation_checkpointing_enable()
     model.train()
     data = batches(4, seed=31)
-    ref_model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
-    ref = []
-    for ids in data:
-        loss = ref_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    ref, _ = run_reference(model, data, loss_of=_hf_loss)
     engine = infinity.initialize(copy.deepcopy(model), config())
     got = []
     for ids in data:
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = _hf_loss(engine, ids)
         loss.backward()
         assert engine.coordinator.phase is Phase.IDLE  # ended by autograd
         assert engine.memory_stats()["live_param_numel"] == 0
@@ -212,15 +194,7 @@ def test_plain_backward_recomputation_gathers_weights_used_outside_their_module(
     torch.manual_seed(0)
     model = _TiedInside()
     data = batches(3, seed=4)
-    ref_model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
-    ref = []
-    for ids in data:
-        loss = ref_model(ids, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    ref, _ = run_reference(model, data)
     engine = infinity.initialize(copy.deepcopy(model), config())
     got = []
     for ids in data:
