@@ -18,6 +18,21 @@ from infinity.models.config import LlamaConfig
 from infinity.models.llama import LlamaForCausalLM
 
 VOCAB = 64
+SMALL_LLAMA = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=120,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+"""A Llama shape with grouped-query attention, for the model and export tests."""
+
+
+def random_ids(vocab: int, B: int = 2, T: int = 17, seed: int = 0) -> torch.Tensor:
+    """(B, T) token ids below `vocab`."""
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def tiny_gpt(*, layers: int = 2, hidden: int = 32, checkpointing: bool = True) -> nn.Module:

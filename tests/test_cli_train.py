@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _hf_models import POSITIONS, write_corpus, write_model_dir
 from _train_inputs import TINY, write_inputs
 
 from infinity.cli.main import build_parser, main
@@ -160,25 +159,6 @@ def test_empty_and_non_utf8_data(tmp_path, capsys, inputs):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"hello \xff\xfe world\n" * 50)
     _fails(capsys, _args(model, bad, tmp_path / "s2"), "UTF-8")
-
-
-def test_seq_len_past_the_models_positions_is_refused_before_anything_is_built(tmp_path, capsys):
-    """GPT-2 states its positions as n_positions: the one check reads the transformers config,
-    so they count as well as a Llama's max_position_embeddings."""
-    transformers = pytest.importorskip("transformers")
-    model = write_model_dir(transformers, "gpt2", tmp_path)
-    data = write_corpus(tmp_path / "corpus.jsonl")
-    save = tmp_path / "s"
-    args = _args(model, data, save)
-    args[args.index("--seq-len") + 1] = str(POSITIONS + 1)
-    _fails(
-        capsys,
-        args,
-        f"--seq-len {POSITIONS + 1} is longer than the model's max_position_embeddings "
-        f"({POSITIONS})",
-        f"pass --seq-len {POSITIONS} or less",
-    )
-    assert list(save.iterdir()) == []  # no lock, no token cache: nothing was started
 
 
 def test_resume_without_a_checkpoint(tmp_path, capsys, inputs):
