@@ -24,6 +24,25 @@ TINY = dict(
 )
 
 
+# The `infinity train` flags the tests share: steps of 2 micro batches of 2 sequences of 16
+# tokens, seeded, without a progress bar.
+TRAIN_FLAGS = dict(seq_len=16, micro_batch=2, grad_accum=2, lr=1e-2, seed=5, no_progress=True)
+
+
+def train_args(model, data, save_dir, *extra, **flags) -> list[str]:
+    """`infinity train` of `model` on `data` into `save_dir` with TRAIN_FLAGS, `flags` over
+    them (seq_len=32 is --seq-len 32, True a bare flag, None leaves one out), then `extra`
+    (where a flag given again wins)."""
+    args = ["train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir)]
+    for name, value in {**TRAIN_FLAGS, **flags}.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not None:
+            args += [flag, str(value)]
+    return [*args, *map(str, extra)]
+
+
 def write_byte_tokenizer(model_dir: Path) -> None:
     """A Hugging Face tokenizer.json whose ids are the UTF-8 bytes (0-255), <s> = 256 and
     </s> = 257: the ids of `ByteTokenizer`, read through transformers."""

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _train_inputs import write_inputs
+from _train_inputs import train_args, write_inputs
 
 from infinity.checkpoint import list_checkpoints, load_checkpoint
 from infinity.cli.main import main
@@ -33,11 +33,9 @@ def inputs(tmp_path_factory):
 
 
 def _args(inputs, save_dir, *extra):
-    model, data = inputs
-    return [
-        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
-        "--seq-len", "16", "--lr", "1e-2", "--seed", "5", *map(str, extra),
-    ]  # fmt: skip
+    return train_args(
+        *inputs, save_dir, *extra, micro_batch=None, grad_accum=None, no_progress=None
+    )
 
 
 def _torchrun(args, logs: Path, *, child: list[str] | None = None) -> subprocess.Popen:

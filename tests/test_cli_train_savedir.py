@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_inputs import TINY, write_byte_tokenizer, write_inputs
+from _train_inputs import TINY, train_args, write_byte_tokenizer, write_inputs
 
 from infinity.checkpoint import latest_tag, list_checkpoints, load_checkpoint
 from infinity.cli.main import main
@@ -32,12 +32,7 @@ def inputs(tmp_path_factory):
 
 
 def _args(inputs, save_dir, *extra):
-    model, data = inputs
-    return [
-        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
-        "--seq-len", "16", "--micro-batch", "2", "--grad-accum", "2", "--lr", "1e-2",
-        "--seed", "5", "--no-progress", *map(str, extra),
-    ]  # fmt: skip
+    return train_args(*inputs, save_dir, *extra)
 
 
 def _cli(args):
