@@ -317,3 +317,25 @@ def test_resume_amid_fp16_overflows_continues_with_identical_steps(tmp_path):
     assert [repr(n) for n in _logs(resumed, "grad_norm")] == [
         repr(n) for n in _logs(full, "grad_norm")
     ]  # inf / nan on the skipped steps
+
+
+def test_accelerates_grad_scaler_does_not_scale_the_loss_a_second_time(tmp_path, monkeypatch):
+    """On a GPU, fp16 makes accelerate create a GradScaler (not on the CPU: here one is put
+    in as accelerate would); the engine's loss scale is the only one, so the run is the same."""
+    plain, _ = _fp16_trainer(tmp_path / "plain", max_steps=6)
+    plain.train()
+    made = transformers.Trainer.create_accelerator_and_postprocess
+
+    def with_scaler(self):
+        made(self)
+        self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", with_scaler)
+    scaled, _ = _fp16_trainer(tmp_path / "scaled", max_steps=6)
+    scaled.train()
+    assert scaled.accelerator.scaler is None
+    assert _logs(scaled, "loss") == _logs(plain, "loss")
+    assert [repr(n) for n in _logs(scaled, "grad_norm")] == [
+        repr(n) for n in _logs(plain, "grad_norm")
+    ]
+    assert scaled.engine.loss_scale == plain.engine.loss_scale

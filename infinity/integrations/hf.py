@@ -170,6 +170,13 @@ class InfinityTrainer(transformers.Trainer):
         """The config with the Trainer's values filled in (the schedule's at train time)."""
         self.engine: Engine | None = None
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # With fp16 on a GPU accelerate makes a GradScaler; the engine applies its own loss
+        # scale in backward, so the scaler would scale the loss twice (and find no gradient
+        # on the stand-in optimizer to unscale).
+        self.accelerator.scaler = None
+
     # ---- the engine ---------------------------------------------------------------------
 
     def _resolved(self, num_training_steps: int) -> Config:
