@@ -5,11 +5,16 @@ corpus."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from infinity.models import LlamaConfig, LlamaForCausalLM, export_hf
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = dict(
     vocab_size=260,
@@ -41,6 +46,18 @@ def train_args(model, data, save_dir, *extra, **flags) -> list[str]:
         elif value is not None:
             args += [flag, str(value)]
     return [*args, *map(str, extra)]
+
+
+def train_process(args: list[str]) -> subprocess.Popen:
+    """`python -m infinity.cli.main ARGS` in a child process on the CPU device, its output
+    piped as text (for tests that signal or kill a run)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "infinity.cli.main", *args],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def write_byte_tokenizer(model_dir: Path) -> None:

@@ -4,22 +4,17 @@ and resume with exactly the uninterrupted losses, export, and every kind of bad 
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from _train_inputs import TINY, train_args, write_inputs
+from _train_inputs import TINY, train_args, train_process, write_inputs
 
 from infinity.cli.main import build_parser, main
 from infinity.models import LlamaConfig, LlamaForCausalLM
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +22,8 @@ def inputs(tmp_path_factory):
     return write_inputs(tmp_path_factory.mktemp("train"))
 
 
-def _cli(args, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "infinity.cli.main", *args],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
 def _run(args, timeout=300):
-    proc = _cli(args)
+    proc = train_process(args)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
 
@@ -71,7 +55,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, inputs):
     assert all(r == r for _, r in ref)  # finite, recorded
 
     run_dir = tmp_path / "run"
-    proc = _cli(train_args(model, data, run_dir, "--steps", steps, "--save-every", every))
+    proc = train_process(train_args(model, data, run_dir, "--steps", steps, "--save-every", every))
     deadline = time.monotonic() + 240
     while not (run_dir / "latest").exists():  # a checkpoint exists: now kill at a random time
         assert proc.poll() is None, proc.communicate()[1]
@@ -90,7 +74,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, inputs):
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, inputs):
     model, data = inputs
     save = tmp_path / "run"
-    proc = _cli(train_args(model, data, save, "--steps", 10000))
+    proc = train_process(train_args(model, data, save, "--steps", 10000))
     deadline = time.monotonic() + 240
     while not (save / "metrics.jsonl").exists() or len(_losses(save)) < 2:
         assert proc.poll() is None, proc.communicate()[1]
