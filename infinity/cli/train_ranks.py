@@ -14,11 +14,11 @@ without repeating it). Every rank checks the inputs (flags, files, config) and r
 what failed once: a bare error when every rank gave it, else each with the ranks it came
 from. A signal asks for a stop on the rank that got it; before each optimizer step the ranks
 all-reduce the request, so all of them stop after the same step and save one checkpoint
-together. A rank that fails writes its error to SAVE_DIR/rank-N.error
-before it exits; the others then fail in their next collective (the peer is gone) or, if it
-hangs, when the collective timeout expires, and torchrun stops the rest when a worker exits
-with an error. Rank 0 then reports the rank and the cause: its error file, or that its
-process is gone without one (killed), or that it did not answer within the timeout.
+together. A rank that fails later writes its error to SAVE_DIR/rank-N.error before it exits;
+the others then fail in their next collective (the peer is gone) or, if it hangs, when the
+collective timeout expires, and torchrun stops the rest when a worker exits with an error.
+Rank 0 then reports the rank and the cause: its error file, or that its process is gone
+without one (killed), or that it did not answer within the timeout.
 """
 
 from __future__ import annotations
