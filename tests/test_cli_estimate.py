@@ -129,3 +129,21 @@ def test_compute_bound_run_over_device_memory_is_not_told_to_grow_the_batch(tmp_
     assert d["bound"] == "compute"
     assert any("exceeds" in a and "lower --micro-batch" in a for a in d["advice"])
     assert not any("larger --micro-batch" in a for a in d["advice"])
+
+
+def test_a_model_family_train_takes_but_the_estimate_does_not_is_named(tmp_path, capsys):
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 32}))
+    assert _estimate("--model", model, "--device", "h100") == 1
+    err = capsys.readouterr().err
+    assert "'qwen2'" in err and "Llama-architecture models only" in err
+    assert "`infinity train` trains this one" in err
+
+
+def test_a_local_llama_directory_is_estimated(tmp_path, capsys):
+    from _train_inputs import write_inputs
+
+    model, _ = write_inputs(tmp_path)
+    assert _estimate("--model", model, "--device", "h100", "--seq-len", 16) == 0
+    assert capsys.readouterr().out.startswith(f"{model}: 0.00B parameters")

@@ -18,6 +18,7 @@ from pathlib import Path
 from infinity.cli.train import _positive_int, config_from_args
 from infinity.config import Config
 from infinity.models import PRESETS, load_config, preset
+from infinity.models.config import SUPPORTED_MODEL_TYPES, read_config_json
 
 _GIB = float(1 << 30)
 _GB = 1e9
@@ -108,6 +109,16 @@ def model_config(name: str):
         raise ValueError(
             f"--model {name}: {what}, and not a preset; give a Hugging Face model "
             f"directory (with config.json) or one of {', '.join(PRESETS)}"
+        )
+    model_type = read_config_json(path).get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        # `infinity train` takes other families through transformers; the estimate's shapes
+        # and compute probe are the Llama implementation's.
+        raise ValueError(
+            f"--model {name}: model_type {model_type!r}: `infinity estimate` models Llama-"
+            f"architecture models only ({', '.join(SUPPORTED_MODEL_TYPES)}), though `infinity "
+            "train` trains this one; estimate a preset or a Llama config.json of the same "
+            "hidden size, layers and vocabulary instead"
         )
     return load_config(path)
 
