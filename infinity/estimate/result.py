@@ -26,7 +26,6 @@ from infinity.config import Config
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, resolve_config, sizes
-from infinity.swap.tiers import state_buffer_count
 
 _GIB = float(1 << 30)
 
@@ -164,11 +163,10 @@ def estimate(
     runtime = _current_rss() if runtime_bytes is None else runtime_bytes
     if gpu is not None:
         runtime += CUDA_RUNTIME_HOST_BYTES
-    resident = sz.host_bytes - untouched_state_buffer_bytes(sz, config)
-    steady = runtime + resident + (device if gpu is None else 0)
+    steady = runtime + sz.host_bytes + (device if gpu is None else 0)
     peak = max(
         steady + grad_transient_bytes(shape),
-        runtime + resident + build_partition_bytes(shape, config, sz.itemsize),
+        runtime + sz.host_bytes + build_partition_bytes(shape, config, sz.itemsize),
     )
     est = Estimate(
         sizes=sz,
@@ -285,16 +283,6 @@ def activation_bytes(
     layer = tokens * h * (34 + 5 * heads * seq_len / h) * itemsize / 2
     kept = layers * tokens * h * itemsize + layer if checkpointing else layers * layer
     return int(kept + tokens * c.vocab_size * (itemsize + 8))
-
-
-def untouched_state_buffer_bytes(sz: Sizes, config: Config) -> int:
-    """The NVMe optimizer pipeline's buffers that no sub-group ever lands in, so their pages
-    never become resident: with n sub-groups a sweep and the next one's read-ahead use at
-    most n + 1 of them (one sub-group of LoRA adapters: two)."""
-    if config.zero_optimization.offload_optimizer.device != "nvme":
-        return 0
-    count = state_buffer_count(config.zero_optimization.offload_optimizer)
-    return (count - min(count, sz.num_sub_groups + 1)) * (sz.state_host_bytes // count)
 
 
 def build_partition_bytes(shape: ModelShape, config: Config, itemsize: int) -> int:

@@ -127,7 +127,7 @@ def sizes(
         extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
         optim_disk = sum(extents)
         buffer = align_up(max(extents, default=4096))
-        buffers = state_buffer_count(zero.offload_optimizer)
+        buffers = state_buffer_count(zero.offload_optimizer, layout.num_sub_groups)
         state_host = buffers * buffer
         # NvmeStateStore's prefetch_next_sweep: every buffer is free when a sweep ends
         pipelined = zero.offload_optimizer.pipeline_read
