@@ -123,7 +123,8 @@ def recorded_probe(record: dict) -> dict | None:
     probes = [s["estimate_probe"] for s in _later(record) if s.get("estimate_probe")]
     if not probes:
         return None
-    keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s", "module_overhead_s")
+    keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s", "module_overhead_s",
+            "fresh_copy_bytes_per_s")  # fmt: skip
     out = {k: statistics.median(p[k] for p in probes) for k in keys if k in probes[0]}
     if "module_overhead_s" not in out:  # runs recorded before the engine's hooks were probed
         out["module_overhead_s"] = _module_overhead_s(record)
