@@ -117,15 +117,20 @@ def predicted(est: Estimate) -> dict:
     }
 
 
-def recorded_probe(record: dict) -> dict | None:
+def recorded_probe(record: dict, earlier: dict | None = None) -> dict | None:
     """The rates the run probed just before each of the steps compared (the same model, under
-    the load each step met): their medians. None for runs recorded without them."""
+    the load each step met): their medians. None for runs recorded without them. A rate the
+    run did not probe comes from `earlier` (the same record's rates in a `--probes-from`
+    output), else is probed now."""
     probes = [s["estimate_probe"] for s in _later(record) if s.get("estimate_probe")]
     if not probes:
         return None
     keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s", "module_overhead_s",
             "fresh_copy_bytes_per_s")  # fmt: skip
     out = {k: statistics.median(p[k] for p in probes) for k in keys if k in probes[0]}
+    for k in ("module_overhead_s", "fresh_copy_bytes_per_s"):
+        if k not in out and k in (earlier or {}):
+            out[k] = earlier[k]
     if "module_overhead_s" not in out:  # runs recorded before the engine's hooks were probed
         out["module_overhead_s"] = _module_overhead_s(record)
     if "fresh_copy_bytes_per_s" not in out:  # ... or copies into new memory
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.records:
         with open(path) as f:
             record = json.load(f)
-        rates = recorded_probe(record) or earlier.get(path)
+        rates = recorded_probe(record, earlier.get(path)) or earlier.get(path)
         if rates is None:
             key = json.dumps(record["model"], sort_keys=True) + str(record["args"]["seq_len"])
             key += str(record["args"].get("lora_r", 0))

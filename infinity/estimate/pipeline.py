@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from infinity.config import Config
 from infinity.estimate.shapes import ModelShape, UnitShape
-from infinity.estimate.sizing import Sizes, retained_numel
+from infinity.estimate.sizing import Sizes
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -165,3 +165,19 @@ def micro_step_s(
             pool = deque(e for e in pool if e[0] != pos)
         t += work[pos]
     return t
+
+
+def retained_numel(shape: ModelShape, config: Config) -> int:
+    """Non-persistent elements still gathered when forward turns into backward: the last
+    units of the forward, as many as the live budget (and the reuse distance) hold. Backward
+    finds them gathered; the rest it gathers again."""
+    zero = config.zero_optimization
+    persistent = shape.persistent(zero)
+    room = min(int(zero.max_live_parameters), int(zero.max_reuse_distance))
+    kept = 0
+    for unit in reversed(shape.units):
+        n = shape.unit_numel(unit, persistent=persistent)
+        if kept and kept + n > room:  # the last unit stays whatever the budget
+            break
+        kept += n
+    return kept

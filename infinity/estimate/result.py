@@ -162,7 +162,13 @@ def estimate(
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     config = resolve_config(config, shape)
     gpu = rates.gpu
-    sz = sizes(shape, config, pins=gpu is not None, grads_spill=grads_spill)
+    sz = sizes(
+        shape,
+        config,
+        pins=gpu is not None,
+        grads_spill=grads_spill,
+        checkpointing=activation_checkpointing,
+    )
     micro = int(config.train_micro_batch_size_per_gpu)
     accum = int(config.gradient_accumulation_steps)
     tokens = micro * seq_len
