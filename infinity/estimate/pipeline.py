@@ -1,131 +1,73 @@
 """One micro step on the CPU device with parameters on NVMe, as a pipeline of the model's
-gathers: the disk reads parameters ahead of the cores as far as the prefetch window and the
-staging pool let it, and the cores wait where a read has not landed.
+gathers: the disk reads parameters ahead of the cores as far as the coordinator's prefetch
+and the staging pool let it, and the cores wait where a read has not landed.
 
-Owns the order of gathers one forward + backward makes (`gather_order`, built from the
-model's shapes) and the replay of that order against the disk (`micro_step_s`); the bytes
-read come from `infinity.estimate.sizing` and the CPU work from the rates, so this decides
-only *when* the bytes move. See [Note: the step model] in result.py.
+Owns the replay of a micro step's gathers against the disk (`micro_step_s`). What is read,
+where each read is decided and where it is needed come from the coordinator's policy
+replayed in `infinity.estimate.param_traffic`; the CPU work from the rates. See [Note: the
+step model] in result.py.
 """
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from dataclasses import dataclass
 
 from infinity.config import Config
-from infinity.estimate.shapes import ModelShape, UnitShape
-from infinity.estimate.sizing import Sizes
-
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+from infinity.estimate.param_traffic import Fetch, Pass, param_fetches
+from infinity.estimate.shapes import ModelShape
 
 
 @dataclass(frozen=True, slots=True)
 class Gather:
-    """One position of the trace: a unit gathered for a forward, a recomputation or a
-    backward."""
+    """One position of the trace, as the cores see it."""
 
-    numel: int
-    """Elements of the unit (its distance along the trace, as the prefetch window counts)."""
-    read_numel: int
-    """Elements read from NVMe for it here (0: still gathered, or persistent)."""
     flops: float
-    """Its share of the compute, in weight elements times passes (a backward of trainable
-    weights counts two, of frozen ones one)."""
+    """Its share of the compute, in weight elements of its matmuls times passes (a
+    backward of trainable weights counts two, of frozen ones one)."""
     copied_numel: int
-    """Elements copied at it on the CPU device: the gathered ones, and in backward the
-    trainable weights' gradients."""
+    """Elements copied at it on the CPU device: the parameters fetched for it, and in
+    backward the trainable weights' gradients."""
 
 
 @dataclass(frozen=True, slots=True)
 class Prefetch:
-    """What bounds how far reads run ahead of compute: `stage3_prefetch_bucket_size`
-    elements along the trace and `offload_param.buffer_count` staging buffers."""
+    """A micro step's gathers and its NVMe reads (in the order decided), and the
+    `offload_param.buffer_count` staging buffers the reads pass through."""
 
     order: tuple[Gather, ...]
-    window_numel: int
+    reads: tuple[Fetch, ...]
     buffers: int
 
 
-def prefetch_of(shape: ModelShape, config: Config, sz: Sizes, *, checkpointing: bool) -> Prefetch:
-    zero = config.zero_optimization
-    order = gather_order(shape, config, sz, checkpointing=checkpointing)
-    return Prefetch(tuple(order), int(zero.prefetch_bucket_size), zero.offload_param.buffer_count)
-
-
-def gather_order(
-    shape: ModelShape, config: Config, sz: Sizes, *, checkpointing: bool
-) -> list[Gather]:
-    """The units in the order one forward + backward gathers them: forward in execution
-    order; backward from the last unit on, each decoder block recomputed first (in forward
-    order) under activation checkpointing and its units then needed again, in reverse,
-    while still gathered. Forward and each recomputation read every non-persistent unit
-    (a backward without recomputation reads it for the backward); the first units of the
-    backward, still gathered at the turn (`retained_numel`), read nothing. The reads are
-    scaled to the estimate's `param_read_bytes_per_micro_step`, so only their timing is
-    modelled here."""
-    persistent = shape.persistent(config.zero_optimization)
-    raw: list[tuple[UnitShape, str]] = [(u, "forward") for u in shape.units]
-    for segment in reversed(_segments(shape.units)):
-        if checkpointing and len(segment) > 1:
-            raw += [(u, "recompute") for u in segment]
-            raw += [(u, "backward-held") for u in reversed(segment)]
-        else:
-            raw += [(u, "backward") for u in reversed(segment)]
-    kept = retained_numel(shape, config)
-    linear = {lin.name for lin in shape.linears}
-    order, turn = [], len(shape.units)
-    for k, (unit, kind) in enumerate(raw):
-        params = [shape.params[i] for i in unit.params]
-        numel = sum(p.numel for p in params)
-        read = shape.unit_numel(unit, persistent=persistent)
-        if kind == "backward-held":
-            read = 0
-        elif k >= turn and kept > 0 and read:  # still gathered when backward begins
-            kept -= read
-            read = 0
+def prefetch_of(shape: ModelShape, config: Config, *, checkpointing: bool) -> Prefetch:
+    """The gathers of one forward + backward and their fetches (see `param_fetches`)."""
+    trace, fetches = param_fetches(shape, config, checkpointing=checkpointing)
+    matmul = {f"{lin.name}.weight" for lin in shape.linears}
+    fetched = [0] * len(trace)
+    for f in fetches:
+        fetched[f.needed] += f.numel
+    order = []
+    for pos, position in enumerate(trace):
+        params = [shape.params[i] for i in position.params]
+        backward = position.kind is Pass.BACKWARD
+        # Matmuls dominate; the embedding's lookup and the norms cost next to nothing.
+        weights = [p for p in params if p.name in matmul or ".lora_" in p.name]
         trainable = sum(p.numel for p in params if p.trainable)
-        backward = kind.startswith("backward")
-        # Matmuls dominate: a linear unit's work follows its weights (the embedding's
-        # lookup costs next to nothing); a backward is one pass more for trainable ones.
-        flops = float(numel + (trainable if backward else 0)) if unit.name in linear else 0.0
-        order.append(Gather(numel, read, flops, read + (trainable if backward else 0)))
-    return _scaled(order, sz.param_read_bytes_per_micro_step // max(1, sz.itemsize))
-
-
-def _segments(units: tuple[UnitShape, ...]) -> list[list[UnitShape]]:
-    """Consecutive units of one decoder block together; every other unit alone."""
-    out: list[list[UnitShape]] = []
-    last = None
-    for unit in units:
-        m = _LAYER.search(unit.name)
-        layer = m.group(1) if m else None
-        if layer is not None and layer == last:
-            out[-1].append(unit)
-        else:
-            out.append([unit])
-        last = layer
-    return out
-
-
-def _scaled(order: list[Gather], total_read: int) -> list[Gather]:
-    have = sum(g.read_numel for g in order)
-    if not have:
-        return order
-    f = total_read / have
-    return [Gather(g.numel, round(g.read_numel * f), g.flops, g.copied_numel) for g in order]
+        flops = sum(p.numel * (2 if backward and p.trainable else 1) for p in weights)
+        order.append(Gather(float(flops), fetched[pos] + (trainable if backward else 0)))
+    buffers = config.zero_optimization.offload_param.buffer_count
+    return Prefetch(tuple(order), tuple(fetches), buffers)
 
 
 def micro_step_s(
     pre: Prefetch, *, cpu_s: tuple[float, float, float], read_bps: float, itemsize: int
 ) -> float:
     """Forward + backward of one micro step: the cores run each gather's share of
-    `cpu_s` = (compute, copies, hooks) in trace order and wait for its read where it has not
-    landed; the disk reads in trace order, one after another, each issued once the cores
-    reach the gather whose prefetch window covers it (or need it) and a staging buffer is
-    free (a buffer comes back at the first gather after its read landed, which copies it
-    to the device)."""
+    `cpu_s` = (compute, copies, hooks) in trace order and wait for the reads it needs; the
+    disk reads one after another in the order decided, each once the cores reach the
+    gather that decided it and a staging buffer is free (a buffer comes back at the first
+    gather after its read landed, which copies it to the device)."""
     order = pre.order
     compute, copies, hooks = cpu_s
     flops = sum(g.flops for g in order) or 1.0
@@ -134,50 +76,31 @@ def micro_step_s(
         compute * g.flops / flops + copies * g.copied_numel / copied + hooks / len(order)
         for g in order
     ]
-    reads = [p for p, g in enumerate(order) if g.read_numel]
-    cum = [0]
-    for g in order:
-        cum.append(cum[-1] + g.numel)
-    done: dict[int, float] = {}
+    reads = list(pre.reads)
+    needed: dict[int, list[int]] = {}
+    for k, f in enumerate(reads):
+        needed.setdefault(f.needed, []).append(k)
+    landed: dict[int, float] = {}  # read index -> when it lands
     pool: deque[tuple[int, float]] = deque()  # reads holding a staging buffer
     nxt, disk, t = 0, 0.0, 0.0
 
     def issue(at: float) -> None:
         nonlocal nxt, disk
-        p = reads[nxt]
-        disk = max(disk, at) + order[p].read_numel * itemsize / read_bps
-        done[p] = disk
-        pool.append((p, disk))
+        disk = max(disk, at) + reads[nxt].numel * itemsize / read_bps
+        landed[nxt] = disk
+        pool.append((nxt, disk))
         nxt += 1
 
     for pos in range(len(order)):
         pool = deque(e for e in pool if e[1] > t)  # landed: copied, the buffer is back
-        while nxt < len(reads) and len(pool) < pre.buffers:
-            p = reads[nxt]
-            if p != pos and cum[p] - cum[pos + 1] >= pre.window_numel:
-                break  # outside the prefetch window of this gather
+        while nxt < len(reads) and reads[nxt].decided <= pos and len(pool) < pre.buffers:
             issue(t)
-        if order[pos].read_numel:
-            while pos not in done:  # needed now: the oldest reads land first
+        needs = needed.get(pos, [])
+        for k in needs:
+            while k not in landed:  # needed now: the oldest reads land first
                 t = max(t, pool.popleft()[1])
                 issue(t)
-            t = max(t, done[pos])
-            pool = deque(e for e in pool if e[0] != pos)
+            t = max(t, landed[k])
+        pool = deque(e for e in pool if e[0] not in needs)
         t += work[pos]
     return t
-
-
-def retained_numel(shape: ModelShape, config: Config) -> int:
-    """Non-persistent elements still gathered when forward turns into backward: the last
-    units of the forward, as many as the live budget (and the reuse distance) hold. Backward
-    finds them gathered; the rest it gathers again."""
-    zero = config.zero_optimization
-    persistent = shape.persistent(zero)
-    room = min(int(zero.max_live_parameters), int(zero.max_reuse_distance))
-    kept = 0
-    for unit in reversed(shape.units):
-        n = shape.unit_numel(unit, persistent=persistent)
-        if kept and kept + n > room:  # the last unit stays whatever the budget
-            break
-        kept += n
-    return kept

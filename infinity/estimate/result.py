@@ -176,7 +176,7 @@ def estimate(
     pipelined = offload.pipeline_read and offload.pipeline_write
     reads = None
     if gpu is None and sz.param_read_bytes_per_micro_step:
-        reads = prefetch_of(shape, config, sz, checkpointing=activation_checkpointing)
+        reads = prefetch_of(shape, config, checkpointing=activation_checkpointing)
     times = step_times(
         sz, rates, accum=accum, pipelined=pipelined, modules=shape.modules, prefetch=reads
     )

@@ -156,10 +156,7 @@ def sizes(
     pool_pinned = pool if (pins and zero.offload_param.pin_memory) else 0
     if optim_nvme and pins and zero.offload_optimizer.pin_memory:
         pool_pinned += state_host  # the NVMe pipeline's buffers, pinned when asked
-    persistent = shape.persistent(zero)
-    gathered = param_reads_per_micro_step(
-        shape, config, checkpointing=checkpointing, persistent=persistent
-    )
+    gathered = param_reads_per_micro_step(shape, config, checkpointing=checkpointing)
     return Sizes(
         grad_host_bytes=grad,
         weights_host_bytes=weights,
