@@ -24,7 +24,7 @@ from infinity.estimate.shapes import ModelShape
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FAR = 1 << 62
-_STEPS = 3  # iterations replayed: the last is the steady state
+_MAX_ITERATIONS = 6  # replayed until two in a row fetch the same (the steady state)
 
 
 class Pass(enum.Enum):
@@ -105,12 +105,18 @@ def _split(shape: ModelShape, params: Sequence[int]) -> list[tuple[int, ...]]:
 def param_fetches(
     shape: ModelShape, config: Config, *, checkpointing: bool
 ) -> tuple[list[Position], list[Fetch]]:
-    """The trace of one training iteration and the fetches of its steady state (the last
-    of `_STEPS` iterations replayed), in the order they are decided."""
+    """The trace of one training iteration and the fetches of its steady state, in the
+    order they are decided: iterations are replayed until two in a row fetch the same (the
+    first starts with nothing gathered; frozen parameters carry over from one to the
+    next)."""
     trace = training_trace(shape, checkpointing=checkpointing)
     replay = _Replay(shape, config, trace)
-    for _ in range(_STEPS):
+    previous = None
+    for _ in range(_MAX_ITERATIONS):
         replay.iteration()
+        if replay.fetches == previous:
+            break
+        previous = replay.fetches
     return trace, replay.fetches
 
 
