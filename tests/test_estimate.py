@@ -55,7 +55,7 @@ def _swap_file_bytes(path: pathlib.Path) -> int:
 
 
 def _train(
-    cfg: dict, path: pathlib.Path, steps: int = 3, lora_r: int = 0
+    cfg: dict, path: pathlib.Path, steps: int = 3, lora_r: int = 0, checkpointing: bool = False
 ) -> tuple[list[dict], int]:
     """memory_stats() after build and after each optimizer step; the swap files' bytes."""
     mc = LlamaConfig(**SHAPE)
@@ -64,6 +64,7 @@ def _train(
         model = LlamaForCausalLM(mc)
         if lora_r:
             model = apply_lora(model, LoraSpec(r=lora_r))
+    model.set_gradient_checkpointing(checkpointing)
     engine = infinity.initialize(model, cfg)
     try:
         stats = [engine.memory_stats()]
@@ -159,6 +160,19 @@ def test_budget_cutting_inside_a_layer_is_exact(tmp_path):
     sz = sizes(shape, resolve_config(Config.load(cfg), shape), pins=False)
     assert _delta(stats, "nvme_param_bytes_read") == sz.param_read_bytes_per_micro_step
     assert _delta(stats, "nvme_optim_bytes_read") == sz.optim_read_bytes_per_step
+
+
+@pytest.mark.parametrize(
+    ("lora_r", "budget"), [(4, 45000), (0, 120000)], ids=["lora-base-over-budget", "full"]
+)
+def test_checkpointed_reads_equal_the_engine(tmp_path, lora_r, budget):
+    """Under activation checkpointing backward recomputes each block before it needs it
+    again: the replayed order of gathers reads what the engine reads."""
+    cfg = _config(tmp_path, stage3_max_live_parameters=budget)
+    stats, _ = _train(cfg, tmp_path, lora_r=lora_r, checkpointing=True)
+    shape = model_shape(LlamaConfig(**SHAPE), lora_r=lora_r)
+    sz = sizes(shape, resolve_config(Config.load(cfg), shape), pins=False, checkpointing=True)
+    assert _delta(stats, "nvme_param_bytes_read") == sz.param_read_bytes_per_micro_step
 
 
 def test_small_budget_re_reads_parameters_in_backward(tmp_path):
