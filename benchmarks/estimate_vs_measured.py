@@ -93,7 +93,7 @@ def measured(record: dict) -> dict:
     writes = last["step_bytes_written"] + sum(
         v for k, v in fwd_bwd.items() if k.endswith("_written")
     )
-    return {
+    out = {
         "nvme_read_bytes_per_step": reads,
         "nvme_write_bytes_per_step": writes,
         "host_bytes": record["memory_stats"]["host_bytes"],
@@ -102,6 +102,10 @@ def measured(record: dict) -> dict:
         "optimizer_step_seconds": statistics.median(s["optimizer_step_s"] for s in later),
         "fwd_bwd_seconds": statistics.median(s["fwd_bwd_s"] for s in later),
     }
+    if all("telemetry" in s for s in later):  # runs recorded with the engine's breakdown
+        for key in ("copy_seconds", "nvme_param_wait_seconds", "gather_wait_seconds"):
+            out[key] = statistics.median(s["telemetry"][key] for s in later)
+    return out
 
 
 def predicted(est: Estimate) -> dict:
@@ -114,6 +118,9 @@ def predicted(est: Estimate) -> dict:
         "step_seconds": j["step_seconds"],
         "optimizer_step_seconds": est.times.optimizer_step_s,
         "fwd_bwd_seconds": est.times.micro_step_s,
+        # against the engine's telemetry, where the record has it
+        "copy_seconds": est.times.copies_s,
+        "nvme_param_wait_seconds": est.times.read_wait_s,
     }
 
 
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             rates = probes[key]
         est = estimate_record(record, rates)
         got, want = predicted(est), measured(record)
-        ratio = {k: got[k] / want[k] for k in got if want[k]}
+        ratio = {k: got[k] / want[k] for k in got if want.get(k)}
         times = dataclasses.asdict(est.times)
         out.append({"record": path, "probed": rates, "estimate": got, "measured": want,
                     "ratio": ratio, "bound": est.bound, "times": times})  # fmt: skip
