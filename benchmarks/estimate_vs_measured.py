@@ -10,7 +10,8 @@ step met; records made before those probes are probed here (or take the rates of
 output with `--probes-from`). Then the estimate against the record: NVMe bytes read and
 written per step (optimizer, parameter and gradient traffic), the host buffers
 `memory_stats()` reported, peak RSS and the step's wall time (the medians of the steps after
-the first). One JSON record per run, with the rates used, so `tests/test_estimate.py`
+the first), and for records with the engine's telemetry the copies and the waits for
+parameter reads. One JSON record per run, with the rates used, so `tests/test_estimate.py`
 replays them without probing; the BENCHMARKS.md table is printed at the end:
 
     flock /work/bench.lock python benchmarks/estimate_vs_measured.py \\
