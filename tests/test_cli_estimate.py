@@ -147,3 +147,34 @@ def test_a_local_llama_directory_is_estimated(tmp_path, capsys):
     model, _ = write_inputs(tmp_path)
     assert _estimate("--model", model, "--device", "h100", "--seq-len", 16) == 0
     assert capsys.readouterr().out.startswith(f"{model}: 0.00B parameters")
+
+
+@pytest.mark.parametrize(
+    "zero, accum",
+    [
+        # a tied embedding (read again by lm_head) under a budget smaller than the model
+        ({"stage3_max_live_parameters": 9000, "stage3_param_persistence_threshold": 0}, 2),
+        ({"offload_param": {"device": "cpu"}, "sub_group_size": 9000}, 3),
+    ],
+)
+def test_estimate_bytes_equal_what_infinity_train_records(tmp_path, capsys, aio, zero, accum):
+    from _train_inputs import train_args, write_inputs
+
+    model, data = write_inputs(tmp_path / "inputs")
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, **zero}}))
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    shape = ["--config", cfg, "--nvme", ssd, "--seq-len", 16, "--micro-batch", 2,
+             "--grad-accum", accum]  # fmt: skip
+    run = tmp_path / "run"
+    argv = train_args(model, data, run, "--steps", 3, *shape, grad_accum=None, seq_len=None,
+                      micro_batch=None)  # fmt: skip
+    assert main(argv) == 0
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    out = tmp_path / "est.json"
+    assert _estimate("--model", model, *shape, "--bench-aio", aio, "--json", out) == 0
+    est = json.loads(out.read_text())
+    assert last["nvme_read_bytes"] > 0
+    assert est["nvme_read_bytes_per_step"] == last["nvme_read_bytes"]
+    assert est["nvme_write_bytes_per_step"] == last["nvme_write_bytes"]
