@@ -178,3 +178,12 @@ def test_estimate_bytes_equal_what_infinity_train_records(tmp_path, capsys, aio,
     assert last["nvme_read_bytes"] > 0
     assert est["nvme_read_bytes_per_step"] == last["nvme_read_bytes"]
     assert est["nvme_write_bytes_per_step"] == last["nvme_write_bytes"]
+
+
+def test_device_names_ignore_case_and_an_unknown_one_lists_the_choices(tmp_path, capsys):
+    out = tmp_path / "est.json"
+    assert _estimate("--model", "tiny", "--device", "H100", "--json", out) == 0
+    assert json.loads(out.read_text())["inputs"]["device"] == "h100"
+    with pytest.raises(SystemExit):
+        _estimate("--model", "tiny", "--device", "tpu-v5")
+    assert "invalid choice: 'tpu-v5' (choose from 'cpu', 'h100'" in capsys.readouterr().err

@@ -70,6 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--device",
+        type=str.lower,  # H100 and h100 are the same GPU
         choices=DEVICES,
         default="cpu",
         help="the accelerator: 'cpu' (this machine, probed) or a GPU by name (published "
