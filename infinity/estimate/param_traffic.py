@@ -79,9 +79,14 @@ def training_trace(shape: ModelShape, *, checkpointing: bool) -> list[Position]:
             needs[part] = t or not frozen_below or tail
         frozen_below = frozen_below and not any(trains)
     for block, seg in reversed(segments):
+        backward = [Position(part, Pass.BACKWARD) for part in reversed(seg) if needs[part]]
         if checkpointing and block:
-            trace += [Position(part, Pass.RECOMPUTE) for part in seg]
-        trace += [Position(part, Pass.BACKWARD) for part in reversed(seg) if needs[part]]
+            # transformers' blocks: the last module's backward gather comes before the
+            # recomputation, and only once (as the engine records it)
+            early = backward[:1] if shape.transformers and needs[seg[-1]] else []
+            trace += early + [Position(part, Pass.RECOMPUTE) for part in seg]
+            backward = backward[len(early) :]
+        trace += backward
     return trace
 
 
