@@ -305,12 +305,15 @@ class ModelHooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        if t.device.type == "meta" or not self.coord.by_storage:
+        gathered = self.coord.gathered
+        if t.device.type == "meta" or not gathered:
             return t
-        rec = self.coord.by_storage.get(t.untyped_storage().data_ptr())
+        rec = gathered.find(t)
         if rec is None:
             return t
-        return _SavedWeight(rec, t.size(), t.stride(), t.storage_offset(), t.dtype)
+        # The offset from the parameter's own: an alias starts inside a shared flat buffer.
+        offset = t.storage_offset() - rec.param.storage_offset()
+        return _SavedWeight(rec, t.size(), t.stride(), offset, t.dtype)
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedWeight):
@@ -325,7 +328,7 @@ class ModelHooks:
         data = rec.param.detach()
         if saved.size == data.size() and saved.stride == data.stride() and not saved.offset:
             return data
-        return data.as_strided(saved.size, saved.stride, saved.offset)
+        return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
     # ---- parameters used outside their module -----------------------------------------
 
