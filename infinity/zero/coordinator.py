@@ -6,15 +6,16 @@ traces and the prefetch cursor, and the counters behind `memory_stats()`. Hooks
 (`infinity.zero.hooks`) tell it when a unit starts (`gather`) and ends (`done`); it never
 touches modules.
 
-[Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked at
-every fetch. A gather that does not fit first evicts resident parameters that no running
-module needs (furthest next use first). Prefetch evicts only parameters whose next use
-comes after the unit it fetches (so it never drops what is needed sooner to bring in what
-is needed later); when that does not make room it stops, and resumes at the next gather. The only excess allowed is what running forwards pin at once
-(the unit being gathered and the modules enclosing it), which is why the bound is stated as
-budget + the largest unit; anything beyond that is counted in `budget_overruns`. Backward
-pins nothing past the gather itself: a module's weights are read back through the
-saved-tensor hooks, which gather again whatever was evicted meanwhile.
+[Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked
+at every fetch. A gather that does not fit first evicts resident parameters that no running
+module needs (furthest next use first). Prefetch evicts only parameters whose next use comes
+after the unit it fetches (so it never drops what is needed sooner to bring in what is
+needed later); when that does not make room it stops, and resumes at the next gather. The
+only excess allowed is what running forwards pin at once (the unit being gathered and the
+modules enclosing it), which is why the bound is stated as budget + the largest unit;
+anything beyond that is counted in `budget_overruns`. Backward pins nothing past the gather
+itself: a module's weights are read back through the saved-tensor hooks, which gather again
+whatever was evicted meanwhile.
 
 [Note: the same order on every rank] Across ranks a parameter becomes LIVE through a
 collective (the all-gather of its shards), so every rank must fetch, make LIVE and release

@@ -7,16 +7,17 @@ flat extent). It does not decide which tier a parameter gets (`infinity.zero.bui
 once, before the optimizer exists), nor when to gather (the coordinator), nor the device
 buffer (the record, `infinity.zero.param`).
 
-[Note: the home contract] A home holds `numel` elements of `dtype`, flat. `read()` returns
-a host copy of them, `write(src)` replaces them (durable on return), and `fetch(accel,
+[Note: the home contract] A home holds `numel` elements of `dtype`, flat. `read()` returns a
+host copy of them, `write(src)` replaces them (durable on return), and `fetch(accel,
 stream)` starts the transfer to a device buffer and returns a `Fetch` whose `land(accel)`
 gives the buffer and the event recorded after its copy on `stream` (`out=` copies into an
 existing buffer instead). Host homes copy at once (asynchronously where the memory is
 pinned), or, on an accelerator whose device memory is host memory, hand out the home itself
-(`aliases_home`, no bytes copied: see [Note: gathered means resident] in param.py); NVMe homes first read into a buffer of the store's pinned pool (`block=False`
-returns None instead of waiting for a free one) and copy when landed, giving the buffer back
-once the copy has read it. A fetch that is no longer wanted is `cancel()`ed: it lands and
-gives its buffer back; a failed read is only logged then.
+(`aliases_home`, no bytes copied: see [Note: gathered means resident] in param.py); NVMe
+homes first read into a buffer of the store's pinned pool (`block=False` returns None
+instead of waiting for a free one) and copy when landed, giving the buffer back once the
+copy has read it. A fetch that is no longer wanted is `cancel()`ed: it lands and gives its
+buffer back; a failed read is only logged then.
 
 [Note: the home's numel] A home's `numel` is what this home holds, which is not always the
 parameter's: with scale-out (world size W) a rank's home holds its shard, S = ceil(N / W)
