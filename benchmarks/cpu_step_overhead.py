@@ -5,9 +5,11 @@ CPU-Adam (`infinity.optim.CPUAdam`).
 Peers in one process on the same batches, interleaved round by round (the order rotates each
 round so none always runs after another): plain PyTorch + CPUAdam (the claim's peer), the
 engine as configured by default ("default": parameters above 100k elements are gathered
-again at every forward and backward) and with the model kept gathered ("kept": a
-persistence threshold above the largest parameter, which the 1e9 live budget holds), and
-optionally plain PyTorch + `AdamW(foreach=True)`. Each step is timed
+again at every forward and backward, each gather aliasing its host home), the same with
+gathers that copy as on a GPU ("copying": `CpuAccelerator(alias_host=False)`, the engine
+before gathers aliased), and with the model kept gathered ("kept": a persistence threshold
+above the largest parameter, which the 1e9 live budget holds), and optionally plain PyTorch
++ `AdamW(foreach=True)`. Each step is timed
 whole and by phase (forward, backward, optimizer step; the engine's own breakdown through
 `wall_clock_breakdown`), so the JSON says where the extra time goes; `--profile N` adds the
 engine's hottest Python functions over N more steps (cProfile). The live budget is the
@@ -36,6 +38,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import infinity
+from infinity.accelerator import CpuAccelerator
 from infinity.optim import CPUAdam
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -166,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="stage3_max_live_parameters (elements)")  # fmt: skip
     parser.add_argument("--foreach-peer", action="store_true",
                         help="add plain PyTorch + AdamW(foreach=True) for reference")  # fmt: skip
-    parser.add_argument("--engines", default="default,kept",
-                        help="engine variants: 'default' (persistence threshold 100k, as "
-                             "before) and 'kept' (threshold above the largest parameter: the "
+    parser.add_argument("--engines", default="default,copying,kept",
+                        help="engine variants: 'default' (persistence threshold 100k, gathers "
+                             "alias their homes), 'copying' (the same, gathers copy as on a "
+                             "GPU) and 'kept' (threshold above the largest parameter: the "
                              "model stays gathered when it fits the budget)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0,
                         help="profile the engine over this many more steps")  # fmt: skip
@@ -187,14 +191,19 @@ def main(argv: list[str] | None = None) -> int:
         adamw = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
         peers["torch_adamw_foreach"] = Plain(ref, adamw)
     largest = max(p.numel() for p in model.parameters())
-    variants = {"default": None, "kept": largest + 1}
+    # name -> (persistence threshold, whether gathers alias their host homes)
+    variants = {"default": (None, True), "copying": (None, False), "kept": (largest + 1, True)}
     configs = {}
     for name in args.engines.split(","):
         if name not in variants:
-            parser.error(f"--engines: unknown variant {name!r}; use default and/or kept")
-        configs[f"infinity_{name}"] = engine_config(args, variants[name])
+            parser.error(f"--engines: unknown variant {name!r}; use {', '.join(variants)}")
+        persistence, alias = variants[name]
+        configs[f"infinity_{name}"] = engine_config(args, persistence)
+        accel = CpuAccelerator(alias_host=alias)
         peers[f"infinity_{name}"] = Engine(
-            infinity.initialize(copy.deepcopy(model), configs[f"infinity_{name}"])
+            infinity.initialize(
+                copy.deepcopy(model), configs[f"infinity_{name}"], accelerator=accel
+            )
         )
     del model
     g = torch.Generator().manual_seed(1)
@@ -224,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "rounds": args.rounds,
         "configs": configs,
+        "alias_host": {f"infinity_{n}": variants[n][1] for n in args.engines.split(",")},
         "median_s": med,
         "ratio": ratios,
         "extra_s": extra,
