@@ -28,7 +28,10 @@ after release, so the memory would stay in use until backward. While the engine 
 `saved_tensors_hooks` pair packs any saved tensor that lives in a gathered buffer as (record,
 size, stride, offset) and rebuilds the view from the parameter's current buffer on unpack,
 gathering it first if needed. Released parameters therefore really free their memory, and
-backward always reads the gathered copy.
+backward always reads the gathered copy. Where gathers alias their host homes (the CPU
+device) every home is a range of one flat buffer, so a saved tensor is matched to its
+parameter by address (`infinity.zero.gathered`), and its offset is kept relative to the
+parameter's own.
 
 [Note: parameters used outside their module] `GatherOnUse` is a TorchFunctionMode active
 during the engine's forward and backward. A torch function that receives a parameter not
