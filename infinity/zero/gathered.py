@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 
 class _Spans:
-    """Aliased buffers in one shared storage, sorted by start address."""
+    """Aliased buffers in one shared storage, sorted by start address (disjoint, none
+    empty)."""
 
     __slots__ = ("starts", "ends", "recs")
 
@@ -38,9 +39,7 @@ class _Spans:
 
     def remove(self, start: int, rec: OffloadParam) -> None:
         i = bisect.bisect_left(self.starts, start)
-        while i < len(self.recs) and self.recs[i] is not rec:  # zero-element neighbours
-            i += 1
-        if i < len(self.recs):
+        if i < len(self.recs) and self.recs[i] is rec:
             del self.starts[i], self.ends[i], self.recs[i]
 
     def find(self, address: int) -> OffloadParam | None:
@@ -69,6 +68,8 @@ class GatheredIndex:
         assert buf is not None
         storage = buf.untyped_storage().data_ptr()
         if rec.aliased:
+            if not buf.numel():  # no memory to find (its address may be a neighbour's)
+                return
             spans = self._shared.get(storage)
             if spans is None:
                 spans = self._shared[storage] = _Spans()
@@ -83,7 +84,7 @@ class GatheredIndex:
         storage = buf.untyped_storage().data_ptr()
         if rec.aliased:
             spans = self._shared.get(storage)
-            if spans is not None:
+            if spans is not None and buf.numel():
                 spans.remove(buf.data_ptr(), rec)
                 if not spans.recs:
                     del self._shared[storage]
