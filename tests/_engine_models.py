@@ -18,6 +18,21 @@ from infinity.models.config import LlamaConfig
 from infinity.models.llama import LlamaForCausalLM
 
 VOCAB = 64
+SMALL_LLAMA = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=120,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+"""A Llama shape with grouped-query attention, for the model and export tests."""
+
+
+def random_ids(vocab: int, B: int = 2, T: int = 17, seed: int = 0) -> torch.Tensor:
+    """(B, T) token ids below `vocab`."""
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def tiny_gpt(*, layers: int = 2, hidden: int = 32, checkpointing: bool = True) -> nn.Module:
@@ -119,11 +134,24 @@ def config(**zero) -> dict:
     }
 
 
+def model_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """The loss of the models here: `model(ids, labels)`."""
+    return model(ids, ids)
+
+
 def run_reference(
-    model: nn.Module, data, *, accum: int = 1, clip: float = 0.0, before=None, **adamw
+    model: nn.Module,
+    data,
+    *,
+    accum: int = 1,
+    clip: float = 0.0,
+    before=None,
+    loss_of=model_loss,
+    **adamw,
 ):
     """Plain PyTorch: AdamW over the trainable parameters; mean loss per optimizer step.
-    `before(i, model)` runs before optimizer step i's micro batches."""
+    `before(i, model)` runs before optimizer step i's micro batches; `loss_of(model, ids)` is
+    a micro batch's loss."""
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=adamw.get("lr", 1e-2), weight_decay=adamw.get("wd", 0.01))
@@ -133,7 +161,7 @@ def run_reference(
             before(i // accum, model)
         total = 0.0
         for ids in data[i : i + accum]:
-            loss = model(ids, ids)
+            loss = loss_of(model, ids)
             (loss / accum).backward()
             total += loss.item() / accum
         if clip:
@@ -144,7 +172,7 @@ def run_reference(
     return losses, model
 
 
-def run_engine(model: nn.Module, data, cfg: dict, *, before=None):
+def run_engine(model: nn.Module, data, cfg: dict, *, before=None, loss_of=model_loss):
     """The same loop through an Engine; mean loss per optimizer step, and the engine."""
     engine = infinity.initialize(copy.deepcopy(model), cfg)
     accum = engine.gradient_accumulation_steps
@@ -154,7 +182,7 @@ def run_engine(model: nn.Module, data, cfg: dict, *, before=None):
             before(i // accum, engine.module)
         total = 0.0
         for ids in data[i : i + accum]:
-            loss = engine(ids, ids)
+            loss = loss_of(engine, ids)
             engine.backward(loss)
             engine.step()
             total += loss.item() / accum

@@ -12,18 +12,18 @@ import torch
 import torch.nn.functional as F
 
 VOCAB = 320
+POSITIONS = 64
 COMMON = dict(
-    vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=64,
     bos_token_id=0,
     eos_token_id=0,
     pad_token_id=0,
 )
+# Each architecture's config class and its keys besides the vocabulary and the positions.
 ARCHS = {
     "llama": ("LlamaConfig", dict(COMMON)),
     "mistral": ("MistralConfig", dict(COMMON, sliding_window=None)),
@@ -33,8 +33,6 @@ ARCHS = {
     "gpt2": (
         "GPT2Config",
         dict(
-            vocab_size=VOCAB,
-            n_positions=64,
             n_embd=32,
             n_layer=2,
             n_head=4,
@@ -47,6 +45,25 @@ ARCHS = {
     ),
     "qwen3": ("Qwen3Config", dict(COMMON, head_dim=8)),
 }
+
+
+def hf_config(transformers, arch: str, *, vocab: int = VOCAB, **keys):
+    """The tiny config of `arch` (a key of ARCHS) with `vocab` tokens (the engine tests'
+    batches use fewer); `keys` override any other key of its config class."""
+    cls_name, kwargs = ARCHS[arch]
+    # max_position_embeddings is GPT2Config's n_positions through its attribute map.
+    kwargs = dict(kwargs, vocab_size=vocab, max_position_embeddings=POSITIONS, **keys)
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def hf_model(transformers, arch: str, *, seed: int = 0, **knobs):
+    """A random model of `arch` (transformers' own class), initialized after
+    torch.manual_seed(seed); `knobs` as for `hf_config`."""
+    config = hf_config(transformers, arch, **knobs)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 CORPUS = [f"document {i}: the quick brown fox {'jumps ' * (i % 5 + 1)}over {i}" for i in range(80)]
 
 
@@ -68,10 +85,7 @@ def tokenizer(transformers):
 
 def write_model_dir(transformers, arch: str, root: Path, *, seed: int = 0) -> Path:
     """`root/arch`: config.json, model.safetensors and the tokenizer files."""
-    cls_name, kwargs = ARCHS[arch]
-    config = getattr(transformers, cls_name)(**kwargs)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = hf_model(transformers, arch, seed=seed)
     with torch.no_grad():  # non-trivial norms, so a swapped name would show
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:

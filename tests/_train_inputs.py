@@ -5,11 +5,16 @@ corpus."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from infinity.models import LlamaConfig, LlamaForCausalLM, export_hf
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = dict(
     vocab_size=260,
@@ -22,6 +27,37 @@ TINY = dict(
     bos_token_id=256,
     eos_token_id=257,
 )
+
+
+# The `infinity train` flags the tests share: steps of 2 micro batches of 2 sequences of 16
+# tokens, seeded, without a progress bar.
+TRAIN_FLAGS = dict(seq_len=16, micro_batch=2, grad_accum=2, lr=1e-2, seed=5, no_progress=True)
+
+
+def train_args(model, data, save_dir, *extra, **flags) -> list[str]:
+    """`infinity train` of `model` on `data` into `save_dir` with TRAIN_FLAGS, `flags` over
+    them (seq_len=32 is --seq-len 32, True a bare flag, None leaves one out), then `extra`
+    (where a flag given again wins)."""
+    args = ["train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir)]
+    for name, value in {**TRAIN_FLAGS, **flags}.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not None:
+            args += [flag, str(value)]
+    return [*args, *map(str, extra)]
+
+
+def train_process(args: list[str]) -> subprocess.Popen:
+    """`python -m infinity.cli.main ARGS` in a child process on the CPU device, its output
+    piped as text (for tests that signal or kill a run)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "infinity.cli.main", *args],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def write_byte_tokenizer(model_dir: Path) -> None:

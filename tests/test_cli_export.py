@@ -6,20 +6,13 @@ import json
 
 import pytest
 import torch
+from _engine_models import SMALL_LLAMA
 
 from infinity.checkpoint import begin_save, save_checkpoint
 from infinity.cli.main import main
 from infinity.models import LlamaConfig, LlamaForCausalLM, from_pretrained_dir
 
-SMALL = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=120,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
+SMALL = dict(SMALL_LLAMA, tie_word_embeddings=True)
 
 
 def _model():

@@ -4,22 +4,17 @@ and resume with exactly the uninterrupted losses, export, and every kind of bad 
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from _train_inputs import TINY, write_inputs
+from _train_inputs import TINY, train_args, train_process, write_inputs
 
 from infinity.cli.main import build_parser, main
 from infinity.models import LlamaConfig, LlamaForCausalLM
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -27,27 +22,8 @@ def inputs(tmp_path_factory):
     return write_inputs(tmp_path_factory.mktemp("train"))
 
 
-def _args(model, data, save_dir, *extra):
-    return [
-        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
-        "--seq-len", "16", "--micro-batch", "2", "--grad-accum", "2", "--lr", "1e-2",
-        "--seed", "5", "--no-progress", *map(str, extra),
-    ]  # fmt: skip
-
-
-def _cli(args, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "infinity.cli.main", *args],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
 def _run(args, timeout=300):
-    proc = _cli(args)
+    proc = train_process(args)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
 
@@ -70,14 +46,16 @@ def test_help_documents_every_flag(capsys):
 def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, inputs):
     model, data = inputs
     steps, every = 10, 3
-    rc, _, err = _run(_args(model, data, tmp_path / "ref", "--steps", steps, "--save-every", every))
+    rc, _, err = _run(
+        train_args(model, data, tmp_path / "ref", "--steps", steps, "--save-every", every)
+    )
     assert rc == 0, err
     ref = _losses(tmp_path / "ref")
     assert [s for s, _ in ref] == list(range(1, steps + 1))
     assert all(r == r for _, r in ref)  # finite, recorded
 
     run_dir = tmp_path / "run"
-    proc = _cli(_args(model, data, run_dir, "--steps", steps, "--save-every", every))
+    proc = train_process(train_args(model, data, run_dir, "--steps", steps, "--save-every", every))
     deadline = time.monotonic() + 240
     while not (run_dir / "latest").exists():  # a checkpoint exists: now kill at a random time
         assert proc.poll() is None, proc.communicate()[1]
@@ -86,8 +64,9 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, inputs):
     time.sleep(random.Random(1).uniform(0.0, 0.5))
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    rc, _, err = _run(_args(model, data, run_dir, "--steps", steps, "--save-every", every,
-                            "--resume"))  # fmt: skip
+    rc, _, err = _run(
+        train_args(model, data, run_dir, "--steps", steps, "--save-every", every, "--resume")
+    )
     assert rc == 0, err
     assert _losses(run_dir) == ref  # exactly, not approximately
 
@@ -95,7 +74,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, inputs):
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, inputs):
     model, data = inputs
     save = tmp_path / "run"
-    proc = _cli(_args(model, data, save, "--steps", 10000))
+    proc = train_process(train_args(model, data, save, "--steps", 10000))
     deadline = time.monotonic() + 240
     while not (save / "metrics.jsonl").exists() or len(_losses(save)) < 2:
         assert proc.poll() is None, proc.communicate()[1]
@@ -114,7 +93,7 @@ def test_export_of_a_trained_run_matches_the_engine_logits(tmp_path, inputs):
     transformers = pytest.importorskip("transformers")
     model, data = inputs
     save = tmp_path / "run"
-    assert main(_args(model, data, save, "--steps", 2)) == 0
+    assert main(train_args(model, data, save, "--steps", 2)) == 0
     assert main(["export", str(save), "--out", str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ours = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
@@ -143,33 +122,33 @@ def _fails(capsys, args, *needles):
 def test_model_dir_without_config_json(tmp_path, capsys, inputs):
     _, data = inputs
     (tmp_path / "empty").mkdir()
-    _fails(capsys, _args(tmp_path / "empty", data, tmp_path / "s"), "config.json")
+    _fails(capsys, train_args(tmp_path / "empty", data, tmp_path / "s"), "config.json")
 
 
 def test_unknown_model(tmp_path, capsys, inputs):
     _, data = inputs
-    _fails(capsys, _args(tmp_path / "nope", data, tmp_path / "s"), "preset")
+    _fails(capsys, train_args(tmp_path / "nope", data, tmp_path / "s"), "preset")
 
 
 def test_empty_and_non_utf8_data(tmp_path, capsys, inputs):
     model, _ = inputs
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    _fails(capsys, _args(model, empty, tmp_path / "s"), "empty")
+    _fails(capsys, train_args(model, empty, tmp_path / "s"), "empty")
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"hello \xff\xfe world\n" * 50)
-    _fails(capsys, _args(model, bad, tmp_path / "s2"), "UTF-8")
+    _fails(capsys, train_args(model, bad, tmp_path / "s2"), "UTF-8")
 
 
 def test_resume_without_a_checkpoint(tmp_path, capsys, inputs):
     model, data = inputs
-    _fails(capsys, [*_args(model, data, tmp_path / "s"), "--resume"], "no checkpoint")
+    _fails(capsys, [*train_args(model, data, tmp_path / "s"), "--resume"], "no checkpoint")
 
 
 def test_corrupted_shard_is_detected_and_checkpoints_untouched(tmp_path, capsys, inputs):
     model, data = inputs
     save = tmp_path / "run"
-    assert main(_args(model, data, save, "--steps", 2, "--save-every", 1)) == 0
+    assert main(train_args(model, data, save, "--steps", 2, "--save-every", 1)) == 0
     tag = (save / "latest").read_text().strip()
     shard = next((save / tag).glob("*.safetensors"))
     raw = bytearray(shard.read_bytes())
@@ -180,7 +159,7 @@ def test_corrupted_shard_is_detected_and_checkpoints_untouched(tmp_path, capsys,
         for p in save.rglob("*")
         if p.is_file() and "tokens" not in p.parts and p.name != ".lock"
     }
-    _fails(capsys, [*_args(model, data, save, "--steps", 4), "--resume"], str(shard.name))
+    _fails(capsys, [*train_args(model, data, save, "--steps", 4), "--resume"], str(shard.name))
     after = {
         p: p.read_bytes()
         for p in save.rglob("*")
@@ -189,7 +168,7 @@ def test_corrupted_shard_is_detected_and_checkpoints_untouched(tmp_path, capsys,
     assert after == before
     # Truncated: same story.
     shard.write_bytes(bytes(raw[: len(raw) // 3]))
-    _fails(capsys, [*_args(model, data, save, "--steps", 4), "--resume"], str(shard.name))
+    _fails(capsys, [*train_args(model, data, save, "--steps", 4), "--resume"], str(shard.name))
 
 
 def test_flags_override_the_config_file(tmp_path):
@@ -226,7 +205,7 @@ def test_nvme_run_matches_the_ram_run(tmp_path, inputs):
     model, data = inputs
     nvme = tmp_path / "ssd"
     nvme.mkdir()
-    assert main(_args(model, data, tmp_path / "ram", "--steps", 3)) == 0
-    assert main(_args(model, data, tmp_path / "nv", "--steps", 3, "--nvme", nvme)) == 0
+    assert main(train_args(model, data, tmp_path / "ram", "--steps", 3)) == 0
+    assert main(train_args(model, data, tmp_path / "nv", "--steps", 3, "--nvme", nvme)) == 0
     assert _losses(tmp_path / "nv") == _losses(tmp_path / "ram")
     assert not [p for p in nvme.rglob("*") if p.is_file()], "swap files left behind"

@@ -7,7 +7,7 @@ import collections
 import math
 
 import pytest
-from _train_inputs import write_inputs
+from _train_inputs import train_args, write_inputs
 
 from infinity.checkpoint import load_checkpoint
 from infinity.cli import train_disk
@@ -20,11 +20,9 @@ def inputs(tmp_path_factory):
 
 
 def _args(model, data, save_dir, nvme, *extra):
-    return [
-        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
-        "--seq-len", "16", "--micro-batch", "2", "--steps", "2", "--no-progress",
-        "--nvme", str(nvme), *map(str, extra),
-    ]  # fmt: skip
+    return train_args(
+        model, data, save_dir, *extra, steps=2, nvme=nvme, grad_accum=None, lr=None, seed=None
+    )
 
 
 def test_the_need_is_printed_and_counts_what_the_run_saves(tmp_path, capsys, inputs):

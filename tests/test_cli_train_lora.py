@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_inputs import TINY, write_inputs
+from _train_inputs import TINY, train_args, write_inputs
 
 from infinity.checkpoint import load_checkpoint
 from infinity.cli.main import main
@@ -25,11 +25,7 @@ def inputs(tmp_path_factory):
 
 
 def _args(model, data, save_dir, *extra):
-    return [
-        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
-        "--seq-len", "16", "--micro-batch", "2", "--grad-accum", "2", "--lr", "1e-2",
-        "--seed", "5", "--no-progress", "--lora-r", "4", "--lora-alpha", "8", *map(str, extra),
-    ]  # fmt: skip
+    return train_args(model, data, save_dir, *extra, lora_r=4, lora_alpha=8)
 
 
 def _losses(save_dir):

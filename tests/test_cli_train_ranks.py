@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from _train_inputs import write_inputs
+from _train_inputs import train_args, write_inputs
 
 from infinity.checkpoint import list_checkpoints, load_checkpoint
 from infinity.cli.main import main
-from infinity.cli.train_ranks import FollowedRankZero, Ranks
+from infinity.cli.train_ranks import FollowedRankZero, InputsRefused, Ranks
 from infinity.comm import SingleProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,11 +33,9 @@ def inputs(tmp_path_factory):
 
 
 def _args(inputs, save_dir, *extra):
-    model, data = inputs
-    return [
-        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
-        "--seq-len", "16", "--lr", "1e-2", "--seed", "5", *map(str, extra),
-    ]  # fmt: skip
+    return train_args(
+        *inputs, save_dir, *extra, micro_batch=None, grad_accum=None, no_progress=None
+    )
 
 
 def _torchrun(args, logs: Path, *, child: list[str] | None = None) -> subprocess.Popen:
@@ -180,6 +178,33 @@ def test_a_failing_rank_stops_both_and_rank_zero_names_it(inputs, tmp_path, kind
     load_checkpoint(save).verify()
 
 
+@pytest.mark.parametrize("where", ["every-rank", "one-rank"])
+def test_an_input_error_is_said_once_and_every_rank_exits_with_an_error(inputs, tmp_path, where):
+    """A bad --model fails the same way on every rank: one bare line from rank 0. A config
+    whose per-rank nvme_path list misses rank 1 fails there only: rank 0 says it, naming it."""
+    save, logs = tmp_path / "run", tmp_path / "logs"
+    if where == "every-rank":
+        args = _args(inputs, save)
+        args[args.index("--model") + 1] = str(tmp_path / "nope")
+        want = f"infinity: error: --model {tmp_path / 'nope'}: no such directory and not a preset"
+    else:
+        cfg = tmp_path / "ds.json"
+        ssd = [str(tmp_path / "ssd0")]
+        offload = {"offload_optimizer": {"device": "nvme", "nvme_path": ssd}}
+        cfg.write_text(json.dumps({"zero_optimization": offload}))
+        args = [*_args(inputs, save), "--config", cfg]
+        want = "infinity: rank 1: error: zero_optimization.offload_optimizer.nvme_path lists 1"
+    code, out = _finish(_torchrun(args, logs))
+    assert code != 0, out
+    err0, err1 = _rank_log(logs, 0, "stderr"), _rank_log(logs, 1, "stderr")
+    assert want in err0 and err0.count("error:") == 1, err0
+    assert "infinity:" not in err1, err1
+    assert "Traceback" not in err0 + err1
+    assert not list(save.glob("rank-*.error"))  # said at once: no reports to collect
+    # Both ranks ended with an error: rank 1 exited 1, rank 0 with 1 or torchrun's SIGTERM.
+    assert "exitcode  : 1 " in out and out.count("exitcode  : 0 ") == 0, out
+
+
 def test_killing_a_rank_stops_the_other_within_the_timeout(inputs, tmp_path):
     save, logs = tmp_path / "run", tmp_path / "logs"
     args = _args(
@@ -226,12 +251,16 @@ class FakeComm:
         self.timeout_s = 7.0
         self._peers, self._shared = list(peers), shared
         self.reduced = []
+        self.barriers = 0
 
     def all_gather_object(self, obj):
         return [obj, *self._peers]
 
     def broadcast_object(self, obj, src=0):
         return obj if self.rank == src else self._shared
+
+    def barrier(self):
+        self.barriers += 1
 
     def all_reduce_(self, tensor, op="sum"):
         self.reduced.append(op)
@@ -274,6 +303,55 @@ def test_other_ranks_follow_rank_zero_and_stay_quiet(tmp_path, capsys):
     main_rank = Ranks(FakeComm(rank=0), tmp_path)
     with pytest.raises(ValueError, match="refused"):
         main_rank.decide(lambda: (_ for _ in ()).throw(ValueError("refused")))
+
+
+def _refused(ranks, check, capsys) -> str:
+    """What `ranks` printed to stderr when the checks were refused."""
+    with pytest.raises(InputsRefused):
+        ranks.check_inputs(check)
+    said = capsys.readouterr()
+    assert said.out == "" and ranks.comm.barriers == 1
+    return said.err
+
+
+def test_input_errors_are_said_once_by_rank_zero(tmp_path, capsys):
+    def bad():
+        raise ValueError("--model nope: no such directory")
+
+    # Every rank gave the same error: one line, no rank numbers.
+    zero = Ranks(FakeComm(rank=0, peers=["--model nope: no such directory"]), tmp_path)
+    said = _refused(zero, bad, capsys)
+    assert said == "infinity: error: --model nope: no such directory\n"
+    # Rank 0 passed, rank 1 did not: rank 0 names it.
+    zero = Ranks(FakeComm(rank=0, peers=["nvme_path lists 1 directory"]), tmp_path)
+    said = _refused(zero, lambda: "fine", capsys)
+    assert said == "infinity: rank 1: error: nvme_path lists 1 directory\n"
+    # Different errors: each once, with the ranks that gave it.
+    peers = ["disk full", "--model nope: no such directory"]
+    zero = Ranks(FakeComm(rank=0, world=3, peers=peers), tmp_path)
+    assert _refused(zero, bad, capsys).splitlines() == [
+        "infinity: ranks 0, 2: error: --model nope: no such directory",
+        "infinity: rank 1: error: disk full",
+    ]
+    # The others say nothing and exit with an error too.
+    one = Ranks(FakeComm(rank=1, peers=[None]), tmp_path)
+    assert _refused(one, bad, capsys) == ""
+    # All passed: the checks' result, with no further collective.
+    fine = Ranks(FakeComm(rank=1, peers=[None]), tmp_path)
+    assert fine.check_inputs(lambda: ("model", "config")) == ("model", "config")
+    assert fine.comm.barriers == 0
+
+
+def test_a_bug_in_the_input_checks_keeps_its_traceback_and_is_named(tmp_path, capsys):
+    buggy = Ranks(FakeComm(rank=1, peers=[None]), tmp_path)
+    with pytest.raises(TypeError, match="oops"):
+        buggy.check_inputs(lambda: (_ for _ in ()).throw(TypeError("oops")))
+    assert buggy.comm.barriers == 1  # after rank 0 could say it
+    text = "TypeError: oops (a bug: the traceback is in that rank's output)"
+    zero = Ranks(FakeComm(rank=0, peers=[text]), tmp_path)
+    with pytest.raises(InputsRefused):
+        zero.check_inputs(lambda: "fine")
+    assert capsys.readouterr().err == f"infinity: rank 1: error: {text}\n"
 
 
 def test_ranks_agree_on_a_stop_and_average_the_loss(tmp_path):

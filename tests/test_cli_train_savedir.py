@@ -5,22 +5,18 @@ resume mismatches in plain terms, and --keep-last."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from _train_inputs import TINY, write_byte_tokenizer, write_inputs
+from _train_inputs import TINY, train_args, train_process, write_byte_tokenizer, write_inputs
 
 from infinity.checkpoint import latest_tag, list_checkpoints, load_checkpoint
 from infinity.cli.main import main
 from infinity.models import LlamaConfig, LlamaForCausalLM, export_hf
 
-ROOT = Path(__file__).resolve().parents[1]
 # fp16 with a loss scale of 2**60: dozens of overflow steps (gradient norm inf/NaN) while it
 # settles, as every fp16 run has a few of.
 FP16_SETTLING = {"fp16": {"enabled": True, "initial_scale_power": 60}}
@@ -32,22 +28,7 @@ def inputs(tmp_path_factory):
 
 
 def _args(inputs, save_dir, *extra):
-    model, data = inputs
-    return [
-        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
-        "--seq-len", "16", "--micro-batch", "2", "--grad-accum", "2", "--lr", "1e-2",
-        "--seed", "5", "--no-progress", *map(str, extra),
-    ]  # fmt: skip
-
-
-def _cli(args):
-    return subprocess.Popen(
-        [sys.executable, "-m", "infinity.cli.main", *args],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return train_args(*inputs, save_dir, *extra)
 
 
 def _strict(line: str) -> dict:
@@ -128,7 +109,7 @@ def test_sigterm_while_the_fp16_loss_scale_settles_saves(tmp_path, inputs):
     config = tmp_path / "fp16.json"
     config.write_text(json.dumps(FP16_SETTLING))
     save = tmp_path / "run"
-    proc = _cli(_args(inputs, save, "--config", config, "--steps", 500))
+    proc = train_process(_args(inputs, save, "--config", config, "--steps", 500))
     deadline = time.monotonic() + 240
     while not ((save / "metrics.jsonl").exists() and len(_metrics(save)) >= 2):
         assert proc.poll() is None, proc.communicate()[1]
@@ -240,14 +221,14 @@ def test_damaged_latest_is_refused_with_a_safe_fix(tmp_path, inputs, capsys):
 
 def test_a_second_run_on_the_same_save_dir_is_refused(tmp_path, inputs):
     save = tmp_path / "run"
-    first = _cli(_args(inputs, save, "--steps", 100_000))
+    first = train_process(_args(inputs, save, "--steps", 100_000))
     try:
         deadline = time.monotonic() + 240
         while not (save / "metrics.jsonl").exists():
             assert first.poll() is None, first.communicate()[1]
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        second = _cli(_args(inputs, save, "--steps", 2))  # the same command, or --resume
+        second = train_process(_args(inputs, save, "--steps", 2))  # the same command, or --resume
         _, err = second.communicate(timeout=240)
         assert second.returncode == 1, err
         assert f"process {first.pid}" in err and "--steps 100000" in err, err

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from _fake_aio import FakeAio
-from _train_inputs import write_inputs
+from _train_inputs import train_args, write_inputs
 
 import infinity.cli.train_ranks as train_ranks
 import infinity.cli.train_run as train_run
@@ -61,11 +61,7 @@ def reference(inputs, tmp_path_factory):
 
 def _args(inputs, save_dir, *extra):
     model, data, config = inputs
-    return [
-        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
-        "--config", str(config), "--seq-len", "16", "--micro-batch", "2", "--grad-accum", "2",
-        "--lr", "1e-2", "--seed", "5", "--no-progress", *map(str, extra),
-    ]  # fmt: skip
+    return train_args(model, data, save_dir, *extra, config=config)
 
 
 def _child(hold, marker, args):

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _train_inputs import write_inputs
+from _train_inputs import train_args, write_inputs
 
 from infinity.cli.main import main
 from infinity.engine import Engine
@@ -24,12 +24,7 @@ def inputs(tmp_path_factory):
 
 
 def _args(inputs, save_dir, *extra):
-    model, data = inputs
-    return [
-        "train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir),
-        "--seq-len", "16", "--micro-batch", "2", "--grad-accum", "2", "--seed", "5",
-        *map(str, extra),
-    ]  # fmt: skip
+    return train_args(*inputs, save_dir, *extra, lr=None, no_progress=None)
 
 
 def _records(save_dir: Path) -> list[dict]:

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from _engine_models import VOCAB, batches, config, max_rel_diff
-from _hf_models import ARCHS, causal_lm_loss, reference_losses, write_model_dir
+from _engine_models import VOCAB, batches, config, max_rel_diff, run_engine, run_reference
+from _hf_models import ARCHS, causal_lm_loss, hf_model, reference_losses, write_model_dir
 from _hf_models import batches as hf_batches
 
 import infinity
@@ -18,33 +18,15 @@ transformers = pytest.importorskip("transformers")
 
 
 def _gpt2():
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        attn_pdrop=0.0,
-        embd_pdrop=0.0,
-        resid_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    return hf_model(transformers, "gpt2", vocab=VOCAB)
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return hf_model(transformers, "llama", vocab=VOCAB, tie_word_embeddings=True)
+
+
+def _hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss  # a ModelOutput, keyword arguments in
 
 
 @pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
@@ -57,24 +39,10 @@ def test_hf_causal_lm_parity(make, checkpointing):
         (enable or model.gradient_checkpointing_enable)()
     model.train()
     data = batches(4, seed=30)
-    ref_model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
-    ref = []
-    for ids in data:
-        loss = ref_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
-    total = sum(p.numel() for p in model.parameters())
-    budget = total // 3
-    engine = infinity.initialize(copy.deepcopy(model), config(stage3_max_live_parameters=budget))
-    got = []
-    for ids in data:
-        loss = engine(input_ids=ids, labels=ids).loss  # a ModelOutput, kwargs in
-        engine.backward(loss)
-        engine.step()
-        got.append(loss.item())
+    ref, _ = run_reference(model, data, loss_of=_hf_loss)
+    budget = sum(p.numel() for p in model.parameters()) // 3
+    cfg = config(stage3_max_live_parameters=budget)
+    got, engine = run_engine(model, data, cfg, loss_of=_hf_loss)
     assert max_rel_diff(got, ref) < 1e-5, (got, ref)
     stats = engine.memory_stats()
     # The bound: the budget plus the largest unit (a module's own parameters).
@@ -91,19 +59,11 @@ def test_plain_loss_backward_with_activation_checkpointing(make):
     model.activation_checkpointing_enable()
     model.train()
     data = batches(4, seed=31)
-    ref_model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
-    ref = []
-    for ids in data:
-        loss = ref_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    ref, _ = run_reference(model, data, loss_of=_hf_loss)
     engine = infinity.initialize(copy.deepcopy(model), config())
     got = []
     for ids in data:
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = _hf_loss(engine, ids)
         loss.backward()
         assert engine.coordinator.phase is Phase.IDLE  # ended by autograd
         assert engine.memory_stats()["live_param_numel"] == 0
@@ -234,15 +194,7 @@ def test_plain_backward_recomputation_gathers_weights_used_outside_their_module(
     torch.manual_seed(0)
     model = _TiedInside()
     data = batches(3, seed=4)
-    ref_model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
-    ref = []
-    for ids in data:
-        loss = ref_model(ids, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    ref, _ = run_reference(model, data)
     engine = infinity.initialize(copy.deepcopy(model), config())
     got = []
     for ids in data:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from _hf_models import VOCAB
+from _hf_models import VOCAB, hf_model
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -21,17 +21,7 @@ STEPS = 10
 
 
 def _model():
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    return hf_model(transformers, "qwen2")
 
 
 def _dataset(n=48, seq=12, seed=0):
@@ -261,3 +251,91 @@ def test_nvme_offload_trains_like_ram_and_end_removes_the_swap_files(tmp_path, p
     trainer.end()
     assert not [p for p in nvme.rglob("*") if p.is_file()]
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+
+
+# fp16 from a loss scale of 2^24: the first steps overflow (each halves the scale) and are
+# skipped, the later ones step.
+FP16 = {**INFINITY, "fp16": {"enabled": True, "initial_scale_power": 24, "hysteresis": 1}}
+
+
+class _Skips(transformers.TrainerCallback):
+    """Whether the engine skipped each optimizer step, in order."""
+
+    def __init__(self, trainer):
+        self.trainer, self.skipped = trainer, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.skipped.append(self.trainer.engine.was_step_skipped)
+
+
+def _fp16_trainer(out, **kw):
+    trainer = InfinityTrainer(
+        model=_model(), args=_args(out, fp16=True, **kw), train_dataset=_dataset(),
+        infinity_config=FP16,
+    )  # fmt: skip
+    skips = _Skips(trainer)
+    trainer.add_callback(skips)
+    return trainer, skips
+
+
+def test_a_step_skipped_on_fp16_overflow_does_not_advance_the_trainers_schedule(tmp_path):
+    trainer, skips = _fp16_trainer(tmp_path)
+    trainer.train()
+    skipped = sum(skips.skipped)
+    assert 0 < skipped < STEPS and skips.skipped[0]  # both kinds of step happened
+    assert trainer.engine.skipped_steps == skipped
+    # Every step counts for the Trainer (as with DeepSpeed): the run is still max_steps long.
+    assert trainer.state.global_step == trainer.engine.global_steps == STEPS
+    # The lr of each step is the schedule's at the number of steps taken before it.
+    ref_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+    ref = transformers.get_scheduler(
+        "linear", ref_opt, num_warmup_steps=3, num_training_steps=STEPS
+    )
+    want = []
+    for was_skipped in skips.skipped:
+        want.append(ref.get_last_lr()[0])
+        if not was_skipped:
+            ref_opt.step()  # (no gradient: only the order torch expects)
+            ref.step()
+    assert _logs(trainer, "learning_rate") == pytest.approx(want, rel=1e-12)
+    assert max(want) > 0.0  # the run got past the warmup's lr of 0
+    # What a checkpoint saves of the Trainer's scheduler: the steps taken, not the calls.
+    assert trainer.lr_scheduler.state_dict()["last_epoch"] == STEPS - skipped
+
+
+def test_resume_amid_fp16_overflows_continues_with_identical_steps(tmp_path):
+    full, full_skips = _fp16_trainer(tmp_path / "full", save_strategy="steps", save_steps=3)
+    full.train()
+    assert full_skips.skipped[2] and not all(full_skips.skipped)  # saved while skipping
+    resumed, skips = _fp16_trainer(tmp_path / "again", save_strategy="steps", save_steps=3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    assert skips.skipped == full_skips.skipped[3:]
+    assert resumed.engine.skipped_steps == full.engine.skipped_steps
+    assert resumed.engine.loss_scale == full.engine.loss_scale
+    assert _logs(resumed, "loss") == _logs(full, "loss")
+    assert _logs(resumed, "learning_rate") == _logs(full, "learning_rate")
+    assert [repr(n) for n in _logs(resumed, "grad_norm")] == [
+        repr(n) for n in _logs(full, "grad_norm")
+    ]  # inf / nan on the skipped steps
+
+
+def test_accelerates_grad_scaler_does_not_scale_the_loss_a_second_time(tmp_path, monkeypatch):
+    """On a GPU, fp16 makes accelerate create a GradScaler (not on the CPU: here one is put
+    in as accelerate would); the engine's loss scale is the only one, so the run is the same."""
+    plain, _ = _fp16_trainer(tmp_path / "plain", max_steps=6)
+    plain.train()
+    made = transformers.Trainer.create_accelerator_and_postprocess
+
+    def with_scaler(self):
+        made(self)
+        self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", with_scaler)
+    scaled, _ = _fp16_trainer(tmp_path / "scaled", max_steps=6)
+    scaled.train()
+    assert scaled.accelerator.scaler is None
+    assert _logs(scaled, "loss") == _logs(plain, "loss")
+    assert [repr(n) for n in _logs(scaled, "grad_norm")] == [
+        repr(n) for n in _logs(plain, "grad_norm")
+    ]
+    assert scaled.engine.loss_scale == plain.engine.loss_scale

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from _engine_models import SMALL_LLAMA, random_ids
 
 from infinity.models import (
     LlamaConfig,
@@ -30,28 +31,14 @@ HF_NAMES_LAYER0 = {
     "model.layers.0.post_attention_layernorm.weight",
 }
 
-SMALL = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=120,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
-
-
-def _ids(vocab, B=2, T=17, seed=0):
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
-
 
 def test_parameter_names_match_hf_layout():
-    model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    model = LlamaForCausalLM(LlamaConfig(**SMALL_LLAMA))
     names = set(dict(model.named_parameters()))
     assert names >= HF_NAMES_LAYER0
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= names
     assert len(names) == 3 + 9 * 2
-    tied = LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=True))
+    tied = LlamaForCausalLM(LlamaConfig(**SMALL_LLAMA, tie_word_embeddings=True))
     assert "lm_head.weight" not in dict(tied.named_parameters())
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
 
@@ -71,9 +58,9 @@ def test_presets_count_parameters(name):
 
 def test_loss_and_activation_checkpointing_match():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMALL)).train()
-    ids = _ids(300)
-    labels = _ids(300, seed=1)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL_LLAMA)).train()
+    ids = random_ids(300)
+    labels = random_ids(300, seed=1)
     loss = model(ids, labels)
     ref = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
     torch.testing.assert_close(loss, ref)
@@ -94,13 +81,13 @@ def test_config_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         from_pretrained_dir(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**SMALL, "num_key_value_heads": 3}))
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL_LLAMA, "num_key_value_heads": 3}))
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         from_pretrained_dir(tmp_path)
     (tmp_path / "config.json").write_text("{oops")
     with pytest.raises(ValueError, match="not valid JSON"):
         from_pretrained_dir(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
     (tmp_path / "pytorch_model.bin").write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="pickle-based weights are not loaded"):
         from_pretrained_dir(tmp_path)
@@ -116,7 +103,7 @@ def _export_ours(tmp_path, cfg, **kw):
 
 
 def test_export_shards_index_and_round_trip(tmp_path):
-    cfg = LlamaConfig(**SMALL, tie_word_embeddings=True)
+    cfg = LlamaConfig(**SMALL_LLAMA, tie_word_embeddings=True)
     model, out = _export_ours(tmp_path, cfg, dtype="fp32", max_shard_bytes=60_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -125,7 +112,7 @@ def test_export_shards_index_and_round_trip(tmp_path):
     assert "lm_head.weight" not in index["weight_map"]
     assert not list(tmp_path.glob(".tmp*"))
     loaded = from_pretrained_dir(out).eval()
-    ids = _ids(300)
+    ids = random_ids(300)
     torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     with pytest.raises(FileExistsError, match="already exists"):
@@ -133,7 +120,7 @@ def test_export_shards_index_and_round_trip(tmp_path):
 
 
 def test_export_bf16_single_file_and_failure_leaves_nothing(tmp_path):
-    cfg = LlamaConfig(**SMALL)
+    cfg = LlamaConfig(**SMALL_LLAMA)
     _, out = _export_ours(tmp_path, cfg)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -152,7 +139,7 @@ def test_export_bf16_single_file_and_failure_leaves_nothing(tmp_path):
 
 
 def test_sink_receives_each_tensor_once_and_mismatches_are_named(tmp_path):
-    cfg = LlamaConfig(**SMALL)
+    cfg = LlamaConfig(**SMALL_LLAMA)
     model, out = _export_ours(tmp_path, cfg, dtype="fp32", max_shard_bytes=100_000)
     seen = {}
     with torch.device("meta"):
@@ -178,24 +165,24 @@ def test_sink_receives_each_tensor_once_and_mismatches_are_named(tmp_path):
         start, numel = third(k, v.shape)
         assert torch.equal(parts[k], v.detach().reshape(-1)[start : start + numel]), k
 
-    bigger = LlamaConfig(**{**SMALL, "intermediate_size": 128})
+    bigger = LlamaConfig(**{**SMALL_LLAMA, "intermediate_size": 128})
     (out / "config.json").write_text(json.dumps(bigger.to_hf_dict()))
     with pytest.raises(
         ValueError, match=r"'model.layers.0.mlp.gate_proj.weight'.*\[120, 64\].*implies \[128, 64\]"
     ):
         from_pretrained_dir(out)
-    deeper = LlamaConfig(**{**SMALL, "num_hidden_layers": 3})
+    deeper = LlamaConfig(**{**SMALL_LLAMA, "num_hidden_layers": 3})
     (out / "config.json").write_text(json.dumps(deeper.to_hf_dict()))
     with pytest.raises(ValueError, match=r"missing 9 tensor\(s\) \['model.layers.2"):
         from_pretrained_dir(out)
-    shallower = LlamaConfig(**{**SMALL, "num_hidden_layers": 1})
+    shallower = LlamaConfig(**{**SMALL_LLAMA, "num_hidden_layers": 1})
     (out / "config.json").write_text(json.dumps(shallower.to_hf_dict()))
     with pytest.raises(ValueError, match=r"unexpected 9 tensor\(s\) \['model.layers.1"):
         from_pretrained_dir(out)
 
 
 def test_truncated_hf_shard_is_named(tmp_path):
-    cfg = LlamaConfig(**SMALL)
+    cfg = LlamaConfig(**SMALL_LLAMA)
     _, out = _export_ours(tmp_path, cfg, dtype="fp32", max_shard_bytes=100_000)
     shard = sorted(out.glob("model-*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-100])

@@ -7,27 +7,12 @@ import json
 
 import pytest
 import torch
-from _engine_models import max_rel_diff
+from _engine_models import SMALL_LLAMA, max_rel_diff, random_ids
 from _hf_models import ARCHS, VOCAB, reference_losses, write_corpus, write_model_dir
 
 from infinity.cli.main import main
 from infinity.data import open_dataset
 from infinity.models import export_hf, from_pretrained_dir
-
-SMALL = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=120,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
-
-
-def _ids(vocab, B=2, T=17, seed=0):
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
-
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[dev]')"
@@ -50,7 +35,7 @@ HF_VARIANTS = {
 
 
 def _hf_model(variant, tmp_path, **save_kw):
-    cfg = transformers.LlamaConfig(**{**SMALL, **HF_VARIANTS[variant]})
+    cfg = transformers.LlamaConfig(**{**SMALL_LLAMA, **HF_VARIANTS[variant]})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norms, so a swapped name would show
@@ -66,7 +51,7 @@ def test_hf_checkpoint_loads_with_same_logits(tmp_path, variant):
     hf = _hf_model(variant, tmp_path, max_shard_size="40KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     ours = from_pretrained_dir(tmp_path / "hf").eval()
-    ids = _ids(300, T=33)
+    ids = random_ids(300, T=33)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
 
@@ -79,7 +64,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, variant):
         ours.named_parameters(), ours.config, tmp_path / "exp", dtype="fp32", max_shard_bytes=50_000
     )
     back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
-    ids = _ids(300, T=29, seed=3)
+    ids = random_ids(300, T=29, seed=3)
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
 
@@ -123,7 +108,7 @@ def test_cli_trains_and_exports_every_architecture(tmp_path, arch):
     )
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(back) is type(trained)
-    ids = _ids(VOCAB, T=12, seed=4)
+    ids = random_ids(VOCAB, T=12, seed=4)
     with torch.no_grad():
         torch.testing.assert_close(
             back(ids).logits, trained.eval()(ids).logits, rtol=1e-4, atol=1e-4
@@ -188,10 +173,15 @@ def test_cli_without_transformers_says_what_to_install(tmp_path, capsys, monkeyp
 
 
 def test_cli_refuses_a_sequence_longer_than_the_models_positions(tmp_path, capsys):
+    """GPT-2 states its positions as n_positions: the one check reads the transformers
+    config, so they count as a Llama's max_position_embeddings do, before anything starts."""
     model_dir = write_model_dir(transformers, "gpt2", tmp_path)  # learned positions: 64
     corpus = write_corpus(tmp_path / "c.jsonl")
+    save = tmp_path / "s"
     code = main(["train", "--model", str(model_dir), "--data", str(corpus), "--save-dir",
-                 str(tmp_path / "s"), "--seq-len", "65", "--no-progress"])  # fmt: skip
+                 str(save), "--seq-len", "65", "--no-progress"])  # fmt: skip
     assert code == 1
     err = capsys.readouterr().err
-    assert "--seq-len 65" in err and "64 positions" in err and "Traceback" not in err
+    assert "--seq-len 65 is longer than the model's max_position_embeddings (64)" in err
+    assert "pass --seq-len 64 or less" in err and "Traceback" not in err
+    assert list(save.iterdir()) == []  # no lock, no token cache: nothing was started

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from _engine_models import train_steps
 from _train_inputs import TINY
 
 import infinity
@@ -88,12 +89,7 @@ def test_lora_on_infinity_matches_peft_with_adamw(tmp_path, where):
     assert (
         all("lora_" in n for n in trainable) and len(trainable) == 2 * 3 * TINY["num_hidden_layers"]
     )
-    losses = []
-    for ids in data:
-        loss = engine(ids, ids)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, data)
     assert engine.global_steps == 3
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     want = dict(ref.named_parameters())

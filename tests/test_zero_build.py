@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import torch
 from _engine_models import batches, config, tiny_gpt, train_steps
+from _hf_models import hf_config
 
 import infinity
 from infinity.zero.build_files import BuildFiles, release_build_pages
@@ -143,10 +144,7 @@ def test_a_transformers_model_builds_on_nvme_bitwise(tmp_path):
     """Hugging Face's post_init re-initializes every module after the model exists: it runs
     on the file-backed partitions like on host ones."""
     transformers = pytest.importorskip("transformers")
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+    hf_cfg = hf_config(transformers, "llama")
     built = {}
     for device in ("cpu", "nvme"):
         torch.manual_seed(0)

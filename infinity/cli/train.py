@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infinity.config import Config
 from infinity.config.resolve import check_batch
 from infinity.data.source import check_data_file
 from infinity.data.tokenizer import TOKENIZER_FILES, require_transformers, tokenizer_files
 from infinity.models import PRESETS
+
+if TYPE_CHECKING:
+    from infinity.models.hf_auto import CausalLMSpec
 
 
 def _positive_int(text: str) -> int:
@@ -308,8 +310,11 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:
     return config
 
 
-def check_inputs(args: argparse.Namespace) -> None:
-    """Errors that can be known before anything is built, each with its fix."""
+def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
+    """Errors that can be known before anything is built, each with its fix. Returns the
+    model's description (its config read and checked), which the run builds from."""
+    from infinity.models import hf_auto
+
     model = Path(args.model).expanduser()
     if args.model not in PRESETS:
         if not model.exists():
@@ -339,10 +344,12 @@ def check_inputs(args: argparse.Namespace) -> None:
     _create_save_dir(save_dir)
     if args.seed is not None:
         check_seed(args.seed)
-    _check_seq_len(args)
+    model_spec = hf_auto.describe(args.model)
+    _check_seq_len(args.seq_len, model_spec)
     check_tokenizer_dir(args)
     lora_spec(args)
     _check_profile(args)
+    return model_spec
 
 
 # The step before a profile's: it traces the execution order and fills caches.
@@ -383,31 +390,13 @@ def check_seed(seed: int, where: str = "--seed") -> None:
         )
 
 
-def _max_positions(args: argparse.Namespace) -> int | None:
-    """The model's max_position_embeddings, read without building anything."""
-    if args.model in PRESETS:
-        return PRESETS[args.model].get("max_position_embeddings")
-    path = Path(args.model).expanduser() / "config.json"
-    try:
-        value = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); download it again") from None
-    if not isinstance(value, dict):
+def _check_seq_len(seq_len: int, model: CausalLMSpec) -> None:
+    limit = model.max_positions  # from the transformers config: GPT-2's n_positions too
+    if limit is not None and seq_len > limit:
         raise ValueError(
-            f"{path} holds a JSON {type(value).__name__}, not the object of a Hugging Face "
-            "model config; download it again"
-        )
-    value = value.get("max_position_embeddings")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _check_seq_len(args: argparse.Namespace) -> None:
-    limit = _max_positions(args)
-    if limit is not None and args.seq_len > limit:
-        raise ValueError(
-            f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings "
-            f"({limit}): positions past {limit} were never trained and the rotary tables stop "
-            f"there; pass --seq-len {limit} or less"
+            f"--seq-len {seq_len} is longer than the model's max_position_embeddings "
+            f"({limit}): positions past {limit} were never trained and its position tables "
+            f"stop there; pass --seq-len {limit} or less"
         )
 
 
@@ -455,7 +444,7 @@ def check_tokenizer_dir(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infinity.cli.train_ranks import FollowedRankZero, join
+    from infinity.cli.train_ranks import FollowedRankZero, InputsRefused, join
     from infinity.cli.train_stop import StopSignals
     from infinity.utils.host_memory import unmap_large_allocations
 
@@ -464,13 +453,12 @@ def run(args: argparse.Namespace) -> int:
     with StopSignals() as signals, contextlib.ExitStack() as held:
         ranks = None
         try:
-            check_inputs(args)
             ranks = held.enter_context(join(Path(args.save_dir).expanduser(), args.comm_timeout))
             signals.rank = ranks.rank if ranks.many else None
-            # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
-            config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
-            return _run(args, config, ranks, signals, held)
-        except FollowedRankZero:
+            # Checked on every rank (a path one node lacks fails there only), said once.
+            model, config = ranks.check_inputs(lambda: _inputs(args, ranks))
+            return _run(args, config, ranks, signals, held, model)
+        except (FollowedRankZero, InputsRefused):
             return 1  # rank 0 says why
         except Exception as exc:
             if ranks is None or not ranks.many:
@@ -478,7 +466,17 @@ def run(args: argparse.Namespace) -> int:
             return ranks.failed(exc)
 
 
-def _run(args, config: Config, ranks, signals, held: contextlib.ExitStack) -> int:
+def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config]:
+    """The checked inputs: the model's description and this rank's config."""
+    model = check_inputs(args)
+    # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
+    config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
+    return model, config
+
+
+def _run(
+    args, config: Config, ranks, signals, held: contextlib.ExitStack, model: CausalLMSpec
+) -> int:
     from infinity.checkpoint import SaveDirLock
     from infinity.cli.train_run import TrainRun
     from infinity.cli.train_stop import StopNow
@@ -488,7 +486,7 @@ def _run(args, config: Config, ranks, signals, held: contextlib.ExitStack) -> in
         save_dir = Path(args.save_dir).expanduser()
         ranks.decide(lambda: _hold(held, SaveDirLock(save_dir)))
         ranks.start()
-        run = TrainRun(args, config, ranks)
+        run = TrainRun(args, config, ranks, model=model)
     except StopNow as stop:
         ranks.say(f"stopped by {stop.name} before training started", err=True)
         return stop.exit_code

@@ -10,13 +10,15 @@ plain single-process behaviour and no collective is issued.
 [Note: one run, several ranks] Rank 0 holds the save directory's lock, checks and prepares
 the save directory, tokenizes the data into its cache, draws the progress bar and writes
 metrics.jsonl; the other ranks wait for its decisions (an error on rank 0 stops them too,
-without repeating it). A signal asks for a stop on the rank that got it; before each
-optimizer step the ranks all-reduce the request, so all of them stop after the same step and
-save one checkpoint together. A rank that fails writes its error to SAVE_DIR/rank-N.error
-before it exits; the others then fail in their next collective (the peer is gone) or, if it
-hangs, when the collective timeout expires, and torchrun stops the rest when a worker exits
-with an error. Rank 0 then reports the rank and the cause: its error file, or that its
-process is gone without one (killed), or that it did not answer within the timeout.
+without repeating it). Every rank checks the inputs (flags, files, config) and rank 0 says
+what failed once: a bare error when every rank gave it, else each with the ranks it came
+from. A signal asks for a stop on the rank that got it; before each optimizer step the ranks
+all-reduce the request, so all of them stop after the same step and save one checkpoint
+together. A rank that fails later writes its error to SAVE_DIR/rank-N.error before it exits;
+the others then fail in their next collective (the peer is gone) or, if it hangs, when the
+collective timeout expires, and torchrun stops the rest when a worker exits with an error.
+Rank 0 then reports the rank and the cause: its error file, or that its process is gone
+without one (killed), or that it did not answer within the timeout.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ REPORT_WAIT_S = 5.0
 class FollowedRankZero(Exception):
     """Raised on ranks other than 0 when rank 0 refused to go on (its error is rank 0's to
     report): the rank exits with an error and says nothing more."""
+
+
+class InputsRefused(Exception):
+    """Raised on every rank when the checks of the inputs failed on any rank: rank 0 has said
+    which and why (`Ranks.check_inputs`), so the rank exits with an error and says no more."""
 
 
 # Errors that carry their fix in the message: one line, no traceback (as in cli.main).
@@ -111,6 +118,32 @@ class Ranks:
         if shared[1] is not None:
             raise FollowedRankZero(shared[1])
         return shared[0]
+
+    def check_inputs(self, fn: Callable[[], T]) -> T:
+        """`fn()`, the checks of the flags, files and config, on every rank, then agreed: if
+        it failed on any rank, rank 0 says each distinct error once (naming the ranks unless
+        all of them gave it) and every rank raises `InputsRefused`. A bug (not one of
+        USER_ERRORS) is raised again on its rank, with its traceback."""
+        if not self.many:
+            return fn()
+        result: Any = None
+        error: Exception | None = None
+        try:
+            result = fn()
+        except Exception as exc:
+            error = exc
+        said = None if error is None else _error_text(error)
+        errors: list[str | None] = self.comm.all_gather_object(said)
+        if all(e is None for e in errors):
+            return result
+        if self.is_main:
+            for line in _error_lines(errors):
+                print(line, file=sys.stderr, flush=True)
+        # No rank exits before rank 0 has said it: torchrun stops the rest at the first exit.
+        self.comm.barrier()
+        if error is not None and not isinstance(error, USER_ERRORS):
+            raise error
+        raise InputsRefused(f"the inputs were refused on rank(s) {_failed_ranks(errors)}")
 
     def main_first(self, fn: Callable[[], T]) -> T:
         """`fn()` on rank 0, then, once it succeeded, on the others (a cache rank 0 fills
@@ -246,4 +279,30 @@ class Ranks:
         return True
 
 
-__all__ = ["ERROR_FILE", "FollowedRankZero", "Ranks", "join"]
+def _error_text(exc: Exception) -> str:
+    if isinstance(exc, USER_ERRORS):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc} (a bug: the traceback is in that rank's output)"
+
+
+def _failed_ranks(errors: list[str | None]) -> str:
+    return ", ".join(str(rank) for rank, e in enumerate(errors) if e is not None)
+
+
+def _error_lines(errors: list[str | None]) -> list[str]:
+    """The ranks' errors (None: that rank passed), one line per distinct one: without rank
+    numbers when every rank gave the same error, else with the ranks that gave it."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text in enumerate(errors):
+        if text is not None:
+            by_text.setdefault(text, []).append(rank)
+    if len(by_text) == 1 and None not in errors:
+        return [f"infinity: error: {errors[0]}"]
+    lines = []
+    for text, ranks in by_text.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        lines.append(f"infinity: {who}: error: {text}")
+    return lines
+
+
+__all__ = ["ERROR_FILE", "FollowedRankZero", "InputsRefused", "Ranks", "join"]

@@ -42,13 +42,16 @@ log = logging.getLogger(__name__)
 class TrainRun:
     """Builds everything from the parsed flags and the config, then trains."""
 
-    def __init__(self, args: argparse.Namespace, config: Config, ranks: Ranks) -> None:
+    def __init__(
+        self, args: argparse.Namespace, config: Config, ranks: Ranks, *, model: hf_auto.CausalLMSpec
+    ) -> None:
         self.args = args
         self.ranks = ranks
         """This rank's place in the run (one rank without torchrun): see train_ranks."""
         self.save_dir = Path(args.save_dir).expanduser()
-        self.model: hf_auto.CausalLMSpec = hf_auto.describe(args.model)
-        """The transformers config of the directory (or preset) and the parameter shapes."""
+        self.model = model
+        """The transformers config of the directory (or preset) and the parameter shapes, as
+        `train.check_inputs` described and checked them."""
         self.model_dir = self.model.model_dir
         self.config = config
         self.metrics = MetricsLog(self.save_dir)
@@ -63,12 +66,6 @@ class TrainRun:
     # -- building ------------------------------------------------------------------------
 
     def _data(self) -> PackedDataset:
-        limit = self.model.max_positions
-        if limit and self.args.seq_len > limit:
-            raise ValueError(
-                f"--seq-len {self.args.seq_len} is longer than the {limit} positions the model "
-                f"covers (max_position_embeddings in its config); use --seq-len {limit} or less"
-            )
         data = self.ranks.main_first(  # rank 0 fills the token cache the others read
             lambda: open_dataset(
                 self.args.data,

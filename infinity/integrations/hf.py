@@ -13,7 +13,9 @@ engine's (weight decay skips the parameters the Trainer's own optimizer would no
 the Trainer sees a stand-in optimizer whose `step()` runs the engine's step and
 whose one parameter group carries the lr. Without a `scheduler` in the Infinity config the
 Trainer's own scheduler (`lr_scheduler_type`, warmup) sets that lr, as with DeepSpeed; with
-one, the engine's schedule runs (its "auto" values filled from the Trainer). The logged
+one, the engine's schedule runs (its "auto" values filled from the Trainer). Either way the
+engine steps the schedule, so a step skipped on fp16 overflow leaves the lr where it was
+(the Trainer still counts it in `global_step`, as it does with DeepSpeed). The logged
 `grad_norm` is the engine's pre-clip global norm. `save_model` streams a Hugging Face
 directory from the partitions; checkpoints add the engine's state (`infinity/` in the
 checkpoint folder), which `resume_from_checkpoint` restores exactly.
@@ -45,6 +47,12 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 log = logging.getLogger(__name__)
 
+# Schedulers the Trainer steps on evaluation metrics rather than per optimizer step.
+_METRIC_DRIVEN = (
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+    getattr(transformers.optimization, "GreedyLR", torch.optim.lr_scheduler.ReduceLROnPlateau),
+)
+
 ENGINE_TAG = "infinity"
 """The engine's state inside a Trainer checkpoint folder (`checkpoint-N/infinity/`)."""
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -71,18 +79,23 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
 
 class _GroupLR:
-    """The engine's schedule when the Trainer's scheduler drives: the lr it set on the
-    stand-in optimizer's group. The Trainer steps, saves and restores its scheduler itself."""
+    """The engine's schedule when the Trainer's scheduler drives: the lr that scheduler set on
+    the stand-in optimizer's group. The engine steps it only after an optimizer step it did not
+    skip (fp16 overflow), as DeepSpeed's engine steps a client scheduler; the Trainer saves and
+    restores the scheduler's state (see `_EngineLR`)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
         self.optimizer = optimizer
+        self.scheduler = scheduler
+        """The Trainer's scheduler; None for one the Trainer steps on metrics itself."""
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def step(self) -> None:
-        pass
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def state_dict(self) -> dict:
         return {"type": "transformers", "lr": self.lr}
@@ -92,11 +105,13 @@ class _GroupLR:
 
 
 class _EngineLR:
-    """The Trainer's scheduler when the engine's own schedule drives: it reports the lr of
-    the last step and leaves the stepping (and its state) to the engine."""
+    """The Trainer's view of the schedule, which the engine steps (so a step skipped on fp16
+    overflow leaves the lr where it was): it reports the lr of the last step, and carries the
+    state of the Trainer's own scheduler, when that drives, into and out of checkpoints."""
 
-    def __init__(self, optimizer: _EngineOptimizer) -> None:
+    def __init__(self, optimizer: _EngineOptimizer, scheduler: Any = None) -> None:
         self.optimizer = optimizer
+        self.scheduler = scheduler
 
     def get_last_lr(self) -> list[float]:
         return [self.optimizer.last_lr]
@@ -105,10 +120,11 @@ class _EngineLR:
         pass
 
     def state_dict(self) -> dict:
-        return {}
+        return {} if self.scheduler is None else self.scheduler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state)
 
 
 class _EngineCall:
@@ -154,6 +170,13 @@ class InfinityTrainer(transformers.Trainer):
         """The config with the Trainer's values filled in (the schedule's at train time)."""
         self.engine: Engine | None = None
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # With fp16 on a GPU accelerate makes a GradScaler; the engine applies its own loss
+        # scale in backward, so the scaler would scale the loss twice (and find no gradient
+        # on the stand-in optimizer to unscale).
+        self.accelerator.scaler = None
+
     # ---- the engine ---------------------------------------------------------------------
 
     def _resolved(self, num_training_steps: int) -> Config:
@@ -190,8 +213,12 @@ class InfinityTrainer(transformers.Trainer):
             engine.lr_schedule = build_schedule(config.scheduler, float(config.optimizer.lr))
             self.lr_scheduler = _EngineLR(stand_in)
         else:
-            super().create_scheduler(num_training_steps, optimizer)
-            engine.lr_schedule = _GroupLR(stand_in)
+            trainers = super().create_scheduler(num_training_steps, optimizer)
+            if isinstance(trainers, _METRIC_DRIVEN):  # stepped on evaluation metrics
+                engine.lr_schedule = _GroupLR(stand_in)
+            else:
+                engine.lr_schedule = _GroupLR(stand_in, trainers)
+                self.lr_scheduler = _EngineLR(stand_in, trainers)
         self._created_lr_scheduler = True
         return self.lr_scheduler
 
