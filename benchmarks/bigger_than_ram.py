@@ -40,6 +40,7 @@ ratio <= 1.2. The swap directories are removed at the end (`engine.close()`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -286,6 +287,9 @@ def train(engine, args: argparse.Namespace, vocab: int, *, probes: bool = True) 
             "fwd_bwd_nvme": _delta(s0, s1),
             "peak_rss_bytes": _proc_status("VmHWM"),
             "estimate_probe": probe,
+            # where forward and backward went (gather waits, copies, NVMe waits), to set
+            # against the estimate's components
+            "telemetry": dataclasses.asdict(engine.last_step_telemetry()),
         }
         steps.append(rec)
         print(

@@ -10,7 +10,8 @@ step met; records made before those probes are probed here (or take the rates of
 output with `--probes-from`). Then the estimate against the record: NVMe bytes read and
 written per step (optimizer, parameter and gradient traffic), the host buffers
 `memory_stats()` reported, peak RSS and the step's wall time (the medians of the steps after
-the first). One JSON record per run, with the rates used, so `tests/test_estimate.py`
+the first), and for records with the engine's telemetry the copies and the waits for
+parameter reads. One JSON record per run, with the rates used, so `tests/test_estimate.py`
 replays them without probing; the BENCHMARKS.md table is printed at the end:
 
     flock /work/bench.lock python benchmarks/estimate_vs_measured.py \\
@@ -95,7 +96,7 @@ def measured(record: dict) -> dict:
     writes = last["step_bytes_written"] + sum(
         v for k, v in fwd_bwd.items() if k.endswith("_written")
     )
-    return {
+    out = {
         "nvme_read_bytes_per_step": reads,
         "nvme_write_bytes_per_step": writes,
         "host_bytes": record["memory_stats"]["host_bytes"],
@@ -104,6 +105,10 @@ def measured(record: dict) -> dict:
         "optimizer_step_seconds": statistics.median(s["optimizer_step_s"] for s in later),
         "fwd_bwd_seconds": statistics.median(s["fwd_bwd_s"] for s in later),
     }
+    if all("telemetry" in s for s in later):  # runs recorded with the engine's breakdown
+        for key in ("copy_seconds", "nvme_param_wait_seconds", "gather_wait_seconds"):
+            out[key] = statistics.median(s["telemetry"][key] for s in later)
+    return out
 
 
 def predicted(est: Estimate) -> dict:
@@ -116,17 +121,26 @@ def predicted(est: Estimate) -> dict:
         "step_seconds": j["step_seconds"],
         "optimizer_step_seconds": est.times.optimizer_step_s,
         "fwd_bwd_seconds": est.times.micro_step_s,
+        # against the engine's telemetry, where the record has it
+        "copy_seconds": est.times.copies_s,
+        "nvme_param_wait_seconds": est.times.read_wait_s,
     }
 
 
-def recorded_probe(record: dict) -> dict | None:
+def recorded_probe(record: dict, earlier: dict | None = None) -> dict | None:
     """The rates the run probed just before each of the steps compared (the same model, under
-    the load each step met): their medians. None for runs recorded without them."""
+    the load each step met): their medians. None for runs recorded without them. A rate the
+    run did not probe comes from `earlier` (the same record's rates in a `--probes-from`
+    output), else is probed now."""
     probes = [s["estimate_probe"] for s in _later(record) if s.get("estimate_probe")]
     if not probes:
         return None
-    keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s", "module_overhead_s")
+    keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s", "module_overhead_s",
+            "fresh_copy_bytes_per_s")  # fmt: skip
     out = {k: statistics.median(p[k] for p in probes) for k in keys if k in probes[0]}
+    for k in ("module_overhead_s", "fresh_copy_bytes_per_s"):
+        if k not in out and k in (earlier or {}):
+            out[k] = earlier[k]
     if "module_overhead_s" not in out:  # runs recorded before the engine's hooks were probed
         out["module_overhead_s"] = _module_overhead_s(record)
     if "fresh_copy_bytes_per_s" not in out:  # ... or copies into new memory
@@ -190,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.records:
         with open(path) as f:
             record = json.load(f)
-        rates = recorded_probe(record) or earlier.get(path)
+        rates = recorded_probe(record, earlier.get(path)) or earlier.get(path)
         if rates is None:
             key = json.dumps(record["model"], sort_keys=True) + str(record["args"]["seq_len"])
             key += str(record["args"].get("lora_r", 0))
@@ -199,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             rates = probes[key]
         est = estimate_record(record, rates)
         got, want = predicted(est), measured(record)
-        ratio = {k: got[k] / want[k] for k in got if want[k]}
+        ratio = {k: got[k] / want[k] for k in got if want.get(k)}
         times = dataclasses.asdict(est.times)
         out.append({"record": path, "probed": rates, "estimate": got, "measured": want,
                     "ratio": ratio, "bound": est.bound, "times": times})  # fmt: skip

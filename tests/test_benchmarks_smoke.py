@@ -91,6 +91,7 @@ def test_bigger_than_ram_tiny(tmp_path):
     for step in rec["steps"]:
         assert step["fwd_bwd_s"] > 0 and step["optimizer_step_s"] > 0
         assert 0 < step["optimizer_timings_s"]["adam_s"] <= step["optimizer_step_s"]
+        assert 0 <= step["telemetry"]["gather_wait_seconds"] <= step["fwd_bwd_s"]
         assert abs(step["loss"] - math.log(rec["model"]["vocab_size"])) < 1.0  # random init
     # The second sweep reads and writes back every sub-group's fp32 state once.
     state_fp32 = 12 * sum(rec["sub_group_numels"])

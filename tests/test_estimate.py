@@ -19,9 +19,11 @@ from infinity.config import Config
 from infinity.estimate import GPUS, Rates, estimate, model_shape, sizes
 from infinity.estimate.hardware import probe_nvme, rates_from_bench_aio
 from infinity.estimate.shapes import lora_numel
-from infinity.estimate.sizing import resolve_config
+from infinity.estimate.sizing import layout_of, resolve_config
 from infinity.models import LlamaConfig, LlamaForCausalLM, preset
 from infinity.models.lora import LoraSpec, apply_lora
+from infinity.swap.nvme_state import state_nbytes
+from infinity.swap.store import reserved_nbytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
@@ -53,7 +55,7 @@ def _swap_file_bytes(path: pathlib.Path) -> int:
 
 
 def _train(
-    cfg: dict, path: pathlib.Path, steps: int = 3, lora_r: int = 0
+    cfg: dict, path: pathlib.Path, steps: int = 3, lora_r: int = 0, checkpointing: bool = False
 ) -> tuple[list[dict], int]:
     """memory_stats() after build and after each optimizer step; the swap files' bytes."""
     mc = LlamaConfig(**SHAPE)
@@ -62,6 +64,7 @@ def _train(
         model = LlamaForCausalLM(mc)
         if lora_r:
             model = apply_lora(model, LoraSpec(r=lora_r))
+    model.set_gradient_checkpointing(checkpointing)
     engine = infinity.initialize(model, cfg)
     copies = engine.accelerator.copies
 
@@ -117,6 +120,15 @@ for _accum, _param, _optim in ((1, "cpu", "nvme"), (3, "nvme", "nvme"), (2, "nvm
     CASES[f"lora-accum{_accum}-params-{_param}-optim-{_optim}"] = dict(
         accum=_accum, param=_param, optim=_optim, lora_r=4, sub_group_size=1000
     )
+# All adapters in one sub-group: the optimizer's NVMe pipeline allocates one buffer.
+CASES["lora-one-sub-group"] = dict(lora_r=4, sub_group_size=10**8)
+# A frozen base larger than the live budget: evicted only when room is needed, so the next
+# forward finds what the last backward used (the closed form for trainable parameters
+# counted 9-39% more).
+for _budget in (30000, 45000, 120000):
+    CASES[f"lora-base-over-budget-{_budget}"] = dict(
+        lora_r=4, sub_group_size=1000, stage3_max_live_parameters=_budget
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -147,17 +159,28 @@ def test_bytes_equal_the_engine_counters(tmp_path, case):
     assert stats[-1].get("param_pool_bytes", 0) == sz.param_pool_bytes
 
 
-def test_budget_cutting_inside_a_layer_is_within_one_unit(tmp_path):
+def test_budget_cutting_inside_a_layer_is_exact(tmp_path):
     """A budget that ends inside a block: which of its small units stay gathered at the turn
-    depends on when prefetch made room, so backward's re-reads are exact to one unit."""
+    follows from the coordinator's policy replayed (a rule of whole units was one off)."""
     cfg = _config(tmp_path, stage3_max_live_parameters=70000)
     stats, _ = _train(cfg, tmp_path)
     shape = model_shape(LlamaConfig(**SHAPE))
     sz = sizes(shape, resolve_config(Config.load(cfg), shape), pins=False)
-    unit_bytes = 2 * SHAPE["hidden_size"] * SHAPE["hidden_size"]  # the largest attention unit
-    got = _delta(stats, "nvme_param_bytes_read")
-    assert abs(got - sz.param_read_bytes_per_micro_step) <= unit_bytes
+    assert _delta(stats, "nvme_param_bytes_read") == sz.param_read_bytes_per_micro_step
     assert _delta(stats, "nvme_optim_bytes_read") == sz.optim_read_bytes_per_step
+
+
+@pytest.mark.parametrize(
+    ("lora_r", "budget"), [(4, 45000), (0, 120000)], ids=["lora-base-over-budget", "full"]
+)
+def test_checkpointed_reads_equal_the_engine(tmp_path, lora_r, budget):
+    """Under activation checkpointing backward recomputes each block before it needs it
+    again: the replayed order of gathers reads what the engine reads."""
+    cfg = _config(tmp_path, stage3_max_live_parameters=budget)
+    stats, _ = _train(cfg, tmp_path, lora_r=lora_r, checkpointing=True)
+    shape = model_shape(LlamaConfig(**SHAPE), lora_r=lora_r)
+    sz = sizes(shape, resolve_config(Config.load(cfg), shape), pins=False, checkpointing=True)
+    assert _delta(stats, "nvme_param_bytes_read") == sz.param_read_bytes_per_micro_step
 
 
 def test_small_budget_re_reads_parameters_in_backward(tmp_path):
@@ -190,14 +213,20 @@ def _replays() -> tuple:
 OLD_LAYOUT = ("2.1B_nvme_run1", "2.1B_nvme_run2", "2026-11-22_500M")
 
 
-def _frozen_base_over_budget(est) -> bool:
-    """A LoRA base on NVMe larger than the live budget: its reads are an upper bound."""
-    i = est.inputs
-    return (
-        bool(i["lora_r"])
-        and i["offload_param"] == "nvme"
-        and (est.params > i["max_live_parameters"])
-    )
+BUFFERS_PER_SUB_GROUP_SINCE = "2026-11-23T15:30"
+"""Runs recorded before then allocated every offload_optimizer.buffer_count buffer even for
+fewer sub-groups (LoRA: one); the extra ones were never resident, so only host_bytes
+differ, by exactly them."""
+
+
+def _unused_buffer_bytes(record: dict, est) -> int:
+    if record["machine"]["date"] >= BUFFERS_PER_SUB_GROUP_SINCE:
+        return 0
+    if est.inputs["offload_optimizer"] != "nvme":
+        return 0
+    count = record["config"]["zero_optimization"]["offload_optimizer"]["buffer_count"]
+    used = min(count, est.sizes.num_sub_groups)
+    return (count - used) * (est.sizes.state_host_bytes // used)
 
 
 def test_recorded_runs_replay_within_20_percent():
@@ -207,8 +236,9 @@ def test_recorded_runs_replay_within_20_percent():
     its cores: other work on the two cores slows forward and backward 2-6x from one minute
     to the next) and recorded the estimate's rate probes itself (a probe taken at replay
     time measures another machine state: the 2026-11-22 runs replay at 0.70-0.94 depending
-    on it). LoRA step times are not asserted: on a quiet machine the estimate is 0.67 of
-    the measured 500M LoRA step (BENCHMARKS.md lists every ratio)."""
+    on it). LoRA step times are not asserted yet: the 500M LoRA step on a quiet machine
+    replays at 0.75 of the measured one (BENCHMARKS.md lists every ratio and where the rest
+    of that step goes)."""
     evm, replays = _replays()
     records = sorted(glob.glob(str(ROOT / "benchmarks/results/bigger_than_ram_*.json")))
     records = [str(pathlib.Path(r).relative_to(ROOT)) for r in records]
@@ -224,17 +254,10 @@ def test_recorded_runs_replay_within_20_percent():
         if any(tag in path for tag in OLD_LAYOUT):
             continue
         assert abs(got["peak_rss_bytes"] / want["peak_rss_bytes"] - 1) <= 0.2, path
-        assert got["host_bytes"] == want["host_bytes"], path
+        assert got["host_bytes"] + _unused_buffer_bytes(record, est) == want["host_bytes"], path
         assert got["nvme_write_bytes_per_step"] == want["nvme_write_bytes_per_step"], path
         reads, measured_reads = got["nvme_read_bytes_per_step"], want["nvme_read_bytes_per_step"]
-        if _frozen_base_over_budget(est):
-            assert measured_reads <= reads <= 1.2 * measured_reads, path
-        elif est.inputs["offload_param"] == "nvme":
-            # a budget that ends inside a block: backward's re-reads are exact to one module
-            # (see test_budget_cutting_inside_a_layer_is_within_one_unit)
-            assert abs(reads - measured_reads) <= 1e-3 * measured_reads, path
-        else:
-            assert reads == measured_reads, path
+        assert reads == measured_reads, path  # LoRA bases over the budget included
     for path in records:
         with open(ROOT / path) as f:
             record = json.load(f)
@@ -250,7 +273,8 @@ def test_recorded_runs_replay_within_20_percent():
         for key in ("step_seconds", "optimizer_step_seconds"):
             assert abs(got[key] / want[key] - 1) <= 0.2, (path, key, got[key], want[key])
         timed += 1
-    assert timed and {(False, "cpu"), (True, "nvme")} <= {k[:2] for k in kinds}
+    assert timed
+    assert {(False, "cpu"), (True, "nvme")} <= {k[:2] for k in kinds}
 
 
 # -- shapes -------------------------------------------------------------------------------------
@@ -508,14 +532,49 @@ def test_engine_hooks_add_on_the_cpu_device_only(tmp_path):
     assert estimate(shape, cfg, gpu, seq_len=64, runtime_bytes=0).times.hooks_s == 0.0
 
 
-def test_rss_leaves_out_optimizer_buffers_no_sub_group_lands_in(tmp_path):
-    """LoRA adapters in one sub-group touch two of the four pipeline buffers (the sweep's and
-    the next sweep's read-ahead): the other two are allocated, never resident."""
+def test_optimizer_buffers_no_more_than_sub_groups(tmp_path):
+    """LoRA adapters in one sub-group get one NVMe pipeline buffer, not buffer_count (4):
+    host bytes, steady RSS and the engine's allocation follow (the engine side is
+    test_bytes_equal_the_engine_counters' lora cases)."""
     shape = model_shape(LlamaConfig(**SHAPE), lora_r=4)
     one = Config.load(_config(tmp_path, sub_group_size=10**8))
     many = Config.load(_config(tmp_path, sub_group_size=1000))
     a, b = (estimate(shape, c, _rates(), seq_len=16, runtime_bytes=0) for c in (one, many))
     assert a.sizes.num_sub_groups == 1 and b.sizes.num_sub_groups > 4
-    buffer = a.sizes.state_host_bytes // 4
-    assert a.steady_rss_bytes == a.sizes.host_bytes + a.device_bytes - 2 * buffer
-    assert b.steady_rss_bytes == b.sizes.host_bytes + b.device_bytes
+    extent = a.sizes.optim_nvme_bytes  # the one sub-group's state, page-padded
+    assert a.sizes.state_host_bytes == extent
+    assert a.steady_rss_bytes == a.sizes.host_bytes + a.device_bytes
+    layout = layout_of(shape, resolve_config(many, shape))
+    largest = max(reserved_nbytes(state_nbytes(n)) for n in layout.sub_group_numels)
+    assert b.sizes.state_host_bytes == 4 * largest  # 42 sub-groups: all four buffers
+
+
+def test_reads_the_prefetch_window_cannot_hide_make_the_cores_wait(tmp_path):
+    """Parameters on NVMe, CPU device: a micro step is the cores' work when the disk keeps
+    ahead, and grows by what they wait for reads when it cannot (a slow disk, a prefetch
+    window of one small unit, one staging buffer); parameters in RAM never wait."""
+    shape = model_shape(LlamaConfig(**SHAPE), lora_r=4)
+    cfg = Config.load(_config(tmp_path, optim="cpu", stage3_max_live_parameters=45000))
+
+    def times(read_bps, **zero):
+        c = Config.load(_config(tmp_path, optim="cpu", stage3_max_live_parameters=45000, **zero))
+        rates = _rates(nvme_read_bps=read_bps, compute_s=0.1, module_overhead_s=1e-4)
+        return estimate(shape, c, rates, seq_len=16, runtime_bytes=0).times
+
+    fast = times(1e13)
+    cores = fast.compute_s + fast.copies_s + fast.hooks_s
+    assert fast.read_wait_s == pytest.approx(0.0, abs=1e-6)
+    assert fast.micro_step_s == pytest.approx(cores)
+    reads = sizes(shape, resolve_config(cfg, shape), pins=False).param_read_bytes_per_micro_step
+    slow = times(reads / 0.2)  # the reads alone take 0.2 s, twice the compute
+    assert slow.read_wait_s > 0.2 - cores
+    assert slow.micro_step_s == pytest.approx(cores + slow.read_wait_s)
+    narrow = times(reads / 0.05, stage3_prefetch_bucket_size=1)
+    wide = times(reads / 0.05, stage3_prefetch_bucket_size=10**6)
+    assert narrow.read_wait_s > wide.read_wait_s
+    one_buffer = times(reads / 0.05, offload_param={"device": "nvme", "nvme_path": str(tmp_path),
+                                                    "buffer_count": 1})  # fmt: skip
+    assert one_buffer.read_wait_s > wide.read_wait_s
+    host = estimate(shape, Config.load(_config(tmp_path, param="cpu")), _rates(compute_s=0.1),
+                    seq_len=16, runtime_bytes=0).times  # fmt: skip
+    assert host.read_wait_s == 0.0

@@ -207,6 +207,11 @@ def render(est, model: str, world_size: int = 1) -> str:
         f"  {'CPU-Adam (+ norm)':<28}{t.cpu_adam_s:9.2f} s",
         f"  {'host-device copies':<28}{t.copies_s:9.2f} s",
         *([f"  {'engine hooks':<28}{t.hooks_s:9.2f} s"] if t.hooks_s else []),
+        *(
+            [f"  {'waiting for parameter reads':<28}{t.read_wait_s:9.2f} s"]
+            if t.read_wait_s > 0.005
+            else []
+        ),
         "",
         *(f"- {a}" for a in est.advice),
         "",

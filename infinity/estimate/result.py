@@ -14,6 +14,14 @@ gradients, and writes the new 16-bit weights) one sub-group at a time while CPU-
 the previous one, so it costs the slower of the two (their sum with `pipeline_read` or
 `pipeline_write` off), plus the gradient-norm pass before it. The disk's reads and writes
 are taken one after the other at their measured rates.
+
+On the CPU device with parameters on NVMe the reads do not hide behind the cores as a
+whole: they run ahead only as far as the prefetch window (`stage3_prefetch_bucket_size`
+elements along the trace) and the staging pool (`offload_param.buffer_count`) let them, so
+a micro step is replayed gather by gather (`infinity.estimate.pipeline`): the cores run
+each gather's share of the compute, copies and hooks and wait where its read has not
+landed. With the cores the slower side and reads that run far enough ahead, this is the
+cores' time; a disk slower than the cores, or a window too short, adds the waits.
 """
 
 from __future__ import annotations
@@ -24,9 +32,9 @@ from dataclasses import asdict, dataclass, field
 
 from infinity.config import Config
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
+from infinity.estimate.pipeline import Prefetch, micro_step_s, prefetch_of
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, resolve_config, sizes
-from infinity.swap.tiers import state_buffer_count
 
 _GIB = float(1 << 30)
 
@@ -57,6 +65,9 @@ class StepTimes:
     hooks_s: float
     """The engine's own work per module (gather, release and gradient hooks) on the CPU
     device, where it takes the cores that compute."""
+    read_wait_s: float
+    """Time the cores wait for parameter reads in forward and backward (the CPU device
+    with parameters on NVMe; see [Note: the step model])."""
     micro_step_s: float
     """Forward + backward of one micro step: its share of the accumulation window, which
     costs the slower of the compute (with the copies, on the CPU device) and the disk."""
@@ -154,27 +165,38 @@ def estimate(
     config = resolve_config(config, shape)
     gpu = rates.gpu
     alias = gpu is None and aliases is not False  # only the CPU device shares host memory
-    sz = sizes(shape, config, pins=gpu is not None, grads_spill=grads_spill, aliases=alias)
+    sz = sizes(
+        shape,
+        config,
+        pins=gpu is not None,
+        grads_spill=grads_spill,
+        checkpointing=activation_checkpointing,
+        aliases=alias,
+    )
     micro = int(config.train_micro_batch_size_per_gpu)
     accum = int(config.gradient_accumulation_steps)
     tokens = micro * seq_len
     offload = config.zero_optimization.offload_optimizer
     pipelined = offload.pipeline_read and offload.pipeline_write
-    times = step_times(sz, rates, accum=accum, pipelined=pipelined, modules=shape.modules)
+    reads = None
+    if gpu is None and sz.param_read_bytes_per_micro_step:
+        reads = prefetch_of(shape, config, checkpointing=activation_checkpointing)
+    times = step_times(
+        sz, rates, accum=accum, pipelined=pipelined, modules=shape.modules, prefetch=reads
+    )
     acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
     runtime = _current_rss() if runtime_bytes is None else runtime_bytes
     if gpu is not None:
         runtime += CUDA_RUNTIME_HOST_BYTES
-    resident = sz.host_bytes - untouched_state_buffer_bytes(sz, config)
     # The CPU device's memory is host RAM; gathers from host homes alias them (no RAM).
     host_homes = config.zero_optimization.offload_param.device != "nvme"
     aliased = sz.peak_live_numel * sz.itemsize if gpu is None and host_homes and alias else 0
-    steady = runtime + resident + (device - aliased if gpu is None else 0)
+    steady = runtime + sz.host_bytes + (device - aliased if gpu is None else 0)
     peak = max(
         steady + grad_transient_bytes(shape),
-        runtime + resident + build_partition_bytes(shape, config, sz.itemsize),
+        runtime + sz.host_bytes + build_partition_bytes(shape, config, sz.itemsize),
     )
     est = Estimate(
         sizes=sz,
@@ -211,11 +233,19 @@ def estimate(
 
 
 def step_times(
-    sz: Sizes, rates: Rates, *, accum: int, pipelined: bool = True, modules: int = 0
+    sz: Sizes,
+    rates: Rates,
+    *,
+    accum: int,
+    pipelined: bool = True,
+    modules: int = 0,
+    prefetch: Prefetch | None = None,
 ) -> StepTimes:
     """See [Note: the step model]; without `pipelined` (offload_optimizer.pipeline_read and
     pipeline_write) the state's transfers and CPU-Adam take turns. `modules`: the model's
-    modules with parameters (the engine's hooks cost `rates.module_overhead_s` each)."""
+    modules with parameters (the engine's hooks cost `rates.module_overhead_s` each).
+    `prefetch`: the gathers of a micro step whose parameter reads the CPU device's cores
+    wait for (None: the reads overlap the cores' work as a whole)."""
     read, write = rates.nvme_read_bps, rates.nvme_write_bps
     compute = rates.compute_s
     copies = micro_step_copies_s(sz, rates)
@@ -228,8 +258,14 @@ def step_times(
          + sz.optim_ahead_read_bytes) / read
         + sz.grad_write_bytes_per_step / write
     )  # fmt: skip
+    cores = compute + copies + hooks
+    micro = cores
+    if rates.gpu is None and prefetch is not None:
+        micro = micro_step_s(
+            prefetch, cpu_s=(compute, copies, hooks), read_bps=read, itemsize=sz.itemsize
+        )
     if rates.gpu is None:  # the CPU device: copies run on the cores that compute
-        window = max(accum * (compute + copies + hooks), window_io)
+        window = max(accum * micro, window_io)
     else:
         window = max(accum * compute, accum * copies, window_io)
     state_io = (
@@ -244,6 +280,7 @@ def step_times(
         cpu_adam_s=adam + norm,
         copies_s=accum * copies,
         hooks_s=accum * hooks,
+        read_wait_s=accum * (micro - cores),
         micro_step_s=window / accum,
         optimizer_step_s=optimizer,
         step_s=window + optimizer,
@@ -290,16 +327,6 @@ def activation_bytes(
     layer = tokens * h * (34 + 5 * heads * seq_len / h) * itemsize / 2
     kept = layers * tokens * h * itemsize + layer if checkpointing else layers * layer
     return int(kept + tokens * c.vocab_size * (itemsize + 8))
-
-
-def untouched_state_buffer_bytes(sz: Sizes, config: Config) -> int:
-    """The NVMe optimizer pipeline's buffers that no sub-group ever lands in, so their pages
-    never become resident: with n sub-groups a sweep and the next one's read-ahead use at
-    most n + 1 of them (one sub-group of LoRA adapters: two)."""
-    if config.zero_optimization.offload_optimizer.device != "nvme":
-        return 0
-    count = state_buffer_count(config.zero_optimization.offload_optimizer)
-    return (count - min(count, sz.num_sub_groups + 1)) * (sz.state_host_bytes // count)
 
 
 def build_partition_bytes(shape: ModelShape, config: Config, itemsize: int) -> int:

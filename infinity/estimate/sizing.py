@@ -4,8 +4,9 @@ Every term calls the function the engine sizes the same thing with: the flat lay
 sub-groups (`infinity.zero.sub_groups`), the swap store's extent padding
 (`reserved_nbytes`), the NVMe state extents and pipeline buffers (`state_nbytes`,
 `state_buffer_count`), the parameter staging pool (`param_buffer_numel`), the NVMe weight
-ring (`staging_host_bytes`) and the persistence rule (`persistent_flags`). The byte counts
-match `engine.memory_stats()` exactly; nothing here allocates or measures.
+ring (`staging_host_bytes`) and the persistence rule (`persistent_flags`); parameter reads
+replay the coordinator's policy (`infinity.estimate.param_traffic`). The byte counts match
+`engine.memory_stats()` exactly; nothing here allocates or measures.
 
 Terms that depend on where fp32 gradients live and on frozen parameters are their own
 functions (`grad_host_bytes`, `frozen_host_bytes`, `frozen_nvme_bytes`).
@@ -19,6 +20,7 @@ import torch
 
 from infinity.config import Config
 from infinity.estimate.grad_traffic import GradTraffic, grad_traffic
+from infinity.estimate.param_traffic import param_reads_per_micro_step
 from infinity.estimate.shapes import ModelShape
 from infinity.swap.grad_store import grad_buffers
 from infinity.swap.nvme_state import state_nbytes
@@ -113,12 +115,14 @@ def sizes(
     *,
     pins: bool,
     grads_spill: bool | None = None,
+    checkpointing: bool = False,
     aliases: bool | None = None,
 ) -> Sizes:
     """Every byte term for `shape` under a resolved `config`; `pins`: the device's host
     memory can be pinned (a GPU; the CPU device never pins). `grads_spill`: the fp32
     gradients go to NVMe per sub-group (default: when the optimizer state does, as the
-    engine does; False replays runs made before gradients could spill). `aliases`: gathers
+    engine does; False replays runs made before gradients could spill). `checkpointing`:
+    activation checkpointing, which changes the order backward gathers in. `aliases`: gathers
     from host homes alias them instead of copying (default: on the CPU device, as the engine
     does; False replays runs made before they did)."""
     zero = config.zero_optimization
@@ -137,7 +141,7 @@ def sizes(
         extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
         optim_disk = sum(extents)
         buffer = align_up(max(extents, default=4096))
-        buffers = state_buffer_count(zero.offload_optimizer)
+        buffers = state_buffer_count(zero.offload_optimizer, layout.num_sub_groups)
         state_host = buffers * buffer
         # NvmeStateStore's prefetch_next_sweep: every buffer is free when a sweep ends
         pipelined = zero.offload_optimizer.pipeline_read
@@ -158,7 +162,7 @@ def sizes(
     pool_pinned = pool if (pins and zero.offload_param.pin_memory) else 0
     if optim_nvme and pins and zero.offload_optimizer.pin_memory:
         pool_pinned += state_host  # the NVMe pipeline's buffers, pinned when asked
-    gathered = gathered_numel_per_micro_step(shape, config)
+    gathered = param_reads_per_micro_step(shape, config, checkpointing=checkpointing)
     # Only reads from NVMe are copied where gathers alias host homes (see [Note: gathered
     # means resident] in infinity/zero/param.py).
     copied = param_nvme or not (not pins if aliases is None else aliases)
@@ -233,22 +237,6 @@ def param_pool_bytes(shape: ModelShape, config: Config) -> int:
     return param.buffer_count * align_up(numel * model_dtype(config).itemsize)
 
 
-def retained_numel(shape: ModelShape, config: Config) -> int:
-    """Non-persistent elements still gathered when forward turns into backward: the last
-    units of the forward, as many as the live budget (and the reuse distance) hold. Backward
-    finds them gathered; the rest it gathers again."""
-    zero = config.zero_optimization
-    persistent = shape.persistent(zero)
-    room = min(int(zero.max_live_parameters), int(zero.max_reuse_distance))
-    kept = 0
-    for unit in reversed(shape.units):
-        n = shape.unit_numel(unit, persistent=persistent)
-        if kept and kept + n > room:  # the last unit stays whatever the budget
-            break
-        kept += n
-    return kept
-
-
 def non_persistent_numel(shape: ModelShape, config: Config, *, trainable_only=False) -> int:
     persistent = shape.persistent(config.zero_optimization)
     return sum(
@@ -256,25 +244,6 @@ def non_persistent_numel(shape: ModelShape, config: Config, *, trainable_only=Fa
         for p, keep in zip(shape.params, persistent, strict=True)
         if not keep and (p.trainable or not trainable_only)
     )
-
-
-def frozen_stay_gathered(shape: ModelShape, config: Config) -> bool:
-    """Every parameter fits the live budget at once, so frozen ones, once gathered, are
-    never released (see [Note: frozen parameters stay gathered] in the coordinator)."""
-    return shape.trainable_numel < shape.numel <= int(config.zero_optimization.max_live_parameters)
-
-
-def gathered_numel_per_micro_step(shape: ModelShape, config: Config) -> int:
-    """Parameter elements fetched from their home in one forward + backward, once the
-    execution order is traced: every non-persistent parameter in forward, and again in
-    backward except what is still gathered at the turn (the end of an iteration releases
-    everything that is not persistent). Frozen parameters that all fit the budget stay
-    gathered from the first step on; a frozen base larger than the budget is counted as
-    trainable parameters are (its evictions keep a few more of it gathered: an upper
-    bound)."""
-    if frozen_stay_gathered(shape, config):
-        return non_persistent_numel(shape, config, trainable_only=True)
-    return 2 * non_persistent_numel(shape, config) - retained_numel(shape, config)
 
 
 def peak_live_numel(shape: ModelShape, config: Config) -> int:

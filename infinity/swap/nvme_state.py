@@ -55,6 +55,13 @@ def state_nbytes(numel: int) -> int:
     return 3 * numel * _F32
 
 
+def pipeline_buffer_count(buffer_count: int, num_sub_groups: int) -> int:
+    """Host buffers the sweep allocates: `buffer_count`, but no more than there are
+    sub-groups, since a sub-group sits in one buffer at a time and the rest would never be
+    used (LoRA adapters in one sub-group need one buffer, not four)."""
+    return max(1, min(buffer_count, num_sub_groups))
+
+
 class Residency(enum.Enum):
     """Where a sub-group's latest state is."""
 
@@ -94,7 +101,8 @@ class NvmeStateStore:
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
     owned). `buffer_count` >= 3: one sub-group stepped, one read ahead, one written back;
-    each buffer holds the largest sub-group (12 bytes per element). `pin_memory` allocates
+    each buffer holds the largest sub-group (12 bytes per element), and fewer sub-groups
+    than that get as many buffers (`pipeline_buffer_count`). `pin_memory` allocates
     them pinned where the accelerator can (`pool.pinned` says whether it did).
     `pipeline_read` / `pipeline_write` switch the read-ahead and the write-behind overlap (see
     [Note: NVMe sweep pipeline]; the results are the same either way). With
@@ -131,7 +139,8 @@ class NvmeStateStore:
         sizes = {self._key(i): state_nbytes(n) for i, n in enumerate(self.numels)}
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
         slot_bytes = max((e.padded_nbytes for e in self._extents), default=4096)
-        self.pool = PinnedBufferPool(buffer_count, slot_bytes, pin=pin_memory, name="optim")
+        count = pipeline_buffer_count(buffer_count, len(self.numels))
+        self.pool = PinnedBufferPool(count, slot_bytes, pin=pin_memory, name="optim")
         self.residency = [Residency.ON_NVME] * len(self.numels)
         self.stats = NvmeStats()
         self._writes: deque[_Transfer] = deque()

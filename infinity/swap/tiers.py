@@ -18,7 +18,7 @@ import torch
 from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.swap.aio import AioHandle
 from infinity.swap.grad_store import GRAD_BUFFERS, HostGradStore, NvmeGradStore
-from infinity.swap.nvme_state import NvmeStateStore
+from infinity.swap.nvme_state import NvmeStateStore, pipeline_buffer_count
 from infinity.swap.param_store import NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.state_store import HostStateStore, StateStore
@@ -77,8 +77,8 @@ def make_state_store(
         raise ValueError(
             "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
         )
-    buffer_count = state_buffer_count(offload)
-    check_host_buffers((buffer_count * 12 + GRAD_BUFFERS * 4) * max(numels, default=0))
+    buffers = state_buffer_count(offload, len(numels))
+    check_host_buffers((buffers * 12 + GRAD_BUFFERS * 4) * max(numels, default=0))
     if not (offload.pipeline_read and offload.pipeline_write):
         logger.info(
             "offload_optimizer.pipeline_read=%s, pipeline_write=%s: the optimizer's NVMe "
@@ -89,17 +89,18 @@ def make_state_store(
         numels,
         store=stores.get(offload.nvme_path),
         aio=aio,
-        buffer_count=buffer_count,
+        buffer_count=offload.buffer_count,
         pin_memory=offload.pin_memory,
         pipeline_read=offload.pipeline_read,
         pipeline_write=offload.pipeline_write,
     )
 
 
-def state_buffer_count(offload: OffloadOptimizerConfig) -> int:
+def state_buffer_count(offload: OffloadOptimizerConfig, num_sub_groups: int) -> int:
     """Host buffers of the NVMe optimizer pipeline: `offload_optimizer.buffer_count` (the
-    config checks it is at least 3: one read ahead, one stepped, one written back)."""
-    return offload.buffer_count
+    config checks it is at least 3: one read ahead, one stepped, one written back), no more
+    than the sub-groups (`pipeline_buffer_count`)."""
+    return pipeline_buffer_count(offload.buffer_count, num_sub_groups)
 
 
 def make_grad_store(
