@@ -120,3 +120,30 @@ def test_profile_of_a_resumed_run_fits_the_steps_left(tmp_path, capsys, inputs):
     assert "infinity::zero::gather" in {
         e.get("name") for e in json.loads(trace.read_text())["traceEvents"]
     }
+
+
+def test_wall_clock_breakdown_in_the_config_logs_each_step(tmp_path, caplog, inputs):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"wall_clock_breakdown": True, "steps_per_print": 1}))
+    (tmp_path / "ssd").mkdir()
+    args = _args(
+        inputs, tmp_path / "run", "--steps", 2, "--config", cfg, "--nvme", tmp_path / "ssd"
+    )
+    with caplog.at_level("INFO", logger="infinity.engine"):
+        assert main([*args, "--no-progress"]) == 0
+    lines = [r.getMessage() for r in caplog.records if " time: " in r.getMessage()]
+    assert [line.split(" time:")[0] for line in lines] == ["step 1", "step 2"]
+    assert all("forward" in line and "nvme wait: params" in line for line in lines)
+    assert all(r["synchronized"] for r in _records(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("value, message", [("0", "0 must be positive"),
+                                            ("-1", "-1 must be positive"),
+                                            ("two", "'two' is not a whole number")])  # fmt: skip
+def test_bad_profile_values_are_refused_by_name(tmp_path, capsys, inputs, value, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(_args(inputs, tmp_path / "run", "--steps", 3, "--profile", value))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --profile: {message}" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

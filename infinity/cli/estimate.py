@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 from infinity.cli.train import _positive_int, config_from_args
 from infinity.config import Config
 from infinity.models import PRESETS, load_config, preset
+from infinity.models.config import SUPPORTED_MODEL_TYPES, read_config_json
 
 _GIB = float(1 << 30)
 _GB = 1e9
@@ -65,6 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--device",
+        type=str.lower,  # H100 and h100 are the same GPU
         choices=DEVICES,
         default="cpu",
         help="the accelerator: 'cpu' (this machine, probed) or a GPU by name (published "
@@ -85,7 +91,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(train_batch_size = micro batch x accumulation x N); memory and time are one rank's "
         "(default 1)",
     )
-    parser.add_argument("--json", metavar="FILE", help="also write the estimate as JSON")
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the estimate as JSON; '-' writes it to stdout (the report then "
+        "goes to stderr)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -94,22 +105,92 @@ def model_config(name: str):
     if name in PRESETS:
         return preset(name)
     path = Path(name).expanduser()
-    if not path.exists():
+    if not path.is_dir():
+        what = "a file, not a model directory" if path.exists() else "no such directory"
         raise ValueError(
-            f"--model {name}: no such directory and not a preset; give a Hugging Face model "
+            f"--model {name}: {what}, and not a preset; give a Hugging Face model "
             f"directory (with config.json) or one of {', '.join(PRESETS)}"
+        )
+    model_type = read_config_json(path).get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        # `infinity train` takes other families through transformers; the estimate's shapes
+        # and compute probe are the Llama implementation's.
+        raise ValueError(
+            f"--model {name}: model_type {model_type!r}: `infinity estimate` models Llama-"
+            f"architecture models only ({', '.join(SUPPORTED_MODEL_TYPES)}), though `infinity "
+            "train` trains this one; estimate a preset or a Llama config.json of the same "
+            "hidden size, layers and vocabulary instead"
         )
     return load_config(path)
 
 
-def run(args: argparse.Namespace) -> int:
-    from infinity.estimate import estimate, measure_rates, model_shape
-
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse paths that cannot work before any probe runs: an --nvme that is a file, a
+    --bench-aio that is missing, a --json that cannot be written."""
+    nvme = Path(args.nvme).expanduser() if args.nvme else None
+    if nvme and nvme.exists() and not nvme.is_dir():
+        raise ValueError(
+            f"--nvme {args.nvme} is a file, not a directory; give the swap directory "
+            "(it need not exist on this machine: the estimate then assumes its speed)"
+        )
     if args.bench_aio and not Path(args.bench_aio).is_file():
         raise ValueError(
             f"--bench-aio {args.bench_aio}: no such file; run `infinity bench aio --path DIR "
             "--json FILE` first and pass FILE"
         )
+    if args.json and args.json != "-":
+        out = Path(args.json).expanduser()
+        parent = out.parent
+        if out.is_dir():
+            raise ValueError(f"--json {args.json} is a directory; give a file name in it")
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            why = "does not exist" if not parent.exists() else "is not a writable directory"
+            raise ValueError(
+                f"--json {args.json}: {parent} {why}; create it or give another path "
+                "('-' writes to stdout)"
+            )
+
+
+def disk_advice(nvme_bytes: int, path: str | None) -> str | None:
+    """A line of advice when the swap directory exists here and its file system has less
+    free space than the run's NVMe footprint (the same check `infinity train` refuses on)."""
+    if not nvme_bytes or not isinstance(path, str) or not Path(path).expanduser().is_dir():
+        return None
+    free = shutil.disk_usage(Path(path).expanduser()).free
+    if free >= nvme_bytes:
+        return None
+    return (
+        f"the swap files need {_size(nvme_bytes)} but {path} has only {_size(free)} free: "
+        "`infinity train` would refuse to start; free space or point --nvme at a larger disk"
+    )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / _GIB:.1f} GiB" if nbytes >= _GIB / 10 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def write_json(out: dict, dest: str) -> None:
+    """`out` to `dest` ('-': stdout), through a temporary file renamed into place so an
+    interrupted write never leaves half a file under the name."""
+    text = json.dumps(out, indent=2) + "\n"
+    if dest == "-":
+        sys.stdout.write(text)
+        return
+    path = Path(dest).expanduser()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    from infinity.estimate import estimate, measure_rates, model_shape
+
+    check_paths(args)
     shape = model_shape(model_config(args.model), lora_r=args.lora_r or 0)
     config = config_from_args(
         argparse.Namespace(**{**vars(args), "lr": None, "seed": None}), args.world_size
@@ -143,13 +224,20 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         activation_checkpointing=args.activation_checkpointing,
     )
-    print(render(est, args.model, args.world_size))
+    zero = config.zero_optimization
+    swap_dir = args.nvme or zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path
+    if line := disk_advice(est.sizes.nvme_bytes, swap_dir):
+        est.advice.append(line)
+    # With the JSON on stdout, the report goes to stderr so the two never mix.
+    report = sys.stderr if args.json == "-" else sys.stdout
+    print(render(est, args.model, args.world_size), file=report)
     if args.json:
         out = est.as_json()
         out["inputs"]["model"] = args.model
         out["inputs"]["world_size"] = args.world_size
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(out, args.json)
+        if args.json != "-":
+            print(f"wrote {args.json}")
     return 0
 
 

@@ -10,6 +10,7 @@ says what bounds the step. The engine never imports this package.
 from __future__ import annotations
 
 import os
+import shutil
 
 from infinity.config import Config
 from infinity.estimate import hardware
@@ -108,14 +109,22 @@ def _disk(config: Config, nvme_path: str | None, bench_aio: str | None) -> tuple
         read, write = hardware.rates_from_bench_aio(bench_aio)
         return read, write, f"bench aio file {bench_aio}: best read and write"
     if uses_nvme and path and _probeable(path):
-        read, write = hardware.probe_nvme(path)
-        return read, write, f"probe: 256 MiB O_DIRECT write and read in {path}"
-    why = f"{path} is not here to probe" if uses_nvme and path else "nothing measured"
+        if shutil.disk_usage(path).free >= 2 * _PROBE_BYTES:
+            read, write = hardware.probe_nvme(path, _PROBE_BYTES)
+            return read, write, f"probe: 256 MiB O_DIRECT write and read in {path}"
+        why = f"{path} has too little free space to probe"
+    elif uses_nvme and path:
+        why = f"{path} is not here to probe"
+    else:
+        why = "nothing measured"
     return (
         hardware.ASSUMED_NVME_READ_BPS,
         hardware.ASSUMED_NVME_WRITE_BPS,
         f"assumed PCIe 4.0 SSD ({why}; pass --bench-aio FILE for measured rates)",
     )
+
+
+_PROBE_BYTES = 256 << 20
 
 
 def _probeable(path: str) -> bool:

@@ -359,11 +359,7 @@ def advice(est: Estimate, config: Config, *, ram_bytes: int) -> list[str]:
                     f'(offload_param.device "cpu", about {need / _GIB:.1f} GiB peak RSS) '
                     "so forward and backward read nothing from NVMe"
                 )
-        out.append(
-            "the optimizer moves its state once per step whatever the batch: raise "
-            "--grad-accum (or --micro-batch) to spread it over more tokens, or put the swap "
-            "directory on a faster SSD (RAID 0 of several)"
-        )
+        out.append(_nvme_advice(est))
     elif est.bound == Bound.CPU_ADAM:
         out.append(
             "CPU-Adam bounds the step: more CPU cores (or a larger --grad-accum to run it "
@@ -375,13 +371,18 @@ def advice(est: Estimate, config: Config, *, ram_bytes: int) -> list[str]:
             "stage3_max_live_parameters so fewer parameters are gathered twice, or raise "
             "--micro-batch so each copy serves more tokens"
         )
-    else:
-        out.append(
-            "compute bounds the step: offload costs little here; a larger --micro-batch "
-            "raises throughput while device memory allows"
-        )
     gpu = est.rates.gpu
-    if gpu is not None and est.device_bytes > gpu.memory_bytes:
+    device_full = gpu is not None and est.device_bytes > gpu.memory_bytes
+    if est.bound == Bound.COMPUTE:
+        out.append(
+            "compute bounds the step: offload costs little here"
+            + (
+                ""
+                if device_full
+                else "; a larger --micro-batch raises throughput while device memory allows"
+            )
+        )
+    if device_full:
         out.append(
             f"device memory {est.device_bytes / _GIB:.1f} GiB exceeds the {gpu.name}'s "
             f"{gpu.memory_bytes / _GIB:.0f} GiB: enable --activation-checkpointing, lower "
@@ -398,6 +399,27 @@ def advice(est: Estimate, config: Config, *, ram_bytes: int) -> list[str]:
             f"{ram_bytes / _GIB:.1f} GiB of RAM: {fix}"
         )
     return out
+
+
+def _nvme_advice(est: Estimate) -> str:
+    """The remedy for a disk-bound step, by which traffic dominates: parameter reads recur
+    every micro step (more accumulation multiplies them), the optimizer's state moves once
+    per step whatever the batch."""
+    s, accum = est.sizes, est.inputs["gradient_accumulation_steps"]
+    param_reads = accum * s.param_read_bytes_per_micro_step
+    if param_reads > est.nvme_read_bytes_per_step + est.nvme_write_bytes_per_step - param_reads:
+        return (
+            f"parameter reads in forward and backward are most of the disk traffic "
+            f"({param_reads / 1e9:.1f} GB per step, again for every micro batch, so --grad-accum "
+            "multiplies them): raise --micro-batch so each read serves more tokens, raise "
+            "stage3_max_live_parameters so fewer are read twice, or keep the parameters in RAM "
+            '(offload_param.device "cpu") on a machine that holds them'
+        )
+    return (
+        "the optimizer moves its state once per step whatever the batch: raise "
+        "--grad-accum (or --micro-batch) to spread it over more tokens, or put the swap "
+        "directory on a faster SSD (RAID 0 of several)"
+    )
 
 
 def _current_rss() -> int:

@@ -1,0 +1,189 @@
+"""`infinity estimate` as a user meets it: paths that cannot work refused before anything
+is probed, the JSON on stdout with `--json -`, a swap disk without room, and advice that
+names the setting that shortens the step it bounds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+
+import pytest
+
+from infinity.cli.main import main
+
+KEYS = (
+    "peak_rss_bytes",
+    "pinned_bytes",
+    "device_bytes",
+    "nvme_bytes",
+    "nvme_read_bytes_per_step",
+    "nvme_write_bytes_per_step",
+    "step_seconds",
+    "bound",
+)
+
+
+@pytest.fixture
+def aio(tmp_path):
+    """Disk rates as `infinity bench aio --json` writes them: no probe of a real disk."""
+    path = tmp_path / "aio.json"
+    path.write_text(json.dumps([{"op": "read", "gbps": 3.0}, {"op": "write", "gbps": 2.0}]))
+    return str(path)
+
+
+def _estimate(*argv) -> int:
+    return main(["estimate", *map(str, argv)])
+
+
+def test_json_dash_writes_the_estimate_to_stdout_and_the_report_to_stderr(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    assert _estimate("--model", "tiny", "--device", "h100", "--json", "-") == 0
+    out, err = capsys.readouterr()
+    d = json.loads(out)  # nothing but the JSON on stdout
+    assert all(key in d for key in KEYS)
+    assert "bound:" in err and "host RAM, peak" in err
+    assert not (tmp_path / "-").exists()
+
+
+def test_json_file_is_written_whole_and_says_so(tmp_path, capsys):
+    out = tmp_path / "est.json"
+    assert _estimate("--model", "tiny", "--device", "a100", "--json", out) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert all(key in json.loads(out.read_text()) for key in KEYS)
+    assert [p.name for p in tmp_path.iterdir()] == ["est.json"]  # no temporary left
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--json", "{tmp}/missing/est.json"], "missing does not exist"),
+        (["--json", "{tmp}"], "is a directory"),
+        (["--nvme", "{tmp}/file"], "is a file, not a directory"),
+        (["--model", "{tmp}/file"], "a file, not a model directory"),
+    ],
+)
+def test_paths_that_cannot_work_are_refused_before_anything_runs(tmp_path, capsys, flags, message):
+    (tmp_path / "file").write_text("x")
+    argv = ["--model", "tiny", "--device", "h100", *(f.format(tmp=tmp_path) for f in flags)]
+    assert _estimate(*argv) == 1
+    out, err = capsys.readouterr()
+    assert message in err and "Traceback" not in err
+    assert out == ""  # refused up front: no estimate printed and then lost
+
+
+def test_swap_disk_without_room_is_reported_and_not_probed(tmp_path, capsys, monkeypatch):
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 64 << 10))
+    out = tmp_path / "est.json"
+    assert _estimate("--model", "tiny", "--nvme", ssd, "--device", "h100", "--json", out) == 0
+    d = json.loads(out.read_text())
+    assert "too little free space to probe" in d["rates"]["sources"]["nvme"]
+    assert any("0.1 MiB free" in a and "--nvme" in a for a in d["advice"])
+    assert "would refuse to start" in capsys.readouterr().out
+    assert list(ssd.iterdir()) == []
+
+
+def test_swap_disk_with_room_gets_no_disk_advice(tmp_path, aio):
+    out = tmp_path / "est.json"
+    assert _estimate("--model", "tiny", "--nvme", tmp_path, "--device", "h100",
+                     "--bench-aio", aio, "--json", out) == 0  # fmt: skip
+    assert not any("free" in a for a in json.loads(out.read_text())["advice"])
+
+
+def _advice(tmp_path, *flags) -> dict:
+    out = tmp_path / "est.json"
+    assert _estimate("--model", "llama-1b", "--json", out, *flags) == 0
+    return json.loads(out.read_text())
+
+
+def test_disk_bound_by_parameter_reads_points_at_the_micro_batch(tmp_path, aio):
+    # A LoRA base larger than the live budget on NVMe: every micro batch reads it twice,
+    # while the adapters' optimizer state is small, so more accumulation would only add reads.
+    d = _advice(tmp_path, "--nvme", tmp_path / "absent", "--bench-aio", aio, "--device",
+                "h100", "--dtype", "bf16", "--lora-r", "8", "--grad-accum", "4")  # fmt: skip
+    assert d["bound"] == "nvme"
+    terms = d["terms"]
+    assert 4 * terms["param_read_bytes_per_micro_step"] > d["nvme_read_bytes_per_step"] / 2
+    (advice,) = [a for a in d["advice"] if "disk" in a]
+    assert "raise --micro-batch" in advice and "raise --grad-accum" not in advice
+
+
+def test_disk_bound_by_the_optimizer_points_at_accumulation(tmp_path, aio):
+    d = _advice(tmp_path, "--nvme", tmp_path / "absent", "--bench-aio", aio, "--device",
+                "h100")  # fmt: skip
+    assert d["bound"] == "nvme"
+    assert any("raise --grad-accum" in a for a in d["advice"])
+
+
+def test_compute_bound_run_over_device_memory_is_not_told_to_grow_the_batch(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                               "offload_optimizer": {"device": "cpu"}}}))  # fmt: skip
+    d = _advice(tmp_path, "--config", cfg, "--device", "4090", "--dtype", "bf16",
+                "--micro-batch", "16", "--grad-accum", "16")  # fmt: skip
+    assert d["bound"] == "compute"
+    assert any("exceeds" in a and "lower --micro-batch" in a for a in d["advice"])
+    assert not any("larger --micro-batch" in a for a in d["advice"])
+
+
+def test_a_model_family_train_takes_but_the_estimate_does_not_is_named(tmp_path, capsys):
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 32}))
+    assert _estimate("--model", model, "--device", "h100") == 1
+    err = capsys.readouterr().err
+    assert "'qwen2'" in err and "Llama-architecture models only" in err
+    assert "`infinity train` trains this one" in err
+
+
+def test_a_local_llama_directory_is_estimated(tmp_path, capsys):
+    from _train_inputs import write_inputs
+
+    model, _ = write_inputs(tmp_path)
+    assert _estimate("--model", model, "--device", "h100", "--seq-len", 16) == 0
+    assert capsys.readouterr().out.startswith(f"{model}: 0.00B parameters")
+
+
+@pytest.mark.parametrize(
+    "zero, accum",
+    [
+        # a tied embedding (read again by lm_head) under a budget smaller than the model
+        ({"stage3_max_live_parameters": 9000, "stage3_param_persistence_threshold": 0}, 2),
+        ({"offload_param": {"device": "cpu"}, "sub_group_size": 9000}, 3),
+    ],
+)
+def test_estimate_bytes_equal_what_infinity_train_records(tmp_path, capsys, aio, zero, accum):
+    from _train_inputs import train_args, write_inputs
+
+    model, data = write_inputs(tmp_path / "inputs")
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, **zero}}))
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    shape = ["--config", cfg, "--nvme", ssd, "--seq-len", 16, "--micro-batch", 2,
+             "--grad-accum", accum]  # fmt: skip
+    run = tmp_path / "run"
+    argv = train_args(model, data, run, "--steps", 3, *shape, grad_accum=None, seq_len=None,
+                      micro_batch=None)  # fmt: skip
+    assert main(argv) == 0
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    out = tmp_path / "est.json"
+    assert _estimate("--model", model, *shape, "--bench-aio", aio, "--json", out) == 0
+    est = json.loads(out.read_text())
+    assert last["nvme_read_bytes"] > 0
+    assert est["nvme_read_bytes_per_step"] == last["nvme_read_bytes"]
+    assert est["nvme_write_bytes_per_step"] == last["nvme_write_bytes"]
+
+
+def test_device_names_ignore_case_and_an_unknown_one_lists_the_choices(tmp_path, capsys):
+    out = tmp_path / "est.json"
+    assert _estimate("--model", "tiny", "--device", "H100", "--json", out) == 0
+    assert json.loads(out.read_text())["inputs"]["device"] == "h100"
+    with pytest.raises(SystemExit):
+        _estimate("--model", "tiny", "--device", "tpu-v5")
+    assert "invalid choice: 'tpu-v5' (choose from 'cpu', 'h100'" in capsys.readouterr().err
