@@ -28,7 +28,10 @@ after release, so the memory would stay in use until backward. While the engine 
 `saved_tensors_hooks` pair packs any saved tensor that lives in a gathered buffer as (record,
 size, stride, offset) and rebuilds the view from the parameter's current buffer on unpack,
 gathering it first if needed. Released parameters therefore really free their memory, and
-backward always reads the gathered copy.
+backward always reads the gathered copy. Where gathers alias their host homes (the CPU
+device) every home is a range of one flat buffer, so a saved tensor is matched to its
+parameter by address (`infinity.zero.gathered`), and its offset is kept relative to the
+parameter's own.
 
 [Note: parameters used outside their module] `GatherOnUse` is a TorchFunctionMode active
 during the engine's forward and backward. A torch function that receives a parameter not
@@ -305,12 +308,15 @@ class ModelHooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        if t.device.type == "meta" or not self.coord.by_storage:
+        gathered = self.coord.gathered
+        if t.device.type == "meta" or not gathered:
             return t
-        rec = self.coord.by_storage.get(t.untyped_storage().data_ptr())
+        rec = gathered.find(t)
         if rec is None:
             return t
-        return _SavedWeight(rec, t.size(), t.stride(), t.storage_offset(), t.dtype)
+        # The offset from the parameter's own: an alias starts inside a shared flat buffer.
+        offset = t.storage_offset() - rec.param.storage_offset()
+        return _SavedWeight(rec, t.size(), t.stride(), offset, t.dtype)
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedWeight):
@@ -325,7 +331,7 @@ class ModelHooks:
         data = rec.param.detach()
         if saved.size == data.size() and saved.stride == data.stride() and not saved.offset:
             return data
-        return data.as_strided(saved.size, saved.stride, saved.offset)
+        return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
     # ---- parameters used outside their module -----------------------------------------
 
