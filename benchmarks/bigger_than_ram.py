@@ -336,6 +336,8 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
             "sub_group_numels": [int(n) for n in engine.optimizer.store.numels],
             "steps": steps,
             "memory_stats": engine.memory_stats(),
+            # The estimate's replay: gathers from host homes alias them (no copy, no RAM).
+            "gathers_alias_host": engine.accelerator.shares_host_memory,
         }
     finally:
         engine.close()

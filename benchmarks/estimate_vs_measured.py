@@ -82,6 +82,8 @@ def estimate_record(record: dict, probed: dict) -> Estimate:
         # Runs recorded before the fp32 gradients could spill to NVMe kept them in one
         # host buffer: their stats have no gradient traffic.
         grads_spill=any("nvme_grad_bytes" in k for k in record["memory_stats"]),
+        # Runs recorded before gathers aliased their host homes copied them.
+        aliases=bool(record.get("gathers_alias_host", False)),
     )
 
 

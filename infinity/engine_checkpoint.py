@@ -141,6 +141,8 @@ def load(engine: Engine, save_dir: str | os.PathLike, tag: str | None) -> tuple[
             f"({len(missing)} missing): it was saved from a different model"
         )
     by_name = {r.name: r for r in engine.records}
+    # No transfer may still read a home the load writes (an async copy or all-gather).
+    engine.coordinator.quiesce()
     engine.optimizer.load_state_dict(
         _resharded(ckpt.state["optimizer"], by_name, ckpt.world_size, comm.world_size)
     )

@@ -1,4 +1,5 @@
-"""Shared fixtures: the `accel` fixture runs one test body on every available device."""
+"""Shared fixtures: the `accel` fixture runs one test body on every available device, and on
+the CPU both ways: gathers aliasing host homes (the default) and copying them, as on a GPU."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from infinity.accelerator import CpuAccelerator
 
-_KINDS = ["cpu", "cuda"]
+_KINDS = ["cpu", "cpu_copy", "cuda"]
 
 
 @pytest.fixture(params=_KINDS)
@@ -18,4 +19,4 @@ def accel(request):
         from infinity.accelerator.cuda import CudaAccelerator
 
         return CudaAccelerator()
-    return CpuAccelerator()
+    return CpuAccelerator(alias_host=request.param == "cpu")

@@ -214,13 +214,21 @@ def test_cpu_step_overhead_tiny(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(out.read_text())
-    assert set(rec["ratio"]) == {"infinity_default", "infinity_kept"}
+    engines = {"infinity_default", "infinity_copying", "infinity_kept"}
+    assert set(rec["ratio"]) == engines
     assert all(len(run["step_s"]) == 2 for run in rec["runs"].values())
     # Same model, same batches, the same Adam: the peers train identically.
     want = rec["runs"]["torch_cpu_adam"]["losses"]
-    for name in ("infinity_default", "infinity_kept"):
+    for name in engines:
         for a, b in zip(rec["runs"][name]["losses"], want, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), name
+    assert all(rec["peak_live_within_budget"].values())
+    assert set(rec["cpu_time_ratio"]) == set(rec["paired_ratio"]) == engines
+    assert all(rec["losses_bitwise_equal"].values())
+    # Aliasing gathers changes nothing but the copies.
+    assert rec["runs"]["infinity_default"]["losses"] == rec["runs"]["infinity_copying"]["losses"]
+    assert rec["alias_host"] == {"infinity_default": True, "infinity_copying": False,
+                                 "infinity_kept": True}  # fmt: skip
     assert rec["memory_stats"]["infinity_kept"]["live_param_numel"] == rec["model"]["params"]
     assert rec["memory_stats"]["infinity_default"]["live_param_numel"] < rec["model"]["params"]
     assert rec["profile"]["infinity_default"]  # the engine's own functions, by own time

@@ -62,7 +62,9 @@ def test_metrics_carry_each_steps_telemetry(tmp_path, capsys, inputs, counters, 
         assert sum(r[p] for p in PARTS) <= r["step_seconds"] <= r["step_s"]
         assert r["gather_wait_seconds"] <= r["forward_seconds"] + r["backward_seconds"]
         assert r["optimizer_compute_seconds"] <= r["optimizer_seconds"]
-        assert r["peak_rss_bytes"] > 1 << 20 and r["host_to_device_bytes"] > 0
+        assert r["peak_rss_bytes"] > 1 << 20
+        # On the CPU device a gather aliases a host home; from NVMe it copies the pool buffer.
+        assert (r["host_to_device_bytes"] > 0) is (tier == "nvme")
         if tier == "cpu":
             assert (r["nvme_read_bytes"], r["nvme_write_bytes"]) == (0, 0)
             assert r["nvme_optim_wait_seconds"] == r["nvme_param_wait_seconds"] == 0

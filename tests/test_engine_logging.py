@@ -26,8 +26,8 @@ BREAKDOWN = re.compile(
 
 
 class CountingAccelerator(CpuAccelerator):
-    def __init__(self):
-        super().__init__()
+    def __init__(self, *, alias_host: bool = True):
+        super().__init__(alias_host=alias_host)
         self.synchronized = 0
 
     def synchronize(self) -> None:
@@ -102,9 +102,10 @@ def test_wall_clock_breakdown_times_each_phase_of_every_step(caplog):
     engine.close()
 
 
+@pytest.mark.parametrize("alias", [True, False], ids=["aliased", "copied"])
 @pytest.mark.parametrize("plain", [False, True], ids=["engine_backward", "loss_backward"])
-def test_telemetry_of_every_step_without_synchronizing(caplog, plain):
-    accel = CountingAccelerator()
+def test_telemetry_of_every_step_without_synchronizing(caplog, plain, alias):
+    accel = CountingAccelerator(alias_host=alias)
     records = []
     engine, lines = _train(
         caplog,
@@ -124,9 +125,13 @@ def test_telemetry_of_every_step_without_synchronizing(caplog, plain):
         assert parts <= t.step_seconds + 1e-6
         assert t.gather_wait_seconds <= t.forward_seconds + t.backward_seconds
         assert t.optimizer_compute_seconds <= t.optimizer_seconds
-        # The cpu tier moves nothing to or from NVMe; gathers copy the weights to the device.
+        # The cpu tier moves nothing to or from NVMe; gathers copy the weights to the device,
+        # unless they alias their homes (the CPU device's default).
         assert (t.nvme_read_bytes, t.nvme_write_bytes, t.nvme_wait_seconds) == (0, 0, 0.0)
-        assert t.host_to_device_bytes > 0 and t.copy_seconds > 0
+        if alias:
+            assert t.host_to_device_bytes == 0 and t.copy_seconds == 0
+        else:
+            assert t.host_to_device_bytes > 0 and t.copy_seconds > 0
         assert t.peak_rss_bytes > 1 << 20 and not t.synchronized
     engine.close()
 

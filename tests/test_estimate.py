@@ -66,8 +66,14 @@ def _train(
             model = apply_lora(model, LoraSpec(r=lora_r))
     model.set_gradient_checkpointing(checkpointing)
     engine = infinity.initialize(model, cfg)
+    copies = engine.accelerator.copies
+
+    def counters() -> dict:
+        moved = copies.host_to_device_bytes + copies.device_to_host_bytes
+        return {**engine.memory_stats(), "host_device_bytes": moved}
+
     try:
-        stats = [engine.memory_stats()]
+        stats = [counters()]
         disk = _swap_file_bytes(path)
         g = torch.Generator().manual_seed(1)
         for _ in range(steps):
@@ -75,7 +81,7 @@ def _train(
                 ids = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=g)
                 engine.backward(engine(ids, ids))
                 engine.step()
-            stats.append(engine.memory_stats())
+            stats.append(counters())
     finally:
         engine.close()
     return stats, disk
@@ -140,6 +146,8 @@ def test_bytes_equal_the_engine_counters(tmp_path, case):
     assert _delta(stats, "nvme_param_bytes_read") == accum * sz.param_read_bytes_per_micro_step
     assert _delta(stats, "nvme_grad_bytes_read") == sz.grad_read_bytes_per_step
     assert _delta(stats, "nvme_grad_bytes_written") == sz.grad_write_bytes_per_step
+    moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
+    assert _delta(stats, "host_device_bytes") == accum * moved + sz.refresh_bytes_per_step
     assert stats[-1]["grad_bytes"] == sz.grad_host_bytes
     assert disk == sz.nvme_bytes
     assert stats[-1]["host_bytes"] == sz.host_bytes

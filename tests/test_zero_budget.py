@@ -19,6 +19,7 @@ from _engine_models import (
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import infinity
+from infinity.accelerator import CpuAccelerator
 from infinity.zero import Coordinator
 
 
@@ -143,7 +144,9 @@ def test_released_buffers_are_really_freed(checkpointing):
         stage3_max_reuse_distance=0,
         stage3_prefetch_bucket_size=1,
     )
-    engine = infinity.initialize(copy.deepcopy(model), cfg)
+    engine = infinity.initialize(
+        copy.deepcopy(model), cfg, accelerator=CpuAccelerator(alias_host=False)
+    )
     released = []
     release = engine.coordinator._release
 
@@ -159,5 +162,41 @@ def test_released_buffers_are_really_freed(checkpointing):
     assert [name for name, ref in released if not ref.expired()] == []
     engine.backward(loss)
     engine.step()
+    ref, _ = run_reference(model, [ids])
+    torch.testing.assert_close(loss.item(), ref[0])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_saved_views_of_aliased_weights_are_stored_by_reference(checkpointing):
+    """On the CPU device a gathered weight is a range of the optimizer's flat buffer, shared
+    with every other weight: a view autograd saves must still be matched to its parameter
+    (by address), so backward gathers it again instead of reading a released one."""
+    torch.manual_seed(0)
+    model = tiny_gpt(layers=2, hidden=32, checkpointing=checkpointing)
+    cfg = config(stage3_max_live_parameters=3000, stage3_max_reuse_distance=0)
+    engine = infinity.initialize(copy.deepcopy(model), cfg)
+    flat = engine.optimizer.weights.flat
+    assert any(r.home.flat.data_ptr() != flat.data_ptr() for r in engine.records)
+    packed, raw = [], []
+    pack = engine.hooks._pack
+
+    def watch(t):
+        out = pack(t)
+        if out is t:
+            raw.append(t)
+        else:
+            packed.append((out, out.rec.aliased))
+        return out
+
+    engine.hooks._pack = watch
+    ids = batches(1, seed=21)[0]
+    loss = engine(ids, ids)
+    engine.backward(loss)
+    engine.step()
+    assert packed and {aliased for _, aliased in packed} == {True}
+    shared = flat.untyped_storage().data_ptr()
+    assert [t for t in raw if t.untyped_storage().data_ptr() == shared] == []
+    # Each matched to its own parameter (the weight, or its transpose for F.linear).
+    assert all(sorted(s.size) == sorted(s.rec.shape) for s, _ in packed)
     ref, _ = run_reference(model, [ids])
     torch.testing.assert_close(loss.item(), ref[0])

@@ -44,8 +44,8 @@ class Model:
     as the optimizer does), the last layer frozen in its own extents; one HOST parameter
     and one persistent parameter in the first unit."""
 
-    def __init__(self, swap, aio, *, buffers, seed=0):
-        self.accel = CpuAccelerator()
+    def __init__(self, swap, aio, *, buffers, seed=0, alias=True):
+        self.accel = CpuAccelerator(alias_host=alias)
         self.pool = PinnedBufferPool(buffers, align_up(2049 * 2), timeout_s=5.0)
         self.ps = NvmeParamStore(store=swap, aio=aio, pool=self.pool)
         g = torch.Generator().manual_seed(seed)
@@ -102,6 +102,8 @@ class Model:
             pos = c.gather(unit)
             for rec in unit.records:
                 assert rec.state is ParamState.LIVE
+                # Only a host home is aliased, and only where the device shares host memory.
+                assert rec.aliased is (self.accel.shares_host_memory and rec.name == HOST)
                 if check:
                     assert torch.equal(rec.param.detach(), self.weights[rec.name]), rec.name
             assert c.live_numel <= c.budget + largest
@@ -134,9 +136,10 @@ def _hit_rate(c, before):
     return hits / max(hits + misses, 1)
 
 
+@pytest.mark.parametrize("alias", [True, False], ids=["aliased", "copied"])
 @pytest.mark.parametrize("buffers", [1, 2, 4])
-def test_values_budget_pool_and_prefetch_hits(swap, buffers):
-    m = Model(swap, FakeAio(), buffers=buffers)
+def test_values_budget_pool_and_prefetch_hits(swap, buffers, alias):
+    m = Model(swap, FakeAio(), buffers=buffers, alias=alias)
     c = m.coordinator(budget=m.total * 3 // 5, prefetch=m.total // 4)
     assert all(r.home.tier is HomeTier.NVME for n, r in m.records.items() if n != HOST)
     m.iterate(c)
@@ -149,13 +152,15 @@ def test_values_budget_pool_and_prefetch_hits(swap, buffers):
     assert c.budget_overruns == 0
     assert c.peak_live_numel <= c.budget + max(u.numel for u in m.units)
     assert m.ps.stats.bytes_read > 0 and m.pool.peak_bytes_in_use > 0
+    assert m.accel.copies.host_to_device_bytes > 0  # NVMe gathers copy their pool buffers
 
 
+@pytest.mark.parametrize("alias", [True, False], ids=["aliased", "copied"])
 @pytest.mark.parametrize("buffers", [1, 2])
-def test_slow_disk_tiny_pool_never_deadlocks(swap, buffers):
+def test_slow_disk_tiny_pool_never_deadlocks(swap, buffers, alias):
     """Reads land only when waited: prefetch stops at a full pool, gathers complete the
     oldest read to get a buffer (a unit has three parameters, the pool one or two)."""
-    m = Model(swap, FakeAio(lazy=True), buffers=buffers)
+    m = Model(swap, FakeAio(lazy=True), buffers=buffers, alias=alias)
     c = m.coordinator(budget=m.total // 2, prefetch=m.total // 3)
     m.iterate(c)  # no trace yet: a gather reads the unit's parameters together
     assert m.pool.peak_bytes_in_use == buffers * m.pool.buffer_bytes

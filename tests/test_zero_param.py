@@ -1,5 +1,6 @@
-"""OffloadParam with a host home: state transitions, gathered buffers are copies, .data swaps
-under autograd, the home's reads and writes."""
+"""OffloadParam with a host home: state transitions, gathered buffers are copies (or, on the
+CPU device by default, the home itself), .data swaps under autograd, the home's reads and
+writes. The copy path runs on the CPU through `CpuAccelerator(alias_host=False)`."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from infinity.accelerator import CpuAccelerator
 from infinity.zero import HomeTier, HostHome, OffloadParam, ParamState
 
 
-def _record(shape=(3, 4), accel=None):
-    accel = accel or CpuAccelerator()
+def _record(shape=(3, 4), accel=None, *, alias=False):
+    accel = accel or CpuAccelerator(alias_host=alias)
     param = nn.Parameter(torch.randn(shape))
     home = HostHome(param.detach().reshape(-1).clone(), name="w")
     rec = OffloadParam("w", param, home, device=accel.device)
@@ -40,7 +41,7 @@ def test_states_and_guards(accel):
     assert rec.state is ParamState.RELEASED and rec.param.numel() == 0
 
 
-def test_gathered_is_a_copy_not_an_alias():
+def test_gathered_is_a_copy_when_the_device_does_not_alias():
     rec, accel = _record()
     rec.fetch(accel, accel.current_stream())
     rec.wait(accel)
@@ -54,6 +55,26 @@ def test_gathered_is_a_copy_not_an_alias():
     assert torch.all(rec.param == 7.0)
 
 
+def test_gathered_aliases_its_host_home_on_the_cpu_device():
+    rec, accel = _record(alias=True)
+    before = accel.copies.host_to_device_bytes
+    rec.fetch(accel, accel.current_stream())
+    rec.wait(accel)
+    flat = rec.home.flat
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+    assert lo <= rec.param.data_ptr() < hi and rec.aliased
+    assert accel.copies.host_to_device_bytes == before and accel.copies.seconds == 0
+    rec.home.write(torch.arange(12.0))  # a write to the home is a write to the live buffer
+    assert torch.equal(rec.param.detach().reshape(-1), torch.arange(12.0))
+    rec.refresh(accel, torch.full((5,), 3.0), 4)  # the home was written first: no copy
+    rec.refresh(accel)
+    assert torch.equal(rec.param.detach().reshape(-1), torch.arange(12.0))
+    assert accel.copies.host_to_device_bytes == before
+    rec.release()
+    assert not rec.aliased and rec.param.numel() == 0
+    assert torch.equal(flat, torch.arange(12.0))  # releasing an alias keeps the home
+
+
 def test_refresh_copies_given_values_into_a_range():
     rec, accel = _record()
     rec.fetch(accel, accel.current_stream())
@@ -65,8 +86,9 @@ def test_refresh_copies_given_values_into_a_range():
     assert torch.equal(got[:4], before[:4]) and torch.equal(got[9:], before[9:])
 
 
-def test_host_home_reads_and_writes_its_partition():
-    rec, accel = _record()
+@pytest.mark.parametrize("alias", [False, True], ids=["copied", "aliased"])
+def test_host_home_reads_and_writes_its_partition(alias):
+    rec, accel = _record(alias=alias)
     assert rec.itemsize == 4 and rec.fetch(accel, accel.current_stream(), block=False)
     rec.wait(accel)
     assert rec.home.tier is HomeTier.HOST and rec.home.host_bytes == 48
@@ -74,14 +96,16 @@ def test_host_home_reads_and_writes_its_partition():
     assert torch.equal(home, rec.home.flat) and home.data_ptr() != rec.home.flat.data_ptr()
     rec.home.write(torch.arange(12.0).reshape(3, 4))
     assert torch.equal(rec.home.flat, torch.arange(12.0))
-    assert not torch.equal(rec.param.detach().reshape(-1), rec.home.flat)  # until refresh
+    # A copy is stale until refresh; an alias is the home.
+    assert torch.equal(rec.param.detach().reshape(-1), rec.home.flat) is alias
     rec.refresh(accel)
     assert torch.equal(rec.param.detach().reshape(-1), rec.home.flat)
 
 
-def test_release_and_regather_between_forward_and_backward():
+@pytest.mark.parametrize("alias", [False, True], ids=["copied", "aliased"])
+def test_release_and_regather_between_forward_and_backward(alias):
     """Autograd keeps the leaf by reference: swapping .data keeps the version counter."""
-    rec, accel = _record()
+    rec, accel = _record(alias=alias)
     x = torch.randn(5, 4, requires_grad=True)
     rec.fetch(accel, accel.current_stream())
     rec.wait(accel)

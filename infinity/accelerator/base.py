@@ -70,6 +70,10 @@ class Accelerator(abc.ABC):
 
     name: str
     device: torch.device
+    shares_host_memory: bool = False
+    """Device memory is host memory: a host tensor already is a device buffer, so a gather
+    from a host home may alias the home instead of copying it (see [Note: gathered means
+    resident] in infinity/zero/param.py)."""
 
     def __init__(self) -> None:
         self.copies = CopyCounters()

@@ -1,7 +1,9 @@
-"""The CPU as the device: separate host memory held to the same budgets as a GPU.
+"""The CPU as the device: host memory held to the same budgets as a GPU.
 
 Streams and events are null objects (all work is synchronous), so callers never need an
 `if stream is not None` branch. Device memory is counted by the callers that allocate it.
+Device memory is host memory, so by default a gather from a host home aliases it instead of
+copying (`alias_host`; see [Note: gathered means resident] in infinity/zero/param.py).
 """
 
 from __future__ import annotations
@@ -41,9 +43,15 @@ _NULL_STREAM = NullStream()
 class CpuAccelerator(Accelerator):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, *, alias_host: bool = True) -> None:
+        """`alias_host=False` makes every gather a copy into a new buffer, as on a GPU: the
+        tests run the copy path on a machine without one."""
         super().__init__()
         self.device = torch.device("cpu")
+        self.shares_host_memory = alias_host
+
+    def __repr__(self) -> str:
+        return f"CpuAccelerator(alias_host={self.shares_host_memory})"
 
     def new_stream(self) -> Stream:
         return _NULL_STREAM

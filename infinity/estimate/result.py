@@ -140,7 +140,8 @@ class Estimate:
     @property
     def host_device_bytes_per_step(self) -> int:
         s, accum = self.sizes, self.inputs["gradient_accumulation_steps"]
-        return accum * (s.gather_bytes_per_micro_step + s.grad_offload_bytes_per_micro_step)
+        per_micro_step = s.gather_bytes_per_micro_step + s.grad_offload_bytes_per_micro_step
+        return accum * per_micro_step + s.refresh_bytes_per_step
 
 
 def estimate(
@@ -153,21 +154,24 @@ def estimate(
     runtime_bytes: int | None = None,
     ram_bytes: int | None = None,
     grads_spill: bool | None = None,
+    aliases: bool | None = None,
 ) -> Estimate:
     """The estimate for `shape` trained under `config` (unresolved, as given) at `rates`.
     `runtime_bytes`: host memory of the Python process before any model (default: this
     process's RSS now); `ram_bytes`: the machine's RAM for the advice (default: this one's);
-    `grads_spill`: see `sizes`."""
+    `grads_spill`, `aliases`: see `sizes`."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     config = resolve_config(config, shape)
     gpu = rates.gpu
+    alias = gpu is None and aliases is not False  # only the CPU device shares host memory
     sz = sizes(
         shape,
         config,
         pins=gpu is not None,
         grads_spill=grads_spill,
         checkpointing=activation_checkpointing,
+        aliases=alias,
     )
     micro = int(config.train_micro_batch_size_per_gpu)
     accum = int(config.gradient_accumulation_steps)
@@ -186,7 +190,10 @@ def estimate(
     runtime = _current_rss() if runtime_bytes is None else runtime_bytes
     if gpu is not None:
         runtime += CUDA_RUNTIME_HOST_BYTES
-    steady = runtime + sz.host_bytes + (device if gpu is None else 0)
+    # The CPU device's memory is host RAM; gathers from host homes alias them (no RAM).
+    host_homes = config.zero_optimization.offload_param.device != "nvme"
+    aliased = sz.peak_live_numel * sz.itemsize if gpu is None and host_homes and alias else 0
+    steady = runtime + sz.host_bytes + (device - aliased if gpu is None else 0)
     peak = max(
         steady + grad_transient_bytes(shape),
         runtime + sz.host_bytes + build_partition_bytes(shape, config, sz.itemsize),
@@ -282,17 +289,16 @@ def step_times(
 
 def micro_step_copies_s(sz: Sizes, rates: Rates) -> float:
     """Host-device copies of one micro step: gathered parameters to the device, gradients
-    back. On the CPU device a gather copies into newly allocated memory and autograd writes
-    each gradient into new memory (both at the fresh-copy rate); the gradient is then added
+    back. On the CPU device a gather from NVMe copies its pool buffer into newly allocated
+    memory (one from host memory aliases its home: no copy) and autograd writes each
+    gradient into new memory (both at the fresh-copy rate); the gradient is then added
     straight into its fp32 partition, reading the gradient and the partition and writing
     the partition (itemsize + 8 bytes per element, against a copy's 2 bytes of memory
     traffic per byte copied)."""
     if rates.gpu is not None:
         moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
         return moved / rates.copy_bytes_per_s
-    # A gather copies into a new device tensor, and autograd writes each weight's gradient
-    # into a new one: both land in newly allocated memory.
-    fresh = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
+    fresh = sz.gather_bytes_per_micro_step + sz.trainable_numel * sz.itemsize
     gathers = fresh / (rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s)
     grad_add = sz.trainable_numel * (sz.itemsize + 8) / (2 * rates.copy_bytes_per_s)
     return gathers + grad_add

@@ -75,6 +75,9 @@ class Sizes:
     """Home -> device copies of parameters in one forward + backward."""
     grad_offload_bytes_per_micro_step: int
     """Device -> host gradient copies (model dtype) in one backward."""
+    refresh_bytes_per_step: int
+    """New weights copied into the gathered persistent trainable parameters at each
+    optimizer step (none where those alias their host homes: the CPU device)."""
     peak_live_numel: int
     """Gathered parameter elements at most (non-persistent within the budget, plus every
     persistent one)."""
@@ -113,12 +116,15 @@ def sizes(
     pins: bool,
     grads_spill: bool | None = None,
     checkpointing: bool = False,
+    aliases: bool | None = None,
 ) -> Sizes:
     """Every byte term for `shape` under a resolved `config`; `pins`: the device's host
     memory can be pinned (a GPU; the CPU device never pins). `grads_spill`: the fp32
     gradients go to NVMe per sub-group (default: when the optimizer state does, as the
     engine does; False replays runs made before gradients could spill). `checkpointing`:
-    activation checkpointing, which changes the order backward gathers in."""
+    activation checkpointing, which changes the order backward gathers in. `aliases`: gathers
+    from host homes alias them instead of copying (default: on the CPU device, as the engine
+    does; False replays runs made before they did)."""
     zero = config.zero_optimization
     dtype = model_dtype(config)
     itemsize = dtype.itemsize
@@ -157,6 +163,11 @@ def sizes(
     if optim_nvme and pins and zero.offload_optimizer.pin_memory:
         pool_pinned += state_host  # the NVMe pipeline's buffers, pinned when asked
     gathered = param_reads_per_micro_step(shape, config, checkpointing=checkpointing)
+    # Only reads from NVMe are copied where gathers alias host homes (see [Note: gathered
+    # means resident] in infinity/zero/param.py).
+    copied = param_nvme or not (not pins if aliases is None else aliases)
+    kept = zip(shape.params, shape.persistent(zero), strict=True)
+    refreshed = sum(p.numel for p, keep in kept if keep and p.trainable)
     return Sizes(
         grad_host_bytes=grad,
         weights_host_bytes=weights,
@@ -176,8 +187,10 @@ def sizes(
         optim_write_bytes_per_step=optim_disk,
         param_write_bytes_per_step=param_write,
         param_read_bytes_per_micro_step=gathered * itemsize if param_nvme else 0,
-        gather_bytes_per_micro_step=gathered * itemsize,
-        grad_offload_bytes_per_micro_step=shape.trainable_numel * itemsize,
+        gather_bytes_per_micro_step=gathered * itemsize if copied else 0,
+        # The CPU device (it never pins) adds gradients straight into their fp32 partitions.
+        grad_offload_bytes_per_micro_step=shape.trainable_numel * itemsize if pins else 0,
+        refresh_bytes_per_step=refreshed * itemsize if copied else 0,
         peak_live_numel=peak_live_numel(shape, config),
         trainable_numel=shape.trainable_numel,
         flat_numel=layout.total,

@@ -6,14 +6,16 @@ traces and the prefetch cursor, and the counters behind `memory_stats()`. Hooks
 (`infinity.zero.hooks`) tell it when a unit starts (`gather`) and ends (`done`); it never
 touches modules.
 
-[Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked at
-every fetch. A gather that does not fit first evicts resident parameters that no running
-module needs (furthest next use first); prefetch never evicts, it stops and resumes at the
-next gather when there is room. The only excess allowed is what running forwards pin at once
-(the unit being gathered and the modules enclosing it), which is why the bound is stated as
-budget + the largest unit; anything beyond that is counted in `budget_overruns`. Backward
-pins nothing past the gather itself: a module's weights are read back through the
-saved-tensor hooks, which gather again whatever was evicted meanwhile.
+[Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked
+at every fetch. A gather that does not fit first evicts resident parameters that no running
+module needs (furthest next use first). Prefetch evicts only parameters whose next use comes
+after the unit it fetches (so it never drops what is needed sooner to bring in what is
+needed later); when that does not make room it stops, and resumes at the next gather. The
+only excess allowed is what running forwards pin at once (the unit being gathered and the
+modules enclosing it), which is why the bound is stated as budget + the largest unit;
+anything beyond that is counted in `budget_overruns`. Backward pins nothing past the gather
+itself: a module's weights are read back through the saved-tensor hooks, which gather again
+whatever was evicted meanwhile.
 
 [Note: the same order on every rank] Across ranks a parameter becomes LIVE through a
 collective (the all-gather of its shards), so every rank must fetch, make LIVE and release
@@ -62,6 +64,7 @@ import torch
 
 from infinity.accelerator import Accelerator
 from infinity.config import ZeroConfig
+from infinity.zero.gathered import GatheredIndex
 from infinity.zero.home import HomeTier
 from infinity.zero.param import OffloadParam, ParamState
 from infinity.zero.reads import ReadQueue
@@ -147,9 +150,9 @@ class Coordinator:
         self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or pending
         self._pending: dict[OffloadParam, None] = {}  # fetched, not yet LIVE, in order decided
         self._reads = ReadQueue(accelerator, self.copy_stream)  # see [Note: the NVMe pool]
-        self.by_storage: dict[int, OffloadParam] = {}
-        """Gathered buffers by storage address: tensors autograd saves are matched to their
-        parameter through it (see [Note: saved weights] in hooks)."""
+        self.gathered = GatheredIndex()
+        """LIVE parameters by the memory of their buffers: tensors autograd saves are matched
+        to their parameter through it (see [Note: saved weights] in hooks)."""
         self._traces: dict[object, Trace] = {}
         self._trace: Trace | None = None
         self._key: object = None
@@ -410,17 +413,13 @@ class Coordinator:
             if rec.state is ParamState.RELEASED:
                 self._uncount(rec)
             raise
-        assert rec.device_tensor is not None
-        self.by_storage[rec.device_tensor.untyped_storage().data_ptr()] = rec
+        self.gathered.add(rec)
         self._emit(LiveEvent.LIVE, rec)
 
     def _release(self, rec: OffloadParam) -> None:
         if rec.persistent or self._unfetched(rec):
             return
-        if rec.device_tensor is not None:
-            ptr = rec.device_tensor.untyped_storage().data_ptr()
-            if self.by_storage.get(ptr) is rec:
-                del self.by_storage[ptr]
+        self.gathered.remove(rec)
         self._reads.forget(rec)  # a failed read's error: its data is no longer wanted
         self._pending.pop(rec, None)
         if rec.state is not ParamState.RELEASED:  # not a queued read or a failed one

@@ -26,6 +26,8 @@ from infinity.zero.home import Fetch
 class ShardGather:
     """A `Fetch` of a whole sharded parameter: the home's shard, then the all-gather."""
 
+    aliases_home = False  # the gathered buffer is the all-gather's own
+
     __slots__ = ("_inner", "_comm", "_stream", "_shard", "_copied", "_full", "_work")
 
     def __init__(self, inner: Fetch, comm: Comm, accel: Accelerator, stream: Stream) -> None:

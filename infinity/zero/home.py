@@ -7,15 +7,17 @@ flat extent). It does not decide which tier a parameter gets (`infinity.zero.bui
 once, before the optimizer exists), nor when to gather (the coordinator), nor the device
 buffer (the record, `infinity.zero.param`).
 
-[Note: the home contract] A home holds `numel` elements of `dtype`, flat. `read()` returns
-a host copy of them, `write(src)` replaces them (durable on return), and `fetch(accel,
+[Note: the home contract] A home holds `numel` elements of `dtype`, flat. `read()` returns a
+host copy of them, `write(src)` replaces them (durable on return), and `fetch(accel,
 stream)` starts the transfer to a device buffer and returns a `Fetch` whose `land(accel)`
 gives the buffer and the event recorded after its copy on `stream` (`out=` copies into an
 existing buffer instead). Host homes copy at once (asynchronously where the memory is
-pinned); NVMe homes first read into a buffer of the store's pinned pool (`block=False`
-returns None instead of waiting for a free one) and copy when landed, giving the buffer back
-once the copy has read it. A fetch that is no longer wanted is `cancel()`ed: it lands and
-gives its buffer back; a failed read is only logged then.
+pinned), or, on an accelerator whose device memory is host memory, hand out the home itself
+(`aliases_home`, no bytes copied: see [Note: gathered means resident] in param.py); NVMe
+homes first read into a buffer of the store's pinned pool (`block=False` returns None
+instead of waiting for a free one) and copy when landed, giving the buffer back once the
+copy has read it. A fetch that is no longer wanted is `cancel()`ed: it lands and gives its
+buffer back; a failed read is only logged then.
 
 [Note: the home's numel] A home's `numel` is what this home holds, which is not always the
 parameter's: with scale-out (world size W) a rank's home holds its shard, S = ceil(N / W)
@@ -55,6 +57,8 @@ class Fetch(Protocol):
 
     reading: bool
     """An NVMe read holds a pool buffer until `land` or `cancel`."""
+    aliases_home: bool
+    """The landed buffer is the home's own memory (no copy was made)."""
 
     def done(self) -> bool:
         """Whether `land` would not wait for the disk (never blocks)."""
@@ -141,18 +145,20 @@ class HostHome:
             self.flat.copy_(_check_write(self, src, repr(self.name)))
 
     def fetch(self, accel, stream, *, block=True, out=None) -> _HostFetch:
+        if out is None and accel.shares_host_memory:
+            return _HostFetch(self.flat, accel.new_event(), aliases_home=True)
         dev = accel.to_device(self.flat, stream, out=out)
         event = accel.new_event()
         event.record(stream)
-        return _HostFetch(dev, event)
+        return _HostFetch(dev, event, aliases_home=False)
 
 
 class _HostFetch:
     reading = False
-    __slots__ = ("_dev", "_event")
+    __slots__ = ("_dev", "_event", "aliases_home")
 
-    def __init__(self, dev: torch.Tensor, event: Event) -> None:
-        self._dev, self._event = dev, event
+    def __init__(self, dev: torch.Tensor, event: Event, *, aliases_home: bool) -> None:
+        self._dev, self._event, self.aliases_home = dev, event, aliases_home
 
     def done(self) -> bool:
         return True
@@ -197,6 +203,7 @@ class NvmeHome:
 
 class _NvmeFetch:
     reading = True
+    aliases_home = False  # the pool buffer goes back to the pool: always copied
     __slots__ = ("_store", "_key", "_read", "_stream", "_out")
 
     def __init__(

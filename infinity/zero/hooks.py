@@ -19,8 +19,13 @@ trainable parameter is released only once its gradient has been accumulated. Act
 checkpointing re-runs forwards inside backward: the pre-forward hook gathers and pins there
 too, and the post-forward hook only unpins (the recomputed graph still needs the weights).
 Non-reentrant checkpointing stops its recomputation with an exception, hence `always_call`.
-After a plain `loss.backward()` the engine's `GatherOnUse` mode is not on the thread state
-autograd runs nodes with, so a recomputed call enters it for its own duration.
+It also keeps what the recomputed ops save, detaching only tensors that require grad, so a
+frozen parameter (a LoRA base's norm weight) would be kept as the parameter itself and seen
+empty once the budget evicts it: during a recomputation `GatherOnUse` hands torch functions
+frozen parameters as detached views of their gathered buffers instead.
+Autograd runs backward nodes without the caller's torch-function modes (the engine's
+`GatherOnUse` is not on the stack there, whether backward came from the engine or a plain
+`loss.backward()`), so a recomputed call enters it for its own duration.
 
 [Note: saved weights] Autograd saves a leaf parameter by reference, but many ops save a view
 of it instead (`F.linear` saves `weight.t()`), and a view keeps the gathered buffer alive
@@ -28,7 +33,10 @@ after release, so the memory would stay in use until backward. While the engine 
 `saved_tensors_hooks` pair packs any saved tensor that lives in a gathered buffer as (record,
 size, stride, offset) and rebuilds the view from the parameter's current buffer on unpack,
 gathering it first if needed. Released parameters therefore really free their memory, and
-backward always reads the gathered copy.
+backward always reads the gathered copy. Where gathers alias their host homes (the CPU
+device) every home is a range of one flat buffer, so a saved tensor is matched to its
+parameter by address (`infinity.zero.gathered`), and its offset is kept relative to the
+parameter's own.
 
 [Note: parameters used outside their module] `GatherOnUse` is a TorchFunctionMode active
 during the engine's forward and backward. A torch function that receives a parameter not
@@ -46,7 +54,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from infinity.accelerator import Accelerator
 from infinity.zero.coordinator import Coordinator, Phase
@@ -178,7 +186,7 @@ class ModelHooks:
         self.busy = True
         try:
             call = self._enter(self.units[module], args, kwargs)
-            if self.coord.phase is Phase.BACKWARD and not self.mode.depth:
+            if self.coord.phase is Phase.BACKWARD and not self.mode.active():
                 self.mode.__enter__()  # a recomputation after a plain loss.backward()
                 call.entered_mode = True
             self.stack.append(call)
@@ -305,12 +313,15 @@ class ModelHooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        if t.device.type == "meta" or not self.coord.by_storage:
+        gathered = self.coord.gathered
+        if t.device.type == "meta" or not gathered:
             return t
-        rec = self.coord.by_storage.get(t.untyped_storage().data_ptr())
+        rec = gathered.find(t)
         if rec is None:
             return t
-        return _SavedWeight(rec, t.size(), t.stride(), t.storage_offset(), t.dtype)
+        # The offset from the parameter's own: an alias starts inside a shared flat buffer.
+        offset = t.storage_offset() - rec.param.storage_offset()
+        return _SavedWeight(rec, t.size(), t.stride(), offset, t.dtype)
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedWeight):
@@ -325,7 +336,7 @@ class ModelHooks:
         data = rec.param.detach()
         if saved.size == data.size() and saved.stride == data.stride() and not saved.offset:
             return data
-        return data.as_strided(saved.size, saved.stride, saved.offset)
+        return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
     # ---- parameters used outside their module -----------------------------------------
 
@@ -357,16 +368,11 @@ class GatherOnUse(TorchFunctionMode):
     def __init__(self, hooks: ModelHooks) -> None:
         super().__init__()
         self.hooks = hooks
-        self.depth = 0
-        """How many times the mode is entered (0: not active on this thread's stack)."""
 
-    def __enter__(self):
-        self.depth += 1
-        return super().__enter__()
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        self.depth -= 1
-        return super().__exit__(exc_type, exc_value, traceback)
+    def active(self) -> bool:
+        """Whether torch functions called now reach the mode (not inside autograd's backward
+        nodes, which run without the caller's modes)."""
+        return self in _get_current_function_mode_stack()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -387,9 +393,31 @@ class GatherOnUse(TorchFunctionMode):
                         rec = by_param.get(b)
                         if rec is not None and rec not in own:
                             found = [rec] if found is None else [*found, rec]
+        if hooks.coord.phase is Phase.BACKWARD:  # a recomputation (see [Note: backward])
+            func = _frozen_detached(func)
         if found is None:
             return func(*args, **kwargs)
         return hooks.external_call(found, func, args, kwargs)
+
+
+def _frozen_detached(func):
+    """`func` receiving frozen parameters as detached views of their current buffers (taken
+    at call time, after `external_call` has gathered them)."""
+
+    def run(*args, **kwargs):
+        return func(
+            *(_detach_frozen(a) for a in args), **{k: _detach_frozen(v) for k, v in kwargs.items()}
+        )
+
+    return run
+
+
+def _detach_frozen(a):
+    if isinstance(a, nn.Parameter):
+        return a if a.requires_grad else a.detach()
+    if type(a) in (list, tuple) and any(isinstance(b, nn.Parameter) for b in a):
+        return type(a)(_detach_frozen(b) for b in a)
+    return a
 
 
 def install_grad_hooks(

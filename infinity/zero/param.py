@@ -6,10 +6,19 @@ never absent) and the device buffer while gathered. It never patches attributes 
 between an empty tensor (released) and the gathered device buffer. Policy (what to fetch,
 when to release, the budget) lives in `infinity.zero.coordinator`.
 
-[Note: gathered means copied] On every accelerator a gathered parameter is a copy of its
-home in a new device buffer (`Accelerator.to_device`), never an alias. On the CPU the
-"device" is simply separate host memory, so the copy path and the live budget are exercised
-exactly as on a GPU.
+[Note: gathered means resident] A gathered parameter is one whose weights are resident on
+the device and counted against the live budget; its buffer is a copy of the home, except
+where the device's memory is the host's (`Accelerator.shares_host_memory`: the CPU device by
+default) and the home is in host memory: then the buffer *is* the home (`aliased`), and a
+gather moves no bytes. Everything else is the same either way: the states, when parameters
+are fetched and released, the live budget and `memory_stats()`. An alias is never stale:
+whatever writes a home (the optimizer's step, `home.write`, a checkpoint load) writes the
+live buffer with it, so `refresh` has nothing to copy; and nothing writes a gathered buffer
+expecting it to be private (a step's new weights reach a copy only through `refresh`). A
+home on NVMe is read into a pool buffer, which goes back to the pool, so it is still copied;
+with several ranks the aliased home is the all-gather's input and the gathered buffer its
+output, a buffer of its own. `CpuAccelerator(alias_host=False)` copies as a GPU does, so the
+copy path runs (and is tested) on a machine without one.
 
 [Note: fetching from NVMe] With an NVMe home, `fetch` issues a read of the home into a
 buffer of the store's pinned pool (INFLIGHT, no device buffer yet); `wait` waits for the read,
@@ -105,6 +114,7 @@ class OffloadParam:
         "device",
         "shard",
         "comm",
+        "aliased",
         "_event",
         "_fetch",
     )
@@ -150,6 +160,9 @@ class OffloadParam:
         """This rank's part of the parameter (all of it with one rank)."""
         self.comm = comm if world > 1 else None
         """The ranks the shards are gathered from; None with one rank."""
+        self.aliased = False
+        """LIVE with the home's own memory as its buffer (see [Note: gathered means
+        resident])."""
         self._event: Event | None = None
         self._fetch: Fetch | None = None
         """The transfer from the home in flight (INFLIGHT)."""
@@ -190,8 +203,9 @@ class OffloadParam:
     # ---- gathering -------------------------------------------------------------------
 
     def fetch(self, accel: Accelerator, stream: Stream, *, block: bool = True) -> bool:
-        """Start bringing the home to a new device buffer (RELEASED -> INFLIGHT): a copy on
-        `stream` from the host, or a read into a pool buffer from NVMe. The only path from
+        """Start bringing the home to the device (RELEASED -> INFLIGHT): a copy on `stream`
+        from the host into a new buffer (or the home itself, see [Note: gathered means
+        resident]), or a read into a pool buffer from NVMe. The only path from
         the home to the device. False (still RELEASED, nothing issued) when `block` is
         False and the NVMe pool has no free buffer."""
         self._assert_state(ParamState.RELEASED)
@@ -249,6 +263,7 @@ class OffloadParam:
         except BaseException:
             self._drop()
             raise
+        self.aliased = fetch.aliases_home
 
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's shard (`local` here, on the device) in a new gathered buffer."""
@@ -272,6 +287,7 @@ class OffloadParam:
         self._event = None
         self._fetch = None
         self.device_tensor = None
+        self.aliased = False
         self.param.data = empty_like_released(self.dtype, self.device)
         self.state = ParamState.RELEASED
 
@@ -281,9 +297,12 @@ class OffloadParam:
         """Make the live buffer match the home after it changed: `values` (host, model
         dtype) are the new elements [start, start + values.numel()), or, without them, the
         whole home is copied again (from NVMe through a pool buffer, waiting for one).
-        Returns once the copy has read its source (the caller may reuse `values`)."""
+        Returns once the copy has read its source (the caller may reuse `values`). Nothing
+        to do for an alias of the home, which changed with it (the home is written first)."""
         self._assert_state(ParamState.LIVE)
         assert self.device_tensor is not None
+        if self.aliased:
+            return
         stream = accel.current_stream()
         if self.comm is not None:
             self._refresh_shards(accel, values, start)
