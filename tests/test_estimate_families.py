@@ -111,7 +111,9 @@ CASES = {
     "phi3-lora-fused-qkv-over-budget": dict(arch="phi3", lora_r=4, budget=12000),
     # transformers' blocks: the last module's backward before the block is recomputed
     "mistral-checkpointed-accum": dict(arch="mistral", checkpointing=True, accum=2),
-    "gpt2-checkpointed-roomy": dict(arch="gpt2", checkpointing=True, budget=10**6),
+    # ... and a weight evicted before its bias when both are next used together
+    "gpt2-checkpointed-accum": dict(arch="gpt2", checkpointing=True, accum=2),
+    "qwen2-checkpointed": dict(arch="qwen2", checkpointing=True),
     "gemma-params-cpu-fp32": dict(arch="gemma", param="cpu", dtype="fp32"),
 }
 

@@ -195,7 +195,10 @@ class _Replay:
     def _evict(self, need: int, cursor: int, running: tuple[int, ...], before: int | None) -> None:
         """Furthest next use first; with `before`, only what is needed after it."""
         victims = [(self._next_use(i, cursor - 1), i) for i in self.live if i not in running]
-        for nxt, i in sorted(victims, reverse=True):
+        # ties (a weight and its bias) in the order they were gathered, as the engine's
+        # stable sort leaves them
+        victims.sort(key=lambda v: v[0], reverse=True)
+        for nxt, i in victims:
             if self.live_numel + need <= self.budget or (before is not None and nxt <= before):
                 break
             self._release(i)
