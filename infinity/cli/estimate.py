@@ -17,8 +17,7 @@ from pathlib import Path
 
 from infinity.cli.train import _positive_int, config_from_args
 from infinity.config import Config
-from infinity.models import PRESETS, load_config, preset
-from infinity.models.config import SUPPORTED_MODEL_TYPES, read_config_json
+from infinity.models import PRESETS
 
 _GIB = float(1 << 30)
 _GB = 1e9
@@ -103,23 +102,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def model_config(name: str):
-    """A preset's shape, or a model directory's config.json: a `LlamaConfig` for a Llama,
-    else the transformers config of its family (Qwen2, Mistral, Gemma, Phi3, GPT-2, ...)."""
-    if name in PRESETS:
-        return preset(name)
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        what = "a file, not a model directory" if path.exists() else "no such directory"
-        raise ValueError(
-            f"--model {name}: {what}, and not a preset; give a Hugging Face model "
-            f"directory (with config.json) or one of {', '.join(PRESETS)}"
-        )
-    if read_config_json(path).get("model_type", "llama") in SUPPORTED_MODEL_TYPES:
-        return load_config(path)
-    # Other families as `infinity train` builds them: their own transformers class.
+    """The transformers config of a preset or a model directory (any family): the class
+    `infinity train` builds, so the estimate partitions exactly the parameters a run does
+    and replays the order of gathers its blocks give."""
     from infinity.models import hf_auto
 
-    return hf_auto.describe(path).hf_config
+    if name not in PRESETS:
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            what = "a file, not a model directory" if path.exists() else "no such directory"
+            raise ValueError(
+                f"--model {name}: {what}, and not a preset; give a Hugging Face model "
+                f"directory (with config.json) or one of {', '.join(PRESETS)}"
+            )
+    return hf_auto.describe(name).hf_config
 
 
 def check_paths(args: argparse.Namespace) -> None:
