@@ -78,8 +78,8 @@ class ModelShape:
     transformers: bool = False
     """Built from transformers' class (not Infinity's Llama). Under activation
     checkpointing the engine records a transformers block's backward starting with its last
-    module, then the block's recomputation, then the rest (measured on Qwen2, Mistral and
-    GPT-2 blocks); Infinity's Llama recomputes first."""
+    module, then the block's recomputation, then the rest (as measured on Llama, Qwen2,
+    Mistral and GPT-2 blocks); Infinity's Llama recomputes first."""
 
     @property
     def numel(self) -> int:
