@@ -17,8 +17,7 @@ from pathlib import Path
 
 from infinity.cli.train import _positive_int, config_from_args
 from infinity.config import Config
-from infinity.models import PRESETS, load_config, preset
-from infinity.models.config import SUPPORTED_MODEL_TYPES, read_config_json
+from infinity.models import PRESETS
 
 _GIB = float(1 << 30)
 _GB = 1e9
@@ -31,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "estimate",
         help="host RAM, pinned and device memory, disk, and step time of a run, before it runs",
         description=(
-            "Estimate a training run of a Llama-style model: peak host RAM, pinned memory, "
+            "Estimate a training run of any causal LM `infinity train` takes (Llama, Qwen2, "
+            "Mistral, Gemma, Phi3, GPT-2, ...): peak host RAM, pinned memory, "
             "device memory and NVMe space, the bytes each step moves, the time of compute, "
             "NVMe, CPU-Adam and copies, which of them bounds the step and what to change. "
             "Bytes come from the engine's own sizing rules; times from published GPU figures "
@@ -42,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         metavar="DIR|PRESET",
-        help=f"a Hugging Face model directory (config.json), or a preset ({', '.join(PRESETS)})",
+        help="a Hugging Face model directory (config.json; any family `infinity train` takes), "
+        f"or a preset ({', '.join(PRESETS)})",
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
     parser.add_argument(
@@ -101,27 +102,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def model_config(name: str):
-    """A preset's shape, or a model directory's config.json."""
-    if name in PRESETS:
-        return preset(name)
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        what = "a file, not a model directory" if path.exists() else "no such directory"
-        raise ValueError(
-            f"--model {name}: {what}, and not a preset; give a Hugging Face model "
-            f"directory (with config.json) or one of {', '.join(PRESETS)}"
-        )
-    model_type = read_config_json(path).get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        # `infinity train` takes other families through transformers; the estimate's shapes
-        # and compute probe are the Llama implementation's.
-        raise ValueError(
-            f"--model {name}: model_type {model_type!r}: `infinity estimate` models Llama-"
-            f"architecture models only ({', '.join(SUPPORTED_MODEL_TYPES)}), though `infinity "
-            "train` trains this one; estimate a preset or a Llama config.json of the same "
-            "hidden size, layers and vocabulary instead"
-        )
-    return load_config(path)
+    """The transformers config of a preset or a model directory (any family): the class
+    `infinity train` builds, so the estimate partitions exactly the parameters a run does
+    and replays the order of gathers its blocks give."""
+    from infinity.models import hf_auto
+
+    if name not in PRESETS:
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            what = "a file, not a model directory" if path.exists() else "no such directory"
+            raise ValueError(
+                f"--model {name}: {what}, and not a preset; give a Hugging Face model "
+                f"directory (with config.json) or one of {', '.join(PRESETS)}"
+            )
+    return hf_auto.describe(name).hf_config
 
 
 def check_paths(args: argparse.Namespace) -> None:

@@ -57,25 +57,34 @@ def measure_rates(
     config = resolve_config(config, shape)
     dtype = model_dtype(config)
     micro = int(config.train_micro_batch_size_per_gpu)
-    c = shape.config
     frozen = shape.lora_r > 0
     sources = {}
     gpu = GPUS.get(device)
     if gpu is None:
         compute_s = hardware.probe_compute_s(
-            c, micro, seq_len, dtype, frozen=frozen, checkpointing=activation_checkpointing
+            shape.probe_config,
+            micro,
+            seq_len,
+            dtype,
+            frozen=frozen,
+            checkpointing=activation_checkpointing,
         )
         copy = hardware.probe_copy_bytes_per_s()
         fresh = hardware.probe_fresh_copy_bytes_per_s()
+        stand_in = (
+            ""
+            if shape.dims.model_type == "llama"
+            else (f" (a Llama of the {shape.dims.model_type} model's sizes)")
+        )
         sources["compute"] = (
             "probe: the model cut to one layer, and a block per further layer, forward and "
-            "backward on this CPU"
+            f"backward on this CPU{stand_in}"
         )
         sources["copies"] = "probe: a host memory copy, and one into new memory (gathers)"
         if module_overhead_s:
             sources["hooks"] = "probe: a tiny Llama through the engine against plain PyTorch"
     else:
-        flops = c.train_flops_per_token(seq_len) / 3 * micro * seq_len  # one forward
+        flops = shape.train_flops_per_token(seq_len) / 3 * micro * seq_len  # one forward
         n = hardware.passes(frozen=frozen, checkpointing=activation_checkpointing)
         compute_s = hardware.gpu_compute_s(gpu, flops, dtype, n)
         copy, fresh = gpu.host_link_bps, 0.0

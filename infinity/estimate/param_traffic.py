@@ -15,14 +15,12 @@ parameters stay gathered] there). Iterations are replayed until the steady state
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infinity.config import Config
 from infinity.estimate.shapes import ModelShape
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FAR = 1 << 62
 _MAX_ITERATIONS = 6  # replayed until two in a row fetch the same (the steady state)
 
@@ -66,8 +64,7 @@ def training_trace(shape: ModelShape, *, checkpointing: bool) -> list[Position]:
     segments: list[tuple[bool, list[tuple[int, ...]]]] = []  # (a decoder block?, modules)
     last = None
     for unit in shape.units:
-        m = _LAYER.search(unit.name)
-        layer = m.group(1) if m else None
+        layer = unit.block
         if layer is not None and layer == last:
             segments[-1][1].extend(_split(shape, unit.params))
         else:
@@ -82,9 +79,14 @@ def training_trace(shape: ModelShape, *, checkpointing: bool) -> list[Position]:
             needs[part] = t or not frozen_below or tail
         frozen_below = frozen_below and not any(trains)
     for block, seg in reversed(segments):
+        backward = [Position(part, Pass.BACKWARD) for part in reversed(seg) if needs[part]]
         if checkpointing and block:
-            trace += [Position(part, Pass.RECOMPUTE) for part in seg]
-        trace += [Position(part, Pass.BACKWARD) for part in reversed(seg) if needs[part]]
+            # transformers' blocks: the last module's backward gather comes before the
+            # recomputation, and only once (as the engine records it)
+            early = backward[:1] if shape.transformers and needs[seg[-1]] else []
+            trace += early + [Position(part, Pass.RECOMPUTE) for part in seg]
+            backward = backward[len(early) :]
+        trace += backward
     return trace
 
 
@@ -92,13 +94,17 @@ def _first_attention_input(shape: ModelShape, part: tuple[int, ...]) -> bool:
     """The norm and the q, k, v projections of a block: in the first adapted block of a
     frozen model, no gradient flows into their input."""
     name = shape.params[part[0]].name
-    return any(k in name for k in ("input_layernorm", ".q_proj.", ".k_proj.", ".v_proj."))
+    return any(
+        k in name for k in ("input_layernorm", ".q_proj.", ".k_proj.", ".v_proj.", ".qkv_proj.")
+    )
 
 
 def _split(shape: ModelShape, params: Sequence[int]) -> list[tuple[int, ...]]:
-    """A unit as the engine hooks it: a LoRA-adapted linear layer is three modules."""
-    if shape.lora_r and len(params) == 3 and shape.params[params[1]].name.endswith("lora_A.weight"):
-        return [(params[0],), (params[1],), (params[2],)]
+    """A unit as the engine hooks it: a LoRA-adapted linear layer is three modules (the base
+    layer with its weight and bias, lora_A, lora_B)."""
+    names = [shape.params[i].name for i in params]
+    if shape.lora_r and len(params) >= 3 and names[-2].endswith(".lora_A.weight"):
+        return [tuple(params[:-2]), (params[-2],), (params[-1],)]
     return [tuple(params)]
 
 
@@ -189,7 +195,10 @@ class _Replay:
     def _evict(self, need: int, cursor: int, running: tuple[int, ...], before: int | None) -> None:
         """Furthest next use first; with `before`, only what is needed after it."""
         victims = [(self._next_use(i, cursor - 1), i) for i in self.live if i not in running]
-        for nxt, i in sorted(victims, reverse=True):
+        # ties (a weight and its bias) in the order they were gathered, as the engine's
+        # stable sort leaves them
+        victims.sort(key=lambda v: v[0], reverse=True)
+        for nxt, i in victims:
             if self.live_numel + need <= self.budget or (before is not None and nxt <= before):
                 break
             self._release(i)

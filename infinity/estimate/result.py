@@ -322,7 +322,7 @@ def activation_bytes(
     model dtype; with checkpointing each layer keeps only its input, and one layer at a time
     is recomputed in full. The logits add tokens x vocab in the model dtype and two fp32
     copies (the loss and its gradient)."""
-    c = shape.config
+    c = shape.dims
     h, heads, layers = c.hidden_size, c.num_attention_heads, c.num_hidden_layers
     layer = tokens * h * (34 + 5 * heads * seq_len / h) * itemsize / 2
     kept = layers * tokens * h * itemsize + layer if checkpointing else layers * layer

@@ -1,22 +1,28 @@
-"""The model as the estimate sees it: every parameter's name, size and whether it trains, and
-the gather units in the order the forward runs them.
+"""The model as the estimate sees it: every parameter's name, size and whether it trains, the
+gather units in the order the forward runs them, and the few sizes (`ModelDims`) the
+activation, FLOP and compute-probe terms read.
 
-Built from a `LlamaConfig` by constructing the model on the meta device (no memory, exact
-names, sizes and order, tied weights counted once) and running one meta forward with hooks to
-record the order in which modules with parameters run. LoRA adapters (`lora_r`) are added
-from shapes alone: r x (in + out) per linear layer of the blocks, the base weights frozen.
+Built from a `LlamaConfig` (Infinity's own Llama) or a transformers config of any family
+`infinity train` takes (its `AutoModelForCausalLM` class) by constructing the model on the
+meta device (no memory, exact names, sizes and order, tied weights counted once) and running
+one meta forward with hooks to record the order in which modules with parameters run. LoRA
+adapters (`lora_r`) are added from shapes alone: r x (in + out) on the linear layers peft
+would adapt (`block_linear_names`), the base weights frozen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from infinity.config import ZeroConfig
+from infinity.estimate.dims import ModelDims, model_dims
 from infinity.models import LlamaConfig, LlamaForCausalLM
+from infinity.models.lora import block_linear_names
 from infinity.zero.build import persistent_flags
 
 _PROBE_TOKENS = 8  # tokens of the meta forward that records the order (any length will do)
@@ -38,6 +44,9 @@ class UnitShape:
     name: str
     params: tuple[int, ...]
     """Indices into `ModelShape.params`."""
+    block: str | None = None
+    """The transformer block the unit is in (`model.layers.3`, `transformer.h.3`), None
+    outside the blocks: activation checkpointing recomputes a block as a whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +62,24 @@ class LinearShape:
 class ModelShape:
     """One model's parameters, gather units and matmuls, as a run of it would see them."""
 
-    config: LlamaConfig
+    config: Any
+    """The `LlamaConfig` or transformers config the model was built from."""
+    dims: ModelDims
     params: tuple[ParamShape, ...]
     """In `model.named_parameters()` order: the order of the engine's records and slots."""
     units: tuple[UnitShape, ...]
     """In forward execution order."""
     linears: tuple[LinearShape, ...]
     """Every linear layer the forward runs (lm_head included)."""
+    matmul_numel: int
+    """Base parameters that take part in a matmul: all but the embedding lookups (a tied
+    lm_head is a matmul)."""
     lora_r: int = 0
+    transformers: bool = False
+    """Built from transformers' class (not Infinity's Llama). Under activation
+    checkpointing the engine records a transformers block's backward starting with its last
+    module, then the block's recomputation, then the rest (as measured on Llama, Qwen2,
+    Mistral and GPT-2 blocks); Infinity's Llama recomputes first."""
 
     @property
     def numel(self) -> int:
@@ -70,12 +89,24 @@ class ModelShape:
     def modules(self) -> int:
         """Modules with parameters of their own, as the engine hooks them: peft makes each
         adapted linear layer three (the base layer, lora_A and lora_B)."""
-        adapted = sum(1 for lin in self.linears if ".layers." in f".{lin.name}")
-        return len(self.units) + (2 * adapted if self.lora_r else 0)
+        adapted = sum(1 for p in self.params if p.name.endswith(".lora_A.weight"))
+        return len(self.units) + 2 * adapted
 
     @property
     def trainable_numel(self) -> int:
         return sum(p.numel for p in self.params if p.trainable)
+
+    @property
+    def probe_config(self) -> LlamaConfig:
+        """The Llama the compute probe times: the model's own, or a stand-in of its sizes."""
+        return self.config if isinstance(self.config, LlamaConfig) else self.dims.stand_in()
+
+    def train_flops_per_token(self, seq_len: int) -> int:
+        """Forward + backward FLOPs per token, PaLM-style (as `LlamaConfig` counts them):
+        6 x matmul parameters plus 12 x layers x attention width x seq_len."""
+        d = self.dims
+        attn = 12 * d.num_hidden_layers * d.num_attention_heads * d.head_dim * seq_len
+        return 6 * self.matmul_numel + attn
 
     def persistent(self, zero: ZeroConfig) -> list[bool]:
         """Which parameters stay gathered: the engine's rule (`persistent_flags`)."""
@@ -86,21 +117,24 @@ class ModelShape:
         return sum(self.params[i].numel for i in unit.params if not persistent[i])
 
 
-def model_shape(config: LlamaConfig, *, lora_r: int = 0) -> ModelShape:
-    """The parameters, units and linear layers of a `LlamaForCausalLM` of `config`."""
+def model_shape(config: LlamaConfig | Any, *, lora_r: int = 0) -> ModelShape:
+    """The parameters, units and linear layers of the model `config` describes: Infinity's
+    `LlamaForCausalLM` for a `LlamaConfig`, transformers' `AutoModelForCausalLM` class for a
+    transformers config (as `infinity train` builds it)."""
     if isinstance(lora_r, bool) or not isinstance(lora_r, int) or lora_r < 0:
         raise ValueError(f"lora_r must be an int >= 0 (0: full fine-tuning), got {lora_r!r}")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, init_weights=False)
+    dims = model_dims(config)  # an unreadable family fails before anything is built
+    model = _meta_model(config)
     order = _forward_order(model)
+    blocks = _blocks(model)
+    adapted = set(_lora_targets(model)) if lora_r else set()
     params: list[ParamShape] = []
     index: dict[int, int] = {}
-    units_by_module: dict[str, list[int]] = {}
+    units: dict[str, list[int]] = {}
     linears = []
     for mname, module in model.named_modules():
-        own = list(module.named_parameters(recurse=False))
         ids = []
-        for pname, p in own:
+        for pname, p in module.named_parameters(recurse=False):
             if id(p) not in index:
                 index[id(p)] = len(params)
                 full = f"{mname}.{pname}" if mname else pname
@@ -108,14 +142,62 @@ def model_shape(config: LlamaConfig, *, lora_r: int = 0) -> ModelShape:
             ids.append(index[id(p)])
         if isinstance(module, nn.Linear):
             linears.append(LinearShape(mname, module.in_features, module.out_features))
-            if lora_r and ".layers." in f".{mname}":
+            if mname.rsplit(".", 1)[-1] in adapted:  # peft matches the last name
                 for suffix, numel in _adapters(module, lora_r):
                     ids.append(len(params))
                     params.append(ParamShape(f"{mname}.{suffix}", numel, trainable=True))
         if ids:
-            units_by_module[mname] = ids
-    units = tuple(UnitShape(n, tuple(units_by_module[n])) for n in order if n in units_by_module)
-    return ModelShape(config, tuple(params), units, tuple(linears), lora_r)
+            units[mname] = ids
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    lookups -= {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    base = {id(p): p.numel() for p in model.parameters()}
+    return ModelShape(
+        config=config,
+        dims=dims,
+        params=tuple(params),
+        units=tuple(
+            UnitShape(n, tuple(units[n]), _block_of(n, blocks)) for n in order if n in units
+        ),
+        linears=tuple(linears),
+        matmul_numel=sum(n for i, n in base.items() if i not in lookups),
+        lora_r=lora_r,
+        transformers=not isinstance(config, LlamaConfig),
+    )
+
+
+def _meta_model(config: LlamaConfig | Any) -> nn.Module:
+    with torch.device("meta"):
+        if isinstance(config, LlamaConfig):
+            return LlamaForCausalLM(config, init_weights=False)
+        from infinity.models import hf_auto  # imports transformers
+
+        return hf_auto.build(config, init_weights=False)
+
+
+def _lora_targets(model: nn.Module) -> list[str]:
+    """The layers `infinity train --lora-r` adapts by default (`lora_targets`)."""
+    names = block_linear_names(model)
+    if not names:
+        raise ValueError(
+            "--lora-r: the model has no linear layer inside a block (an nn.ModuleList) to "
+            "adapt, so `infinity train` cannot add LoRA adapters to it; estimate it without "
+            "--lora-r"
+        )
+    return names
+
+
+def _blocks(model: nn.Module) -> list[str]:
+    """Names of the transformer blocks: the children of the model's ModuleLists."""
+    return [
+        f"{name}.{i}"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList)
+        for i in range(len(m))
+    ]
+
+
+def _block_of(name: str, blocks: Sequence[str]) -> str | None:
+    return next((b for b in blocks if name == b or name.startswith(f"{b}.")), None)
 
 
 def lora_numel(linear: LinearShape, r: int) -> int:

@@ -100,7 +100,7 @@ def resolve_config(config: Config, shape: ModelShape) -> Config:
             "estimates) stage 3 only; set it to 3"
         )
     largest = max((p.numel for p in shape.params), default=1)
-    return config.resolve(hidden_size=shape.config.hidden_size, largest_param_numel=max(1, largest))
+    return config.resolve(hidden_size=shape.dims.hidden_size, largest_param_numel=max(1, largest))
 
 
 def layout_of(shape: ModelShape, config: Config) -> FlatLayout:
