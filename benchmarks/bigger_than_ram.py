@@ -150,7 +150,7 @@ def _estimate_probe_child(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     mcfg = model_config(args.params, args.vocab)
     compute = hardware.probe_compute_s(
-        mcfg, 1, args.seq_len, torch.bfloat16, frozen=args.lora_r > 0, checkpointing=True
+        mcfg, 1, args.seq_len, torch.bfloat16, lora_r=args.lora_r, checkpointing=True
     )
     from infinity.cli.estimate_probe import probe_module_overhead_s
 

@@ -175,7 +175,7 @@ def probe(record: dict) -> dict:
     ckpt = bool(record["model"]["activation_checkpointing"])
     return {
         "compute_s": hardware.probe_compute_s(
-            shape.config, micro, seq, dtype, frozen=shape.lora_r > 0, checkpointing=ckpt
+            shape.config, micro, seq, dtype, lora_r=shape.lora_r, checkpointing=ckpt
         ),
         "module_overhead_s": _module_overhead_s(record),
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),

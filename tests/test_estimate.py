@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import infinity
 from infinity.cli.main import main
@@ -303,6 +304,23 @@ def test_lora_adapters_from_shapes():
     sz = sizes(shape, resolve_config(Config.load({}), shape), pins=False)
     assert sz.frozen_host_bytes == 4 * mc.num_params  # fp32 base weights in RAM
     assert sz.grad_host_bytes == 4 * sz.flat_numel < 4 * mc.num_params  # adapters only
+
+
+def test_lora_compute_probe_times_the_adapters_peft_adds():
+    """The CPU compute probe of a LoRA run times blocks carrying the adapters the run trains
+    (every linear layer of the block, in the model dtype, the base frozen), not bare frozen
+    blocks."""
+    from infinity.estimate import hardware
+    from infinity.models.llama import LlamaDecoderLayer
+
+    mc = LlamaConfig(**SHAPE)
+    block = hardware._adapted(hardware._filled(LlamaDecoderLayer(mc), torch.bfloat16, True), 4)
+    adapters = {n: p for n, p in block.named_parameters() if ".lora_" in n}
+    linears = [n for n, m in LlamaDecoderLayer(mc).named_modules() if isinstance(m, nn.Linear)]
+    assert len(adapters) == 2 * len(linears) == 14
+    assert all(p.requires_grad and p.dtype == torch.bfloat16 for p in adapters.values())
+    assert not any(p.requires_grad for n, p in block.named_parameters() if n not in adapters)
+    assert hardware.probe_compute_s(mc, 1, 8, torch.bfloat16, lora_r=4, checkpointing=True) > 0
 
 
 def test_lora_rank_must_be_positive():

@@ -66,7 +66,7 @@ def measure_rates(
             micro,
             seq_len,
             dtype,
-            frozen=frozen,
+            lora_r=shape.lora_r,
             checkpointing=activation_checkpointing,
         )
         copy = hardware.probe_copy_bytes_per_s()

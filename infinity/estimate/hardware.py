@@ -102,15 +102,18 @@ def gpu_compute_s(gpu: GpuSpec, forward_flops: float, dtype: torch.dtype, n_pass
 
 
 def probe_compute_s(
-    config: LlamaConfig, micro: int, seq_len: int, dtype: torch.dtype, *, frozen: bool,
+    config: LlamaConfig, micro: int, seq_len: int, dtype: torch.dtype, *, lora_r: int = 0,
     checkpointing: bool,
 ) -> float:  # fmt: skip
     """Seconds of one micro step's forward + backward on this CPU: the model cut to one
     decoder layer (embedding, the layer, final norm, head and loss, in the model dtype)
     timed whole, plus one real decoder block (its norms, attention, MLP and autograd) for
-    each further layer. Recomputation adds one forward of each block."""
+    each further layer. Recomputation adds one forward of each block. With `lora_r` the
+    base weights are frozen and every linear layer of the blocks carries peft's adapters of
+    rank r, as `apply_lora` builds them (their small matmuls, scaling and gradients)."""
+    frozen = lora_r > 0
     cos, sin = rope_cos_sin(config, torch.arange(seq_len), dtype)
-    block = _filled(LlamaDecoderLayer(config), dtype, frozen)
+    block = _adapted(_filled(LlamaDecoderLayer(config), dtype, frozen), lora_r)
     x = torch.randn(micro, seq_len, config.hidden_size).to(dtype).requires_grad_()
 
     def block_step():
@@ -123,16 +126,27 @@ def probe_compute_s(
     layers_s = (config.num_hidden_layers - 1) * _median_s(block_step, repeats=3)
     one = _filled(LlamaForCausalLM(dataclasses.replace(config, num_hidden_layers=1)), dtype,
                   frozen)  # fmt: skip
+    one.model.layers[0] = _adapted(one.model.layers[0], lora_r)
     one.set_gradient_checkpointing(checkpointing)
     ids = torch.randint(0, config.vocab_size, (micro, seq_len))
-    if frozen:  # no weight needs a gradient: backward runs from the layer's input on
-        one.model.embed_tokens.register_forward_hook(lambda m, i, out: out.requires_grad_())
 
     def model_step():
         one(ids, ids).backward()
         one.zero_grad(set_to_none=True)
 
     return layers_s + _median_s(model_step, repeats=3)
+
+
+def _adapted(block: nn.Module, lora_r: int) -> nn.Module:
+    """`block` with LoRA adapters of rank `lora_r` on each of its linear layers (0: as is)."""
+    if not lora_r:
+        return block
+    from infinity.models.lora import LoraSpec, inject_lora
+
+    names = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+    )
+    return inject_lora(block, LoraSpec(r=lora_r), names)
 
 
 def _filled(module: nn.Module, dtype: torch.dtype, frozen: bool) -> nn.Module:

@@ -134,6 +134,19 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     return _peft().get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
+def inject_lora(module: nn.Module, spec: LoraSpec, targets: list[str]) -> nn.Module:
+    """`module` (any module, a single block too) with the adapters of `spec` put on the linear
+    layers named `targets` in place, in the dtype of the module, without peft's model wrapper:
+    the layers `apply_lora` builds, for timing them alone."""
+    dtype = next(module.parameters()).dtype
+    module = _peft().inject_adapter_in_model(peft_config(spec, targets), module)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if is_adapter(name):
+                p.data = p.data.to(dtype)
+    return module
+
+
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
