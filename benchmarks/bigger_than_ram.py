@@ -139,7 +139,7 @@ def estimate_probe(args: argparse.Namespace) -> dict:
     run (benchmarks/estimate_vs_measured.py) has rates measured under the run's own load."""
     cmd = [sys.executable, os.path.abspath(__file__), "--estimate-probe", "--params"]
     cmd += [str(args.params), "--vocab", str(args.vocab), "--seq-len", str(args.seq_len)]
-    cmd += ["--lora-r", str(args.lora_r)]
+    cmd += ["--lora-r", str(args.lora_r), "--path", args.path, "--param-tier", args.param_tier]
     proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -157,7 +157,10 @@ def _estimate_probe_child(args: argparse.Namespace) -> dict:
     return {
         "compute_s": compute,
         "module_overhead_s": probe_module_overhead_s(
-            torch.bfloat16, lora_r=args.lora_r, checkpointing=True
+            torch.bfloat16,
+            lora_r=args.lora_r,
+            checkpointing=True,
+            nvme_path=args.path if args.param_tier == "nvme" else None,
         ),
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
         "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),

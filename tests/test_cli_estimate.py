@@ -238,3 +238,17 @@ def test_every_family_train_takes_is_estimated_with_the_bytes_train_records(
     stand_in = f"a Llama of the {arch} model's sizes" in est["rates"]["sources"]["compute"]
     assert stand_in == (arch != "llama")
     assert est["step_seconds"] > 0
+
+
+def test_module_overhead_probe_runs_on_the_runs_tier_and_leaves_nothing(tmp_path):
+    """The per-module probe gathers every weight from where the run keeps them: with the
+    parameters on NVMe it reads them from a directory of its own under the swap path, which
+    is gone afterwards."""
+    import torch
+
+    from infinity.cli.estimate_probe import probe_module_overhead_s
+
+    host = probe_module_overhead_s(torch.float32)
+    nvme = probe_module_overhead_s(torch.float32, nvme_path=tmp_path)
+    assert host > 0 and nvme > 0
+    assert list(tmp_path.iterdir()) == []

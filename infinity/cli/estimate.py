@@ -196,10 +196,13 @@ def run(args: argparse.Namespace) -> int:
         from infinity.cli.estimate_probe import probe_module_overhead_s
         from infinity.zero import model_dtype
 
+        offload = config.zero_optimization.offload_param
+        on_nvme = offload.device == "nvme" and args.nvme and Path(args.nvme).is_dir()
         overhead = probe_module_overhead_s(
             model_dtype(config),
             lora_r=shape.lora_r,
             checkpointing=args.activation_checkpointing,
+            nvme_path=args.nvme if on_nvme else None,
         )
     rates = measure_rates(
         shape,

@@ -9,7 +9,10 @@ below it may not import.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -24,23 +27,43 @@ _REPEATS = 7
 
 
 def probe_module_overhead_s(
-    dtype: torch.dtype, *, lora_r: int = 0, checkpointing: bool = False
+    dtype: torch.dtype,
+    *,
+    lora_r: int = 0,
+    checkpointing: bool = False,
+    nvme_path: str | os.PathLike | None = None,
 ) -> float:
     """Seconds the engine adds per module with parameters in one micro step (forward and
     backward, with recomputation when `checkpointing`): the median engine forward+backward of
-    a tiny Llama less the median plain one of the same model, over its modules."""
-    import infinity
-    from infinity.models import LlamaConfig, LlamaForCausalLM
+    a tiny Llama less the median plain one of the same model, over its modules. Every weight
+    is gathered and released at each use, as a large model's are (none is small enough to
+    stay gathered there), from NVMe under `nvme_path` when the run's parameters live there
+    (a read, the staging pool and the release per gather; the bytes themselves are the
+    estimate's copy and disk terms)."""
+    from infinity.models import LlamaConfig
 
     mcfg = LlamaConfig(**_TINY)
     ids = torch.randint(0, mcfg.vocab_size, (1, _TOKENS))
+    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": 0}
     # 16-bit models run the same hooks; fp16 would add the loss scaler, which is not measured
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": zero,
         **({"bf16": {"enabled": True}} if dtype != torch.float32 else {}),
     }
+    with contextlib.ExitStack() as stack:
+        if nvme_path is not None:
+            where = stack.enter_context(tempfile.TemporaryDirectory(dir=nvme_path))
+            # buffers enough for the prefetch depth, as a sized run has
+            zero["offload_param"] = {"device": "nvme", "nvme_path": where, "buffer_count": 16}
+        return _engine_less_plain_s(cfg, mcfg, ids, lora_r, checkpointing)
+
+
+def _engine_less_plain_s(cfg: dict, mcfg, ids, lora_r: int, checkpointing: bool) -> float:
+    import infinity
+    from infinity.models import LlamaForCausalLM
+
     torch.manual_seed(0)
     with infinity.init(cfg):
         model = _adapted(LlamaForCausalLM(mcfg), lora_r)
