@@ -237,9 +237,10 @@ def test_recorded_runs_replay_within_20_percent():
     its cores: other work on the two cores slows forward and backward 2-6x from one minute
     to the next) and recorded the estimate's rate probes itself (a probe taken at replay
     time measures another machine state: the 2026-11-22 runs replay at 0.70-0.94 depending
-    on it). LoRA step times are not asserted yet: the 500M LoRA step on a quiet machine
-    replays at 0.75 of the measured one (BENCHMARKS.md lists every ratio and where the rest
-    of that step goes)."""
+    on it). LoRA step times are not asserted: with the base on NVMe the 500M LoRA step on a
+    quiet machine replays at 0.63-0.73 of the measured one (0.87-0.91 with the parameters
+    in RAM), and its 0.03 s optimizer step is within the timer's noise (BENCHMARKS.md lists
+    every ratio and where the rest of that step goes)."""
     evm, replays = _replays()
     records = sorted(glob.glob(str(ROOT / "benchmarks/results/bigger_than_ram_*.json")))
     records = [str(pathlib.Path(r).relative_to(ROOT)) for r in records]
