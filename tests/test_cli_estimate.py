@@ -157,15 +157,23 @@ def test_a_local_llama_directory_is_estimated(tmp_path, capsys):
     ],
 )
 def test_estimate_bytes_equal_what_infinity_train_records(tmp_path, capsys, aio, zero, accum):
-    from _train_inputs import train_args, write_inputs
+    from _train_inputs import write_inputs
 
     model, data = write_inputs(tmp_path / "inputs")
+    _train_then_estimate(tmp_path, model, data, aio, {"stage": 3, **zero}, accum)
+
+
+def _train_then_estimate(tmp_path, model, data, aio, zero: dict, accum: int, *flags) -> dict:
+    """`infinity train` (3 steps, NVMe swap) and `infinity estimate` of the same model and
+    settings: the estimate's NVMe bytes per step equal the last step's in metrics.jsonl."""
+    from _train_inputs import train_args
+
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, **zero}}))
+    cfg.write_text(json.dumps({"zero_optimization": zero}))
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     shape = ["--config", cfg, "--nvme", ssd, "--seq-len", 16, "--micro-batch", 2,
-             "--grad-accum", accum]  # fmt: skip
+             "--grad-accum", accum, *flags]  # fmt: skip
     run = tmp_path / "run"
     argv = train_args(model, data, run, "--steps", 3, *shape, grad_accum=None, seq_len=None,
                       micro_batch=None)  # fmt: skip
@@ -177,6 +185,7 @@ def test_estimate_bytes_equal_what_infinity_train_records(tmp_path, capsys, aio,
     assert last["nvme_read_bytes"] > 0
     assert est["nvme_read_bytes_per_step"] == last["nvme_read_bytes"]
     assert est["nvme_write_bytes_per_step"] == last["nvme_write_bytes"]
+    return est
 
 
 def test_device_names_ignore_case_and_an_unknown_one_lists_the_choices(tmp_path, capsys):
@@ -207,32 +216,15 @@ def test_every_family_train_takes_is_estimated_with_the_bytes_train_records(
     writes per step what `infinity train` of the same directory records."""
     transformers = pytest.importorskip("transformers")
     from _hf_models import write_corpus, write_model_dir
-    from _train_inputs import train_args
 
     model = write_model_dir(transformers, arch, tmp_path)
     data = write_corpus(tmp_path / "corpus.jsonl")
-    cfg = tmp_path / "ds.json"
     zero = {
         "stage": 3,
         "stage3_max_live_parameters": 9000,
         "stage3_param_persistence_threshold": 100,
     }
-    cfg.write_text(json.dumps({"zero_optimization": zero}))
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    shape = ["--config", cfg, "--nvme", ssd, "--seq-len", 16, "--micro-batch", 2,
-             "--grad-accum", 2, *flags]  # fmt: skip
-    run = tmp_path / "run"
-    argv = train_args(model, data, run, "--steps", 3, *shape, grad_accum=None, seq_len=None,
-                      micro_batch=None)  # fmt: skip
-    assert main(argv) == 0
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    out = tmp_path / "est.json"
-    assert _estimate("--model", model, *shape, "--bench-aio", aio, "--json", out) == 0
-    est = json.loads(out.read_text())
-    assert last["nvme_read_bytes"] > 0
-    assert est["nvme_read_bytes_per_step"] == last["nvme_read_bytes"]
-    assert est["nvme_write_bytes_per_step"] == last["nvme_write_bytes"]
+    est = _train_then_estimate(tmp_path, model, data, aio, zero, 2, *flags)
     built = transformers.AutoModelForCausalLM.from_pretrained(model)
     assert est["params"] == sum(p.numel() for p in built.parameters())
     stand_in = f"a Llama of the {arch} model's sizes" in est["rates"]["sources"]["compute"]
