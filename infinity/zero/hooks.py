@@ -22,7 +22,8 @@ Non-reentrant checkpointing stops its recomputation with an exception, hence `al
 It also keeps what the recomputed ops save, detaching only tensors that require grad, so a
 frozen parameter (a LoRA base's norm weight) would be kept as the parameter itself and seen
 empty once the budget evicts it: during a recomputation `GatherOnUse` hands torch functions
-frozen parameters as detached views of their gathered buffers instead.
+frozen parameters as detached views of their gathered buffers instead (a view holds its
+buffer until that op's backward, as the detached view of a trainable weight does).
 Autograd runs backward nodes without the caller's torch-function modes (the engine's
 `GatherOnUse` is not on the stack there, whether backward came from the engine or a plain
 `loss.backward()`), so a recomputed call enters it for its own duration.
