@@ -10,28 +10,28 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_LLAMA = ["--vocab", "128", "--hidden", "32", "--intermediate", "64", "--layers", "2",
+              "--heads", "4", "--batch", "2", "--seq", "16", "--warmup", "1"]  # fmt: skip
+
+
+def _bench(script: str, *args, timeout: float = 300, ok=(0,)) -> subprocess.CompletedProcess:
+    """Run benchmarks/`script` from the project root; its exit code must be one of `ok`."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode in ok, proc.stderr
+    return proc
 
 
 def test_hf_load_rss_tiny(tmp_path):
     out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "hf_load_rss.py"),
-            "--preset",
-            "tiny",
-            "--dtype",
-            "bf16",
-            "--workdir",
-            str(tmp_path / "w"),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    _bench("hf_load_rss.py", "--preset", "tiny", "--dtype", "bf16", "--workdir", tmp_path / "w",
+           "--json", out)  # fmt: skip
     rec = json.loads(out.read_text())
     assert rec["model_bytes"] > 2 * rec["num_params"]  # bf16 plus headers
     assert set(rec["results"]) == {"load", "init_load", "export", "checkpoint", "peer_load_file"}
@@ -42,16 +42,7 @@ def test_hf_load_rss_tiny(tmp_path):
 
 def test_step_bench_tiny(tmp_path):
     out = tmp_path / "s.json"
-    args = ["--vocab", "128", "--hidden", "32", "--intermediate", "64", "--layers", "2"]
-    args += ["--heads", "4", "--batch", "2", "--seq", "16", "--warmup", "1", "--rounds", "2"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_bench.py"), *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    _bench("step_bench.py", *TINY_LLAMA, "--rounds", "2", "--json", out)
     rec = json.loads(out.read_text())
     assert len(rec["step_s"]["infinity"]) == len(rec["step_s"]["torch"]) == 2
     assert rec["ratio"] > 0
@@ -65,20 +56,7 @@ def test_bigger_than_ram_tiny(tmp_path):
     args = ["--path", str(swap), "--params", "2e6", "--steps", "2", "--param-tier", "cpu"]
     args += ["--sub-group-size", "5e5", "--adam-repeats", "2"]
     args += ["--aio-args", "--size 8M --block-size 1M --queue-depth 8 --threads 1"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bigger_than_ram.py"),
-            *args,
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = _bench("bigger_than_ram.py", *args, "--json", out, timeout=120)
     rec = json.loads(out.read_text())
     params = rec["model"]["params"]
     assert 1e6 < params < 4e6
@@ -110,22 +88,7 @@ def test_bigger_than_ram_tiny(tmp_path):
 
 def test_llama_impl_bench_tiny(tmp_path):
     out = tmp_path / "l.json"
-    args = ["--vocab", "128", "--hidden", "32", "--intermediate", "64", "--layers", "2"]
-    args += ["--heads", "4", "--batch", "2", "--seq", "16", "--warmup", "1", "--rounds", "2"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "llama_impl_bench.py"),
-            *args,
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    _bench("llama_impl_bench.py", *TINY_LLAMA, "--rounds", "2", "--json", out)
     rec = json.loads(out.read_text())
     assert len(rec["step_s"]["infinity_llama"]) == len(rec["step_s"]["transformers_llama"]) == 2
     assert rec["ratio_infinity_over_transformers"] > 0
@@ -136,11 +99,7 @@ def test_ram_floor_tiny(tmp_path):
     out, swap = tmp_path / "r.json", tmp_path / "nvme"
     args = ["--path", str(swap), "--sizes", "2e6", "--steps", "2", "--sub-group-size", "5e5"]
     args += ["--aio-args", "--size 8M --block-size 1M --queue-depth 8 --threads 1"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ram_floor.py"), *args, "--json", str(out)],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    _bench("ram_floor.py", *args, "--json", out, timeout=180)
     rec = json.loads(out.read_text())
     (row,) = rec["summary"]["rows"]
     assert 1e6 < row["params"] < 4e6
@@ -159,13 +118,9 @@ def test_lora_13b_tiny(tmp_path):
     out, swap = tmp_path / "r.json", tmp_path / "nvme"
     args = ["--model", "tiny", "--r", "4", "--path", str(swap), "--live", "1e6"]
     args += ["--sub-group-size", "1e5", "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "lora_13b.py"), *args],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
     # At this size the fixed overheads (page padding, token cache) pass the printed need, so
     # only that check may fail; the run itself must succeed.
-    assert proc.returncode in (0, 1), proc.stderr
+    _bench("lora_13b.py", *args, ok=(0, 1))
     rec = json.loads(out.read_text())
     assert len(rec["step_s"]) == 2 and rec["checkpoint_params"] > 0
     assert rec["disk_line"].startswith("disk: ") and rec["disk_need_bytes"] > 0
@@ -176,17 +131,7 @@ def test_lora_13b_tiny(tmp_path):
 
 def test_scale_out_tiny(tmp_path):
     out = tmp_path / "so.json"
-    args = ["--vocab", "128", "--hidden", "32", "--intermediate", "64", "--layers", "2"]
-    args += ["--heads", "4", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "2"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scale_out.py"), *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 0, proc.stderr
+    _bench("scale_out.py", *TINY_LLAMA, "--steps", "2", "--json", out, timeout=600)
     one, two = json.loads(out.read_text())["records"]
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert sum(one["comm_bytes_per_step"].values()) == 0  # nothing leaves one process
@@ -205,14 +150,7 @@ def test_cpu_step_overhead_tiny(tmp_path):
     # A 131k-element embedding: above the default persistence threshold, gathered each time.
     args = ["--vocab", "4096", "--hidden", "32", "--layers", "2", "--heads", "4", "--seq", "16"]
     args += ["--warmup", "1", "--rounds", "2", "--profile", "1"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cpu_step_overhead.py"), *args, "--json", out],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    _bench("cpu_step_overhead.py", *args, "--json", out)
     rec = json.loads(out.read_text())
     engines = {"infinity_default", "infinity_copying", "infinity_kept"}
     assert set(rec["ratio"]) == engines
