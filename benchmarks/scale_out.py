@@ -50,19 +50,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model(args):
-    from infinity.models.config import LlamaConfig
     from infinity.models.llama import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        tie_word_embeddings=True,
-    )
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from step_bench import gpt_config  # the same tied GPT-style Llama as the step claim
+
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(gpt_config(args))
 
 
 def engine_config(args, world: int) -> dict:
