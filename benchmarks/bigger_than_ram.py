@@ -341,6 +341,9 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
             "memory_stats": engine.memory_stats(),
             # The estimate's replay: gathers from host homes alias them (no copy, no RAM).
             "gathers_alias_host": engine.accelerator.shares_host_memory,
+            # ... and those from NVMe land in recycled buffers: how many were handed out again
+            # (see infinity/accelerator/recycled.py)
+            "recycled_buffers_reused": engine.accelerator.buffers.reused,
         }
     finally:
         engine.close()

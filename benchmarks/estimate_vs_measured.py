@@ -66,6 +66,12 @@ def rates_of(record: dict, probed: dict) -> Rates:
         sources={"record": "bench aio and CPU-Adam of the run; compute, norm, copies probed"},
         module_overhead_s=probed.get("module_overhead_s", 0.0),
         fresh_copy_bytes_per_s=probed.get("fresh_copy_bytes_per_s", 0.0),
+        # Runs recorded before new buffers were recycled copied each gather into new memory.
+        gather_copy_bytes_per_s=(
+            0.0
+            if "recycled_buffers_reused" in record
+            else probed.get("fresh_copy_bytes_per_s", 0.0)
+        ),
     )
 
 

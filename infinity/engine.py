@@ -701,6 +701,7 @@ class Engine:
             handle.remove()
         self._grad_handles = []
         self.coordinator.abort()
+        self.accelerator.empty_cache()
         try:
             self._close_stores(self.optimizer)
         finally:

@@ -101,6 +101,14 @@ class Accelerator(abc.ABC):
     def empty_pinned(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """Host memory allocated pinned directly (never pinned by copying)."""
 
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A new device buffer (uninitialized)."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    @abc.abstractmethod
+    def empty_cache(self) -> None:
+        """Give the device memory kept for reuse, and no longer referred to, back."""
+
     @abc.abstractmethod
     def memory_allocated(self) -> int: ...
 
@@ -122,7 +130,7 @@ class Accelerator(abc.ABC):
         start = time.perf_counter()
         with self.use_stream(stream):
             if out is None:
-                out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                out = self.empty(host.shape, host.dtype)
             out.copy_(host, non_blocking=host.is_pinned())
         self.copies.seconds += time.perf_counter() - start
         self.copies.host_to_device_bytes += host.nbytes

@@ -3,7 +3,9 @@
 Streams and events are null objects (all work is synchronous), so callers never need an
 `if stream is not None` branch. Device memory is counted by the callers that allocate it.
 Device memory is host memory, so by default a gather from a host home aliases it instead of
-copying (`alias_host`; see [Note: gathered means resident] in infinity/zero/param.py).
+copying (`alias_host`; see [Note: gathered means resident] in infinity/zero/param.py), and
+new parameter-sized buffers reuse ones nothing refers to any more (see [Note: recycled device
+buffers] in infinity/accelerator/recycled.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import torch
 
 from infinity.accelerator.base import Accelerator, Event, Stream
+from infinity.accelerator.recycled import RecycledBuffers
 
 
 class NullStream(Stream):
@@ -49,6 +52,7 @@ class CpuAccelerator(Accelerator):
         super().__init__()
         self.device = torch.device("cpu")
         self.shares_host_memory = alias_host
+        self.buffers = RecycledBuffers()
 
     def __repr__(self) -> str:
         return f"CpuAccelerator(alias_host={self.shares_host_memory})"
@@ -73,6 +77,12 @@ class CpuAccelerator(Accelerator):
 
     def empty_pinned(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return self.buffers.empty(shape, dtype)
+
+    def empty_cache(self) -> None:
+        self.buffers.clear()
 
     def memory_allocated(self) -> int:
         return 0

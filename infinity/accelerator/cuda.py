@@ -80,6 +80,9 @@ class CudaAccelerator(Accelerator):
     def max_memory_allocated(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device)
 

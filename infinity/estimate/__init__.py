@@ -80,7 +80,7 @@ def measure_rates(
             "probe: the model cut to one layer, and a block per further layer, forward and "
             f"backward on this CPU{stand_in}"
         )
-        sources["copies"] = "probe: a host memory copy, and one into new memory (gathers)"
+        sources["copies"] = "probe: a host memory copy, and one into new memory (gradients)"
         if module_overhead_s:
             sources["hooks"] = "probe: a tiny Llama through the engine against plain PyTorch"
     else:

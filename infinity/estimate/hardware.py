@@ -78,8 +78,13 @@ class Rates:
     nvme_write_bps: float
     sources: dict[str, str] = field(default_factory=dict)
     fresh_copy_bytes_per_s: float = 0.0
-    """Copies into newly allocated memory (gathers on the CPU device); 0: as
-    `copy_bytes_per_s`."""
+    """Writes into newly allocated memory (the gradients autograd makes on the CPU device);
+    0: as `copy_bytes_per_s`."""
+    gather_copy_bytes_per_s: float = 0.0
+    """A gather's copy from its staging buffer on the CPU device; 0: as `copy_bytes_per_s`
+    (the copy lands in a recycled buffer: see [Note: recycled device buffers] in
+    infinity/accelerator/recycled.py). A replay of a run recorded before buffers were
+    recycled sets the fresh-copy rate."""
     module_overhead_s: float = 0.0
     """What the engine adds per module with parameters in one micro step on the CPU device
     (its gather, release and gradient hooks; `infinity.cli.estimate_probe`); 0: not
@@ -205,9 +210,9 @@ def probe_copy_bytes_per_s(numel: int = 1 << 24) -> float:
 
 
 def probe_fresh_copy_bytes_per_s(numel: int = 1 << 24) -> float:
-    """Bytes per second of the same copy into a newly allocated buffer, as a gather copies a
-    parameter into a new device tensor: on the CPU device the kernel maps and zeroes its
-    pages first, which on this VM costs more than the copy."""
+    """Bytes per second of the same copy into a newly allocated buffer, as autograd writes a
+    gradient on the CPU device: the kernel maps and zeroes its pages first, which on this VM
+    costs more than the copy."""
     src = torch.randn(numel)
     return src.nbytes / _median_s(lambda: torch.empty_like(src).copy_(src), repeats=5)
 

@@ -289,19 +289,24 @@ def step_times(
 
 def micro_step_copies_s(sz: Sizes, rates: Rates) -> float:
     """Host-device copies of one micro step: gathered parameters to the device, gradients
-    back. On the CPU device a gather from NVMe copies its pool buffer into newly allocated
-    memory (one from host memory aliases its home: no copy) and autograd writes each
-    gradient into new memory (both at the fresh-copy rate); the gradient is then added
-    straight into its fp32 partition, reading the gradient and the partition and writing
-    the partition (itemsize + 8 bytes per element, against a copy's 2 bytes of memory
-    traffic per byte copied)."""
+    back. On the CPU device a gather from NVMe copies its pool buffer into a recycled buffer
+    (see [Note: recycled device buffers] in infinity/accelerator/recycled.py; one from host
+    memory aliases its home: no copy), and autograd writes each gradient into newly
+    allocated memory (at the fresh-copy rate); the gradient is then added straight into its
+    fp32 partition, reading the gradient and the partition and writing the partition
+    (itemsize + 8 bytes per element, against a copy's 2 bytes of memory traffic per byte
+    copied)."""
     if rates.gpu is not None:
         moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
         return moved / rates.copy_bytes_per_s
-    fresh = sz.gather_bytes_per_micro_step + sz.trainable_numel * sz.itemsize
-    gathers = fresh / (rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s)
+    gathers = sz.gather_bytes_per_micro_step / (
+        rates.gather_copy_bytes_per_s or rates.copy_bytes_per_s
+    )
+    grads = (
+        sz.trainable_numel * sz.itemsize / (rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s)
+    )
     grad_add = sz.trainable_numel * (sz.itemsize + 8) / (2 * rates.copy_bytes_per_s)
-    return gathers + grad_add
+    return gathers + grads + grad_add
 
 
 def bound_of(times: StepTimes) -> Bound:

@@ -15,10 +15,12 @@ are fetched and released, the live budget and `memory_stats()`. An alias is neve
 whatever writes a home (the optimizer's step, `home.write`, a checkpoint load) writes the
 live buffer with it, so `refresh` has nothing to copy; and nothing writes a gathered buffer
 expecting it to be private (a step's new weights reach a copy only through `refresh`). A
-home on NVMe is read into a pool buffer, which goes back to the pool, so it is still copied;
-with several ranks the aliased home is the all-gather's input and the gathered buffer its
-output, a buffer of its own. `CpuAccelerator(alias_host=False)` copies as a GPU does, so the
-copy path runs (and is tested) on a machine without one.
+home on NVMe is read into a pool buffer, which goes back to the pool, so it is still copied
+(on the CPU device into memory an earlier release freed: see [Note: recycled device
+buffers] in infinity/accelerator/recycled.py); with several ranks the aliased home is the
+all-gather's input and the gathered buffer its output, a buffer of its own.
+`CpuAccelerator(alias_host=False)` copies as a GPU does, so the copy path runs (and is
+tested) on a machine without one.
 
 [Note: fetching from NVMe] With an NVMe home, `fetch` issues a read of the home into a
 buffer of the store's pinned pool (INFLIGHT, no device buffer yet); `wait` waits for the read,
