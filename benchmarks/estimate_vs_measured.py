@@ -66,12 +66,6 @@ def rates_of(record: dict, probed: dict) -> Rates:
         sources={"record": "bench aio and CPU-Adam of the run; compute, norm, copies probed"},
         module_overhead_s=probed.get("module_overhead_s", 0.0),
         fresh_copy_bytes_per_s=probed.get("fresh_copy_bytes_per_s", 0.0),
-        # Runs recorded before new buffers were recycled copied each gather into new memory.
-        gather_copy_bytes_per_s=(
-            0.0
-            if "recycled_buffers_reused" in record
-            else probed.get("fresh_copy_bytes_per_s", 0.0)
-        ),
     )
 
 
@@ -90,6 +84,8 @@ def estimate_record(record: dict, probed: dict) -> Estimate:
         grads_spill=any("nvme_grad_bytes" in k for k in record["memory_stats"]),
         # Runs recorded before gathers aliased their host homes copied them.
         aliases=bool(record.get("gathers_alias_host", False)),
+        # ... and before new buffers were recycled, into newly allocated memory.
+        recycles="recycled_buffers_reused" in record,
     )
 
 

@@ -80,11 +80,6 @@ class Rates:
     fresh_copy_bytes_per_s: float = 0.0
     """Writes into newly allocated memory (the gradients autograd makes on the CPU device);
     0: as `copy_bytes_per_s`."""
-    gather_copy_bytes_per_s: float = 0.0
-    """A gather's copy from its staging buffer on the CPU device; 0: as `copy_bytes_per_s`
-    (the copy lands in a recycled buffer: see [Note: recycled device buffers] in
-    infinity/accelerator/recycled.py). A replay of a run recorded before buffers were
-    recycled sets the fresh-copy rate."""
     module_overhead_s: float = 0.0
     """What the engine adds per module with parameters in one micro step on the CPU device
     (its gather, release and gradient hooks; `infinity.cli.estimate_probe`); 0: not

@@ -30,6 +30,7 @@ import enum
 import os
 from dataclasses import asdict, dataclass, field
 
+from infinity.accelerator.recycled import MIN_BYTES
 from infinity.config import Config
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
 from infinity.estimate.pipeline import Prefetch, micro_step_s, prefetch_of
@@ -155,11 +156,14 @@ def estimate(
     ram_bytes: int | None = None,
     grads_spill: bool | None = None,
     aliases: bool | None = None,
+    recycles: bool = True,
 ) -> Estimate:
     """The estimate for `shape` trained under `config` (unresolved, as given) at `rates`.
     `runtime_bytes`: host memory of the Python process before any model (default: this
     process's RSS now); `ram_bytes`: the machine's RAM for the advice (default: this one's);
-    `grads_spill`, `aliases`: see `sizes`."""
+    `grads_spill`, `aliases`: see `sizes`; `recycles`: new buffers on the CPU device reuse
+    freed ones (see [Note: recycled device buffers] in infinity/accelerator/recycled.py;
+    False replays runs recorded before they did)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     config = resolve_config(config, shape)
@@ -181,12 +185,21 @@ def estimate(
     reads = None
     if gpu is None and sz.param_read_bytes_per_micro_step:
         reads = prefetch_of(shape, config, checkpointing=activation_checkpointing)
+    recycled = gpu is None and recycles
     times = step_times(
-        sz, rates, accum=accum, pipelined=pipelined, modules=shape.modules, prefetch=reads
+        sz,
+        rates,
+        accum=accum,
+        pipelined=pipelined,
+        modules=shape.modules,
+        prefetch=reads,
+        recycled=recycled,
     )
     acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
+    if recycled and sz.gather_bytes_per_micro_step:
+        device += recycled_slack_bytes(shape, sz.itemsize)
     runtime = _current_rss() if runtime_bytes is None else runtime_bytes
     if gpu is not None:
         runtime += CUDA_RUNTIME_HOST_BYTES
@@ -240,15 +253,17 @@ def step_times(
     pipelined: bool = True,
     modules: int = 0,
     prefetch: Prefetch | None = None,
+    recycled: bool = True,
 ) -> StepTimes:
     """See [Note: the step model]; without `pipelined` (offload_optimizer.pipeline_read and
     pipeline_write) the state's transfers and CPU-Adam take turns. `modules`: the model's
     modules with parameters (the engine's hooks cost `rates.module_overhead_s` each).
     `prefetch`: the gathers of a micro step whose parameter reads the CPU device's cores
-    wait for (None: the reads overlap the cores' work as a whole)."""
+    wait for (None: the reads overlap the cores' work as a whole). `recycled`: see
+    `micro_step_copies_s`."""
     read, write = rates.nvme_read_bps, rates.nvme_write_bps
     compute = rates.compute_s
-    copies = micro_step_copies_s(sz, rates)
+    copies = micro_step_copies_s(sz, rates, recycled=recycled)
     hooks = modules * rates.module_overhead_s if rates.gpu is None else 0.0
     # The disk during forward and backward: parameter reads, the spilled gradients written
     # and read back, and the optimizer state the last sweep read ahead.
@@ -287,10 +302,11 @@ def step_times(
     )
 
 
-def micro_step_copies_s(sz: Sizes, rates: Rates) -> float:
+def micro_step_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> float:
     """Host-device copies of one micro step: gathered parameters to the device, gradients
     back. On the CPU device a gather from NVMe copies its pool buffer into a recycled buffer
-    (see [Note: recycled device buffers] in infinity/accelerator/recycled.py; one from host
+    (at the copy rate; into new memory, at the fresh-copy rate, without `recycled`: see
+    [Note: recycled device buffers] in infinity/accelerator/recycled.py; a gather from host
     memory aliases its home: no copy), and autograd writes each gradient into newly
     allocated memory (at the fresh-copy rate); the gradient is then added straight into its
     fp32 partition, reading the gradient and the partition and writing the partition
@@ -299,14 +315,19 @@ def micro_step_copies_s(sz: Sizes, rates: Rates) -> float:
     if rates.gpu is not None:
         moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
         return moved / rates.copy_bytes_per_s
-    gathers = sz.gather_bytes_per_micro_step / (
-        rates.gather_copy_bytes_per_s or rates.copy_bytes_per_s
-    )
-    grads = (
-        sz.trainable_numel * sz.itemsize / (rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s)
-    )
+    fresh = rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s
+    gathers = sz.gather_bytes_per_micro_step / (rates.copy_bytes_per_s if recycled else fresh)
+    grads = sz.trainable_numel * sz.itemsize / fresh
     grad_add = sz.trainable_numel * (sz.itemsize + 8) / (2 * rates.copy_bytes_per_s)
     return gathers + grads + grad_add
+
+
+def recycled_slack_bytes(shape: ModelShape, itemsize: int) -> int:
+    """Memory the CPU device's recycled buffers keep beyond the most held at once: one
+    buffer of the largest gathered parameter, when it is large enough to be recycled (see
+    [Note: recycled device buffers] in infinity/accelerator/recycled.py)."""
+    largest = max((p.numel for p in shape.params), default=0) * itemsize
+    return largest if largest >= MIN_BYTES else 0
 
 
 def bound_of(times: StepTimes) -> Bound:
