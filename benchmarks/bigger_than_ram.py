@@ -88,7 +88,6 @@ def bench_aio(path: str, extra: list[str]) -> dict:
         "seconds": time.perf_counter() - t0,
         "best_read_gbps": top["read"],
         "best_write_gbps": top["write"],
-        "best_mixed_gbps": top["mixed"],
         "best_aio_section": top["aio"],
         "buffered": any(r["buffered"] for r in records),
         "records": overwrite,

@@ -63,8 +63,6 @@ def rates_of(record: dict, probed: dict) -> Rates:
         copy_bytes_per_s=probed["copy_bytes_per_s"],
         nvme_read_bps=aio["best_read_gbps"] * 1e9,
         nvme_write_bps=aio["best_write_gbps"] * 1e9,
-        # Runs recorded before `bench aio` measured reads and writes at once have none.
-        nvme_mixed_bps=aio.get("best_mixed_gbps", 0.0) * 1e9,
         sources={"record": "bench aio and CPU-Adam of the run; compute, norm, copies probed"},
         module_overhead_s=probed.get("module_overhead_s", 0.0),
         fresh_copy_bytes_per_s=probed.get("fresh_copy_bytes_per_s", 0.0),

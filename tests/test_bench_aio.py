@@ -28,12 +28,8 @@ def test_cli_sweep_writes_records(tmp_path, capsys):
     records = json.loads(out.read_text())
     assert records[-1]["fresh_file"] and records[-1]["op"] == "write"
     records = [r for r in records if not r["fresh_file"]]
-    mixed = [r for r in records if r["op"] == "mixed"]
-    records = [r for r in records if r["op"] != "mixed"]
     backends = available_backends()
     assert len(records) == len(backends) * 2 * 2 * 2 * 2  # x block sizes, depths, threads, ops
-    # Reads and writes at once, with the setting the printed section names (checked below).
-    assert len(mixed) == 1 and mixed[0]["gbps"] > 0 and set(mixed[0]) >= KEYS
     assert all(set(r) >= KEYS and r["gbps"] > 0 for r in records)
     assert {r["backend"] for r in records} == set(backends)
     assert {r["op"] for r in records} == {"read", "write"}
@@ -47,9 +43,6 @@ def test_cli_sweep_writes_records(tmp_path, capsys):
     assert set(section) == {"block_size", "queue_depth", "thread_count", "single_submit",
                             "overlap_events", "backend"}  # fmt: skip
     assert all((r["single_submit"], r["overlap_events"]) == (False, True) for r in records)
-    assert (mixed[0]["block_size"], mixed[0]["queue_depth"], mixed[0]["threads"]) == (
-        section["block_size"], section["queue_depth"], section["thread_count"])  # fmt: skip
-    assert f"{mixed[0]['gbps']:.2f} GB/s together" in text
 
 
 def test_sweeps_single_submit_and_overlap_events(tmp_path, capsys):
@@ -59,7 +52,6 @@ def test_sweeps_single_submit_and_overlap_events(tmp_path, capsys):
             "--overlap-events", "true,false", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     records = [r for r in json.loads(out.read_text()) if not r["fresh_file"]]
-    records = [r for r in records if r["op"] != "mixed"]
     modes = {(r["op"], r["single_submit"], r["overlap_events"]) for r in records}
     assert len(records) == len(modes) == 2 * 2 * 2
     table = capsys.readouterr().out
@@ -86,12 +78,8 @@ def test_best_picks_balanced_config():
     result = {"records": [rec("read", "a", 1.0), rec("write", "a", 1.0),
                           rec("read", "b", 2.0), rec("write", "b", 0.1)]}  # fmt: skip
     b = best(result)
-    assert (b["read"], b["write"], b["mixed"]) == (2.0, 1.0, 0.0)
+    assert (b["read"], b["write"]) == (2.0, 1.0)
     assert b["aio"]["backend"] == "a"  # 0.5 + 1.0 beats 1.0 + 0.1
-    # A mixed record (reads and writes at once) is reported apart, never scored.
-    result["records"].append(rec("mixed", "b", 50.0))
-    b = best(result)
-    assert b["mixed"] == 50.0 and b["aio"]["backend"] == "a"
 
 
 def test_arguments_are_checked(tmp_path):
@@ -121,7 +109,7 @@ def test_aio_bench_script(tmp_path):
     assert proc.returncode == 0, proc.stderr
     records = json.loads(out.read_text())
     assert [(r["op"], r["fresh_file"]) for r in records] == [
-        ("read", False), ("write", False), ("mixed", False), ("write", True)
+        ("read", False), ("write", False), ("write", True)
     ]  # fmt: skip
     assert "Best performance (GB/sec)" in proc.stdout
 

@@ -341,31 +341,6 @@ def _rates(**overrides) -> Rates:
     return Rates(**{**base, **overrides})
 
 
-def test_reads_and_writes_at_once_take_the_measured_mixed_rate(tmp_path):
-    from infinity.estimate.result import disk_s
-
-    apart = _rates(nvme_read_bps=3e9, nvme_write_bps=4e9)
-    assert disk_s(6e9, 4e9, apart) == pytest.approx(2.0 + 1.0)  # one after the other
-    both = _rates(nvme_read_bps=3e9, nvme_write_bps=4e9, nvme_mixed_bps=5e9)
-    assert disk_s(6e9, 4e9, both) == pytest.approx(10e9 / 5e9)
-    assert disk_s(6e9, 0.0, both) == pytest.approx(2.0)  # reads alone: the read rate
-    assert disk_s(6e9, 1e8, both) == pytest.approx(2.0)  # never faster than either alone
-    # The optimizer step of an NVMe run is disk-bound here: it takes the mixed rate.
-    shape = model_shape(preset("llama-1b"))
-    cfg = Config.load(_config(tmp_path, sub_group_size=100_000_000))
-    kw = dict(seq_len=128, runtime_bytes=0, ram_bytes=1 << 40)
-    disk = dict(nvme_read_bps=1e8, nvme_write_bps=1e8)
-    slow = estimate(shape, cfg, _rates(**disk), **kw)
-    fast = estimate(shape, cfg, _rates(**disk, nvme_mixed_bps=1.5e8), **kw)
-    s = slow.sizes
-    reads = s.optim_read_bytes_per_step - s.optim_ahead_read_bytes + s.grad_step_read_bytes
-    writes = s.optim_write_bytes_per_step + s.param_write_bytes_per_step
-    assert reads and writes
-    state = slow.times.optimizer_step_s - fast.times.optimizer_step_s
-    mixed = max(reads / 1e8, writes / 1e8, (reads + writes) / 1.5e8)
-    assert state == pytest.approx((reads + writes) / 1e8 - mixed, rel=1e-6) and state > 0
-
-
 def test_slow_disk_bounds_and_advice_names_the_fix(tmp_path):
     shape = model_shape(preset("llama-1b"))
     cfg = Config.load(_config(tmp_path, sub_group_size=100_000_000))
@@ -425,10 +400,7 @@ def test_bench_aio_file_gives_best_overwrite_rates(tmp_path):
         {"op": "write", "gbps": 9.0, "fresh_file": True},
         {"op": "write", "gbps": 4.0, "fresh_file": False},
     ]))  # fmt: skip
-    assert rates_from_bench_aio(path) == (2.5e9, 4.0e9, 0.0)  # written before "mixed"
-    records = json.loads(path.read_text()) + [{"op": "mixed", "gbps": 5.0, "fresh_file": False}]
-    path.write_text(json.dumps(records))
-    assert rates_from_bench_aio(path) == (2.5e9, 4.0e9, 5.0e9)
+    assert rates_from_bench_aio(path) == (2.5e9, 4.0e9)
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     with pytest.raises(ValueError, match="no read and write records"):
@@ -492,8 +464,8 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 
 
 def test_nvme_probe_measures_and_leaves_nothing(tmp_path):
-    read, write, mixed = probe_nvme(tmp_path, 8 << 20)
-    assert read > 0 and write > 0 and mixed > 0
+    read, write = probe_nvme(tmp_path, 8 << 20)
+    assert read > 0 and write > 0
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="not a writable directory"):
         probe_nvme(tmp_path / "missing")

@@ -3,10 +3,8 @@
 Sweeps backends x block sizes x queue depths x threads (x single_submit x overlap_events when
 asked) over one file, as training uses it:
 writes overwrite a laid-out file (the first writes into a fresh file are timed once and
-reported apart), reads use O_DIRECT so the page cache does not flatter them. Then, with the
-best setting, half the file is read while the other half is written (an optimizer step's
-traffic; a disk may move the two partly at once). Prints a table, the best read and write,
-the mixed figure, and the `aio` config section that gave the best of both.
+reported apart), reads use O_DIRECT so the page cache does not flatter them. Prints a table,
+the best read and write, and the `aio` config section that gave the best of both.
 """
 
 from __future__ import annotations
@@ -160,24 +158,6 @@ class Target:
         self.buffered |= any(issubclass(w.category, AioFallbackWarning) for w in caught)
         return elapsed
 
-    def move_mixed(self, handle: AioHandle) -> float:
-        """Seconds to read half the file while writing the other half, the two halves'
-        requests interleaved and all in flight at once (an optimizer step's traffic: one
-        sub-group's state read while the last one's is written back)."""
-        half = max(4096, self.buf.numel() // 2 // 4096 * 4096)
-        reads, writes = self.buf[:half], self.buf[half : 2 * half]
-        t0 = time.perf_counter()
-        futures = []
-        for k, offset in enumerate(range(0, self.size, half)):
-            n = min(half, self.size - offset)
-            if k % 2 or not len(writes):
-                futures.append(handle.pread(reads[:n], self.path, offset))
-            else:
-                futures.append(handle.pwrite(writes[:n], self.path, offset))
-        for f in futures:
-            f.wait()
-        return time.perf_counter() - t0
-
     def remove(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
@@ -237,11 +217,6 @@ def run(cfg: AioBenchConfig, progress: bool = True) -> dict:
                 for op in cfg.ops:
                     times = [target.move(h, op) for _ in range(cfg.repeats)]
                     out["records"].append(_record(op, c, times, cfg.size))
-        if set(cfg.ops) == {"read", "write"}:  # both at once, with the best setting for both
-            s = _best_setting(out["records"])
-            with AioHandle(**s._asdict()) as h:
-                times = [target.move_mixed(h) for _ in range(cfg.repeats)]
-            out["mixed"] = _record("mixed", s, times, cfg.size)
     finally:
         if not cfg.keep_file:
             target.remove()
@@ -249,31 +224,20 @@ def run(cfg: AioBenchConfig, progress: bool = True) -> dict:
     return out
 
 
-def _best_setting(records: list[dict]) -> Setting:
-    """The setting with the best read + write (each relative to the best of its op)."""
-    recs = [r for r in records if r["op"] in ("read", "write")]
-    top = {op: max((r["gbps"] for r in recs if r["op"] == op), default=0.0)
-           for op in ("read", "write")}  # fmt: skip
+def best(result: dict) -> dict:
+    """Best read and write GB/s, and the config section with the best read + write."""
+    recs = result["records"]
+    by_op = {op: [r for r in recs if r["op"] == op] for op in ("read", "write")}
+    top = {op: max((r["gbps"] for r in rs), default=0.0) for op, rs in by_op.items()}
     score: dict[Setting, float] = {}
     for r in recs:
         key = _key(r)
         score[key] = score.get(key, 0.0) + r["gbps"] / max(top[r["op"]], 1e-12)
-    return max(score, key=score.get)
-
-
-def best(result: dict) -> dict:
-    """Best read, write and mixed GB/s (mixed: reads and writes at once, 0 when not
-    measured), and the config section with the best read + write."""
-    recs = result["records"]
-    top = {op: max((r["gbps"] for r in recs if r["op"] == op), default=0.0)
-           for op in ("read", "write", "mixed")}  # fmt: skip
-    if "mixed" in result:
-        top["mixed"] = max(top["mixed"], result["mixed"]["gbps"])
-    s = _best_setting(recs)
+    s = max(score, key=score.get)
     section = {"block_size": s.block_size, "queue_depth": s.queue_depth,
                "thread_count": s.threads, "single_submit": s.single_submit,
                "overlap_events": s.overlap_events, "backend": s.backend}  # fmt: skip
-    return {"read": top["read"], "write": top["write"], "mixed": top["mixed"], "aio": section}
+    return {"read": top["read"], "write": top["write"], "aio": section}
 
 
 def format_table(result: dict) -> str:
@@ -298,12 +262,6 @@ def format_table(result: dict) -> str:
         f"qd {fw['queue_depth']}, {fw['threads']} thread(s)): {fw['gbps']:.2f} GB/s "
         "(not in the table: training overwrites laid-out files)"
     )
-    if "mixed" in result:
-        mx = result["mixed"]
-        lines.append(
-            f"reads and writes at once (the best setting above, half the file each way): "
-            f"{mx['gbps']:.2f} GB/s together"
-        )
     if result["buffered"]:
         lines.append(
             "NOTE: the file system refused O_DIRECT, so these figures went through the page "
@@ -348,13 +306,11 @@ def config_from_args(args: argparse.Namespace) -> AioBenchConfig:
 
 
 def json_records(result: dict) -> list[dict]:
-    """The --json list: one record per (op, configuration) with the machine info, the reads
-    and writes at once (op "mixed"), then the first write into the fresh file, marked
-    "fresh_file": true."""
+    """The --json list: one record per (op, configuration) with the machine info, then the
+    first write into the fresh file, marked "fresh_file": true."""
     extra = {"machine": result["machine"], "size": result["config"]["size"],
              "buffered": result["buffered"]}  # fmt: skip
-    mixed = [result["mixed"]] if "mixed" in result else []
-    return [{**r, **extra, "fresh_file": False} for r in result["records"] + mixed] + [
+    return [{**r, **extra, "fresh_file": False} for r in result["records"]] + [
         {**result["first_write"], **extra, "fresh_file": True}
     ]
 

@@ -14,7 +14,7 @@ import shutil
 
 from infinity.config import Config
 from infinity.estimate import hardware
-from infinity.estimate.hardware import DEVICES, GPUS, DiskRates, Rates
+from infinity.estimate.hardware import DEVICES, GPUS, Rates
 from infinity.estimate.result import Bound, Estimate, StepTimes, estimate
 from infinity.estimate.shapes import ModelShape, model_shape
 from infinity.estimate.sizing import Sizes, resolve_config, sizes
@@ -93,7 +93,7 @@ def measure_rates(
             f"{gpu.name}: published {peak} peak x {hardware.GPU_UTILIZATION:.0%} utilization"
         )
         sources["copies"] = f"{gpu.name}: PCIe {gpu.host_link_bps / 1e9:.0f} GB/s"
-    disk, sources["nvme"] = _disk(config, nvme_path, bench_aio)
+    read, write, sources["nvme"] = _disk(config, nvme_path, bench_aio)
     sources["cpu_adam"] = "probe: adam_step_flat on this CPU"
     return Rates(
         device=device,
@@ -103,33 +103,32 @@ def measure_rates(
         norm_bytes_per_s=hardware.probe_norm_bytes_per_s(),
         copy_bytes_per_s=copy,
         fresh_copy_bytes_per_s=fresh,
-        nvme_read_bps=disk.read,
-        nvme_write_bps=disk.write,
-        nvme_mixed_bps=disk.mixed,
+        nvme_read_bps=read,
+        nvme_write_bps=write,
         sources=sources,
         module_overhead_s=module_overhead_s if gpu is None else 0.0,
     )
 
 
-def _disk(config: Config, nvme_path: str | None, bench_aio: str | None) -> tuple[DiskRates, str]:
+def _disk(config: Config, nvme_path: str | None, bench_aio: str | None) -> tuple[float, float, str]:
     zero = config.zero_optimization
     uses_nvme = "nvme" in (zero.offload_param.device, zero.offload_optimizer.device)
     path = nvme_path or zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path
     if bench_aio:
-        rates = hardware.rates_from_bench_aio(bench_aio)
-        both = "and reads and writes at once" if rates.mixed else "(no mixed figure in it)"
-        return rates, f"bench aio file {bench_aio}: best read and write, {both}"
+        read, write = hardware.rates_from_bench_aio(bench_aio)
+        return read, write, f"bench aio file {bench_aio}: best read and write"
     if uses_nvme and path and _probeable(path):
         if shutil.disk_usage(path).free >= 2 * _PROBE_BYTES:
-            rates = hardware.probe_nvme(path, _PROBE_BYTES)
-            return rates, f"probe: 256 MiB O_DIRECT write, read, and both at once in {path}"
+            read, write = hardware.probe_nvme(path, _PROBE_BYTES)
+            return read, write, f"probe: 256 MiB O_DIRECT write and read in {path}"
         why = f"{path} has too little free space to probe"
     elif uses_nvme and path:
         why = f"{path} is not here to probe"
     else:
         why = "nothing measured"
     return (
-        DiskRates(hardware.ASSUMED_NVME_READ_BPS, hardware.ASSUMED_NVME_WRITE_BPS),
+        hardware.ASSUMED_NVME_READ_BPS,
+        hardware.ASSUMED_NVME_WRITE_BPS,
         f"assumed PCIe 4.0 SSD ({why}; pass --bench-aio FILE for measured rates)",
     )
 

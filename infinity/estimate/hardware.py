@@ -18,7 +18,6 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -78,9 +77,6 @@ class Rates:
     nvme_read_bps: float
     nvme_write_bps: float
     sources: dict[str, str] = field(default_factory=dict)
-    nvme_mixed_bps: float = 0.0
-    """Reads and writes in flight together, counted together; 0: not measured (the disk's
-    reads and writes are taken one after the other)."""
     fresh_copy_bytes_per_s: float = 0.0
     """Writes into newly allocated memory (the gradients autograd makes on the CPU device);
     0: as `copy_bytes_per_s`."""
@@ -219,20 +215,9 @@ def probe_fresh_copy_bytes_per_s(numel: int = 1 << 24) -> float:
 # -- the disk --------------------------------------------------------------------------------
 
 
-class DiskRates(NamedTuple):
-    """Bytes per second of the swap disk."""
-
-    read: float
-    write: float
-    mixed: float = 0.0
-    """Reads and writes in flight together, counted together (0: not measured; they are
-    then taken one after the other)."""
-
-
-def rates_from_bench_aio(path: str | os.PathLike) -> DiskRates:
-    """Best read, write and mixed bytes/s of an `infinity bench aio --json` file (overwrites
-    only: the swap files are pre-allocated; files written before mixed was measured have
-    none)."""
+def rates_from_bench_aio(path: str | os.PathLike) -> tuple[float, float]:
+    """Best read and write bytes/s of an `infinity bench aio --json` file (overwrites only:
+    the swap files are pre-allocated)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -244,7 +229,7 @@ def rates_from_bench_aio(path: str | os.PathLike) -> DiskRates:
             "FILE` wrote"
         ) from None
     records = data.get("records", []) if isinstance(data, dict) else data
-    best = {"read": 0.0, "write": 0.0, "mixed": 0.0}
+    best = {"read": 0.0, "write": 0.0}
     for rec in records if isinstance(records, list) else []:
         if isinstance(rec, dict) and rec.get("op") in best and not rec.get("fresh_file"):
             best[rec["op"]] = max(best[rec["op"]], float(rec.get("gbps", 0.0)))
@@ -253,21 +238,18 @@ def rates_from_bench_aio(path: str | os.PathLike) -> DiskRates:
             f"--bench-aio {path} has no read and write records with 'gbps'; run "
             "`infinity bench aio --path DIR --json FILE` and pass FILE"
         )
-    return DiskRates(best["read"] * 1e9, best["write"] * 1e9, best["mixed"] * 1e9)
+    return best["read"] * 1e9, best["write"] * 1e9
 
 
-def probe_nvme(directory: str | os.PathLike, nbytes: int = 256 << 20) -> DiskRates:
-    """Read, write and mixed bytes/s of `directory`: one pre-allocated file written and read
-    with O_DIRECT in 8 MiB blocks, then its first half read while its second half is written
-    (a quick look; `infinity bench aio` sweeps properly)."""
+def probe_nvme(directory: str | os.PathLike, nbytes: int = 256 << 20) -> tuple[float, float]:
+    """Read and write bytes/s of `directory`: one pre-allocated file written and read with
+    O_DIRECT in 8 MiB blocks (a quick look; `infinity bench aio` sweeps properly)."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise ValueError(
             f"--nvme {directory} is not a writable directory, so its speed cannot be probed; "
             "create it, or pass --bench-aio FILE from a run of `infinity bench aio` there"
         )
-    nbytes = max(8192, nbytes // 8192 * 8192)
-    half = nbytes // 2
     buf = aligned_empty(nbytes, torch.uint8)
     buf.fill_(1)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".infinity-estimate-") as tmp:
@@ -280,8 +262,4 @@ def probe_nvme(directory: str | os.PathLike, nbytes: int = 256 << 20) -> DiskRat
             t1 = time.perf_counter()
             aio.read(buf, path)
             t2 = time.perf_counter()
-            both = [aio.pread(buf[:half], path, 0), aio.pwrite(buf[half:], path, half)]
-            for f in both:
-                f.wait()
-            t3 = time.perf_counter()
-    return DiskRates(nbytes / (t2 - t1), nbytes / (t1 - t0), nbytes / (t3 - t2))
+    return nbytes / (t2 - t1), nbytes / (t1 - t0)

@@ -13,8 +13,7 @@ optimizer step reads and writes the rest of the state (and the step's share of t
 gradients, and writes the new 16-bit weights) one sub-group at a time while CPU-Adam steps
 the previous one, so it costs the slower of the two (their sum with `pipeline_read` or
 `pipeline_write` off), plus the gradient-norm pass before it. The disk's reads and writes
-are taken one after the other at their measured rates, or as fast as the disk moved both
-at once where that was measured (`disk_s`).
+are taken one after the other at their measured rates.
 
 On the CPU device with parameters on NVMe the reads do not hide behind the cores as a
 whole: they run ahead only as far as the prefetch window (`stage3_prefetch_bucket_size`
@@ -262,18 +261,17 @@ def step_times(
     `prefetch`: the gathers of a micro step whose parameter reads the CPU device's cores
     wait for (None: the reads overlap the cores' work as a whole). `recycled`: see
     `micro_step_copies_s`."""
-    read = rates.nvme_read_bps
+    read, write = rates.nvme_read_bps, rates.nvme_write_bps
     compute = rates.compute_s
     copies = micro_step_copies_s(sz, rates, recycled=recycled)
     hooks = modules * rates.module_overhead_s if rates.gpu is None else 0.0
     # The disk during forward and backward: parameter reads, the spilled gradients written
     # and read back, and the optimizer state the last sweep read ahead.
-    window_io = disk_s(
-        accum * sz.param_read_bytes_per_micro_step
-        + sz.grad_read_bytes_per_step - sz.grad_step_read_bytes
-        + sz.optim_ahead_read_bytes,
-        sz.grad_write_bytes_per_step,
-        rates,
+    window_io = (
+        (accum * sz.param_read_bytes_per_micro_step
+         + sz.grad_read_bytes_per_step - sz.grad_step_read_bytes
+         + sz.optim_ahead_read_bytes) / read
+        + sz.grad_write_bytes_per_step / write
     )  # fmt: skip
     cores = compute + copies + hooks
     micro = cores
@@ -285,11 +283,9 @@ def step_times(
         window = max(accum * micro, window_io)
     else:
         window = max(accum * compute, accum * copies, window_io)
-    state_io = disk_s(
-        sz.optim_read_bytes_per_step - sz.optim_ahead_read_bytes + sz.grad_step_read_bytes,
-        sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step,
-        rates,
-    )
+    state_io = (
+        sz.optim_read_bytes_per_step - sz.optim_ahead_read_bytes + sz.grad_step_read_bytes
+    ) / read + (sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step) / write
     adam = sz.flat_numel / rates.adam_numel_per_s
     norm = sz.grad_host_bytes / rates.norm_bytes_per_s
     optimizer = (max(adam, state_io) if pipelined else adam + state_io) + norm
@@ -304,16 +300,6 @@ def step_times(
         optimizer_step_s=optimizer,
         step_s=window + optimizer,
     )
-
-
-def disk_s(read_bytes: float, write_bytes: float, rates: Rates) -> float:
-    """Seconds of the disk for reads and writes issued together: at the rate the disk was
-    measured moving both at once (`rates.nvme_mixed_bps`, never faster than either alone),
-    or, where that was not measured, one after the other at their own rates."""
-    read_s, write_s = read_bytes / rates.nvme_read_bps, write_bytes / rates.nvme_write_bps
-    if not rates.nvme_mixed_bps or not (read_bytes and write_bytes):
-        return read_s + write_s
-    return max(read_s, write_s, (read_bytes + write_bytes) / rates.nvme_mixed_bps)
 
 
 def micro_step_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> float:
