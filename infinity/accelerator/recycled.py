@@ -16,9 +16,9 @@ allocator's part for such buffers:
   the largest size (`limit_bytes`): when a new buffer would exceed that, free buffers are
   let go, smallest first. Buffers of different sizes are held most at different times (a
   model's embedding at the ends of a step, its layers in between), so keeping only the
-  peak made every step let go of and map again about a third of it; the one largest
-  buffer more stops that (at 0.5B, 100 MB on a 1.05 GiB peak RSS). Between steps the free
-  buffers stay mapped instead of going back to the kernel.
+  peak made every step let go of and map again about 0.35 GB at 0.5B (its peak held is
+  0.2 GB); the one largest buffer more stops that (at 0.5B, 100 MB on a 1.05 GiB peak
+  RSS). Between steps the free buffers stay mapped instead of going back to the kernel.
 - Buffers below `MIN_BYTES` are allocated as usual: the C library's heap already reuses such
   memory.
 """
