@@ -127,6 +127,7 @@ def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_pa
     ckpt = load_checkpoint(save)
     assert ckpt.world_size == 2 and ckpt.state["run"]["world_size"] == 2
     assert not list(save.glob("rank-*.error"))
+    assert "still referenced" not in rank1 + _rank_log(logs, 0, "stderr")  # left the group
 
 
 def test_saved_on_two_resumes_on_one_and_on_two(inputs, tmp_path):

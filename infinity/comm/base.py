@@ -91,6 +91,7 @@ class Comm(abc.ABC):
         self._bytes = dict.fromkeys(OPS, 0)
         self._calls = dict.fromkeys((*OPS, "barrier"), 0)
         self._wait_s = 0.0
+        self._in_flight: list[Work] = []
 
     # -- the transport, per implementation ----------------------------------------------
     @abc.abstractmethod
@@ -171,6 +172,20 @@ class Comm(abc.ABC):
         self._record(Collective("barrier", 0, "-"))
         self._run("barrier", None, self._barrier)
 
+    def finish_in_flight(self) -> None:
+        """Wait for every collective started with `async_op=True` that nobody waited for
+        (an aborted step leaves some); raises the first one's `CommError` after waiting for
+        all of them."""
+        works, self._in_flight = self._in_flight, []
+        first: CommError | None = None
+        for work in works:
+            try:
+                work.wait()
+            except CommError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
     # -- the check ----------------------------------------------------------------------
     def end_step(self) -> None:
         """The end of an optimizer step: with the check on (`INFINITY_COMM_CHECK`), compare
@@ -232,7 +247,11 @@ class Comm(abc.ABC):
             self._wait_s += time.perf_counter() - t0
 
     def _work(self, handle: Any, op: str, t: torch.Tensor, buffers: tuple) -> Work:
-        return Work(self, handle, f"{op} of {t.numel()} {str(t.dtype)[6:]} elements", buffers)
+        work = Work(self, handle, f"{op} of {t.numel()} {str(t.dtype)[6:]} elements", buffers)
+        if handle is not None:
+            self._in_flight = [w for w in self._in_flight if w._handle is not None]
+            self._in_flight.append(work)
+        return work
 
     def _error(self, what: str, cause: BaseException) -> CommError:
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__

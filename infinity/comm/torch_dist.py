@@ -12,18 +12,33 @@ failure reaches the caller as `CommError` naming this rank and the collective, a
 (gloo's monitored barrier) names the ranks that did not arrive. With NCCL, torch's watchdog
 aborts the communicator after `timeout_s` and tears the process down (the default
 TORCH_NCCL_ASYNC_ERROR_HANDLING), since a kernel stuck on the device cannot be interrupted.
+
+[Note: leaving the group] A gloo group runs threads of its own that take the GIL; if the group
+is still alive while the interpreter shuts down, one of them can take a GIL that is no longer
+there and the process aborts (SIGABRT, exit code -6) after a run that succeeded. So `close`
+waits for the collectives still in flight (`Comm.finish_in_flight`), then destroys the group,
+and an `atexit` hook closes a group its owner forgot to. Destroying is not enough if something
+else still holds the group: `torch.distributed.nn.functional` binds `group.WORLD` as a default
+argument when it is first imported, and transformers imports it, so importing it after the
+group exists keeps the group alive for the life of the process. This module imports it first,
+while `group.WORLD` is still None, and `close` warns if the group outlives its destruction.
+Exit can therefore take up to `timeout_s` when a peer is stuck in a collective.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import logging
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 (before any group: see the note)
 
-from infinity.comm.base import Comm, ReduceOp
+from infinity.comm.base import Comm, CommError, ReduceOp
 from infinity.comm.check import CheckLevel
 
 logger = logging.getLogger(__name__)
@@ -84,6 +99,8 @@ class TorchDistributed(Comm):
         self.local_rank = self.rank if local_rank is None else int(local_rank)
         self.local_world_size = self.world_size if local_world_size is None else local_world_size
         self._closed = False
+        if self._owns:
+            atexit.register(self.close)
         logger.debug("joined %s process group as rank %d of %d", self.backend, self.rank,
                      self.world_size)  # fmt: skip
 
@@ -114,9 +131,26 @@ class TorchDistributed(Comm):
             dist.barrier()
 
     def close(self) -> None:
-        """Leave the process group this object joined (an adopted one stays)."""
+        """Leave the process group this object joined (an adopted one stays), after the
+        collectives still in flight finish (see [Note: leaving the group])."""
         if self._closed:
             return
         self._closed = True
-        if self._owns and dist.is_initialized():
-            dist.destroy_process_group()
+        if not self._owns:
+            return
+        atexit.unregister(self.close)
+        if not dist.is_initialized():
+            return
+        try:
+            self.finish_in_flight()
+        except CommError as e:
+            logger.warning("leaving the process group: %s", e)
+        group = weakref.ref(dist.group.WORLD)
+        dist.destroy_process_group()
+        gc.collect()
+        if group() is not None:
+            logger.warning(
+                "the process group is still referenced after it was destroyed, so its "
+                "threads may outlive the interpreter and abort the process at exit; "
+                "import torch.distributed.nn.functional before the group is created"
+            )
