@@ -14,7 +14,7 @@ EXPECTED = [1.0] * 4 + [2.0] * 4
 @pytest.mark.parametrize("scenario", ["close", "forget"])
 def test_a_rank_leaves_its_group_and_exits_cleanly(scenario):
     procs = run_ranks("_comm_exit_child.py", [scenario])
-    for rank, (proc, seen) in enumerate(zip(procs, rank_results(procs))):
+    for rank, (proc, seen) in enumerate(zip(procs, rank_results(procs), strict=True)):
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{proc.stderr}"
         assert seen["gathered"] == EXPECTED
         assert seen["initialized_at_exit"] is False  # the group was destroyed before exit
