@@ -152,16 +152,20 @@ def _estimate_probe_child(args: argparse.Namespace) -> dict:
     compute = hardware.probe_compute_s(
         mcfg, 1, args.seq_len, torch.bfloat16, lora_r=args.lora_r, checkpointing=True
     )
-    from infinity.cli.estimate_probe import probe_module_overhead_s
+    from infinity.cli.estimate_probe import probe_engine_costs
 
+    costs = probe_engine_costs(
+        torch.bfloat16,
+        lora_r=args.lora_r,
+        checkpointing=True,
+        nvme_path=args.path if args.param_tier == "nvme" else None,
+        like=mcfg,
+    )
     return {
         "compute_s": compute,
-        "module_overhead_s": probe_module_overhead_s(
-            torch.bfloat16,
-            lora_r=args.lora_r,
-            checkpointing=True,
-            nvme_path=args.path if args.param_tier == "nvme" else None,
-        ),
+        "module_overhead_s": costs.module_overhead_s,
+        "gather_copy_bytes_per_s": costs.gather_copy_bytes_per_s,
+        "engine_probe_run_sized": costs.run_sized,
         "norm_bytes_per_s": hardware.probe_norm_bytes_per_s(),
         "copy_bytes_per_s": hardware.probe_copy_bytes_per_s(),
         "fresh_copy_bytes_per_s": hardware.probe_fresh_copy_bytes_per_s(),

@@ -65,6 +65,7 @@ def rates_of(record: dict, probed: dict) -> Rates:
         nvme_write_bps=aio["best_write_gbps"] * 1e9,
         sources={"record": "bench aio and CPU-Adam of the run; compute, norm, copies probed"},
         module_overhead_s=probed.get("module_overhead_s", 0.0),
+        gather_copy_bytes_per_s=probed.get("gather_copy_bytes_per_s", 0.0),
         fresh_copy_bytes_per_s=probed.get("fresh_copy_bytes_per_s", 0.0),
     )
 
@@ -138,8 +139,9 @@ def recorded_probe(record: dict, earlier: dict | None = None) -> dict | None:
     if not probes:
         return None
     keys = ("compute_s", "norm_bytes_per_s", "copy_bytes_per_s", "module_overhead_s",
-            "fresh_copy_bytes_per_s")  # fmt: skip
+            "fresh_copy_bytes_per_s", "gather_copy_bytes_per_s")  # fmt: skip
     out = {k: statistics.median(p[k] for p in probes) for k in keys if k in probes[0]}
+    out["engine_probe_run_sized"] = bool(probes[0].get("engine_probe_run_sized"))
     for k in ("module_overhead_s", "fresh_copy_bytes_per_s"):
         if k not in out and k in (earlier or {}):
             out[k] = earlier[k]
@@ -151,13 +153,15 @@ def recorded_probe(record: dict, earlier: dict | None = None) -> dict | None:
 
 
 def _module_overhead_s(record: dict) -> float:
-    from infinity.cli.estimate_probe import probe_module_overhead_s
+    """The tiny model's figure, as the runs recorded before the probe had the run's sizes
+    measured it (see [Note: probing at the run's sizes] in infinity/cli/estimate_probe.py)."""
+    from infinity.cli.estimate_probe import probe_engine_costs
 
-    return probe_module_overhead_s(
+    return probe_engine_costs(
         _dtype(record),
         lora_r=int(record["args"].get("lora_r", 0)),
         checkpointing=bool(record["model"]["activation_checkpointing"]),
-    )
+    ).module_overhead_s
 
 
 def _dtype(record: dict) -> torch.dtype:

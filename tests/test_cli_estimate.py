@@ -232,15 +232,26 @@ def test_every_family_train_takes_is_estimated_with_the_bytes_train_records(
     assert est["step_seconds"] > 0
 
 
-def test_module_overhead_probe_runs_on_the_runs_tier_and_leaves_nothing(tmp_path):
-    """The per-module probe gathers every weight from where the run keeps them: with the
+def test_engine_probe_runs_on_the_runs_tier_at_its_sizes_and_leaves_nothing(tmp_path):
+    """The engine probe gathers every weight from where the run keeps them: with the
     parameters on NVMe it reads them from a directory of its own under the swap path, which
-    is gone afterwards."""
+    is gone afterwards, and measures the rate its gathers copied at. A LoRA run is probed
+    with three blocks of its own sizes, full fine-tuning with the tiny model (see [Note:
+    probing at the run's sizes])."""
     import torch
 
-    from infinity.cli.estimate_probe import probe_module_overhead_s
+    from infinity.cli.estimate_probe import probe_engine_costs
+    from infinity.models import LlamaConfig
 
-    host = probe_module_overhead_s(torch.float32)
-    nvme = probe_module_overhead_s(torch.float32, nvme_path=tmp_path)
-    assert host > 0 and nvme > 0
+    like = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352,
+                       num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    lora = dict(lora_r=4, checkpointing=True, like=like)
+    nvme = probe_engine_costs(torch.float32, nvme_path=tmp_path, **lora)
+    assert nvme.run_sized and nvme.module_overhead_s > 0
+    assert nvme.gather_copy_bytes_per_s > 0  # staging buffer -> device buffer
+    host = probe_engine_costs(torch.float32, **lora)
+    assert host.run_sized and host.gather_copy_bytes_per_s == 0.0  # gathers alias RAM homes
+    full = probe_engine_costs(torch.float32, nvme_path=tmp_path, like=like)
+    assert not full.run_sized and full.module_overhead_s > 0
+    assert full.gather_copy_bytes_per_s == 0.0  # the tiny model's copies say nothing
     assert list(tmp_path.iterdir()) == []

@@ -191,18 +191,19 @@ def run(args: argparse.Namespace) -> int:
     )
     # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
     config = Config.load({**config.to_dict(), "train_batch_size": "auto"}).for_local_rank(0)
-    overhead = 0.0
-    if args.device == "cpu":  # the engine's hooks take the cores that compute
-        from infinity.cli.estimate_probe import probe_module_overhead_s
+    costs = None
+    if args.device == "cpu":  # the engine's hooks and copies take the cores that compute
+        from infinity.cli.estimate_probe import probe_engine_costs
         from infinity.zero import model_dtype
 
         offload = config.zero_optimization.offload_param
         on_nvme = offload.device == "nvme" and args.nvme and Path(args.nvme).is_dir()
-        overhead = probe_module_overhead_s(
+        costs = probe_engine_costs(
             model_dtype(config),
             lora_r=shape.lora_r,
             checkpointing=args.activation_checkpointing,
             nvme_path=args.nvme if on_nvme else None,
+            like=shape.probe_config,
         )
     rates = measure_rates(
         shape,
@@ -212,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing,
         nvme_path=args.nvme,
         bench_aio=args.bench_aio,
-        module_overhead_s=overhead,
+        module_overhead_s=costs.module_overhead_s if costs else 0.0,
+        gather_copy_bytes_per_s=costs.gather_copy_bytes_per_s if costs else 0.0,
     )
     est = estimate(
         shape,

@@ -46,12 +46,14 @@ def measure_rates(
     nvme_path: str | None = None,
     bench_aio: str | None = None,
     module_overhead_s: float = 0.0,
+    gather_copy_bytes_per_s: float = 0.0,
 ) -> Rates:
     """The rates for `device` ("cpu": probed here; a name in `GPUS`: published figures),
     CPU-Adam and the norm pass probed here, the disk from `bench_aio` (a `bench aio --json`
     file), else a probe of `nvme_path` when the tiers use NVMe, else an assumed SSD.
-    `module_overhead_s`: the engine's cost per module on this CPU, which a caller that may
-    run the engine probes (`infinity.cli.estimate_probe`)."""
+    `module_overhead_s` and `gather_copy_bytes_per_s`: the engine's cost per module on this
+    CPU and the rate its gathers copied at, which a caller that may run the engine probes
+    (`infinity.cli.estimate_probe`; 0: not probed)."""
     if device not in DEVICES:
         raise ValueError(f"--device {device!r} is not known; choose one of {', '.join(DEVICES)}")
     config = resolve_config(config, shape)
@@ -82,7 +84,12 @@ def measure_rates(
         )
         sources["copies"] = "probe: a host memory copy, and one into new memory (gradients)"
         if module_overhead_s:
-            sources["hooks"] = "probe: a tiny Llama through the engine against plain PyTorch"
+            sources["hooks"] = (
+                "probe: a Llama of three blocks of this model's sizes (a tiny one for full "
+                "fine-tuning) through the engine against plain PyTorch"
+            )
+        if gather_copy_bytes_per_s:
+            sources["copies"] += "; gathers at the rate the engine copied them in that probe"
     else:
         flops = shape.train_flops_per_token(seq_len) / 3 * micro * seq_len  # one forward
         n = hardware.passes(frozen=frozen, checkpointing=activation_checkpointing)
@@ -107,6 +114,7 @@ def measure_rates(
         nvme_write_bps=write,
         sources=sources,
         module_overhead_s=module_overhead_s if gpu is None else 0.0,
+        gather_copy_bytes_per_s=gather_copy_bytes_per_s if gpu is None else 0.0,
     )
 
 

@@ -84,6 +84,10 @@ class Rates:
     """What the engine adds per module with parameters in one micro step on the CPU device
     (its gather, release and gradient hooks; `infinity.cli.estimate_probe`); 0: not
     probed. On a GPU the hooks run while the device computes."""
+    gather_copy_bytes_per_s: float = 0.0
+    """The CPU device's gathers from NVMe as the engine copied them (staging buffer into a
+    recycled buffer while the other core computes; `infinity.cli.estimate_probe`); 0: at
+    `copy_bytes_per_s`."""
 
 
 # -- compute ---------------------------------------------------------------------------------

@@ -305,9 +305,10 @@ def step_times(
 def micro_step_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> float:
     """Host-device copies of one micro step: gathered parameters to the device, gradients
     back. On the CPU device a gather from NVMe copies its pool buffer into a recycled buffer
-    (at the copy rate; into new memory, at the fresh-copy rate, without `recycled`: see
-    [Note: recycled device buffers] in infinity/accelerator/recycled.py; a gather from host
-    memory aliases its home: no copy), and autograd writes each gradient into newly
+    (at the rate the engine probe saw its gathers copy at, else the copy rate; into new
+    memory, at the fresh-copy rate, without `recycled`: see [Note: recycled device buffers]
+    in infinity/accelerator/recycled.py; a gather from host memory aliases its home: no
+    copy), and autograd writes each gradient into newly
     allocated memory (at the fresh-copy rate); the gradient is then added straight into its
     fp32 partition, reading the gradient and the partition and writing the partition
     (itemsize + 8 bytes per element, against a copy's 2 bytes of memory traffic per byte
@@ -316,7 +317,8 @@ def micro_step_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> fl
         moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
         return moved / rates.copy_bytes_per_s
     fresh = rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s
-    gathers = sz.gather_bytes_per_micro_step / (rates.copy_bytes_per_s if recycled else fresh)
+    gather = rates.gather_copy_bytes_per_s or rates.copy_bytes_per_s
+    gathers = sz.gather_bytes_per_micro_step / (gather if recycled else fresh)
     grads = sz.trainable_numel * sz.itemsize / fresh
     grad_add = sz.trainable_numel * (sz.itemsize + 8) / (2 * rates.copy_bytes_per_s)
     return gathers + grads + grad_add
