@@ -243,8 +243,14 @@ def test_engine_probe_runs_on_the_runs_tier_at_its_sizes_and_leaves_nothing(tmp_
     from infinity.cli.estimate_probe import probe_engine_costs
     from infinity.models import LlamaConfig
 
-    like = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352,
-                       num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    like = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     lora = dict(lora_r=4, checkpointing=True, like=like)
     nvme = probe_engine_costs(torch.float32, nvme_path=tmp_path, **lora)
     assert nvme.run_sized and nvme.module_overhead_s > 0
