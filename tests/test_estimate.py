@@ -369,8 +369,11 @@ def test_accumulation_spreads_the_optimizer_over_more_tokens(tmp_path):
     # spilled gradients: more micro-steps read more of them back, under the compute here
     assert four.sizes.grad_read_bytes_per_step > one.sizes.grad_read_bytes_per_step > 0
     assert four.bound == one.bound == "compute"
+    # each micro step's cores once more; backward's gradient waits as the four replay them
+    cores = one.times.micro_step_s - one.times.grad_wait_s
     assert four.times.step_s == pytest.approx(
-        one.times.step_s + 3 * one.times.micro_step_s, rel=1e-9
+        one.times.step_s + 3 * cores + four.times.grad_wait_s - one.times.grad_wait_s,
+        rel=1e-9,
     )
     # ... and over a slow disk they bound the window: it grows with the traffic
     slow = _rates(nvme_read_bps=1e5, nvme_write_bps=1e5)
@@ -576,6 +579,37 @@ def test_gathers_from_nvme_copy_at_the_rate_the_engine_probe_saw(tmp_path):
     same = [estimate(shape, host, _rates(**r), seq_len=16, runtime_bytes=0).times.copies_s
             for r in ({}, {"gather_copy_bytes_per_s": 2.5e9})]  # fmt: skip
     assert same[0] == same[1]
+
+
+def test_backward_waits_for_gradient_transfers_it_cannot_run_ahead_of(tmp_path):
+    """Sub-groups smaller than a layer: a layer's gradients span three sub-groups while two
+    buffers take adds, so backward reads sub-groups back (after their writes land) and adds
+    norm weights on disk, and waits for both; with one sub-group nothing is waited for.
+    The step's cores pay those bytes at the disk's rates."""
+    from infinity.estimate.grad_traffic import grad_traffic
+
+    shape = model_shape(LlamaConfig(**SHAPE))
+    waited = {}
+    for sub_group in (3000, 10**8):
+        cfg = resolve_config(Config.load(_config(tmp_path, sub_group_size=sub_group)), shape)
+        t = grad_traffic(shape, layout_of(shape, cfg), accum=1)
+        waited[sub_group] = t
+        assert t.backward_waited_read <= t.read - t.step_read  # of what backward reads
+        assert t.backward_waited_written <= t.written
+    small, one = waited[3000], waited[10**8]
+    assert small.backward_waited_read > 0 and small.backward_waited_written > 0
+    assert one.backward_waited_read == one.backward_waited_written == 0
+    cfg = Config.load(_config(tmp_path, sub_group_size=3000))
+    rates = _rates(nvme_read_bps=1e9, nvme_write_bps=5e8, compute_s=100.0)  # the cores bound
+    est = estimate(shape, cfg, rates, seq_len=16, runtime_bytes=0)
+    wait = small.backward_waited_read / 1e9 + small.backward_waited_written / 5e8
+    assert est.sizes.grad_waited_read_bytes_per_step == small.backward_waited_read
+    assert est.times.grad_wait_s == pytest.approx(wait)
+    t = est.times
+    cores = t.compute_s + t.copies_s + t.hooks_s + t.read_wait_s  # one micro step
+    assert t.micro_step_s == pytest.approx(cores + t.grad_wait_s)
+    disk_bound = _rates(nvme_read_bps=1e9, nvme_write_bps=1e9, compute_s=1e-4)
+    assert any("sub_group_size" in a for a in estimate(shape, cfg, disk_bound, seq_len=16).advice)
 
 
 def test_optimizer_buffers_no_more_than_sub_groups(tmp_path):

@@ -299,6 +299,11 @@ def render(est, model: str, world_size: int = 1) -> str:
             if t.read_wait_s > 0.005
             else []
         ),
+        *(
+            [f"  {'waiting for gradient I/O':<28}{t.grad_wait_s:9.2f} s"]
+            if t.grad_wait_s > 0.005
+            else []
+        ),
         "",
         *(f"- {a}" for a in est.advice),
         "",

@@ -10,6 +10,13 @@ moves the same bytes. A write is taken as in flight during the add that started 
 finished from the next add on (so a read behind never takes the buffer just written from);
 on a disk slower than that a read behind may start later, which changes the bytes only when
 a small add then lands on disk instead of in a buffer.
+
+It also counts what backward waits for: an add to a sub-group on disk that was not read
+ahead loads it into a buffer, or (a small add) reads, adds to and writes back the rows it
+touches, each after the sub-group's last write has landed, all while the add waits. Those
+bytes cost backward their transfer time on top of its compute (the writes out of buffers
+and the reads behind run while it computes; a buffer whose write has not landed when it is
+needed again is not counted: on a fast disk it has).
 """
 
 from __future__ import annotations
@@ -62,6 +69,10 @@ class _Replay:
         self.where: dict[int, _Buf] = {}
         self.tick = 0
         self.read = self.written = 0
+        self.waited_read = self.waited_written = 0
+        """Of `read` and `written`, the bytes an add waits for (see the module's note)."""
+        self._landing: dict[int, int] = {}
+        """Sub-group -> bytes of its last write, until something waits for it."""
 
     def add(self, index: int, start: int, numel: int) -> None:
         for b in self.bufs:  # writes started by earlier adds have landed
@@ -73,7 +84,12 @@ class _Replay:
             nbytes = align_up((hi - lo) * _F32)
             self.read += nbytes
             self.written += nbytes
+            self.waited_read += nbytes
+            self.waited_written += nbytes + self._landing.pop(index, 0)
             return
+        if self.res[index] == _ON_NVME:  # loaded while the add waits
+            self.waited_read += self.padded[index]
+            self.waited_written += self._landing.pop(index, 0)
         buf = self._resident(index)
         if not any(b.owner is None for b in self.bufs):
             self._evict(self._least_recent(but=buf))
@@ -120,6 +136,7 @@ class _Replay:
     def _evict(self, buf: _Buf) -> None:
         index = buf.owner
         self.written += self.padded[index]
+        self._landing[index] = self.padded[index]
         buf.owner, buf.writing = None, True
         del self.where[index]
         self.res[index] = _ON_NVME
@@ -153,6 +170,10 @@ class GradTraffic(NamedTuple):
     written: int
     step_read: int
     """Of `read`, what the optimizer step reads (`take`); the rest is read in backward."""
+    backward_waited_read: int = 0
+    """Of the bytes read in backward, those an add waits for (see the module's note)."""
+    backward_waited_written: int = 0
+    """Of the bytes written in backward, those an add waits for."""
 
 
 def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> GradTraffic:
@@ -168,7 +189,8 @@ def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> GradTraff
                 a, b = max(lo, start), min(hi, stop)
                 replay.add(g, a - start, b - a)
     backward_read = replay.read
+    waited = (replay.waited_read, replay.waited_written)
     for g in range(layout.num_sub_groups):
         replay.take(g)
         replay.release(g)
-    return GradTraffic(replay.read, replay.written, replay.read - backward_read)
+    return GradTraffic(replay.read, replay.written, replay.read - backward_read, *waited)

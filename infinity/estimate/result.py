@@ -22,6 +22,12 @@ a micro step is replayed gather by gather (`infinity.estimate.pipeline`): the co
 each gather's share of the compute, copies and hooks and wait where its read has not
 landed. With the cores the slower side and reads that run far enough ahead, this is the
 cores' time; a disk slower than the cores, or a window too short, adds the waits.
+
+Some of the spilled gradients' transfers backward cannot run ahead of: a sub-group a layer
+returns to after it was written is read back while the add waits, and a small add to a
+sub-group on disk reads and writes its rows, each after the sub-group's write has landed
+(`infinity.estimate.grad_traffic`). Those bytes, at the disk's rates, add to the cores'
+side (`grad_wait_s`).
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ class StepTimes:
     read_wait_s: float
     """Time the cores wait for parameter reads in forward and backward (the CPU device
     with parameters on NVMe; see [Note: the step model])."""
+    grad_wait_s: float
+    """Time backward waits for the spilled gradients' transfers it cannot run ahead of
+    (infinity/estimate/grad_traffic.py), in every micro step of the step."""
     micro_step_s: float
     """Forward + backward of one micro step: its share of the accumulation window, which
     costs the slower of the compute (with the copies, on the CPU device) and the disk."""
@@ -273,6 +282,10 @@ def step_times(
          + sz.optim_ahead_read_bytes) / read
         + sz.grad_write_bytes_per_step / write
     )  # fmt: skip
+    # Backward's adds wait for these on the host thread, whatever the device.
+    grad_wait = (
+        sz.grad_waited_read_bytes_per_step / read + sz.grad_waited_write_bytes_per_step / write
+    )
     cores = compute + copies + hooks
     micro = cores
     if rates.gpu is None and prefetch is not None:
@@ -280,9 +293,9 @@ def step_times(
             prefetch, cpu_s=(compute, copies, hooks), read_bps=read, itemsize=sz.itemsize
         )
     if rates.gpu is None:  # the CPU device: copies run on the cores that compute
-        window = max(accum * micro, window_io)
+        window = max(accum * micro + grad_wait, window_io)
     else:
-        window = max(accum * compute, accum * copies, window_io)
+        window = max(accum * compute + grad_wait, accum * copies, window_io)
     state_io = (
         sz.optim_read_bytes_per_step - sz.optim_ahead_read_bytes + sz.grad_step_read_bytes
     ) / read + (sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step) / write
@@ -296,6 +309,7 @@ def step_times(
         copies_s=accum * copies,
         hooks_s=accum * hooks,
         read_wait_s=accum * (micro - cores),
+        grad_wait_s=grad_wait,
         micro_step_s=window / accum,
         optimizer_step_s=optimizer,
         step_s=window + optimizer,
@@ -398,6 +412,12 @@ def advice(est: Estimate, config: Config, *, ram_bytes: int) -> list[str]:
             "host-device copies bound the step: keep offload_param.pin_memory true, raise "
             "stage3_max_live_parameters so fewer parameters are gathered twice, or raise "
             "--micro-batch so each copy serves more tokens"
+        )
+    if est.times.grad_wait_s > 0.03 * est.times.step_s:
+        out.append(
+            f"backward waits {est.times.grad_wait_s:.2f} s a step for spilled gradients a "
+            "layer returns to after they were written: raise zero_optimization."
+            "sub_group_size above a layer's parameters so two sub-groups hold a layer"
         )
     gpu = est.rates.gpu
     device_full = gpu is not None and est.device_bytes > gpu.memory_bytes

@@ -62,6 +62,12 @@ class Sizes:
     grad_write_bytes_per_step: int
     grad_step_read_bytes: int
     """Of `grad_read_bytes_per_step`, what the optimizer step reads (the rest, backward)."""
+    grad_waited_read_bytes_per_step: int
+    """Of the gradient reads in backward, those backward waits for (sub-groups loaded back
+    into a buffer, rows added to on disk: see infinity/estimate/grad_traffic.py)."""
+    grad_waited_write_bytes_per_step: int
+    """Of the gradient writes, those backward waits for (a sub-group's write before it is
+    read back, the rows added to on disk)."""
     optim_read_bytes_per_step: int
     optim_ahead_read_bytes: int
     """Of `optim_read_bytes_per_step`, the first sub-groups the end of a sweep reads ahead
@@ -182,6 +188,8 @@ def sizes(
         grad_read_bytes_per_step=grads.read,
         grad_write_bytes_per_step=grads.written,
         grad_step_read_bytes=grads.step_read,
+        grad_waited_read_bytes_per_step=grads.backward_waited_read,
+        grad_waited_write_bytes_per_step=grads.backward_waited_written,
         optim_read_bytes_per_step=optim_disk,
         optim_ahead_read_bytes=ahead,
         optim_write_bytes_per_step=optim_disk,
