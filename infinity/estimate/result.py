@@ -416,8 +416,9 @@ def advice(est: Estimate, config: Config, *, ram_bytes: int) -> list[str]:
     if est.times.grad_wait_s > 0.03 * est.times.step_s:
         out.append(
             f"backward waits {est.times.grad_wait_s:.2f} s a step for spilled gradients a "
-            "layer returns to after they were written: raise zero_optimization."
-            "sub_group_size above a layer's parameters so two sub-groups hold a layer"
+            "layer returns to after they were written: a zero_optimization.sub_group_size "
+            "of at least a layer's parameters keeps every layer within two sub-groups (the "
+            "optimizer's offload_optimizer.buffer_count buffers grow with it)"
         )
     gpu = est.rates.gpu
     device_full = gpu is not None and est.device_bytes > gpu.memory_bytes
