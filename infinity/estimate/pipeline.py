@@ -61,13 +61,20 @@ def prefetch_of(shape: ModelShape, config: Config, *, checkpointing: bool) -> Pr
 
 
 def micro_step_s(
-    pre: Prefetch, *, cpu_s: tuple[float, float, float], read_bps: float, itemsize: int
+    pre: Prefetch,
+    *,
+    cpu_s: tuple[float, float, float],
+    read_bps: float,
+    itemsize: int,
+    disk_busy_s: float = 0.0,
 ) -> float:
     """Forward + backward of one micro step: the cores run each gather's share of
     `cpu_s` = (compute, copies, hooks) in trace order and wait for the reads it needs; the
     disk reads one after another in the order decided, each once the cores reach the
     gather that decided it and a staging buffer is free (a buffer comes back at the first
-    gather after its read landed, which copies it to the device)."""
+    gather after its read landed, which copies it to the device). The disk starts
+    `disk_busy_s` in with other reads queued before the first (the optimizer state the
+    last sweep read ahead)."""
     order = pre.order
     compute, copies, hooks = cpu_s
     flops = sum(g.flops for g in order) or 1.0
@@ -82,7 +89,7 @@ def micro_step_s(
         needed.setdefault(f.needed, []).append(k)
     landed: dict[int, float] = {}  # read index -> when it lands
     pool: deque[tuple[int, float]] = deque()  # reads holding a staging buffer
-    nxt, disk, t = 0, 0.0, 0.0
+    nxt, disk, t = 0, disk_busy_s, 0.0
 
     def issue(at: float) -> None:
         nonlocal nxt, disk

@@ -289,8 +289,14 @@ def step_times(
     cores = compute + copies + hooks
     micro = cores
     if rates.gpu is None and prefetch is not None:
+        # The last sweep's reads ahead were queued before the first parameter read.
+        ahead = sz.optim_ahead_read_bytes / read / accum
         micro = micro_step_s(
-            prefetch, cpu_s=(compute, copies, hooks), read_bps=read, itemsize=sz.itemsize
+            prefetch,
+            cpu_s=(compute, copies, hooks),
+            read_bps=read,
+            itemsize=sz.itemsize,
+            disk_busy_s=ahead,
         )
     if rates.gpu is None:  # the CPU device: copies run on the cores that compute
         window = max(accum * micro + grad_wait, window_io)
