@@ -183,3 +183,24 @@ def test_later_micro_steps_read_the_next_sub_group_down_ahead(tmp_path):
             assert torch.equal(nvme.take(g), host.take(g)), g
             nvme.release(g)
         nvme.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_large_16_bit_gradient_is_added_in_pieces_to_the_same_bits(dtype):
+    """`add_into` adds a 16-bit gradient longer than a piece one piece at a time (no
+    gradient-sized fp32 temporary); the sums are bitwise those of one `add_`, odd tail
+    included, and short or fp32 sources take the one call."""
+    from infinity.swap.grad_store import _ADD_CHUNK_NUMEL, add_into
+
+    g = torch.Generator().manual_seed(0)
+    n = 3 * _ADD_CHUNK_NUMEL + 77
+    src = torch.randn(n, generator=g).to(dtype)
+    base = torch.randn(n, generator=g)
+    whole, pieces = base.clone(), base.clone()
+    whole.add_(src)
+    add_into(pieces, src)
+    assert torch.equal(whole, pieces)
+    host = HostGradStore([n, 10])
+    host.add(0, 0, src)
+    host.add(0, 0, src)
+    assert torch.equal(host.take(0), src.float() + src.float())

@@ -50,6 +50,8 @@ PARTIAL_FRACTION = 16
 added there (its rows read, added to and written back) instead of loading the sub-group: a
 layer's norm weights, reached in backward after the layer's other sub-groups were written."""
 _NORM_ROW_NUMEL = 4096  # see [Note: accurate norms]
+_ADD_CHUNK_NUMEL = 1 << 18
+"""Elements per piece of a 16-bit gradient's add into an fp32 buffer (see `add_into`)."""
 
 
 class Norms(NamedTuple):
@@ -60,6 +62,22 @@ class Norms(NamedTuple):
     """[numel // _NORM_ROW_NUMEL] fp32."""
     tail: torch.Tensor | None
     """0-d fp32, the norm of the last numel % _NORM_ROW_NUMEL elements (None if none)."""
+
+
+def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst += src, for a 16-bit `src` one piece of `_ADD_CHUNK_NUMEL` elements at a time.
+
+    torch adds a 16-bit tensor into an fp32 one through an fp32 copy of the whole source. For
+    a large gradient that copy is a fresh mapping the kernel zeroes page by page, then
+    unmaps (at 2.1B parameters, 2.3 s of a 16 s forward and backward); in pieces of 1 MiB
+    the allocator hands the same memory back every time. Elementwise, so the sums are the
+    same bits either way."""
+    if src.dtype == dst.dtype or src.numel() <= _ADD_CHUNK_NUMEL:
+        dst.add_(src)
+        return
+    for lo in range(0, src.numel(), _ADD_CHUNK_NUMEL):
+        hi = lo + _ADD_CHUNK_NUMEL
+        dst[lo:hi].add_(src[lo:hi])
 
 
 def row_norms(flat: torch.Tensor) -> Norms:
@@ -117,7 +135,7 @@ class HostGradStore:
 
     def add(self, index: int, start: int, src: torch.Tensor) -> None:
         """Elements [start, start + src.numel()) of sub-group `index` += src."""
-        self._view(index)[start : start + src.numel()].add_(src)
+        add_into(self._view(index)[start : start + src.numel()], src)
 
     def sums_of_squares(self) -> list[float]:
         """One value per sub-group, in order (see [Note: spilled gradients])."""
@@ -225,7 +243,7 @@ class NvmeGradStore:
             self._add_on_disk(index, start, src)
             return
         buf = self._resident(index)
-        self._grads(buf, index)[start : start + src.numel()].add_(src)
+        add_into(self._grads(buf, index)[start : start + src.numel()], src)
         writing = None
         if not any(b.owner is None for b in self._buffers):  # keep one free: see GRAD_BUFFERS
             writing = self._least_recent(but=buf)
@@ -340,7 +358,7 @@ class NvmeGradStore:
         grads = data[: (hi - lo) * _F32].view(torch.float32)
         self._settle_write_of(index)
         self._sync_io("read", data, ext.path, ext.offset + lo * _F32)
-        grads[start - lo : start - lo + src.numel()].add_(src)
+        add_into(grads[start - lo : start - lo + src.numel()], src)
         self._update_norms(index, lo, grads)
         self._sync_io("write", data, ext.path, ext.offset + lo * _F32)
 
