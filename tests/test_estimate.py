@@ -235,7 +235,9 @@ STILL_SHORT = {
         "full fine-tuning at 2.1B with both tiers on NVMe on a machine whose cores are slower "
         "than the disk's: forward and backward 10.9 s estimated against 16.4 s measured "
         "(parameter reads waited 0.9-1.0 s, gradients 3.1-3.2 s, and backward ran 13-14 s "
-        "where the model has about 9 s); the estimate's step lands at 0.79 (BENCHMARKS.md)"
+        "where the model has about 9 s); the estimate's step lands at 0.79. Recorded on the "
+        "engine before a 16-bit gradient was added into fp32 in pieces: 2.3 s of that "
+        "backward was a gradient-sized fp32 copy per add, which run 2 no longer makes (0.92)"
     ),
 }
 """Recorded runs whose step the estimate is known to miss by more than 20%, and why: the
