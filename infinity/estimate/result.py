@@ -289,7 +289,8 @@ def step_times(
     cores = compute + copies + hooks
     micro = cores
     if rates.gpu is None and prefetch is not None:
-        # The last sweep's reads ahead were queued before the first parameter read.
+        # The last sweep's reads ahead were queued before the first parameter read (spread
+        # over the window's micro steps, which the replay takes alike).
         ahead = sz.optim_ahead_read_bytes / read / accum
         micro = micro_step_s(
             prefetch,
@@ -328,11 +329,11 @@ def micro_step_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> fl
     (at the rate the engine probe saw its gathers copy at, else the copy rate; into new
     memory, at the fresh-copy rate, without `recycled`: see [Note: recycled device buffers]
     in infinity/accelerator/recycled.py; a gather from host memory aliases its home: no
-    copy), and autograd writes each gradient into newly
-    allocated memory (at the fresh-copy rate); the gradient is then added straight into its
-    fp32 partition, reading the gradient and the partition and writing the partition
-    (itemsize + 8 bytes per element, against a copy's 2 bytes of memory traffic per byte
-    copied)."""
+    copy), and autograd writes each gradient into newly allocated memory (at the fresh-copy
+    rate); the gradient is then added straight into its fp32 partition (in pieces: see
+    `infinity.swap.grad_store.add_into`), reading the gradient and the partition and
+    writing the partition (itemsize + 8 bytes per element, against a copy's 2 bytes of
+    memory traffic per byte copied)."""
     if rates.gpu is not None:
         moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
         return moved / rates.copy_bytes_per_s
