@@ -6,15 +6,15 @@ and then on NVMe (parameters too), each checked against plain PyTorch (torch.opt
 same weights, same batches) on the CPU; then a Llama-1B shape with parameters and optimizer
 state on NVMe, checked against the same command on the CPU device. For every case it prints
 the last step's telemetry (metrics.jsonl) beside `infinity estimate` for the same shape,
-and writes everything to one JSON file. Exit code 0: every loss matched; 1: a check failed;
-2: no CUDA device (nothing was run).
+and writes everything to one JSON file. Exit code 0: every loss matched and every case's
+NVMe bytes equal the estimate's; 1: a check failed; 2: no CUDA device (nothing was run).
 
     python benchmarks/gpu_smoke.py --nvme /mnt/ssd --json benchmarks/results/gpu_smoke_DATE.json
 
 `--device cpu` is the dry run: the same cases on the CPU device (the tiny ones by default;
 `--cases tiny,1b` adds the 1B), so the script itself is tested on a machine without a GPU.
-The 1B case writes a checkpoint of about 18 GB (fp32 weights and Adam state) into --nvme.
-Not yet run on a GPU: see BENCHMARKS.md.
+The 1B case writes a checkpoint of about 18 GB (fp32 weights and Adam state) into --nvme, or
+into --scratch (a tmpfs such as /dev/shm saves the disk the time) when given.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ LR = 1e-3
 # Relative loss difference allowed against the reference, by training precision: fp32 differs
 # only in summation order (CPU-Adam vs AdamW, GPU vs CPU kernels).
 RTOL = {"fp32": 1e-3, "bf16": 3e-2, "fp16": 3e-2}
-GPU_NAMES = ("h100", "a100", "l40s", "4090", "3090", "v100")  # `infinity estimate --device`
+GPU_NAMES = ("h200", "h100", "a100", "l40s", "4090", "3090", "v100")  # `infinity estimate --device`
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_smoke: unknown --cases {unknown}; choose from {sorted(CASES)}", file=sys.stderr)
         return 1
     work = Path(tempfile.mkdtemp(prefix="gpu_smoke-", dir=args.nvme))
+    saves = Path(tempfile.mkdtemp(prefix="gpu_smoke-", dir=args.scratch)) if args.scratch else work
     try:
-        results = [_run_case(c, args, work) for n in names for c in CASES[n]]
+        results = [_run_case(c, args, work, saves) for n in names for c in CASES[n]]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(saves, ignore_errors=True)
     record = {
         "device": args.device,
         "device_name": _device_name(args.device),
@@ -117,6 +119,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--nvme", default=tempfile.gettempdir(), help="swap and work directory")
+    p.add_argument("--scratch", help="where the runs' checkpoints go (default: --nvme)")
     p.add_argument("--cases", help="comma-separated: tiny, 1b (default: both on cuda, tiny on cpu)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--gpu", choices=GPU_NAMES, help="the estimate's GPU (default: from its name)")
@@ -125,21 +128,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _run_case(case: Case, args: argparse.Namespace, work: Path) -> dict:
-    here = work / f"{case.model}-{'nvme' if case.nvme else 'ram'}"
+def _run_case(case: Case, args: argparse.Namespace, work: Path, saves: Path) -> dict:
+    name = f"{case.model}-{'nvme' if case.nvme else 'ram'}"
+    here = work / name
     here.mkdir()
+    saves = saves / name if saves != work else here
+    saves.mkdir(exist_ok=True)
     corpus = _corpus(here)
     model = _tiny_dir(here) if case.model == "tiny-dir" else case.model
     swap = here / "swap"
     swap.mkdir()
     flags = _train_flags(case, args.dtype, model, corpus, swap)
-    run = _train(flags, here / "run", args.device)
+    run = _train(flags, saves / "run", args.device)
     if not run["ok"]:
         return _report(case, args, run, None, None)
     if case.reference == "torch":
         ref = {"ok": True, "losses": _torch_losses(case, model, corpus, here / "ref")}
     else:
-        ref = _train(flags, here / "ref", "cpu")
+        ref = _train(flags, saves / "ref", "cpu")
     estimate = _estimate(case, args, model, swap, here / "estimate.json")
     return _report(case, args, run, ref, estimate)
 
@@ -227,14 +233,28 @@ def _report(case: Case, args, run: dict, ref: dict | None, estimate: dict | None
     diff = max(
         abs(a - b) / max(abs(b), 1e-12) for a, b in zip(run["losses"], ref["losses"], strict=True)
     )
-    ok = diff <= RTOL[args.dtype]
+    losses_ok = diff <= RTOL[args.dtype]
     against = "plain PyTorch on the CPU" if case.reference == "torch" else "the CPU device"
     print(f"  losses   {_losses(run['losses'])}")
     print(f"  against  {_losses(ref['losses'])} ({against})")
-    verdict = "ok" if ok else "FAILED"
+    verdict = "ok" if losses_ok else "FAILED"
     print(f"  max relative difference {diff:.2e} (allowed {RTOL[args.dtype]:.0e}): {verdict}")
     _side_by_side(run["records"][-1], estimate)
-    return {**result, "ok": ok, "max_rel_diff": diff}
+    bytes_ok = _nvme_bytes_match(run["records"][-1], estimate)
+    return {**result, "ok": losses_ok and bytes_ok, "max_rel_diff": diff, "bytes_ok": bytes_ok}
+
+
+def _nvme_bytes_match(m: dict, estimate: dict | None) -> bool:
+    """The last step's NVMe bytes equal the estimate's (the engine's own sizing rules), read
+    and written. No estimate (an unknown GPU) is not a failure; a failed estimate is."""
+    if estimate is None:
+        return True
+    want = (estimate.get("nvme_read_bytes_per_step"), estimate.get("nvme_write_bytes_per_step"))
+    got = (m["nvme_read_bytes"], m["nvme_write_bytes"])
+    ok = got == want
+    print(f"  NVMe bytes read/written {got} against the estimate's {want}: "
+          f"{'equal' if ok else 'FAILED'}")  # fmt: skip
+    return ok
 
 
 def _side_by_side(m: dict, estimate: dict | None) -> None:

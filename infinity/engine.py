@@ -479,6 +479,7 @@ class Engine:
             phases=phases,
             deltas=self._deltas.take(self._counters()),
             optimizer_compute_s=self.optimizer.last_compute_s,
+            peak_device_bytes=self.accelerator.max_memory_allocated(),
             synchronized=self._timer.synchronizes,
         )
 

@@ -46,7 +46,7 @@ def test_dry_run_on_the_cpu_device(tmp_path):
     cases = record["cases"]
     assert [c["case"]["nvme"] for c in cases] == [False, True]
     for c in cases:
-        assert c["ok"] and c["max_rel_diff"] <= 1e-3
+        assert c["ok"] and c["max_rel_diff"] <= 1e-3 and c["bytes_ok"]
         assert len(c["run"]["losses"]) == len(c["reference"]["losses"]) == 2
         last = c["run"]["records"][-1]
         # The telemetry's NVMe bytes and the estimate's agree exactly on the tiny model.
@@ -55,6 +55,7 @@ def test_dry_run_on_the_cpu_device(tmp_path):
         assert (last["nvme_read_bytes"] > 0) == c["case"]["nvme"]
     assert proc.stdout.count("(plain PyTorch on the CPU)") == 2
     assert proc.stdout.count("NVMe read per step") == 2
+    assert proc.stdout.count("against the estimate's") == 2 and "FAILED" not in proc.stdout
     assert "every loss matched on cpu" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the work directory is gone
 
@@ -68,6 +69,7 @@ def test_gpu_names_map_to_the_estimates():
     finally:
         del sys.modules[spec.name]
     assert smoke._gpu_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert smoke._gpu_name("NVIDIA H200") == "h200"
     assert smoke._gpu_name("NVIDIA A100-SXM4-40GB") == "a100-40"
     assert smoke._gpu_name("NVIDIA A100-SXM4-80GB") == "a100"
     assert smoke._gpu_name("NVIDIA GeForce RTX 4090") == "4090"

@@ -63,6 +63,7 @@ def test_metrics_carry_each_steps_telemetry(tmp_path, capsys, inputs, counters, 
         assert r["gather_wait_seconds"] <= r["forward_seconds"] + r["backward_seconds"]
         assert r["optimizer_compute_seconds"] <= r["optimizer_seconds"]
         assert r["peak_rss_bytes"] > 1 << 20
+        assert r["peak_device_bytes"] == 0  # the CPU device's memory is host RAM
         # On the CPU device a gather aliases a host home; from NVMe it copies the pool buffer.
         assert (r["host_to_device_bytes"] > 0) is (tier == "nvme")
         if tier == "cpu":

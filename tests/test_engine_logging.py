@@ -214,6 +214,7 @@ def _telemetry(**seconds):
         phases={k.removesuffix("_seconds"): v for k, v in seconds.items()},
         deltas={},
         optimizer_compute_s=0.0,
+        peak_device_bytes=0,
         synchronized=False,
     )
 

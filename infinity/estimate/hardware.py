@@ -52,6 +52,7 @@ class GpuSpec:
 
 GPUS = {
     "h100": GpuSpec("NVIDIA H100 SXM5 80GB", 989e12, 67e12, 80 << 30, 50e9),
+    "h200": GpuSpec("NVIDIA H200 SXM 141GB", 989e12, 67e12, 140 << 30, 50e9),
     "a100": GpuSpec("NVIDIA A100 SXM4 80GB", 312e12, 19.5e12, 80 << 30, 25e9),
     "a100-40": GpuSpec("NVIDIA A100 40GB", 312e12, 19.5e12, 40 << 30, 25e9),
     "l40s": GpuSpec("NVIDIA L40S 48GB", 362e12, 91.6e12, 48 << 30, 25e9),

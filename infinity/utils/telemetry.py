@@ -54,6 +54,9 @@ class StepTelemetry:
     prefetch_misses: int
     peak_rss_bytes: int
     """The process's peak resident set size so far (not reset per step)."""
+    peak_device_bytes: int
+    """The device's peak allocated bytes so far (not reset per step); 0 on the CPU device,
+    whose memory is host RAM and counted in peak_rss_bytes."""
     synchronized: bool
     """True when the device was synchronized around each timed part."""
 
@@ -131,6 +134,7 @@ def step_telemetry(
     phases: Mapping[str, float],
     deltas: Mapping[str, float],
     optimizer_compute_s: float,
+    peak_device_bytes: int,
     synchronized: bool,
 ) -> StepTelemetry:
     """One step's record from its phase sums ("forward", "backward", "optimizer") and the
@@ -160,6 +164,7 @@ def step_telemetry(
         prefetch_hits=int(deltas.get("prefetch_hits", 0)),
         prefetch_misses=int(deltas.get("prefetch_misses", 0)),
         peak_rss_bytes=peak_rss_bytes(),
+        peak_device_bytes=peak_device_bytes,
         synchronized=synchronized,
     )
 
