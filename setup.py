@@ -8,8 +8,11 @@ import os
 import sys
 from glob import glob
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# Each extension's sources compile in parallel, one per core (INFINITY_BUILD_JOBS=N to cap).
+ParallelCompile("INFINITY_BUILD_JOBS", default=0).install()
 
 HINTS = {
     "infinity._aio": "install a C++17 compiler and the kernel headers "

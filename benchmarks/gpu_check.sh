@@ -17,8 +17,10 @@
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh            # on the GPU machine
 #   GPU_CHECK_DEVICE=cpu bash benchmarks/gpu_check.sh    # dry run on the CPU device
 #
-# GPU_CHECK_PHASES (e.g. "install,smoke") runs only the named phases; GPU_CHECK_NVME is the
-# swap directory (default /tmp/infinity-nvme), PYTHON the interpreter (default python3).
+# GPU_CHECK_PHASES (e.g. "install,smoke") runs only the named phases; GPU_CHECK_SMOKE_CASES
+# and GPU_CHECK_THROUGHPUT_CASES choose the cases; GPU_CHECK_BENCH_AIO names an earlier
+# `bench aio --json` file to use instead of the aio phase's; GPU_CHECK_NVME is the swap
+# directory (default /tmp/infinity-nvme), PYTHON the interpreter (default python3).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -97,13 +99,14 @@ phase cuda_tests 120 "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests/ \
     --junitxml="$OUT/cuda_tests.xml"
 phase aio 60 "$PY" -m infinity.cli.main bench aio --path "$NVME" --size 2G \
     --block-size 1M,8M --queue-depth 32 --threads 1 --repeats 1 --json "$OUT/aio.json"
+AIO_FILE=${GPU_CHECK_BENCH_AIO:-$OUT/aio.json}
 AIO_FLAG=()
-[[ -s "$OUT/aio.json" ]] && AIO_FLAG=(--bench-aio "$OUT/aio.json")
-SMOKE_CASES=tiny,1b
+[[ -s "$AIO_FILE" ]] && AIO_FLAG=(--bench-aio "$AIO_FILE")
+SMOKE_CASES=${GPU_CHECK_SMOKE_CASES:-tiny,1b}
 [[ $DEVICE == cpu ]] && SMOKE_CASES=tiny
 phase smoke 200 "$PY" benchmarks/gpu_smoke.py --device "$DEVICE" --nvme "$NVME" \
     --scratch "$SCRATCH" --cases "$SMOKE_CASES" "${AIO_FLAG[@]}" --json "$OUT/smoke.json"
-THROUGHPUT=(--cases 1b-ram,1b-nvme,7b-lora --steps 3 --timeout 100)
+THROUGHPUT=(--cases "${GPU_CHECK_THROUGHPUT_CASES:-1b-ram,1b-nvme,7b-lora}" --steps 3 --timeout 100)
 [[ $DEVICE == cpu ]] && THROUGHPUT=(--cases tiny-ram,tiny-nvme,tiny-lora --seq-len 64
     --micro-batch 2 --steps 3 --timeout 60)
 phase throughput 330 "$PY" -m benchmarks.gpu_throughput --device "$DEVICE" --nvme "$NVME" \

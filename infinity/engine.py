@@ -319,13 +319,13 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model; parameters are gathered module by module. With fp16.auto_cast,
-        floating-point tensor arguments are cast to fp16 first. Outputs that require grad
+        """Run the model; parameters are gathered module by module. Tensor arguments are
+        moved to the device first (and with fp16.auto_cast, floating-point ones cast to fp16). Outputs that require grad
         are marked so that a plain `loss.backward()` drives the engine (see [Note: plain
         backward])."""
         self._check_open("forward")
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args, kwargs = _to_half((args, kwargs))
+        half = self.config.fp16.enabled and self.config.fp16.auto_cast
+        args, kwargs = _to_device((args, kwargs), self.accelerator.device, half=half)
         coord = self.coordinator
         grad = torch.is_grad_enabled()
         # An evaluation forward belongs to no optimizer step's telemetry.
@@ -738,12 +738,15 @@ def _weights_of(rec: OffloadParam):
     return lambda: rec.read_full().view(rec.shape)
 
 
-def _to_half(obj: Any) -> Any:
-    """`obj` with every floating-point tensor (in tuples, lists, dicts) cast to fp16."""
+def _to_device(obj: Any, device: torch.device, *, half: bool) -> Any:
+    """`obj` with every tensor (in tuples, lists, dicts) on `device`, as a batch from a CPU
+    data loader must be for the gathered parameters there; floating-point ones cast to fp16
+    when `half` (fp16.auto_cast)."""
     if isinstance(obj, torch.Tensor):
-        return obj.half() if obj.is_floating_point() else obj
+        obj = obj.to(device, non_blocking=obj.is_pinned())
+        return obj.half() if half and obj.is_floating_point() else obj
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_half(x) for x in obj)
+        return type(obj)(_to_device(x, device, half=half) for x in obj)
     if isinstance(obj, dict):
-        return {k: _to_half(v) for k, v in obj.items()}
+        return {k: _to_device(v, device, half=half) for k, v in obj.items()}
     return obj

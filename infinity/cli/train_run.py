@@ -479,6 +479,7 @@ class TrainRun:
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy in fp32. `labels` are already shifted by the data pipeline
     (labels[t] follows input_ids[t]), so the model's own loss, which shifts, is not used."""
+    labels = labels.to(logits.device)  # batches come from the CPU; logits from the device
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
