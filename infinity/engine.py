@@ -84,6 +84,7 @@ from infinity.zero import (
     optimizer_layout,
     partition_model,
 )
+from infinity.zero.grad_offload import GradOffload
 from infinity.zero.grad_reduce import GradReducer
 from infinity.zero.shard import check_same_weights, shard_of
 
@@ -150,9 +151,10 @@ class Engine:
                 model, units, by_param, self.coordinator, iteration_key=self._iteration_key
             )
             self.grad_reducer = self._make_grad_reducer()
+            self.grad_offload = GradOffload(self.optimizer.accumulate_grad, self.accelerator)
             self._grad_handles = install_grad_hooks(
                 self.records,
-                self.optimizer.accumulate_grad,
+                self.grad_offload.add,
                 self.hooks,
                 self.accelerator,
                 self.grad_reducer,
@@ -320,9 +322,9 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model; parameters are gathered module by module. Tensor arguments are
-        moved to the device first (and with fp16.auto_cast, floating-point ones cast to fp16). Outputs that require grad
-        are marked so that a plain `loss.backward()` drives the engine (see [Note: plain
-        backward])."""
+        moved to the device first (with fp16.auto_cast, floating-point ones cast to fp16).
+        Outputs that require grad are marked so that a plain `loss.backward()` drives the
+        engine (see [Note: plain backward])."""
         self._check_open("forward")
         half = self.config.fp16.enabled and self.config.fp16.auto_cast
         args, kwargs = _to_device((args, kwargs), self.accelerator.device, half=half)
@@ -388,6 +390,7 @@ class Engine:
             ):
                 (loss.float() * factor).backward()
         except BaseException:
+            self.grad_offload.flush()  # what reached the hooks, as a blocking copy would have
             self.hooks.reset()
             coord.abort()
             raise
@@ -439,6 +442,7 @@ class Engine:
         start = self._timer.start()
         if self.grad_reducer is not None:  # normally done at the end of each backward
             self.grad_reducer.flush()
+        self.grad_offload.flush()  # likewise
         self.coordinator.quiesce()
         lr = self.lr_schedule.lr
         result = self.optimizer.step(

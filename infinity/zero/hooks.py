@@ -429,12 +429,9 @@ def install_grad_hooks(
     reducer: GradReducer | None = None,
 ) -> list:
     """Move each trainable parameter's gradient into its fp32 partition as soon as autograd
-    has accumulated it (`accumulate(slot, flat_host_grad)`, the optimizer's
-    `accumulate_grad`), and free the device gradient at once.
-
-    On the CPU the device gradient is added straight into the partition. From another device
-    it is first copied to host memory (a blocking copy through the accelerator: the
-    gradient's memory is freed as soon as the hook returns). With several ranks, `reducer`
+    has accumulated it (`accumulate(slot, flat_grad)`: `GradOffload.add`, which adds it on
+    the CPU device and copies it off a GPU asynchronously, see [Note: staged gradient
+    copies]), and drop the parameter's reference to it at once. With several ranks, `reducer`
     takes the full device gradient instead and reduce-scatters it in buckets into the slots
     (see [Note: gradient buckets] in grad_reduce.py). Accumulation checks the
     gradient against the parameter's shape, so a tensor hook gathers a released parameter
@@ -452,10 +449,6 @@ def install_grad_hooks(
                     if reducer is not None:
                         reducer.add(rec.slot, flat)
                     else:
-                        if flat.device.type != "cpu":
-                            flat = accelerator.to_host(
-                                flat, out=torch.empty(flat.shape, dtype=flat.dtype)
-                            )
                         accumulate(rec.slot, flat)
                 param.grad = None
             hooks.grad_accumulated(rec)

@@ -1,0 +1,38 @@
+"""benchmarks/gpu_throughput.py on the CPU device (its dry run): per-step telemetry from the
+real CLI beside the estimate, medians of the steps after the first, and the markdown table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+AIO = ROOT / "benchmarks" / "results" / "aio_bench_2026-11-22.json"
+
+
+def test_dry_run_on_the_cpu_device(tmp_path):
+    out = tmp_path / "throughput.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_throughput", "--device", "cpu", "--cases",
+         "tiny-nvme,tiny-lora", "--steps", "3", "--seq-len", "32", "--micro-batch", "1",
+         "--nvme", str(tmp_path), "--bench-aio", str(AIO), "--json", str(out)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["case"]["lora_r"] for c in cases] == [0, 8]
+    for c in cases:
+        assert c["rc"] == 0 and not c["timed_out"] and len(c["records"]) == 3
+        m, e = c["measured"], c["estimate"]
+        assert m["steps"] == [2, 3]  # the first step warms up
+        # The engine's NVMe bytes and the estimate's agree exactly on the tiny model.
+        assert m["nvme_read_bytes"] == e["nvme_read_bytes_per_step"] > 0
+        assert m["nvme_write_bytes"] == e["nvme_write_bytes_per_step"] > 0
+        assert m["peak_device_bytes"] == 0 and m["peak_rss_bytes"] > 1 << 20
+    table = proc.stdout[proc.stdout.index("| case |") :].splitlines()
+    assert len(table) == 2 + len(cases) and "tiny LoRA r=8, base on NVMe" in table[-1]
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # work and saves are gone
