@@ -31,6 +31,15 @@ def resume_hint(save_dir: Path, once: str = "") -> str:
     )
 
 
+def other_rank_failed(ranks, save_dir: Path) -> OSError:
+    """Rank 0, when a collective broke: the rank that failed and why, and where to go on from
+    (see [Note: one run, several ranks] in train_ranks.py). `ranks` is the run's `Ranks`."""
+    why = ranks.explain(ranks.comm.timeout_s)
+    if "--resume" in why:  # the failed rank's own message says where to go on from
+        return error(None, f"the run stopped: {why}")
+    return error(None, f"the run stopped: {why}. {resume_hint(save_dir, 'it is fixed')}")
+
+
 def step_failed(save_dir: Path, step: int, exc: OSError) -> OSError:
     """Step `step` failed in the middle (an NVMe transfer, ...): the state is torn, so it is
     not saved; the error names the failure, the fix and where to resume from."""

@@ -28,13 +28,20 @@ from infinity.cli.train_failures import (
     close_quietly,
     error,
     first_errno,
+    other_rank_failed,
     resume_hint,
     step_failed,
     stopped_at_once,
 )
 from infinity.cli.train_flags import lora_spec
 from infinity.cli.train_ranks import Ranks
-from infinity.cli.train_savedir import RunShape, check_resume, find_resume, prepare_fresh
+from infinity.cli.train_savedir import (
+    RunShape,
+    check_resume,
+    check_same_adapters,
+    find_resume,
+    prepare_fresh,
+)
 from infinity.cli.train_step import (
     causal_lm_loss,
     end_profile,
@@ -48,7 +55,7 @@ from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
 from infinity.data.tokenizer import tokenizer_files
 from infinity.models import hf_auto
-from infinity.models.lora import LoraSpec, apply_lora, lora_targets
+from infinity.models.lora import apply_lora, lora_targets
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +172,7 @@ class TrainRun:
                 self.param_shapes, self.lora.r if self.lora else None, targets
             ),
             save_dir=self.save_dir,
-            saves=_checkpoints_kept(steps, every, self.args.keep_last),
+            saves=train_disk.checkpoints_kept(steps, every, self.args.keep_last),
         )
         self.ranks.say(train_disk.check(uses))
 
@@ -246,7 +253,7 @@ class TrainRun:
         except CommError as exc:
             if not self.ranks.is_main or stop_in_chain(exc) is not None:
                 raise
-            raise self._other_rank_failed() from exc
+            raise other_rank_failed(self.ranks, self.save_dir) from exc
         except BaseException as exc:
             # A stop at once can land inside I/O, whose clean-up may wrap it in its own
             # error: it is still the stop the user asked for, not a failed disk or step.
@@ -263,14 +270,6 @@ class TrainRun:
                 return 0
             self.ranks.say(stopped_at_once(self.save_dir, stop), err=True)
             return stop.exit_code
-
-    def _other_rank_failed(self) -> OSError:
-        """Rank 0, when a collective broke: the rank that failed and why, and where to go
-        on from (see [Note: one run, several ranks] in train_ranks.py)."""
-        why = self.ranks.explain(self.ranks.comm.timeout_s)
-        if "--resume" in why:  # the failed rank's own message says where to go on from
-            return error(None, f"the run stopped: {why}")
-        return error(None, f"the run stopped: {why}. {resume_hint(self.save_dir, 'it is fixed')}")
 
     def _run(self, signals: StopSignals) -> int:
         resume = self._prepare_save_dir()
@@ -301,7 +300,8 @@ class TrainRun:
         resume: Checkpoint | None,
     ) -> int:
         if resume is not None:
-            self._check_same_adapters(resume)
+            now = self._lora_state() if self.lora is not None else None
+            check_same_adapters(self.save_dir, resume, now)  # before anything is loaded
             _, client_state = engine.load_checkpoint(self.save_dir, resume.tag)
             data.load_state_dict(client_state["data"])
             if self.ranks.is_main:
@@ -324,27 +324,6 @@ class TrainRun:
             + (" (continue with --resume)" if stopped else "")
         )
         return 0
-
-    def _check_same_adapters(self, resume: Checkpoint) -> None:
-        """--resume with other LoRA flags than the checkpoint's is refused before loading."""
-        saved = resume.state.get("lora")
-        now = self._lora_state() if self.lora is not None else None
-        if saved != now:
-
-            def flags(state):
-                if state is None:
-                    return "no LoRA"
-                spec = LoraSpec.from_dict(state)
-                return (
-                    f"--lora-r {spec.r} --lora-alpha {spec.alpha or spec.r} --lora-dropout "
-                    f"{spec.dropout} --lora-targets {','.join(state['resolved_targets'])}"
-                )
-
-            raise ValueError(
-                f"--resume: the checkpoint in {self.save_dir} was trained with {flags(saved)}, "
-                f"this run asks for {flags(now)}; resume with the checkpoint's flags, or use "
-                "another --save-dir for a new run"
-            )
 
     def _save(self, engine, data: PackedDataset) -> str:
         """Checkpoint the state after the last step. A failed save (a full disk...) stops the
@@ -419,10 +398,3 @@ class TrainRun:
             engine.step()
             total += float(loss.detach())
         return total / accum
-
-
-def _checkpoints_kept(steps: int, every: int | None, keep_last: int | None) -> int:
-    """Checkpoints on disk at the most: one per --save-every and the last, or with
-    --keep-last N, N plus the one being written before the oldest is removed."""
-    saves = math.ceil(steps / every) if every else 1
-    return saves if keep_last is None else min(saves, keep_last + 1)
