@@ -1,8 +1,8 @@
 """Optimizer math the engine runs: the flat Adam/AdamW step (native kernel with a torch twin)
 and its hyperparameter record, loss scaling, LR schedules.
 
-The engine's optimizer is `infinity.zero.ZeroOptimizer`, which calls `adam_step_flat` on its
-flat sub-groups. `CPUAdam` is a standalone torch.optim.Optimizer over the same step, for
+The engine's optimizer is `infinity.zero.PartitionedOptimizer`, which calls `adam_step_flat`
+on its flat sub-groups. `CPUAdam` is a standalone torch.optim.Optimizer over the same step, for
 code outside the engine; the engine does not use it.
 """
 

@@ -1,8 +1,8 @@
 """CPUAdam: a standalone torch.optim.Optimizer running the flat Adam/AdamW step on CPU tensors.
 
 For code that wants CPU-Adam on its own model, outside the engine: the engine does not use it
-(its optimizer is `infinity.zero.ZeroOptimizer`, which calls `adam_step_flat` on its own flat
-sub-groups). Owns the per-parameter state (step count, exp_avg, exp_avg_sq) and the param
+(its optimizer is `infinity.zero.PartitionedOptimizer`, which calls `adam_step_flat` on its
+own flat sub-groups). Owns the per-parameter state (step count, exp_avg, exp_avg_sq) and the param
 groups; the math is `adam_step_flat` (native kernel, or the torch reference with
 `backend="torch"`), with each group's hyperparameters as one `AdamHyper`.
 """

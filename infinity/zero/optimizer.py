@@ -444,8 +444,7 @@ def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
 
 
 def _hyperparameters(cfg: OptimizerConfig) -> AdamHyper:
-    """The config's hyperparameters as one record, at lr 0: each step puts in its scheduled
-    lr (`AdamHyper.with_lr`)."""
+    """The config's hyperparameters, at lr 0: `step` puts in the scheduled lr (with_lr)."""
     values = {"betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
     for key, value in values.items():
         if value == AUTO:
@@ -453,12 +452,8 @@ def _hyperparameters(cfg: OptimizerConfig) -> AdamHyper:
                 f"optimizer.params.{key} is 'auto'; resolve the config first (Config.resolve())"
             )
     try:
-        return AdamHyper.of(
-            lr=0.0,
-            **values,
-            adamw_mode=cfg.adamw_mode,
-            bias_correction=cfg.bias_correction,
-        )
+        modes = {"adamw_mode": cfg.adamw_mode, "bias_correction": cfg.bias_correction}
+        return AdamHyper.of(lr=0.0, **values, **modes)
     except (TypeError, ValueError) as e:
         raise type(e)(f"optimizer.params.{e}") from None
 
