@@ -1,5 +1,5 @@
-"""Claim: CPUAdam's step runs at the memory-bandwidth limit for every gradient dtype, and its
-fused half-precision copy-out beats the peers' step followed by `copy_`.
+"""Claim: the CPU-Adam step (`adam_step_flat`) runs at the memory-bandwidth limit for every
+gradient dtype, and its fused half-precision copy-out beats the peers' step followed by `copy_`.
 
 Runs `infinity bench adam` (infinity.cli.bench_adam) at each size, all peers in the same run,
 and writes one JSON file with a record per size (machine info, copy bandwidth, every row).
@@ -11,9 +11,10 @@ and writes one JSON file with a record per size (machine info, copy bandwidth, e
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
+
+from bench_record import write_json
 
 from infinity.cli.bench_adam import PEERS, BenchConfig, format_table, parse_count, run
 
@@ -43,9 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         record = run(cfg)
         print(format_table(record), flush=True)
         records.append(record)
-    with open(args.json, "w") as f:
-        json.dump(records, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(records, args.json)
     return 0
 
 

@@ -9,8 +9,9 @@ reads, with the first writes into a fresh file timed apart.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from bench_record import write_json
 
 from infinity.cli.bench_aio import add_arguments, config_from_args, format_table, json_records, run
 
@@ -22,9 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(config_from_args(args))
     print(format_table(result), flush=True)
-    with open(args.json, "w") as f:
-        json.dump(json_records(result), f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(json_records(result), args.json)
     return 0
 
 

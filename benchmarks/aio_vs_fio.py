@@ -29,8 +29,9 @@ import tempfile
 import time
 
 import torch
+from bench_record import machine, write_json
 
-from infinity.cli.bench_aio import BENCH_FILE, human, machine_info, parse_bytes
+from infinity.cli.bench_aio import BENCH_FILE, human, parse_bytes
 from infinity.swap import AioHandle, aligned_empty, available_backends
 
 
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace, fio: str) -> dict:
     buf.fill_(0x5A)
     ring.fill_(0x5A)
     out = {"settings": {**cfg, "size": args.size, "rounds": args.rounds},
-           "machine": machine_info(args.path), "records": []}  # fmt: skip
+           "machine": machine(args.path), "records": []}  # fmt: skip
     huge = FioHugePages(args.fio_hugepages, args.block_size * args.queue_depth * args.threads)
     out["settings"]["fio_iomem_hugepages"] = huge.iomem
     first = args.backend[0]
@@ -286,9 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = run(args, fio)
     print(format_summary(out))
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(out, args.json)
     return 0
 
 

@@ -45,7 +45,6 @@ import json
 import logging
 import math
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -54,6 +53,7 @@ import tempfile
 import time
 
 import torch
+from bench_record import machine, write_json
 
 _GB = 1e9
 _GIB = 1 << 30
@@ -431,20 +431,6 @@ def report(summary: dict) -> None:
         print(f"{'PASS' if ok else 'FAIL'} {name}")
 
 
-def machine(path: str) -> dict:
-    """`infinity bench aio`'s machine record, with what this run's checks also need."""
-    from infinity.cli.bench_aio import machine_info
-
-    return {
-        **machine_info(path),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        "nice": os.nice(0),  # below 0: the run took the cores ahead of other work
-    }
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--path", default="/tmp/btr", help="NVMe directory (created if missing)")
@@ -556,9 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     record["machine"]["loadavg_end"] = os.getloadavg()
     report(summary)
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(record, args.json)
     return 0
 
 

@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import json
 import logging
 import os
-import platform
 import pstats
 import statistics
 import sys
@@ -35,6 +33,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_record import machine, write_json
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import infinity
@@ -275,14 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             n: _profile(peers[n], data[-args.profile :], 25) if args.profile else []
             for n in engines
         },
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "loadavg_start": load_start,
-            "loadavg_end": os.getloadavg(),
-        },
+        "machine": {**machine(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
     }
     for name, m in med.items():
         parts = ", ".join(f"{p} {m[p]:.3f}" for p in PHASES)
@@ -293,9 +285,7 @@ def main(argv: list[str] | None = None) -> int:
               f"losses bitwise equal: {bitwise[n]}; peak live within the budget: {within[n]}; "
               "extra per phase (s): "
               + ", ".join(f"{p} {v:+.3f}" for p, v in extra[n].items()))  # fmt: skip
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(record, args.json)
     return 0
 
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import sys
 
 import torch
+from bench_record import machine, write_json
 
 from infinity.config import Config
 from infinity.estimate import Rates, estimate, hardware, model_shape
@@ -224,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         out.append({"record": path, "probed": rates, "estimate": got, "measured": want,
                     "ratio": ratio, "bound": est.bound, "times": times})  # fmt: skip
         print(f"{path}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()), flush=True)
-    machine = {"platform": platform.platform(), "torch": torch.__version__,
-               "threads": torch.get_num_threads()}  # fmt: skip
-    with open(args.json, "w") as f:
-        json.dump({"bench": "estimate_vs_measured", "machine": machine, "runs": out}, f, indent=1)
+    write_json({"bench": "estimate_vs_measured", "machine": machine(), "runs": out}, args.json)
     print("\n".join(table(out)))
     return 0
 

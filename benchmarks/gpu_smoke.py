@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from bench_record import machine, write_json
 
 from infinity.accelerator import cuda_available
 
@@ -105,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": _device_name(args.device),
         "dtype": args.dtype,
         "torch": torch.__version__,
-        "machine": platform.platform(),
+        "machine": machine(),
         "cases": results,
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        write_json(record, args.json, announce=False)
     ok = all(r["ok"] for r in results)
     print(f"\ngpu_smoke: {'every loss matched' if ok else 'a check FAILED'} on {args.device}")
     return 0 if ok else 1
@@ -181,7 +182,7 @@ def _torch_losses(case: Case, model_dir: str, corpus: Path, cache: Path) -> list
     `infinity train` draws (same data pipeline and seed), AdamW with its settings."""
     from transformers import AutoModelForCausalLM
 
-    from infinity.cli.train_run import causal_lm_loss
+    from infinity.cli.train_step import causal_lm_loss
     from infinity.data import open_dataset
 
     torch.manual_seed(SEED)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_record import machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -224,18 +225,6 @@ def run_child(args, mode: str, model_dir: Path, work: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def machine() -> dict:
-    with open("/proc/meminfo") as f:
-        mem = next(line for line in f if line.startswith("MemTotal"))
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "mem_total_kib": int(mem.split()[1]),
-    }
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-1b")
@@ -308,7 +297,7 @@ def main() -> None:
     }
     print(json.dumps(record, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1))
+        write_json(record, args.json, announce=False)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 import transformers
+from bench_record import machine, write_json
 
 import infinity
 from infinity.models import LlamaConfig, LlamaForCausalLM
@@ -101,13 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "claim": "Infinity's Llama vs transformers' Llama through the engine",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "torch_threads": torch.get_num_threads(),
-        },
+        "machine": {**machine(), "transformers": transformers.__version__},
         "shape": {k: v for k, v in vars(args).items() if k != "json"},
         "params": numel,
         "median_step_s": median,
@@ -116,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "losses": losses,
         "max_rel_loss_diff": max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)),
     }
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=2)
+    write_json(record, args.json, announce=False)
     keys = ("params", "median_step_s", "ratio_infinity_over_transformers", "max_rel_loss_diff")
     print(json.dumps({k: record[k] for k in keys}, indent=2))
     return 0

@@ -25,13 +25,14 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from bench_record import machine, write_json
 
 _GIB = 1 << 30
 _GB = 1e9
@@ -148,7 +149,7 @@ def _record(args, cmd, out: str, peak_rss: int, wall: float, sampler: Sampler, s
         "claim": f"{args.model} LoRA r={args.r}, frozen base on NVMe, peak RSS < 6 GiB",
         "command": " ".join(cmd),
         "config": engine_config(args),
-        "machine": _machine(args.path),
+        "machine": machine(args.path),
         "peak_rss_bytes": peak_rss,
         "peak_disk_bytes": sampler.peak_disk,
         "disk_line": disk_line,
@@ -161,16 +162,6 @@ def _record(args, cmd, out: str, peak_rss: int, wall: float, sampler: Sampler, s
         "checkpoint_tensors": len(names),
         "samples": sampler.samples,
         "checks": checks,
-    }
-
-
-def _machine(path: str) -> dict:
-    from infinity.cli.bench_aio import machine_info
-
-    return {
-        **machine_info(path),
-        "python": platform.python_version(),
-        "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
     }
 
 
@@ -191,7 +182,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rec = run(args)
-    Path(args.json).write_text(json.dumps(rec, indent=1))
+    write_json(rec, args.json, announce=False)
     print(
         f"peak RSS {rec['peak_rss_bytes'] / _GIB:.2f} GiB, peak disk "
         f"{rec['peak_disk_bytes'] / _GB:.1f} GB (printed need {rec['disk_need_bytes'] / _GB:.1f} "

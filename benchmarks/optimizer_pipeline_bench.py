@@ -15,7 +15,6 @@ the rounds the stores' states are compared bitwise.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -23,8 +22,9 @@ import sys
 import time
 
 import torch
+from bench_record import machine, write_json
 
-from benchmarks.optimizer_swap_bench import machine, open_aio, state_groups
+from benchmarks.optimizer_swap_bench import open_aio, state_groups
 from infinity.optim import adam_step_flat
 from infinity.swap.aio import AioHandle
 from infinity.swap.nvme_state import NvmeStateStore
@@ -155,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             f" sweep {v['median_sweep_s']:.3f} s ({v['sweep_gbps']:.2f} GB/s read+write), "
             f"{v['time_vs_both_on']:.2f}x the time with both on"
         )
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(record, args.json)
     return 0 if record["identical"] else 1
 
 

@@ -20,27 +20,18 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
+from bench_record import machine, write_json
 
 from infinity.swap.aio import AioHandle, aligned_empty
 from infinity.swap.nvme_state import NvmeStateStore
 from infinity.swap.store import SwapStore, align_up
 
 _GB = 1e9
-
-
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
 
 
 def raw_pass(aio: AioHandle, buf: torch.Tensor, path: str, chunks: int, write: bool) -> float:
@@ -202,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(record, args.json)
     return 0
 
 

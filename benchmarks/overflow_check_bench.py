@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
+from bench_record import machine
 
 from infinity.optim.loss_scaler import has_overflow
 
@@ -57,17 +56,6 @@ METHODS = {
     "aminmax": aminmax,
     "foreach_norm": foreach_norm,
 }
-
-
-def machine() -> dict:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-    }
 
 
 def run(numel: int, tensors: int, repeats: int, warmup: int) -> list[dict]:

@@ -39,6 +39,8 @@ import subprocess
 import sys
 import time
 
+from bench_record import machine, write_json
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bigger_than_ram as btr  # noqa: E402  (the pieces this claim shares)
 
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(one_size(args)))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    record: dict = {"bench": "ram_floor", "machine": btr.machine(args.path), "args": vars(args)}
+    record: dict = {"bench": "ram_floor", "machine": machine(args.path), "args": vars(args)}
     aio = btr.bench_aio(args.path, shlex.split(args.aio_args))
     print(
         f"bench aio: best read {aio['best_read_gbps']:.2f} GB/s, best write "
@@ -219,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     record.update(bench_aio=aio, runs=runs, summary={"rows": rows, "checks": checks})
     record["machine"]["loadavg_end"] = os.getloadavg()
     report(rows, checks)
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(record, args.json)
     return 0
 
 

@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_record import machine, write_json
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_object", "all_gather_object")
 
@@ -193,16 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "seq": args.seq,
         "records": records,
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "loadavg_end": os.getloadavg(),
-        },
+        "machine": {**machine(), "loadavg_end": os.getloadavg()},
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    write_json(result, args.json)
     return 0
 
 

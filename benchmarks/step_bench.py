@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
+from bench_record import machine, write_json
 
 import infinity
 from infinity.models.config import LlamaConfig
@@ -130,19 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": med["infinity"] / med["torch"],
         "losses": losses,
         "memory_stats": engine.memory_stats(),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "loadavg_end": os.getloadavg(),
-        },
+        "machine": {**machine(), "loadavg_end": os.getloadavg()},
     }
     print(f"median step: infinity {med['infinity']:.3f} s, torch {med['torch']:.3f} s, "
           f"ratio {record['ratio']:.3f}")  # fmt: skip
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(record, args.json)
     return 0
 
 

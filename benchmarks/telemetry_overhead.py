@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import timeit
 from pathlib import Path
 
 import torch
+from bench_record import machine, write_json
 
 import infinity
 from infinity.accelerator import get_accelerator
@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         "telemetry_s_per_step": overhead_s,
         "telemetry_share": overhead_s / statistics.median(step_s),
         "record_function_s_per_step": n_ranges * per_call["record_function_s"],
-        "machine": {"platform": platform.platform(), "torch": torch.__version__},
+        "machine": machine(),
     }
     print(json.dumps(record, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        write_json(record, args.json, announce=False)
     return 0
 
 

@@ -14,7 +14,6 @@ processes falls on every one alike; gradients are refilled before each call, unt
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -23,8 +22,9 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_record import machine, write_json
 
-from infinity.cli.bench_adam import machine_info, parse_count
+from infinity.cli.bench_adam import parse_count
 from infinity.config import OptimizerConfig, ZeroConfig
 from infinity.zero import PartitionedOptimizer, Slot
 
@@ -141,7 +141,7 @@ def bench(args) -> dict:
         "clip": args.clip,
         "warmup": args.warmup,
         "repeats": args.repeats,
-        "machine": machine_info(),
+        "machine": machine(),
         "loadavg_before_1m_5m_15m": load_before,
         "results": results,
     }
@@ -169,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if "breakdown_median_s" in r:
             parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["breakdown_median_s"].items())
             print(f"{'':16s} ({parts})", flush=True)
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(record, args.json)
     return 0
 
 

@@ -545,7 +545,7 @@ def test_changed_hyperparameters_are_logged_and_the_config_wins(caplog):
     with caplog.at_level("WARNING", logger="infinity.zero.optimizer"):
         opt.load_state_dict(d)
     assert "weight_decay was 0.0 in the checkpoint and is 0.1 now" in caplog.text
-    assert opt.hyper["weight_decay"] == 0.1
+    assert opt.hyper.weight_decay == 0.1
     assert opt.step_count == 7
 
 

@@ -85,15 +85,58 @@ DType parse_dtype(const std::string& name, bool allow_none, const char* what) {
 
 void* as_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
+// The hyperparameters of one step, read once from infinity.optim.AdamHyper (which has
+// checked them): the record crosses the binding as one value.
+struct Hyper {
+    double lr, beta1, beta2, eps, weight_decay;
+    bool adamw_mode, bias_correction;
+};
+
+Hyper read_hyper(const py::handle& h) {
+    Hyper out{};
+    out.lr = h.attr("lr").cast<double>();
+    out.beta1 = h.attr("beta1").cast<double>();
+    out.beta2 = h.attr("beta2").cast<double>();
+    out.eps = h.attr("eps").cast<double>();
+    out.weight_decay = h.attr("weight_decay").cast<double>();
+    out.adamw_mode = h.attr("adamw_mode").cast<bool>();
+    out.bias_correction = h.attr("bias_correction").cast<bool>();
+    return out;
+}
+
+// The kernel's per-call constants: as torch derives them, in double, then rounded to float by
+// the fp32 kernels.
+void derive_constants(const Hyper& h, long step, double grad_scale, AdamArgs& a) {
+    const double s = static_cast<double>(step);
+    const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, s) : 1.0;
+    const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, s) : 1.0;
+    a.neg_step_size = static_cast<float>(-h.lr / bc1);
+    a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    a.eps = static_cast<float>(h.eps);
+    a.beta2 = static_cast<float>(h.beta2);
+    a.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+    const float weight = static_cast<float>(1.0 - h.beta1);
+    a.lerp_base_is_grad = !(std::fabs(weight) < 0.5f);  // torch.lerp's two forms
+    a.lerp_coeff = a.lerp_base_is_grad ? weight - 1.0f : weight;
+    a.use_grad_scale = grad_scale != 1.0;
+    a.grad_scale = static_cast<float>(grad_scale);
+    if (h.weight_decay != 0.0) {
+        a.use_decay = h.adamw_mode;
+        a.use_l2 = !h.adamw_mode;
+        a.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+        a.l2 = static_cast<float>(h.weight_decay);
+    }
+}
+
 void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
                size_t numel, const std::string& grad_dtype, uintptr_t half_out,
-               const std::string& half_dtype, long step, double lr, double beta1, double beta2,
-               double eps, double weight_decay, bool adamw_mode, bool bias_correction,
+               const std::string& half_dtype, long step, const py::object& hyper,
                double grad_scale, const std::string& simd, size_t tile_numel, bool stream_half) {
     AdamArgs a;
     a.grad_dtype = parse_dtype(grad_dtype, false, "gradient");
     a.half_dtype = parse_dtype(half_dtype, true, "half_out");
     const KernelFn kernel = kernel_for(simd);
+    const Hyper h = read_hyper(hyper);
     if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, after this update)");
     if (tile_numel == 0) throw std::invalid_argument("tile_numel must be > 0");
     if (numel == 0) return;
@@ -105,26 +148,7 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
     a.exp_avg_sq = static_cast<float*>(as_ptr(exp_avg_sq));
     a.half_out = a.half_dtype == DType::none ? nullptr : as_ptr(half_out);
     a.stream_half = stream_half;
-
-    // Scalars as torch derives them: in double, then rounded to float by the fp32 kernels.
-    const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
-    const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
-    a.neg_step_size = static_cast<float>(-lr / bc1);
-    a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    a.eps = static_cast<float>(eps);
-    a.beta2 = static_cast<float>(beta2);
-    a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-    const float weight = static_cast<float>(1.0 - beta1);
-    a.lerp_base_is_grad = !(std::fabs(weight) < 0.5f);  // torch.lerp's two forms
-    a.lerp_coeff = a.lerp_base_is_grad ? weight - 1.0f : weight;
-    a.use_grad_scale = grad_scale != 1.0;
-    a.grad_scale = static_cast<float>(grad_scale);
-    if (weight_decay != 0.0) {
-        a.use_decay = adamw_mode;
-        a.use_l2 = !adamw_mode;
-        a.decay = static_cast<float>(1.0 - lr * weight_decay);
-        a.l2 = static_cast<float>(weight_decay);
-    }
+    derive_constants(h, step, grad_scale, a);
 
     py::gil_scoped_release no_gil;
     const size_t ntiles = (numel + tile_numel - 1) / tile_numel;
@@ -155,12 +179,15 @@ PYBIND11_MODULE(_cpu_adam, m) {
               "infinity.optim.native_adam for the checked Python entry point).";
     m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
           py::arg("exp_avg_sq"), py::arg("numel"), py::arg("grad_dtype"), py::arg("half_out"),
-          py::arg("half_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
-          py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
-          py::arg("bias_correction"), py::arg("grad_scale"), py::arg("simd") = "auto",
-          py::arg("tile_numel") = 1 << 16, py::arg("stream_half") = true,
-          "One Adam/AdamW step in place over numel elements; writes the new parameter to "
-          "half_out (fp16/bf16, round to nearest-even) when half_dtype is not ''.");
+          py::arg("half_dtype"), py::arg("step"), py::arg("hyper"), py::arg("grad_scale"),
+          py::arg("simd") = "auto", py::arg("tile_numel") = 1 << 16,
+          py::arg("stream_half") = true,
+          "One Adam/AdamW step in place over numel elements with the hyperparameters of "
+          "`hyper` (an infinity.optim.AdamHyper); writes the new parameter to half_out "
+          "(fp16/bf16, round to nearest-even) when half_dtype is not ''.");
+    // The fields adam_step reads from `hyper`; its presence marks a build that takes the record.
+    m.attr("HYPER_FIELDS") = py::make_tuple("lr", "beta1", "beta2", "eps", "weight_decay",
+                                            "adamw_mode", "bias_correction");
     m.def("copy_bytes", &copy_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
           py::arg("tile_bytes") = 1 << 20, "Parallel memcpy over the kernel's thread pool.");
     m.def("simd_levels", &simd_levels, "SIMD levels this CPU can run, fastest first.");

@@ -1,9 +1,10 @@
 """`infinity bench adam`: CPU-Adam throughput next to its peers and the copy bandwidth.
 
-Measures one optimizer step over N fp32 parameters for CPUAdam's native kernel, torch AdamW
-(foreach and fused) and, where importable, DeepSpeed's DeepSpeedCPUAdam, all on the same
-buffers in one run, plus a STREAM-like copy; for each gradient dtype, and for "step +
-half-precision copy of the new weights" (ours fused, the peers' step then `copy_`).
+Measures one optimizer step over N fp32 parameters for the engine's flat Adam step (the native
+kernel of `adam_step_flat`), torch AdamW (foreach and fused) and, where importable,
+DeepSpeed's DeepSpeedCPUAdam, all on the same buffers in one run, plus a STREAM-like copy;
+for each gradient dtype, and for "step + half-precision copy of the new weights" (ours
+fused, the peers' step then `copy_`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from infinity.optim import adam_step_flat, native_adam
+from infinity.optim import AdamHyper, adam_step_flat, native_adam
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def machine_info() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -116,7 +117,8 @@ def machine_info() -> dict:
     return info
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` knows (benchmarks' too)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -180,13 +182,13 @@ def _peer_step(name: str, buf: Buffers) -> Callable[[], None]:
 def _ours(buf: Buffers, dtype: str, half: bool) -> Callable[[], None]:
     grad = buf.grad(dtype)
     counter = [0]
+    hyper = AdamHyper.of(**HYPER, adamw_mode=True)  # the peers' settings, as one record
 
     def step() -> None:
         counter[0] += 1
         adam_step_flat(buf.param, grad, buf.exp_avg, buf.exp_avg_sq, step=counter[0],
-                       lr=HYPER["lr"], beta1=0.9, beta2=0.999, eps=HYPER["eps"],
-                       weight_decay=HYPER["weight_decay"], adamw_mode=True,
-                       half_out=buf.half if half else None, backend="native")  # fmt: skip
+                       hyper=hyper, half_out=buf.half if half else None,
+                       backend="native")  # fmt: skip
 
     return step
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from infinity.cli.train import positive_int
+from infinity.cli.train_flags import positive_int
 from infinity.config import Config
 from infinity.config.resolve import check_batch
 

@@ -15,7 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from infinity.cli.train import _positive_int, config_from_args
+from infinity.cli.train import config_from_args
+from infinity.cli.train_flags import positive_int
 from infinity.config import Config
 from infinity.models import PRESETS
 
@@ -24,8 +25,6 @@ _GB = 1e9
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from infinity.estimate import DEVICES
-
     parser = subparsers.add_parser(
         "estimate",
         help="host RAM, pinned and device memory, disk, and step time of a run, before it runs",
@@ -54,13 +53,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="training precision")
     parser.add_argument(
-        "--seq-len", type=_positive_int, default=512, help="tokens per sequence (default 512)"
+        "--seq-len", type=positive_int, default=512, help="tokens per sequence (default 512)"
     )
-    parser.add_argument("--micro-batch", type=_positive_int, help="sequences per forward")
-    parser.add_argument("--grad-accum", type=_positive_int, help="micro batches per step")
+    parser.add_argument("--micro-batch", type=positive_int, help="sequences per forward")
+    parser.add_argument("--grad-accum", type=positive_int, help="micro batches per step")
     parser.add_argument(
         "--lora-r",
-        type=_positive_int,
+        type=positive_int,
         metavar="R",
         help="LoRA rank: adapters on every linear layer of the blocks, the rest frozen",
     )
@@ -69,6 +68,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="recompute each layer's activations in backward (as `infinity train`)",
     )
+    _add_machine_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def _add_machine_flags(parser: argparse.ArgumentParser) -> None:
+    """The machine and the output: accelerator, disk rates, ranks, JSON."""
+    from infinity.estimate import DEVICES
+
     parser.add_argument(
         "--device",
         type=str.lower,  # H100 and h100 are the same GPU
@@ -85,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="ranks of the run (torchrun's processes): the batch figures count all of them "
@@ -98,7 +105,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also write the estimate as JSON; '-' writes it to stdout (the report then "
         "goes to stderr)",
     )
-    parser.set_defaults(func=run)
 
 
 def model_config(name: str):
@@ -242,7 +248,23 @@ def run(args: argparse.Namespace) -> int:
 
 def render(est, model: str, world_size: int = 1) -> str:
     """The estimate as the terminal shows it (one rank's, with `world_size` ranks)."""
-    s, t, i = est.sizes, est.times, est.inputs
+    lines = [
+        *_run_lines(est, model, world_size),
+        "",
+        *_memory_lines(est),
+        "",
+        *_time_lines(est, world_size),
+        "",
+        *(f"- {a}" for a in est.advice),
+        "",
+        "rates: " + "; ".join(f"{k}: {v}" for k, v in est.rates.sources.items()),
+    ]
+    return "\n".join(lines)
+
+
+def _run_lines(est, model: str, world_size: int) -> list[str]:
+    """What is estimated: the model, the batch, the offload targets."""
+    s, i = est.sizes, est.inputs
     lora = f", LoRA r={i['lora_r']}" if i["lora_r"] else ""
     ranks = (
         f" per rank, x {world_size} ranks = {est.tokens_per_step * world_size} tokens per "
@@ -250,7 +272,7 @@ def render(est, model: str, world_size: int = 1) -> str:
         if world_size > 1
         else " per step"
     )
-    lines = [
+    return [
         f"{model}: {est.params / 1e9:.2f}B parameters ({est.trainable_params / 1e9:.3f}B "
         f"trainable{lora}), {i['dtype']}, {i['seq_len']} tokens x {i['micro_batch']} x "
         f"{i['gradient_accumulation_steps']} = {est.tokens_per_step} tokens{ranks}, "
@@ -258,7 +280,13 @@ def render(est, model: str, world_size: int = 1) -> str:
         f"offload: parameters to {i['offload_param']}, optimizer state to "
         f"{i['offload_optimizer']}; {s.num_sub_groups} sub-group{_plural(s.num_sub_groups)} "
         f"of at most {i['sub_group_size']:,} elements",
-        "",
+    ]
+
+
+def _memory_lines(est) -> list[str]:
+    """Memory by tier and by what holds it."""
+    s = est.sizes
+    return [
         "memory",
         _row("host RAM, peak", est.peak_rss_bytes, f"steady {est.steady_rss_bytes / _GIB:.1f} GiB"),
         _row("  fp32 gradients", s.grad_host_bytes),
@@ -278,7 +306,18 @@ def render(est, model: str, world_size: int = 1) -> str:
             f"optimizer state {s.optim_nvme_bytes / _GIB:.1f} GiB, parameters "
             f"{s.param_nvme_bytes / _GIB:.1f} GiB, gradients {s.grad_nvme_bytes / _GIB:.1f} GiB",
         ),
-        "",
+    ]
+
+
+def _time_lines(est, world_size: int) -> list[str]:
+    """Bytes moved per step, then the step's time and its parts."""
+    s, t = est.sizes, est.times
+    waits = [
+        ("engine hooks", t.hooks_s, t.hooks_s != 0),
+        ("waiting for parameter reads", t.read_wait_s, t.read_wait_s > 0.005),
+        ("waiting for gradient I/O", t.grad_wait_s, t.grad_wait_s > 0.005),
+    ]
+    return [
         "per step",
         f"  {'NVMe read / written':<28}{est.nvme_read_bytes_per_step / _GB:9.1f} GB "
         f"/ {est.nvme_write_bytes_per_step / _GB:.1f} GB",
@@ -293,23 +332,8 @@ def render(est, model: str, world_size: int = 1) -> str:
         f"  {'NVMe transfers':<28}{t.nvme_s:9.2f} s",
         f"  {'CPU-Adam (+ norm)':<28}{t.cpu_adam_s:9.2f} s",
         f"  {'host-device copies':<28}{t.copies_s:9.2f} s",
-        *([f"  {'engine hooks':<28}{t.hooks_s:9.2f} s"] if t.hooks_s else []),
-        *(
-            [f"  {'waiting for parameter reads':<28}{t.read_wait_s:9.2f} s"]
-            if t.read_wait_s > 0.005
-            else []
-        ),
-        *(
-            [f"  {'waiting for gradient I/O':<28}{t.grad_wait_s:9.2f} s"]
-            if t.grad_wait_s > 0.005
-            else []
-        ),
-        "",
-        *(f"- {a}" for a in est.advice),
-        "",
-        "rates: " + "; ".join(f"{k}: {v}" for k, v in est.rates.sources.items()),
+        *(f"  {label:<28}{value:9.2f} s" for label, value, shown in waits if shown),
     ]
-    return "\n".join(lines)
 
 
 def _plural(n: int) -> str:

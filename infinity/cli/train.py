@@ -1,19 +1,26 @@
 """`infinity train`: fine-tune or pre-train a causal LM with offload, from the shell.
 
-Owns the command line: flags, how they override the JSON config, and the checks of the
-inputs before any work starts. The run itself (model, data, loop, checkpoints) is in
-`infinity.cli.train_run`.
+Owns the command: how the flags (declared in `infinity.cli.train_flags`) override the JSON
+config, and the checks of the inputs before any work starts. The run itself (model, data,
+loop, checkpoints) is in `infinity.cli.train_run`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from infinity.cli.train_flags import (
+    add_input_flags,
+    add_lora_flags,
+    add_run_flags,
+    add_training_flags,
+    lora_spec,
+    positive_int,
+)
 from infinity.config import Config
 from infinity.config.resolve import check_batch
 from infinity.data.source import check_data_file
@@ -22,69 +29,6 @@ from infinity.models import PRESETS
 
 if TYPE_CHECKING:
     from infinity.models.hf_auto import CausalLMSpec
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
-    return value
-
-
-positive_int = _positive_int  # the other commands' counts are checked the same way
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number and positive")
-    return value
-
-
-def _dropout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1)")
-    return value
-
-
-def _names(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if not names:
-        raise argparse.ArgumentTypeError(f"{text!r} names no layer; e.g. q_proj,v_proj")
-    return names
-
-
-def lora_spec(args: argparse.Namespace):
-    """The run's LoRA adapters, or None without --lora-r (the other LoRA flags need it)."""
-    from infinity.models.lora import LoraSpec
-
-    if args.lora_r is None:
-        given = [
-            flag
-            for flag, value in (
-                ("--lora-alpha", args.lora_alpha),
-                ("--lora-targets", args.lora_targets),
-            )
-            if value is not None
-        ] + (["--lora-dropout"] if args.lora_dropout else [])
-        if given:
-            raise ValueError(
-                f"{', '.join(given)} need --lora-r R (the adapter rank) to enable LoRA"
-            )
-        return None
-    return LoraSpec(
-        r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, targets=args.lora_targets
-    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -102,148 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "that holds checkpoints unless --overwrite is given."
         ),
     )
-    parser.add_argument(
-        "--model",
-        required=True,
-        metavar="DIR|PRESET",
-        help=f"a Hugging Face model directory, or a preset ({', '.join(PRESETS)})",
-    )
-    parser.add_argument(
-        "--data",
-        required=True,
-        metavar="FILE",
-        help="UTF-8 text (one document) or JSONL (.jsonl: one JSON object per line, the text "
-        "in the field --data-field names); tokenized with the model directory's tokenizer",
-    )
-    parser.add_argument(
-        "--data-field",
-        default="text",
-        metavar="NAME",
-        help="the JSONL field that holds each document's text (default 'text')",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        help="a directory holding a Hugging Face tokenizer (any form transformers reads) to use "
-        "instead of the model directory's; needed with a preset unless --byte-tokens is given",
-    )
-    parser.add_argument(
-        "--byte-tokens",
-        action="store_true",
-        help="tokenize the data as UTF-8 bytes (ids 0-255, BOS 256, EOS 257) instead of with "
-        "a tokenizer; the model needs a vocab_size of at least 258",
-    )
-    parser.add_argument(
-        "--nvme",
-        metavar="PATH[,PATH...]",
-        help="directory on a fast SSD for the fp32 master weights, the Adam moments and the "
-        "16-bit parameters (default: host RAM, or as the config says; a config's "
-        "offload_param.device 'cpu' keeps the parameters in RAM); under torchrun, one "
-        "directory shared by the ranks or a comma-separated list of one per local rank. "
-        "Unless the config sets sub_group_size, it becomes 1e8 elements (4 x 1.2 GB of host "
-        "buffers)",
-    )
-    parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")
-    parser.add_argument(
-        "--steps", type=_positive_int, help="optimizer steps to run (default: one epoch)"
-    )
-    parser.add_argument(
-        "--seq-len", type=_positive_int, default=512, help="tokens per sequence (default 512)"
-    )
-    parser.add_argument(
-        "--micro-batch", type=_positive_int, help="sequences per forward (config: 1 if unset)"
-    )
-    parser.add_argument(
-        "--grad-accum", type=_positive_int, help="micro batches per optimizer step (config)"
-    )
-    parser.add_argument("--lr", type=_positive_float, help="peak learning rate (config)")
-    parser.add_argument(
-        "--dtype",
-        choices=["fp32", "bf16", "fp16"],
-        help="training precision (config's fp16/bf16 sections; default fp32)",
-    )
-    parser.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="recompute each layer's activations in backward (less memory, ~1.3x compute), "
-        "through the model's own activation checkpointing",
-    )
-    lora = parser.add_argument_group(
-        "LoRA", "train low-rank adapters (peft) on a frozen base; checkpoints hold only them"
-    )
-    lora.add_argument(
-        "--lora-r", type=_positive_int, metavar="R", help="adapter rank (enables LoRA)"
-    )
-    lora.add_argument(
-        "--lora-alpha",
-        type=_positive_float,
-        metavar="A",
-        help="scale numerator: updates are B @ A * A / R (default: R, a scale of 1)",
-    )
-    lora.add_argument(
-        "--lora-dropout",
-        type=_dropout,
-        default=0.0,
-        metavar="P",
-        help="dropout on the adapters' input, in [0, 1) (default 0)",
-    )
-    lora.add_argument(
-        "--lora-targets",
-        type=_names,
-        metavar="NAMES",
-        help="comma-separated linear layers to adapt, e.g. q_proj,v_proj (default: every "
-        "linear layer of the blocks: q,k,v,o,gate,up,down_proj)",
-    )
-    parser.add_argument(
-        "--save-dir",
-        default="runs/infinity",
-        metavar="DIR",
-        help="checkpoints, metrics.jsonl and the token cache (default runs/infinity)",
-    )
-    parser.add_argument(
-        "--save-every",
-        type=_positive_int,
-        metavar="N",
-        help="checkpoint every N optimizer steps (default: only at the end and on a stop)",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint in --save-dir whose checksums verify, with "
-        "the same model, precision, sequence length, seed and sequences per step",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start over in a --save-dir that holds checkpoints: delete them and metrics.jsonl "
-        "first (without it, such a directory is refused unless --resume is given)",
-    )
-    parser.add_argument(
-        "--keep-last",
-        type=_positive_int,
-        metavar="N",
-        help="after each save keep only the N newest checkpoints (default: keep all); the one "
-        "'latest' names is never removed",
-    )
-    parser.add_argument("--seed", type=int, help="seed for init, data order and dropout (config)")
-    parser.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (log lines only)"
-    )
-    parser.add_argument(
-        "--comm-timeout",
-        type=_positive_float,
-        metavar="SECONDS",
-        help="under torchrun: how long a rank waits for the others in one collective before "
-        "the run stops with an error naming the rank (default: $INFINITY_COMM_TIMEOUT_S, else "
-        "600)",
-    )
-    parser.add_argument(
-        "--profile",
-        type=_positive_int,
-        metavar="STEPS",
-        help="record STEPS optimizer steps after one warm-up step with torch.profiler and "
-        "write a Chrome trace (chrome://tracing, Perfetto) to SAVE_DIR/profile/",
-    )
+    add_input_flags(parser)
+    add_training_flags(parser)
+    add_lora_flags(parser)
+    add_run_flags(parser)
     parser.set_defaults(func=run)
 
 

@@ -130,3 +130,10 @@ def check(uses: list[DiskUse], *, free=None) -> str:
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e7 else f"{n / 1e6:.2f} MB"
+
+
+def checkpoints_kept(steps: int, every: int | None, keep_last: int | None) -> int:
+    """Checkpoints on disk at the most: one per --save-every and the last, or with
+    --keep-last N, N plus the one being written before the oldest is removed."""
+    saves = math.ceil(steps / every) if every else 1
+    return saves if keep_last is None else min(saves, keep_last + 1)

@@ -3,38 +3,59 @@
 Owns the order of things (model under `infinity.init`, weights streamed into partitions,
 data, engine, resume), the per-step record in `metrics.jsonl`, the progress bar and the
 stop on a signal or a failed step, which never leaves a torn checkpoint or the swap directory
-behind. What each signal means is in `infinity.cli.train_stop`; the flags and input checks
-are in `infinity.cli.train`.
+behind. What each signal means is in `infinity.cli.train_stop`, what a stopped or failed run
+says in `train_failures`, a step's loss and record in `train_step`; the flags and input
+checks are in `infinity.cli.train` and `train_flags`.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import math
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import infinity
-from infinity.checkpoint import Checkpoint, MetricsLog, latest_tag, load_checkpoint, prune
+from infinity.checkpoint import Checkpoint, MetricsLog, load_checkpoint, prune
 from infinity.cli import train_disk
-from infinity.cli.train import PROFILE_WARMUP_STEPS, lora_spec, tokenizer_dir
+from infinity.cli.train import tokenizer_dir
+from infinity.cli.train_failures import (
+    close_quietly,
+    error,
+    first_errno,
+    other_rank_failed,
+    resume_hint,
+    step_failed,
+    stopped_at_once,
+)
+from infinity.cli.train_flags import lora_spec
 from infinity.cli.train_ranks import Ranks
-from infinity.cli.train_savedir import RunShape, check_resume, find_resume, prepare_fresh
-from infinity.cli.train_stop import Phase, StopNow, StopSignals, stop_in_chain
+from infinity.cli.train_savedir import (
+    RunShape,
+    check_resume,
+    check_same_adapters,
+    find_resume,
+    prepare_fresh,
+)
+from infinity.cli.train_step import (
+    causal_lm_loss,
+    end_profile,
+    profile_written,
+    start_profile,
+    step_record,
+)
+from infinity.cli.train_stop import Phase, StopSignals, stop_in_chain
 from infinity.comm import CommError
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
 from infinity.data.tokenizer import tokenizer_files
 from infinity.models import hf_auto
-from infinity.models.lora import LoraSpec, apply_lora, lora_targets
-from infinity.utils.profiler import StepProfiler
+from infinity.models.lora import apply_lora, lora_targets
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +172,7 @@ class TrainRun:
                 self.param_shapes, self.lora.r if self.lora else None, targets
             ),
             save_dir=self.save_dir,
-            saves=_checkpoints_kept(steps, every, self.args.keep_last),
+            saves=train_disk.checkpoints_kept(steps, every, self.args.keep_last),
         )
         self.ranks.say(train_disk.check(uses))
 
@@ -232,7 +253,7 @@ class TrainRun:
         except CommError as exc:
             if not self.ranks.is_main or stop_in_chain(exc) is not None:
                 raise
-            raise self._other_rank_failed() from exc
+            raise other_rank_failed(self.ranks, self.save_dir) from exc
         except BaseException as exc:
             # A stop at once can land inside I/O, whose clean-up may wrap it in its own
             # error: it is still the stop the user asked for, not a failed disk or step.
@@ -247,16 +268,8 @@ class TrainRun:
                     "is complete (continue with --resume)"
                 )
                 return 0
-            self.ranks.say(self._stopped_at_once(stop), err=True)
+            self.ranks.say(stopped_at_once(self.save_dir, stop), err=True)
             return stop.exit_code
-
-    def _other_rank_failed(self) -> OSError:
-        """Rank 0, when a collective broke: the rank that failed and why, and where to go
-        on from (see [Note: one run, several ranks] in train_ranks.py)."""
-        why = self.ranks.explain(self.ranks.comm.timeout_s)
-        if "--resume" in why:  # the failed rank's own message says where to go on from
-            return _error(None, f"the run stopped: {why}")
-        return _error(None, f"the run stopped: {why}. {self._resume_hint('it is fixed')}")
 
     def _run(self, signals: StopSignals) -> int:
         resume = self._prepare_save_dir()
@@ -271,7 +284,7 @@ class TrainRun:
             code = self._train(engine, data, config, steps, signals, resume)
         except BaseException:
             signals.start_closing()
-            _close_quietly(engine)  # the error in flight is the one to report
+            close_quietly(engine)  # the error in flight is the one to report
             raise
         signals.start_closing()
         engine.close()  # removes the swap directory under --nvme
@@ -287,7 +300,8 @@ class TrainRun:
         resume: Checkpoint | None,
     ) -> int:
         if resume is not None:
-            self._check_same_adapters(resume)
+            now = self._lora_state() if self.lora is not None else None
+            check_same_adapters(self.save_dir, resume, now)  # before anything is loaded
             _, client_state = engine.load_checkpoint(self.save_dir, resume.tag)
             data.load_state_dict(client_state["data"])
             if self.ranks.is_main:
@@ -311,37 +325,16 @@ class TrainRun:
         )
         return 0
 
-    def _check_same_adapters(self, resume: Checkpoint) -> None:
-        """--resume with other LoRA flags than the checkpoint's is refused before loading."""
-        saved = resume.state.get("lora")
-        now = self._lora_state() if self.lora is not None else None
-        if saved != now:
-
-            def flags(state):
-                if state is None:
-                    return "no LoRA"
-                spec = LoraSpec.from_dict(state)
-                return (
-                    f"--lora-r {spec.r} --lora-alpha {spec.alpha or spec.r} --lora-dropout "
-                    f"{spec.dropout} --lora-targets {','.join(state['resolved_targets'])}"
-                )
-
-            raise ValueError(
-                f"--resume: the checkpoint in {self.save_dir} was trained with {flags(saved)}, "
-                f"this run asks for {flags(now)}; resume with the checkpoint's flags, or use "
-                "another --save-dir for a new run"
-            )
-
     def _save(self, engine, data: PackedDataset) -> str:
         """Checkpoint the state after the last step. A failed save (a full disk...) stops the
         run; the writer's error already says that the previous checkpoint is intact."""
         try:
             tag = engine.save_checkpoint(self.save_dir, client_state=self._client_state(data))
         except OSError as exc:
-            raise _error(
-                _first_errno(exc),
+            raise error(
+                first_errno(exc),
                 f"{(exc.strerror or str(exc)).rstrip('.')}. Training stopped at step "
-                f"{engine.global_steps}. {self._resume_hint('there is room')}",
+                f"{engine.global_steps}. {resume_hint(self.save_dir, 'there is room')}",
             ) from exc
         self._saved = tag
         if self.args.keep_last and self.ranks.is_main:
@@ -350,43 +343,6 @@ class TrainRun:
             except OSError as exc:  # the new checkpoint is safe: retention can wait
                 log.warning("--keep-last: could not remove an old checkpoint: %s", exc)
         return tag
-
-    def _resume_hint(self, once: str = "") -> str:
-        """Which checkpoint a later run starts from, and the command for it."""
-        then = f"once {once}, " if once else ""
-        tag = latest_tag(self.save_dir)
-        if tag is None:
-            return (
-                f"There is no checkpoint in {self.save_dir}: {then}the same command starts "
-                "again from the beginning (--save-every N keeps checkpoints along the way)"
-            )
-        return (
-            f"Checkpoint {self.save_dir / tag} is intact and is the latest: {then}the same "
-            "command with --resume continues from it"
-        )
-
-    def _step_failed(self, engine, exc: OSError) -> OSError:
-        """A step failed in the middle (an NVMe transfer, ...): the state is torn, so it is
-        not saved; the error names the failure, the fix and where to resume from."""
-        code = _first_errno(exc)
-        once = {
-            errno.ENOSPC: "there is free space on that disk (or with --nvme on a larger one)",
-            errno.EDQUOT: "the disk quota is raised (or with --nvme elsewhere)",
-            errno.EIO: "the device is checked (dmesg), or with --nvme on another disk",
-        }.get(code, "the cause is fixed")
-        return _error(
-            code,
-            f"step {engine.global_steps + 1} failed and was not saved: "
-            f"{str(exc).rstrip('.')}. {self._resume_hint(once)}",
-        )
-
-    def _stopped_at_once(self, stop: StopNow) -> str:
-        when = {
-            Phase.STARTING: "before training started",
-            Phase.TRAINING: "during training (the step in progress is not saved)",
-            Phase.SAVING: "while saving a checkpoint (that save was abandoned)",
-        }.get(stop.phase, "")
-        return f"stopped at once by {stop.name} {when}. {self._resume_hint()}"
 
     def _loop(self, engine, data, config: Config, steps: int, signals: StopSignals) -> None:
         micro = config.train_micro_batch_size_per_gpu
@@ -400,7 +356,7 @@ class TrainRun:
             disable=self.args.no_progress or not self.ranks.is_main,
             dynamic_ncols=True,
         )
-        profiler = self._start_profile(engine, steps)
+        profiler = start_profile(engine, self.args.profile, steps, self.save_dir)
         with bar, logging_redirect_tqdm():  # the engine's progress lines go above the bar
             # The ranks agree on a stop before each step (see train_ranks).
             while engine.global_steps < steps and not self.ranks.any_stop(signals.requested):
@@ -409,11 +365,11 @@ class TrainRun:
                 try:
                     loss = self._one_step(engine, data, micro, accum)
                 except OSError as exc:
-                    raise self._step_failed(engine, exc) from exc
+                    raise step_failed(self.save_dir, engine.global_steps + 1, exc) from exc
                 self._saved = None
                 loss = self.ranks.mean(loss)
                 seconds = time.perf_counter() - start
-                record = self._record(engine, loss, lr, tokens_per_step / seconds, seconds)
+                record = step_record(engine, loss, lr, tokens_per_step / seconds, seconds)
                 record["tflops"] = flops_per_token * record["tokens_per_s"] / 1e12
                 if self.ranks.is_main:
                     self.metrics.append(record)
@@ -423,27 +379,13 @@ class TrainRun:
                     f"tflops={record['tflops']:.3g} | {engine.last_step_telemetry().compact()}"
                 )
                 if profiler is not None and (profiler.path or profiler.error):
-                    tqdm.write(_profile_written(profiler))
+                    tqdm.write(profile_written(profiler))
                     profiler = None
                 every = self.args.save_every
                 if every and engine.global_steps % every == 0 and engine.global_steps < steps:
                     self._save(engine, data)
         if profiler is not None:  # the run ended before the profile did
-            _end_profile(profiler)
-
-    def _start_profile(self, engine, steps: int) -> StepProfiler | None:
-        """With --profile N: N steps after a warm-up step, or as many as the run has left."""
-        wanted = self.args.profile
-        if not wanted:
-            return None
-        left = steps - engine.global_steps
-        warmup = min(PROFILE_WARMUP_STEPS, max(0, left - wanted))
-        if left < wanted + PROFILE_WARMUP_STEPS:
-            print(
-                f"--profile {wanted}: the run has {left} step(s) left; profiling "
-                f"{min(wanted, left)} after {warmup} warm-up step(s)"
-            )
-        return engine.profile(min(wanted, left), self.save_dir / "profile", warmup_steps=warmup)
+            end_profile(profiler)
 
     @staticmethod
     def _one_step(engine, data: PackedDataset, micro: int, accum: int) -> float:
@@ -456,75 +398,3 @@ class TrainRun:
             engine.step()
             total += float(loss.detach())
         return total / accum
-
-    @staticmethod
-    def _record(engine, loss: float, lr: float, tokens_per_s: float, seconds: float) -> dict:
-        """The step's line in metrics.jsonl: the loop's figures, then the engine's telemetry
-        (names in docs/telemetry.md)."""
-        record = {
-            "step": engine.global_steps,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": engine.get_global_grad_norm(),
-            "step_s": seconds,
-            "tokens_per_s": tokens_per_s,
-        }
-        record.update(engine.last_step_telemetry().to_dict())
-        if engine.config.precision == "fp16":
-            record["loss_scale"] = engine.loss_scale
-            record["skipped"] = engine.was_step_skipped
-        return record
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy in fp32. `labels` are already shifted by the data pipeline
-    (labels[t] follows input_ids[t]), so the model's own loss, which shifts, is not used."""
-    labels = labels.to(logits.device)  # batches come from the CPU; logits from the device
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-
-
-def _end_profile(profiler: StepProfiler) -> None:
-    """Write what was recorded (a stop may come before the profile's last step)."""
-    profiler.stop()
-    if profiler.path is None and profiler.error is None:
-        print("--profile: the run ended in the warm-up step; no trace was written")
-    else:
-        print(_profile_written(profiler))
-
-
-def _profile_written(profiler: StepProfiler) -> str:
-    if profiler.recorded is None:
-        return f"--profile: {profiler.error}; training went on without the trace"
-    first, last = profiler.recorded
-    return f"--profile: steps {first}-{last} written to {profiler.path} (Chrome trace)"
-
-
-def _checkpoints_kept(steps: int, every: int | None, keep_last: int | None) -> int:
-    """Checkpoints on disk at the most: one per --save-every and the last, or with
-    --keep-last N, N plus the one being written before the oldest is removed."""
-    saves = math.ceil(steps / every) if every else 1
-    return saves if keep_last is None else min(saves, keep_last + 1)
-
-
-def _first_errno(exc: BaseException | None) -> int | None:
-    """The errno of `exc` or of the first exception in its chain that has one."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno is not None:
-            return exc.errno
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def _close_quietly(engine) -> None:
-    """Close the engine after a failure; a second failure while closing is only logged."""
-    try:
-        engine.close()
-    except Exception as exc:
-        log.error("closing the engine after a failure: %s", exc)
-
-
-def _error(code: int | None, message: str) -> OSError:
-    """An OSError that prints as `message` alone and still carries the errno."""
-    err = OSError(message)
-    err.errno = code
-    return err

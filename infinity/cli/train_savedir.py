@@ -210,3 +210,28 @@ def _few(names: list[str]) -> str:
 
 
 __all__ = ["RunShape", "check_resume", "find_resume", "prepare_fresh"]
+
+
+def check_same_adapters(save_dir: Path, resume: Checkpoint, now: dict | None) -> None:
+    """--resume with other LoRA flags than the checkpoint's is refused before loading; `now`
+    is this run's LoRA state as a checkpoint records it (None without LoRA)."""
+    from infinity.models.lora import LoraSpec
+
+    saved = resume.state.get("lora")
+    if saved == now:
+        return
+
+    def flags(state):
+        if state is None:
+            return "no LoRA"
+        spec = LoraSpec.from_dict(state)
+        return (
+            f"--lora-r {spec.r} --lora-alpha {spec.alpha or spec.r} --lora-dropout "
+            f"{spec.dropout} --lora-targets {','.join(state['resolved_targets'])}"
+        )
+
+    raise ValueError(
+        f"--resume: the checkpoint in {save_dir} was trained with {flags(saved)}, "
+        f"this run asks for {flags(now)}; resume with the checkpoint's flags, or use "
+        "another --save-dir for a new run"
+    )

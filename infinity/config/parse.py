@@ -1,8 +1,9 @@
 """DeepSpeed JSON <-> typed sections: key names, checks with key paths, and back to a dict.
 
-[Note: keys] Each field is read from any of its keys (the first is the one `to_dict` writes);
-two keys of one field with different values are an error. Ignored keys are DeepSpeed settings
-that do not apply here and change nothing; they are accepted and logged at debug level.
+[Note: keys] Each field is read from any of its keys (the tables are in keys.py; the first key
+is the one `to_dict` writes); two keys of one field with different values are an error.
+Ignored keys are DeepSpeed settings that do not apply here and change nothing; they are
+accepted and logged at debug level.
 Unsupported keys are DeepSpeed features Infinity does not implement (see unsupported.py):
 refused with the reason unless their value leaves the feature off.
 """
@@ -19,116 +20,25 @@ from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
 from typing import Any, Literal
 
+from infinity.config.keys import BOUND_REASON, IGNORED, KEYS, MINIMUM, UNSUPPORTED
 from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
 from infinity.config.sections import (
     AioConfig,
     Config,
-    FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
     OptimizerConfig,
     SchedulerConfig,
     ZeroConfig,
 )
-from infinity.config.unsupported import OFFLOAD_OPTIMIZER, TOP_LEVEL, ZERO, Unsupported
 from infinity.config.values import AUTO, suggest, to_float, to_int
 
 logger = logging.getLogger(__name__)
 
 
-_KEYS: dict[type, dict[str, tuple[str, ...]]] = {
-    ZeroConfig: {
-        "max_live_parameters": ("stage3_max_live_parameters", "max_live_parameters"),
-        "prefetch_bucket_size": ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
-        "max_reuse_distance": ("stage3_max_reuse_distance", "max_reuse_distance"),
-        "param_persistence_threshold": (
-            "stage3_param_persistence_threshold",
-            "param_persistence_threshold",
-        ),
-        "gather_16bit_weights_on_model_save": (
-            "stage3_gather_16bit_weights_on_model_save",
-            "gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save",
-        ),
-    },
-    AioConfig: {"thread_count": ("intra_op_parallelism", "thread_count")},
-    Config: {"bf16": ("bf16", "bfloat16")},
-}
-
-_IGNORED: dict[type, frozenset[str]] = {
-    Config: frozenset(
-        {
-            "zero_allow_untested_optimizer",
-            "zero_force_ds_cpu_optimizer",
-            "activation_checkpointing",
-        }
-    ),
-    ZeroConfig: frozenset(
-        {
-            "reduce_scatter",
-            "allgather_partitions",
-            "allgather_bucket_size",
-            "round_robin_gradients",
-            "load_from_fp32_weights",
-            "elastic_checkpoint",
-            "ignore_unused_parameters",
-            "memory_efficient_linear",
-            "log_trace_cache_warnings",
-            "use_multi_rank_bucket_allreduce",
-        }
-    ),
-    AioConfig: frozenset({"use_gds"}),  # checked to be false in _parse_aio
-}
-
-_UNSUPPORTED: dict[type, dict[str, Unsupported]] = {
-    Config: TOP_LEVEL,
-    ZeroConfig: ZERO,
-    OffloadOptimizerConfig: OFFLOAD_OPTIMIZER,
-}
-
-# (class, field) -> (bound, strict): values must be >= bound (> bound when strict).
-_MINIMUM: dict[tuple[type, str], tuple[float, bool]] = {
-    (Config, "train_batch_size"): (1, False),
-    (Config, "train_micro_batch_size_per_gpu"): (1, False),
-    (Config, "gradient_accumulation_steps"): (1, False),
-    (Config, "gradient_clipping"): (0, False),
-    (Config, "steps_per_print"): (1, False),
-    (FP16Config, "loss_scale"): (0, False),
-    (FP16Config, "initial_scale_power"): (0, False),
-    (FP16Config, "loss_scale_window"): (1, False),
-    (FP16Config, "hysteresis"): (1, False),
-    (FP16Config, "min_loss_scale"): (0, True),
-    (OptimizerConfig, "lr"): (0, False),
-    (OptimizerConfig, "eps"): (0, False),
-    (OptimizerConfig, "weight_decay"): (0, False),
-    (OffloadParamConfig, "buffer_count"): (1, False),
-    (OffloadParamConfig, "buffer_size"): (1, False),
-    (OffloadParamConfig, "max_in_cpu"): (0, False),
-    (OffloadOptimizerConfig, "buffer_count"): (3, False),
-    (ZeroConfig, "max_live_parameters"): (1, False),
-    (ZeroConfig, "prefetch_bucket_size"): (0, False),
-    (ZeroConfig, "max_reuse_distance"): (0, False),
-    (ZeroConfig, "param_persistence_threshold"): (0, False),
-    (ZeroConfig, "sub_group_size"): (1, False),
-    (ZeroConfig, "reduce_bucket_size"): (1, False),
-    (AioConfig, "block_size"): (1, False),
-    (AioConfig, "queue_depth"): (1, False),
-    (AioConfig, "thread_count"): (1, False),
-}
-
-
-# Why a bound holds, where the range alone does not say it.
-_BOUND_REASON: dict[tuple[type, str], str] = {
-    (OffloadOptimizerConfig, "buffer_count"): (
-        "the NVMe optimizer pipeline holds one sub-group being read ahead, one being stepped "
-        "and one being written back (4, the default, lets reads run two sub-groups ahead)"
-    ),
-}
-
-
 def _keys_of(cls: type) -> dict[str, str]:
     """JSON key -> field name, for every accepted key of `cls`."""
-    names = _KEYS.get(cls, {})
+    names = KEYS.get(cls, {})
     return {key: f.name for f in fields(cls) for key in names.get(f.name, (f.name,))}
 
 
@@ -145,8 +55,8 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
     """Field values of `cls` from mapping `data`; every key and value is checked."""
     if not isinstance(data, Mapping):
         raise TypeError(f"{path or 'config'}: expected an object, got {data!r}")
-    keys, ignored = _keys_of(cls), _IGNORED.get(cls, frozenset())
-    unsupported = _UNSUPPORTED.get(cls, {})
+    keys, ignored = _keys_of(cls), IGNORED.get(cls, frozenset())
+    unsupported = UNSUPPORTED.get(cls, {})
     values: dict[str, Any] = {}
     seen: dict[str, str] = {}
     for key, raw in data.items():
@@ -244,13 +154,13 @@ def _convert(raw: Any, hint: Any, path: str, auto: bool = False) -> Any:
 
 
 def _check_minimum(cls: type, name: str, value: Any, path: str) -> None:
-    bound = _MINIMUM.get((cls, name))
+    bound = MINIMUM.get((cls, name))
     if bound is None or value is None or value == AUTO:
         return
     low, strict = bound
     if value < low or (strict and value == low):
         need = f"> {low}" if strict else f">= {low}"
-        why = _BOUND_REASON.get((cls, name))
+        why = BOUND_REASON.get((cls, name))
         raise ValueError(
             f"{path}: {value!r} is out of range; it must be {need}" + (f": {why}" if why else "")
         )
@@ -360,7 +270,7 @@ def _plain(value: Any) -> Any:
 
 def emit(obj: Any) -> dict[str, Any]:
     """A section as DeepSpeed-style, JSON-serializable data (the inverse of `parse`)."""
-    names = _KEYS.get(type(obj), {})
+    names = KEYS.get(type(obj), {})
     out = {names.get(f.name, (f.name,))[0]: _plain(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, OptimizerConfig):
         return {"type": out.pop("type"), "params": out}

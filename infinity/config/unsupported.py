@@ -52,8 +52,10 @@ def _same(value: Any, allowed: Any) -> bool:
     return value == allowed
 
 
-_ONE_PROCESS = "Infinity trains in one process"
-_SINGLE_NODE = f"{_ONE_PROCESS} (ZeRO stage 3 with offload)"
+_DATA_PARALLEL = "Infinity shards ZeRO stage 3 with offload over data-parallel ranks only"
+# [Note: gradient buckets] in infinity/zero/grad_reduce.py: the reduce-scatter sums the
+# device gradients in the training dtype; each rank divides its shard by the world size in fp32.
+_GRAD_REDUCE = "gradients are reduce-scattered in the training dtype and averaged in fp32"
 
 _METRICS = (
     "the engine does not log to it; `infinity train` writes metrics.jsonl, and a training "
@@ -67,25 +69,29 @@ TOP_LEVEL: dict[str, Unsupported] = {
         (OFF,),
     ),
     "communication_data_type": Unsupported(
-        f"{_ONE_PROCESS}: gradients are accumulated in fp32 and never communicated",
+        f"{_GRAD_REDUCE}; another communication dtype is not implemented",
         (None, "fp32"),
     ),
     "prescale_gradients": Unsupported(
-        f"{_ONE_PROCESS}: there is no gradient reduction to scale before", (False,)
+        f"{_GRAD_REDUCE}, dividing by the world size after the sum; scaling before it is "
+        "not implemented",
+        (False,),
     ),
     "gradient_predivide_factor": Unsupported(
-        f"{_ONE_PROCESS}: there is no gradient reduction to divide before", (1.0,)
+        f"{_GRAD_REDUCE}, dividing by the world size after the sum; dividing before it is "
+        "not implemented",
+        (1.0,),
     ),
     "sparse_gradients": Unsupported("gradient partitions are dense fp32 buffers", (False,)),
     "sparse_attention": Unsupported(
         "block-sparse attention is a DeepSpeed kernel; use the model's own attention"
     ),
-    "pipeline": Unsupported(f"{_SINGLE_NODE}, without pipeline parallelism"),
+    "pipeline": Unsupported(f"{_DATA_PARALLEL}, without pipeline parallelism"),
     "tensor_parallel": Unsupported(
-        f"{_SINGLE_NODE}, without tensor parallelism: the model runs whole, its parameters "
+        f"{_DATA_PARALLEL}, without tensor parallelism: the model runs whole, its parameters "
         "gathered one module at a time"
     ),
-    "sequence_parallel_size": Unsupported(f"{_SINGLE_NODE}, without sequence parallelism", (1,)),
+    "sequence_parallel_size": Unsupported(f"{_DATA_PARALLEL}, without sequence parallelism", (1,)),
     "compression_training": Unsupported(
         "quantization-aware training, pruning and distillation are not implemented"
     ),
@@ -114,7 +120,11 @@ TOP_LEVEL: dict[str, Unsupported] = {
         "there is no FLOPs profiler; `infinity train` records TFLOPS per step in metrics.jsonl",
         (OFF,),
     ),
-    "comms_logger": Unsupported(f"{_ONE_PROCESS}: there is no communication to log", (OFF,)),
+    "comms_logger": Unsupported(
+        "there is no communication logger; benchmarks/scale_out.py measures the bytes a step "
+        "communicates",
+        (OFF,),
+    ),
     "memory_breakdown": Unsupported(
         "engine.memory_stats() reports the live, peak, host, pinned and NVMe figures", (False,)
     ),
@@ -135,7 +145,9 @@ ZERO: dict[str, Unsupported] = {
         "frozen weights are kept in the training dtype, not quantized", (False,)
     ),
     "zero_quantized_gradients": Unsupported(
-        "gradients are accumulated in fp32, not quantized (ZeRO++ qgZ)", (False,)
+        "gradients are reduce-scattered in the training dtype and accumulated in fp32, not "
+        "quantized (ZeRO++ qgZ)",
+        (False,),
     ),
     "zeropp_loco_param": Unsupported(
         "LoCo error feedback belongs to quantized gradients (ZeRO++), not implemented", (None,)

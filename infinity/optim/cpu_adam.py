@@ -1,8 +1,10 @@
-"""CPUAdam: a torch.optim.Optimizer running the flat Adam/AdamW step on CPU tensors.
+"""CPUAdam: a standalone torch.optim.Optimizer running the flat Adam/AdamW step on CPU tensors.
 
-Owns the per-parameter state (step count, exp_avg, exp_avg_sq) and the param groups; the math
-is `adam_step_flat` (native kernel, or the torch reference with `backend="torch"`). It does not
-own offload or swapping: the engine calls `adam_step_flat` on its own flat buffers.
+For code that wants CPU-Adam on its own model, outside the engine: the engine does not use it
+(its optimizer is `infinity.zero.PartitionedOptimizer`, which calls `adam_step_flat` on its
+own flat sub-groups). Owns the per-parameter state (step count, exp_avg, exp_avg_sq) and the param
+groups; the math is `adam_step_flat` (native kernel, or the torch reference with
+`backend="torch"`), with each group's hyperparameters as one `AdamHyper`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 
 from infinity.optim.functional import adam_step_flat, resolve_backend
+from infinity.optim.hyper import AdamHyper
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -37,7 +40,14 @@ class CPUAdam(torch.optim.Optimizer):
         backend: str | None = None,
         simd: str | None = None,
     ) -> None:
-        _check_hyper(lr, betas, eps, weight_decay)
+        AdamHyper.of(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+        )  # checks the defaults even when every group overrides them
         self.backend, self.simd = resolve_backend(backend, simd)
         defaults = dict(
             lr=lr,
@@ -51,8 +61,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        AdamHyper.of_group(self.param_groups[-1])  # raises on a bad value
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # load_state_dict comes through here: accept the groups of torch.optim.Adam/AdamW.
@@ -81,7 +90,7 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            hyper = AdamHyper.of_group(group)  # a group's lr may change between steps
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -98,27 +107,10 @@ class CPUAdam(torch.optim.Optimizer):
                     state["exp_avg"],
                     state["exp_avg_sq"],
                     step=step,
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    adamw_mode=group["adamw_mode"],
-                    bias_correction=group["bias_correction"],
+                    hyper=hyper,
                     grad_scale=grad_scale,
                     backend=self.backend,
                     simd=self.simd,
                 )
                 state["step"] = step
         return loss
-
-
-def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two values in [0, 1), got {betas}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")

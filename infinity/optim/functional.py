@@ -1,8 +1,9 @@
-"""The flat Adam/AdamW step the engine calls on each optimizer sub-group.
+"""The flat Adam/AdamW step the engine's optimizer calls on each sub-group.
 
 This module holds the reference implementation in torch and `adam_step_flat`, which checks
 the buffers and dispatches to the native kernel (`infinity._cpu_adam`, same contract) or to
-the reference. State (parameter, moments) lives in tensors the caller owns.
+the reference. Both take the hyperparameters as one `AdamHyper`. State (parameter, moments)
+lives in tensors the caller owns.
 
 [Note: choosing the implementation] `backend` is "native", "torch" or "auto" (native when
 built); `simd` forces a native SIMD level ("avx512", "avx2", "neon", "scalar") or "auto" (the
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 
 from infinity.optim import native_adam
+from infinity.optim.hyper import AdamHyper, hyper_from
 
 BACKENDS = ("auto", "native", "torch")
 
@@ -30,37 +33,34 @@ def adam_step_flat_reference(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    adamw_mode: bool = True,
-    bias_correction: bool = True,
+    hyper: AdamHyper | None = None,
     grad_scale: float = 1.0,
     half_out: torch.Tensor | None = None,
+    **fields: Any,
 ) -> None:
     """One Adam step over flat fp32 `param`, `exp_avg`, `exp_avg_sq` (all 1-D, same numel).
 
-    `grad` may be fp32, fp16 or bf16; it is multiplied by `grad_scale` first (the product of
-    1/loss_scale and the clipping coefficient). `step` is the 1-based step count after this
-    update. If `half_out` (fp16 or bf16, same numel) is given, the new parameter is written
-    into it rounded to nearest-even.
+    `hyper` holds the hyperparameters; instead of it, its fields may be given as keywords
+    (`lr=...`, `weight_decay=...`). `grad` may be fp32, fp16 or bf16; it is multiplied by
+    `grad_scale` first (the product of 1/loss_scale and the clipping coefficient). `step` is
+    the 1-based step count after this update. If `half_out` (fp16 or bf16, same numel) is
+    given, the new parameter is written into it rounded to nearest-even.
     """
+    h = hyper_from(hyper, fields)
     g = grad.to(torch.float32)
     if grad_scale != 1.0:
         g = g * grad_scale
-    if weight_decay != 0.0:
-        if adamw_mode:
-            param.mul_(1.0 - lr * weight_decay)
+    if h.weight_decay != 0.0:
+        if h.adamw_mode:
+            param.mul_(1.0 - h.lr * h.weight_decay)
         else:
-            g = g.add(param, alpha=weight_decay)
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2 = 1.0 - beta2**step if bias_correction else 1.0
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+            g = g.add(param, alpha=h.weight_decay)
+    exp_avg.lerp_(g, 1.0 - h.beta1)
+    exp_avg_sq.mul_(h.beta2).addcmul_(g, g, value=1.0 - h.beta2)
+    bc1 = 1.0 - h.beta1**step if h.bias_correction else 1.0
+    bc2 = 1.0 - h.beta2**step if h.bias_correction else 1.0
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(h.eps)
+    param.addcdiv_(exp_avg, denom, value=-h.lr / bc1)
     if half_out is not None:
         half_out.copy_(param)
 
@@ -98,17 +98,12 @@ def adam_step_flat(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    adamw_mode: bool = True,
-    bias_correction: bool = True,
+    hyper: AdamHyper | None = None,
     grad_scale: float = 1.0,
     half_out: torch.Tensor | None = None,
     backend: str | None = None,
     simd: str | None = None,
+    **fields: Any,
 ) -> None:
     """`adam_step_flat_reference`'s contract, on the native kernel when available.
 
@@ -117,22 +112,12 @@ def adam_step_flat(
     (TypeError/ValueError otherwise). See [Note: choosing the implementation] for `backend`
     and `simd`.
     """
+    h = hyper_from(hyper, fields)
     native_adam.check_buffers(param, grad, exp_avg, exp_avg_sq, half_out, step)
     backend, simd = resolve_backend(backend, simd)
-    hyper = dict(
-        step=step,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        adamw_mode=adamw_mode,
-        bias_correction=bias_correction,
-        grad_scale=grad_scale,
-        half_out=half_out,
-    )
+    per_step = dict(step=step, hyper=h, grad_scale=grad_scale, half_out=half_out)
     if backend == "native":
-        native_adam.adam_step_native(param, grad, exp_avg, exp_avg_sq, simd=simd, **hyper)
+        native_adam.adam_step_native(param, grad, exp_avg, exp_avg_sq, simd=simd, **per_step)
         return
     with torch.no_grad():  # buffers may be leaves that require grad (nn.Parameter)
-        adam_step_flat_reference(param, grad, exp_avg, exp_avg_sq, **hyper)
+        adam_step_flat_reference(param, grad, exp_avg, exp_avg_sq, **per_step)

@@ -3,16 +3,31 @@
 Owns the boundary checks shared by both backends of the flat Adam step (dtype, device,
 contiguity, sizes, aliasing: bad buffers raise, they are never silently copied) and the call
 into the extension with raw addresses. It does not own the Adam math (see functional.py for
-the torch reference) nor optimizer state (see cpu_adam.py).
+the torch reference), the hyperparameters' checks (see hyper.py) nor optimizer state.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
+
+from infinity.optim.hyper import AdamHyper, hyper_from
+
+logger = logging.getLogger(__name__)
 
 try:
     from infinity import _cpu_adam as _native
 except ImportError:  # built without a compiler: the torch reference takes over
+    _native = None
+if _native is not None and not hasattr(_native, "HYPER_FIELDS"):
+    # Built from sources older than the AdamHyper record: its adam_step takes the fields one
+    # by one. Treated as not built (the torch twin runs) until it is rebuilt.
+    logger.warning(
+        "infinity._cpu_adam is out of date (built before AdamHyper); using the torch Adam. "
+        "Rebuild it with `python setup.py build_ext --inplace`"
+    )
     _native = None
 
 # Torch dtype -> the kernel's dtype name.
@@ -120,24 +135,21 @@ def adam_step_native(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    bias_correction: bool,
-    grad_scale: float,
-    half_out: torch.Tensor | None,
+    hyper: AdamHyper | None = None,
+    grad_scale: float = 1.0,
+    half_out: torch.Tensor | None = None,
     simd: str = "auto",
     tile_numel: int = 1 << 16,
     stream_half: bool = True,
+    **fields: Any,
 ) -> None:
     """One flat Adam step in the native kernel; buffers must already pass `check_buffers`.
 
-    `tile_numel` is the work unit handed to a thread; `stream_half` writes `half_out` with
-    non-temporal stores when it is aligned (both are tuning knobs with measured defaults).
+    `hyper` (or its fields as keywords) reaches the kernel as one value. `tile_numel` is the
+    work unit handed to a thread; `stream_half` writes `half_out` with non-temporal stores
+    when it is aligned (both are tuning knobs with measured defaults).
     """
+    hyper = hyper_from(hyper, fields)
     if _native is None:
         raise ValueError(f"backend='native' but infinity._cpu_adam is not built; {BUILD_HINT}")
     if simd not in SIMD_CHOICES:
@@ -152,13 +164,7 @@ def adam_step_native(
         half_out.data_ptr() if half_out is not None else 0,
         HALF_DTYPES[half_out.dtype] if half_out is not None else "",
         step,
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        bool(adamw_mode),
-        bool(bias_correction),
+        hyper,
         float(grad_scale),
         simd,
         int(tile_numel),

@@ -1,5 +1,5 @@
 """Swapping tensors between host memory and NVMe: async I/O, the swap store, buffer pools,
-and the storage tiers of parameters and optimizer state."""
+and the storage tiers of parameters, gradients and optimizer state."""
 
 from infinity.swap.aio import (
     AioFallbackWarning,

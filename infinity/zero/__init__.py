@@ -5,7 +5,9 @@ Owns one record per parameter (`OffloadParam`) with its home (`infinity.zero.hom
 building partitioned models (`init`, `partition_model`), the hooks that gather a module's
 parameters around its forward and backward, the coordinator that prefetches along the
 traced order under the live budget, and the CPU-Adam step over fp32 masters and gradient
-partitions (`PartitionedOptimizer`).
+partitions (`PartitionedOptimizer`). With several ranks each keeps its shard of every
+parameter (`shard`), gathers the others' on use (`gather`) and reduce-scatters gradients
+into its slots (`grad_reduce`).
 """
 
 from infinity.zero.backward_entry import BackwardEntry

@@ -21,8 +21,8 @@ buffer back; a failed read is only logged then.
 
 [Note: the home's numel] A home's `numel` is what this home holds, which is not always the
 parameter's: with scale-out (world size W) a rank's home holds its shard, S = ceil(N / W)
-elements of an N-element parameter (see the record's `numel` for N). Nothing here assumes
-the two are equal; today every home holds the whole parameter (W == 1).
+elements of an N-element parameter (see the record's `numel` for N, and
+`infinity.zero.shard`). Nothing here assumes the two are equal; with one rank they are.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import torch
 from infinity.accelerator import profile_range
 from infinity.comm import Comm, SingleProcess
 from infinity.config import AUTO, OptimizerConfig, ZeroConfig
-from infinity.optim import adam_step_flat
+from infinity.optim import AdamHyper, adam_step_flat
 from infinity.swap.grad_store import HostGradStore
 from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
 from infinity.zero.build_files import release_build_pages
@@ -279,7 +279,8 @@ class PartitionedOptimizer:
 
     def _adam(self, lr: float, grad_scale: float) -> None:
         step = self.step_count + 1
-        h = self.hyper
+        decayed = self.hyper.with_lr(lr)
+        undecayed = decayed.without_decay()
         try:
             for index, state in self.store.sweep():
                 start, stop = self.layout.range(index)
@@ -295,13 +296,7 @@ class PartitionedOptimizer:
                             state.exp_avg[a:b],
                             state.exp_avg_sq[a:b],
                             step=step,
-                            lr=lr,
-                            beta1=h["beta1"],
-                            beta2=h["beta2"],
-                            eps=h["eps"],
-                            weight_decay=h["weight_decay"] if decays else 0.0,
-                            adamw_mode=h["adamw_mode"],
-                            bias_correction=h["bias_correction"],
+                            hyper=decayed if decays else undecayed,
                             grad_scale=grad_scale,
                             half_out=half[a:b] if half is not None else None,
                             backend=self.backend,
@@ -386,7 +381,7 @@ class PartitionedOptimizer:
             "kind": _KIND,
             "version": _VERSION,
             "step_count": self.step_count,
-            "hyperparameters": dict(self.hyper),
+            "hyperparameters": self.hyper.constants(),
             "model_dtype": MODEL_DTYPES[self.dtype],
             "sub_group_size": self.sub_group_size,
             "slots": [[name, n] for name, n in zip(self._names, self._numels, strict=True)],
@@ -401,11 +396,12 @@ class PartitionedOptimizer:
         if d.get("version", 0) > _VERSION:
             raise ValueError(f"state dict version {d['version']} is newer than {_VERSION}")
         _check_same_slots(d["slots"], self._names, self._numels)
+        configured = self.hyper.constants()
         for key, saved in d.get("hyperparameters", {}).items():
-            if self.hyper.get(key) != saved:
+            if configured.get(key) != saved:
                 logger.warning(
                     "optimizer %s was %r in the checkpoint and is %r now; using %r",
-                    key, saved, self.hyper.get(key), self.hyper.get(key),
+                    key, saved, configured.get(key), configured.get(key),
                 )  # fmt: skip
         self.step_count = int(d["step_count"])
 
@@ -447,28 +443,19 @@ def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
     return optimizer_layout(slot_numels, zero).sub_group_numels
 
 
-def _hyperparameters(cfg: OptimizerConfig) -> dict:
+def _hyperparameters(cfg: OptimizerConfig) -> AdamHyper:
+    """The config's hyperparameters, at lr 0: `step` puts in the scheduled lr (with_lr)."""
     values = {"betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
     for key, value in values.items():
         if value == AUTO:
             raise ValueError(
                 f"optimizer.params.{key} is 'auto'; resolve the config first (Config.resolve())"
             )
-    betas = tuple(float(b) for b in cfg.betas)
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"optimizer.params.betas must be two values in [0, 1), got {cfg.betas}")
-    if not float(cfg.eps) >= 0.0:
-        raise ValueError(f"optimizer.params.eps must be >= 0, got {cfg.eps}")
-    if not float(cfg.weight_decay) >= 0.0:
-        raise ValueError(f"optimizer.params.weight_decay must be >= 0, got {cfg.weight_decay}")
-    return {
-        "beta1": betas[0],
-        "beta2": betas[1],
-        "eps": float(cfg.eps),
-        "weight_decay": float(cfg.weight_decay),
-        "adamw_mode": bool(cfg.adamw_mode),
-        "bias_correction": bool(cfg.bias_correction),
-    }
+    try:
+        modes = {"adamw_mode": cfg.adamw_mode, "bias_correction": cfg.bias_correction}
+        return AdamHyper.of(lr=0.0, **values, **modes)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"optimizer.params.{e}") from None
 
 
 def _check_no_decay(no_decay: Collection[int], num_slots: int) -> set[int]:
