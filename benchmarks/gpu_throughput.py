@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -28,9 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from benchmarks.gpu_smoke import _corpus, _device_name, _gpu_name, _value
+from bench_record import machine, write_json
+from gpu_smoke import _corpus, _device_name, _gpu_name, _value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,9 +235,8 @@ def _write(args, results: list[dict]) -> None:
     if not args.json:
         return
     record = {"device": args.device, "device_name": _device_name(args.device),
-              "torch": torch.__version__, "machine": platform.platform(),
-              "cpu_count": os.cpu_count(), "argv": sys.argv[1:], "cases": results}  # fmt: skip
-    Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+              "machine": machine(args.nvme), "argv": sys.argv[1:], "cases": results}  # fmt: skip
+    write_json(record, args.json, announce=False)
 
 
 if __name__ == "__main__":
