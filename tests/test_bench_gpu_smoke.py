@@ -60,7 +60,8 @@ def test_dry_run_on_the_cpu_device(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the work directory is gone
 
 
-def test_gpu_names_map_to_the_estimates():
+def test_gpu_names_map_to_the_estimates(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its shared module, bench_record
     spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
     smoke = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = smoke  # its dataclasses look their module up
