@@ -49,6 +49,8 @@ class Fetch:
     decided: int
     needed: int
     numel: int
+    param: int
+    """Its index in `ModelShape.params`."""
 
 
 def training_trace(shape: ModelShape, *, checkpointing: bool) -> list[Position]:
@@ -138,13 +140,6 @@ def param_fetches(
     return trace, sink.fetches
 
 
-def param_reads_per_micro_step(shape: ModelShape, config: Config, *, checkpointing: bool) -> int:
-    """Elements fetched from their home in one forward + backward once the order is
-    traced."""
-    _, fetches = param_fetches(shape, config, checkpointing=checkpointing)
-    return sum(f.numel for f in fetches)
-
-
 class _Count:
     """A sink that records each fetch the planner decides, and where."""
 
@@ -156,7 +151,7 @@ class _Count:
 
     def fetch(self, i: int, needed: int | None) -> None:
         assert needed is not None  # the estimate's iterations never leave the trace
-        self.fetches.append(Fetch(self.at, needed, self.numel[i]))
+        self.fetches.append(Fetch(self.at, needed, self.numel[i], i))
 
     def release(self, i: int) -> None:
         pass

@@ -17,7 +17,8 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from infinity.swap.store import align_up
+from infinity.swap.footprint import Footprint
+from infinity.swap.store import align_up, reserved_nbytes
 
 GRAD_BUFFERS = 3
 """Host buffers of `NvmeGradStore` by default: two sub-groups being filled by backward (the
@@ -42,6 +43,17 @@ def disk_rows(start: int, numel: int, total: int) -> tuple[int, int]:
 def grad_buffers(numels: Sequence[int], buffer_count: int = GRAD_BUFFERS) -> tuple[int, int]:
     """`NvmeGradStore`'s host buffers for sub-groups of `numels`: (count, bytes of each)."""
     return min(buffer_count, max(len(numels), 1) + 1), align_up(max(numels, default=1) * F32)
+
+
+def grad_footprint(
+    numels: Sequence[int], *, nvme: bool, buffer_count: int = GRAD_BUFFERS
+) -> Footprint:
+    """The gradient tier over sub-groups of `numels`: `HostGradStore`'s flat fp32 buffer,
+    or `NvmeGradStore`'s `grad_buffers` and its extents (one fp32 sub-group each)."""
+    if not nvme:
+        return Footprint(F32 * sum(numels))
+    count, nbytes = grad_buffers(numels, buffer_count)
+    return Footprint(count * nbytes, sum(reserved_nbytes(n * F32) for n in numels))
 
 
 class GradResidency(enum.Enum):

@@ -42,6 +42,7 @@ from infinity.swap.grad_plan import (
     GradResidency,
     disk_rows,
     grad_buffers,
+    grad_footprint,
 )
 from infinity.swap.grad_plan import NORM_ROW_NUMEL as _NORM_ROW_NUMEL
 from infinity.swap.store import SwapStore, align_up
@@ -112,6 +113,7 @@ class HostGradStore:
 
     def __init__(self, numels: Sequence[int]) -> None:
         self.numels = list(numels)
+        self.footprint = grad_footprint(self.numels, nvme=False)
         self._starts = [0]
         for n in self.numels:
             self._starts.append(self._starts[-1] + n)
@@ -121,7 +123,7 @@ class HostGradStore:
     def flat(self) -> torch.Tensor:
         """All sub-groups back to back: [sum(numels)] fp32."""
         if self._flat is None:
-            self._flat = torch.zeros(self._starts[-1], dtype=torch.float32)
+            self._flat = torch.zeros(self.footprint.host // _F32, dtype=torch.float32)
         return self._flat
 
     def _view(self, index: int) -> torch.Tensor:
