@@ -28,8 +28,10 @@ from infinity.swap.pool import param_pool_nbytes
 from infinity.swap.state_store import host_state_footprint
 from infinity.swap.store import reserved_nbytes
 from infinity.zero import model_dtype
+from infinity.zero.optimizer import optimizer_layout
 from infinity.zero.param import frozen_nvme_mask
-from infinity.zero.sub_groups import FlatLayout, flat_layout, resolve_sub_group_size
+from infinity.zero.shard import shard_of
+from infinity.zero.sub_groups import FlatLayout
 from infinity.zero.weights import weights_footprint
 
 
@@ -108,10 +110,20 @@ def resolve_config(config: Config, shape: ModelShape) -> Config:
     return config.resolve(hidden_size=shape.dims.hidden_size, largest_param_numel=max(1, largest))
 
 
-def layout_of(shape: ModelShape, config: Config) -> FlatLayout:
-    """The optimizer's flat space of the trainable parameters, in record order."""
-    numels = [p.numel for p in shape.params if p.trainable]
-    return flat_layout(numels, resolve_sub_group_size(config.zero_optimization.sub_group_size))
+def home_numels(shape: ModelShape, world_size: int = 1) -> list[int]:
+    """Elements of each parameter's home on one rank: its shard (`shard_of`, the engine's
+    rule; every rank's shard has the same size, padding included)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return [shard_of(p.numel, world_size, 0).numel for p in shape.params]
+
+
+def layout_of(shape: ModelShape, config: Config, world_size: int = 1) -> FlatLayout:
+    """One rank's optimizer flat space over its shards of the trainable parameters, in
+    record order (`optimizer_layout`, as the engine builds it)."""
+    homes = home_numels(shape, world_size)
+    numels = [n for n, p in zip(homes, shape.params, strict=True) if p.trainable]
+    return optimizer_layout(numels, config.zero_optimization)
 
 
 def sizes(
@@ -122,6 +134,7 @@ def sizes(
     grads_spill: bool | None = None,
     checkpointing: bool = False,
     aliases: bool | None = None,
+    world_size: int = 1,
 ) -> Sizes:
     """Every byte term for `shape` under a resolved `config`; `pins`: the device's host
     memory can be pinned (a GPU; the CPU device never pins). `grads_spill`: the fp32
@@ -129,11 +142,14 @@ def sizes(
     engine does; False replays runs made before gradients could spill). `checkpointing`:
     activation checkpointing, which changes the order backward gathers in. `aliases`: gathers
     from host homes alias them instead of copying (default: on the CPU device, as the engine
-    does; False replays runs made before they did)."""
+    does; False replays runs made before they did). `world_size`: the ranks the parameters
+    are sharded across; every byte is one rank's (its homes, optimizer state, gradients and
+    NVMe reads hold its shards; the live budget counts gathered, whole parameters)."""
     zero = config.zero_optimization
     dtype = model_dtype(config)
     itemsize = dtype.itemsize
-    layout = layout_of(shape, config)
+    homes = home_numels(shape, world_size)
+    layout = layout_of(shape, config, world_size)
     sub_groups = layout.sub_group_numels
     optim_nvme = zero.offload_optimizer.device == "nvme"
     param_nvme = zero.offload_param.device == "nvme"
@@ -152,13 +168,13 @@ def sizes(
         state, ahead = host_state_footprint(sub_groups), 0
     weights = weights_footprint(layout, dtype, nvme=param_nvme, state_on_host=not optim_nvme)
     on_nvme = home_on_nvme(shape, zero)
-    frozen = frozen_footprint(shape, on_nvme, itemsize)
-    pool = param_pool_bytes(shape, config) if param_nvme else 0
+    frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
+    pool = param_pool_bytes(shape, config, world_size) if param_nvme else 0
     pinned = pool if (pins and zero.offload_param.pin_memory) else 0
     if optim_nvme and pins and zero.offload_optimizer.pin_memory:
         pinned += state.host  # the NVMe pipeline's buffers, pinned when asked
     _, fetches = param_fetches(shape, config, checkpointing=checkpointing)
-    read = sum(f.numel for f in fetches if on_nvme[f.param])
+    read = sum(homes[f.param] for f in fetches if on_nvme[f.param])
     # Only reads from NVMe are copied where gathers alias host homes (see [Note: gathered
     # means resident] in infinity/zero/param.py).
     copies = not (not pins if aliases is None else aliases)
@@ -214,10 +230,13 @@ def home_on_nvme(shape: ModelShape, zero: ZeroConfig) -> list[bool]:
     return [t or f for t, f in zip(trainable, frozen, strict=True)]
 
 
-def frozen_footprint(shape: ModelShape, on_nvme: Sequence[bool], itemsize: int) -> Footprint:
-    """Frozen parameters' homes: a host partition each, or an extent each on NVMe."""
-    pairs = zip(shape.params, on_nvme, strict=True)
-    frozen = [(p.numel * itemsize, on) for p, on in pairs if not p.trainable]
+def frozen_footprint(
+    shape: ModelShape, on_nvme: Sequence[bool], itemsize: int, homes: Sequence[int]
+) -> Footprint:
+    """Frozen parameters' homes (`homes` elements each): a host partition each, or an
+    extent each on NVMe."""
+    pairs = zip(shape.params, on_nvme, homes, strict=True)
+    frozen = [(n * itemsize, on) for p, on, n in pairs if not p.trainable]
     return Footprint(
         sum(n for n, on in frozen if not on), sum(reserved_nbytes(n) for n, on in frozen if on)
     )
@@ -226,9 +245,9 @@ def frozen_footprint(shape: ModelShape, on_nvme: Sequence[bool], itemsize: int) 
 # -- the parameter tier ------------------------------------------------------------------------
 
 
-def param_pool_bytes(shape: ModelShape, config: Config) -> int:
-    """The NVMe parameter staging pool, sized for the largest parameter."""
-    largest = max((p.numel for p in shape.params), default=1)
+def param_pool_bytes(shape: ModelShape, config: Config, world_size: int = 1) -> int:
+    """The NVMe parameter staging pool, sized for the largest home (one rank's shard)."""
+    largest = max(home_numels(shape, world_size), default=1)
     element_size = model_dtype(config).itemsize
     param = config.zero_optimization.offload_param
     return param_pool_nbytes(param, element_size=element_size, largest_numel=largest)
