@@ -157,15 +157,7 @@ def sizes(
     grad = grad_footprint(sub_groups, nvme=spill)
     accum = int(config.gradient_accumulation_steps)
     grads = grad_traffic(shape, layout, accum) if spill else GradTraffic(0, 0, 0)
-    if optim_nvme:
-        buffer_count = zero.offload_optimizer.buffer_count
-        state = nvme_state_footprint(sub_groups, buffer_count)
-        # NvmeStateStore's prefetch_next_sweep: every buffer is free when a sweep ends
-        count, _ = state_buffers(sub_groups, buffer_count)
-        extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
-        ahead = sum(extents[:count]) if zero.offload_optimizer.pipeline_read else 0
-    else:
-        state, ahead = host_state_footprint(sub_groups), 0
+    state, ahead = _state(zero, sub_groups)
     weights = weights_footprint(layout, dtype, nvme=param_nvme, state_on_host=not optim_nvme)
     on_nvme = home_on_nvme(shape, zero)
     frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
@@ -173,11 +165,11 @@ def sizes(
     pinned = pool if (pins and zero.offload_param.pin_memory) else 0
     if optim_nvme and pins and zero.offload_optimizer.pin_memory:
         pinned += state.host  # the NVMe pipeline's buffers, pinned when asked
-    _, fetches = param_fetches(shape, config, checkpointing=checkpointing)
-    read = sum(homes[f.param] for f in fetches if on_nvme[f.param])
     # Only reads from NVMe are copied where gathers alias host homes (see [Note: gathered
     # means resident] in infinity/zero/param.py).
     copies = not (not pins if aliases is None else aliases)
+    _, fetches = param_fetches(shape, config, checkpointing=checkpointing)
+    read = sum(homes[f.param] for f in fetches if on_nvme[f.param])
     gathered = sum(f.numel for f in fetches if copies or on_nvme[f.param])
     kept = zip(shape.params, shape.persistent(zero), strict=True)
     refreshed = sum(p.numel for p, keep in kept if keep and p.trainable)
@@ -213,6 +205,18 @@ def sizes(
         num_sub_groups=layout.num_sub_groups,
         itemsize=itemsize,
     )
+
+
+def _state(zero: ZeroConfig, sub_groups: Sequence[int]) -> tuple[Footprint, int]:
+    """The optimizer-state tier's footprint, and the bytes the end of a sweep reads ahead
+    (NvmeStateStore's prefetch_next_sweep: every buffer is free when a sweep ends)."""
+    if zero.offload_optimizer.device != "nvme":
+        return host_state_footprint(sub_groups), 0
+    buffer_count = zero.offload_optimizer.buffer_count
+    count, _ = state_buffers(sub_groups, buffer_count)
+    extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
+    ahead = sum(extents[:count]) if zero.offload_optimizer.pipeline_read else 0
+    return nvme_state_footprint(sub_groups, buffer_count), ahead
 
 
 # -- where frozen parameters live ------------------------------------------------------------
