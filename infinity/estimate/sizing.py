@@ -1,15 +1,13 @@
-"""What the engine would allocate and move for one model and config, in bytes.
+"""What the engine would allocate and move for one model and config, in bytes (one rank's).
 
-Every term calls the function the engine sizes the same thing with: the flat layout and its
-sub-groups (`infinity.zero.sub_groups`), the swap store's extent padding
-(`reserved_nbytes`), the NVMe state extents and pipeline buffers (`state_nbytes`,
-`state_buffer_count`), the parameter staging pool (`param_buffer_numel`), the NVMe weight
-ring (`staging_host_bytes`) and the persistence rule (`persistent_flags`); parameter reads
-replay the coordinator's policy (`infinity.estimate.param_traffic`). The byte counts match
-`engine.memory_stats()` exactly; nothing here allocates or measures.
-
-Terms that depend on where fp32 gradients live and on frozen parameters are their own
-functions (`grad_host_bytes`, `frozen_host_bytes`, `frozen_nvme_bytes`).
+Every term calls the function the engine sizes the same thing with: the optimizer's flat
+layout over one rank's shards (`optimizer_layout`, `shard_of`), each tier's `Footprint`
+(`grad_footprint`, `nvme_state_footprint`, `host_state_footprint`, `weights_footprint`,
+`param_pool_nbytes`), which frozen homes stay in RAM (`frozen_nvme_mask`) and the
+persistence rule (`persistent_flags`); parameter reads run the coordinator's planner
+(`infinity.estimate.param_traffic`), gradient transfers the NVMe gradient store's
+(`infinity.estimate.grad_traffic`). The byte counts match `engine.memory_stats()` exactly;
+nothing here allocates or measures.
 """
 
 from __future__ import annotations
