@@ -96,8 +96,8 @@ def _add_machine_flags(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="ranks of the run (torchrun's processes): the batch figures count all of them "
-        "(train_batch_size = micro batch x accumulation x N); memory and time are one rank's "
-        "(default 1)",
+        "(train_batch_size = micro batch x accumulation x N); memory and time are one rank's, "
+        "with the parameters, optimizer state and gradients sharded across the N (default 1)",
     )
     parser.add_argument(
         "--json",
@@ -228,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         rates,
         seq_len=args.seq_len,
         activation_checkpointing=args.activation_checkpointing,
+        world_size=args.world_size,
     )
     zero = config.zero_optimization
     swap_dir = args.nvme or zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path

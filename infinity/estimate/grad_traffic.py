@@ -2,7 +2,8 @@
 
 `NvmeGradStore` (infinity/swap/grad_store.py) decides what to write, read back and add on
 disk from the order backward adds the gradients in (see [Note: spilled gradients] there).
-`grad_traffic` replays that policy on the sizes alone: backward reaches the gathering units
+`grad_traffic` runs that policy (`infinity.swap.grad_plan`, the plan the store applies)
+on the sizes alone, counting bytes: backward reaches the gathering units
 in reverse forward order (a unit's parameters last to first), each parameter's gradient is
 added one sub-group piece at a time, `accum` micro-steps, then the step takes and releases
 every sub-group in order. Each step starts with every sub-group released, so every step
@@ -25,11 +26,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from infinity.estimate.shapes import ModelShape
-from infinity.swap.grad_store import _F32, _NORM_ROW_NUMEL, PARTIAL_FRACTION, grad_buffers
+from infinity.swap.grad_plan import F32, GradPlan, disk_rows
 from infinity.swap.store import align_up, reserved_nbytes
 from infinity.zero.sub_groups import FlatLayout
-
-_ZERO, _HOST, _READING, _ON_NVME = range(4)
 
 
 def backward_slots(shape: ModelShape) -> list[int]:
@@ -47,120 +46,56 @@ def backward_slots(shape: ModelShape) -> list[int]:
     return [s for k, s in enumerate(order) if last[s] == k]
 
 
-class _Buf:
-    __slots__ = ("owner", "used", "writing")
-
-    def __init__(self) -> None:
-        self.owner: int | None = None
-        self.used = 0
-        self.writing = False
-        """A write out of it started in this add: not finished when the add looks."""
-
-
-class _Replay:
-    """`NvmeGradStore`'s residency and buffer policy, counting bytes instead of moving them."""
+class _Count:
+    """A sink for the store's plan that counts bytes instead of moving them; a write is in
+    flight during the add that started it (see the module's note)."""
 
     def __init__(self, numels: Sequence[int]) -> None:
-        self.numels = list(numels)
-        self.padded = [reserved_nbytes(n * _F32) for n in self.numels]
-        count, _ = grad_buffers(self.numels)
-        self.bufs = [_Buf() for _ in range(count)]
-        self.res = [_ZERO] * len(self.numels)
-        self.where: dict[int, _Buf] = {}
-        self.tick = 0
-        self.read = self.written = 0
+        self.padded = [reserved_nbytes(n * F32) for n in numels]
+        self.writing: set[int] = set()
+        """Buffers a write started from in this add."""
+        self.backward = True
+        self.nbytes_read = self.nbytes_written = 0
         self.waited_read = self.waited_written = 0
-        """Of `read` and `written`, the bytes an add waits for (see the module's note)."""
-        self._landing: dict[int, int] = {}
+        """Of the bytes read and written, those an add waits for (see the module's note)."""
+        self.landing: dict[int, int] = {}
         """Sub-group -> bytes of its last write, until something waits for it."""
 
-    def add(self, index: int, start: int, numel: int) -> None:
-        for b in self.bufs:  # writes started by earlier adds have landed
-            b.writing = False
-        if self.res[index] == _ON_NVME and numel <= self.numels[index] // PARTIAL_FRACTION:
-            row = _NORM_ROW_NUMEL
-            lo = start // row * row
-            hi = min(-(-(start + numel) // row) * row, self.numels[index])
-            nbytes = align_up((hi - lo) * _F32)
-            self.read += nbytes
-            self.written += nbytes
-            self.waited_read += nbytes
-            self.waited_written += nbytes + self._landing.pop(index, 0)
-            return
-        if self.res[index] == _ON_NVME:  # loaded while the add waits
-            self.waited_read += self.padded[index]
-            self.waited_written += self._landing.pop(index, 0)
-        buf = self._resident(index)
-        if not any(b.owner is None for b in self.bufs):
-            self._evict(self._least_recent(but=buf))
-        self._read_behind(index - 1, current=buf)
+    def idle(self, b: int) -> bool:
+        return b not in self.writing
 
-    def take(self, index: int) -> None:
-        self._resident(index)
-        for g in range(index + 1, len(self.numels)):
-            if self.res[g] == _ON_NVME and not self._read_into_free(g):
-                break
+    def zero(self, g: int, b: int) -> None:
+        pass
 
-    def release(self, index: int) -> None:
-        buf = self.where.pop(index, None)
-        if buf is not None:
-            buf.owner = None
-        self.res[index] = _ZERO
+    def load(self, g: int, b: int) -> None:
+        self.nbytes_read += self.padded[g]
+        if self.backward:  # loaded while the add waits
+            self.waited_read += self.padded[g]
+            self.waited_written += self.landing.pop(g, 0)
 
-    def _resident(self, index: int) -> _Buf:
-        self.tick += 1
-        state = self.res[index]
-        if state in (_HOST, _READING):
-            buf = self.where[index]
-        else:
-            buf = self._acquire()
-            if state == _ON_NVME:
-                self.read += self.padded[index]
-            buf.owner = index
-            self.where[index] = buf
-        self.res[index] = _HOST
-        buf.used = self.tick
-        return buf
+    def landed(self, g: int, b: int) -> None:
+        pass
 
-    def _least_recent(self, but: _Buf | None = None) -> _Buf:
-        held = [b for b in self.bufs if b is not but and b.owner is not None]
-        return min((b for b in held if self.res[b.owner] == _HOST), key=lambda b: b.used)
+    def write(self, g: int, b: int) -> None:
+        self.nbytes_written += self.padded[g]
+        self.landing[g] = self.padded[g]
+        self.writing.add(b)
 
-    def _acquire(self) -> _Buf:
-        free = [b for b in self.bufs if b.owner is None]
-        if not free:
-            self._evict(self._least_recent())
-            free = [b for b in self.bufs if b.owner is None]
-        return free[0]
+    def read(self, g: int, b: int) -> None:
+        self.nbytes_read += self.padded[g]
 
-    def _evict(self, buf: _Buf) -> None:
-        index = buf.owner
-        self.written += self.padded[index]
-        self._landing[index] = self.padded[index]
-        buf.owner, buf.writing = None, True
-        del self.where[index]
-        self.res[index] = _ON_NVME
+    def free(self, g: int, b: int) -> None:
+        pass
 
-    def _read_behind(self, index: int, *, current: _Buf) -> None:
-        if index < 0 or self.res[index] != _ON_NVME:
-            return
-        spare = [
-            b
-            for b in self.bufs
-            if b.owner is None or (b is not current and self.res[b.owner] == _HOST)
-        ]
-        if len(spare) >= 2:
-            self._read_into_free(index)
-
-    def _read_into_free(self, index: int) -> bool:
-        free = [b for b in self.bufs if b.owner is None and not b.writing]
-        if not free:
-            return False
-        free[0].owner = index
-        self.where[index] = free[0]
-        self.res[index] = _READING
-        self.read += self.padded[index]
-        return True
+    def add_on_disk(self, g: int, numel: int, start: int, stop: int) -> None:
+        """An add of [start, stop) to `g` on disk: the norm rows it touches, read, added to
+        and written back while the add waits."""
+        lo, hi = disk_rows(start, stop - start, numel)
+        nbytes = align_up((hi - lo) * F32)
+        self.nbytes_read += nbytes
+        self.nbytes_written += nbytes
+        self.waited_read += nbytes
+        self.waited_written += nbytes + self.landing.pop(g, 0)
 
 
 class GradTraffic(NamedTuple):
@@ -177,8 +112,11 @@ class GradTraffic(NamedTuple):
 
 
 def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> GradTraffic:
-    """The NVMe gradient store's bytes in one optimizer step of `accum` micro-steps."""
-    replay = _Replay(layout.sub_group_numels)
+    """The NVMe gradient store's bytes in one optimizer step of `accum` micro-steps: its
+    plan (`GradPlan`) driven by backward's adds, then the step's takes and releases."""
+    numels = layout.sub_group_numels
+    plan = GradPlan(numels)
+    sink = _Count(numels)
     order = backward_slots(shape)
     for _ in range(accum):
         for i in order:
@@ -186,11 +124,21 @@ def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> GradTraff
             hi = lo + layout.numels[i]
             for g in layout.sub_groups_of(i):
                 start, stop = layout.range(g)
-                a, b = max(lo, start), min(hi, stop)
-                replay.add(g, a - start, b - a)
-    backward_read = replay.read
-    waited = (replay.waited_read, replay.waited_written)
+                a, b = max(lo, start) - start, min(hi, stop) - start
+                sink.writing.clear()  # writes started by earlier adds have landed
+                if plan.on_disk(g, b - a):
+                    sink.add_on_disk(g, numels[g], a, b)
+                else:
+                    plan.added(g, plan.add(g, sink, sink.idle), sink)
+    backward_read = sink.nbytes_read
+    sink.backward = False
     for g in range(layout.num_sub_groups):
-        replay.take(g)
-        replay.release(g)
-    return GradTraffic(replay.read, replay.written, replay.read - backward_read, *waited)
+        plan.take(g, sink, sink.idle)
+        plan.release(g, sink)
+    return GradTraffic(
+        sink.nbytes_read,
+        sink.nbytes_written,
+        sink.nbytes_read - backward_read,
+        sink.waited_read,
+        sink.waited_written,
+    )

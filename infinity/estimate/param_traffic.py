@@ -1,15 +1,13 @@
-"""The parameter reads of one forward + backward, replayed without tensors: the
-coordinator's live-set policy (infinity/zero/coordinator.py) run over the order of gathers
-the model's shapes give.
+"""The parameter reads of one forward + backward: the coordinator's live-set planner
+(`infinity.zero.live_plan`, the same object the engine applies) run over the order of
+gathers the model's shapes give, counting its fetches instead of moving data.
 
-Owns that replay only: gathers evict furthest-next-use first when the live budget
-(persistent parameters included) is short, prefetch fetches the units within
-`stage3_prefetch_bucket_size` elements that fit (evicting only what is needed later), the
-end of a unit releases a trainable parameter whose next use is neither prefetched nor within
-`stage3_max_reuse_distance`, and the end of an iteration releases every trainable one.
-Frozen parameters (a LoRA base) are released by none of these, only evicted, so the next
-forward finds the units the last backward used still gathered (see [Note: frozen
-parameters stay gathered] there). Iterations are replayed until the steady state.
+Owns the order of one training iteration's gathers (`training_trace`) and the loop that
+drives the planner along it as the engine's hooks do: at each gather the unit is fetched
+(making room if needed) and prefetch runs ahead, then the unit ends and what is not kept is
+released; the iteration's end releases every trainable parameter. Frozen parameters (a LoRA
+base) carry over from one iteration to the next, so iterations are driven until the steady
+state.
 """
 
 from __future__ import annotations
@@ -20,8 +18,8 @@ from dataclasses import dataclass
 
 from infinity.config import Config
 from infinity.estimate.shapes import ModelShape
+from infinity.zero.live_plan import LivePlan, LiveTrace
 
-_FAR = 1 << 62
 _MAX_ITERATIONS = 6  # replayed until two in a row fetch the same (the steady state)
 
 
@@ -51,6 +49,8 @@ class Fetch:
     decided: int
     needed: int
     numel: int
+    param: int
+    """Its index in `ModelShape.params`."""
 
 
 def training_trace(shape: ModelShape, *, checkpointing: bool) -> list[Position]:
@@ -116,104 +116,60 @@ def param_fetches(
     first starts with nothing gathered; frozen parameters carry over from one to the
     next)."""
     trace = training_trace(shape, checkpointing=checkpointing)
-    replay = _Replay(shape, config, trace)
+    zero = config.zero_optimization
+    plan = LivePlan(
+        budget=int(zero.max_live_parameters),
+        window=int(zero.prefetch_bucket_size),
+        reuse=int(zero.max_reuse_distance),
+    )
+    persistent = shape.persistent(zero)
+    for p, keep in zip(shape.params, persistent, strict=True):
+        plan.add(p.numel, persistent=keep, frozen=not p.trainable)
+    for i, keep in enumerate(persistent):
+        if keep:  # gathered since the first iteration: they count against the budget
+            plan.hold(i)
+    order = LiveTrace([pos.params for pos in trace], plan.numel)
+    sink = _Count(plan.numel)
     previous = None
     for _ in range(_MAX_ITERATIONS):
-        replay.iteration()
-        if replay.fetches == previous:
+        sink.fetches = []
+        _iteration(plan, order, sink)
+        if sink.fetches == previous:
             break
-        previous = replay.fetches
-    return trace, replay.fetches
+        previous = sink.fetches
+    return trace, sink.fetches
 
 
-def param_reads_per_micro_step(shape: ModelShape, config: Config, *, checkpointing: bool) -> int:
-    """Elements fetched from their home in one forward + backward once the order is
-    traced."""
-    _, fetches = param_fetches(shape, config, checkpointing=checkpointing)
-    return sum(f.numel for f in fetches)
+class _Count:
+    """A sink that records each fetch the planner decides, and where."""
 
-
-class _Replay:
-    """The coordinator's live set over `trace`, counting fetches instead of moving data."""
-
-    def __init__(self, shape: ModelShape, config: Config, trace: list[Position]) -> None:
-        zero = config.zero_optimization
-        self.budget = int(zero.max_live_parameters)
-        self.window = int(zero.prefetch_bucket_size)
-        self.reuse = int(zero.max_reuse_distance)
-        self.trace = [pos.params for pos in trace]
-        self.numel = [p.numel for p in shape.params]
-        self.frozen = [not p.trainable for p in shape.params]
-        self.persistent = shape.persistent(zero)
-        self.cum = [0]
-        self.uses: dict[int, list[int]] = {}
-        for pos, part in enumerate(self.trace):
-            self.cum.append(self.cum[-1] + sum(self.numel[i] for i in part))
-            for i in part:
-                self.uses.setdefault(i, []).append(pos)
-        self.live: dict[int, None] = {}  # non-persistent parameters gathered
-        # persistent ones stay gathered and count against the budget too
-        self.live_numel = sum(n for n, k in zip(self.numel, self.persistent, strict=True) if k)
+    def __init__(self, numel: Sequence[int]) -> None:
+        self.numel = numel
+        self.at = 0
+        """The trace position of the gather running (whose prefetch decides)."""
         self.fetches: list[Fetch] = []
 
-    def iteration(self) -> None:
-        self.fetches = []
-        upto = self._prefetch(0, 0, 0, ())
-        for pos, part in enumerate(self.trace):
-            want = [i for i in part if self._unfetched(i)]
-            need = sum(self.numel[i] for i in want)
-            if self.live_numel + need > self.budget:
-                self._evict(need, pos + 1, part, None)
-            for i in want:
-                self._fetch(i, pos, pos)
-            upto = self._prefetch(pos, pos + 1, upto, part)
-            for i in part:  # the unit is done: release what is not kept
-                if i in self.live and not self.frozen[i] and not self._kept(i, pos, upto):
-                    self._release(i)
-        for i in [i for i in self.live if not self.frozen[i]]:  # the iteration ends
-            self._release(i)
+    def fetch(self, i: int, needed: int | None) -> None:
+        assert needed is not None  # the estimate's iterations never leave the trace
+        self.fetches.append(Fetch(self.at, needed, self.numel[i], i))
 
-    def _unfetched(self, i: int) -> bool:
-        return not self.persistent[i] and i not in self.live
+    def release(self, i: int) -> None:
+        pass
 
-    def _kept(self, i: int, pos: int, upto: int) -> bool:
-        nxt = self._next_use(i, pos)
-        return nxt != _FAR and (nxt < upto or self.cum[nxt] - self.cum[pos + 1] <= self.reuse)
 
-    def _next_use(self, i: int, after: int) -> int:
-        return next((p for p in self.uses.get(i, ()) if p > after), _FAR)
-
-    def _fetch(self, i: int, decided: int, needed: int) -> None:
-        self.live[i] = None
-        self.live_numel += self.numel[i]
-        self.fetches.append(Fetch(decided, needed, self.numel[i]))
-
-    def _release(self, i: int) -> None:
-        del self.live[i]
-        self.live_numel -= self.numel[i]
-
-    def _evict(self, need: int, cursor: int, running: tuple[int, ...], before: int | None) -> None:
-        """Furthest next use first; with `before`, only what is needed after it."""
-        victims = [(self._next_use(i, cursor - 1), i) for i in self.live if i not in running]
-        # ties (a weight and its bias) in the order they were gathered, as the engine's
-        # stable sort leaves them
-        victims.sort(key=lambda v: v[0], reverse=True)
-        for nxt, i in victims:
-            if self.live_numel + need <= self.budget or (before is not None and nxt <= before):
-                break
-            self._release(i)
-
-    def _prefetch(self, at: int, cursor: int, upto: int, running: tuple[int, ...]) -> int:
-        """The units within the window from `cursor` that fit; returns where it stopped."""
-        p = max(upto, cursor)
-        while p < len(self.trace) and self.cum[p] - self.cum[cursor] < self.window:
-            want = [i for i in self.trace[p] if self._unfetched(i)]
-            need = sum(self.numel[i] for i in want)
-            if self.live_numel + need > self.budget:
-                self._evict(need, cursor, running, p)
-                if self.live_numel + need > self.budget:
-                    break
-            for i in want:
-                self._fetch(i, at, p)
-            p += 1
-        return p
+def _iteration(plan: LivePlan, order: LiveTrace, sink: _Count) -> None:
+    """One forward + backward as the hooks drive the coordinator: the iteration's first
+    prefetch, then at each gather the unit, prefetch, and the unit's end."""
+    plan.begin(order)
+    sink.at = 0
+    plan.prefetch((), sink)
+    for pos, unit in enumerate(order.units):
+        plan.advance(pos)
+        sink.at = pos
+        running = set(unit)
+        plan.gather(unit, sink)
+        plan.prefetch(running, sink)
+        for i in unit:
+            plan.settle(i, pos, sink)
+    plan.release_all(sink, keep_frozen=True)
+    plan.end()

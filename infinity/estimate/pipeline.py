@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from infinity.config import Config
 from infinity.estimate.param_traffic import Fetch, Pass, param_fetches
 from infinity.estimate.shapes import ModelShape
+from infinity.estimate.sizing import home_on_nvme
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,9 @@ class Prefetch:
 def prefetch_of(shape: ModelShape, config: Config, *, checkpointing: bool) -> Prefetch:
     """The gathers of one forward + backward and their fetches (see `param_fetches`)."""
     trace, fetches = param_fetches(shape, config, checkpointing=checkpointing)
+    # A frozen home kept in RAM (`max_in_cpu`) is neither read nor copied: gathers alias it.
+    on_nvme = home_on_nvme(shape, config.zero_optimization)
+    fetches = [f for f in fetches if on_nvme[f.param]]
     matmul = {f"{lin.name}.weight" for lin in shape.linears}
     fetched = [0] * len(trace)
     for f in fetches:

@@ -166,13 +166,15 @@ def estimate(
     grads_spill: bool | None = None,
     aliases: bool | None = None,
     recycles: bool = True,
+    world_size: int = 1,
 ) -> Estimate:
     """The estimate for `shape` trained under `config` (unresolved, as given) at `rates`.
     `runtime_bytes`: host memory of the Python process before any model (default: this
     process's RSS now); `ram_bytes`: the machine's RAM for the advice (default: this one's);
     `grads_spill`, `aliases`: see `sizes`; `recycles`: new buffers on the CPU device reuse
     freed ones (see [Note: recycled device buffers] in infinity/accelerator/recycled.py;
-    False replays runs recorded before they did)."""
+    False replays runs recorded before they did); `world_size`: the ranks sharing the
+    parameters (the bytes are one rank's, see `sizes`)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     config = resolve_config(config, shape)
@@ -185,6 +187,7 @@ def estimate(
         grads_spill=grads_spill,
         checkpointing=activation_checkpointing,
         aliases=alias,
+        world_size=world_size,
     )
     micro = int(config.train_micro_batch_size_per_gpu)
     accum = int(config.gradient_accumulation_steps)

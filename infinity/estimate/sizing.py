@@ -1,37 +1,36 @@
-"""What the engine would allocate and move for one model and config, in bytes.
+"""What the engine would allocate and move for one model and config, in bytes (one rank's).
 
-Every term calls the function the engine sizes the same thing with: the flat layout and its
-sub-groups (`infinity.zero.sub_groups`), the swap store's extent padding
-(`reserved_nbytes`), the NVMe state extents and pipeline buffers (`state_nbytes`,
-`state_buffer_count`), the parameter staging pool (`param_buffer_numel`), the NVMe weight
-ring (`staging_host_bytes`) and the persistence rule (`persistent_flags`); parameter reads
-replay the coordinator's policy (`infinity.estimate.param_traffic`). The byte counts match
-`engine.memory_stats()` exactly; nothing here allocates or measures.
-
-Terms that depend on where fp32 gradients live and on frozen parameters are their own
-functions (`grad_host_bytes`, `frozen_host_bytes`, `frozen_nvme_bytes`).
+Every term calls the function the engine sizes the same thing with: the optimizer's flat
+layout over one rank's shards (`optimizer_layout`, `shard_of`), each tier's `Footprint`
+(`grad_footprint`, `nvme_state_footprint`, `host_state_footprint`, `weights_footprint`,
+`param_pool_nbytes`), which frozen homes stay in RAM (`frozen_nvme_mask`) and the
+persistence rule (`persistent_flags`); parameter reads run the coordinator's planner
+(`infinity.estimate.param_traffic`), gradient transfers the NVMe gradient store's
+(`infinity.estimate.grad_traffic`). The byte counts match `engine.memory_stats()` exactly;
+nothing here allocates or measures.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from infinity.config import Config
+from infinity.config import Config, ZeroConfig
 from infinity.estimate.grad_traffic import GradTraffic, grad_traffic
-from infinity.estimate.param_traffic import param_reads_per_micro_step
+from infinity.estimate.param_traffic import param_fetches
 from infinity.estimate.shapes import ModelShape
-from infinity.swap.grad_store import grad_buffers
-from infinity.swap.nvme_state import state_nbytes
-from infinity.swap.pool import param_buffer_numel
-from infinity.swap.store import align_up, reserved_nbytes
-from infinity.swap.tiers import state_buffer_count
+from infinity.swap.footprint import Footprint
+from infinity.swap.grad_plan import grad_footprint
+from infinity.swap.nvme_state import nvme_state_footprint, state_buffers, state_nbytes
+from infinity.swap.pool import param_pool_nbytes
+from infinity.swap.state_store import host_state_footprint
+from infinity.swap.store import reserved_nbytes
 from infinity.zero import model_dtype
-from infinity.zero.sub_groups import FlatLayout, flat_layout, resolve_sub_group_size
-from infinity.zero.weights import staging_host_bytes
-
-_F32 = 4
+from infinity.zero.optimizer import optimizer_layout
+from infinity.zero.param import frozen_nvme_mask
+from infinity.zero.shard import shard_of
+from infinity.zero.sub_groups import FlatLayout
+from infinity.zero.weights import weights_footprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +108,20 @@ def resolve_config(config: Config, shape: ModelShape) -> Config:
     return config.resolve(hidden_size=shape.dims.hidden_size, largest_param_numel=max(1, largest))
 
 
-def layout_of(shape: ModelShape, config: Config) -> FlatLayout:
-    """The optimizer's flat space of the trainable parameters, in record order."""
-    numels = [p.numel for p in shape.params if p.trainable]
-    return flat_layout(numels, resolve_sub_group_size(config.zero_optimization.sub_group_size))
+def home_numels(shape: ModelShape, world_size: int = 1) -> list[int]:
+    """Elements of each parameter's home on one rank: its shard (`shard_of`, the engine's
+    rule; every rank's shard has the same size, padding included)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return [shard_of(p.numel, world_size, 0).numel for p in shape.params]
+
+
+def layout_of(shape: ModelShape, config: Config, world_size: int = 1) -> FlatLayout:
+    """One rank's optimizer flat space over its shards of the trainable parameters, in
+    record order (`optimizer_layout`, as the engine builds it)."""
+    homes = home_numels(shape, world_size)
+    numels = [n for n, p in zip(homes, shape.params, strict=True) if p.trainable]
+    return optimizer_layout(numels, config.zero_optimization)
 
 
 def sizes(
@@ -123,6 +132,7 @@ def sizes(
     grads_spill: bool | None = None,
     checkpointing: bool = False,
     aliases: bool | None = None,
+    world_size: int = 1,
 ) -> Sizes:
     """Every byte term for `shape` under a resolved `config`; `pins`: the device's host
     memory can be pinned (a GPU; the CPU device never pins). `grads_spill`: the fp32
@@ -130,75 +140,63 @@ def sizes(
     engine does; False replays runs made before gradients could spill). `checkpointing`:
     activation checkpointing, which changes the order backward gathers in. `aliases`: gathers
     from host homes alias them instead of copying (default: on the CPU device, as the engine
-    does; False replays runs made before they did)."""
+    does; False replays runs made before they did). `world_size`: the ranks the parameters
+    are sharded across; every byte is one rank's (its homes, optimizer state, gradients and
+    NVMe reads hold its shards; the live budget counts gathered, whole parameters)."""
     zero = config.zero_optimization
     dtype = model_dtype(config)
     itemsize = dtype.itemsize
-    layout = layout_of(shape, config)
+    homes = home_numels(shape, world_size)
+    layout = layout_of(shape, config, world_size)
     sub_groups = layout.sub_group_numels
     optim_nvme = zero.offload_optimizer.device == "nvme"
     param_nvme = zero.offload_param.device == "nvme"
     spill = optim_nvme if grads_spill is None else grads_spill
-    grad = grad_host_bytes(layout, nvme=spill)
-    grad_disk = grad_nvme_bytes(layout) if spill else 0
+    grad = grad_footprint(sub_groups, nvme=spill)
     accum = int(config.gradient_accumulation_steps)
     grads = grad_traffic(shape, layout, accum) if spill else GradTraffic(0, 0, 0)
-    if optim_nvme:
-        extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
-        optim_disk = sum(extents)
-        buffer = align_up(max(extents, default=4096))
-        buffers = state_buffer_count(zero.offload_optimizer, layout.num_sub_groups)
-        state_host = buffers * buffer
-        # NvmeStateStore's prefetch_next_sweep: every buffer is free when a sweep ends
-        pipelined = zero.offload_optimizer.pipeline_read
-        ahead = sum(extents[:buffers]) if pipelined else 0
-    else:
-        optim_disk, state_host, ahead = 0, 3 * _F32 * sum(sub_groups), 0
-    if param_nvme:
-        weights = staging_host_bytes(layout, dtype)
-        pool = param_pool_bytes(shape, config)
-        param_disk = reserved_nbytes(layout.total * itemsize) + frozen_nvme_bytes(shape, itemsize)
-        param_write = layout.total * itemsize
-        frozen_host = 0
-    else:
-        aliased = dtype == torch.float32 and not optim_nvme
-        weights = 0 if aliased else layout.total * itemsize
-        pool = param_disk = param_write = 0
-        frozen_host = frozen_host_bytes(shape, itemsize)
-    pool_pinned = pool if (pins and zero.offload_param.pin_memory) else 0
+    state, ahead = _state(zero, sub_groups)
+    weights = weights_footprint(layout, dtype, nvme=param_nvme, state_on_host=not optim_nvme)
+    on_nvme = home_on_nvme(shape, zero)
+    frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
+    pool = param_pool_bytes(shape, config, world_size) if param_nvme else 0
+    pinned = pool if (pins and zero.offload_param.pin_memory) else 0
     if optim_nvme and pins and zero.offload_optimizer.pin_memory:
-        pool_pinned += state_host  # the NVMe pipeline's buffers, pinned when asked
-    gathered = param_reads_per_micro_step(shape, config, checkpointing=checkpointing)
+        pinned += state.host  # the NVMe pipeline's buffers, pinned when asked
     # Only reads from NVMe are copied where gathers alias host homes (see [Note: gathered
     # means resident] in infinity/zero/param.py).
-    copied = param_nvme or not (not pins if aliases is None else aliases)
+    copies = not (not pins if aliases is None else aliases)
+    _, fetches = param_fetches(shape, config, checkpointing=checkpointing)
+    read = sum(homes[f.param] for f in fetches if on_nvme[f.param])
+    gathered = sum(f.numel for f in fetches if copies or on_nvme[f.param])
     kept = zip(shape.params, shape.persistent(zero), strict=True)
     refreshed = sum(p.numel for p, keep in kept if keep and p.trainable)
+    host = grad.host + weights.host + state.host + frozen.host + pool
     return Sizes(
-        grad_host_bytes=grad,
-        weights_host_bytes=weights,
-        state_host_bytes=state_host,
-        frozen_host_bytes=frozen_host,
+        grad_host_bytes=grad.host,
+        weights_host_bytes=weights.host,
+        state_host_bytes=state.host,
+        frozen_host_bytes=frozen.host,
         param_pool_bytes=pool,
-        host_bytes=grad + weights + state_host + frozen_host + pool,
-        pinned_bytes=pool_pinned,
-        optim_nvme_bytes=optim_disk,
-        param_nvme_bytes=param_disk,
-        grad_nvme_bytes=grad_disk,
+        host_bytes=host,
+        pinned_bytes=pinned,
+        optim_nvme_bytes=state.disk,
+        param_nvme_bytes=weights.disk + frozen.disk,
+        grad_nvme_bytes=grad.disk,
         grad_read_bytes_per_step=grads.read,
         grad_write_bytes_per_step=grads.written,
         grad_step_read_bytes=grads.step_read,
         grad_waited_read_bytes_per_step=grads.backward_waited_read,
         grad_waited_write_bytes_per_step=grads.backward_waited_written,
-        optim_read_bytes_per_step=optim_disk,
+        optim_read_bytes_per_step=state.disk,
         optim_ahead_read_bytes=ahead,
-        optim_write_bytes_per_step=optim_disk,
-        param_write_bytes_per_step=param_write,
-        param_read_bytes_per_micro_step=gathered * itemsize if param_nvme else 0,
-        gather_bytes_per_micro_step=gathered * itemsize if copied else 0,
+        optim_write_bytes_per_step=state.disk,
+        param_write_bytes_per_step=layout.total * itemsize if param_nvme else 0,
+        param_read_bytes_per_micro_step=read * itemsize,
+        gather_bytes_per_micro_step=gathered * itemsize,
         # The CPU device (it never pins) adds gradients straight into their fp32 partitions.
         grad_offload_bytes_per_micro_step=shape.trainable_numel * itemsize if pins else 0,
-        refresh_bytes_per_step=refreshed * itemsize if copied else 0,
+        refresh_bytes_per_step=refreshed * itemsize if (param_nvme or copies) else 0,
         peak_live_numel=peak_live_numel(shape, config),
         trainable_numel=shape.trainable_numel,
         flat_numel=layout.total,
@@ -207,42 +205,54 @@ def sizes(
     )
 
 
-# -- terms that depend on where gradients and frozen parameters live ---------------------------
+def _state(zero: ZeroConfig, sub_groups: Sequence[int]) -> tuple[Footprint, int]:
+    """The optimizer-state tier's footprint, and the bytes the end of a sweep reads ahead
+    (NvmeStateStore's prefetch_next_sweep: every buffer is free when a sweep ends)."""
+    if zero.offload_optimizer.device != "nvme":
+        return host_state_footprint(sub_groups), 0
+    buffer_count = zero.offload_optimizer.buffer_count
+    count, _ = state_buffers(sub_groups, buffer_count)
+    extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
+    ahead = sum(extents[:count]) if zero.offload_optimizer.pipeline_read else 0
+    return nvme_state_footprint(sub_groups, buffer_count), ahead
 
 
-def grad_host_bytes(layout: FlatLayout, *, nvme: bool = False) -> int:
-    """fp32 gradients: one flat host buffer over the optimizer's flat space, or with the
-    optimizer on NVMe the `NvmeGradStore`'s sub-group buffers (`grad_buffers`)."""
-    if nvme:
-        count, nbytes = grad_buffers(layout.sub_group_numels)
-        return count * nbytes
-    return _F32 * layout.total
+# -- where frozen parameters live ------------------------------------------------------------
 
 
-def grad_nvme_bytes(layout: FlatLayout) -> int:
-    """The `NvmeGradStore`'s extents: one fp32 sub-group each, page-padded."""
-    return sum(reserved_nbytes(n * _F32) for n in layout.sub_group_numels)
+def home_on_nvme(shape: ModelShape, zero: ZeroConfig) -> list[bool]:
+    """Per parameter, whether its home is on NVMe: with the parameter tier there, every
+    trainable one and the frozen ones past `offload_param.max_in_cpu` (`frozen_nvme_mask`,
+    the engine's rule)."""
+    if zero.offload_param.device != "nvme":
+        return [False] * len(shape.params)
+    numels = [p.numel for p in shape.params]
+    trainable = [p.trainable for p in shape.params]
+    frozen = frozen_nvme_mask(numels, trainable, zero.offload_param.max_in_cpu)
+    return [t or f for t, f in zip(trainable, frozen, strict=True)]
 
 
-def frozen_host_bytes(shape: ModelShape, itemsize: int) -> int:
-    """Frozen parameters' host partitions (host parameter tier)."""
-    return sum(p.numel * itemsize for p in shape.params if not p.trainable)
-
-
-def frozen_nvme_bytes(shape: ModelShape, itemsize: int) -> int:
-    """Frozen parameters' extents on NVMe: one per parameter, page-padded."""
-    return sum(reserved_nbytes(p.numel * itemsize) for p in shape.params if not p.trainable)
+def frozen_footprint(
+    shape: ModelShape, on_nvme: Sequence[bool], itemsize: int, homes: Sequence[int]
+) -> Footprint:
+    """Frozen parameters' homes (`homes` elements each): a host partition each, or an
+    extent each on NVMe."""
+    pairs = zip(shape.params, on_nvme, homes, strict=True)
+    frozen = [(n * itemsize, on) for p, on, n in pairs if not p.trainable]
+    return Footprint(
+        sum(n for n, on in frozen if not on), sum(reserved_nbytes(n) for n, on in frozen if on)
+    )
 
 
 # -- the parameter tier ------------------------------------------------------------------------
 
 
-def param_pool_bytes(shape: ModelShape, config: Config) -> int:
-    """The NVMe parameter staging pool: `buffer_count` buffers of the largest parameter."""
+def param_pool_bytes(shape: ModelShape, config: Config, world_size: int = 1) -> int:
+    """The NVMe parameter staging pool, sized for the largest home (one rank's shard)."""
+    largest = max(home_numels(shape, world_size), default=1)
+    element_size = model_dtype(config).itemsize
     param = config.zero_optimization.offload_param
-    largest = max((p.numel for p in shape.params), default=1)
-    numel = param_buffer_numel(param, largest)
-    return param.buffer_count * align_up(numel * model_dtype(config).itemsize)
+    return param_pool_nbytes(param, element_size=element_size, largest_numel=largest)
 
 
 def non_persistent_numel(shape: ModelShape, config: Config, *, trainable_only=False) -> int:

@@ -24,11 +24,10 @@ I/O.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -36,20 +35,21 @@ import torch
 from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
 from infinity.swap.aio import AioHandle, aligned_empty
+from infinity.swap.grad_plan import F32 as _F32
+from infinity.swap.grad_plan import (
+    GRAD_BUFFERS,
+    GradPlan,
+    GradResidency,
+    disk_rows,
+    grad_buffers,
+    grad_footprint,
+)
+from infinity.swap.grad_plan import NORM_ROW_NUMEL as _NORM_ROW_NUMEL
 from infinity.swap.store import SwapStore, align_up
 
 logger = logging.getLogger(__name__)
 
 KIND = "grad"
-GRAD_BUFFERS = 3
-"""Host buffers of `NvmeGradStore` by default: two sub-groups being filled by backward (the
-one a layer's gradients straddle into, and the one before it) and one being written."""
-_F32 = 4
-PARTIAL_FRACTION = 16
-"""A gradient of at most 1/this of its sub-group, added while the sub-group is on disk, is
-added there (its rows read, added to and written back) instead of loading the sub-group: a
-layer's norm weights, reached in backward after the layer's other sub-groups were written."""
-_NORM_ROW_NUMEL = 4096  # see [Note: accurate norms]
 _ADD_CHUNK_NUMEL = 1 << 18
 """Elements per piece of a 16-bit gradient's add into an fp32 buffer (see `add_into`)."""
 
@@ -108,16 +108,12 @@ def sum_of_squares(flat: torch.Tensor) -> float:
     return sum_from_norms(row_norms(flat))
 
 
-def grad_buffers(numels: Sequence[int], buffer_count: int = GRAD_BUFFERS) -> tuple[int, int]:
-    """`NvmeGradStore`'s host buffers for sub-groups of `numels`: (count, bytes of each)."""
-    return min(buffer_count, max(len(numels), 1) + 1), align_up(max(numels, default=1) * _F32)
-
-
 class HostGradStore:
     """Every sub-group's gradient in one flat host buffer, allocated at first use."""
 
     def __init__(self, numels: Sequence[int]) -> None:
         self.numels = list(numels)
+        self.footprint = grad_footprint(self.numels, nvme=False)
         self._starts = [0]
         for n in self.numels:
             self._starts.append(self._starts[-1] + n)
@@ -127,7 +123,7 @@ class HostGradStore:
     def flat(self) -> torch.Tensor:
         """All sub-groups back to back: [sum(numels)] fp32."""
         if self._flat is None:
-            self._flat = torch.zeros(self._starts[-1], dtype=torch.float32)
+            self._flat = torch.zeros(self.footprint.host // _F32, dtype=torch.float32)
         return self._flat
 
     def _view(self, index: int) -> torch.Tensor:
@@ -160,15 +156,6 @@ class HostGradStore:
         return {"grad_host_bytes": 0 if self._flat is None else self._flat.nbytes}
 
 
-class GradResidency(enum.Enum):
-    """Where a sub-group's gradient sum is."""
-
-    ZERO = "nothing since the last step: no buffer, no disk read; reads as zeros"
-    HOST = "in a host buffer (the latest sum)"
-    READING = "being read ahead into a host buffer for the step"
-    ON_NVME = "the disk extent holds the latest sum (its write may still be in flight)"
-
-
 class NvmeGradError(OSError):
     """A gradient transfer to or from NVMe failed; the store refuses further use."""
 
@@ -177,14 +164,10 @@ class NvmeGradError(OSError):
 class _Buffer:
     data: torch.Tensor
     """uint8, page-aligned, the largest sub-group's padded bytes."""
-    owner: int | None = None
-    """The sub-group it holds (HOST or READING), None when free."""
     future: Any = None
-    """The write from it (owner None) or the read into it (owner READING) in flight."""
+    """The write from it (free) or the read into it (READING) in flight."""
     written: int | None = None
     """The sub-group `future` writes, so a read of it waits for the write first."""
-    used: int = field(default=0)
-    """Tick of the last use (least recently used is written out first)."""
 
 
 @dataclass(slots=True)
@@ -196,7 +179,9 @@ class GradStats:
 
 
 class NvmeGradStore:
-    """Gradient sums on NVMe with `buffer_count` host buffers (see [Note: spilled gradients]).
+    """Gradient sums on NVMe with `buffer_count` host buffers (see [Note: spilled gradients]):
+    which sub-group is where is the plan's (`infinity.swap.grad_plan.GradPlan`), the
+    transfers and the sums are the store's.
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
     owned). Not thread-safe: the gradient hooks and the step run on one thread.
@@ -211,12 +196,8 @@ class NvmeGradStore:
         buffer_count: int = GRAD_BUFFERS,
         kind: str = KIND,
     ) -> None:
-        if buffer_count < 2:
-            raise ValueError(
-                f"the NVMe gradient store needs at least 2 host buffers (one filled while "
-                f"another is written), got {buffer_count}"
-            )
         self.numels = list(numels)
+        self.plan = GradPlan(self.numels, buffer_count)  # refuses fewer than 2 buffers
         self.store = store
         self._owns_aio = isinstance(aio, AioConfig)
         self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
@@ -224,10 +205,8 @@ class NvmeGradStore:
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
         count, nbytes = grad_buffers(self.numels, buffer_count)
         self._buffers = [_Buffer(aligned_empty(nbytes, torch.uint8)) for _ in range(count)]
-        self.residency = [GradResidency.ZERO] * len(self.numels)
         self._norms: list[Norms | None] = [None] * len(self.numels)  # of the disk copy
-        self._where: dict[int, _Buffer] = {}  # sub-group -> its buffer (HOST or READING)
-        self._tick = 0
+        self._apply = _Apply(self)
         self.stats = GradStats()
         self._failed: BaseException | None = None
         self._closed = False
@@ -237,18 +216,17 @@ class NvmeGradStore:
     def add(self, index: int, start: int, src: torch.Tensor) -> None:
         """Elements [start, start + src.numel()) of sub-group `index` += src."""
         self._check_usable("add")
-        if self.residency[index] is GradResidency.ON_NVME and src.numel() <= self._partial_limit(
-            index
-        ):
+        if self.plan.on_disk(index, src.numel()):
             self._add_on_disk(index, start, src)
             return
-        buf = self._resident(index)
-        add_into(self._grads(buf, index)[start : start + src.numel()], src)
-        writing = None
-        if not any(b.owner is None for b in self._buffers):  # keep one free: see GRAD_BUFFERS
-            writing = self._least_recent(but=buf)
-            self._evict(writing)
-        self._read_behind(index - 1, current=buf, writing=writing)
+        b = self.plan.add(index, self._apply, self._idle)
+        add_into(self._grads(self._buffers[b], index)[start : start + src.numel()], src)
+        self.plan.added(index, b, self._apply)
+
+    @property
+    def residency(self) -> list[GradResidency]:
+        """Where each sub-group's sum is (the plan's)."""
+        return self.plan.residency
 
     # -- the step --------------------------------------------------------------------------
 
@@ -261,7 +239,7 @@ class NvmeGradStore:
             if state is GradResidency.ZERO:
                 out.append(0.0)
             elif state is GradResidency.HOST:
-                out.append(sum_of_squares(self._grads(self._where[g], g)))
+                out.append(sum_of_squares(self._grads(self._buffers[self.plan.where[g]], g)))
             else:
                 out.append(sum_from_norms(self._norms[g]))
         return out
@@ -270,23 +248,16 @@ class NvmeGradStore:
         """Sub-group `index`'s gradient for the step, then reads of the following sub-groups
         start into the free buffers."""
         self._check_usable("take")
-        buf = self._resident(index)
-        self._read_ahead(index + 1)
-        return self._grads(buf, index)
+        b = self.plan.take(index, self._apply, self._idle)
+        return self._grads(self._buffers[b], index)
 
     def release(self, index: int) -> None:
         """The step is done with sub-group `index`: its buffer is free, it reads as zeros."""
-        buf = self._where.pop(index, None)
-        if buf is not None:
-            self._settle_buffer(buf)
-            buf.owner = None
-        self.residency[index] = GradResidency.ZERO
+        self.plan.release(index, self._apply)
 
     def zero(self) -> None:
         """Forget every gradient (a skipped step): no I/O, the reads ahead are waited for."""
-        for g in list(self._where):
-            self.release(g)
-        self.residency = [GradResidency.ZERO] * len(self.numels)
+        self.plan.zero(self._apply)
 
     def close(self) -> None:
         """Wait for every transfer (raising the first failure not yet reported)."""
@@ -320,39 +291,15 @@ class NvmeGradStore:
     def _grads(self, buf: _Buffer, index: int) -> torch.Tensor:
         return buf.data[: self.numels[index] * _F32].view(torch.float32)
 
-    def _resident(self, index: int) -> _Buffer:
-        """Sub-group `index` in a host buffer (loaded, zeroed or waited for), most recent."""
-        self._tick += 1
-        state = self.residency[index]
-        if state is GradResidency.HOST:
-            buf = self._where[index]
-        elif state is GradResidency.READING:
-            buf = self._where[index]
-            self._settle_buffer(buf)
-            self.residency[index] = GradResidency.HOST
-        else:
-            buf = self._acquire()
-            if state is GradResidency.ZERO:
-                self._grads(buf, index).zero_()
-            else:
-                self._settle_write_of(index)
-                buf.future = self._submit("read", buf, index)
-                self._settle_buffer(buf)
-            buf.owner = index
-            self._where[index] = buf
-            self.residency[index] = GradResidency.HOST
-        buf.used = self._tick
-        return buf
-
-    def _partial_limit(self, index: int) -> int:
-        return self.numels[index] // PARTIAL_FRACTION
+    def _idle(self, b: int) -> bool:
+        """Whether buffer `b`'s last transfer has finished (never blocks)."""
+        fut = self._buffers[b].future
+        return fut is None or fut.done()
 
     def _add_on_disk(self, index: int, start: int, src: torch.Tensor) -> None:
         """A small add to a sub-group on disk: read-add-write of the norm rows it touches
         only, and those rows' norms updated (see [Note: spilled gradients])."""
-        n, row = self.numels[index], _NORM_ROW_NUMEL
-        lo = start // row * row
-        hi = min(-(-(start + src.numel()) // row) * row, n)
+        lo, hi = disk_rows(start, src.numel(), self.numels[index])
         ext = self._extents[index]
         data = aligned_empty(align_up((hi - lo) * _F32), torch.uint8)
         grads = data[: (hi - lo) * _F32].view(torch.float32)
@@ -387,81 +334,21 @@ class NvmeGradStore:
         if full < grads.numel():
             self._norms[index] = Norms(norms.rows, torch.linalg.vector_norm(grads[full:]))
 
-    def _least_recent(self, but: _Buffer | None = None) -> _Buffer:
-        held = [b for b in self._buffers if b is not but and b.owner is not None]
-        held = [b for b in held if self.residency[b.owner] is GradResidency.HOST]
-        assert held, "every buffer is being read ahead"  # reads ahead never take the last
-        return min(held, key=lambda b: b.used)
-
-    def _acquire(self) -> _Buffer:
-        """A free buffer whose last write has landed (the oldest-finished first)."""
-        free = [b for b in self._buffers if b.owner is None]
-        if not free:
-            self._evict(self._least_recent())
-            free = [b for b in self._buffers if b.owner is None]
-        done = [b for b in free if b.future is None or b.future.done()]
-        buf = (done or free)[0]
-        self._settle_buffer(buf)
-        return buf
-
-    def _evict(self, buf: _Buffer) -> None:
-        """Start writing the buffer's sub-group to disk; the buffer is free once it lands."""
-        index = buf.owner
-        assert index is not None and self.residency[index] is not GradResidency.READING
+    def _start_write(self, index: int, buf: _Buffer) -> None:
+        """Start writing the buffer's sub-group to disk, recording its norms; the buffer is
+        free once it lands."""
         self._settle_buffer(buf)
         self._norms[index] = row_norms(self._grads(buf, index))
         self._settle_write_of(index)  # two writes of one extent in flight could land reversed
         buf.future = self._submit("write", buf, index)
-        buf.written, buf.owner = index, None
-        del self._where[index]
-        self.residency[index] = GradResidency.ON_NVME
+        buf.written = index
 
-    def _read_ahead(self, first: int) -> None:
-        """Reads of the sub-groups on disk from `first` on, into free buffers that need no
-        waiting; stops at the first one no buffer is free for."""
-        for g in range(first, len(self.numels)):
-            if self.residency[g] is GradResidency.ON_NVME and not self._read_into_free(g):
-                return
-
-    def _read_behind(self, index: int, *, current: _Buffer, writing: _Buffer | None) -> None:
-        """Backward goes down the sub-groups: from the second micro-step of a window on, the
-        one below is on disk, so its read starts while this one fills, when a buffer is
-        free and another (free, or filled and not `current`) is left to write out next.
-
-        The read takes a free buffer other than `writing` (the one this add started writing
-        out), waiting for an earlier add's write from it if that has not landed: whether the
-        read starts depends on the adds alone, never on the disk's timing, so every step
-        moves the same bytes (which `infinity.estimate.grad_traffic` replays)."""
-        if index < 0 or self.residency[index] is not GradResidency.ON_NVME:
-            return
-        spare = [
-            b
-            for b in self._buffers
-            if b.owner is None
-            or (b is not current and self.residency[b.owner] is GradResidency.HOST)
-        ]
-        if len(spare) >= 2:
-            free = [b for b in self._buffers if b.owner is None and b is not writing]
-            if free:
-                self._start_read(index, free[0])
-
-    def _read_into_free(self, index: int) -> bool:
-        """Start reading sub-group `index` into a free buffer that needs no waiting."""
-        free = [
-            b for b in self._buffers if b.owner is None and (b.future is None or b.future.done())
-        ]
-        if not free:
-            return False
-        self._start_read(index, free[0])
-        return True
-
-    def _start_read(self, index: int, buf: _Buffer) -> None:
+    def _start_read(self, index: int, buf: _Buffer, *, wait: bool = False) -> None:
         self._settle_buffer(buf)
         self._settle_write_of(index)
         buf.future = self._submit("read", buf, index)
-        buf.owner = index
-        self._where[index] = buf
-        self.residency[index] = GradResidency.READING
+        if wait:
+            self._settle_buffer(buf)
 
     def _settle_write_of(self, index: int) -> None:
         for buf in self._buffers:
@@ -512,3 +399,33 @@ class NvmeGradStore:
             raise NvmeGradError(f"{op}: refused, an earlier gradient transfer failed") from (
                 self._failed
             )
+
+
+class _Apply:
+    """Carries out the plan's decisions with the store's buffers and transfers (a
+    `GradSink`)."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: NvmeGradStore) -> None:
+        self.store = store
+
+    def zero(self, g: int, b: int) -> None:
+        buf = self.store._buffers[b]
+        self.store._settle_buffer(buf)
+        self.store._grads(buf, g).zero_()
+
+    def load(self, g: int, b: int) -> None:
+        self.store._start_read(g, self.store._buffers[b], wait=True)
+
+    def landed(self, g: int, b: int) -> None:
+        self.store._settle_buffer(self.store._buffers[b])
+
+    def write(self, g: int, b: int) -> None:
+        self.store._start_write(g, self.store._buffers[b])
+
+    def read(self, g: int, b: int) -> None:
+        self.store._start_read(g, self.store._buffers[b])
+
+    def free(self, g: int, b: int) -> None:
+        self.store._settle_buffer(self.store._buffers[b])

@@ -40,9 +40,10 @@ import torch
 from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
 from infinity.swap.aio import AioHandle, aligned_empty
+from infinity.swap.footprint import Footprint
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
 from infinity.swap.state_store import SubGroupState
-from infinity.swap.store import ALIGN_BYTES, SwapStore, align_up
+from infinity.swap.store import ALIGN_BYTES, SwapStore, align_up, reserved_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,19 @@ def pipeline_buffer_count(buffer_count: int, num_sub_groups: int) -> int:
     sub-groups, since a sub-group sits in one buffer at a time and the rest would never be
     used (LoRA adapters in one sub-group need one buffer, not four)."""
     return max(1, min(buffer_count, num_sub_groups))
+
+
+def state_buffers(numels: Sequence[int], buffer_count: int) -> tuple[int, int]:
+    """`NvmeStateStore`'s pipeline buffers: (count, bytes of each: the largest sub-group's
+    extent, page-aligned)."""
+    slot = max((reserved_nbytes(state_nbytes(n)) for n in numels), default=4096)
+    return pipeline_buffer_count(buffer_count, len(numels)), align_up(slot)
+
+
+def nvme_state_footprint(numels: Sequence[int], buffer_count: int) -> Footprint:
+    """`NvmeStateStore`'s pipeline buffers and its extents (one sub-group's state each)."""
+    count, nbytes = state_buffers(numels, buffer_count)
+    return Footprint(count * nbytes, sum(reserved_nbytes(state_nbytes(n)) for n in numels))
 
 
 class Residency(enum.Enum):
@@ -138,8 +152,7 @@ class NvmeStateStore:
         self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
         sizes = {self._key(i): state_nbytes(n) for i, n in enumerate(self.numels)}
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
-        slot_bytes = max((e.padded_nbytes for e in self._extents), default=4096)
-        count = pipeline_buffer_count(buffer_count, len(self.numels))
+        count, slot_bytes = state_buffers(self.numels, buffer_count)
         self.pool = PinnedBufferPool(count, slot_bytes, pin=pin_memory, name="optim")
         self.residency = [Residency.ON_NVME] * len(self.numels)
         self.stats = NvmeStats()

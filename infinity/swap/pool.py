@@ -92,6 +92,13 @@ def param_buffer_numel(config: OffloadParamConfig, largest_numel: int) -> int:
     return numel
 
 
+def param_pool_nbytes(config: OffloadParamConfig, *, element_size: int, largest_numel: int) -> int:
+    """Host bytes of the parameter staging pool: `buffer_count` page-aligned buffers of
+    `param_buffer_numel` elements."""
+    numel = param_buffer_numel(config, largest_numel)
+    return config.buffer_count * align_up(numel * element_size)
+
+
 class PinnedBufferPool:
     """`buffer_count` host buffers of `buffer_bytes`, allocated once.
 
@@ -151,7 +158,10 @@ class PinnedBufferPool:
                 prefetch_numel,
                 depth,
             )
-        return cls(config.buffer_count, numel * element_size, pin=config.pin_memory, name="param")
+        nbytes = param_pool_nbytes(config, element_size=element_size, largest_numel=largest_numel)
+        return cls(
+            config.buffer_count, nbytes // config.buffer_count, pin=config.pin_memory, name="param"
+        )
 
     def _allocate(self, total: int, pin: bool) -> tuple[torch.Tensor, bool]:
         """The arena, pinned if asked and possible. Over RLIMIT_MEMLOCK pinning is still tried

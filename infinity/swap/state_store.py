@@ -14,6 +14,15 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from infinity.swap.footprint import Footprint
+
+_F32 = 4
+
+
+def host_state_footprint(numels: Sequence[int]) -> Footprint:
+    """`HostStateStore`'s three flat fp32 fields (master, exp_avg, exp_avg_sq)."""
+    return Footprint(3 * _F32 * sum(numels))
+
 
 class SubGroupState(NamedTuple):
     """One sub-group's optimizer state: three flat fp32 tensors of the same numel."""
@@ -69,7 +78,7 @@ class HostStateStore:
 
     def __init__(self, numels: Sequence[int]) -> None:
         self.numels = list(numels)
-        total = sum(self.numels)
+        total = host_state_footprint(self.numels).host // (3 * _F32)
         self.flat = SubGroupState(*(torch.zeros(total, dtype=torch.float32) for _ in range(3)))
         """Each field of every sub-group back to back (sub-group i is a slice of it)."""
         self._states, start = [], 0

@@ -17,8 +17,9 @@ import torch
 
 from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.swap.aio import AioHandle
-from infinity.swap.grad_store import GRAD_BUFFERS, HostGradStore, NvmeGradStore
-from infinity.swap.nvme_state import NvmeStateStore, pipeline_buffer_count
+from infinity.swap.grad_plan import grad_footprint
+from infinity.swap.grad_store import HostGradStore, NvmeGradStore
+from infinity.swap.nvme_state import NvmeStateStore, nvme_state_footprint
 from infinity.swap.param_store import NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.state_store import HostStateStore, StateStore
@@ -77,8 +78,8 @@ def make_state_store(
         raise ValueError(
             "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
         )
-    buffers = state_buffer_count(offload, len(numels))
-    check_host_buffers((buffers * 12 + GRAD_BUFFERS * 4) * max(numels, default=0))
+    state = nvme_state_footprint(numels, offload.buffer_count)
+    check_host_buffers(state.host + grad_footprint(numels, nvme=True).host)
     if not (offload.pipeline_read and offload.pipeline_write):
         logger.info(
             "offload_optimizer.pipeline_read=%s, pipeline_write=%s: the optimizer's NVMe "
@@ -96,13 +97,6 @@ def make_state_store(
     )
 
 
-def state_buffer_count(offload: OffloadOptimizerConfig, num_sub_groups: int) -> int:
-    """Host buffers of the NVMe optimizer pipeline: `offload_optimizer.buffer_count` (the
-    config checks it is at least 3: one read ahead, one stepped, one written back), no more
-    than the sub-groups (`pipeline_buffer_count`)."""
-    return pipeline_buffer_count(offload.buffer_count, num_sub_groups)
-
-
 def make_grad_store(
     numels: Sequence[int],
     offload: OffloadOptimizerConfig,
@@ -111,8 +105,8 @@ def make_grad_store(
     stores: SwapStores,
 ) -> HostGradStore | NvmeGradStore:
     """The gradient tier follows the optimizer state's: with the state on NVMe the host
-    keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same swap store
-    (see [Note: spilled gradients] in grad_store.py); otherwise one flat host buffer."""
+    keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same swap store (see
+    [Note: spilled gradients] in grad_store.py); otherwise one flat host buffer."""
     if offload.device != "nvme":
         return HostGradStore(numels)
     return NvmeGradStore(numels, store=stores.get(offload.nvme_path), aio=aio)

@@ -6,6 +6,11 @@ traces and the prefetch cursor, and the counters behind `memory_stats()`. Hooks
 (`infinity.zero.hooks`) tell it when a unit starts (`gather`) and ends (`done`); it never
 touches modules.
 
+The live-set policy itself (what to fetch, keep, evict and prefetch) is the planner of
+`infinity.zero.live_plan`, over parameter indices; the coordinator applies its decisions to
+the records (`_Apply`) and owns the transfers, the pins and the phase. The notes below state
+the policy's rules.
+
 [Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked
 at every fetch. A gather that does not fit first evicts resident parameters that no running
 module needs (furthest next use first). Prefetch evicts only parameters whose next use comes
@@ -66,6 +71,7 @@ from infinity.accelerator import Accelerator
 from infinity.config import ZeroConfig
 from infinity.zero.gathered import GatheredIndex
 from infinity.zero.home import HomeTier
+from infinity.zero.live_plan import LivePlan
 from infinity.zero.param import OffloadParam, ParamState
 from infinity.zero.reads import ReadQueue
 from infinity.zero.trace import Trace
@@ -128,26 +134,28 @@ class Coordinator:
         self.records = list(records)
         self.accel = accelerator
         self.copy_stream = accelerator.new_stream()
-        self.budget = int(zero.max_live_parameters)
-        self.prefetch_numel = int(zero.prefetch_bucket_size)
-        self.reuse_distance = int(zero.max_reuse_distance)
+        self.plan = LivePlan(
+            budget=int(zero.max_live_parameters),
+            window=int(zero.prefetch_bucket_size),
+            reuse=int(zero.max_reuse_distance),
+        )
+        """The live-set policy; a record's index in it is `self.index(rec)`."""
+        self._index: dict[OffloadParam, int] = {}
+        self._by_index: list[OffloadParam] = []
+        for rec in self.records:
+            self.index(rec)
+        self._apply = _Apply(self)
         self.phase = Phase.IDLE
         self.observers: list[Observer] = []
         """Called with each `LiveEvent` (see [Note: the same order on every rank])."""
-        self.live_numel = 0
-        self.peak_live_numel = 0
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.hits = 0
         self.misses = 0
-        self.budget_overruns = 0
-        self.largest_unit = 0
-        """Elements of the largest unit gathered so far: the allowance over the budget."""
         self.trace_updates = 0
         self.gather_wait_s = 0.0
         """Seconds forward and backward spent inside gathers (fetching, landing, issuing
         prefetch): what compute waited for its parameters."""
-        self._resident: dict[OffloadParam, None] = {}  # non-persistent, LIVE or pending
         self._pending: dict[OffloadParam, None] = {}  # fetched, not yet LIVE, in order decided
         self._reads = ReadQueue(accelerator, self.copy_stream)  # see [Note: the NVMe pool]
         self.gathered = GatheredIndex()
@@ -157,9 +165,6 @@ class Coordinator:
         self._trace: Trace | None = None
         self._key: object = None
         self._recording: list[ModuleUnit] = []
-        self._cursor = 0
-        self._prefetch_upto = 0
-        self._on_track = True
 
     # ---- the iteration's lifecycle ----------------------------------------------------
 
@@ -173,9 +178,7 @@ class Coordinator:
         self._key = key
         self._trace = self._traces.get(key)
         self._recording = []
-        self._cursor = 0
-        self._prefetch_upto = 0
-        self._on_track = self._trace is not None
+        self.plan.begin(None if self._trace is None else self._trace.live)
         self.phase = Phase.FORWARD
         self._prefetch()
 
@@ -209,6 +212,7 @@ class Coordinator:
             rec.pins = 0
         self._recording = []
         self._trace = None
+        self.plan.end()
         self.phase = Phase.IDLE
         self.release_all()
 
@@ -226,9 +230,10 @@ class Coordinator:
             if trace is not None:
                 self.trace_updates += 1
                 logger.debug("execution order changed: trace %r updated", self._key)
-            self._traces[self._key] = Trace(self._recording)
+            self._traces[self._key] = Trace(self._recording, self.index, self.plan.numel)
         self._recording = []
         self._trace = None
+        self.plan.end()
         self.phase = Phase.IDLE
         for rec in self.records:
             rec.pins = 0  # every running call has ended with the iteration
@@ -249,25 +254,15 @@ class Coordinator:
         pos = self._advance(unit)
         if self.phase is not Phase.IDLE:
             self._recording.append(unit)
-        if unit.numel > self.largest_unit:
-            self.largest_unit = unit.numel
-        need = 0
         for rec in unit.records:
             rec.pins += 1
-            if self._unfetched(rec):
-                need += rec.numel
-        if need:
-            self._make_room(need, unit)
+        now = set(self.plan.gather(self._ids(unit), self._apply, self._pinned))
         # A miss is a parameter whose transfer had not started: fetched only now, or an NVMe
         # read still queued. The unit's own reads are issued together, ahead of prefetch's,
         # so that a miss waits for the disk once rather than once per parameter.
-        missed = []
-        for rec in unit.records:
-            if self._unfetched(rec):
-                self._fetch(rec)
-                missed.append(rec)
-            elif rec in self._reads.queued:
-                missed.append(rec)
+        missed = [
+            rec for rec in unit.records if self._index[rec] in now or rec in self._reads.queued
+        ]
         self._reads.pump(first=missed)
         for rec in unit.records:
             count = not rec.persistent
@@ -296,9 +291,7 @@ class Coordinator:
         if rec.state is ParamState.LIVE:
             self.hits += not rec.persistent
             return
-        if self._unfetched(rec):
-            self._make_room(rec.numel, None)
-            self._fetch(rec)
+        if self.plan.gather_one(self.index(rec), self._apply, self._pinned):
             self.misses += not rec.persistent
         else:
             self.hits += not rec.persistent
@@ -316,15 +309,13 @@ class Coordinator:
 
     def settle(self, rec: OffloadParam, pos: int | None) -> None:
         """Release `rec` unless it is pinned or reused soon after trace position `pos`."""
-        if rec.pins == 0 and not self._keep(rec, pos):
-            self._release(rec)
+        if rec.pins == 0:
+            self.plan.settle(self.index(rec), pos, self._apply)
 
     def release_all(self, *, keep_frozen: bool = False) -> None:
         """Release every unpinned, non-persistent parameter; with `keep_frozen`, frozen ones
         stay gathered (see [Note: frozen parameters stay gathered])."""
-        for rec in list(self._resident):
-            if rec.pins == 0 and not (keep_frozen and not rec.trainable):
-                self._release(rec)
+        self.plan.release_all(self._apply, self._pinned, keep_frozen=keep_frozen)
 
     def refresh(
         self, rec: OffloadParam, values: torch.Tensor | None = None, *, start: int = 0
@@ -352,27 +343,28 @@ class Coordinator:
 
     # ---- internals --------------------------------------------------------------------
 
+    def index(self, rec: OffloadParam) -> int:
+        """`rec`'s index in the planner (registered at first sight)."""
+        i = self._index.get(rec)
+        if i is None:
+            i = self.plan.add(rec.numel, persistent=rec.persistent, frozen=not rec.trainable)
+            self._index[rec] = i
+            self._by_index.append(rec)
+        return i
+
+    def _ids(self, unit: ModuleUnit) -> list[int]:
+        return [self.index(r) for r in unit.records]
+
+    def _pinned(self, i: int) -> bool:
+        return self._by_index[i].pins > 0
+
     def _advance(self, unit: ModuleUnit) -> int | None:
         trace = self._trace
-        if trace is None or not self._on_track:
+        if trace is None or not self.plan.on_track:
             return None
-        pos = trace.find(unit, self._cursor, _RESYNC_WINDOW)
-        if pos is None:
-            self._on_track = False
-            return None
-        self._cursor = pos + 1
+        pos = trace.find(unit, self.plan.cursor, _RESYNC_WINDOW)
+        self.plan.advance(pos)
         return pos
-
-    def _keep(self, rec: OffloadParam, pos: int | None) -> bool:
-        if rec.persistent or not rec.trainable:  # see [Note: frozen parameters stay gathered]
-            return True
-        trace = self._trace
-        if trace is None or pos is None or not self._on_track:
-            return False
-        nxt = trace.next_use(rec, pos)
-        if nxt is None:
-            return False
-        return nxt < self._prefetch_upto or trace.distance(pos + 1, nxt) <= self.reuse_distance
 
     def _unfetched(self, rec: OffloadParam) -> bool:
         """No transfer of `rec` is decided (RELEASED, and not queued for a pool buffer)."""
@@ -390,12 +382,8 @@ class Coordinator:
         else:
             rec.fetch(self.accel, self.copy_stream)
         self._pending[rec] = None
-        if not rec.persistent:
-            self._resident[rec] = None
-        self.live_numel += rec.numel
+        self.plan.hold(self.index(rec))
         self.live_bytes += rec.numel * rec.itemsize
-        if self.live_numel > self.peak_live_numel:
-            self.peak_live_numel = self.live_numel
         if self.live_bytes > self.peak_live_bytes:
             self.peak_live_bytes = self.live_bytes
         self._emit(LiveEvent.FETCH, rec)
@@ -429,69 +417,41 @@ class Coordinator:
         self._emit(LiveEvent.RELEASE, rec)
 
     def _uncount(self, rec: OffloadParam) -> None:
-        self._resident.pop(rec, None)
-        self.live_numel -= rec.numel
+        self.plan.drop(self.index(rec))
         self.live_bytes -= rec.numel * rec.itemsize
 
-    def _make_room(self, need: int, unit: ModuleUnit | None) -> None:
-        """Evict unpinned parameters (furthest next use first) until `need` more fit."""
-        if self.live_numel + need > self.budget:
-            self._evict(need, unit, used_before=None)
-            if self.live_numel + need > self.budget + self.largest_unit:
-                self.budget_overruns += 1
-
-    def _evict(self, need: int, unit: ModuleUnit | None, used_before: int | None) -> None:
-        """Release unpinned resident parameters, furthest next use first, until `need` more
-        elements fit. With `used_before`, only those not needed before that trace position."""
-        trace, here = self._trace, self._cursor
-        far = 1 << 62
-        on_track = trace is not None and self._on_track
-
-        def next_use(r: OffloadParam) -> int:
-            nxt = trace.next_use(r, here - 1) if on_track else None  # type: ignore[union-attr]
-            return far if nxt is None else nxt
-
-        victims = [
-            (next_use(r), r)
-            for r in self._resident
-            if r.pins == 0 and (unit is None or r not in unit)
-        ]
-        victims.sort(key=lambda v: v[0], reverse=True)
-        for nxt, rec in victims:
-            if self.live_numel + need <= self.budget:
-                break
-            if used_before is not None and nxt <= used_before:
-                break
-            self._release(rec)
-
     def _prefetch(self, running: ModuleUnit | None = None) -> None:
-        """Fetch ahead along the trace: the units within `prefetch_numel` elements of the
-        cursor, in order, while they fit the budget. The pool does not stop it: reads wait
-        in the queue for buffers (see [Note: the same order on every rank])."""
-        trace = self._trace
-        if trace is None or not self._on_track or self.prefetch_numel <= 0:
+        """Fetch ahead along the trace (the planner's `prefetch`). The pool does not stop it:
+        reads wait in the queue for buffers (see [Note: the same order on every rank])."""
+        plan = self.plan
+        if not plan.following or plan.window <= 0:
             return
         with self.accel.range("infinity::zero::prefetch"):
-            self._prefetch_along(trace, running)
+            ids = () if running is None else set(self._ids(running))
+            plan.prefetch(ids, self._apply, self._pinned)
+            self._reads.pump()
 
-    def _prefetch_along(self, trace: Trace, running: ModuleUnit | None) -> None:
-        pos = max(self._prefetch_upto, self._cursor)
-        while pos < len(trace):
-            if trace.distance(self._cursor, pos) >= self.prefetch_numel:
-                break
-            recs = trace.records[pos]
-            need = sum(r.numel for r in recs if self._unfetched(r))
-            if self.live_numel + need > self.budget:
-                # Only parameters needed later than this unit make way for it.
-                self._evict(need, running, used_before=pos)
-                if self.live_numel + need > self.budget:
-                    break  # prefetch waits for room
-            for r in recs:
-                if self._unfetched(r):
-                    self._fetch(r)
-            pos += 1
-        self._prefetch_upto = pos
-        self._reads.pump()
+    @property
+    def budget(self) -> int:
+        """`max_live_parameters`: gathered elements the planner keeps to."""
+        return self.plan.budget
+
+    @property
+    def live_numel(self) -> int:
+        return self.plan.live_numel
+
+    @property
+    def peak_live_numel(self) -> int:
+        return self.plan.peak_live_numel
+
+    @property
+    def largest_unit(self) -> int:
+        """Elements of the largest unit gathered so far: the allowance over the budget."""
+        return self.plan.largest_unit
+
+    @property
+    def budget_overruns(self) -> int:
+        return self.plan.overruns
 
     def stats(self) -> dict[str, int]:
         return {
@@ -505,3 +465,18 @@ class Coordinator:
             "trace_updates": self.trace_updates,
             "gather_wait_us": int(self.gather_wait_s * 1e6),
         }
+
+
+class _Apply:
+    """Carries out the planner's decisions on the coordinator's records (a `Sink`)."""
+
+    __slots__ = ("coord",)
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    def fetch(self, i: int, needed: int | None) -> None:
+        self.coord._fetch(self.coord._by_index[i])
+
+    def release(self, i: int) -> None:
+        self.coord._release(self.coord._by_index[i])

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -347,14 +348,26 @@ def frozen_on_nvme(params: list[tuple[str, nn.Parameter]], offload: OffloadParam
     """With parameters on NVMe, the names of the frozen ones that go there: all but the
     first `offload.max_in_cpu` elements' worth (in model order), whose homes stay in host
     memory."""
-    room = int(offload.max_in_cpu)
-    out = set()
-    for name, param in params:
-        if param.requires_grad:
-            continue
-        if param.numel() <= room:
-            room -= param.numel()
+    mask = frozen_nvme_mask(
+        [p.numel() for _, p in params], [p.requires_grad for _, p in params], offload.max_in_cpu
+    )
+    return {name for (name, _), on in zip(params, mask, strict=True) if on}
+
+
+def frozen_nvme_mask(
+    numels: Sequence[int], trainable: Sequence[bool], max_in_cpu: int
+) -> list[bool]:
+    """The rule of `frozen_on_nvme` over plain sizes (in model order): True for each frozen
+    parameter past the first `max_in_cpu` elements' worth."""
+    room = int(max_in_cpu)
+    out = []
+    for numel, trains in zip(numels, trainable, strict=True):
+        if trains:
+            out.append(False)
+        elif numel <= room:
+            room -= numel
+            out.append(False)
         else:
-            out.add(name)
+            out.append(True)
             room = 0  # a prefix in model order: what forward reads first stays in RAM
     return out

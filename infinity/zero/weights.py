@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from infinity.swap.aio import aligned_empty
+from infinity.swap.footprint import Footprint
 from infinity.swap.state_store import HostStateStore
+from infinity.swap.store import reserved_nbytes
 from infinity.zero.home import HostHome, NvmeHome
 from infinity.zero.sub_groups import FlatLayout
 
@@ -36,6 +38,27 @@ def staging_numel(layout: FlatLayout) -> int:
 def staging_host_bytes(layout: FlatLayout, dtype: torch.dtype) -> int:
     """Host bytes of NvmeWeights' ring of staging buffers."""
     return _RING * staging_numel(layout) * dtype.itemsize
+
+
+def aliases_state(dtype: torch.dtype, *, state_on_host: bool) -> bool:
+    """The alias rule: with an fp32 model and the optimizer state in host memory, the
+    weights are the fp32 masters themselves (see [Note: where the weights live] in
+    optimizer.py)."""
+    return dtype == torch.float32 and state_on_host
+
+
+def weights_footprint(
+    layout: FlatLayout, dtype: torch.dtype, *, nvme: bool, state_on_host: bool
+) -> Footprint:
+    """The weight output over `layout`: `NvmeWeights`' staging ring and the parameter
+    store's flat extent, or `HostWeights`' flat buffer (none of its own when it aliases the
+    masters)."""
+    if nvme:
+        disk = reserved_nbytes(layout.total * dtype.itemsize)
+        return Footprint(staging_host_bytes(layout, dtype), disk)
+    if aliases_state(dtype, state_on_host=state_on_host):
+        return Footprint(0)
+    return Footprint(layout.total * dtype.itemsize)
 
 
 class HostWeights:
@@ -149,9 +172,11 @@ def make_weights(
     (see [Note: where the weights live] in optimizer.py); else a new flat host buffer."""
     if param_store is not None:
         return NvmeWeights(param_store, layout, names, dtype)
-    if dtype == torch.float32 and isinstance(state_store, HostStateStore):
+    on_host = isinstance(state_store, HostStateStore)
+    if aliases_state(dtype, state_on_host=on_host):
         return HostWeights(state_store.flat.master, layout, names)
-    return HostWeights(torch.zeros(layout.total, dtype=dtype), layout, names)
+    own = weights_footprint(layout, dtype, nvme=False, state_on_host=on_host)
+    return HostWeights(torch.zeros(own.host // dtype.itemsize, dtype=dtype), layout, names)
 
 
 def aliases_masters(weights: HostWeights | NvmeWeights, state_store: Any) -> bool:
