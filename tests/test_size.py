@@ -21,8 +21,6 @@ TEMPORARY: dict[str, str] = {
     "infinity/engine.py": "being split under issue 22",
     "infinity/engine.py:Engine.__init__": "being split under issue 22",
     "infinity/engine.py:Engine._build_optimizer": "being split under issue 22",
-    "infinity/zero/coordinator.py": "being split under issue 22",
-    "infinity/swap/grad_store.py": "being split under issue 22",
     "infinity/estimate/__init__.py:measure_rates": "being split under issue 22",
     "infinity/estimate/result.py:estimate": "being split under issue 22",
     "infinity/estimate/result.py:step_times": "being split under issue 22",
