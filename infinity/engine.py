@@ -145,9 +145,18 @@ class Engine:
         self.optimizer.on_new_weights = self._weights_changed
         try:
             self.coordinator = Coordinator(self.records, zero, accelerator=self.accelerator)
+            fp16 = self.config.fp16.enabled
+            # See docs/telemetry.md: always timed; the device synchronized only when asked.
+            sync = self.accelerator.synchronize if self.config.wall_clock_breakdown else None
+            self._timer = StepTimer(synchronize=sync)
+            self.entry = BackwardEntry(
+                self.coordinator,
+                loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
+                timer=self._timer,
+            )
             by_param = {rec.param: rec for rec in self.records}
             self.hooks = ModelHooks(
-                model, units, by_param, self.coordinator, iteration_key=self._iteration_key
+                model, units, by_param, self.coordinator, enter_backward=self.entry.enter
             )
             self.grad_reducer = self._make_grad_reducer()
             self._grad_handles = install_grad_hooks(
@@ -167,16 +176,6 @@ class Engine:
         """The lr of each step. An integration may replace it between steps with anything
         that has `lr` (the next step's rate), `step()` and `state_dict`/`load_state_dict`
         (`infinity.integrations.hf` puts the HF Trainer's own scheduler here)."""
-        fp16 = self.config.fp16.enabled
-        # See docs/telemetry.md: always timed; the device synchronized only when asked.
-        sync = self.accelerator.synchronize if self.config.wall_clock_breakdown else None
-        self._timer = StepTimer(synchronize=sync)
-        self.entry = BackwardEntry(
-            self.hooks,
-            self.coordinator,
-            loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
-            timer=self._timer,
-        )
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
         self.micro_steps = 0
         self._backwards = 0
@@ -326,32 +325,17 @@ class Engine:
         self._check_open("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
-        coord = self.coordinator
         grad = torch.is_grad_enabled()
         # An evaluation forward belongs to no optimizer step's telemetry.
         before = None if grad else self._counters()
         start = self._timer.start() if grad else 0.0
-        if coord.phase is Phase.BACKWARD_PENDING:  # a forward whose backward never came
-            self.hooks.reset()  # (begin_forward closes its iteration)
-        elif coord.phase is Phase.BACKWARD:  # a plain backward that raised out of autograd
-            self.hooks.reset()
-            coord.abort()
-        self.entry.new_iteration()
-        coord.begin_forward(self._iteration_key())
-        try:
-            with (
-                self.accelerator.range("infinity::engine::forward"),
-                self.hooks.mode,
-                self.hooks.saved_tensors(),
-            ):
-                out = self.module(*args, **kwargs)
-        except BaseException:
-            self.hooks.reset()
-            coord.abort()
-            raise
-        if not grad:
-            self.hooks.reset()
-        coord.end_forward(backward=grad)
+        with (
+            self.coordinator.forward(self._iteration_key(), backward=grad),
+            self.accelerator.range("infinity::engine::forward"),
+            self.hooks.mode,
+            self.hooks.saved_tensors(),
+        ):
+            out = self.module(*args, **kwargs)
         if not grad:
             self._deltas.skip(before, self._counters())
             return out
@@ -371,31 +355,20 @@ class Engine:
         factor = self.loss_scaler.scale
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps
-        coord = self.coordinator
-        if coord.phase is Phase.IDLE:
+        if self.coordinator.phase is Phase.IDLE:
             raise RuntimeError(
                 "backward: no forward is waiting for its backward (its backward already ran, "
                 "or the loss was not computed from engine(...)); run one backward per forward"
             )
         start = self._timer.start()
-        coord.begin_backward()
-        self.entry.caller_scaled = True
-        try:
-            with (
-                self.accelerator.range("infinity::engine::backward"),
-                self.hooks.mode,
-                self.hooks.saved_tensors(),
-            ):
-                (loss.float() * factor).backward()
-        except BaseException:
-            self.hooks.reset()
-            coord.abort()
-            raise
-        finally:
-            self.entry.caller_scaled = False
-        if coord.phase is Phase.BACKWARD:  # the loss bypassed the outputs: no entry ended it
-            self.hooks.reset()
-            coord.end_backward()
+        with (
+            self.coordinator.backward(),
+            self.entry.scaled_by_caller(),
+            self.accelerator.range("infinity::engine::backward"),
+            self.hooks.mode,
+            self.hooks.saved_tensors(),
+        ):
+            (loss.float() * factor).backward()
         self._backwards += 1
         self._timer.stop("backward", start)
 

@@ -1,7 +1,9 @@
 """The coordinator: the iteration's lifecycle, and which parameters are gathered when.
 
 It owns the phase of the iteration (only its verbs `begin_forward`, `end_forward`,
-`begin_backward`, `end_backward` and `abort` change it), the live set and its budget, the
+`begin_backward`, `end_backward` and `abort` change it; the engine drives them through the
+`forward` and `backward` context managers, which abort on an exception, and whoever keeps
+state per iteration subscribes to its end through `on_end`), the live set and its budget, the
 traces and the prefetch cursor, and the counters behind `memory_stats()`. Hooks
 (`infinity.zero.hooks`) tell it when a unit starts (`gather`) and ends (`done`); it never
 touches modules.
@@ -55,10 +57,11 @@ as before. `abort` (after an error, or on close) still releases everything.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -134,6 +137,9 @@ class Coordinator:
         self.phase = Phase.IDLE
         self.observers: list[Observer] = []
         """Called with each `LiveEvent` (see [Note: the same order on every rank])."""
+        self.on_end: list[Callable[[], None]] = []
+        """Called whenever an iteration ends, closed or aborted: what the hooks and the
+        backward entry keep for one iteration is forgotten there."""
         self.live_numel = 0
         self.peak_live_numel = 0
         self.live_bytes = 0
@@ -163,12 +169,44 @@ class Coordinator:
 
     # ---- the iteration's lifecycle ----------------------------------------------------
 
+    @contextlib.contextmanager
+    def forward(self, key: object, *, backward: bool) -> Iterator[None]:
+        """The engine's forward of an iteration of kind `key`, run inside: begins it, ends
+        it (`end_forward(backward=...)`) when the body returns, aborts it when the body
+        raises."""
+        self.begin_forward(key)
+        with self._aborting():
+            yield
+        self.end_forward(backward=backward)
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """`engine.backward`'s autograd run inside. The first gradient to reach the model
+        begins the backward (`BackwardEntry`) and autograd's end ends it; an exception
+        aborts the iteration; a loss whose gradient reached no output of the forward ends it
+        when the body returns (its order still becomes the trace)."""
+        with self._aborting():
+            yield
+        if self.phase is not Phase.IDLE:
+            self._close()
+
+    @contextlib.contextmanager
+    def _aborting(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+
     def begin_forward(self, key: object) -> None:
         """The engine's forward starts an iteration of kind `key` (training / inference):
         the one place an iteration begins. A previous forward whose backward never came is
-        closed first (its order still becomes the trace)."""
+        closed first (its order still becomes the trace); a backward that raised out of
+        autograd (a plain `loss.backward()`, which no context manager wraps) is aborted."""
         if self.phase is Phase.BACKWARD_PENDING:
             self._close()
+        elif self.phase is Phase.BACKWARD:
+            self.abort()
         self._expect("begin_forward", Phase.IDLE)
         self._key = key
         self._trace = self._traces.get(key)
@@ -189,8 +227,9 @@ class Coordinator:
             self._close()
 
     def begin_backward(self) -> bool:
-        """The first gradient reached the model (through an output of the engine's forward,
-        a module's outputs, or `engine.backward`). False when the backward had begun."""
+        """The first gradient reached the model (an output of the engine's forward or of a
+        module in it): called by `BackwardEntry.enter` only. False when the backward had
+        begun."""
         if self.phase is Phase.BACKWARD:
             return False
         self._expect("begin_backward", Phase.BACKWARD_PENDING)
@@ -210,7 +249,12 @@ class Coordinator:
         self._recording = []
         self._trace = None
         self.phase = Phase.IDLE
+        self._notify_end()
         self.release_all()
+
+    def _notify_end(self) -> None:
+        for callback in self.on_end:
+            callback()
 
     def _expect(self, verb: str, phase: Phase) -> None:
         if self.phase is not phase:
@@ -230,6 +274,7 @@ class Coordinator:
         self._recording = []
         self._trace = None
         self.phase = Phase.IDLE
+        self._notify_end()
         for rec in self.records:
             rec.pins = 0  # every running call has ended with the iteration
         self.release_all(keep_frozen=True)
