@@ -184,7 +184,13 @@ class Coordinator:
         """`engine.backward`'s autograd run inside. The first gradient to reach the model
         begins the backward (`BackwardEntry`) and autograd's end ends it; an exception
         aborts the iteration; a loss whose gradient reached no output of the forward ends it
-        when the body returns (its order still becomes the trace)."""
+        when the body returns (its order still becomes the trace). Refused when no forward
+        waits for its backward."""
+        if self.phase is Phase.IDLE:
+            raise RuntimeError(
+                "backward: no forward is waiting for its backward (its backward already ran, "
+                "or the loss was not computed from engine(...)); run one backward per forward"
+            )
         with self._aborting():
             yield
         if self.phase is not Phase.IDLE:
@@ -255,6 +261,15 @@ class Coordinator:
     def _notify_end(self) -> None:
         for callback in self.on_end:
             callback()
+
+    def check_between_iterations(self, what: str) -> None:
+        """Refuse `what` (a checkpoint's save or load) while a forward with gradients waits
+        for its backward."""
+        if self.phase is not Phase.IDLE and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{what}: a forward is waiting for its backward (phase {self.phase.name}); "
+                "call it between steps"
+            )
 
     def _expect(self, verb: str, phase: Phase) -> None:
         if self.phase is not phase:
@@ -376,7 +391,7 @@ class Coordinator:
     ) -> None:
         """`rec`'s home changed: make a gathered copy match. `values` (host, model dtype)
         are its new elements [start, start + values.numel()) when the caller holds them
-        (the optimizer's sweep, see [Note: gathered weights after a step] in engine.py);
+        (the optimizer's sweep, see [Note: gathered weights after a step] in assemble.py);
         without them the whole home is copied again. A released parameter needs nothing
         (its next fetch reads the new home); one in flight lands first (its copy may predate
         the change)."""
