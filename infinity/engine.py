@@ -5,7 +5,8 @@ partitioned model and what trains it (records, tiers, optimizer, coordinator, ho
 the loss scaler and the learning-rate schedule, and returns an `Engine`.
 The engine owns the loop's bookkeeping (micro steps, accumulation boundaries, skipped steps,
 the last gradient norm) and checkpoints; gathering, releasing and the iteration's lifecycle
-belong to the coordinator (the engine calls its verbs around forward and backward).
+belong to the coordinator (the engine runs forward and backward inside its `forward` and
+`backward` context managers, which abort the iteration on an exception).
 
 [Note: loss scaling] `backward(loss)` differentiates loss * loss_scale / accumulation_steps,
 as DeepSpeed does. Gradients therefore reach the fp32 partitions scaled by loss_scale; the
