@@ -1,19 +1,12 @@
 """The training engine: forward, backward, step on a partitioned model.
 
-`initialize(model, config)` partitions the model (`infinity.zero`), builds the partitioned
-CPU-Adam optimizer, the loss scaler and the learning-rate schedule, and returns an `Engine`.
+`initialize(model, config)` resolves the config, has `infinity.assemble` build the
+partitioned model and what trains it (records, tiers, optimizer, coordinator, hooks), builds
+the loss scaler and the learning-rate schedule, and returns an `Engine`.
 The engine owns the loop's bookkeeping (micro steps, accumulation boundaries, skipped steps,
 the last gradient norm) and checkpoints; gathering, releasing and the iteration's lifecycle
-belong to the coordinator (the engine calls its verbs around forward and backward).
-
-[Note: gathered weights after a step] Trainable parameters that stay gathered between
-iterations (persistent ones) must see each step's new weights. On both tiers they take them
-from the optimizer's new weights while its sweep holds them (`on_new_weights`, then the
-coordinator's `refresh`), not from their homes after the step: on the NVMe tier the disk is
-then busy with the next sweep's read-ahead, and small reads queued behind it took 13 ms each
-(0.35 s per step for 27 parameters at 507M); on the host tier the values are still in cache.
-Anything in flight lands before the step (`Coordinator.quiesce`), so every gathered copy is
-LIVE when the sweep reaches it.
+belong to the coordinator (the engine runs forward and backward inside its `forward` and
+`backward` context managers, which abort the iteration on an exception).
 
 [Note: loss scaling] `backward(loss)` differentiates loss * loss_scale / accumulation_steps,
 as DeepSpeed does. Gradients therefore reach the fp32 partitions scaled by loss_scale; the
@@ -43,7 +36,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,42 +43,14 @@ from torch import nn
 
 from infinity import checkpoint, engine_checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
-from infinity.checkpoint import model16
+from infinity.assemble import assemble, resolve_config
 from infinity.checkpoint.base_model import describe_base
 from infinity.comm import Comm, from_env
 from infinity.config import Config
 from infinity.optim import Schedule, build_loss_scaler, build_schedule
-from infinity.swap import (
-    NvmeParamStore,
-    SwapStores,
-    make_grad_store,
-    make_param_store,
-    make_state_store,
-)
 from infinity.utils.profiler import StepProfiler
 from infinity.utils.step_timer import StepTimer
 from infinity.utils.telemetry import CounterDeltas, StepTelemetry, step_telemetry
-from infinity.zero import (
-    BackwardEntry,
-    Coordinator,
-    HomePlan,
-    ModelHooks,
-    ModuleUnit,
-    OffloadParam,
-    ParamState,
-    PartitionedOptimizer,
-    Phase,
-    Slot,
-    frozen_on_nvme,
-    install_grad_hooks,
-    make_weights,
-    model_dtype,
-    optimizer_layout,
-    partition_model,
-)
-from infinity.zero.grad_offload import GradOffload
-from infinity.zero.grad_reduce import GradReducer
-from infinity.zero.shard import check_same_weights, shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -124,44 +88,26 @@ class Engine:
         base. `comm` connects the ranks (default: `infinity.comm.from_env()`, one process
         unless launched by torchrun); the engine closes it only if it made it."""
         config = Config.load(config)
-        largest = max((p.numel() for p in model.parameters()), default=1)
         self.accelerator = accelerator or get_accelerator()
         self._owns_comm = comm is None
         self.comm: Comm = comm if comm is not None else from_env(device=self.accelerator.device)
-        self.config = config.resolve(
-            world_size=self.comm.world_size, largest_param_numel=max(1, largest)
-        ).for_local_rank(self.comm.local_rank)
-        zero = self.config.zero_optimization
-        if zero.stage != 3:
-            raise ValueError(f"zero_optimization.stage: only 3 is supported, got {zero.stage}")
+        self.config = resolve_config(model, config, self.comm)
         self.module = model
         self._base_source = base_model
         self._base_record: dict | None = None
-        if self.comm.world_size > 1:
-            check_same_weights(model.named_parameters(), self.comm)
-        self.optimizer, units = self._build_optimizer(set(no_decay))
-        # By slot (records are in model order, as the slots): see [Note: gathered weights
-        # after a step].
-        self._trainable = [r for r in self.records if r.trainable]
-        self.optimizer.on_new_weights = self._weights_changed
-        try:
-            self.coordinator = Coordinator(self.records, zero, accelerator=self.accelerator)
-            by_param = {rec.param: rec for rec in self.records}
-            self.hooks = ModelHooks(
-                model, units, by_param, self.coordinator, iteration_key=self._iteration_key
-            )
-            self.grad_reducer = self._make_grad_reducer()
-            self.grad_offload = GradOffload(self.optimizer.accumulate_grad, self.accelerator)
-            self._grad_handles = install_grad_hooks(
-                self.records,
-                self.grad_offload.add,
-                self.hooks,
-                self.accelerator,
-                self.grad_reducer,
-            )
-        except BaseException:  # no swap directory outlives a failed start
-            self._close_stores(self.optimizer)
-            raise
+        fp16 = self.config.fp16.enabled
+        # See docs/telemetry.md: always timed; the device synchronized only when asked.
+        sync = self.accelerator.synchronize if self.config.wall_clock_breakdown else None
+        self._timer = StepTimer(synchronize=sync)
+        self.parts = parts = assemble(
+            model, self.config, comm=self.comm, accelerator=self.accelerator,
+            no_decay=set(no_decay), timer=self._timer,
+            loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
+        )  # fmt: skip
+        self.records, self.optimizer = parts.records, parts.optimizer
+        self.coordinator, self.hooks, self.entry = parts.coordinator, parts.hooks, parts.entry
+        self.grad_reducer, self.grad_offload = parts.grad_reducer, parts.grad_offload
+        self.param_store = parts.param_store
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule: Schedule = build_schedule(
             self.config.scheduler, float(self.config.optimizer.lr)
@@ -169,16 +115,6 @@ class Engine:
         """The lr of each step. An integration may replace it between steps with anything
         that has `lr` (the next step's rate), `step()` and `state_dict`/`load_state_dict`
         (`infinity.integrations.hf` puts the HF Trainer's own scheduler here)."""
-        fp16 = self.config.fp16.enabled
-        # See docs/telemetry.md: always timed; the device synchronized only when asked.
-        sync = self.accelerator.synchronize if self.config.wall_clock_breakdown else None
-        self._timer = StepTimer(synchronize=sync)
-        self.entry = BackwardEntry(
-            self.hooks,
-            self.coordinator,
-            loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
-            timer=self._timer,
-        )
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
         self.micro_steps = 0
         self._backwards = 0
@@ -191,129 +127,6 @@ class Engine:
         self._deltas = CounterDeltas(self._counters())
         self._telemetry: StepTelemetry | None = None
         self._profiler: StepProfiler | None = None
-
-    def _build_optimizer(
-        self, no_decay: set[str]
-    ) -> tuple[PartitionedOptimizer, dict[nn.Module, ModuleUnit]]:
-        """The homes first (decided once, see `HomePlan`), the records with them, then the
-        optimizer, which writes the trainable weights into their homes."""
-        named = list(self.module.named_parameters())
-        shard = self._shard_numel
-        trainable = [(n, shard(p.numel())) for n, p in named if p.requires_grad]
-        if not trainable:
-            raise ValueError(
-                "initialize: the model has no parameter with requires_grad=True; nothing to train"
-            )
-        unknown = sorted(no_decay - {n for n, _ in named})
-        if unknown:
-            raise ValueError(
-                f"initialize: no_decay names {unknown[:5]}, which are not parameters of the "
-                "model; use names from model.named_parameters()"
-            )
-        zero = self.config.zero_optimization
-        dtype = model_dtype(self.config)
-        names = [n for n, _ in trainable]
-        self._swap_stores = SwapStores(rank=self.comm.rank)
-        self.param_store: NvmeParamStore | None = None
-        try:
-            on_nvme: set[str] = set()
-            if zero.offload_param.device == "nvme":
-                on_nvme = frozen_on_nvme(named, zero.offload_param)
-                self.param_store = self._make_param_store(named, on_nvme, dtype)
-            layout = optimizer_layout([n for _, n in trainable], zero)
-            numels = layout.sub_group_numels
-            store = make_state_store(
-                numels, zero.offload_optimizer, self.config.aio, stores=self._swap_stores
-            )
-            weights = make_weights(
-                layout, names, dtype, state_store=store, param_store=self.param_store
-            )
-            plan = HomePlan(
-                weights,
-                {n: i for i, n in enumerate(names)},
-                self.param_store,
-                frozenset(on_nvme),
-                comm=self.comm if self.comm.world_size > 1 else None,
-            )
-            self.records, units, sources = partition_model(
-                self.module, self.config, self.accelerator, plan
-            )
-            slots = [Slot(n, k, src) for (n, k), src in zip(trainable, sources, strict=True)]
-            del sources
-            grads = make_grad_store(
-                numels, zero.offload_optimizer, self.config.aio, stores=self._swap_stores
-            )
-            optimizer = PartitionedOptimizer(
-                slots,
-                optimizer=self.config.optimizer,
-                zero=zero,
-                state_store=store,
-                weights=weights,
-                no_decay=[i for i, n in enumerate(names) if n in no_decay],
-                grad_store=grads,
-                comm=self.comm,
-            )
-        except BaseException:
-            self._close_stores()  # no swap directory or lock outlives a failed start
-            raise
-        return optimizer, units
-
-    def _shard_numel(self, numel: int) -> int:
-        """Elements of this rank's shard of a parameter (all of them with one rank)."""
-        return shard_of(numel, self.comm.world_size, self.comm.rank).numel
-
-    def _make_grad_reducer(self) -> GradReducer | None:
-        """With several ranks, the buckets that reduce-scatter gradients into the slots."""
-        if self.comm.world_size == 1:
-            return None
-        zero = self.config.zero_optimization
-        return GradReducer(
-            self.comm,
-            self.optimizer.accumulate_grad,
-            self.accelerator,
-            bucket_numel=int(zero.reduce_bucket_size),
-            overlap=zero.overlap_comm,
-            contiguous=zero.contiguous_gradients,
-            total_shard_numel=self.optimizer.layout.total,
-        )
-
-    def _make_param_store(
-        self, named: list[tuple[str, nn.Parameter]], on_nvme: set[str], dtype: torch.dtype
-    ) -> NvmeParamStore:
-        """The NVMe parameter tier: frozen parameters laid out one extent each (the optimizer
-        lays out the trainable ones in its flat space); this rank's shards of them."""
-        zero = self.config.zero_optimization
-        numels = [self._shard_numel(p.numel()) for _, p in named]
-        return make_param_store(
-            {n: (k, dtype) for (n, _), k in zip(named, numels, strict=True) if n in on_nvme},
-            zero.offload_param,
-            self.config.aio,
-            stores=self._swap_stores,
-            largest_numel=max(numels),
-            element_size=dtype.itemsize,
-            # Prefetch never reads ahead more than the whole model: a bucket larger than the
-            # model asks for no more buffers than the model has parameters to fill.
-            prefetch_numel=min(int(zero.prefetch_bucket_size), sum(numels)),
-        )
-
-    def _close_stores(self, optimizer: PartitionedOptimizer | None = None) -> None:
-        """Close the optimizer's state and gradient tiers (if given), the parameter tier,
-        then the swap stores under them, each even if an earlier one fails."""
-        try:
-            if optimizer is not None:
-                try:
-                    optimizer.store.close()
-                finally:
-                    optimizer.grads.close()
-        finally:
-            try:
-                if self.param_store is not None:
-                    self.param_store.close()
-            finally:
-                self._swap_stores.close()
-
-    def _iteration_key(self) -> object:
-        return (self.module.training, torch.is_grad_enabled())
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -328,32 +141,17 @@ class Engine:
         self._check_open("forward")
         half = self.config.fp16.enabled and self.config.fp16.auto_cast
         args, kwargs = _to_device((args, kwargs), self.accelerator.device, half=half)
-        coord = self.coordinator
         grad = torch.is_grad_enabled()
         # An evaluation forward belongs to no optimizer step's telemetry.
         before = None if grad else self._counters()
         start = self._timer.start() if grad else 0.0
-        if coord.phase is Phase.BACKWARD_PENDING:  # a forward whose backward never came
-            self.hooks.reset()  # (begin_forward closes its iteration)
-        elif coord.phase is Phase.BACKWARD:  # a plain backward that raised out of autograd
-            self.hooks.reset()
-            coord.abort()
-        self.entry.new_iteration()
-        coord.begin_forward(self._iteration_key())
-        try:
-            with (
-                self.accelerator.range("infinity::engine::forward"),
-                self.hooks.mode,
-                self.hooks.saved_tensors(),
-            ):
-                out = self.module(*args, **kwargs)
-        except BaseException:
-            self.hooks.reset()
-            coord.abort()
-            raise
-        if not grad:
-            self.hooks.reset()
-        coord.end_forward(backward=grad)
+        with (
+            self.coordinator.forward((self.module.training, grad), backward=grad),
+            self.accelerator.range("infinity::engine::forward"),
+            self.hooks.mode,
+            self.hooks.saved_tensors(),
+        ):
+            out = self.module(*args, **kwargs)
         if not grad:
             self._deltas.skip(before, self._counters())
             return out
@@ -373,32 +171,19 @@ class Engine:
         factor = self.loss_scaler.scale
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps
-        coord = self.coordinator
-        if coord.phase is Phase.IDLE:
-            raise RuntimeError(
-                "backward: no forward is waiting for its backward (its backward already ran, "
-                "or the loss was not computed from engine(...)); run one backward per forward"
-            )
-        start = self._timer.start()
-        coord.begin_backward()
-        self.entry.caller_scaled = True
         try:
             with (
+                self.coordinator.backward(),  # refused when no forward waits for its backward
+                self.entry.scaled_by_caller(),
                 self.accelerator.range("infinity::engine::backward"),
                 self.hooks.mode,
                 self.hooks.saved_tensors(),
             ):
+                start = self._timer.start()
                 (loss.float() * factor).backward()
         except BaseException:
             self.grad_offload.flush()  # what reached the hooks, as a blocking copy would have
-            self.hooks.reset()
-            coord.abort()
             raise
-        finally:
-            self.entry.caller_scaled = False
-        if coord.phase is Phase.BACKWARD:  # the loss bypassed the outputs: no entry ended it
-            self.hooks.reset()
-            coord.end_backward()
         self._backwards += 1
         self._timer.stop("backward", start)
 
@@ -499,17 +284,6 @@ class Engine:
         if self.config.wall_clock_breakdown:
             logger.info("step %d time: %s", self.global_steps, telemetry.describe())
 
-    def _weights_changed(self, start: int, weights: torch.Tensor) -> None:
-        """The optimizer's new weights of flat elements [start, start + numel): gathered
-        trainable parameters take them (see [Note: gathered weights after a step])."""
-        layout = self.optimizer.layout
-        refresh = self.coordinator.refresh
-        for slot, a, b in layout.pieces(start // layout.sub_group_size):
-            rec = self._trainable[slot]
-            if rec.state is not ParamState.RELEASED:
-                at = layout.offsets[slot] + a - start
-                refresh(rec, weights[at : at + b - a], start=a)
-
     # ---- accessors ----------------------------------------------------------------------
 
     def train(self, mode: bool = True) -> Engine:
@@ -579,35 +353,7 @@ class Engine:
         bytes (allocated, and the peak in use); this rank's figures, with `rank`,
         `world_size`, `home_numel` (the elements its homes hold: about 1/world_size of the
         model) and the comm's bytes and calls per collective."""
-        stats = self.coordinator.stats()
-        # Trainable homes are the optimizer's buffers (it counts them, or they alias its fp32
-        # masters); frozen ones are only ours.
-        host = sum(r.home.host_bytes for r in self.records if not r.trainable)
-        optim = self.optimizer.memory_stats()
-        stats["host_bytes"] = host + optim["host_bytes"]
-        stats.update(
-            {
-                k: v
-                for k, v in optim.items()
-                if k.startswith(("nvme_", "optim_host_buffer", "grad_"))
-            }
-        )
-        pinned = optim.get("optim_host_buffer_pinned_bytes", 0)  # offload_optimizer.pin_memory
-        peak_pinned = optim.get("optim_host_buffer_peak_bytes", 0) if pinned else 0
-        if self.param_store is not None:
-            stats.update(self.param_store.memory_stats())
-            pool = self.param_store.pool
-            stats["host_bytes"] += pool.total_bytes
-            if pool.pinned:
-                pinned += pool.total_bytes
-                peak_pinned += pool.peak_bytes_in_use
-        stats["pinned_bytes"], stats["peak_pinned_bytes"] = pinned, peak_pinned
-        stats["rank"], stats["world_size"] = self.comm.rank, self.comm.world_size
-        stats["home_numel"] = sum(r.home.numel for r in self.records)  # this rank's shards
-        stats.update(self.comm.stats())
-        if self.grad_reducer is not None:
-            stats.update(self.grad_reducer.memory_stats())
-        return stats
+        return self.parts.memory_stats()
 
     # ---- checkpoints ------------------------------------------------------------------
 
@@ -626,7 +372,7 @@ class Engine:
         position, model description...) is stored with them and handed back by
         `load_checkpoint`. Returns the tag. Call between steps (not between forward and
         backward)."""
-        self._check_idle("save_checkpoint")
+        self.coordinator.check_between_iterations("save_checkpoint")
         tag = tag or checkpoint.step_tag(self.global_steps)
         engine_checkpoint.save(
             self, save_dir, tag, client_state=client_state, include_frozen=include_frozen
@@ -643,44 +389,19 @@ class Engine:
         bf16, else bf16. Needs zero_optimization.stage3_gather_16bit_weights_on_model_save
         (DeepSpeed's switch for this). Returns the file's path. With several ranks every
         rank calls it (each parameter is gathered from all of them) and rank 0 writes."""
-        if not self.config.zero_optimization.gather_16bit_weights_on_model_save:
-            raise ValueError(
-                "save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save "
-                "is false; set it to true, or export a checkpoint with "
-                "`infinity export CKPT --out DIR`"
-            )
-        self._check_idle("save_16bit_model")
-        dtype = self.records[0].dtype
-        dtype = dtype if dtype in model16.SIXTEEN_BIT else torch.bfloat16
-        weights = [(r.name, _weights_of(r)) for r in self.records]
-        if self.comm.rank != 0:  # the gathers are collectives: take part, write nothing
-            for _, gather in weights:
-                gather()
-            self.comm.barrier()  # returns once rank 0 has written the file
-            return str(Path(save_dir) / save_filename)
-        path = model16.save_16bit_model(
-            weights + list(model16.persistent_buffers(self.module)),
-            save_dir,
-            save_filename,
-            dtype=dtype,
-            config_json=model16.model_config_json(self.module, dtype),
-        )
-        if self.comm.world_size > 1:
-            self.comm.barrier()
-        logger.info("saved 16-bit model weights to %s", path)
-        return str(path)
+        return engine_checkpoint.save_16bit(self, save_dir, save_filename)
 
     def load_checkpoint(
         self, save_dir: str | os.PathLike, tag: str | None = None
     ) -> tuple[str, dict]:
         """Resume exactly from `save_dir/tag` (default: the latest). Returns the checkpoint's
         path and the `client_state` it was saved with, as DeepSpeed does."""
-        self._check_idle("load_checkpoint")
+        self.coordinator.check_between_iterations("load_checkpoint")
         result = engine_checkpoint.load(self, save_dir, tag)
         self._deltas.rebase(self._counters())  # its writes are no step's
         return result
 
-    def _base(self) -> dict:
+    def base_record(self) -> dict:
         """The record of this engine's frozen base (built once: it fingerprints files)."""
         if self._base_record is None:
             frozen = {
@@ -690,6 +411,22 @@ class Engine:
             }
             self._base_record = describe_base(frozen, self._base_source)
         return self._base_record
+
+    def loop_state(self) -> dict:
+        """The loop's counters, as a checkpoint stores them (JSON-able)."""
+        return {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "grad_norm": self._grad_norm,
+        }
+
+    def load_loop_state(self, state: dict) -> None:
+        """Continue the loop from counters `loop_state` returned."""
+        self.micro_steps = int(state["micro_steps"])
+        self.global_steps = int(state["global_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self._grad_norm = state["grad_norm"]
 
     def close(self) -> None:
         """Remove the engine's hooks from the model, release what is gathered and close the
@@ -701,14 +438,8 @@ class Engine:
         if self._profiler is not None:  # a trace of the steps recorded so far
             self._profiler.stop()
             self._profiler = None
-        self.hooks.remove()
-        for handle in self._grad_handles:
-            handle.remove()
-        self._grad_handles = []
-        self.coordinator.abort()
-        self.accelerator.empty_cache()
         try:
-            self._close_stores(self.optimizer)
+            self.parts.close()
         finally:
             if self._owns_comm:
                 self.comm.close()
@@ -720,26 +451,12 @@ class Engine:
                 "build a new one with infinity.initialize"
             )
 
-    def _check_idle(self, what: str) -> None:
-        phase = self.coordinator.phase
-        if phase is not Phase.IDLE and torch.is_grad_enabled():
-            raise RuntimeError(
-                f"{what}: a forward is waiting for its backward (phase {phase.name}); call it "
-                "between steps"
-            )
-
     def named_parameters_host(self):
         """(name, a host copy of the weights in the parameter's shape) for every parameter,
         read from its home when reached (with several ranks, gathered from every rank: all
         of them must iterate it together)."""
         for rec in self.records:
-            yield rec.name, _weights_of(rec)()
-
-
-def _weights_of(rec: OffloadParam):
-    """A thunk for a parameter's weights that reads its home when the writer reaches it (one
-    parameter in memory at a time; with several ranks every rank's shard, gathered)."""
-    return lambda: rec.read_full().view(rec.shape)
+            yield rec.name, engine_checkpoint.full_weights(rec)()
 
 
 def _to_device(obj: Any, device: torch.device, *, half: bool) -> Any:

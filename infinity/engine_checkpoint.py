@@ -14,19 +14,46 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from infinity import checkpoint
+from infinity.checkpoint import model16
 from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base
 from infinity.checkpoint.collective import save_on_all_ranks
 from infinity.checkpoint.spans import SpanReader, rank_span, shard_numel
 
 if TYPE_CHECKING:
-    from infinity.zero import OffloadParam
+    from torch import nn
 
-Engine = Any  # infinity.engine.Engine, which imports this module
+    from infinity.comm import Comm
+    from infinity.config import Config
+    from infinity.zero import Coordinator, OffloadParam, PartitionedOptimizer
+
+
+class Engine(Protocol):
+    """The engine as its checkpoints see it (`infinity.engine.Engine`, which imports this
+    module): its public parts, its loop counters through `loop_state`/`load_loop_state`,
+    and the record of its frozen base."""
+
+    module: nn.Module
+    config: Config
+    comm: Comm
+    records: list[OffloadParam]
+    optimizer: PartitionedOptimizer
+    coordinator: Coordinator
+    lr_schedule: Any
+    loss_scaler: Any
+    global_steps: int
+
+    def loop_state(self) -> dict: ...
+
+    def load_loop_state(self, state: dict) -> None: ...
+
+    def base_record(self) -> dict: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +128,7 @@ def save(
             yield f"{OPTIM}{name}", thunk
 
     state = {
-        "engine": {
-            "micro_steps": engine.micro_steps,
-            "global_steps": engine.global_steps,
-            "skipped_steps": engine.skipped_steps,
-            "grad_norm": engine._grad_norm,
-        },
+        "engine": engine.loop_state(),
         "optimizer": engine.optimizer.state_dict(),
         "lr_schedule": engine.lr_schedule.state_dict(),
         "loss_scaler": engine.loss_scaler.state_dict(),
@@ -115,7 +137,7 @@ def save(
     if comm.world_size > 1:  # the files hold flat spans: the shapes, for joining them
         state["engine"]["shapes"] = {r.name: list(r.shape) for r in saved}
     if frozen and not include_frozen:
-        state[BASE_MODEL_KEY] = engine._base()
+        state[BASE_MODEL_KEY] = engine.base_record()
     save_on_all_ranks(
         save_dir, tensors(), comm=comm, step=engine.global_steps, state=state, tag=tag
     )
@@ -132,7 +154,7 @@ def load(engine: Engine, save_dir: str | os.PathLike, tag: str | None) -> tuple[
     names = set(ckpt.tensor_names())
     with_frozen = BASE_MODEL_KEY not in ckpt.state
     if not with_frozen:
-        check_base(ckpt.state[BASE_MODEL_KEY], engine._base(), str(ckpt.path))
+        check_base(ckpt.state[BASE_MODEL_KEY], engine.base_record(), str(ckpt.path))
     needed = [r for r in engine.records if r.trainable or with_frozen]
     missing = [PARAM + r.name for r in needed if PARAM + r.name not in names]
     if missing:
@@ -159,11 +181,7 @@ def load(engine: Engine, save_dir: str | os.PathLike, tag: str | None) -> tuple[
             engine.coordinator.refresh(rec)
     engine.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
     engine.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
-    counters = ckpt.state["engine"]
-    engine.micro_steps = int(counters["micro_steps"])
-    engine.global_steps = int(counters["global_steps"])
-    engine.skipped_steps = int(counters["skipped_steps"])
-    engine._grad_norm = counters["grad_norm"]
+    engine.load_loop_state(ckpt.state["engine"])
     _restore_rng(ckpt, comm)
     logger.info("loaded checkpoint %s", ckpt.path)
     client_state = {k: v for k, v in ckpt.state.items() if k not in ENGINE_STATE_KEYS}
@@ -207,3 +225,40 @@ def _restore_rng(ckpt: checkpoint.Checkpoint, comm: Any) -> None:
     rng = ckpt.rng_state(rank)
     if rng:
         checkpoint.restore_rng_state(rng)
+
+
+def full_weights(rec: OffloadParam):
+    """A thunk for a parameter's weights that reads its home when the writer reaches it (one
+    parameter in memory at a time; with several ranks every rank's shard, gathered)."""
+    return lambda: rec.read_full().view(rec.shape)
+
+
+def save_16bit(engine: Engine, save_dir: str | os.PathLike, save_filename: str) -> str:
+    """See `Engine.save_16bit_model`: every rank calls it, rank 0 writes."""
+    if not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
+        raise ValueError(
+            "save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save "
+            "is false; set it to true, or export a checkpoint with "
+            "`infinity export CKPT --out DIR`"
+        )
+    engine.coordinator.check_between_iterations("save_16bit_model")
+    comm = engine.comm
+    dtype = engine.records[0].dtype
+    dtype = dtype if dtype in model16.SIXTEEN_BIT else torch.bfloat16
+    weights = [(r.name, full_weights(r)) for r in engine.records]
+    if comm.rank != 0:  # the gathers are collectives: take part, write nothing
+        for _, gather in weights:
+            gather()
+        comm.barrier()  # returns once rank 0 has written the file
+        return str(Path(save_dir) / save_filename)
+    path = model16.save_16bit_model(
+        weights + list(model16.persistent_buffers(engine.module)),
+        save_dir,
+        save_filename,
+        dtype=dtype,
+        config_json=model16.model_config_json(engine.module, dtype),
+    )
+    if comm.world_size > 1:
+        comm.barrier()
+    logger.info("saved 16-bit model weights to %s", path)
+    return str(path)

@@ -149,3 +149,98 @@ def test_nvme_gathers_are_the_same_whatever_the_read_delays(tmp_path):
         assert got_stats["prefetch_hits"] == stats["prefetch_hits"]
     assert stats["prefetch_hits"] > stats["prefetch_misses"]
     assert stats["budget_overruns"] == 0
+
+
+def _clean_state(engine) -> None:
+    """After an aborted iteration: no phase, no running call, no pin, nothing waited for."""
+    assert engine.coordinator.phase is Phase.IDLE
+    assert not engine.hooks.stack and not engine.hooks._waiting
+    assert not engine.hooks.busy
+    assert all(r.pins == 0 for r in engine.records)
+    assert not engine.entry._started
+
+
+def _raise_once_in(module, where: str):
+    """Make `module` raise once: in its forward, or when its output's gradient arrives."""
+
+    def boom(*_):
+        raise ValueError("boom")
+
+    def pre(mod, args):
+        handle.remove()
+        boom()
+
+    def post(mod, args, out):
+        handle.remove()
+        out.register_hook(boom)
+
+    handle = (
+        module.register_forward_pre_hook(pre)
+        if where == "forward"
+        else module.register_forward_hook(post)
+    )
+
+
+def _train(engine, ids_list, fail_at=None, where="forward", plain=False):
+    """Losses and final weights of a step per batch; with `fail_at`, an iteration that raises
+    inside the model (`where`) first, whose partial gradients are dropped."""
+    losses = []
+    for step, ids in enumerate(ids_list):
+        if step == fail_at:
+            rng = torch.get_rng_state()
+            _raise_once_in(engine.module.model.layers[1], where)
+            with pytest.raises(ValueError, match="boom"):
+                loss = engine(ids, ids)
+                loss.backward() if plain else engine.backward(loss)
+            if not plain or where == "forward":
+                _clean_state(engine)
+            engine.optimizer.zero_grad()  # what the failed backward accumulated
+            torch.set_rng_state(rng)
+        loss = engine(ids, ids)
+        loss.backward() if plain else engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    _clean_state(engine)
+    weights = {n: w.clone() for n, w in engine.named_parameters_host()}
+    engine.close()
+    return losses, weights
+
+
+@pytest.mark.parametrize(
+    "where,plain", [("forward", False), ("backward", False), ("backward", True)]
+)
+def test_an_exception_inside_the_model_leaves_the_next_step_bitwise_clean(where, plain):
+    """A forward or backward that raises aborts its iteration through the coordinator's
+    context managers: the hooks and the entry, subscribed to its end, are reset, and the
+    steps after it give bitwise the losses and weights of a run that never failed."""
+    ids_list = batches(3, seed=3)
+    ref_losses, ref_weights = _train(_engine(), ids_list)
+    losses, weights = _train(_engine(), ids_list, fail_at=1, where=where, plain=plain)
+    assert losses == ref_losses
+    assert weights.keys() == ref_weights.keys()
+    for name, w in weights.items():
+        assert torch.equal(w, ref_weights[name]), name
+
+
+def test_forward_context_aborts_on_exception_and_notifies_subscribers():
+    """The coordinator's `forward` context: an exception inside aborts (IDLE, everything
+    released, every `on_end` subscriber called once); a clean exit without gradients ends
+    the iteration the same way."""
+    engine = _engine()
+    coord = engine.coordinator
+    ends = []
+    coord.on_end.append(lambda: ends.append(coord.phase))
+    with pytest.raises(KeyError), coord.forward("k", backward=True):
+        assert coord.phase is Phase.FORWARD
+        raise KeyError("inside")
+    assert ends == [Phase.IDLE] and coord.phase is Phase.IDLE and coord.live_numel == 0
+    with coord.forward("k", backward=False):
+        pass
+    assert len(ends) == 2 and coord.phase is Phase.IDLE
+    with coord.forward("k", backward=True):
+        pass
+    assert coord.phase is Phase.BACKWARD_PENDING and len(ends) == 2
+    with pytest.raises(KeyError), coord.backward():
+        raise KeyError("inside")
+    assert coord.phase is Phase.IDLE and len(ends) == 3
+    engine.close()

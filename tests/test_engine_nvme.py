@@ -52,12 +52,12 @@ def test_nvme_path_missing_is_a_clear_error(tmp_path):
 
 def test_a_failed_start_leaves_no_swap_directory(tmp_path, monkeypatch):
     import infinity
-    import infinity.engine
+    import infinity.assemble
 
     def refuse(*args, **kwargs):
         raise ValueError("refused for the test")
 
-    monkeypatch.setattr(infinity.engine, "PartitionedOptimizer", refuse)
+    monkeypatch.setattr(infinity.assemble, "PartitionedOptimizer", refuse)
     with pytest.raises(ValueError, match="refused for the test"):
         infinity.initialize(tiny_gpt(checkpointing=False), _cfg(tmp_path, "nvme", "fp32"))
     assert list(tmp_path.iterdir()) == []

@@ -24,6 +24,7 @@ RANKS = {
     "checkpoint": 3,
     "models": 3,
     "engine": 4,
+    "assemble": 3,  # builds the partitioned model and what trains it, for the engine
     "engine_checkpoint": 3.5,  # the engine's checkpoint contents: under the engine, over checkpoint
     "data": 4,
     "estimate": 4,

@@ -18,9 +18,6 @@ JUSTIFIED: dict[str, str] = {}
 # Over the limits today and being split under issue 22. Remove each line once its split has
 # merged (test_no_exception_is_stale says which); this block should end up empty.
 TEMPORARY: dict[str, str] = {
-    "infinity/engine.py": "being split under issue 22",
-    "infinity/engine.py:Engine.__init__": "being split under issue 22",
-    "infinity/engine.py:Engine._build_optimizer": "being split under issue 22",
     "infinity/estimate/__init__.py:measure_rates": "being split under issue 22",
     "infinity/estimate/result.py:estimate": "being split under issue 22",
     "infinity/estimate/result.py:step_times": "being split under issue 22",

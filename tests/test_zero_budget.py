@@ -49,7 +49,7 @@ def test_budget_bound_and_prefetch_hits(monkeypatch, fraction):
     # The largest unit of this model is the tied embedding (vocab x hidden).
     largest = max(p.numel() for p in model.parameters())
     _Checked.bound, _Checked.worst = budget + largest, 0
-    monkeypatch.setattr("infinity.engine.Coordinator", _Checked)
+    monkeypatch.setattr("infinity.assemble.Coordinator", _Checked)
     cfg = config(
         stage3_max_live_parameters=budget,
         stage3_prefetch_bucket_size=budget // 2,

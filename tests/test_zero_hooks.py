@@ -88,5 +88,17 @@ def test_only_the_coordinator_sets_the_phase():
             if assign.search(line):
                 offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert offenders == []
+    # The engine begins and ends iterations through the coordinator's context managers.
     begins = [p for p in ROOT.rglob("*.py") if "begin_forward(" in p.read_text()]
-    assert sorted(p.name for p in begins) == ["coordinator.py", "engine.py"]
+    assert sorted(p.name for p in begins) == ["coordinator.py"]
+    engine = (ROOT / "engine.py").read_text()
+    assert "coordinator.forward(" in engine and "coordinator.backward(" in engine
+
+
+def test_one_caller_begins_backward():
+    """`BackwardEntry.enter` is the one place a backward begins; hooks subscribe to the
+    iteration's end instead of being reset by hand."""
+    callers = [p for p in ROOT.rglob("*.py") if ".begin_backward()" in p.read_text()]
+    assert sorted(p.name for p in callers) == ["backward_entry.py"]
+    resets = [p for p in ROOT.rglob("*.py") if "hooks.reset()" in p.read_text()]
+    assert resets == []

@@ -26,10 +26,9 @@ from infinity.swap.pool import param_pool_nbytes
 from infinity.swap.state_store import host_state_footprint
 from infinity.swap.store import reserved_nbytes
 from infinity.zero import model_dtype
-from infinity.zero.optimizer import optimizer_layout
 from infinity.zero.param import frozen_nvme_mask
 from infinity.zero.shard import shard_of
-from infinity.zero.sub_groups import FlatLayout
+from infinity.zero.sub_groups import FlatLayout, optimizer_layout
 from infinity.zero.weights import weights_footprint
 
 

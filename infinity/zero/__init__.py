@@ -12,17 +12,13 @@ into its slots (`grad_reduce`).
 
 from infinity.zero.backward_entry import BackwardEntry
 from infinity.zero.build import HomePlan, init, model_dtype, partition_model
-from infinity.zero.coordinator import Coordinator, LiveEvent, Phase
+from infinity.zero.coordinator import Coordinator, LiveEvent
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
 from infinity.zero.hooks import CallState, GatherOnUse, ModelHooks, install_grad_hooks
-from infinity.zero.optimizer import (
-    PartitionedOptimizer,
-    StepResult,
-    optimizer_layout,
-    sub_group_numels,
-)
+from infinity.zero.iteration import Phase
+from infinity.zero.optimizer import PartitionedOptimizer, StepResult
 from infinity.zero.param import OffloadParam, ParamState, frozen_on_nvme
-from infinity.zero.sub_groups import Slot
+from infinity.zero.sub_groups import Slot, optimizer_layout, sub_group_numels
 from infinity.zero.trace import Trace
 from infinity.zero.unit import ModuleUnit
 from infinity.zero.weights import make_weights

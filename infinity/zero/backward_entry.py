@@ -1,7 +1,10 @@
-"""Where gradients enter a partitioned model: the start and the end of a plain backward.
+"""Where gradients enter a partitioned model: the start and the end of every backward.
 
 `BackwardEntry.wrap` marks a forward's outputs so that the first gradient reaching one
-begins the coordinator's backward and queues its end for when autograd finishes. Without
+begins the coordinator's backward and queues its end for when autograd finishes; the
+module hooks hand it the first gradient that reaches a module's outputs instead, so
+`enter` is the one place a backward begins, for `engine.backward(loss)` and a plain
+`loss.backward()` alike. Without
 loss scaling a tensor hook on each output does it and the outputs are returned untouched.
 With fp16 the gradient must also be multiplied by the loss scale exactly once, so each
 output is passed through an identity function whose backward scales: scalars (the loss)
@@ -11,7 +14,8 @@ them first). See [Note: plain backward] in infinity/engine.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,7 +23,6 @@ from torch import nn
 
 from infinity.utils.step_timer import StepTimer
 from infinity.zero.coordinator import Coordinator
-from infinity.zero.hooks import ModelHooks
 
 
 class _Entry(torch.autograd.Function):
@@ -44,7 +47,6 @@ class BackwardEntry:
 
     def __init__(
         self,
-        hooks: ModelHooks,
         coordinator: Coordinator,
         *,
         loss_scale: Callable[[], float] | None,
@@ -53,7 +55,6 @@ class BackwardEntry:
         """`loss_scale` returns the current fp16 loss scale (None: no loss scaling). `timer`
         gets the time of each plain `loss.backward()` as "backward" (from the first gradient
         reaching an output to autograd's end; `engine.backward` times itself)."""
-        self.hooks = hooks
         self.coord = coordinator
         self.loss_scale = loss_scale
         self.caller_scaled = False
@@ -63,11 +64,22 @@ class BackwardEntry:
         self._timed: float | None = None
         self.finished = 0
         """Backwards autograd has finished through the outputs (the engine resets it)."""
+        # A backward that failed half-way must not keep its state into the next iteration.
+        coordinator.on_end.append(self._forget)
 
-    def new_iteration(self) -> None:
-        """A forward begins: a backward that failed half-way must not keep its state."""
+    def _forget(self) -> None:
         self._started = False
         self._timed = None
+
+    @contextlib.contextmanager
+    def scaled_by_caller(self) -> Iterator[None]:
+        """`engine.backward`'s autograd run inside: it scaled the loss itself, and times
+        itself."""
+        self.caller_scaled = True
+        try:
+            yield
+        finally:
+            self.caller_scaled = False
 
     def wrap(self, out: Any) -> Any:
         """`out` with each tensor that requires grad (in tuples, lists, dicts, HF
@@ -94,10 +106,10 @@ class BackwardEntry:
         """A gradient reached an output: the first one of a backward starts it. Returns the
         factor for the gradient (the loss scale, or 1 when the caller already scaled)."""
         if not self._started:
+            self.coord.begin_backward()  # the one caller: see the module's docstring
             self._started = True
             if self.timer is not None and not self.caller_scaled:
                 self._timed = self.timer.start()
-            self.coord.begin_backward()  # unless a module's output hook or the engine began it
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if self.caller_scaled or self.loss_scale is None:
             return 1.0
@@ -107,11 +119,11 @@ class BackwardEntry:
         self.enter()
 
     def _finish(self) -> None:
-        """Autograd has finished the backward: the iteration ends."""
-        self._started = False
+        """Autograd has finished the backward: the iteration ends (which resets the hooks
+        and this entry, see `Coordinator.on_end`)."""
+        timed = self._timed
+        self._forget()
         self.finished += 1
-        self.hooks.reset()
         self.coord.end_backward()
-        if self._timed is not None:
-            start, self._timed = self._timed, None
-            self.timer.stop("backward", start)  # type: ignore[union-attr]
+        if timed is not None:
+            self.timer.stop("backward", timed)  # type: ignore[union-attr]

@@ -82,7 +82,7 @@ def persistent_flags(numels: Sequence[int], zero: ZeroConfig) -> list[bool]:
     above the largest parameter then keeps the whole model gathered across iterations: no
     gather copies, one refresh per step). Otherwise persistent ones stop where they would
     leave less than the largest parameter's room under the budget, so persistence never
-    breaks the bound (see [Note: the live budget] in coordinator.py)."""
+    breaks the bound (see [Note: the live budget] in live_plan.py)."""
     threshold, budget = int(zero.param_persistence_threshold), int(zero.max_live_parameters)
     room = budget if sum(numels) <= budget else budget - max(numels, default=0)
     flags = []

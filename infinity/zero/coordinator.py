@@ -1,26 +1,17 @@
 """The coordinator: the iteration's lifecycle, and which parameters are gathered when.
 
 It owns the phase of the iteration (only its verbs `begin_forward`, `end_forward`,
-`begin_backward`, `end_backward` and `abort` change it), the live set and its budget, the
+`begin_backward`, `end_backward` and `abort` change it; the engine drives them through the
+`forward` and `backward` context managers, which abort on an exception, and whoever keeps
+state per iteration subscribes to its end through `on_end`), the live set and its budget, the
 traces and the prefetch cursor, and the counters behind `memory_stats()`. Hooks
 (`infinity.zero.hooks`) tell it when a unit starts (`gather`) and ends (`done`); it never
 touches modules.
 
 The live-set policy itself (what to fetch, keep, evict and prefetch) is the planner of
 `infinity.zero.live_plan`, over parameter indices; the coordinator applies its decisions to
-the records (`_Apply`) and owns the transfers, the pins and the phase. The notes below state
-the policy's rules.
-
-[Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked
-at every fetch. A gather that does not fit first evicts resident parameters that no running
-module needs (furthest next use first). Prefetch evicts only parameters whose next use comes
-after the unit it fetches (so it never drops what is needed sooner to bring in what is
-needed later); when that does not make room it stops, and resumes at the next gather. The
-only excess allowed is what running forwards pin at once (the unit being gathered and the
-modules enclosing it), which is why the bound is stated as budget + the largest unit;
-anything beyond that is counted in `budget_overruns`. Backward pins nothing past the gather
-itself: a module's weights are read back through the saved-tensor hooks, which gather again
-whatever was evicted meanwhile.
+the records (`_Apply`) and owns the transfers, the pins and the phase. The policy's rules are
+the notes in live_plan.py; the NVMe reads behind fetches are reads.py's.
 
 [Note: the same order on every rank] Across ranks a parameter becomes LIVE through a
 collective (the all-gather of its shards), so every rank must fetch, make LIVE and release
@@ -34,36 +25,15 @@ pool]); so a collective belongs in `OffloadParam.wait` (or, for a shard in host 
 the fetch decided here: see [Note: early all-gathers] in gather.py), never in `finish_read`.
 Observers (`observers`) see each decision as a `LiveEvent`.
 
-[Note: the NVMe pool] A parameter whose home is on NVMe is read into a buffer of the param
-store's fixed pool before it is copied to the device. A fetch decided for such a parameter
-is queued until a buffer is free (`infinity.zero.reads.ReadQueue`); reads are issued in the
-order decided, and whenever the coordinator runs (each gather) the reads that have finished
-are copied to their device buffers, which frees their pool buffers for the next ones,
-without waiting for the disk. A gather that needs a parameter whose read is still queued
-first completes the oldest reads in flight (they were issued for units needed sooner) until
-a buffer is free, so a unit with more parameters than buffers never deadlocks; only when no
-read of ours holds a buffer does it block on the pool (which times out with the holders'
-names).
-
-[Note: reuse] After a unit ends, a parameter stays gathered if it is persistent (fewer
-elements than `param_persistence_threshold`), if the trace says its next use comes within
-`max_reuse_distance` gathered elements, or if the next use is already inside the prefetch
-window (releasing it would only fetch it again).
-
-[Note: frozen parameters stay gathered] A frozen parameter (no optimizer slot: a LoRA base)
-never changes between iterations, so neither the end of its unit, nor of the iteration, nor
-the optimizer step releases it; it counts against the live budget like any other and is
-evicted (furthest next use first) only when a gather needs the room. A frozen base that fits
-the budget is read from its home once, not at every micro-step; one that does not is read
-as before. `abort` (after an error, or on close) still releases everything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -71,6 +41,7 @@ from infinity.accelerator import Accelerator
 from infinity.config import ZeroConfig
 from infinity.zero.gathered import GatheredIndex
 from infinity.zero.home import HomeTier
+from infinity.zero.iteration import HINTS, Phase
 from infinity.zero.live_plan import LivePlan
 from infinity.zero.param import OffloadParam, ParamState
 from infinity.zero.reads import ReadQueue
@@ -82,20 +53,6 @@ logger = logging.getLogger(__name__)
 _RESYNC_WINDOW = 16
 """How far ahead a unit that is not at the cursor is looked for before the trace is
 considered off track for the rest of the iteration."""
-
-
-class Phase(enum.Enum):
-    """Where the iteration stands. Only the coordinator's verbs change it."""
-
-    IDLE = "idle"
-    """No iteration runs: a module called outside the engine gathers and releases its own
-    parameters, untraced."""
-    FORWARD = "forward"
-    """The engine's forward runs; gathers are recorded in execution order."""
-    BACKWARD_PENDING = "backward_pending"
-    """The forward returned outputs that need gradients; their backward has not begun."""
-    BACKWARD = "backward"
-    """Gradients flow through the model; gathers continue the recording."""
 
 
 class LiveEvent(enum.Enum):
@@ -111,17 +68,6 @@ class LiveEvent(enum.Enum):
 
 
 Observer = Callable[[LiveEvent, OffloadParam], None]
-
-# What each verb expects, and what to do about it when the phase is another one.
-_HINTS = {
-    "begin_forward": "the engine's forward is not reentrant; run one forward at a time",
-    "end_forward": "end_forward closes the forward that begin_forward started",
-    "begin_backward": (
-        "a gradient reached the model with no engine forward waiting for it: compute the "
-        "loss from the outputs of engine(...) and run one backward per forward"
-    ),
-    "end_backward": "end_backward closes the backward that begin_backward started",
-}
 
 
 class Coordinator:
@@ -148,6 +94,9 @@ class Coordinator:
         self.phase = Phase.IDLE
         self.observers: list[Observer] = []
         """Called with each `LiveEvent` (see [Note: the same order on every rank])."""
+        self.on_end: list[Callable[[], None]] = []
+        """Called whenever an iteration ends, closed or aborted: what the hooks and the
+        backward entry keep for one iteration is forgotten there."""
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.hits = 0
@@ -168,12 +117,50 @@ class Coordinator:
 
     # ---- the iteration's lifecycle ----------------------------------------------------
 
+    @contextlib.contextmanager
+    def forward(self, key: object, *, backward: bool) -> Iterator[None]:
+        """The engine's forward of an iteration of kind `key`, run inside: begins it, ends
+        it (`end_forward(backward=...)`) when the body returns, aborts it when the body
+        raises."""
+        self.begin_forward(key)
+        with self._aborting():
+            yield
+        self.end_forward(backward=backward)
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """`engine.backward`'s autograd run inside. The first gradient to reach the model
+        begins the backward (`BackwardEntry`) and autograd's end ends it; an exception
+        aborts the iteration; a loss whose gradient reached no output of the forward ends it
+        when the body returns (its order still becomes the trace). Refused when no forward
+        waits for its backward."""
+        if self.phase is Phase.IDLE:
+            raise RuntimeError(
+                "backward: no forward is waiting for its backward (its backward already ran, "
+                "or the loss was not computed from engine(...)); run one backward per forward"
+            )
+        with self._aborting():
+            yield
+        if self.phase is not Phase.IDLE:
+            self._close()
+
+    @contextlib.contextmanager
+    def _aborting(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+
     def begin_forward(self, key: object) -> None:
         """The engine's forward starts an iteration of kind `key` (training / inference):
         the one place an iteration begins. A previous forward whose backward never came is
-        closed first (its order still becomes the trace)."""
+        closed first (its order still becomes the trace); a backward that raised out of
+        autograd (a plain `loss.backward()`, which no context manager wraps) is aborted."""
         if self.phase is Phase.BACKWARD_PENDING:
             self._close()
+        elif self.phase is Phase.BACKWARD:
+            self.abort()
         self._expect("begin_forward", Phase.IDLE)
         self._key = key
         self._trace = self._traces.get(key)
@@ -192,8 +179,9 @@ class Coordinator:
             self._close()
 
     def begin_backward(self) -> bool:
-        """The first gradient reached the model (through an output of the engine's forward,
-        a module's outputs, or `engine.backward`). False when the backward had begun."""
+        """The first gradient reached the model (an output of the engine's forward or of a
+        module in it): called by `BackwardEntry.enter` only. False when the backward had
+        begun."""
         if self.phase is Phase.BACKWARD:
             return False
         self._expect("begin_backward", Phase.BACKWARD_PENDING)
@@ -214,13 +202,27 @@ class Coordinator:
         self._trace = None
         self.plan.end()
         self.phase = Phase.IDLE
+        self._notify_end()
         self.release_all()
+
+    def _notify_end(self) -> None:
+        for callback in self.on_end:
+            callback()
+
+    def check_between_iterations(self, what: str) -> None:
+        """Refuse `what` (a checkpoint's save or load) while a forward with gradients waits
+        for its backward."""
+        if self.phase is not Phase.IDLE and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{what}: a forward is waiting for its backward (phase {self.phase.name}); "
+                "call it between steps"
+            )
 
     def _expect(self, verb: str, phase: Phase) -> None:
         if self.phase is not phase:
             raise RuntimeError(
                 f"{verb}: the iteration is in phase {self.phase.name}, expected "
-                f"{phase.name}; {_HINTS[verb]}"
+                f"{phase.name}; {HINTS[verb]}"
             )
 
     def _close(self) -> None:
@@ -235,6 +237,7 @@ class Coordinator:
         self._trace = None
         self.plan.end()
         self.phase = Phase.IDLE
+        self._notify_end()
         for rec in self.records:
             rec.pins = 0  # every running call has ended with the iteration
         self.release_all(keep_frozen=True)
@@ -322,7 +325,7 @@ class Coordinator:
     ) -> None:
         """`rec`'s home changed: make a gathered copy match. `values` (host, model dtype)
         are its new elements [start, start + values.numel()) when the caller holds them
-        (the optimizer's sweep, see [Note: gathered weights after a step] in engine.py);
+        (the optimizer's sweep, see [Note: gathered weights after a step] in assemble.py);
         without them the whole home is copied again. A released parameter needs nothing
         (its next fetch reads the new home); one in flight lands first (its copy may predate
         the change)."""

@@ -46,20 +46,32 @@ a unit of its own: its parameters are gathered right before it (the trace record
 so later iterations prefetch it), gradient hooks on its inputs and outputs bring them back for
 its backward, and they are released right after unless reused soon. The parameter is never
 held for the whole forward of the module that borrowed it.
+
+[Note: the hooks' own work] The hooks call the coordinator, whose tensor work (copies,
+views) must not be taken for the model's use of a parameter. Every hook body that does such
+work runs inside `ModelHooks.own_work()` (the `_own_work` decorator on whole methods), which
+GatherOnUse passes through; it nests, and restores what it found.
+
+[Note: what lives for one iteration] The stack of running calls and the gradients waited
+for belong to one iteration: `reset` subscribes to the coordinator's `on_end`, so they are
+forgotten whenever the iteration closes or aborts, never by hand.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable, Iterable
+import functools
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from infinity.accelerator import Accelerator
-from infinity.zero.coordinator import Coordinator, Phase
+from infinity.zero.coordinator import Coordinator
 from infinity.zero.grad_reduce import GradReducer
+from infinity.zero.iteration import Phase
 from infinity.zero.param import OffloadParam, ParamState
 from infinity.zero.unit import ModuleUnit
 
@@ -117,6 +129,17 @@ class _Call:
         """Its pre-forward hook entered GatherOnUse (a recomputation inside backward)."""
 
 
+def _own_work(method):
+    """Run a `ModelHooks` method as the hooks' own work (see [Note: the hooks' own work])."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.own_work():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 def _grad_tensors(obj, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
     """Tensors requiring grad in `obj` (tensors, and tuples/lists/dicts of them). Parameters
     are left out: a hook on one would outlive the iteration."""
@@ -143,15 +166,17 @@ class ModelHooks:
         by_param: dict[nn.Parameter, OffloadParam],
         coordinator: Coordinator,
         *,
-        iteration_key: Callable[[], object],
+        enter_backward: Callable[[], object],
     ) -> None:
+        """`enter_backward` is called with the first gradient that reaches a module's
+        outputs (`BackwardEntry.enter`, the one place a backward begins)."""
         self.units = units
         self.by_param = by_param
         self.coord = coordinator
-        self.iteration_key = iteration_key
+        self.enter_backward = enter_backward
         self.stack: list[_Call] = []
         self.busy = False
-        """True while a hook runs: GatherOnUse lets the hooks' own tensor calls through."""
+        """True while a hook does its own work (see [Note: the hooks' own work])."""
         self._external: dict[object, ModuleUnit] = {}  # parameter(s) used outside -> unit
         self._waiting: dict[OffloadParam, list[_Call]] = {}
         """Per trainable parameter, the calls whose `grads_pending` holds it: how an
@@ -169,6 +194,16 @@ class ModelHooks:
                 module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
             )
         self.mode = GatherOnUse(self)
+        coordinator.on_end.append(self.reset)
+
+    @contextlib.contextmanager
+    def own_work(self) -> Iterator[None]:
+        """The hooks' own tensor work runs inside: GatherOnUse lets it through."""
+        before, self.busy = self.busy, True
+        try:
+            yield
+        finally:
+            self.busy = before
 
     def remove(self) -> None:
         for h in self._handles:
@@ -176,23 +211,21 @@ class ModelHooks:
         self._handles.clear()
 
     def reset(self) -> None:
-        """Forget running calls (after an exception or at the end of backward)."""
+        """Forget running calls: the iteration ended (see [Note: what lives for one
+        iteration])."""
         self.stack.clear()
         self._waiting.clear()
         self._accumulated.clear()
 
     # ---- forward ----------------------------------------------------------------------
 
+    @_own_work
     def _pre_forward(self, module: nn.Module, args, kwargs):
-        self.busy = True
-        try:
-            call = self._enter(self.units[module], args, kwargs)
-            if self.coord.phase is Phase.BACKWARD and not self.mode.active():
-                self.mode.__enter__()  # a recomputation after a plain loss.backward()
-                call.entered_mode = True
-            self.stack.append(call)
-        finally:
-            self.busy = False
+        call = self._enter(self.units[module], args, kwargs)
+        if self.coord.phase is Phase.BACKWARD and not self.mode.active():
+            self.mode.__enter__()  # a recomputation after a plain loss.backward()
+            call.entered_mode = True
+        self.stack.append(call)
 
     def _enter(self, unit: ModuleUnit, args, kwargs) -> _Call:
         pos = self.coord.gather(unit) if unit.records else None
@@ -207,12 +240,11 @@ class ModelHooks:
     def _post_forward(self, module: nn.Module, args, kwargs, output):
         if not self.stack or self.stack[-1].unit is not self.units[module]:
             return  # its pre-forward hook raised (the error in flight says why): no call to end
-        self.busy = True
         call = self.stack.pop()
         try:
-            self._exit(call, output)
+            with self.own_work():
+                self._exit(call, output)
         finally:
-            self.busy = False
             if call.entered_mode:
                 self.mode.__exit__(None, None, None)
 
@@ -234,18 +266,15 @@ class ModelHooks:
         def hook(grad: torch.Tensor) -> None:
             if call.state is not CallState.FORWARD:
                 return
-            self.busy = True
-            try:
+            with self.own_work():
                 # The first gradient may reach a module before the engine's entry sees it:
                 # the root module's outputs are the engine's, and tensor hooks run in order.
                 try:
-                    self.coord.begin_backward()
+                    self.enter_backward()
                 except RuntimeError as e:
                     raise RuntimeError(f"backward of module {call.unit.name!r}: {e}") from None
                 call.state = CallState.GATHERED
                 call.bw_pos = self.coord.gather(call.unit, pin=False)
-            finally:
-                self.busy = False
             pending = {r for r in call.unit.records if r.trainable and r not in self._accumulated}
             call.grads_pending = pending
             # With no input needing a gradient (the embedding of token ids) the call ends
@@ -263,29 +292,23 @@ class ModelHooks:
 
         return hook
 
+    @_own_work
     def _finish(self, call: _Call) -> None:
         """The call's backward is over. A trainable parameter whose gradient autograd has not
         accumulated yet stays gathered until it has (accumulation needs its shape); it may
         still be evicted under budget pressure and is gathered again for accumulation then."""
         call.state = CallState.DONE
-        self.busy = True
-        try:
-            for rec in call.unit.records:
-                if rec not in call.grads_pending:
-                    self.coord.settle(rec, call.bw_pos)
-        finally:
-            self.busy = False
+        for rec in call.unit.records:
+            if rec not in call.grads_pending:
+                self.coord.settle(rec, call.bw_pos)
 
     def before_accumulate(self, rec: OffloadParam) -> None:
         """Autograd is about to accumulate `rec`'s gradient, which needs its shape: gather it
         if it was evicted meanwhile (it is settled again right after)."""
         if rec.state is ParamState.LIVE:
             return
-        self.busy = True
-        try:
+        with self.own_work():
             self.coord.gather_one(rec)
-        finally:
-            self.busy = False
 
     def grad_accumulated(self, rec: OffloadParam) -> None:
         """`rec`'s gradient left the device: calls waiting only on gradients end, and once
@@ -301,11 +324,8 @@ class ModelHooks:
             return  # a running call settles rec when it ends
         positions = [call.bw_pos for call in calls if call.bw_pos is not None]
         if rec.state is ParamState.LIVE:
-            self.busy = True
-            try:
+            with self.own_work():
                 self.coord.settle(rec, max(positions, default=None))
-            finally:
-                self.busy = False
 
     # ---- saved tensors ------------------------------------------------------------------
 
@@ -329,11 +349,8 @@ class ModelHooks:
             return saved
         rec = saved.rec
         if rec.state is not ParamState.LIVE:
-            self.busy = True
-            try:
+            with self.own_work():
                 self.coord.gather_one(rec)
-            finally:
-                self.busy = False
         data = rec.param.detach()
         if saved.size == data.size() and saved.stride == data.stride() and not saved.offset:
             return data
@@ -349,17 +366,11 @@ class ModelHooks:
         unit = self._external.get(key)
         if unit is None:
             unit = self._external[key] = ModuleUnit("+".join(r.name for r in recs) + "@use", recs)
-        self.busy = True
-        try:
+        with self.own_work():
             call = self._enter(unit, args, kwargs)
-        finally:
-            self.busy = False
         out = func(*args, **kwargs)
-        self.busy = True
-        try:
+        with self.own_work():
             self._exit(call, out)
-        finally:
-            self.busy = False
         return out
 
 

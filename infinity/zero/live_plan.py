@@ -6,8 +6,30 @@ keeping what is reused soon, and prefetching along the trace. It holds no tensor
 I/O; a `Sink` is told each decision in order and carries it out. The coordinator
 (`infinity.zero.coordinator`) applies it to parameter records; the estimate
 (`infinity.estimate.param_traffic`) runs it over a traced order and counts the fetches. The
-rules are the ones [Note: the live budget], [Note: reuse] and [Note: frozen parameters stay
-gathered] in coordinator.py state.
+rules are the notes below.
+
+[Note: the live budget] `max_live_parameters` is a hard bound on gathered elements, checked
+at every fetch. A gather that does not fit first evicts resident parameters that no running
+module needs (furthest next use first). Prefetch evicts only parameters whose next use comes
+after the unit it fetches (so it never drops what is needed sooner to bring in what is
+needed later); when that does not make room it stops, and resumes at the next gather. The
+only excess allowed is what running forwards pin at once (the unit being gathered and the
+modules enclosing it), which is why the bound is stated as budget + the largest unit;
+anything beyond that is counted in `budget_overruns`. Backward pins nothing past the gather
+itself: a module's weights are read back through the saved-tensor hooks, which gather again
+whatever was evicted meanwhile.
+
+[Note: reuse] After a unit ends, a parameter stays gathered if it is persistent (fewer
+elements than `param_persistence_threshold`), if the trace says its next use comes within
+`max_reuse_distance` gathered elements, or if the next use is already inside the prefetch
+window (releasing it would only fetch it again).
+
+[Note: frozen parameters stay gathered] A frozen parameter (no optimizer slot: a LoRA base)
+never changes between iterations, so neither the end of its unit, nor of the iteration, nor
+the optimizer step releases it; it counts against the live budget like any other and is
+evicted (furthest next use first) only when a gather needs the room. A frozen base that fits
+the budget is read from its home once, not at every micro-step; one that does not is read
+as before. `abort` (after an error, or on close) still releases everything.
 """
 
 from __future__ import annotations

@@ -56,13 +56,7 @@ from infinity.zero.weights import HostWeights, NvmeWeights, aliases_masters, mak
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "PartitionedOptimizer",
-    "Slot",
-    "StepResult",
-    "optimizer_layout",
-    "sub_group_numels",
-]
+__all__ = ["PartitionedOptimizer", "Slot", "StepResult"]
 
 STATE_FIELDS = SubGroupState._fields  # ("master", "exp_avg", "exp_avg_sq")
 _KIND = "PartitionedOptimizer"
@@ -115,7 +109,7 @@ class PartitionedOptimizer:
         self._names = [s.name for s in slots]
         self._numels = [s.numel for s in slots]
         self.no_decay = frozenset(_check_no_decay(no_decay, len(slots)))
-        self.layout: FlatLayout = flat_layout(self._numels, self.sub_group_size)
+        self.layout: FlatLayout = _layout(weights, self._numels, self.sub_group_size)
         numels = self.layout.sub_group_numels
         if state_store is None:
             state_store = HostStateStore(numels)
@@ -136,11 +130,6 @@ class PartitionedOptimizer:
         self.grads = grad_store
         if weights is None:
             weights = make_weights(self.layout, self._names, self.dtype, state_store=state_store)
-        elif weights.layout != self.layout:
-            raise ValueError(
-                "the weights were made for another flat layout than these slots'; build them "
-                "with make_weights(optimizer_layout(...), ...) from the same slots and config"
-            )
         self.weights = weights
         self.aliased = aliases_masters(weights, state_store)  # [Note: where the weights live]
         self._runs = [
@@ -149,8 +138,8 @@ class PartitionedOptimizer:
         self._load_initial(slots)
         self.on_new_weights: Callable[[int, torch.Tensor], None] | None = None
         """Called during the step with (flat start, new weights) of each sub-group, before
-        they are written to their homes (the engine refreshes gathered parameters from them:
-        see [Note: gathered weights after a step] in engine.py)."""
+        they are written to their homes (`infinity.assemble` wires it to the gathered
+        parameters' refresh: see [Note: gathered weights after a step] in assemble.py)."""
         self.step_count = 0
         self.last_timings: dict[str, float] = {}
         self.last_compute_s = 0.0
@@ -431,16 +420,20 @@ class PartitionedOptimizer:
         }
 
 
-def optimizer_layout(slot_numels: Sequence[int], zero: ZeroConfig) -> FlatLayout:
-    """The flat layout the optimizer will make of slots of `slot_numels`: to build its state
-    store (`sub_group_numels`) and weights (`make_weights`) before constructing it."""
-    return flat_layout(slot_numels, resolve_sub_group_size(zero.sub_group_size))
-
-
-def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
-    """Elements of each sub-group the optimizer will make of slots of `slot_numels`: the
-    `numels` to build a `StateStore` with before constructing the optimizer."""
-    return optimizer_layout(slot_numels, zero).sub_group_numels
+def _layout(
+    weights: HostWeights | NvmeWeights | None, numels: list[int], sub_group_size: int
+) -> FlatLayout:
+    """The flat layout of slots of `numels`: the one `weights` (and so the homes) were made
+    with, computed once by whoever built them, or a new one without weights."""
+    if weights is None:
+        return flat_layout(numels, sub_group_size)
+    layout = weights.layout
+    if list(layout.numels) != numels or layout.sub_group_size != sub_group_size:
+        raise ValueError(
+            "the weights were made for another flat layout than these slots'; build them "
+            "with make_weights(optimizer_layout(...), ...) from the same slots and config"
+        )
+    return layout
 
 
 def _hyperparameters(cfg: OptimizerConfig) -> AdamHyper:

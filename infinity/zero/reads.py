@@ -5,6 +5,17 @@ order decided, finished as the disk completes them.
 rank] in coordinator.py): when a decided read is issued and when a finished one is copied
 to its device buffer, freeing its pool buffer for the next. Nothing here makes a parameter
 LIVE or releases one; the coordinator decides both.
+
+[Note: the NVMe pool] A parameter whose home is on NVMe is read into a buffer of the param
+store's fixed pool before it is copied to the device. A fetch decided for such a parameter
+is queued until a buffer is free (`infinity.zero.reads.ReadQueue`); reads are issued in the
+order decided, and whenever the coordinator runs (each gather) the reads that have finished
+are copied to their device buffers, which frees their pool buffers for the next ones,
+without waiting for the disk. A gather that needs a parameter whose read is still queued
+first completes the oldest reads in flight (they were issued for units needed sooner) until
+a buffer is free, so a unit with more parameters than buffers never deadlocks; only when no
+read of ours holds a buffer does it block on the pool (which times out with the holders'
+names).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.config import AUTO
+from infinity.config import AUTO, ZeroConfig
 
 # DeepSpeed's default for zero_optimization.sub_group_size, used when it is still "auto".
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
@@ -190,3 +190,15 @@ def decay_runs(
         else:
             runs.append((start, stop, decays))
     return runs
+
+
+def optimizer_layout(slot_numels: Sequence[int], zero: ZeroConfig) -> FlatLayout:
+    """The flat layout the optimizer will make of slots of `slot_numels`: to build its state
+    store (`sub_group_numels`) and weights (`make_weights`) before constructing it."""
+    return flat_layout(slot_numels, resolve_sub_group_size(zero.sub_group_size))
+
+
+def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
+    """Elements of each sub-group the optimizer will make of slots of `slot_numels`: the
+    `numels` to build a `StateStore` with before constructing the optimizer."""
+    return optimizer_layout(slot_numels, zero).sub_group_numels

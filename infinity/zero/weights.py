@@ -9,7 +9,8 @@ extent on NVMe, while the next sub-group is stepped. Either is built before the 
 (`make_weights`) and gives each trainable parameter its home (`home(slot)`: a range of the
 same flat buffer or extent), so the records and the optimizer share one copy. It owns those
 buffers, not the decision of what to write (the optimizer's) nor the files (the parameter
-store's).
+store's): the disk's flat extent is laid out by an explicit call (`lay_out_flat`) before
+`NvmeWeights` is made over it.
 """
 
 from __future__ import annotations
@@ -94,9 +95,17 @@ class HostWeights:
         return self.flat.nbytes
 
 
+def lay_out_flat(store: Any, layout: FlatLayout, names: Sequence[str], dtype: torch.dtype) -> None:
+    """Lay out `layout`'s flat space in the parameter store `store` as one extent, each
+    slot `names[i]` at its offset (`NvmeParamStore.reserve_flat`): once, before
+    `NvmeWeights` is made over it."""
+    spans = zip(names, layout.offsets, layout.numels, strict=True)
+    store.reserve_flat({name: (off, n) for name, off, n in spans}, layout.total, dtype)
+
+
 class NvmeWeights:
-    """The slots' weights on NVMe in the parameter store's flat extent (`reserve_flat`),
-    written one sub-group at a time through a ring of staging buffers."""
+    """The slots' weights on NVMe in the parameter store's flat extent (laid out before by
+    `lay_out_flat`), written one sub-group at a time through a ring of staging buffers."""
 
     def __init__(
         self,
@@ -105,12 +114,16 @@ class NvmeWeights:
         names: Sequence[str],
         dtype: torch.dtype,
     ) -> None:
+        flat = store.flat
+        if flat is None or flat.total != layout.total or flat.dtype != dtype:
+            raise ValueError(
+                f"NvmeWeights: the parameter store's flat extent is {flat} but these weights "
+                f"need {layout.total} elements of {dtype}; lay it out first with "
+                "lay_out_flat(store, layout, names, dtype)"
+            )
         self.store = store
         self.layout = layout
         self.names = tuple(names)
-        spans = zip(names, layout.offsets, layout.numels, strict=True)
-        entries = {name: (off, n) for name, off, n in spans}
-        store.reserve_flat(entries, layout.total, dtype)
         self._ring = [aligned_empty(staging_numel(layout), dtype) for _ in range(_RING)]
         self._pending: list[Any] = [None] * _RING
         self._next = 0
@@ -168,8 +181,9 @@ def make_weights(
     param_store: Any = None,
 ) -> HostWeights | NvmeWeights:
     """The weight output of an optimizer over `layout` with `state_store`: on NVMe in
-    `param_store` when given; else the fp32 masters themselves when they are in host memory
-    (see [Note: where the weights live] in optimizer.py); else a new flat host buffer."""
+    `param_store` when given (its flat extent laid out by `lay_out_flat`); else the fp32
+    masters themselves when they are in host memory (see [Note: where the weights live] in
+    optimizer.py); else a new flat host buffer."""
     if param_store is not None:
         return NvmeWeights(param_store, layout, names, dtype)
     on_host = isinstance(state_store, HostStateStore)
