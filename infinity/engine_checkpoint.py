@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from infinity.zero import Coordinator, OffloadParam, PartitionedOptimizer
 
 
-class Engine(Protocol):
+class CheckpointedEngine(Protocol):
     """The engine as its checkpoints see it (`infinity.engine.Engine`, which imports this
     module): its public parts, its loop counters through `loop_state`/`load_loop_state`,
     and the record of its frozen base."""
@@ -72,7 +72,7 @@ class _OneRank:
     world_size: int = 1
 
 
-def comm_of(engine: Engine) -> Any:
+def comm_of(engine: CheckpointedEngine) -> Any:
     """The engine's communicator (rank and world size), one rank when it has none."""
     return getattr(engine, "comm", None) or _OneRank()
 
@@ -100,7 +100,7 @@ def _cut(thunk, numel: int):
 
 
 def save(
-    engine: Engine,
+    engine: CheckpointedEngine,
     save_dir: str | os.PathLike,
     tag: str,
     *,
@@ -145,7 +145,9 @@ def save(
     return tag
 
 
-def load(engine: Engine, save_dir: str | os.PathLike, tag: str | None) -> tuple[str, dict]:
+def load(
+    engine: CheckpointedEngine, save_dir: str | os.PathLike, tag: str | None
+) -> tuple[str, dict]:
     """See `Engine.load_checkpoint`. Every rank calls it and reads its own spans."""
     comm = comm_of(engine)
     ckpt = checkpoint.load_checkpoint(save_dir, tag, verify=False)
@@ -233,7 +235,7 @@ def full_weights(rec: OffloadParam):
     return lambda: rec.read_full().view(rec.shape)
 
 
-def save_16bit(engine: Engine, save_dir: str | os.PathLike, save_filename: str) -> str:
+def save_16bit(engine: CheckpointedEngine, save_dir: str | os.PathLike, save_filename: str) -> str:
     """See `Engine.save_16bit_model`: every rank calls it, rank 0 writes."""
     if not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
         raise ValueError(

@@ -46,7 +46,7 @@ def backward_slots(shape: ModelShape) -> list[int]:
     return [s for k, s in enumerate(order) if last[s] == k]
 
 
-class _Count:
+class _GradSink:
     """A sink for the store's plan that counts bytes instead of moving them; a write is in
     flight during the add that started it (see the module's note)."""
 
@@ -116,7 +116,7 @@ def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> GradTraff
     plan (`GradPlan`) driven by backward's adds, then the step's takes and releases."""
     numels = layout.sub_group_numels
     plan = GradPlan(numels)
-    sink = _Count(numels)
+    sink = _GradSink(numels)
     order = backward_slots(shape)
     for _ in range(accum):
         for i in order:

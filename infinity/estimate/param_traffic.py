@@ -41,7 +41,7 @@ class Position:
 
 
 @dataclass(frozen=True, slots=True)
-class Fetch:
+class PlannedFetch:
     """One parameter fetched from its home: decided at the gather of trace position
     `decided` (the unit's own, or one whose prefetch window reached it), needed at
     `needed`."""
@@ -110,7 +110,7 @@ def _split(shape: ModelShape, params: Sequence[int]) -> list[tuple[int, ...]]:
 
 def param_fetches(
     shape: ModelShape, config: Config, *, checkpointing: bool
-) -> tuple[list[Position], list[Fetch]]:
+) -> tuple[list[Position], list[PlannedFetch]]:
     """The trace of one training iteration and the fetches of its steady state, in the
     order they are decided: iterations are replayed until two in a row fetch the same (the
     first starts with nothing gathered; frozen parameters carry over from one to the
@@ -129,7 +129,7 @@ def param_fetches(
         if keep:  # gathered since the first iteration: they count against the budget
             plan.hold(i)
     order = LiveTrace([pos.params for pos in trace], plan.numel)
-    sink = _Count(plan.numel)
+    sink = _LiveSink(plan.numel)
     previous = None
     for _ in range(_MAX_ITERATIONS):
         sink.fetches = []
@@ -140,24 +140,24 @@ def param_fetches(
     return trace, sink.fetches
 
 
-class _Count:
+class _LiveSink:
     """A sink that records each fetch the planner decides, and where."""
 
     def __init__(self, numel: Sequence[int]) -> None:
         self.numel = numel
         self.at = 0
         """The trace position of the gather running (whose prefetch decides)."""
-        self.fetches: list[Fetch] = []
+        self.fetches: list[PlannedFetch] = []
 
     def fetch(self, i: int, needed: int | None) -> None:
         assert needed is not None  # the estimate's iterations never leave the trace
-        self.fetches.append(Fetch(self.at, needed, self.numel[i], i))
+        self.fetches.append(PlannedFetch(self.at, needed, self.numel[i], i))
 
     def release(self, i: int) -> None:
         pass
 
 
-def _iteration(plan: LivePlan, order: LiveTrace, sink: _Count) -> None:
+def _iteration(plan: LivePlan, order: LiveTrace, sink: _LiveSink) -> None:
     """One forward + backward as the hooks drive the coordinator: the iteration's first
     prefetch, then at each gather the unit, prefetch, and the unit's end."""
     plan.begin(order)

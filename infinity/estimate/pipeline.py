@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from infinity.config import Config
-from infinity.estimate.param_traffic import Fetch, Pass, param_fetches
+from infinity.estimate.param_traffic import Pass, PlannedFetch, param_fetches
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import home_on_nvme
 
@@ -37,7 +37,7 @@ class Prefetch:
     `offload_param.buffer_count` staging buffers the reads pass through."""
 
     order: tuple[Gather, ...]
-    reads: tuple[Fetch, ...]
+    reads: tuple[PlannedFetch, ...]
     buffers: int
 
 

@@ -25,7 +25,7 @@ from infinity.utils.step_timer import StepTimer
 from infinity.zero.coordinator import Coordinator
 
 
-class _Entry(torch.autograd.Function):
+class _EntryFunction(torch.autograd.Function):
     """Identity forward; backward hands the gradient to `BackwardEntry.enter` for its scale."""
 
     @staticmethod
@@ -90,7 +90,7 @@ class BackwardEntry:
             if self.loss_scale is None:
                 out.register_hook(self._on_grad)
                 return out
-            return _Entry.apply(out, self)
+            return _EntryFunction.apply(out, self)
         if isinstance(out, dict):  # ModelOutput too: its __setitem__ keeps attributes in step
             for key in list(out.keys()):
                 out[key] = self.wrap(out[key])

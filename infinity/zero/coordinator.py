@@ -10,7 +10,7 @@ touches modules.
 
 The live-set policy itself (what to fetch, keep, evict and prefetch) is the planner of
 `infinity.zero.live_plan`, over parameter indices; the coordinator applies its decisions to
-the records (`_Apply`) and owns the transfers, the pins and the phase. The policy's rules are
+the records (`_ApplyLive`) and owns the transfers, the pins and the phase. The policy's rules are
 the notes in live_plan.py; the NVMe reads behind fetches are reads.py's.
 
 [Note: the same order on every rank] Across ranks a parameter becomes LIVE through a
@@ -90,7 +90,7 @@ class Coordinator:
         self._by_index: list[OffloadParam] = []
         for rec in self.records:
             self.index(rec)
-        self._apply = _Apply(self)
+        self._apply = _ApplyLive(self)
         self.phase = Phase.IDLE
         self.observers: list[Observer] = []
         """Called with each `LiveEvent` (see [Note: the same order on every rank])."""
@@ -470,7 +470,7 @@ class Coordinator:
         }
 
 
-class _Apply:
+class _ApplyLive:
     """Carries out the planner's decisions on the coordinator's records (a `Sink`)."""
 
     __slots__ = ("coord",)

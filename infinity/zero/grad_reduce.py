@@ -37,7 +37,7 @@ from infinity.zero.shard import shard_of
 
 
 @dataclass(slots=True)
-class _Entry:
+class _BucketSlot:
     slot: int
     numel: int
     """N: the parameter's elements."""
@@ -57,7 +57,7 @@ class _Bucket:
     buffer: torch.Tensor | None
     """[W, capacity] on the device with contiguous_gradients, else None until issued."""
     pooled: bool
-    entries: list[_Entry] = field(default_factory=list)
+    entries: list[_BucketSlot] = field(default_factory=list)
     row_numel: int = 0
     out: torch.Tensor | None = None
     work: Work | None = None
@@ -113,7 +113,7 @@ class GradReducer:
             bucket = None
         if bucket is None:
             bucket = self._open = self._new_bucket(grad, s)
-        entry = _Entry(slot, n, s, bucket.row_numel)
+        entry = _BucketSlot(slot, n, s, bucket.row_numel)
         bucket.entries.append(entry)
         bucket.row_numel += s
         if bucket.buffer is not None:
@@ -200,7 +200,7 @@ class GradReducer:
         bucket.out = bucket.work = None
 
 
-def _scatter_rows(rows: torch.Tensor, entry: _Entry, grad: torch.Tensor) -> None:
+def _scatter_rows(rows: torch.Tensor, entry: _BucketSlot, grad: torch.Tensor) -> None:
     """Row q of `rows` at the entry's offset := elements [q*S, (q+1)*S) of `grad`, zero
     past N."""
     s, n, at = entry.shard, entry.numel, entry.offset
