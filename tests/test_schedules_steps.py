@@ -98,7 +98,6 @@ def test_past_the_end_the_lr_stays_at_min_lr():
 @pytest.mark.parametrize(
     ("params", "match"),
     [
-        ({"total_num_steps": 10, "warmup_num_steps": 11}, "less than warmup_num_steps"),
         ({"total_num_steps": 10, "warmup_num_steps": 2, "warmup_ratio": 0.1}, "give one"),
         ({"total_num_steps": 10, "warmup_ratio": 1.5}, "ratio in"),
         ({"warmup_num_steps": 2}, "total_num_steps: required"),
@@ -108,6 +107,19 @@ def test_past_the_end_the_lr_stays_at_min_lr():
 def test_bad_parameters_are_named(params, match):
     with pytest.raises(ValueError, match=match):
         Config.load({"scheduler": {"type": "linear", "params": params}})
+
+
+def test_a_warmup_longer_than_the_run_is_refused_when_built():
+    cfg = Config.load(
+        {
+            "scheduler": {
+                "type": "linear",
+                "params": {"total_num_steps": "auto", "warmup_num_steps": 11},
+            }
+        }
+    ).resolve(total_num_steps=10)
+    with pytest.raises(ValueError, match="warmup .11 steps. is longer than the run"):
+        build_schedule(cfg.scheduler, LR)
 
 
 def test_min_lr_above_the_lr_is_refused():

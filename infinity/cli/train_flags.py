@@ -231,3 +231,82 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="record STEPS optimizer steps after one warm-up step with torch.profiler and "
         "write a Chrome trace (chrome://tracing, Perfetto) to SAVE_DIR/profile/",
     )
+    parser.add_argument(
+        "--report-to",
+        choices=["none", "tensorboard"],
+        default="none",
+        help="also write each step's loss, learning rate, grad norm, tokens/s and time "
+        "breakdown as TensorBoard events under SAVE_DIR/tensorboard (needs the tensorboard "
+        "package: pip install 'infinity[tb]'); metrics.jsonl is always written",
+    )
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1)")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number, 0 or more")
+    return value
+
+
+def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
+    """The learning-rate schedule and the weight decay (one argument group); their meaning
+    is in `infinity.cli.train_schedule`."""
+    group = parser.add_argument_group(
+        "schedule",
+        "the learning rate over the run, as transformers' get_scheduler gives it "
+        "(docs/training.md)",
+    )
+    group.add_argument(
+        "--lr-schedule",
+        choices=["constant", "linear", "cosine"],
+        help="after the warmup: stay at --lr, or decay to --min-lr at the last step, linearly "
+        "or along a half cosine (default: constant, or as the config's scheduler says)",
+    )
+    warmup = group.add_mutually_exclusive_group()
+    warmup.add_argument(
+        "--warmup-steps",
+        type=_non_negative_int,
+        metavar="N",
+        help="raise the lr linearly from 0 over the first N optimizer steps (default 0)",
+    )
+    warmup.add_argument(
+        "--warmup-ratio",
+        type=_ratio,
+        metavar="R",
+        help="warm up over ceil(R x the run's steps) steps instead, R in [0, 1)",
+    )
+    group.add_argument(
+        "--min-lr",
+        type=_non_negative_float,
+        metavar="LR",
+        help="the lr linear and cosine decay to at the last step (default 0)",
+    )
+    group.add_argument(
+        "--weight-decay",
+        type=_non_negative_float,
+        metavar="WD",
+        help="AdamW's decoupled weight decay (config: optimizer.params.weight_decay, default 0)",
+    )

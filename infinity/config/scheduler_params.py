@@ -94,7 +94,10 @@ def check_scheduler_params(
         )
     total = out.get("total_num_steps")
     warmup = out.get("warmup_num_steps", spec["warmup_num_steps"][1])
-    if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
+    # A step schedule is checked when it is built (infinity.optim.schedules): `infinity train`
+    # resolves its config with a placeholder run length before it knows the real one.
+    step_schedule = kind in STEP_SCHEDULES
+    if isinstance(total, int) and isinstance(warmup, int) and total < warmup and not step_schedule:
         default = "" if "warmup_num_steps" in out else ", the default"
         raise ValueError(
             f"{path}.total_num_steps: {total} is less than warmup_num_steps ({warmup}{default}); "

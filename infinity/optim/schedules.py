@@ -103,6 +103,12 @@ class Schedule:
         ratio = p.get("warmup_ratio")
         # As the Trainer's get_warmup_steps: a ratio of the run, rounded up.
         self._warmup = math.ceil(ratio * total) if ratio is not None else int(p["warmup_num_steps"])
+        if self._warmup > total:
+            raise ValueError(
+                f"scheduler.params: the warmup ({self._warmup} steps) is longer than the run "
+                f"(total_num_steps {total}); lower --warmup-steps or --warmup-ratio, or train "
+                "for more steps"
+            )
         min_lr = float(p.get("min_lr", 0.0))
         if min_lr > self.base_lr:
             raise ValueError(
