@@ -77,6 +77,18 @@ def test_cosine_run_uses_transformers_rates_and_reports_to_tensorboard(tmp_path,
     assert [s for s, _ in events["train/loss"]] == list(range(1, steps + 1))
     assert [v for _, v in events["train/lr"]] == pytest.approx(want, rel=1e-6, abs=1e-12)
 
+    # The same run drawn by infinity plot: every panel has data from these records.
+    pytest.importorskip("matplotlib")
+    from infinity.cli.plot import draw
+
+    assert main(["plot", str(save)]) == 0
+    assert (save / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    loss, lr_ax, speed, time = draw(records).get_axes()
+    assert list(loss.get_lines()[0].get_ydata()) == [r["loss"] for r in records]
+    assert list(lr_ax.get_lines()[0].get_ydata()) == [r["lr"] for r in records]
+    assert len(speed.get_lines()[0].get_xdata()) == steps
+    assert len(time.patches) >= 4 * steps and all(p.get_height() >= 0 for p in time.patches)
+
 
 def test_an_eval_record_becomes_the_eval_loss_tag(tmp_path):
     """[Note: validation loss] in train_report: the hook an evaluation writes through."""
