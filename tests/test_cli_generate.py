@@ -121,6 +121,11 @@ def test_bad_flags_are_one_error(run, capsys, flags, needle):
     assert needle in err, err
 
 
+def test_a_missing_directory_is_named(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "nope"), "--prompt", "x"]) == 1
+    assert "nope: no such directory" in capsys.readouterr().err
+
+
 def test_save_dir_needs_a_tokenizer(run, capsys):
     _, save, _ = run
     assert main(["generate", str(save), "--prompt", "x"]) == 1

@@ -94,3 +94,13 @@ def test_bad_input_is_one_error(tmp_path, capsys, what):
     err = capsys.readouterr().err
     assert err.startswith("infinity: error:"), err
     assert not list(tmp_path.rglob("*.png"))
+
+
+def test_without_matplotlib_the_error_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    save = tmp_path / "run"
+    _write(save, _records(2))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["plot", str(save)]) == 1
+    assert "pip install 'infinity-trainer[plot]'" in capsys.readouterr().err

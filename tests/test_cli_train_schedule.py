@@ -107,6 +107,21 @@ def test_an_eval_record_becomes_the_eval_loss_tag(tmp_path):
     assert [r["step"] for r in log.records()] == [1, 2]
 
 
+def test_without_tensorboard_the_error_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+
+    from infinity.cli.train_report import metrics_log
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    args = build_parser().parse_args(
+        ["train", "--model", "m", "--data", "x", "--report-to", "tensorboard"]
+    )
+    with pytest.raises(ImportError, match=r"pip install 'infinity-trainer\[tb\]'"):
+        metrics_log(args, tmp_path)
+    plain = build_parser().parse_args(["train", "--model", "m", "--data", "x"])
+    assert type(metrics_log(plain, tmp_path)).__name__ == "MetricsLog"  # not needed then
+
+
 def _tree(save: Path) -> dict:
     return {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
 

@@ -71,6 +71,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_sampling(args)
     where = Path(args.model).expanduser()
+    if not where.is_dir():
+        raise ValueError(
+            f"{where}: no such directory; give a --save-dir of infinity train, one checkpoint "
+            "directory, or an infinity export directory"
+        )
     tok = load_tokenizer(args, where)
     ids = prompt_ids(tok, args)
     with open_model(where) as logits_of:
@@ -166,12 +171,12 @@ def engine_logits(where: Path) -> Iterator[Logits]:
     under no_grad: no gradient, no optimizer step. A LoRA checkpoint is refused by
     `checkpoint_weights` (export it merged, then generate from the export)."""
     import infinity
-    from infinity.cli.export import _open_checkpoint, checkpoint_weights
+    from infinity.cli.export import checkpoint_weights, open_checkpoint
     from infinity.config import Config
     from infinity.models import hf_auto
     from infinity.models.hf_load import copying_sink
 
-    ckpt = _open_checkpoint(where, None)
+    ckpt = open_checkpoint(where, None)
     hf_dict, weights = checkpoint_weights(ckpt)
     config = Config.load({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
     config = config.resolve(total_num_steps=1)

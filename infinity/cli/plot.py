@@ -2,7 +2,8 @@
 
 Owns the figure: loss (and validation loss, from records with `eval_loss`) against tokens
 seen, the learning rate and tokens/s against steps, and a stacked bar of where the steps'
-time went. Needs matplotlib (`pip install 'infinity[plot]'`); draws without a display.
+time went. Needs matplotlib (`pip install 'infinity-trainer[plot]'`); draws without a
+display.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="draw a run's loss, learning rate, throughput and step time into a PNG",
         description="Draw the curves of SAVE_DIR/metrics.jsonl (written by infinity train) "
         "into a PNG: loss and validation loss against tokens, learning rate, tokens/s, and "
-        "where each step's time went. Needs matplotlib: pip install 'infinity[plot]'.",
+        "where each step's time went. Needs matplotlib: pip install 'infinity-trainer[plot]'.",
     )
     parser.add_argument("save_dir", metavar="SAVE_DIR", help="the --save-dir of a run")
     parser.add_argument(
@@ -84,7 +85,7 @@ def require_matplotlib():
         from matplotlib import figure
     except ImportError:
         raise ImportError(
-            "infinity plot needs matplotlib: pip install 'infinity[plot]' (or pip install "
+            "infinity plot needs matplotlib: pip install 'infinity-trainer[plot]' (or pip install "
             "matplotlib)"
         ) from None
     return figure

@@ -237,7 +237,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="also write each step's loss, learning rate, grad norm, tokens/s and time "
         "breakdown as TensorBoard events under SAVE_DIR/tensorboard (needs the tensorboard "
-        "package: pip install 'infinity[tb]'); metrics.jsonl is always written",
+        "package: pip install 'infinity-trainer[tb]'); metrics.jsonl is always written",
     )
 
 

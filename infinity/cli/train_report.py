@@ -59,8 +59,8 @@ def require_tensorboard() -> None:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError:
         raise ImportError(
-            "--report-to tensorboard needs the tensorboard package: pip install 'infinity[tb]' "
-            "(or pip install tensorboard), or drop --report-to"
+            "--report-to tensorboard needs the tensorboard package: pip install "
+            "'infinity-trainer[tb]' (or pip install tensorboard), or drop --report-to"
         ) from None
 
 
