@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from _train_inputs import train_args, write_inputs
+from test_schedules_steps import transformers_lrs
 
 from infinity.cli.main import build_parser, main
 from infinity.cli.train_report import TAGS, tensorboard_values
@@ -36,23 +36,6 @@ def _events(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def _transformers_lrs(steps, warmup, min_lr, lr):
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = transformers.get_scheduler(
-        "cosine_with_min_lr",
-        opt,
-        num_warmup_steps=warmup,
-        num_training_steps=steps,
-        scheduler_specific_kwargs={"min_lr": min_lr},
-    )
-    out = []
-    for _ in range(steps):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
-
-
 def test_cosine_run_uses_transformers_rates_and_reports_to_tensorboard(tmp_path, inputs):
     pytest.importorskip("tensorboard")
     model, data = inputs
@@ -63,7 +46,7 @@ def test_cosine_run_uses_transformers_rates_and_reports_to_tensorboard(tmp_path,
     assert main(train_args(model, data, save, *flags, lr=lr)) == 0
     records = _records(save)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
-    want = _transformers_lrs(steps, warmup, min_lr, lr)
+    want = transformers_lrs("cosine", steps, warmup, min_lr, lr)
     assert [r["lr"] for r in records] == pytest.approx(want, rel=1e-12, abs=1e-18)
 
     events = _events(save / "tensorboard")
@@ -184,3 +167,24 @@ def test_flags_map_onto_the_config_sections(tmp_path):
         build_parser().parse_args([
             "train", "--model", "m", "--data", "x", "--warmup-steps", "2", "--warmup-ratio", "0.1"
         ])  # fmt: skip
+
+
+def test_a_resumed_run_replaces_the_events_past_its_checkpoint(tmp_path):
+    """A stopped run wrote steps 1-4, its checkpoint was at step 2: the resumed run's steps
+    3-4 are the ones read back, as metrics.jsonl keeps them."""
+    pytest.importorskip("tensorboard")
+    from infinity.cli.train_report import ReportedMetrics
+
+    first = ReportedMetrics(tmp_path)
+    for step in range(1, 5):
+        first.append({"step": step, "loss": float(step)})
+    first.close()
+    first.truncate_after(2)  # what --resume does to metrics.jsonl
+    second = ReportedMetrics(tmp_path)
+    for step in (3, 4):
+        second.append({"step": step, "loss": 10.0 * step})
+    second.close()
+    assert _events(tmp_path / "tensorboard")["train/loss"] == [
+        (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)
+    ]  # fmt: skip
+    assert [r["loss"] for r in second.records()] == [1.0, 2.0, 30.0, 40.0]

@@ -16,9 +16,11 @@ transformers = pytest.importorskip("transformers")
 LR = 3e-4
 
 
-def _reference(name: str, steps: int, warmup: int, min_lr: float | None) -> list[float]:
+def transformers_lrs(
+    name: str, steps: int, warmup: int, min_lr: float | None, lr: float = LR
+) -> list[float]:
     """The lr transformers' scheduler gives each of `steps` optimizer steps."""
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     extra = None
     if min_lr is not None and name == "cosine":
         name, extra = "cosine_with_min_lr", {"min_lr": min_lr}
@@ -28,7 +30,7 @@ def _reference(name: str, steps: int, warmup: int, min_lr: float | None) -> list
             "num_stable_steps": 0,
             "decay_type": "linear",
             "num_decay_steps": steps - warmup,
-            "min_lr_ratio": min_lr / LR,
+            "min_lr_ratio": min_lr / lr,
         }
     elif name == "constant":
         name = "constant_with_warmup"
@@ -65,11 +67,11 @@ def test_matches_transformers_step_for_step(kind, warmup, min_lr):
     params = {"total_num_steps": "auto", "warmup_num_steps": warmup}
     if min_lr is not None:
         params["min_lr"] = min_lr
-    want = _reference(kind, steps, warmup, min_lr)
+    want = transformers_lrs(kind, steps, warmup, min_lr)
     if kind == "linear" and min_lr is not None:
         # transformers' warmup_stable_decay warms up from min_lr; ours, like every other
         # transformers schedule, from 0: its warmup steps are linear's.
-        want[:warmup] = _reference("linear", steps, warmup, None)[:warmup]
+        want[:warmup] = transformers_lrs("linear", steps, warmup, None)[:warmup]
     got = _ours(kind, steps, params)
     assert got == pytest.approx(want, rel=1e-12, abs=1e-18)
     if warmup:
@@ -83,7 +85,7 @@ def test_warmup_ratio_rounds_up_like_the_trainer():
     warmup = math.ceil(ratio * steps)  # transformers' TrainingArguments.get_warmup_steps
     assert warmup == 4
     got = _ours("cosine", steps, {"total_num_steps": "auto", "warmup_ratio": ratio})
-    assert got == pytest.approx(_reference("cosine", steps, warmup, None), rel=1e-12)
+    assert got == pytest.approx(transformers_lrs("cosine", steps, warmup, None), rel=1e-12)
 
 
 def test_past_the_end_the_lr_stays_at_min_lr():

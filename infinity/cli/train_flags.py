@@ -12,37 +12,34 @@ import math
 from infinity.models import PRESETS
 
 
-def _positive_int(text: str) -> int:
+def _parsed(text: str, convert, ok, rule: str):
+    """`text` as a number (`convert` is int or float) for which `ok` holds, else argparse's
+    error with the `rule` it broke."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
+        kind = "whole number" if convert is int else "number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {kind}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{value} {rule}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _parsed(text, int, lambda v: v > 0, "must be positive")
 
 
 positive_int = _positive_int  # the other commands' counts are checked the same way
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number and positive")
-    return value
+    return _parsed(
+        text, float, lambda v: v > 0 and math.isfinite(v), "must be a finite number and positive"
+    )
 
 
 def _dropout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1)")
-    return value
+    return _parsed(text, float, lambda v: 0.0 <= v < 1.0, "is not in [0, 1)")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -242,33 +239,16 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
+    return _parsed(text, int, lambda v: v >= 0, "must be 0 or more")
 
 
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1)")
-    return value
+_ratio = _dropout  # a fraction in [0, 1)
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number, 0 or more")
-    return value
+    return _parsed(
+        text, float, lambda v: v >= 0 and math.isfinite(v), "must be a finite number, 0 or more"
+    )
 
 
 def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
