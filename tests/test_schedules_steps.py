@@ -88,6 +88,15 @@ def test_warmup_ratio_rounds_up_like_the_trainer():
     assert got == pytest.approx(transformers_lrs("cosine", steps, warmup, None), rel=1e-12)
 
 
+def test_an_auto_warmup_steps_leaves_the_ratio_in_charge():
+    params = {"total_num_steps": "auto", "warmup_num_steps": "auto", "warmup_ratio": 0.25}
+    assert _ours("linear", 8, params) == pytest.approx(
+        transformers_lrs("linear", 8, 2, None), rel=1e-12
+    )
+    auto = {"total_num_steps": "auto", "warmup_num_steps": "auto"}
+    assert _ours("linear", 8, auto) == pytest.approx(transformers_lrs("linear", 8, 0, None))
+
+
 def test_past_the_end_the_lr_stays_at_min_lr():
     got = _ours("cosine", 10, {"total_num_steps": 10, "min_lr": 1e-5})
     sched = build_schedule(

@@ -87,7 +87,7 @@ def check_scheduler_params(
             f"{path}.total_num_steps: required by {kind}; set it to the number of optimizer "
             f'steps of the run (or "auto" and pass it to Config.resolve)'
         )
-    if "warmup_ratio" in out and "warmup_num_steps" in out:
+    if "warmup_ratio" in out and out.get("warmup_num_steps", AUTO) != AUTO:
         raise ValueError(
             f"{path}: warmup_num_steps ({out['warmup_num_steps']}) and warmup_ratio "
             f"({out['warmup_ratio']}) both set the warmup; give one"
