@@ -132,3 +132,15 @@ def test_save_dir_needs_a_tokenizer(run, capsys):
     assert "--tokenizer DIR" in capsys.readouterr().err
     ids = ByteTokens()("ab")["input_ids"]
     assert ids == [256, 97, 98] and ByteTokens().decode([97, 257]) == "a"
+
+
+def test_a_lora_checkpoint_asks_for_a_merged_export(run, tmp_path, capsys):
+    model, _, _ = run
+    data = model.parent / "corpus.jsonl"
+    save = tmp_path / "lora"
+    assert main(train_args(model, data, save, "--steps", 1, "--lora-r", 2)) == 0
+    capsys.readouterr()
+    argv = ["generate", str(save), "--prompt", "x", "--tokenizer", str(model)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "LoRA adapters" in err and f"infinity export {save}" in err, err

@@ -168,8 +168,8 @@ def engine_logits(where: Path) -> Iterator[Logits]:
     """[Note: generating from a checkpoint] The checkpoint's config builds the model under
     `infinity.init` (fp32, parameters in RAM), its weights are streamed into the partitions
     one at a time, as `infinity export` reads them, and the engine's gathered forward runs
-    under no_grad: no gradient, no optimizer step. A LoRA checkpoint is refused by
-    `checkpoint_weights` (export it merged, then generate from the export)."""
+    under no_grad: no gradient, no optimizer step. A LoRA checkpoint is refused (export it
+    merged, then generate from the export)."""
     import infinity
     from infinity.cli.export import checkpoint_weights, open_checkpoint
     from infinity.config import Config
@@ -177,6 +177,12 @@ def engine_logits(where: Path) -> Iterator[Logits]:
     from infinity.models.hf_load import copying_sink
 
     ckpt = open_checkpoint(where, None)
+    if "base_model" in ckpt.state:  # a LoRA run saves its adapters alone
+        raise ValueError(
+            f"{ckpt.path} holds LoRA adapters without their base; export it merged "
+            f"(infinity export {where} --out DIR --copy-files TOKENIZER_FILES) and generate "
+            "from DIR"
+        )
     hf_dict, weights = checkpoint_weights(ckpt)
     config = Config.load({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
     config = config.resolve(total_num_steps=1)
