@@ -79,8 +79,15 @@ def run(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args, where)
     ids = prompt_ids(tok, args)
     with open_model(where) as logits_of:
-        new = sample(logits_of, ids, args.max_new_tokens, args.temperature, args.top_p,
-                     args.seed, eos_id=getattr(tok, "eos_token_id", None))  # fmt: skip
+        new = sample(
+            logits_of,
+            ids,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_p,
+            args.seed,
+            eos_id=getattr(tok, "eos_token_id", None),
+        )
     text = tok.decode(new, skip_special_tokens=True)
     print(text if args.chat is not None else args.prompt + text)
     return 0
