@@ -37,7 +37,7 @@ def _parse_bytes(text: str) -> int:
     return value
 
 
-def _open_checkpoint(path: Path, tag: str | None):
+def open_checkpoint(path: Path, tag: str | None):
     """A checkpoint directory itself, or the newest checkpoint of a save directory that
     verifies (the one `infinity train --resume` continues from), or its `tag`."""
     if (path / layout.METADATA).is_file() and tag is None:
@@ -102,7 +102,7 @@ def _check_outputs(out: Path, extra: list[Path]) -> None:
 def run(args: argparse.Namespace) -> int:
     extra = [Path(p) for p in args.copy_files]
     _check_outputs(Path(args.out), extra)
-    ckpt = _open_checkpoint(Path(args.checkpoint), args.tag)
+    ckpt = open_checkpoint(Path(args.checkpoint), args.tag)
     if (args.adapter or args.base) and not export_lora.is_lora_checkpoint(ckpt):
         flag = "--adapter" if args.adapter else "--base"
         raise ValueError(
@@ -179,4 +179,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-__all__ = ["checkpoint_weights", "register", "run"]
+__all__ = ["checkpoint_weights", "open_checkpoint", "register", "run"]

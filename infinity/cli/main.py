@@ -23,6 +23,8 @@ COMMANDS = [
     "infinity.cli.export",
     "infinity.cli.config_check",
     "infinity.cli.estimate",
+    "infinity.cli.plot",
+    "infinity.cli.generate",
 ]
 
 

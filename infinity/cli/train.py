@@ -17,10 +17,12 @@ from infinity.cli.train_flags import (
     add_input_flags,
     add_lora_flags,
     add_run_flags,
+    add_schedule_flags,
     add_training_flags,
     lora_spec,
     positive_int,
 )
+from infinity.cli.train_schedule import apply_schedule_flags
 from infinity.config import Config
 from infinity.config.resolve import check_batch
 from infinity.data.source import check_data_file
@@ -48,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_input_flags(parser)
     add_training_flags(parser)
+    add_schedule_flags(parser)
     add_lora_flags(parser)
     add_run_flags(parser)
     parser.set_defaults(func=run)
@@ -108,6 +111,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:
         base.setdefault("bf16", {})["enabled"] = args.dtype == "bf16"
     if args.seed is not None:
         base["seed"] = args.seed
+    apply_schedule_flags(args, raw, base)
     config = Config.load(base)
     if args.seed is None:
         check_seed(config.seed, f"the seed in {args.config}")

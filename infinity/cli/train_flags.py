@@ -12,37 +12,34 @@ import math
 from infinity.models import PRESETS
 
 
-def _positive_int(text: str) -> int:
+def _parsed(text: str, convert, ok, rule: str):
+    """`text` as a number (`convert` is int or float) for which `ok` holds, else argparse's
+    error with the `rule` it broke."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
+        kind = "whole number" if convert is int else "number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {kind}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{value} {rule}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _parsed(text, int, lambda v: v > 0, "must be positive")
 
 
 positive_int = _positive_int  # the other commands' counts are checked the same way
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number and positive")
-    return value
+    return _parsed(
+        text, float, lambda v: v > 0 and math.isfinite(v), "must be a finite number and positive"
+    )
 
 
 def _dropout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1)")
-    return value
+    return _parsed(text, float, lambda v: 0.0 <= v < 1.0, "is not in [0, 1)")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -230,4 +227,66 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         metavar="STEPS",
         help="record STEPS optimizer steps after one warm-up step with torch.profiler and "
         "write a Chrome trace (chrome://tracing, Perfetto) to SAVE_DIR/profile/",
+    )
+    parser.add_argument(
+        "--report-to",
+        choices=["none", "tensorboard"],
+        default="none",
+        help="also write each step's loss, learning rate, grad norm, tokens/s and time "
+        "breakdown as TensorBoard events under SAVE_DIR/tensorboard (needs the tensorboard "
+        "package: pip install 'infinity-trainer[tb]'); metrics.jsonl is always written",
+    )
+
+
+def _non_negative_int(text: str) -> int:
+    return _parsed(text, int, lambda v: v >= 0, "must be 0 or more")
+
+
+_ratio = _dropout  # a fraction in [0, 1)
+
+
+def _non_negative_float(text: str) -> float:
+    return _parsed(
+        text, float, lambda v: v >= 0 and math.isfinite(v), "must be a finite number, 0 or more"
+    )
+
+
+def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
+    """The learning-rate schedule and the weight decay (one argument group); their meaning
+    is in `infinity.cli.train_schedule`."""
+    group = parser.add_argument_group(
+        "schedule",
+        "the learning rate over the run, as transformers' get_scheduler gives it "
+        "(docs/training.md)",
+    )
+    group.add_argument(
+        "--lr-schedule",
+        choices=["constant", "linear", "cosine"],
+        help="after the warmup: stay at --lr, or decay to --min-lr at the last step, linearly "
+        "or along a half cosine (default: constant, or as the config's scheduler says)",
+    )
+    warmup = group.add_mutually_exclusive_group()
+    warmup.add_argument(
+        "--warmup-steps",
+        type=_non_negative_int,
+        metavar="N",
+        help="raise the lr linearly from 0 over the first N optimizer steps (default 0)",
+    )
+    warmup.add_argument(
+        "--warmup-ratio",
+        type=_ratio,
+        metavar="R",
+        help="warm up over ceil(R x the run's steps) steps instead, R in [0, 1)",
+    )
+    group.add_argument(
+        "--min-lr",
+        type=_non_negative_float,
+        metavar="LR",
+        help="the lr linear and cosine decay to at the last step (default 0)",
+    )
+    group.add_argument(
+        "--weight-decay",
+        type=_non_negative_float,
+        metavar="WD",
+        help="AdamW's decoupled weight decay (config: optimizer.params.weight_decay, default 0)",
     )

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import infinity
-from infinity.checkpoint import Checkpoint, MetricsLog, load_checkpoint, prune
+from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.cli import train_disk
 from infinity.cli.train import tokenizer_dir
 from infinity.cli.train_failures import (
@@ -35,6 +35,7 @@ from infinity.cli.train_failures import (
 )
 from infinity.cli.train_flags import lora_spec
 from infinity.cli.train_ranks import Ranks
+from infinity.cli.train_report import metrics_log
 from infinity.cli.train_savedir import (
     RunShape,
     check_resume,
@@ -75,7 +76,7 @@ class TrainRun:
         `train.check_inputs` described and checked them."""
         self.model_dir = self.model.model_dir
         self.config = config
-        self.metrics = MetricsLog(self.save_dir)
+        self.metrics = metrics_log(args, self.save_dir)  # and TensorBoard (--report-to)
         self.param_shapes = self.model.param_shapes
         """HF names and shapes of the model's unique parameters (from a meta model, once)."""
         self._saved: str | None = None

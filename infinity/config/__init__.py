@@ -5,7 +5,12 @@ mapped onto these dataclasses; nothing below this package sees raw dicts. `AUTO`
 that are derived later from the model or the world size (see `Config.resolve`).
 """
 
-from infinity.config.scheduler_params import SCHEDULER_PARAMS, WARMUP_TYPES, check_scheduler_params
+from infinity.config.scheduler_params import (
+    SCHEDULER_PARAMS,
+    STEP_SCHEDULES,
+    WARMUP_TYPES,
+    check_scheduler_params,
+)
 from infinity.config.sections import (
     AioConfig,
     BF16Config,
@@ -23,6 +28,7 @@ from infinity.config.values import AUTO
 __all__ = [
     "AUTO",
     "SCHEDULER_PARAMS",
+    "STEP_SCHEDULES",
     "WARMUP_TYPES",
     "AioConfig",
     "BF16Config",

@@ -128,6 +128,8 @@ def _resolve_scheduler(cfg: Config, total: int | None, warmup: int | None) -> No
                 "Config.resolve(total_num_steps=...) or set it in the config"
             )
         params["total_num_steps"] = total
+    if params.get("warmup_num_steps") == AUTO and params.get("warmup_ratio") is not None:
+        del params["warmup_num_steps"]  # the ratio sets the warmup (a step schedule's)
     if params.get("warmup_num_steps") == AUTO:
         if warmup is None:
             warmup = SCHEDULER_PARAMS[sched.type]["warmup_num_steps"][1]

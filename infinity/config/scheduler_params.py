@@ -1,4 +1,5 @@
-"""The parameters each DeepSpeed LR schedule accepts, and their validation.
+"""The parameters each LR schedule accepts (DeepSpeed's, and the transformers-style ones the
+`infinity train` flags write), and their validation.
 
 Checked when the config is loaded, so a bad schedule fails before training starts; the
 schedules themselves live in `infinity.optim.schedules`.
@@ -33,7 +34,26 @@ SCHEDULER_PARAMS: dict[str, dict[str, tuple[str, Any]]] = {
         "last_batch_iteration": ("iteration", -1),
     },
 }
-"""Every parameter each schedule accepts, with DeepSpeed's defaults."""
+"""Every parameter each DeepSpeed schedule accepts, with DeepSpeed's defaults."""
+
+# [Note: transformers-style schedules] "constant", "linear" and "cosine" follow
+# `transformers.get_scheduler`'s constant_with_warmup, linear (warmup_stable_decay with a
+# min_lr) and cosine (cosine_with_min_lr): a linear warmup from 0 over warmup_num_steps, then
+# the decay to min_lr at total_num_steps. warmup_ratio instead of warmup_num_steps means
+# ceil(warmup_ratio * total_num_steps), as the Trainer counts it. See infinity.optim.schedules.
+_DECAY_PARAMS: dict[str, tuple[str, Any]] = {
+    "total_num_steps": ("steps", None),
+    "warmup_num_steps": ("count", 0),
+    "warmup_ratio": ("ratio", None),
+    "min_lr": ("lr", 0.0),
+}
+STEP_SCHEDULES: dict[str, dict[str, tuple[str, Any]]] = {
+    "constant": {k: v for k, v in _DECAY_PARAMS.items() if k != "min_lr"},
+    "linear": dict(_DECAY_PARAMS),
+    "cosine": dict(_DECAY_PARAMS),
+}
+"""The transformers-style schedules (the names `infinity train --lr-schedule` takes)."""
+SCHEDULER_PARAMS.update(STEP_SCHEDULES)
 
 
 def check_scheduler_params(
@@ -67,9 +87,17 @@ def check_scheduler_params(
             f"{path}.total_num_steps: required by {kind}; set it to the number of optimizer "
             f'steps of the run (or "auto" and pass it to Config.resolve)'
         )
+    if "warmup_ratio" in out and out.get("warmup_num_steps", AUTO) != AUTO:
+        raise ValueError(
+            f"{path}: warmup_num_steps ({out['warmup_num_steps']}) and warmup_ratio "
+            f"({out['warmup_ratio']}) both set the warmup; give one"
+        )
     total = out.get("total_num_steps")
     warmup = out.get("warmup_num_steps", spec["warmup_num_steps"][1])
-    if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
+    # A step schedule is checked when it is built (infinity.optim.schedules): `infinity train`
+    # resolves its config with a placeholder run length before it knows the real one.
+    step_schedule = kind in STEP_SCHEDULES
+    if isinstance(total, int) and isinstance(warmup, int) and total < warmup and not step_schedule:
         default = "" if "warmup_num_steps" in out else ", the default"
         raise ValueError(
             f"{path}.total_num_steps: {total} is less than warmup_num_steps ({warmup}{default}); "
@@ -84,8 +112,8 @@ def _check_schedule_value(kind: str, value: Any, path: str) -> Any:
         if value not in WARMUP_TYPES:
             raise ValueError(f"{path}: {value!r} is not one of 'log', 'linear'")
         return value
-    if kind in ("steps", "iteration"):
-        low = 1 if kind == "steps" else -1
+    if kind in ("steps", "iteration", "count"):
+        low = {"steps": 1, "count": 0, "iteration": -1}[kind]
         number = to_int(value, path)
         if number < low:
             raise ValueError(f"{path}: {number} is below the minimum {low}")

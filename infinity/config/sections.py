@@ -154,9 +154,14 @@ class OptimizerConfig:
 class SchedulerConfig:
     """A learning-rate schedule, DeepSpeed names and parameters."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] | None = None
+    type: (
+        Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "constant", "linear", "cosine"]
+        | None
+    ) = None
+    """DeepSpeed's schedules, or transformers-style ones ([Note: transformers-style
+    schedules] in infinity.config.scheduler_params)."""
     params: dict[str, Any] = field(default_factory=dict)
-    """DeepSpeed's parameters for `type` (see `SCHEDULER_PARAMS`); missing ones take defaults."""
+    """The parameters for `type` (see `SCHEDULER_PARAMS`); missing ones take defaults."""
 
 
 @dataclass(kw_only=True, slots=True)

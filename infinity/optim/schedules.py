@@ -1,4 +1,5 @@
-"""Learning-rate schedules: DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, plus constant.
+"""Learning-rate schedules: DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, plus constant,
+and the transformers-style constant, linear and cosine that `infinity train --lr-schedule` sets.
 
 A schedule is a pure function of how many optimizer steps have been applied; it does not touch
 an optimizer. The engine asks `lr_at(step)` before each optimizer step. Parameters are checked
@@ -15,6 +16,16 @@ step of WarmupLR/WarmupDecayLR uses `warmup_min_lr` and so does the second (log(
 must not be counted in `step`. A `last_batch_iteration` parameter k shifts the whole schedule:
 step s uses DeepSpeed's iteration k + s (DeepSpeed itself leaves the optimizer's lr in place
 for the first step when k != -1).
+
+[Note: transformers-style step indexing] "constant", "linear" and "cosine" give, for applied
+step `step`, the lr `transformers.get_scheduler` (constant_with_warmup, linear or
+warmup_stable_decay with min_lr_ratio, cosine or cosine_with_min_lr) sets for the same step:
+base_lr * step / warmup while step < warmup (so the first step's lr is 0 when there is a
+warmup); then constant at base_lr, or decaying to min_lr at total_num_steps (linear:
+min_lr + (base_lr - min_lr) * (total - step) / (total - warmup); cosine: the same with a half
+cosine). Past total_num_steps the lr stays at min_lr (transformers' cosine would rise again).
+The warmup starts from 0 with a min_lr too, as cosine_with_min_lr's does (warmup_stable_decay,
+transformers' linear decay to a min_lr, starts its warmup from min_lr instead).
 """
 
 from __future__ import annotations
@@ -23,7 +34,12 @@ import logging
 import math
 from typing import Any
 
-from infinity.config import SCHEDULER_PARAMS, SchedulerConfig, check_scheduler_params
+from infinity.config import (
+    SCHEDULER_PARAMS,
+    STEP_SCHEDULES,
+    SchedulerConfig,
+    check_scheduler_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +61,9 @@ class Schedule:
         p = self.params
         if kind is None:
             return
+        if kind in STEP_SCHEDULES:
+            self._init_step_schedule()
+            return
         # DeepSpeed raises a warmup shorter than 2 to 2 (a log warmup needs log(W) > 0).
         self._warmup = max(2, int(p["warmup_num_steps"]))
         self._log_scale = 1.0 / math.log(self._warmup)
@@ -60,6 +79,8 @@ class Schedule:
             raise ValueError(f"lr_at: step must be >= 0 (applied optimizer steps), got {step}")
         if self.kind is None:
             return self.base_lr
+        if self.kind in STEP_SCHEDULES:
+            return self._step_schedule_lr(step)
         iteration = self._offset + step  # DeepSpeed's last_batch_iteration
         if self.kind == "WarmupCosineLR":
             return 0.0 if iteration < 0 else self.base_lr * self._cosine_ratio(iteration)
@@ -75,6 +96,42 @@ class Schedule:
     def step(self) -> None:
         """Count one applied optimizer step (do not call for steps skipped on overflow)."""
         self.steps += 1
+
+    def _init_step_schedule(self) -> None:
+        p = self.params
+        total = int(p["total_num_steps"])
+        ratio = p.get("warmup_ratio")
+        # As the Trainer's get_warmup_steps: a ratio of the run, rounded up.
+        self._warmup = math.ceil(ratio * total) if ratio is not None else int(p["warmup_num_steps"])
+        if self._warmup > total:
+            raise ValueError(
+                f"scheduler.params: the warmup ({self._warmup} steps) is longer than the run "
+                f"(total_num_steps {total}); lower --warmup-steps or --warmup-ratio, or train "
+                "for more steps"
+            )
+        min_lr = float(p.get("min_lr", 0.0))
+        if min_lr > self.base_lr:
+            raise ValueError(
+                f"scheduler.params.min_lr ({min_lr}) is above the lr ({self.base_lr}): the "
+                f"{self.kind} schedule decays from the lr down to min_lr; lower --min-lr"
+            )
+        self._min_ratio = min_lr / self.base_lr if self.base_lr > 0 else 0.0
+
+    def _step_schedule_lr(self, step: int) -> float:
+        """[Note: transformers-style step indexing]; the factor is computed as transformers
+        does, so the rates agree to the last bit or nearly."""
+        warmup, total = self._warmup, int(self.params["total_num_steps"])
+        if step < warmup:
+            return self.base_lr * (float(step) / float(max(1, warmup)))
+        if self.kind == "constant":
+            return self.base_lr
+        progress = min(1.0, float(step - warmup) / float(max(1, total - warmup)))
+        if self.kind == "linear":
+            factor = max(0.0, float(total - step) / float(max(1, total - warmup)))
+        else:
+            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+        factor = factor * (1 - self._min_ratio) + self._min_ratio
+        return self.base_lr * max(0.0, factor)
 
     def _warmup_fraction(self, iteration: int) -> float:
         if self.params["warmup_type"] == "log":
