@@ -31,7 +31,7 @@ import time
 import torch
 
 from infinity.cli.bench_aio import BENCH_FILE, human, machine_info, parse_bytes
-from infinity.swap import AioHandle, aligned_empty, available_backends
+from infinity.io import AioHandle, aligned_empty, available_backends
 
 
 def ensure_fio() -> str | None:

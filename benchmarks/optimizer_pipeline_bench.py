@@ -25,8 +25,8 @@ import time
 import torch
 
 from benchmarks.optimizer_swap_bench import machine, open_aio, state_groups
+from infinity.io.aio import AioHandle
 from infinity.optim import adam_step_flat
-from infinity.swap.aio import AioHandle
 from infinity.swap.nvme_state import NvmeStateStore
 from infinity.swap.store import SwapStore
 

@@ -1,5 +1,5 @@
 // Python binding of the I/O engine. Buffers arrive as raw addresses with a byte count and
-// file descriptors as ints; infinity/swap/aio.py checks buffers, opens files, splits off the
+// file descriptors as ints; infinity/io/aio.py checks buffers, opens files, splits off the
 // unaligned head and tail, and turns the (errno, offset, what) results into exceptions with
 // the path and a hint. The GIL is released on everything that can block.
 #include <pybind11/pybind11.h>
@@ -69,7 +69,7 @@ py::dict stats(const Engine& engine) {
 
 PYBIND11_MODULE(_aio, m) {
     m.doc() = "Asynchronous file I/O with kernel AIO or io_uring through raw syscalls (raw "
-              "addresses; see infinity.swap.aio for the checked Python entry point).";
+              "addresses; see infinity.io.aio for the checked Python entry point).";
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);

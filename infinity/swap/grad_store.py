@@ -35,7 +35,7 @@ import torch
 
 from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
-from infinity.swap.aio import AioHandle, aligned_empty
+from infinity.io.aio import AioHandle, aligned_empty
 from infinity.swap.store import SwapStore, align_up
 
 logger = logging.getLogger(__name__)

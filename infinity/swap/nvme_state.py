@@ -39,7 +39,7 @@ import torch
 
 from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
-from infinity.swap.aio import AioHandle, aligned_empty
+from infinity.io.aio import AioHandle, aligned_empty
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
 from infinity.swap.state_store import SubGroupState
 from infinity.swap.store import ALIGN_BYTES, SwapStore, align_up

@@ -36,7 +36,7 @@ import torch
 
 from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
-from infinity.swap.aio import AioHandle
+from infinity.io.aio import AioHandle
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
 from infinity.swap.store import ALIGN_BYTES, Extent, SwapStore, align_up
 

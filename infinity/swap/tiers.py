@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
-from infinity.swap.aio import AioHandle
+from infinity.io.aio import AioHandle
 from infinity.swap.grad_store import GRAD_BUFFERS, HostGradStore, NvmeGradStore
 from infinity.swap.nvme_state import NvmeStateStore, pipeline_buffer_count
 from infinity.swap.param_store import NvmeParamStore

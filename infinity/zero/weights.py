@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from infinity.swap.aio import aligned_empty
+from infinity.io.aio import aligned_empty
 from infinity.swap.state_store import HostStateStore
 from infinity.zero.home import HostHome, NvmeHome
 from infinity.zero.sub_groups import FlatLayout

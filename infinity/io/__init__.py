@@ -1,0 +1,26 @@
+"""Asynchronous file I/O of whole host buffers: the one path every NVMe transfer takes.
+
+Owns the I/O handle and its futures (`aio`), the checks on buffers, files and engines and
+`AioError` (`aio_checks`), and the POSIX thread-pool engine that is the Python twin of the
+native one (`aio_posix`; the native engines live in `infinity._aio`). It knows nothing of
+what is stored where: the swap tiers (`infinity.swap`) decide that.
+"""
+
+from infinity.io.aio import (
+    AioFallbackWarning,
+    AioFuture,
+    AioHandle,
+    aligned_empty,
+    preallocate,
+)
+from infinity.io.aio_checks import AioError, available_backends
+
+__all__ = [
+    "AioError",
+    "AioFallbackWarning",
+    "AioFuture",
+    "AioHandle",
+    "aligned_empty",
+    "available_backends",
+    "preallocate",
+]
