@@ -28,7 +28,10 @@ def test_swap_checksum_bench_tiny(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(out.read_text())
     assert rec["identical"] is True  # checking changes no result
-    assert len(rec["sweep_s_checksums_on"]) == len(rec["sweep_s_checksums_off"]) == 3
-    assert len(rec["paired_ratios"]) == 3 and rec["sweep_gbps_on"] > 0
-    assert rec["checksum_gbps_one_core"] > 0 and rec["checksum"] in ("CRC-32C", "CRC-32")
+    assert [v["name"] for v in rec["variants"]] == ["off", "sampled", "full"]
+    for v in rec["variants"]:
+        assert len(v["sweep_s"]) == len(v["paired_ratios"]) == 3 and v["sweep_gbps"] > 0
+        assert (v["name"] == "off") is ("sum_gbps_one_core" not in v)
+    assert rec["variants"][0]["cost"] == 0.0
+    assert rec["checksum"] in ("CRC-32C", "CRC-32")
     assert list(swap.iterdir()) == []  # the swap store cleaned up

@@ -69,7 +69,7 @@ def _check(sums: ExtentSums, path: str, offset: int, data: torch.Tensor):
 
 
 def test_a_read_of_what_was_written_passes_and_a_changed_byte_is_found():
-    sums, disk = ExtentSums(chunk_bytes=1024), _buf(10_000, 0)
+    sums, disk = ExtentSums(chunk_bytes=1024, sample_bytes=4096), _buf(10_000, 0)
     sums.written("f", 500, disk[500:8000])
     assert _check(sums, "f", 500, disk[500:8000]) is None
     assert _check(sums, "f", 0, disk) is None  # a larger read checks the range inside it
@@ -84,7 +84,7 @@ def test_a_read_of_what_was_written_passes_and_a_changed_byte_is_found():
 
 
 def test_partial_writes_update_whole_chunks_and_forget_torn_ones():
-    sums, disk = ExtentSums(chunk_bytes=1024), _buf(8192, 1)
+    sums, disk = ExtentSums(chunk_bytes=1024, sample_bytes=4096), _buf(8192, 1)
     sums.written("f", 0, disk)
     new = _buf(2048, 2)
     disk[1024:3072] = new  # two whole chunks
@@ -102,10 +102,36 @@ def test_partial_writes_update_whole_chunks_and_forget_torn_ones():
 
 
 def test_a_write_over_whole_records_replaces_them():
-    sums = ExtentSums(chunk_bytes=1024)
+    sums = ExtentSums(chunk_bytes=1024, sample_bytes=4096)
     for k in range(4):
         sums.written("f", k * 3000, _buf(3000, k))
     disk = _buf(12_000, 9)
     sums.written("f", 0, disk)  # covers all four: one record now
     assert _check(sums, "f", 0, disk) is None
     assert len(sums._files["f"]) == 1
+
+
+@pytest.mark.parametrize("native_path", [True, False])
+def test_sampled_sums_cover_the_head_of_every_page(monkeypatch, native_path):
+    if native_path and not checksum._NATIVE:
+        pytest.skip("infinity._aio is built without crc32c_chunks")
+    monkeypatch.setattr(checksum, "_NATIVE", native_path)
+    data = np.random.default_rng(3).integers(0, 256, 5 * 4096 + 300, dtype=np.uint8)
+    got = chunk_sums(data, 8192, 64).tolist()
+    if native_path:  # CRC-32C of the heads, chained: the twin's
+        heads = [
+            b"".join(
+                data[k + p : k + p + 64].tobytes()
+                for p in range(0, 8192, 4096)
+                if k + p < data.size
+            )  # fmt: skip
+            for k in range(0, data.size, 8192)
+        ]
+        assert got == [crc32c_reference(h) for h in heads]
+    sums = ExtentSums(chunk_bytes=8192, sample_bytes=64)
+    disk = torch.from_numpy(data.copy())
+    sums.written("f", 0, disk)
+    disk[4096 + 300] ^= 1  # past the sampled head of its page: not covered
+    assert _check(sums, "f", 0, disk) is None
+    disk[2 * 4096 + 10] ^= 1  # in a head: found
+    assert _check(sums, "f", 0, disk).offset == 8192

@@ -41,9 +41,11 @@ def _zero(path: str, offset: int, nbytes: int) -> None:
         os.close(fd)
 
 
-def test_a_changed_extent_raises_naming_file_offset_and_the_fix(tmp_path, aio):
+@pytest.mark.parametrize("sample", [64, 4096], ids=["sampled-inline", "full-threads"])
+def test_a_changed_extent_raises_naming_file_offset_and_the_fix(tmp_path, aio, sample):
     path = str(tmp_path / "x.swp")
     io = ExtentIO(aio, tier="optim", error=NvmeStateError)
+    io.sums.sample_bytes = sample
     data = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
     io.write(data, path, 8192, what="optimizer sub-group 3").wait()
     back = torch.empty_like(data)
@@ -63,6 +65,7 @@ def test_a_changed_extent_raises_naming_file_offset_and_the_fix(tmp_path, aio):
     assert "resume from the last checkpoint" in text
     with pytest.raises(NvmeStateError, match="earlier transfer failed"):
         io.check_usable("sweep")
+    io.close()
 
 
 def test_without_checksums_a_change_goes_unseen(tmp_path, aio):
@@ -141,7 +144,7 @@ def test_parameters_changed_on_disk_are_found(swap, aio):
     assert torch.all(fut.wait() == 1)
     ps.release(fut)
     ext = ps.layout("w").extent
-    _zero(ext.path, ext.offset + 100, 2)
+    _zero(ext.path, ext.offset + 4096, 4096)  # one page
     with pytest.raises(NvmeParamError, match=r"swap_in of parameter 'w' .*param\.0\.swp"):
         ps.swap_in("w").wait()
     assert pool.free_count == 2  # the failed read gave its buffer back

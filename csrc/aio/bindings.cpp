@@ -120,16 +120,19 @@ PYBIND11_MODULE(_aio, m) {
         "takes the table path even where SSE4.2 exists.");
     m.def(
         "crc32c_chunks",
-        [](uintptr_t address, size_t nbytes, size_t chunk, uintptr_t out, bool hardware) {
+        [](uintptr_t address, size_t nbytes, size_t chunk, uintptr_t out, bool hardware,
+           size_t sample, size_t stride) {
             if (chunk == 0) throw std::invalid_argument("chunk must be > 0");
             py::gil_scoped_release no_gil;
             infinity_aio::crc32c_chunks(reinterpret_cast<const uint8_t*>(address), nbytes, chunk,
-                                        reinterpret_cast<uint32_t*>(out), hardware);
+                                        reinterpret_cast<uint32_t*>(out), hardware, sample,
+                                        stride);
         },
         py::arg("address"), py::arg("nbytes"), py::arg("chunk"), py::arg("out"),
-        py::arg("hardware") = true,
+        py::arg("hardware") = true, py::arg("sample") = 0, py::arg("stride") = 0,
         "CRC-32C of each chunk bytes of [address, address + nbytes) into the uint32 array at "
-        "out (ceil(nbytes / chunk) entries; GIL released).");
+        "out (ceil(nbytes / chunk) entries; GIL released). With 0 < sample < stride, of the "
+        "first sample bytes of every stride bytes of each chunk only.");
     m.def("crc32c_hardware", &infinity_aio::crc32c_hardware,
           "True when the CPU has the SSE4.2 crc32 instruction.");
     m.def("probe", &probe, py::arg("backend"), py::arg("queue_depth") = 8,

@@ -109,8 +109,20 @@ uint32_t crc32c(const uint8_t* data, size_t nbytes, uint32_t crc, bool hardware)
 }
 
 void crc32c_chunks(const uint8_t* data, size_t nbytes, size_t chunk, uint32_t* out,
-                   bool hardware) {
+                   bool hardware, size_t sample, size_t stride) {
     if (chunk == 0) return;
+    if (sample > 0 && stride > sample) {
+        for (size_t k = 0; k * chunk < nbytes; ++k) {
+            const size_t end = nbytes - k * chunk < chunk ? nbytes - k * chunk : chunk;
+            uint32_t crc = 0;
+            for (size_t at = 0; at < end; at += stride) {
+                const size_t n = end - at < sample ? end - at : sample;
+                crc = crc32c(data + k * chunk + at, n, crc, hardware);
+            }
+            out[k] = crc;
+        }
+        return;
+    }
     const size_t full = nbytes / chunk;
     size_t k = 0;
 #ifdef INFINITY_CRC_X86

@@ -17,7 +17,10 @@ uint32_t crc32c(const uint8_t* data, size_t nbytes, uint32_t crc, bool hardware)
 // The CRC-32C of each `chunk` bytes of [data, data + nbytes) into out[0..ceil(nbytes/chunk)),
 // the last chunk short if nbytes is not a multiple. Chunks are independent, so the hardware
 // path runs three of them at once (three dependency chains keep the unit busy).
+//
+// With `sample` > 0, each chunk's CRC covers only the first `sample` bytes of every `stride`
+// bytes of the chunk (counted from the chunk's start), chained in order: a sampled sum.
 void crc32c_chunks(const uint8_t* data, size_t nbytes, size_t chunk, uint32_t* out,
-                   bool hardware);
+                   bool hardware, size_t sample = 0, size_t stride = 0);
 
 }  // namespace infinity_aio

@@ -13,6 +13,15 @@ sums of the chunks it covers whole when it is issued, and compares them with the
 got once it has landed: the tiers never issue a read over a write still in flight, so the
 sums taken at issue are those of the bytes on disk. Sums live in memory only and are never
 compared across processes, so without the extension a slower CRC (zlib's CRC-32) stands in.
+
+[Note: sampled sums] By default a chunk's sum covers the first `SAMPLE_BYTES` (64: one cache
+line) of each of its 4 KiB pages (pages of the file: extents start on page boundaries).
+Any change of 4 KiB or more, such as a block the file system or the disk loses, misdirects
+or zeroes, covers a page's head and is found, as is any change to a head; a smaller change
+inside the rest of a page is not. Summing every byte costs 10-25% of the NVMe optimizer's
+sweep on the 2-core development machine even on threads of its own, the sampled sums (one
+line per page, about 350 GB/s) nothing measurable (benchmarks/swap_checksum_bench.py,
+BENCHMARKS.md); `ExtentSums.sample_bytes` = 4096 sums every byte.
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ try:
 except ImportError:  # built without a compiler: zlib's CRC stands in (see the note)
     _native = None
 
+PAGE_BYTES = 4096
+SAMPLE_BYTES = 64
+"""Bytes of each 4 KiB page a sum covers by default (see [Note: sampled sums])."""
 CHUNK_BYTES = 16 << 10
 """Bytes per checksum: 4 bytes of RAM per 16 KiB of swap (256 MiB per TiB). A row of 4096
 fp32 gradients, so the gradient tier's read-add-write of a few rows rewrites whole chunks
@@ -64,19 +76,30 @@ def crc32c_reference(data: bytes | memoryview, crc: int = 0) -> int:
     return c ^ 0xFFFFFFFF
 
 
-def chunk_sums(buf, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
+def chunk_sums(buf, chunk_bytes: int = CHUNK_BYTES, sample_bytes: int = 0) -> np.ndarray:
     """The checksum (`NAME`) of each `chunk_bytes` of a contiguous host buffer (a torch
     tensor or numpy array of any dtype), the last chunk short: uint32[ceil(nbytes / chunk)].
-    The native path releases the GIL."""
+    With 0 < `sample_bytes` < `PAGE_BYTES`, each sum covers only the first `sample_bytes`
+    of every page of its chunk (see [Note: sampled sums]). The native path releases the
+    GIL."""
     span = buffer_span(buf, writable=False)
     out = np.empty(-(-span.nbytes // chunk_bytes), dtype=np.uint32)
+    sampled = 0 < sample_bytes < PAGE_BYTES
     if _NATIVE:
-        _native.crc32c_chunks(span.address, span.nbytes, chunk_bytes, out.ctypes.data)
+        _native.crc32c_chunks(span.address, span.nbytes, chunk_bytes, out.ctypes.data, True,
+                              sample_bytes if sampled else 0, PAGE_BYTES)  # fmt: skip
         return out
     flat = _flat_bytes(buf)
     view = memoryview(flat if isinstance(flat, np.ndarray) else flat.numpy())
     for k in range(out.size):
-        out[k] = zlib.crc32(view[k * chunk_bytes : (k + 1) * chunk_bytes])
+        chunk = view[k * chunk_bytes : (k + 1) * chunk_bytes]
+        if not sampled:
+            out[k] = zlib.crc32(chunk)
+            continue
+        crc = 0
+        for at in range(0, len(chunk), PAGE_BYTES):
+            crc = zlib.crc32(chunk[at : at + sample_bytes], crc)
+        out[k] = crc
     return out
 
 
@@ -119,10 +142,12 @@ class ExtentSums:
     """The checksums of what was written to each file (see [Note: extent checksums]).
     Thread-safe."""
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, sample_bytes: int = SAMPLE_BYTES) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
+        self.sample_bytes = sample_bytes
+        """Bytes of each page the sums cover (`PAGE_BYTES` or more: every byte)."""
         self._files: dict[str, list[_Record]] = {}  # by offset; records never overlap
         self._lock = threading.Lock()
 
@@ -138,9 +163,12 @@ class ExtentSums:
                 for r in hit:  # a write into recorded ranges updates them
                     self._update(r, offset, buf, nbytes)
                 return  # its bytes outside every record stay unchecked
-            for r in hit:
-                records.remove(r)
-            sums = chunk_sums(buf, self.chunk_bytes)
+        # Outside the lock: the tiers never have two writes over one range in flight.
+        sums = chunk_sums(buf, self.chunk_bytes, self.sample_bytes)
+        with self._lock:
+            records = self._files[path]
+            for r in self._overlapping(records, offset, offset + nbytes):
+                records.remove(r)  # whole records under this write
             bisect.insort(records, _Record(offset, nbytes, sums, np.ones(sums.size, bool)),
                           key=lambda r: r.offset)  # fmt: skip
 
@@ -169,7 +197,7 @@ class ExtentSums:
         flat = _flat_bytes(buf)
         for e in expected:
             lo = e.offset - offset
-            got = chunk_sums(flat[lo : lo + e.nbytes], self.chunk_bytes)
+            got = chunk_sums(flat[lo : lo + e.nbytes], self.chunk_bytes, self.sample_bytes)
             bad = np.flatnonzero((got != e.sums) & e.known)
             if bad.size:
                 k = int(bad[0])
@@ -184,7 +212,9 @@ class ExtentSums:
         if first < stop:
             lo = r.offset + first * self.chunk_bytes - offset
             hi = min(r.offset + stop * self.chunk_bytes, r.end) - offset
-            r.sums[first:stop] = chunk_sums(_flat_bytes(buf)[lo:hi], self.chunk_bytes)
+            r.sums[first:stop] = chunk_sums(
+                _flat_bytes(buf)[lo:hi], self.chunk_bytes, self.sample_bytes
+            )
             r.known[first:stop] = True
         touched_first, touched_stop = self._touched(r, offset, offset + nbytes)
         for k in (touched_first, touched_stop - 1):

@@ -24,6 +24,7 @@ import errno
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,10 @@ from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
 from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import buffer_span
-from infinity.io.checksum import NAME, Expected, ExtentSums
+from infinity.io.checksum import NAME, PAGE_BYTES, Expected, ExtentSums, Mismatch
+
+SUM_THREADS = 4
+"""Checksum threads per tier: each read being checked waits on one until it lands."""
 
 
 class ExtentError(OSError):
@@ -77,12 +81,14 @@ class Transfer:
     """One request of a tier in flight. `wait()` returns once it has finished and, for a
     read, once its bytes match what was written there; it raises the tier's error otherwise
     (the same error on every call). Waiting from several threads is safe; the bytes are
-    counted once. The buffer stays referenced until the transfer is waited or dropped."""
+    counted once. The buffer stays referenced until the transfer is waited or dropped.
+    `job` is its checksum work, if any, on the tier's checksum threads or deferred to the
+    first wait: the sums of a write's buffer, or a read's landing and check."""
 
-    def __init__(self, io, write, op, what, path, offset, buf, nbytes, count, future, expected):
+    def __init__(self, io, write, op, what, path, offset, buf, nbytes, count, future, job):
         self._io, self.write, self.op, self.what = io, write, op, what
         self.path, self.offset, self.nbytes, self._count = path, offset, nbytes, count
-        self.buf, self._future, self._expected = buf, future, expected
+        self.buf, self._future, self._job = buf, future, job
         self._lock = threading.Lock()
         self._finished = False
         self._error: ExtentError | None = None
@@ -91,7 +97,9 @@ class Transfer:
 
     def done(self) -> bool:
         """True when the request has finished (successfully or not); never blocks."""
-        return self._finished or self._future.done()
+        if self._finished:
+            return True
+        return self._future.done() and (self._job is None or self._job.done())
 
     def wait(self) -> None:
         with self._lock:
@@ -113,6 +121,9 @@ class Transfer:
         """Let the request end, whatever its outcome (the handle's futures may be waited
         again: they raise their error again, or finish a wait that was interrupted)."""
         with contextlib.suppress(BaseException):  # the outcome is reported elsewhere or unused
+            if self._job is not None and not isinstance(self._job, _Deferred):
+                self._job.result()  # a thread may still be checking into the buffer
+        with contextlib.suppress(BaseException):
             self._future.wait()
 
     def _finish(self) -> None:
@@ -120,9 +131,13 @@ class Transfer:
         start = time.perf_counter()
         try:
             with profile_range(io.profile_name):
-                self._future.wait()
-            if self._expected:
-                self._check()
+                # A write's sums are recorded before its outcome is known (a failure then
+                # forgets them); a read's job waits for it and checks it.
+                found = self._job.result() if self._job is not None else None
+                if self.write or self._job is None:
+                    self._future.wait()
+            if found is not None:
+                self._check(found)
         except BaseException as e:
             corrupt = isinstance(e, ExtentError)  # raised by _check
             if corrupt:
@@ -139,10 +154,7 @@ class Transfer:
         if self._error is None and not self.write:
             io.count(False, self._count)
 
-    def _check(self) -> None:
-        bad = self._io.sums.verify(self._expected, self.offset, self.buf)
-        if bad is None:
-            return
+    def _check(self, bad: Mismatch) -> None:
         raise self._io.error_for(
             self,
             f"read back other bytes than were written: file bytes [{bad.offset}, "
@@ -157,6 +169,30 @@ class Transfer:
         )
 
 
+class _Deferred:
+    """A read's check run by its first waiter, on the waiting thread."""
+
+    def __init__(self, fn, *args) -> None:
+        self._call: tuple | None = (fn, *args)
+        self._outcome: tuple = ()
+
+    def done(self) -> bool:
+        return True  # nothing runs before a wait
+
+    def result(self):
+        if self._call is not None:
+            fn, *args = self._call
+            self._call = None
+            try:
+                self._outcome = (fn(*args), None)
+            except BaseException as e:
+                self._outcome = (None, e)
+        value, error = self._outcome
+        if error is not None:
+            raise error
+        return value
+
+
 class ExtentIO:
     """The transfers of one tier (`tier`: "param", "optim", "grad"), through `aio`: an
     `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and owned).
@@ -164,7 +200,10 @@ class ExtentIO:
     Failures raise `error` (a subclass of `ExtentError`), whose message ends with `advice`;
     the first is kept in `failed` and `check_usable` refuses further use after it where the
     tier wants that (see `check_usable`). With `checksums`, every write records its sums and
-    every read is checked against them (see [Note: extent checksums] in checksum.py)."""
+    every read is checked against them (see [Note: extent checksums] in checksum.py): the
+    default sampled sums on the caller's thread (about 1% of a sweep), sums of every byte
+    (`sums.sample_bytes` = 4096) on threads of the tier's own, so that the sums of one
+    sub-group are computed while the caller steps the next and the disk moves a third."""
 
     def __init__(
         self,
@@ -180,6 +219,7 @@ class ExtentIO:
         self.tier, self.error, self.advice = tier, error, advice
         self.profile_name = f"infinity::swap::{tier}_wait"
         self.sums = ExtentSums() if checksums else None
+        self._sums_pool: ThreadPoolExecutor | None = None
         self.stats = IOStats()
         self.failed: ExtentError | None = None
         self._lock = threading.Lock()
@@ -204,7 +244,9 @@ class ExtentIO:
             raise self.error(f"{op}: refused, an earlier transfer failed") from self.failed
 
     def close(self) -> None:
-        """Close the handle if it is this tier's own."""
+        """Stop the checksum threads; close the handle if it is this tier's own."""
+        if self._sums_pool is not None:
+            self._sums_pool.shutdown(wait=True)
         if self._owns_aio and hasattr(self.aio, "close"):
             self.aio.close()
 
@@ -222,11 +264,8 @@ class ExtentIO:
     def _submit(self, write, buf, path, offset, what, op, count, poison) -> Transfer:
         nbytes = buffer_span(buf, writable=not write).nbytes
         expected: list[Expected] = []
-        if self.sums is not None:
-            if write:
-                self.sums.written(path, offset, buf)
-            else:
-                expected = self.sums.expected(path, offset, nbytes)
+        if self.sums is not None and not write:
+            expected = self.sums.expected(path, offset, nbytes)  # before the read is issued
         try:
             future = (self.aio.pwrite if write else self.aio.pread)(buf, path, offset)
         except BaseException as e:  # refused before any I/O (a bad path, a short file...)
@@ -238,11 +277,35 @@ class ExtentIO:
             self.failed_with(err, t)
             raise err from e
         count = nbytes if count is None else count
-        t = Transfer(self, write, op, what, path, offset, buf, nbytes, count, future, expected)
+        job: Future | _Deferred | None = None
+        pool = self._pool()
+        if self.sums is not None and write:  # the buffer does not change until waited
+            if pool is None:  # after the issue: the disk moves it meanwhile
+                self.sums.written(path, offset, buf)
+            else:
+                job = pool.submit(self.sums.written, path, offset, buf)
+        elif expected:
+            land = (self._land, future, expected, offset, buf)
+            job = _Deferred(*land) if pool is None else pool.submit(*land)
+        t = Transfer(self, write, op, what, path, offset, buf, nbytes, count, future, job)
         t.poison = poison
         if write:
             self.count(True, count)
         return t
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """Threads for sums of every byte; None for sampled sums (cheap enough inline)."""
+        if self.sums is None or self.sums.sample_bytes < PAGE_BYTES:
+            return None
+        if self._sums_pool is None:
+            name = f"infinity-{self.tier}-sums"
+            self._sums_pool = ThreadPoolExecutor(SUM_THREADS, thread_name_prefix=name)
+        return self._sums_pool
+
+    def _land(self, future, expected: list[Expected], offset: int, buf) -> Mismatch | None:
+        """On a checksum thread: wait for a read, then check what it brought."""
+        future.wait()
+        return self.sums.verify(expected, offset, buf)
 
     def error_for(self, t: Transfer, problem: str, cause, *, code=None, advice=True):
         if code is None and isinstance(cause, OSError):
