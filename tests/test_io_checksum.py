@@ -118,16 +118,15 @@ def test_sampled_sums_cover_the_head_of_every_page(monkeypatch, native_path):
     monkeypatch.setattr(checksum, "_NATIVE", native_path)
     data = np.random.default_rng(3).integers(0, 256, 5 * 4096 + 300, dtype=np.uint8)
     got = chunk_sums(data, 8192, 64).tolist()
-    if native_path:  # CRC-32C of the heads, chained: the twin's
-        heads = [
-            b"".join(
-                data[k + p : k + p + 64].tobytes()
-                for p in range(0, 8192, 4096)
-                if k + p < data.size
-            )  # fmt: skip
-            for k in range(0, data.size, 8192)
-        ]
-        assert got == [crc32c_reference(h) for h in heads]
+    # The CRC of the heads, chained: the twin's CRC-32C natively, zlib's CRC-32 without.
+    heads = [
+        b"".join(
+            data[k + p : k + p + 64].tobytes() for p in range(0, 8192, 4096) if k + p < data.size
+        )  # fmt: skip
+        for k in range(0, data.size, 8192)
+    ]
+    crc = crc32c_reference if native_path else zlib.crc32
+    assert got == [crc(h) for h in heads]
     sums = ExtentSums(chunk_bytes=8192, sample_bytes=64)
     disk = torch.from_numpy(data.copy())
     sums.written("f", 0, disk)

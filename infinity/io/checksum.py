@@ -90,17 +90,27 @@ def chunk_sums(buf, chunk_bytes: int = CHUNK_BYTES, sample_bytes: int = 0) -> np
                               sample_bytes if sampled else 0, PAGE_BYTES)  # fmt: skip
         return out
     flat = _flat_bytes(buf)
-    view = memoryview(flat if isinstance(flat, np.ndarray) else flat.numpy())
-    for k in range(out.size):
-        chunk = view[k * chunk_bytes : (k + 1) * chunk_bytes]
-        if not sampled:
-            out[k] = zlib.crc32(chunk)
-            continue
-        crc = 0
-        for at in range(0, len(chunk), PAGE_BYTES):
-            crc = zlib.crc32(chunk[at : at + sample_bytes], crc)
-        out[k] = crc
+    data = flat if isinstance(flat, np.ndarray) else flat.numpy()
+    for k, piece in enumerate(_sampled(data, chunk_bytes, sample_bytes if sampled else 0)):
+        out[k] = zlib.crc32(piece)
     return out
+
+
+def _sampled(data: np.ndarray, chunk_bytes: int, sample_bytes: int):
+    """Each chunk's summed bytes, contiguous: the chunk, or the heads of its pages gathered
+    (one numpy copy of the heads of all whole chunks, not a Python loop over pages)."""
+    whole = data.size // chunk_bytes if sample_bytes and chunk_bytes % PAGE_BYTES == 0 else 0
+    if whole:
+        pages = data[: whole * chunk_bytes].reshape(whole, chunk_bytes // PAGE_BYTES, PAGE_BYTES)
+        heads = np.ascontiguousarray(pages[:, :, :sample_bytes]).reshape(whole, -1)
+        yield from heads
+    for k in range(whole, -(-data.size // chunk_bytes)):
+        chunk = data[k * chunk_bytes : (k + 1) * chunk_bytes]
+        if not sample_bytes:
+            yield chunk
+            continue
+        yield np.concatenate([chunk[at : at + sample_bytes]
+                              for at in range(0, chunk.size, PAGE_BYTES)])  # fmt: skip
 
 
 @dataclass(slots=True)
