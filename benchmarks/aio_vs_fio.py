@@ -32,7 +32,7 @@ import torch
 from bench_record import machine, write_json
 
 from infinity.cli.bench_aio import BENCH_FILE, human, parse_bytes
-from infinity.swap import AioHandle, aligned_empty, available_backends
+from infinity.io import AioHandle, aligned_empty, available_backends
 
 
 def ensure_fio() -> str | None:

@@ -41,7 +41,7 @@ def machine(path: str | None = None) -> dict:
         "loadavg_1m_5m_15m": list(os.getloadavg()),
     }
     if path is not None:
-        from infinity.swap import available_backends
+        from infinity.io import available_backends
 
         st = os.statvfs(path)
         record["path"] = os.path.abspath(path)

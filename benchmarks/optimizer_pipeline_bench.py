@@ -25,8 +25,8 @@ import torch
 from bench_record import machine, write_json
 
 from benchmarks.optimizer_swap_bench import open_aio, state_groups
+from infinity.io.aio import AioHandle
 from infinity.optim import adam_step_flat
-from infinity.swap.aio import AioHandle
 from infinity.swap.nvme_state import NvmeStateStore
 from infinity.swap.store import SwapStore
 

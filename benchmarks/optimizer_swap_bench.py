@@ -27,7 +27,7 @@ import time
 import torch
 from bench_record import machine, write_json
 
-from infinity.swap.aio import AioHandle, aligned_empty
+from infinity.io.aio import AioHandle, aligned_empty
 from infinity.swap.nvme_state import NvmeStateStore
 from infinity.swap.store import SwapStore, align_up
 

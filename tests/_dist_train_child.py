@@ -26,7 +26,7 @@ from _fake_aio import FakeAio, FakeFuture
 
 import infinity
 from infinity import comm
-from infinity.swap.aio import AioHandle
+from infinity.io.aio import AioHandle
 
 GLOBAL_BATCH = 4
 

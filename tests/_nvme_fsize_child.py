@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from infinity.swap.aio import AioHandle
+from infinity.io.aio import AioHandle
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore
 from infinity.swap.store import SwapStore
 

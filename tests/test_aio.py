@@ -14,8 +14,8 @@ import torch
 
 from infinity.accelerator import get_accelerator
 from infinity.config.sections import AioConfig
-from infinity.swap import AioHandle, aligned_empty, available_backends
-from infinity.swap.aio import plan
+from infinity.io import AioHandle, aligned_empty, available_backends
+from infinity.io.aio import plan
 
 ALL = ["io_uring", "aio", "posix"]
 

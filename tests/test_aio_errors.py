@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from infinity.swap import AioError, AioFallbackWarning, AioHandle, aio_checks, aligned_empty
-from infinity.swap.aio_checks import available_backends
+from infinity.io import AioError, AioFallbackWarning, AioHandle, aio_checks, aligned_empty
+from infinity.io.aio_checks import available_backends
 
 ALL = ["io_uring", "aio", "posix"]
 # Every backend with its default submission settings, and the native ones in the three other
@@ -193,7 +193,7 @@ def no_direct_dir(tmp_path, mount, monkeypatch):
                 raise AioError(errno.EINVAL, op, path, 0, 0, "open with O_DIRECT")
             return real(path, write, direct, op)
 
-        monkeypatch.setattr("infinity.swap.aio.open_file", refuse)
+        monkeypatch.setattr("infinity.io.aio.open_file", refuse)
         return str(tmp_path)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from infinity.config.sections import AioConfig
-from infinity.swap import AioHandle, aio_checks, aligned_empty, available_backends
+from infinity.io import AioHandle, aio_checks, aligned_empty, available_backends
 
 NATIVE = ["io_uring", "aio"]
 MODES = list(itertools.product(NATIVE, [False, True], [True, False]))

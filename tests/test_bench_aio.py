@@ -13,7 +13,7 @@ import pytest
 
 from infinity.cli.bench_aio import AioBenchConfig, best, parse_bool, parse_bytes, parse_list
 from infinity.cli.main import main
-from infinity.swap import available_backends
+from infinity.io import available_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"op", "backend", "block_size", "queue_depth", "threads", "gbps"}

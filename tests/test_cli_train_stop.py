@@ -23,10 +23,10 @@ from _train_inputs import train_args, write_inputs
 
 import infinity.cli.train_ranks as train_ranks
 import infinity.cli.train_run as train_run
-import infinity.swap.aio as aio_module
+import infinity.io.aio as aio_module
 from infinity.checkpoint import MetricsLog, list_checkpoints, load_checkpoint
 from infinity.cli.main import main
-from infinity.swap import AioHandle
+from infinity.io import AioHandle
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "_train_hold_child.py"

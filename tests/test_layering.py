@@ -18,6 +18,7 @@ RANKS = {
     "_aio": 0,
     "_cpu_adam": 0,
     "utils": 0,
+    "io": 0.5,  # async file I/O: under the tiers that use it
     "swap": 1,
     "optim": 1,
     "zero": 2,

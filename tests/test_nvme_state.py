@@ -13,9 +13,9 @@ import torch
 from _fake_aio import FakeAio
 
 from infinity.config.sections import AioConfig
+from infinity.io.aio import AioHandle
+from infinity.io.aio_checks import available_backends
 from infinity.optim.functional import adam_step_flat
-from infinity.swap.aio import AioHandle
-from infinity.swap.aio_checks import available_backends
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore, Residency
 from infinity.swap.state_store import HostStateStore, SubGroupState
 from infinity.swap.store import SwapStore

@@ -148,7 +148,7 @@ class PinningAccelerator(CpuAccelerator):
 def test_pin_memory_allocates_the_pipeline_buffers_pinned(tmp_path, monkeypatch, pin):
     accel = PinningAccelerator()
     monkeypatch.setattr("infinity.swap.pool.get_accelerator", lambda: accel)
-    monkeypatch.setattr("infinity.swap.aio.get_accelerator", lambda: accel)
+    monkeypatch.setattr("infinity.io.aio.get_accelerator", lambda: accel)
     cfg = Config.load(
         {"zero_optimization": _engine_cfg(tmp_path, pin_memory=pin)["zero_optimization"]}
     )

@@ -6,8 +6,8 @@ import pytest
 import torch
 from _fake_aio import FakeAio
 
-from infinity.swap.aio import AioHandle
-from infinity.swap.aio_checks import available_backends
+from infinity.io.aio import AioHandle
+from infinity.io.aio_checks import available_backends
 from infinity.swap.param_store import NvmeParamError, NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore

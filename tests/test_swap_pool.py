@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infinity.config.sections import OffloadParamConfig
-from infinity.swap import aio as aio_mod
+from infinity.io import aio as aio_mod
 from infinity.swap import pool as pool_mod
 from infinity.swap.pool import PinnedBufferPool
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from infinity.accelerator import CpuAccelerator
 from infinity.config import ZeroConfig
-from infinity.swap.aio import AioHandle
-from infinity.swap.aio_checks import available_backends
+from infinity.io.aio import AioHandle
+from infinity.io.aio_checks import available_backends
 from infinity.swap.param_store import NvmeParamError, NvmeParamStore
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore, align_up

@@ -1,13 +1,16 @@
 // Python binding of the I/O engine. Buffers arrive as raw addresses with a byte count and
-// file descriptors as ints; infinity/swap/aio.py checks buffers, opens files, splits off the
+// file descriptors as ints; infinity/io/aio.py checks buffers, opens files, splits off the
 // unaligned head and tail, and turns the (errno, offset, what) results into exceptions with
 // the path and a hint. The GIL is released on everything that can block.
 #include <pybind11/pybind11.h>
 
 #include <cerrno>
+#include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 
+#include "crc32c.h"
 #include "engine.h"
 
 namespace py = pybind11;
@@ -69,7 +72,7 @@ py::dict stats(const Engine& engine) {
 
 PYBIND11_MODULE(_aio, m) {
     m.doc() = "Asynchronous file I/O with kernel AIO or io_uring through raw syscalls (raw "
-              "addresses; see infinity.swap.aio for the checked Python entry point).";
+              "addresses; see infinity.io.aio for the checked Python entry point).";
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);
@@ -105,6 +108,33 @@ PYBIND11_MODULE(_aio, m) {
         .def_readonly("threads", &Engine::threads)
         .def_readonly("single_submit", &Engine::single_submit)
         .def_readonly("overlap_events", &Engine::overlap_events);
+    m.def(
+        "crc32c",
+        [](uintptr_t address, size_t nbytes, uint32_t crc, bool hardware) {
+            py::gil_scoped_release no_gil;
+            return infinity_aio::crc32c(reinterpret_cast<const uint8_t*>(address), nbytes, crc,
+                                        hardware);
+        },
+        py::arg("address"), py::arg("nbytes"), py::arg("crc") = 0, py::arg("hardware") = true,
+        "CRC-32C of nbytes at address, continuing from crc (GIL released). hardware=False "
+        "takes the table path even where SSE4.2 exists.");
+    m.def(
+        "crc32c_chunks",
+        [](uintptr_t address, size_t nbytes, size_t chunk, uintptr_t out, bool hardware,
+           size_t sample, size_t stride) {
+            if (chunk == 0) throw std::invalid_argument("chunk must be > 0");
+            py::gil_scoped_release no_gil;
+            infinity_aio::crc32c_chunks(reinterpret_cast<const uint8_t*>(address), nbytes, chunk,
+                                        reinterpret_cast<uint32_t*>(out), hardware, sample,
+                                        stride);
+        },
+        py::arg("address"), py::arg("nbytes"), py::arg("chunk"), py::arg("out"),
+        py::arg("hardware") = true, py::arg("sample") = 0, py::arg("stride") = 0,
+        "CRC-32C of each chunk bytes of [address, address + nbytes) into the uint32 array at "
+        "out (ceil(nbytes / chunk) entries; GIL released). With 0 < sample < stride, of the "
+        "first sample bytes of every stride bytes of each chunk only.");
+    m.def("crc32c_hardware", &infinity_aio::crc32c_hardware,
+          "True when the CPU has the SSE4.2 crc32 instruction.");
     m.def("probe", &probe, py::arg("backend"), py::arg("queue_depth") = 8,
           "'' if the kernel allows a ring of this backend, else the reason it does not.");
 }

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from infinity.swap import AioFallbackWarning, AioHandle, aligned_empty, available_backends
+from infinity.io import AioFallbackWarning, AioHandle, aligned_empty, available_backends
 
 BENCH_FILE = "infinity_aio_bench.bin"
 MAX_BUFFER = 1 << 30

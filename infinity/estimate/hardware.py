@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from infinity.config import AioConfig
+from infinity.io.aio import AioHandle, aligned_empty, preallocate
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.llama import LlamaDecoderLayer, rope_cos_sin
 from infinity.optim import adam_step_flat
-from infinity.swap.aio import AioHandle, aligned_empty, preallocate
 
 GPU_UTILIZATION = 0.5
 """Fraction of the published peak a training step sustains (model FLOPs utilization)."""

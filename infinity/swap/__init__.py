@@ -1,14 +1,7 @@
-"""Swapping tensors between host memory and NVMe: async I/O, the swap store, buffer pools,
-and the storage tiers of parameters, gradients and optimizer state."""
+"""Swapping tensors between host memory and NVMe: the swap store, buffer pools, and the
+storage tiers of parameters, gradients and optimizer state. The I/O itself is
+`infinity.io`'s."""
 
-from infinity.swap.aio import (
-    AioFallbackWarning,
-    AioFuture,
-    AioHandle,
-    aligned_empty,
-    preallocate,
-)
-from infinity.swap.aio_checks import AioError, available_backends
 from infinity.swap.grad_store import HostGradStore, NvmeGradError, NvmeGradStore
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore
 from infinity.swap.param_store import NvmeParamError, NvmeParamStore
@@ -18,10 +11,6 @@ from infinity.swap.store import SwapStore, SwapStoreError
 from infinity.swap.tiers import SwapStores, make_grad_store, make_param_store, make_state_store
 
 __all__ = [
-    "AioError",
-    "AioFallbackWarning",
-    "AioFuture",
-    "AioHandle",
     "HostGradStore",
     "HostStateStore",
     "NvmeGradError",
@@ -36,10 +25,7 @@ __all__ = [
     "SwapStore",
     "SwapStoreError",
     "SwapStores",
-    "aligned_empty",
-    "available_backends",
     "make_grad_store",
     "make_param_store",
     "make_state_store",
-    "preallocate",
 ]

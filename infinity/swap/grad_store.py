@@ -25,16 +25,14 @@ I/O.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from infinity.accelerator import profile_range
-from infinity.config.sections import AioConfig
-from infinity.swap.aio import AioHandle, aligned_empty
+from infinity.io.aio import aligned_empty
+from infinity.io.extent import ExtentError, ExtentIO, Transfer
 from infinity.swap.grad_plan import F32 as _F32
 from infinity.swap.grad_plan import (
     GRAD_BUFFERS,
@@ -156,26 +154,24 @@ class HostGradStore:
         return {"grad_host_bytes": 0 if self._flat is None else self._flat.nbytes}
 
 
-class NvmeGradError(OSError):
+class NvmeGradError(ExtentError):
     """A gradient transfer to or from NVMe failed; the store refuses further use."""
+
+
+ADVICE = (
+    "This step's gradients are lost; free space or fix the disk, then resume from the last "
+    "checkpoint"
+)
 
 
 @dataclass(eq=False, slots=True)
 class _Buffer:
     data: torch.Tensor
     """uint8, page-aligned, the largest sub-group's padded bytes."""
-    future: Any = None
+    future: Transfer | None = None
     """The write from it (free) or the read into it (READING) in flight."""
     written: int | None = None
     """The sub-group `future` writes, so a read of it waits for the write first."""
-
-
-@dataclass(slots=True)
-class GradStats:
-    bytes_read: int = 0
-    bytes_written: int = 0
-    wait_s: float = 0.0
-    """Time spent waiting for gradient reads and writes."""
 
 
 class NvmeGradStore:
@@ -184,7 +180,9 @@ class NvmeGradStore:
     transfers and the sums are the store's.
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
-    owned). Not thread-safe: the gradient hooks and the step run on one thread.
+    owned). `checksums` checks every read against what was written (see [Note: extent
+    checksums] in infinity/io/checksum.py). Not thread-safe: the gradient hooks and the step
+    run on one thread.
     """
 
     def __init__(
@@ -195,20 +193,22 @@ class NvmeGradStore:
         aio: Any,
         buffer_count: int = GRAD_BUFFERS,
         kind: str = KIND,
+        checksums: bool = True,
     ) -> None:
         self.numels = list(numels)
         self.plan = GradPlan(self.numels, buffer_count)  # refuses fewer than 2 buffers
         self.store = store
-        self._owns_aio = isinstance(aio, AioConfig)
-        self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
+        self.io = ExtentIO(
+            aio, tier="grad", error=NvmeGradError, advice=ADVICE, checksums=checksums
+        )
+        self.aio = self.io.aio
         sizes = {f"subgroup.{g}": n * _F32 for g, n in enumerate(self.numels)}
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
         count, nbytes = grad_buffers(self.numels, buffer_count)
         self._buffers = [_Buffer(aligned_empty(nbytes, torch.uint8)) for _ in range(count)]
         self._norms: list[Norms | None] = [None] * len(self.numels)  # of the disk copy
         self._apply = _Apply(self)
-        self.stats = GradStats()
-        self._failed: BaseException | None = None
+        self.stats = self.io.stats
         self._closed = False
 
     # -- backward --------------------------------------------------------------------------
@@ -272,18 +272,14 @@ class NvmeGradStore:
                 except BaseException as e:
                     first = first or e
         finally:
-            if self._owns_aio and hasattr(self.aio, "close"):
-                self.aio.close()
-        if first is not None and self._failed is None:
+            self.io.close()
+        if first is not None and self.io.failed is None:
             raise first
 
     def memory_stats(self) -> dict[str, int]:
-        s = self.stats
         return {
             "grad_host_bytes": sum(b.data.nbytes for b in self._buffers),
-            "nvme_grad_bytes_read": s.bytes_read,
-            "nvme_grad_bytes_written": s.bytes_written,
-            "nvme_grad_wait_us": int(s.wait_s * 1e6),
+            **self.io.memory_stats("nvme_grad"),
         }
 
     # -- buffers ---------------------------------------------------------------------------
@@ -304,24 +300,11 @@ class NvmeGradStore:
         data = aligned_empty(align_up((hi - lo) * _F32), torch.uint8)
         grads = data[: (hi - lo) * _F32].view(torch.float32)
         self._settle_write_of(index)
-        self._sync_io("read", data, ext.path, ext.offset + lo * _F32)
+        what = f"gradients of sub-group {index}"
+        self.io.read(data, ext.path, ext.offset + lo * _F32, what=what).wait()
         add_into(grads[start - lo : start - lo + src.numel()], src)
         self._update_norms(index, lo, grads)
-        self._sync_io("write", data, ext.path, ext.offset + lo * _F32)
-
-    def _sync_io(self, op: str, data: torch.Tensor, path: str, offset: int) -> None:
-        t0 = time.perf_counter()
-        try:
-            with profile_range("infinity::swap::grad_wait"):
-                (self.aio.pwrite if op == "write" else self.aio.pread)(data, path, offset).wait()
-        except BaseException as e:
-            raise self._fail(op, path, offset, data.numel(), e) from e
-        finally:
-            self.stats.wait_s += time.perf_counter() - t0
-        if op == "write":
-            self.stats.bytes_written += data.numel()
-        else:
-            self.stats.bytes_read += data.numel()
+        self.io.write(data, ext.path, ext.offset + lo * _F32, what=what).wait()
 
     def _update_norms(self, index: int, lo: int, grads: torch.Tensor) -> None:
         norms, row = self._norms[index], _NORM_ROW_NUMEL
@@ -358,47 +341,19 @@ class NvmeGradStore:
     def _settle_buffer(self, buf: _Buffer) -> None:
         """Wait for the buffer's transfer in flight, if any."""
         fut, buf.future, buf.written = buf.future, None, None
-        if fut is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            with profile_range("infinity::swap::grad_wait"):
-                fut.wait()
-        except BaseException as e:
-            raise self._fail(fut.op, fut.path, fut.offset, fut.nbytes, e) from e
-        finally:
-            self.stats.wait_s += time.perf_counter() - t0
+        if fut is not None:
+            fut.wait()  # a failure marks the store failed (ExtentIO) and raises NvmeGradError
 
-    def _submit(self, op: str, buf: _Buffer, index: int) -> Any:
+    def _submit(self, op: str, buf: _Buffer, index: int) -> Transfer:
         ext = self._extents[index]
-        data = buf.data[: ext.padded_nbytes]
-        try:
-            if op == "write":
-                fut = self.aio.pwrite(data, ext.path, ext.offset)
-                self.stats.bytes_written += ext.padded_nbytes
-            else:
-                fut = self.aio.pread(data, ext.path, ext.offset)
-                self.stats.bytes_read += ext.padded_nbytes
-        except BaseException as e:  # refused before any I/O
-            raise self._fail(op, ext.path, ext.offset, ext.padded_nbytes, e) from e
-        return fut
-
-    def _fail(self, op: str, path: str, offset: int, nbytes: int, e: BaseException) -> Exception:
-        err = NvmeGradError(
-            f"{op} of gradients ({nbytes} bytes at offset {offset} of {path}) failed: {e}. "
-            "This step's gradients are lost; free space or fix the disk, then resume from the "
-            "last checkpoint"
-        )
-        self._failed = self._failed or err
-        return err
+        start = self.io.write if op == "write" else self.io.read
+        what = f"gradients of sub-group {index}"
+        return start(buf.data[: ext.padded_nbytes], ext.path, ext.offset, what=what)
 
     def _check_usable(self, op: str) -> None:
         if self._closed:
             raise NvmeGradError(f"{op}: the NVMe gradient store at {self.store.dir} is closed")
-        if self._failed is not None:
-            raise NvmeGradError(f"{op}: refused, an earlier gradient transfer failed") from (
-                self._failed
-            )
+        self.io.check_usable(op)
 
 
 class _Apply:

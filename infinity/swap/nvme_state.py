@@ -15,8 +15,9 @@ the write-back of the sub-group just stepped (the caller waits on reads, not on 
 When the sweep ends, every write has completed, and the first sub-groups of the next sweep
 start reading into the free buffers (`prefetch_next_sweep`; dropped by any other call, which
 may change the state). A sub-group's disk extent is only read after its last write
-completed. A failed I/O marks the store failed: every later call raises, so a torn state
-is never presented as valid.
+completed. A failed I/O, or a read that finds other bytes than were written (see [Note:
+extent checksums] in infinity/io/checksum.py), marks the store failed: every later call
+raises, so a torn or changed state is never presented as valid.
 
 With `pipeline_read` off, a sub-group is read only when its turn comes (no read runs while
 the caller steps, none is issued for the next sweep); with `pipeline_write` off, every
@@ -25,10 +26,8 @@ write-back is waited for before the next sub-group is read. Both off: strictly s
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
-import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -37,9 +36,8 @@ from typing import Any
 
 import torch
 
-from infinity.accelerator import profile_range
-from infinity.config.sections import AioConfig
-from infinity.swap.aio import AioHandle, aligned_empty
+from infinity.io.aio import aligned_empty
+from infinity.io.extent import ExtentError, ExtentIO, Transfer
 from infinity.swap.footprint import Footprint
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
 from infinity.swap.state_store import SubGroupState
@@ -86,27 +84,21 @@ class Residency(enum.Enum):
     FAILED = "a write failed: the disk extent is torn"
 
 
-class NvmeStateError(OSError):
+class NvmeStateError(ExtentError):
     """An NVMe transfer of optimizer state failed; the store refuses further use."""
 
 
-@dataclass(slots=True)
-class NvmeStats:
-    """Traffic and waiting of one store since it was built."""
-
-    bytes_read: int = 0
-    bytes_written: int = 0
-    read_wait_s: float = 0.0
-    """Time the caller waited for reads to land (read-ahead that was not early enough)."""
-    write_wait_s: float = 0.0
-    """Time the caller waited for write-backs (to free a buffer, or at the end of a sweep)."""
+ADVICE = (
+    "The NVMe optimizer state is no longer consistent; free space or fix the disk, then "
+    "resume from the last checkpoint"
+)
 
 
 @dataclass(slots=True)
 class _Transfer:
     index: int
     buf: PoolBuffer
-    future: Any
+    future: Transfer | None
     op: str  # "read" | "write"
 
 
@@ -124,7 +116,10 @@ class NvmeStateStore:
     sub-groups of the next one into the free buffers, so the read at the start of a step
     overlaps the forward and backward passes; any other call drops those reads first. `kind`
     names the store's extents in the swap store (two state stores in one swap store need
-    different kinds).
+    different kinds). `checksums` checks every read against what was written (see [Note:
+    extent checksums] in infinity/io/checksum.py). `stats` counts the read and written
+    bytes and the waits (read waits: read-ahead that was not early enough; write waits: for
+    a buffer, or at the end of a sweep).
     Not thread-safe: one caller drives it.
     """
 
@@ -140,6 +135,7 @@ class NvmeStateStore:
         pipeline_read: bool = True,
         pipeline_write: bool = True,
         kind: str = KIND,
+        checksums: bool = True,
     ) -> None:
         if buffer_count < 3:
             raise ValueError(
@@ -148,20 +144,21 @@ class NvmeStateStore:
             )
         self.numels = list(numels)
         self.store = store
-        self._owns_aio = isinstance(aio, AioConfig)
-        self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
+        self.io = ExtentIO(
+            aio, tier="optim", error=NvmeStateError, advice=ADVICE, checksums=checksums
+        )
+        self.aio = self.io.aio
         sizes = {self._key(i): state_nbytes(n) for i, n in enumerate(self.numels)}
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
         count, slot_bytes = state_buffers(self.numels, buffer_count)
         self.pool = PinnedBufferPool(count, slot_bytes, pin=pin_memory, name="optim")
         self.residency = [Residency.ON_NVME] * len(self.numels)
-        self.stats = NvmeStats()
+        self.stats = self.io.stats
         self._writes: deque[_Transfer] = deque()
         self.prefetch_next_sweep = prefetch_next_sweep
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self._ahead: deque[_Transfer] = deque()  # reads issued for the next sweep
         self._active: weakref.ref | None = None  # the last sweep iterator
-        self._failed: BaseException | None = None
         self._sweeping = False
         self._closed = False
 
@@ -270,14 +267,9 @@ class NvmeStateStore:
         first = lo - lo % ALIGN_BYTES
         buf = aligned_empty(align_up(hi) - first, torch.uint8)
         ext = self._extents[index]
-        try:
-            self.aio.pread(buf, ext.path, ext.offset + first).wait()
-        except BaseException as e:  # a failed read changes nothing on disk
-            raise NvmeStateError(
-                f"read of optimizer sub-group {index} ({buf.numel()} bytes at offset "
-                f"{ext.offset + first} of {ext.path}) failed: {e}"
-            ) from e
-        self.stats.bytes_read += buf.numel()
+        what = f"optimizer sub-group {index}"
+        # A failed read changes nothing on disk: it does not mark the store failed.
+        self.io.read(buf, ext.path, ext.offset + first, what=what, poison=False).wait()
         return buf[lo - first : hi - first].view(torch.float32)
 
     def write(self, index: int, state: SubGroupState) -> None:
@@ -306,8 +298,7 @@ class NvmeStateStore:
             self._drop_ahead()
             self._drain()
         finally:
-            if self._owns_aio and hasattr(self.aio, "close"):
-                self.aio.close()
+            self.io.close()
 
     def __enter__(self) -> NvmeStateStore:
         return self
@@ -316,11 +307,8 @@ class NvmeStateStore:
         self.close()
 
     def memory_stats(self) -> dict[str, int]:
-        s = self.stats
         return {
-            "nvme_optim_bytes_read": s.bytes_read,
-            "nvme_optim_bytes_written": s.bytes_written,
-            "nvme_optim_wait_us": int((s.read_wait_s + s.write_wait_s) * 1e6),
+            **self.io.memory_stats("nvme_optim"),
             "optim_host_buffer_bytes": self.pool.total_bytes,
             "optim_host_buffer_peak_bytes": self.pool.peak_bytes_in_use,
             "optim_host_buffer_pinned_bytes": self.pool.total_bytes if self.pool.pinned else 0,
@@ -359,51 +347,31 @@ class NvmeStateStore:
         self._writes.append(self._submit(_Transfer(index, buf, None, "write")))
 
     def _submit(self, t: _Transfer) -> _Transfer:
+        """Start `t` (a failure marks the store failed and raises; see ExtentIO)."""
         ext = self._extents[t.index]
-        io = self.aio.pwrite if t.op == "write" else self.aio.pread
+        start = self.io.write if t.op == "write" else self.io.read
+        what = f"optimizer sub-group {t.index}"
         try:
-            t.future = io(t.buf.data[: ext.padded_nbytes], ext.path, ext.offset)
-        except BaseException as e:  # refused before any I/O (a bad path, a short file...)
+            t.future = start(t.buf.data[: ext.padded_nbytes], ext.path, ext.offset, what=what)
+        except ExtentError:  # refused before any I/O (a bad path, a short file...)
             self.pool.release(t.buf)
-            if t.op == "read":
-                self.residency[t.index] = Residency.ON_NVME
-            self._fail(t, e)
+            torn = t.op == "write"
+            self.residency[t.index] = Residency.FAILED if torn else Residency.ON_NVME
+            raise
         return t
 
     def _wait(self, t: _Transfer) -> None:
-        """Wait for one transfer; on failure mark the store failed and raise."""
-        start = time.perf_counter()
+        """Wait for one transfer; on failure (the store is then failed) raise."""
         try:
-            with profile_range("infinity::swap::optim_wait"):
-                t.future.wait()
-        except BaseException as e:
-            self._fail(t, e)
-        finally:
-            waited = time.perf_counter() - start
-            if t.op == "read":
-                self.stats.read_wait_s += waited
-            else:
-                self.stats.write_wait_s += waited
-        nbytes = self._extents[t.index].padded_nbytes
+            t.future.wait()
+        except ExtentError:
+            if t.op == "write":
+                self.residency[t.index] = Residency.FAILED
+            raise
         if t.op == "read":
-            self.stats.bytes_read += nbytes
             self._transition(t.index, (Residency.READING,), Residency.RESIDENT)
         else:
-            self.stats.bytes_written += nbytes
             self._transition(t.index, (Residency.WRITING,), Residency.ON_NVME)
-
-    def _fail(self, t: _Transfer, e: BaseException) -> None:
-        ext = self._extents[t.index]
-        if t.op == "write":
-            self.residency[t.index] = Residency.FAILED
-        err = NvmeStateError(
-            f"{t.op} of optimizer sub-group {t.index} ({ext.padded_nbytes} bytes at offset "
-            f"{ext.offset} of {ext.path}) failed: {e}. The NVMe optimizer state is no longer "
-            f"consistent; free space or fix the disk, then resume from the last checkpoint"
-        )
-        if self._failed is None:
-            self._failed = err
-        raise err from e
 
     def _retire_write(self) -> None:
         t = self._writes.popleft()
@@ -433,7 +401,7 @@ class NvmeStateStore:
         the store failed: then only free its buffer) and drop the reads ahead."""
         try:
             if current is not None:
-                if self._failed is None:
+                if self.io.failed is None:
                     self._swap_out(*current)
                 else:  # dropped unchanged on disk: the store refuses all use from now on
                     self.residency[current[0]] = Residency.ON_NVME
@@ -450,8 +418,7 @@ class NvmeStateStore:
         drop them."""
         while reads:
             t = reads.popleft()
-            with contextlib.suppress(BaseException):  # an unused read changes nothing on disk
-                t.future.wait()
+            t.future.drop()  # an unused read changes nothing on disk
             if self.residency[t.index] is Residency.READING:
                 self.residency[t.index] = Residency.ON_NVME
             self.pool.release(t.buf)
@@ -478,8 +445,7 @@ class NvmeStateStore:
     def _check_usable(self, op: str) -> None:
         if self._closed:
             raise NvmeStateError(f"{op}: the NVMe state store at {self.store.dir} is closed")
-        if self._failed is not None:
-            raise NvmeStateError(f"{op}: refused, an earlier transfer failed") from self._failed
+        self.io.check_usable(op)
         if self._sweeping:
             raise RuntimeError(f"{op} during a sweep: finish or close the sweep iterator first")
 

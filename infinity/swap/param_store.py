@@ -18,7 +18,8 @@ with `write_flat`; a parameter is readable once every one of its elements has be
 write (`swap_out`, `write_flat`) first lets every pending read it overlaps land and waits for
 every pending write it overlaps; a read waits for the pending writes it overlaps. A failed
 write stays pending, so every later transfer over its range raises its error: a range whose
-last write failed is never read as valid.
+last write failed is never read as valid. Every read is checked against what was written
+there (see [Note: extent checksums] in infinity/io/checksum.py).
 """
 
 from __future__ import annotations
@@ -27,16 +28,13 @@ import bisect
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from infinity.accelerator import profile_range
-from infinity.config.sections import AioConfig
-from infinity.swap.aio import AioHandle
+from infinity.io.extent import ExtentError, ExtentIO, Transfer
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
 from infinity.swap.store import ALIGN_BYTES, Extent, SwapStore, align_up
 
@@ -66,14 +64,6 @@ class FlatLayout:
     extent: Extent
 
 
-@dataclass(slots=True)
-class ParamIOStats:
-    bytes_read: int = 0
-    bytes_written: int = 0
-    wait_s: float = 0.0
-    """Time callers spent in `wait()` on parameter transfers."""
-
-
 class SwapFuture:
     """One parameter transfer. `wait()` returns the tensor holding the data (the destination
     of a swap_in, the source of a swap_out) and raises the I/O error, if any; it keeps the
@@ -86,15 +76,12 @@ class SwapFuture:
         op: str,
         layout: ParamLayout,
         tensor: torch.Tensor,
-        future: Any,
+        future: Transfer,
         buffer: PoolBuffer | None = None,
-        *,
-        what: str | None = None,
     ) -> None:
         self._owner, self.op, self.layout = owner, op, layout
         self._tensor, self._future, self.buffer = tensor, future, buffer
         self._result: torch.Tensor | None = None
-        self.what = what or f"parameter {layout.key!r}"
 
     @property
     def key(self) -> str:
@@ -105,28 +92,17 @@ class SwapFuture:
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            start = time.perf_counter()
             try:
-                with profile_range("infinity::swap::param_wait"):
-                    self._future.wait()
-            except BaseException as e:
+                self._future.wait()  # raises NvmeParamError (ExtentIO)
+            except BaseException:
                 self._owner._failed(self)
-                raise NvmeParamError(
-                    f"{self.op} of {self.what} ({_where(self.layout)}) failed: {e}"
-                ) from e
-            finally:
-                self._owner.stats.wait_s += time.perf_counter() - start
+                raise
             self._owner._finished(self)
             self._result = self._tensor
         return self._result
 
 
-def _where(layout: ParamLayout) -> str:
-    ext = layout.extent
-    return f"{ext.nbytes} bytes at offset {ext.offset} of {ext.path}"
-
-
-class NvmeParamError(OSError):
+class NvmeParamError(ExtentError):
     """An NVMe transfer of a parameter partition failed."""
 
 
@@ -166,9 +142,9 @@ class NvmeParamStore:
     """Parameter partitions on NVMe, keyed by stable parameter names.
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (made and owned).
-    `pool` supplies destination buffers for `swap_in(key)` without `dst`. Calls come from one
-    thread at a time; futures may be waited from any (the bookkeeping of pending transfers
-    is locked).
+    `checksums` checks every read against what was written. `pool` supplies destination
+    buffers for `swap_in(key)` without `dst`. Calls come from one thread at a time; futures
+    may be waited from any (the bookkeeping of pending transfers is locked).
     """
 
     def __init__(
@@ -177,12 +153,14 @@ class NvmeParamStore:
         store: SwapStore,
         aio: Any,
         pool: PinnedBufferPool | None = None,
+        checksums: bool = True,
     ) -> None:
         self.store = store
-        self._owns_aio = isinstance(aio, AioConfig)
-        self.aio = AioHandle.from_config(aio) if self._owns_aio else aio
+        # A failed transfer does not fail the store: see [Note: transfer order].
+        self.io = ExtentIO(aio, tier="param", error=NvmeParamError, checksums=checksums)
+        self.aio = self.io.aio
         self.pool = pool
-        self.stats = ParamIOStats()
+        self.stats = self.io.stats
         self._layouts: dict[str, ParamLayout] = {}
         self._written: set[str] = set()
         self._writing: dict[str, SwapFuture] = {}
@@ -265,7 +243,8 @@ class NvmeParamStore:
             raise ValueError(f"swap_out source for {key!r} must be contiguous")
         self._before_write(layout.extent)
         ext = layout.extent
-        fut = SwapFuture(self, "swap_out", layout, src, self.aio.pwrite(flat, ext.path, ext.offset))
+        io = self.io.write(flat, ext.path, ext.offset, what=f"parameter {key!r}", op="swap_out")
+        fut = SwapFuture(self, "swap_out", layout, src, io)
         with self._lock:
             self._writing[key] = fut
             if key in self._flat_range:
@@ -297,9 +276,9 @@ class NvmeParamStore:
         layout = self._flat_layout(f"{FLAT_KEY}[{start}:{start + n}]", start, start + n)
         ext = layout.extent
         self._before_write(ext)
-        io = self.aio.pwrite(src.reshape(-1), ext.path, ext.offset)
         what = f"flat elements [{start}, {start + n})"
-        fut = SwapFuture(self, "write_flat", layout, src, io, what=what)
+        io = self.io.write(src.reshape(-1), ext.path, ext.offset, what=what, op="write_flat")
+        fut = SwapFuture(self, "write_flat", layout, src, io)
         with self._lock:
             self._flat_writes.append(fut)
             self._flat_written.add(start, start + n)
@@ -335,13 +314,11 @@ class NvmeParamStore:
                 raise ValueError(f"swap_in destination for {key!r} must be contiguous")
         try:
             self._wait_writes(ext)
-            fut = self.aio.pread(io_buf, ext.path, ext.offset)
-        except BaseException as e:
+            fut = self.io.read(io_buf, ext.path, ext.offset, what=f"parameter {key!r}",
+                               op="swap_in", count=ext.nbytes)  # fmt: skip
+        except BaseException:
             if buf is not None:
                 self.pool.release(buf)
-            if isinstance(e, OSError) and not isinstance(e, NvmeParamError):
-                raise NvmeParamError(f"swap_in of parameter {key!r} ({_where(layout)}) "
-                                     f"failed: {e}") from e  # fmt: skip
             raise
         future = SwapFuture(self, "swap_in", layout, dst, fut, buf)
         with self._lock:
@@ -369,15 +346,10 @@ class NvmeParamStore:
         try:
             self.flush()
         finally:
-            if self._owns_aio and hasattr(self.aio, "close"):
-                self.aio.close()
+            self.io.close()
 
     def memory_stats(self) -> dict[str, int]:
-        stats = {
-            "nvme_param_bytes_read": self.stats.bytes_read,
-            "nvme_param_bytes_written": self.stats.bytes_written,
-            "nvme_param_wait_us": int(self.stats.wait_s * 1e6),
-        }
+        stats = self.io.memory_stats("nvme_param")
         return stats | (self.pool.memory_stats() if self.pool is not None else {})
 
     # ---- bookkeeping -----------------------------------------------------------------
@@ -390,20 +362,16 @@ class NvmeParamStore:
             return span is not None and self._flat_written.covers(*span)
 
     def _finished(self, fut: SwapFuture) -> None:
-        """Counted once, even when two threads wait for the same transfer."""
-        nbytes = fut.layout.extent.nbytes
+        """Forget a landed transfer (its bytes are counted by ExtentIO, once)."""
         with self._lock:
             if fut.op == "swap_in":
-                if self._forget_read(fut):
-                    self.stats.bytes_read += nbytes
+                self._forget_read(fut)
             elif fut.op == "write_flat":
                 if fut in self._flat_writes:
                     self._flat_writes.remove(fut)
-                    self.stats.bytes_written += nbytes
             else:
                 if self._writing.get(fut.key) is fut:
                     del self._writing[fut.key]
-                    self.stats.bytes_written += nbytes
                 self._written.add(fut.key)
 
     def _failed(self, fut: SwapFuture) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from infinity.accelerator import get_accelerator
 from infinity.config.sections import OffloadParamConfig
-from infinity.swap.aio import aligned_empty
+from infinity.io.aio import aligned_empty
 from infinity.swap.store import ALIGN_BYTES, align_up
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
-from infinity.swap.aio import AioHandle
+from infinity.io.aio import AioHandle
 from infinity.swap.grad_plan import grad_footprint
 from infinity.swap.grad_store import HostGradStore, NvmeGradStore
 from infinity.swap.nvme_state import NvmeStateStore, nvme_state_footprint

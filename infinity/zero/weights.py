@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from infinity.swap.aio import aligned_empty
+from infinity.io.aio import aligned_empty
 from infinity.swap.footprint import Footprint
 from infinity.swap.state_store import HostStateStore
 from infinity.swap.store import reserved_nbytes

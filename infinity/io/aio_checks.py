@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infinity.swap.aio_posix import PosixEngine
+from infinity.io.aio_posix import PosixEngine
 
 try:
     from infinity import _aio as _native
@@ -78,7 +78,7 @@ def buffer_span(buf: object, *, writable: bool) -> BufferSpan:
         if buf.device.type != "cpu":
             raise ValueError(
                 f"buf is on {buf.device}; file I/O goes through host memory: pass a CPU tensor "
-                "(e.g. one from infinity.swap.aligned_empty) and copy it to the device after"
+                "(e.g. one from infinity.io.aligned_empty) and copy it to the device after"
             )
         if not buf.is_contiguous():
             raise ValueError(

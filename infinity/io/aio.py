@@ -32,7 +32,7 @@ import torch
 
 from infinity.accelerator import get_accelerator
 from infinity.config.sections import AioConfig
-from infinity.swap.aio_checks import (
+from infinity.io.aio_checks import (
     ALIGN,
     AioError,
     buffer_span,
@@ -279,7 +279,7 @@ class AioHandle:
             raise ValueError(
                 f"{op} of '{path}' at offset {offset}: the buffer's address and the offset "
                 f"differ modulo {ALIGN}, so the transfer cannot use O_DIRECT; allocate with "
-                "infinity.swap.aligned_empty and use offsets with the same alignment, or "
+                "infinity.io.aligned_empty and use offsets with the same alignment, or "
                 "pass strict=False to go through the page cache"
             )
         if not self._warned_unaligned:

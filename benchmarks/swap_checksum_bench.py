@@ -1,0 +1,165 @@
+"""Claim: checking swap extents (a CRC-32C per 16 KiB written, checked on every read; see
+[Note: extent checksums] in infinity/io/checksum.py) costs under 3% of the NVMe optimizer
+sweep with the default sums.
+
+Three `NvmeStateStore`s over the same sub-groups in one swap directory: without checksums
+("off"), with the default sums (the first `SAMPLE_BYTES` of every page, "sampled") and
+with sums of every byte ("full"). Each round sweeps all three with a real CPU-Adam step per
+sub-group, in an order that rotates so the shared disk's swings hit each alike. Reading into
+the next sweep is off (`prefetch_next_sweep=False`): it would overlap the other stores'
+sweeps. A variant's cost is the median over rounds of (its sweep / the sweep without
+checksums in the same round) - 1. The states are compared bitwise at the end, and each
+variant's summing rate on one core is measured on a sub-group's buffer.
+
+    flock /work/bench.lock python -m benchmarks.swap_checksum_bench --path /tmp \\
+        --state-gib 2 --rounds 9 --json benchmarks/results/swap_checksum.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.optimizer_pipeline_bench import sweep_pass
+from benchmarks.optimizer_swap_bench import machine, open_aio, state_groups
+from infinity.io import checksum
+from infinity.io.aio import AioHandle, aligned_empty
+from infinity.swap.nvme_state import NvmeStateStore
+from infinity.swap.store import SwapStore
+
+_GB = 1e9
+VARIANTS = {"off": None, "sampled": checksum.SAMPLE_BYTES, "full": checksum.PAGE_BYTES}
+"""Name -> bytes of each page the sums cover (None: no checksums)."""
+
+
+def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(numel, generator=g)
+    master = torch.randn(numel, generator=g)
+    rows: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    with SwapStore(args.path, run_id=f"bench{os.getpid()}") as store:
+        states = {}
+        for name, sample in VARIANTS.items():
+            states[name] = NvmeStateStore(
+                [numel] * groups,
+                store=store,
+                aio=aio,
+                buffer_count=args.buffer_count,
+                prefetch_next_sweep=False,
+                kind=f"optim.checksums_{name}",
+                checksums=sample is not None,
+            )
+            if sample is not None:
+                states[name].io.sums.sample_bytes = sample
+        for state in states.values():
+            for i in range(groups):
+                state.initialize(i, master)
+            sweep_pass(state, grad, step=1)  # warm-up; also settles the initial writes
+        names = list(states)
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                rows[name].append(sweep_pass(states[name], grad, step=r + 2))
+        off = [states["off"].read(i) for i in range(groups)]
+        identical = all(
+            torch.equal(a, b)
+            for state in states.values()
+            for i in range(groups)
+            for a, b in zip(state.read(i), off[i], strict=True)
+        )
+        for state in states.values():
+            state.close()
+    return {"sweep_s": rows, "identical": identical}
+
+
+def sum_gbps(nbytes: int, sample: int) -> float:
+    """Bytes summed per second on one core (median of 3), on an aligned host buffer."""
+    buf = aligned_empty(nbytes, torch.uint8)
+    buf.random_(0, 256)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        checksum.chunk_sums(buf, checksum.CHUNK_BYTES, sample)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / _GB
+
+
+def run(args: argparse.Namespace) -> dict:
+    numel, groups, state_bytes = state_groups(args)
+    with open_aio(args) as aio:
+        result = measure(args, aio, numel, groups)
+    rows = result["sweep_s"]
+    variants = []
+    for name, sample in VARIANTS.items():
+        ratios = [t / off for t, off in zip(rows[name], rows["off"], strict=True)]
+        median = statistics.median(rows[name])
+        v = {
+            "name": name,
+            "sample_bytes": sample,
+            "sweep_s": rows[name],
+            "median_sweep_s": median,
+            "sweep_gbps": 2 * state_bytes / median / _GB,
+            "paired_ratios": ratios,
+            "cost": statistics.median(ratios) - 1,
+        }
+        if sample is not None:
+            v["sum_gbps_one_core"] = sum_gbps(12 * numel, sample)
+        variants.append(v)
+    return {
+        "bench": "swap_checksum",
+        "path": os.path.abspath(args.path),
+        "backend": aio.backend,
+        "checksum": checksum.NAME,
+        "chunk_bytes": checksum.CHUNK_BYTES,
+        "buffer_count": args.buffer_count,
+        "sub_group_numel": numel,
+        "sub_groups": groups,
+        "state_bytes": state_bytes,
+        "rounds": args.rounds,
+        "variants": variants,
+        "identical": result["identical"],
+        "load_average": os.getloadavg(),
+        "machine": machine(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--path", default="/tmp", help="directory on the disk to measure")
+    p.add_argument("--state-gib", type=float, default=1.0, help="fp32 state (master, m, v)")
+    p.add_argument("--sub-group-numel", type=int, default=8 << 20)
+    p.add_argument("--buffer-count", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=1 << 20)
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--json", default="swap_checksum_bench.json", help="output file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    record = run(args)
+    print(
+        f"state {record['state_bytes'] / _GB:.2f} GB in {record['sub_groups']} sub-groups, "
+        f"{record['backend']}, {record['checksum']}; states identical: {record['identical']}; "
+        f"load average {record['load_average'][0]:.1f}"
+    )
+    for v in record["variants"]:
+        rate = f", sums at {v['sum_gbps_one_core']:.1f} GB/s" if "sum_gbps_one_core" in v else ""
+        print(
+            f"  {v['name']:8} sweep {v['median_sweep_s']:.3f} s ({v['sweep_gbps']:.2f} GB/s "
+            f"read+write), cost {v['cost'] * 100:+.1f}% (median of paired rounds){rate}"
+        )
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0 if record["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Checksums of extents: what was written where, checked when it is read back.
+
+Owns the CRC-32C of buffers (`chunk_sums`: the native SSE4.2 path of `infinity._aio` with a
+table fallback; `crc32c_reference` is its Python twin) and `ExtentSums`, the record of each
+written range of a file as CRCs of `CHUNK_BYTES` pieces. It reads no file itself: the extent
+I/O (`extent.py`) hands it the buffers it writes and reads.
+
+[Note: extent checksums] A write records its range's CRCs, one per chunk counted from the
+write's first byte (the last chunk short). A later write that covers a recorded range whole
+replaces it; one that covers part of it updates the chunks it covers whole and forgets those
+it covers in part (they are checked again once a write covers them whole). A read takes the
+sums of the chunks it covers whole when it is issued, and compares them with the bytes it
+got once it has landed: the tiers never issue a read over a write still in flight, so the
+sums taken at issue are those of the bytes on disk. Sums live in memory only and are never
+compared across processes, so without the extension a slower CRC (zlib's CRC-32) stands in.
+
+[Note: sampled sums] By default a chunk's sum covers the first `SAMPLE_BYTES` (64: one cache
+line) of each of its 4 KiB pages (pages of the file: extents start on page boundaries).
+Any change of 4 KiB or more, such as a block the file system or the disk loses, misdirects
+or zeroes, covers a page's head and is found, as is any change to a head; a smaller change
+inside the rest of a page is not. Summing every byte costs 10-25% of the NVMe optimizer's
+sweep on the 2-core development machine even on threads of its own, the sampled sums (one
+line per page, about 350 GB/s) nothing measurable (benchmarks/swap_checksum_bench.py,
+BENCHMARKS.md); `ExtentSums.sample_bytes` = 4096 sums every byte.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from infinity.io.aio_checks import buffer_span
+
+try:
+    from infinity import _aio as _native
+except ImportError:  # built without a compiler: zlib's CRC stands in (see the note)
+    _native = None
+
+PAGE_BYTES = 4096
+SAMPLE_BYTES = 64
+"""Bytes of each 4 KiB page a sum covers by default (see [Note: sampled sums])."""
+CHUNK_BYTES = 16 << 10
+"""Bytes per checksum: 4 bytes of RAM per 16 KiB of swap (256 MiB per TiB). A row of 4096
+fp32 gradients, so the gradient tier's read-add-write of a few rows rewrites whole chunks
+and keeps them checked."""
+
+_NATIVE = _native is not None and hasattr(_native, "crc32c_chunks")
+NAME = "CRC-32C" if _NATIVE else "CRC-32"
+"""The checksum in use, as error messages name it."""
+
+
+def _table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    return table
+
+
+_TABLE = _table()
+
+
+def crc32c_reference(data: bytes | memoryview, crc: int = 0) -> int:
+    """CRC-32C of `data` continuing from `crc`, one byte at a time: the Python twin of
+    `infinity._aio.crc32c` (slow; for tests and small inputs)."""
+    c = crc ^ 0xFFFFFFFF
+    for byte in bytes(data):
+        c = _TABLE[(c ^ byte) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def chunk_sums(buf, chunk_bytes: int = CHUNK_BYTES, sample_bytes: int = 0) -> np.ndarray:
+    """The checksum (`NAME`) of each `chunk_bytes` of a contiguous host buffer (a torch
+    tensor or numpy array of any dtype), the last chunk short: uint32[ceil(nbytes / chunk)].
+    With 0 < `sample_bytes` < `PAGE_BYTES`, each sum covers only the first `sample_bytes`
+    of every page of its chunk (see [Note: sampled sums]). The native path releases the
+    GIL."""
+    span = buffer_span(buf, writable=False)
+    out = np.empty(-(-span.nbytes // chunk_bytes), dtype=np.uint32)
+    sampled = 0 < sample_bytes < PAGE_BYTES
+    if _NATIVE:
+        _native.crc32c_chunks(span.address, span.nbytes, chunk_bytes, out.ctypes.data, True,
+                              sample_bytes if sampled else 0, PAGE_BYTES)  # fmt: skip
+        return out
+    flat = _flat_bytes(buf)
+    data = flat if isinstance(flat, np.ndarray) else flat.numpy()
+    for k, piece in enumerate(_sampled(data, chunk_bytes, sample_bytes if sampled else 0)):
+        out[k] = zlib.crc32(piece)
+    return out
+
+
+def _sampled(data: np.ndarray, chunk_bytes: int, sample_bytes: int):
+    """Each chunk's summed bytes, contiguous: the chunk, or the heads of its pages gathered
+    (one numpy copy of the heads of all whole chunks, not a Python loop over pages)."""
+    whole = data.size // chunk_bytes if sample_bytes and chunk_bytes % PAGE_BYTES == 0 else 0
+    if whole:
+        pages = data[: whole * chunk_bytes].reshape(whole, chunk_bytes // PAGE_BYTES, PAGE_BYTES)
+        heads = np.ascontiguousarray(pages[:, :, :sample_bytes]).reshape(whole, -1)
+        yield from heads
+    for k in range(whole, -(-data.size // chunk_bytes)):
+        chunk = data[k * chunk_bytes : (k + 1) * chunk_bytes]
+        if not sample_bytes:
+            yield chunk
+            continue
+        yield np.concatenate([chunk[at : at + sample_bytes]
+                              for at in range(0, chunk.size, PAGE_BYTES)])  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Record:
+    """One written range of a file: `sums[k]` of chunk k, valid where `known[k]`."""
+
+    offset: int
+    nbytes: int
+    sums: np.ndarray
+    known: np.ndarray
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What a read must find: the sums of whole chunks of one record, from file offset
+    `offset` (chunk-aligned in the record), `nbytes` long."""
+
+    offset: int
+    nbytes: int
+    sums: np.ndarray
+    known: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """The first chunk a read found changed: file bytes [offset, offset + nbytes)."""
+
+    offset: int
+    nbytes: int
+    got: int
+    want: int
+
+
+class ExtentSums:
+    """The checksums of what was written to each file (see [Note: extent checksums]).
+    Thread-safe."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, sample_bytes: int = SAMPLE_BYTES) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.sample_bytes = sample_bytes
+        """Bytes of each page the sums cover (`PAGE_BYTES` or more: every byte)."""
+        self._files: dict[str, list[_Record]] = {}  # by offset; records never overlap
+        self._lock = threading.Lock()
+
+    def written(self, path: str, offset: int, buf) -> None:
+        """Record a write of `buf` at `offset` of `path` (call before the write is issued)."""
+        nbytes = buffer_span(buf, writable=False).nbytes
+        if nbytes == 0:
+            return
+        with self._lock:
+            records = self._files.setdefault(path, [])
+            hit = self._overlapping(records, offset, offset + nbytes)
+            if any(r.offset < offset or r.end > offset + nbytes for r in hit):
+                for r in hit:  # a write into recorded ranges updates them
+                    self._update(r, offset, buf, nbytes)
+                return  # its bytes outside every record stay unchecked
+        # Outside the lock: the tiers never have two writes over one range in flight.
+        sums = chunk_sums(buf, self.chunk_bytes, self.sample_bytes)
+        with self._lock:
+            records = self._files[path]
+            for r in self._overlapping(records, offset, offset + nbytes):
+                records.remove(r)  # whole records under this write
+            bisect.insort(records, _Record(offset, nbytes, sums, np.ones(sums.size, bool)),
+                          key=lambda r: r.offset)  # fmt: skip
+
+    def forget(self, path: str, offset: int, nbytes: int) -> None:
+        """Bytes [offset, offset + nbytes) of `path` are unknown (a write failed there)."""
+        with self._lock:
+            for r in self._overlapping(self._files.get(path, []), offset, offset + nbytes):
+                first, stop = self._touched(r, offset, offset + nbytes)
+                r.known[first:stop] = False
+
+    def expected(self, path: str, offset: int, nbytes: int) -> list[Expected]:
+        """The sums a read of [offset, offset + nbytes) of `path` must match, taken now."""
+        out = []
+        with self._lock:
+            for r in self._overlapping(self._files.get(path, []), offset, offset + nbytes):
+                first, stop = self._inside(r, offset, offset + nbytes)
+                if first < stop and r.known[first:stop].any():
+                    start = r.offset + first * self.chunk_bytes
+                    end = min(r.offset + stop * self.chunk_bytes, r.end)
+                    out.append(Expected(start, end - start, r.sums[first:stop].copy(),
+                                        r.known[first:stop].copy()))  # fmt: skip
+        return out
+
+    def verify(self, expected: list[Expected], offset: int, buf) -> Mismatch | None:
+        """The first changed chunk of `buf` (read from file offset `offset`), or None."""
+        flat = _flat_bytes(buf)
+        for e in expected:
+            lo = e.offset - offset
+            got = chunk_sums(flat[lo : lo + e.nbytes], self.chunk_bytes, self.sample_bytes)
+            bad = np.flatnonzero((got != e.sums) & e.known)
+            if bad.size:
+                k = int(bad[0])
+                start = e.offset + k * self.chunk_bytes
+                end = min(start + self.chunk_bytes, e.offset + e.nbytes)
+                return Mismatch(start, end - start, int(got[k]), int(e.sums[k]))
+        return None
+
+    def _update(self, r: _Record, offset: int, buf, nbytes: int) -> None:
+        """A write of [offset, offset + nbytes) over part of record `r`."""
+        first, stop = self._inside(r, offset, offset + nbytes)
+        if first < stop:
+            lo = r.offset + first * self.chunk_bytes - offset
+            hi = min(r.offset + stop * self.chunk_bytes, r.end) - offset
+            r.sums[first:stop] = chunk_sums(
+                _flat_bytes(buf)[lo:hi], self.chunk_bytes, self.sample_bytes
+            )
+            r.known[first:stop] = True
+        touched_first, touched_stop = self._touched(r, offset, offset + nbytes)
+        for k in (touched_first, touched_stop - 1):
+            if touched_first <= k < touched_stop and not first <= k < stop:
+                r.known[k] = False
+
+    def _inside(self, r: _Record, lo: int, hi: int) -> tuple[int, int]:
+        """Chunks of `r` that [lo, hi) covers whole: [first, stop)."""
+        c = self.chunk_bytes
+        first = -(-(max(lo, r.offset) - r.offset) // c)
+        stop = (min(hi, r.end) - r.offset) // c
+        if hi >= r.end:
+            stop = -(-r.nbytes // c)  # the short last chunk ends with the record
+        return first, max(first, stop)
+
+    def _touched(self, r: _Record, lo: int, hi: int) -> tuple[int, int]:
+        """Chunks of `r` that [lo, hi) touches at all."""
+        c = self.chunk_bytes
+        first = (max(lo, r.offset) - r.offset) // c
+        stop = -(-(min(hi, r.end) - r.offset) // c)
+        return first, max(first, stop)
+
+    @staticmethod
+    def _overlapping(records: list[_Record], lo: int, hi: int) -> list[_Record]:
+        i = bisect.bisect_right(records, lo, key=lambda r: r.offset) - 1
+        i = max(i, 0)
+        out = []
+        while i < len(records) and records[i].offset < hi:
+            if records[i].end > lo:
+                out.append(records[i])
+            i += 1
+        return out
+
+
+def _flat_bytes(buf):
+    """A flat uint8 view of a contiguous torch tensor or numpy array (no copy)."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return buf.reshape(-1).view(torch.uint8)

@@ -1,0 +1,37 @@
+"""benchmarks/swap_checksum_bench.py runs end to end at a tiny size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_swap_checksum_bench_tiny(tmp_path):
+    out = tmp_path / "r.json"
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    args = ["--path", str(swap), "--state-gib", "0.001", "--sub-group-numel", "4096"]
+    args += ["--rounds", "3", "--backend", "posix", "--buffer-count", "3", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.swap_checksum_bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(out.read_text())
+    assert rec["identical"] is True  # checking changes no result
+    assert [v["name"] for v in rec["variants"]] == ["off", "sampled", "full"]
+    for v in rec["variants"]:
+        assert len(v["sweep_s"]) == len(v["paired_ratios"]) == 3 and v["sweep_gbps"] > 0
+        assert (v["name"] == "off") is ("sum_gbps_one_core" not in v)
+    assert rec["variants"][0]["cost"] == 0.0
+    assert rec["checksum"] in ("CRC-32C", "CRC-32")
+    assert list(swap.iterdir()) == []  # the swap store cleaned up
