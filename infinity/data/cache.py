@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from infinity.data import source
 from infinity.data import text as text_pieces
 from infinity.data.source import check_data_file, detect_format, iter_documents
 from infinity.data.tokenizer import Tokenizer
@@ -26,7 +27,7 @@ from infinity.utils.fsio import write_file_atomic
 log = logging.getLogger(__name__)
 
 _BATCH_DOCS = 256
-BATCH_CHARS = 4 << 20
+BATCH_CHARS = 1 << 20
 
 
 def default_cache_dir() -> Path:
@@ -39,8 +40,13 @@ def cache_key(path: Path, tokenizer: Tokenizer, fmt: str, field: str, *, legacy=
     st = path.stat()
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{tokenizer.name}|{fmt}|{field}"
     if fmt == "text" and not legacy:
-        ident += f"|{text_pieces.RULE}"
+        ident += f"|{text_rule()}"
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
+
+
+def text_rule() -> str:
+    """How a text file is cut into pieces: the rule and the chunk size it cuts at."""
+    return f"{text_pieces.RULE}-{source.CHUNK_BYTES}"
 
 
 def _cached(cache_dir: Path, key: str, dtype: np.dtype) -> np.memmap | None:
@@ -85,7 +91,7 @@ def build_token_cache(
         "tokenizer": tokenizer.name,
         "format": fmt,
         "field": field,
-        **({"text_rule": text_pieces.RULE} if fmt == "text" else {}),
+        **({"text_rule": text_rule()} if fmt == "text" else {}),
         "dtype": dtype.name,
         "n_tokens": n_tokens,
     }

@@ -23,7 +23,7 @@ from typing import BinaryIO
 from infinity.data.records import JSON_ADVICE, iter_json_array, iter_json_lines
 from infinity.data.text import iter_pieces
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 64 << 10
 FORMATS = ("auto", "text", "jsonl", "json")
 
 # How each compression's files begin, and the suffix its files carry.

@@ -2,15 +2,15 @@
 a byte-level BPE tokenizer would split anyway.
 
 [Note: text pieces] A text file is one document, but a tokenizer given a whole large file
-holds several times its size in memory (100 MB of text took 3.1 GB; 2 GB aborted inside
-the Rust tokenizer). So the text is read in chunks of `chunk_bytes` and cut into pieces,
-each tokenized on its own. A piece ends just before a space or newline that has a
+holds many times its size in memory while it works (100 MB of text took 3.1 GB; 2 GB
+aborted inside the Rust tokenizer). So the text is read in chunks of `chunk_bytes` and cut
+into pieces, each tokenized on its own. A piece ends just before a space or newline that has a
 non-space character on both sides: the pre-tokenizers of byte-level BPE (GPT-2, Llama 3,
 Qwen, ...) split there too, so the ids are the same as those of the whole file, and with
 UTF-8 bytes they always are. A run of `MAX_CHUNKS` chunks with no such place (no spaces at
 all) is cut at a character boundary. Other tokenizers (SentencePiece's leading "▁") may
-split one word differently at a cut, about once per MiB. The rule is named by `RULE`,
-which the token cache's key includes.
+split one word differently at a cut, about once per chunk (64 KiB). The rule and the
+chunk size are in the token cache's key.
 """
 
 from __future__ import annotations
