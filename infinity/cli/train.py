@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from infinity.config import Config
 from infinity.config.resolve import check_batch
-from infinity.data.source import check_data_file
+from infinity.data.source import check_data_file, check_data_options
 from infinity.data.tokenizer import TOKENIZER_FILES, require_transformers, tokenizer_files
 from infinity.models import PRESETS
 
@@ -112,14 +112,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--data",
         required=True,
         metavar="FILE",
-        help="UTF-8 text (one document) or JSONL (.jsonl: one JSON object per line, the text "
-        "in the field --data-field names); tokenized with the model directory's tokenizer",
+        help="UTF-8 text (one document), JSONL (.jsonl: one JSON object per line, the text "
+        "in the field --data-field names) or JSON (.json: an array of such objects, or JSON "
+        "lines), gzip/bzip2/xz-compressed or not; tokenized with the model directory's "
+        "tokenizer",
     )
     parser.add_argument(
         "--data-field",
         default="text",
         metavar="NAME",
-        help="the JSONL field that holds each document's text (default 'text')",
+        help="the JSONL or JSON field that holds each document's text (default 'text')",
     )
     parser.add_argument(
         "--tokenizer",
@@ -327,7 +329,7 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
                 f"--model {model}: no config.json in that directory; point --model at the "
                 "folder holding config.json and the *.safetensors files"
             )
-    check_data_file(Path(args.data).expanduser())
+    check_data_options(check_data_file(Path(args.data).expanduser()), args.data_field)
     if args.resume and args.overwrite:
         raise ValueError(
             "--resume continues the run in --save-dir and --overwrite deletes it: give one"
@@ -345,9 +347,9 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
     if args.seed is not None:
         check_seed(args.seed)
     model_spec = hf_auto.describe(args.model)
-    _check_seq_len(args.seq_len, model_spec)
+    check_seq_len(args.seq_len, model_spec)
     check_tokenizer_dir(args)
-    lora_spec(args)
+    check_lora_rank(lora_spec(args), model_spec)
     _check_profile(args)
     return model_spec
 
@@ -390,13 +392,42 @@ def check_seed(seed: int, where: str = "--seed") -> None:
         )
 
 
-def _check_seq_len(seq_len: int, model: CausalLMSpec) -> None:
+def check_seq_len(seq_len: int, model: CausalLMSpec) -> None:
+    """--seq-len within the model's position tables (`train` and `estimate` alike)."""
     limit = model.max_positions  # from the transformers config: GPT-2's n_positions too
     if limit is not None and seq_len > limit:
         raise ValueError(
             f"--seq-len {seq_len} is longer than the model's max_position_embeddings "
             f"({limit}): positions past {limit} were never trained and its position tables "
             f"stop there; pass --seq-len {limit} or less"
+        )
+
+
+def check_lora_rank(spec, model: CausalLMSpec) -> None:
+    """An adapter's rank is at most the smaller side of the layer it adapts: a larger one
+    adds parameters without adding rank (`train` and `estimate` alike; None: no LoRA)."""
+    if spec is None:
+        return
+    import torch
+
+    from infinity.models import hf_auto
+    from infinity.models.lora import lora_targets
+
+    with torch.device("meta"):
+        meta = hf_auto.build(model.hf_config, init_weights=False)
+    targets = set(lora_targets(meta, spec))
+    layers = [
+        (name, m)
+        for name, m in meta.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    ]
+    name, narrowest = min(layers, key=lambda nm: min(nm[1].in_features, nm[1].out_features))
+    limit = min(narrowest.in_features, narrowest.out_features)
+    if spec.r > limit:
+        raise ValueError(
+            f"--lora-r {spec.r} is larger than the layer it adapts: {name} is "
+            f"{narrowest.in_features} x {narrowest.out_features}, so its adapter's rank is at "
+            f"most {limit}; pass --lora-r {limit} or less (or --lora-targets without that layer)"
         )
 
 
@@ -499,6 +530,8 @@ def _hold(held: contextlib.ExitStack, lock) -> None:
 
 __all__ = [
     "check_inputs",
+    "check_lora_rank",
+    "check_seq_len",
     "check_seed",
     "check_tokenizer_dir",
     "config_from_args",
