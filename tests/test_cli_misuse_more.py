@@ -178,3 +178,30 @@ def test_a_tiny_nvme_run_does_not_warn_about_buffers(world, tmp_path, caplog, ca
     code, _, err = _run(argv, capsys)
     assert code == 0, err
     assert "buffer_count" not in caplog.text
+
+
+def test_engine_progress_lines_go_above_the_progress_bar(world, tmp_path):
+    """With the bar on, the engine's `step N: lr ...` line is written through the bar
+    (tqdm's logging redirect): the bar is cleared first and the line ends before the bar is
+    drawn again, so no line lands inside a bar frame, in a terminal or a log file."""
+    import os
+    import subprocess
+    import sys
+
+    from _train_inputs import ROOT
+
+    cfg = tmp_path / "print.json"
+    cfg.write_text(json.dumps({"steps_per_print": 2}))
+    args = _train(world, "--config", str(cfg), "--steps", "4", "--save-dir", str(tmp_path / "r"))
+    args.remove("--no-progress")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu")
+    done = subprocess.run([sys.executable, "-m", "infinity.cli.main", *args], env=env,
+                          capture_output=True, timeout=300)  # fmt: skip
+    err = done.stderr.decode()  # bytes: text mode would turn the bar's \r into \n
+    assert done.returncode == 0, err
+    lines = [i for i in range(len(err)) if err.startswith("INFO infinity.engine: step", i)]
+    assert len(lines) == 2, err
+    assert "step/s" in err  # the bar was drawn
+    for at in lines:
+        assert err[at - 1] == "\r", repr(err[at - 200 : at + 80])  # the bar cleared first
+        assert "%|" not in err[at : err.index("\n", at)]  # the line is whole
