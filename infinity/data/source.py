@@ -16,6 +16,7 @@ import gzip
 import lzma
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -84,13 +85,23 @@ def open_data(path: Path) -> Iterator[BinaryIO]:
     with _decompressor(path, kind) as f:
         try:
             yield f
-        except (EOFError, lzma.LZMAError, gzip.BadGzipFile, OSError) as exc:
+        except (EOFError, lzma.LZMAError, gzip.BadGzipFile, OSError, *_zstd_errors()) as exc:
             if isinstance(exc, OSError) and exc.errno is not None:
                 raise  # a failed read of the disk, not damaged data
             raise ValueError(
                 f"data file {path} is {kind}-compressed and its data is damaged or cut short "
                 f"({exc}); test it with `{kind} -t {path}` or fetch it again"
             ) from None
+
+
+def _zstd_errors() -> tuple[type[BaseException], ...]:
+    """The error types of whichever zstd module is loaded (none: zstd is not read)."""
+    found = []
+    for module, name in (("compression.zstd", "ZstdError"), ("zstandard", "ZstdError")):
+        loaded = sys.modules.get(module)
+        if loaded is not None and hasattr(loaded, name):
+            found.append(getattr(loaded, name))
+    return tuple(found)
 
 
 def _decompressor(path: Path, kind: str) -> BinaryIO:
