@@ -202,9 +202,12 @@ def run(args: argparse.Namespace) -> int:
     )
     # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
     config = Config.load({**config.to_dict(), "train_batch_size": "auto"}).for_local_rank(0)
-    # Probes run at a capped batch; compute is scaled to the run's by the FLOPs formula.
     check_fits(shape, config, args)
-    probe_config, probe_seq_len = probe_batch(shape, config, args.seq_len)
+    # The CPU probes run at a capped batch, scaled to the run's by the FLOPs formula; a GPU's
+    # compute comes from its published figures at the run's own batch.
+    probe_config, probe_seq_len = config, args.seq_len
+    if args.device == "cpu":
+        probe_config, probe_seq_len = probe_batch(shape, config, args.seq_len)
     costs = None
     if args.device == "cpu":  # the engine's hooks and copies take the cores that compute
         from infinity.cli.estimate_probe import probe_engine_costs
