@@ -170,3 +170,15 @@ def test_cpu_step_overhead_tiny(tmp_path):
     assert rec["memory_stats"]["infinity_kept"]["live_param_numel"] == rec["model"]["params"]
     assert rec["memory_stats"]["infinity_default"]["live_param_numel"] < rec["model"]["params"]
     assert rec["profile"]["infinity_default"]  # the engine's own functions, by own time
+
+
+def test_tokenize_rss_tiny(tmp_path):
+    out = tmp_path / "t.json"
+    _bench("tokenize_rss.py", "--size", "200K", "--tokenizers", "bytes",
+           "--workdir", tmp_path / "w", "--json", out)  # fmt: skip
+    rec = json.loads(out.read_text())
+    text, jsonl = rec["results"]["text/bytes"], rec["results"]["jsonl/bytes"]
+    assert text["n_tokens"] == rec["text_bytes"] + 1  # the bytes and one EOS
+    assert jsonl["n_tokens"] > text["n_tokens"]  # an EOS per line
+    assert 0 < text["peak_rss_bytes"] < 2 << 30
+    assert not (tmp_path / "w").exists()

@@ -5,8 +5,10 @@ weights and the optimizer state by default; the frozen base comes back from wher
 loaded. The record written in its place names that base: the frozen parameters' names,
 shapes and dtypes, and where they came from: a model directory (its path, a SHA-256 of its
 safetensors index and of each shard's header plus a 64 KiB sample at each end of the data:
-cheap, never hashing the whole 26 GB of a 13B) or a description such as a preset and seed.
-`check_base` refuses a resume on a different base and says what differs.
+cheap, never hashing the whole 26 GB of a 13B), with a CRC-32 of each tensor the loader
+read ([Note: base digests] in infinity.utils.tensor_digests), or a description such as a
+preset and seed. `check_base` refuses a resume on a different base and says what differs;
+`check_tensor` refuses a tensor read later (by an export) whose bytes changed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from infinity.utils import tensor_digests
 
 BASE_MODEL_KEY = "base_model"
 """Key of the record in a checkpoint's JSON state."""
@@ -58,7 +62,25 @@ def describe_dir(model_dir: str | os.PathLike) -> dict[str, Any]:
     index = root / "model.safetensors.index.json"
     if index.is_file():
         record["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    read = {p.name: tensor_digests.remembered(p) for p in shards}
+    if any(read.values()):
+        record["tensors"] = {name: digests for name, digests in read.items() if digests}
     return record
+
+
+def check_tensor(source: Mapping[str, Any], path: Path, name: str, tensor) -> None:
+    """Refuse `tensor` (read whole from shard `path` of the base) when the base record holds
+    a CRC-32 of it, or of a span of it, that its bytes no longer match."""
+    digest = (source.get("tensors") or {}).get(path.name, {}).get(name)
+    if digest is None:
+        return
+    start, numel, crc = digest
+    if tensor_digests.tensor_crc32(tensor.reshape(-1)[start : start + numel]) != crc:
+        raise ValueError(
+            f"tensor {name!r} in {path} changed since the run loaded it from "
+            f"{source.get('path')} (its CRC-32 differs from the one recorded then): the base "
+            "model's weights were edited or damaged; give --base the original model directory"
+        )
 
 
 def describe_base(

@@ -13,8 +13,12 @@ SAVE_DIR/
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
+from typing import Any
+
+from infinity.checkpoint import jsonfloat
 
 FORMAT = "infinity-checkpoint"
 VERSION = 1
@@ -24,6 +28,21 @@ TMP_PREFIX = ".tmp."
 LOCK = ".lock"
 
 PARAM_PREFIX = "param/"
+
+# [Note: metadata checksum] checkpoint.json carries a SHA-256 of its own contents (the JSON
+# without this key, keys sorted, no spaces), so an edited step or data position is refused
+# on load instead of resumed as if true. Whitespace and key order may change; values may
+# not. A checkpoint.json without it was written before it existed: it loads, with a warning
+# that it is not verified.
+METADATA_SUM = "metadata_sha256"
+
+
+def metadata_sum(meta: dict[str, Any]) -> str:
+    """The checksum of checkpoint metadata `meta` (its own METADATA_SUM key left out)."""
+    body = {k: v for k, v in meta.items() if k != METADATA_SUM}
+    text = jsonfloat.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 

@@ -229,7 +229,25 @@ def _read_metadata(path: Path) -> dict:
             f"{meta_path} has format version {meta['version']}, newer than this Infinity "
             f"understands ({layout.VERSION}); upgrade Infinity"
         )
+    _check_metadata_sum(meta_path, meta)
     return meta
+
+
+def _check_metadata_sum(meta_path: Path, meta: dict) -> None:
+    """[Note: metadata checksum] in layout.py: a mismatch is damage; no sum, an old save."""
+    saved = meta.get(layout.METADATA_SUM)
+    if saved is None:
+        log.warning(
+            "%s has no checksum (written by an Infinity before checkpoints carried one): its "
+            "step, data position and state are not verified",
+            meta_path,
+        )
+        return
+    if saved != layout.metadata_sum(meta):
+        raise CheckpointCorruptError(
+            f"{meta_path} does not match its checksum ({layout.METADATA_SUM}): its step, data "
+            f"position or state were edited or damaged; {_damage_fix(meta_path.parent)}"
+        )
 
 
 def load_checkpoint(

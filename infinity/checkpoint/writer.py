@@ -141,6 +141,7 @@ class PendingCheckpoint:
                 "shards": shards,
             }
             try:
+                meta[layout.METADATA_SUM] = layout.metadata_sum(meta)
                 payload = jsonfloat.dumps(meta, indent=1).encode()
             except (TypeError, ValueError) as exc:
                 raise TypeError(

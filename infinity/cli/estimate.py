@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from infinity.cli.train import config_from_args
+from infinity.cli.train import check_lora_rank, check_seq_len, config_from_args
 from infinity.cli.train_flags import positive_int
 from infinity.config import Config
 from infinity.models import PRESETS
@@ -111,6 +111,11 @@ def model_config(name: str):
     """The transformers config of a preset or a model directory (any family): the class
     `infinity train` builds, so the estimate partitions exactly the parameters a run does
     and replays the order of gathers its blocks give."""
+    return model_spec(name).hf_config
+
+
+def model_spec(name: str):
+    """The model's description as `infinity train` reads it (`hf_auto.describe`)."""
     from infinity.models import hf_auto
 
     if name not in PRESETS:
@@ -121,7 +126,7 @@ def model_config(name: str):
                 f"--model {name}: {what}, and not a preset; give a Hugging Face model "
                 f"directory (with config.json) or one of {', '.join(PRESETS)}"
             )
-    return hf_auto.describe(name).hf_config
+    return hf_auto.describe(name)
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -188,40 +193,29 @@ def write_json(out: dict, dest: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infinity.estimate import estimate, measure_rates, model_shape
+    from infinity.cli.estimate_probe import probe_batch, scale_compute
+    from infinity.estimate import estimate, model_shape
+    from infinity.models.lora import LoraSpec
 
     check_paths(args)
-    shape = model_shape(model_config(args.model), lora_r=args.lora_r or 0)
+    spec = model_spec(args.model)
+    # The checks `infinity train` makes of the same flags, before any probe allocates.
+    check_seq_len(args.seq_len, spec)
+    check_lora_rank(LoraSpec(r=args.lora_r) if args.lora_r else None, spec)
+    shape = model_shape(spec.hf_config, lora_r=args.lora_r or 0)
     config = config_from_args(
         argparse.Namespace(**{**vars(args), "lr": None, "seed": None}), args.world_size
     )
     # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
     config = Config.load({**config.to_dict(), "train_batch_size": "auto"}).for_local_rank(0)
-    costs = None
-    if args.device == "cpu":  # the engine's hooks and copies take the cores that compute
-        from infinity.cli.estimate_probe import probe_engine_costs
-        from infinity.zero import model_dtype
-
-        offload = config.zero_optimization.offload_param
-        on_nvme = offload.device == "nvme" and args.nvme and Path(args.nvme).is_dir()
-        costs = probe_engine_costs(
-            model_dtype(config),
-            lora_r=shape.lora_r,
-            checkpointing=args.activation_checkpointing,
-            nvme_path=args.nvme if on_nvme else None,
-            like=shape.probe_config,
-        )
-    rates = measure_rates(
-        shape,
-        config,
-        device=args.device,
-        seq_len=args.seq_len,
-        activation_checkpointing=args.activation_checkpointing,
-        nvme_path=args.nvme,
-        bench_aio=args.bench_aio,
-        module_overhead_s=costs.module_overhead_s if costs else 0.0,
-        gather_copy_bytes_per_s=costs.gather_copy_bytes_per_s if costs else 0.0,
-    )
+    check_fits(shape, config, args)
+    # The CPU probes run at a capped batch, scaled to the run's by the FLOPs formula; a GPU's
+    # compute comes from its published figures at the run's own batch.
+    probe_config, probe_seq_len = config, args.seq_len
+    if args.device == "cpu":
+        probe_config, probe_seq_len = probe_batch(shape, config, args.seq_len)
+    rates = _rates(args, shape, config, probe_config, probe_seq_len)
+    rates = scale_compute(rates, shape, (probe_config, probe_seq_len), (config, args.seq_len))
     est = estimate(
         shape,
         config,
@@ -245,6 +239,65 @@ def run(args: argparse.Namespace) -> int:
         if args.json != "-":
             print(f"wrote {args.json}")
     return 0
+
+
+def _rates(args: argparse.Namespace, shape, config: Config, probe_config: Config, seq_len: int):
+    """The machine's rates for the estimate: on the CPU device with the engine probed at the
+    run's sizes (its hooks and copies take the cores that compute), else a GPU's figures."""
+    from infinity.estimate import measure_rates
+
+    costs = None
+    if args.device == "cpu":
+        from infinity.cli.estimate_probe import probe_engine_costs
+        from infinity.zero import model_dtype
+
+        offload = config.zero_optimization.offload_param
+        on_nvme = offload.device == "nvme" and args.nvme and Path(args.nvme).is_dir()
+        costs = probe_engine_costs(
+            model_dtype(config),
+            lora_r=shape.lora_r,
+            checkpointing=args.activation_checkpointing,
+            nvme_path=args.nvme if on_nvme else None,
+            like=shape.probe_config,
+        )
+    return measure_rates(
+        shape,
+        probe_config,
+        device=args.device,
+        seq_len=seq_len,
+        activation_checkpointing=args.activation_checkpointing,
+        nvme_path=args.nvme,
+        bench_aio=args.bench_aio,
+        module_overhead_s=costs.module_overhead_s if costs else 0.0,
+        gather_copy_bytes_per_s=costs.gather_copy_bytes_per_s if costs else 0.0,
+    )
+
+
+def check_fits(shape, config: Config, args: argparse.Namespace) -> None:
+    """Before any probe: refuse a run whose activations of one micro batch (from the
+    formula) exceed the memory they live in (the GPU's, or this machine's RAM on the CPU
+    device) even with activation checkpointing, which no offload setting changes. A run
+    that fits with checkpointing gets the report and its advice."""
+    from infinity.estimate import GPUS
+    from infinity.estimate.result import activation_bytes
+    from infinity.estimate.sizing import resolve_config
+    from infinity.zero import model_dtype
+
+    gpu = GPUS.get(args.device)
+    if gpu is not None:
+        limit, where = gpu.memory_bytes, f"the {gpu.name}'s {_size(gpu.memory_bytes)}"
+    else:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = f"this machine's {_size(limit)} of RAM"
+    micro = int(resolve_config(config, shape).train_micro_batch_size_per_gpu)
+    itemsize = model_dtype(config).itemsize
+    acts = activation_bytes(shape, micro * args.seq_len, args.seq_len, itemsize, True)
+    if acts > limit:
+        raise ValueError(
+            f"this run cannot fit: the activations of one micro batch ({micro} x "
+            f"{args.seq_len} tokens) need {_size(acts)} even with activation checkpointing, "
+            f"more than {where}; lower --micro-batch or --seq-len"
+        )
 
 
 def render(est, model: str, world_size: int = 1) -> str:

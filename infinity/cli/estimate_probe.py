@@ -35,11 +35,51 @@ import torch
 from infinity.config import Config
 from infinity.zero import model_dtype
 
+# [Note: capped probes] The compute probe runs one micro batch of at most PROBE_TOKENS tokens
+# in sequences of at most PROBE_SEQ_LEN, whatever the run asks for: a probe at the run's
+# shape allocated its activations (--seq-len 100000000 was killed at 21 GB). The run's
+# compute time is the probe's scaled by the FLOPs formula (`ModelShape.train_flops_per_token`,
+# attention included), and its bytes come from the formulas alone. Runs within the caps
+# are probed at their own shape, as before.
+PROBE_SEQ_LEN = 2048
+PROBE_TOKENS = 4096
+
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 _RUN_SIZED_LAYERS = 3
 _TOKENS = 32
 _REPEATS = 7
+
+
+def probe_batch(shape, config: Config, seq_len: int) -> tuple[Config, int]:
+    """The config and sequence length the probes run at ([Note: capped probes])."""
+    from infinity.estimate.sizing import resolve_config
+
+    micro = int(resolve_config(config, shape).train_micro_batch_size_per_gpu)
+    probe_seq = min(seq_len, PROBE_SEQ_LEN)
+    probe_micro = min(micro, max(1, PROBE_TOKENS // probe_seq))
+    if (probe_micro, probe_seq) == (micro, seq_len):
+        return config, seq_len
+    capped = Config.load({**config.to_dict(), "train_micro_batch_size_per_gpu": probe_micro})
+    return capped, probe_seq
+
+
+def scale_compute(rates, shape, probed: tuple[Config, int], run: tuple[Config, int]):
+    """`rates` with the compute time of the run's micro batch, from the probed one's."""
+    if probed == run:
+        return rates
+
+    def flops(config: Config, seq_len: int) -> int:
+        micro = int(config.train_micro_batch_size_per_gpu)
+        return micro * seq_len * shape.train_flops_per_token(seq_len)
+
+    ratio = flops(*run) / flops(*probed)
+    sources = dict(rates.sources)
+    sources["compute"] += (
+        f"; probed at {probed[0].train_micro_batch_size_per_gpu} x {probed[1]} tokens and "
+        f"scaled x {ratio:.3g} by the FLOPs formula"
+    )
+    return dataclasses.replace(rates, compute_s=rates.compute_s * ratio, sources=sources)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

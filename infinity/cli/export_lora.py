@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from infinity.checkpoint import layout
-from infinity.checkpoint.base_model import BASE_MODEL_KEY, describe_dir
+from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_tensor, describe_dir
 from infinity.models import export_hf, hf_auto
 from infinity.models.hf_load import iter_hf_tensors, weight_map
 from infinity.models.lora import LoraSpec, base_name, is_adapter, merged_weights, write_adapter
@@ -88,7 +88,15 @@ def _base_weights(ckpt, override: str | None, config: dict, shapes):
             f"safetensors differ from the recorded fingerprints of {source.get('path')}); give "
             "--base the original model directory"
         )
-    return iter_hf_tensors(weight_map(model_dir), list(shapes))
+    files = weight_map(model_dir)
+    return _checked(iter_hf_tensors(files, list(shapes)), files, source)
+
+
+def _checked(tensors, files: dict, source: dict):
+    """`tensors`, each checked against the CRC-32 the run recorded as it loaded the base."""
+    for name, tensor in tensors:
+        check_tensor(source, files[name], name, tensor)
+        yield name, tensor
 
 
 def _preset_weights(source: dict, config: dict, shapes):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from infinity.cli.train_config import check_seed, config_from_args
 from infinity.cli.train_flags import (
     add_input_flags,
     add_lora_flags,
@@ -22,10 +22,8 @@ from infinity.cli.train_flags import (
     lora_spec,
     positive_int,
 )
-from infinity.cli.train_schedule import apply_schedule_flags
 from infinity.config import Config
-from infinity.config.resolve import check_batch
-from infinity.data.source import check_data_file
+from infinity.data.source import check_data_file, check_data_options
 from infinity.data.tokenizer import TOKENIZER_FILES, require_transformers, tokenizer_files
 from infinity.models import PRESETS
 
@@ -56,70 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-# Elements per optimizer sub-group when --nvme is given and the config does not say: the NVMe
-# pipeline holds buffer_count sub-groups of 12 bytes/element in RAM (4 x 1.2 GB), where
-# DeepSpeed's default of 1e9 would need 48 GB.
-NVME_SUB_GROUP_SIZE = 100_000_000
-
-
-def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:
-    """The JSON config (if any) with the flags laid over it, validated; its batch triple
-    checked for `world_size` ranks (train_batch_size counts all of them)."""
-    raw: dict[str, Any] = {}
-    if args.config:
-        from infinity.config.parse import read_json
-
-        raw = read_json(args.config)
-        if not isinstance(raw, dict):
-            raise ValueError(
-                f"config file {args.config!r} holds a JSON {type(raw).__name__}; a config is "
-                'one JSON object such as {"train_micro_batch_size_per_gpu": 1}'
-            )
-    try:
-        base: dict[str, Any] = Config.load(raw).to_dict() if args.config else {}
-    except (TypeError, ValueError) as exc:  # TypeError: a value of the wrong type
-        raise ValueError(f"config file {args.config!r}: {exc}") from None
-    zero = base.setdefault("zero_optimization", {})
-    given_zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
-    sub_group_given = any("sub_group_size" in k for k in (given_zero or {}))
-    if args.micro_batch is not None or args.grad_accum is not None:
-        base["train_batch_size"] = "auto"  # derived again from the two that were given
-    if args.micro_batch is not None:
-        base["train_micro_batch_size_per_gpu"] = args.micro_batch
-    if args.grad_accum is not None:
-        base["gradient_accumulation_steps"] = args.grad_accum
-    if args.lr is not None:
-        base.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = args.lr
-        sched = base.get("scheduler") or {}
-        params = sched.get("params") or {}
-        if "warmup_max_lr" in params:
-            params["warmup_max_lr"] = args.lr
-    if args.nvme is not None:
-        # The optimizer states and the 16-bit parameters go to NVMe (the parameters stay in
-        # RAM when the config says offload_param.device "cpu").
-        paths = [os.fspath(Path(p.strip()).expanduser()) for p in args.nvme.split(",")]
-        nvme: str | list[str] = paths if len(paths) > 1 else paths[0]
-        zero.setdefault("offload_optimizer", {}).update(device="nvme", nvme_path=nvme)
-        param = zero.setdefault("offload_param", {})
-        param["nvme_path"] = nvme
-        if not (given_zero or {}).get("offload_param", {}).get("device"):
-            param["device"] = "nvme"
-        if not sub_group_given:
-            zero["sub_group_size"] = NVME_SUB_GROUP_SIZE
-    if args.dtype is not None:
-        base.setdefault("fp16", {})["enabled"] = args.dtype == "fp16"
-        base.setdefault("bf16", {})["enabled"] = args.dtype == "bf16"
-    if args.seed is not None:
-        base["seed"] = args.seed
-    apply_schedule_flags(args, raw, base)
-    config = Config.load(base)
-    if args.seed is None:
-        check_seed(config.seed, f"the seed in {args.config}")
-    # The batch triple is checked now, not after the data is tokenized.
-    check_batch(config, world_size)
-    return config
-
-
 def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
     """Errors that can be known before anything is built, each with its fix. Returns the
     model's description (its config read and checked), which the run builds from."""
@@ -137,7 +71,7 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
                 f"--model {model}: no config.json in that directory; point --model at the "
                 "folder holding config.json and the *.safetensors files"
             )
-    check_data_file(Path(args.data).expanduser())
+    check_data_options(check_data_file(Path(args.data).expanduser()), args.data_field)
     if args.resume and args.overwrite:
         raise ValueError(
             "--resume continues the run in --save-dir and --overwrite deletes it: give one"
@@ -152,14 +86,79 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
             "a new run"
         )
     _create_save_dir(save_dir)
+    _create_nvme_dirs(args.nvme)
     if args.seed is not None:
         check_seed(args.seed)
     model_spec = hf_auto.describe(args.model)
-    _check_seq_len(args.seq_len, model_spec)
+    check_seq_len(args.seq_len, model_spec)
     check_tokenizer_dir(args)
-    lora_spec(args)
+    check_lora_rank(lora_spec(args), model_spec)
     _check_profile(args)
     return model_spec
+
+
+def _create_nvme_dirs(flag: str | None) -> None:
+    """Each --nvme directory exists before the data is tokenized: one whose parent exists is
+    created (as --save-dir is); a missing parent or a file there is refused."""
+    for entry in (flag or "").split(","):
+        if not entry.strip():
+            continue
+        path = Path(entry.strip()).expanduser()
+        if path.is_dir():
+            continue
+        if path.exists():
+            raise ValueError(f"--nvme {path} is not a directory; give a directory on the SSD")
+        if not path.parent.is_dir():
+            raise ValueError(
+                f"--nvme {path}: its parent {path.parent} does not exist; create it first or "
+                "give a directory on a fast local SSD"
+            )
+        try:
+            path.mkdir()
+        except OSError as exc:
+            raise ValueError(
+                f"--nvme {path} cannot be created ({exc.strerror}); give a directory on a "
+                "disk you can write to"
+            ) from None
+
+
+def check_seq_len(seq_len: int, model: CausalLMSpec) -> None:
+    """--seq-len within the model's position tables (`train` and `estimate` alike)."""
+    limit = model.max_positions  # from the transformers config: GPT-2's n_positions too
+    if limit is not None and seq_len > limit:
+        raise ValueError(
+            f"--seq-len {seq_len} is longer than the model's max_position_embeddings "
+            f"({limit}): positions past {limit} were never trained and its position tables "
+            f"stop there; pass --seq-len {limit} or less"
+        )
+
+
+def check_lora_rank(spec, model: CausalLMSpec) -> None:
+    """An adapter's rank is at most the smaller side of the layer it adapts: a larger one
+    adds parameters without adding rank (`train` and `estimate` alike; None: no LoRA)."""
+    if spec is None:
+        return
+    import torch
+
+    from infinity.models import hf_auto
+    from infinity.models.lora import lora_targets
+
+    with torch.device("meta"):
+        meta = hf_auto.build(model.hf_config, init_weights=False)
+    targets = set(lora_targets(meta, spec))
+    layers = [
+        (name, m)
+        for name, m in meta.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    ]
+    name, narrowest = min(layers, key=lambda nm: min(nm[1].in_features, nm[1].out_features))
+    limit = min(narrowest.in_features, narrowest.out_features)
+    if spec.r > limit:
+        raise ValueError(
+            f"--lora-r {spec.r} is larger than the layer it adapts: {name} is "
+            f"{narrowest.in_features} x {narrowest.out_features}, so its adapter's rank is at "
+            f"most {limit}; pass --lora-r {limit} or less (or --lora-targets without that layer)"
+        )
 
 
 # The step before a profile's: it traces the execution order and fills caches.
@@ -186,28 +185,6 @@ def _create_save_dir(save_dir: Path) -> None:
             f"--save-dir {save_dir} cannot be created ({exc.strerror}); choose a directory on a "
             "disk you can write to"
         ) from None
-
-
-# torch.manual_seed takes up to 2**64 - 1, and the data order's PCG64 needs a non-negative seed.
-SEED_MAX = 2**64 - 1
-
-
-def check_seed(seed: int, where: str = "--seed") -> None:
-    """Refuse a seed torch or the data order cannot take, naming it and where it came from."""
-    if isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
-        raise ValueError(
-            f"{where} is {seed}, out of range: give a whole number from 0 to 2**64 - 1 ({SEED_MAX})"
-        )
-
-
-def _check_seq_len(seq_len: int, model: CausalLMSpec) -> None:
-    limit = model.max_positions  # from the transformers config: GPT-2's n_positions too
-    if limit is not None and seq_len > limit:
-        raise ValueError(
-            f"--seq-len {seq_len} is longer than the model's max_position_embeddings "
-            f"({limit}): positions past {limit} were never trained and its position tables "
-            f"stop there; pass --seq-len {limit} or less"
-        )
 
 
 def tokenizer_dir(args: argparse.Namespace) -> Path | None:
@@ -309,6 +286,8 @@ def _hold(held: contextlib.ExitStack, lock) -> None:
 
 __all__ = [
     "check_inputs",
+    "check_lora_rank",
+    "check_seq_len",
     "check_seed",
     "check_tokenizer_dir",
     "config_from_args",

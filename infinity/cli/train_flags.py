@@ -84,14 +84,16 @@ def add_input_flags(parser: argparse.ArgumentParser) -> None:
         "--data",
         required=True,
         metavar="FILE",
-        help="UTF-8 text (one document) or JSONL (.jsonl: one JSON object per line, the text "
-        "in the field --data-field names); tokenized with the model directory's tokenizer",
+        help="UTF-8 text (one document), JSONL (.jsonl: one JSON object per line, the text "
+        "in the field --data-field names) or JSON (.json: an array of such objects, or JSON "
+        "lines), gzip/bzip2/xz-compressed or not; tokenized with the model directory's "
+        "tokenizer",
     )
     parser.add_argument(
         "--data-field",
         default="text",
         metavar="NAME",
-        help="the JSONL field that holds each document's text (default 'text')",
+        help="the JSONL or JSON field that holds each document's text (default 'text')",
     )
     parser.add_argument(
         "--tokenizer",

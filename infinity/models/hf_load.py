@@ -18,6 +18,7 @@ import torch
 
 from infinity.models.config import LlamaConfig, load_config
 from infinity.models.llama import LlamaForCausalLM
+from infinity.utils import tensor_digests
 from infinity.utils.safetensors_stream import SafetensorsReader
 from infinity.zero.build_files import BuildPages
 
@@ -132,11 +133,16 @@ def iter_hf_tensors(
                 if name not in wanted:
                     continue
                 if part is None:
-                    yield name, f.get_tensor(name)
-                    continue
-                span = part(name, f.shape(name))
-                if span is not None:
-                    yield name, f.get_flat_slice(name, *span)
+                    tensor = f.get_tensor(name)
+                    span = (0, tensor.numel())
+                else:
+                    span = part(name, f.shape(name))
+                    if span is None:
+                        continue
+                    tensor = f.get_flat_slice(name, *span)
+                # [Note: base digests]: the bytes are in memory already
+                tensor_digests.remember(path, name, *span, tensor_digests.tensor_crc32(tensor))
+                yield name, tensor
 
 
 def stream_hf_weights(

@@ -148,7 +148,9 @@ class PinnedBufferPool:
         ("auto": the largest parameter), `buffer_count` buffers, pinned if `pin_memory`."""
         numel = param_buffer_numel(config, largest_numel)
         depth = -(-prefetch_numel // max(numel, 1)) + 1
-        if depth > config.buffer_count:
+        # It matters when the buffers ahead of the one in use hold under half the window
+        # (one buffer short of a small model's window waits for microseconds: no warning).
+        if depth > config.buffer_count and 2 * (config.buffer_count - 1) * numel < prefetch_numel:
             logger.warning(
                 "offload_param.buffer_count=%d buffers of %d elements hold less than the "
                 "prefetch depth (%d elements + one in use, %d buffers): NVMe prefetch will "

@@ -1,0 +1,144 @@
+"""How `infinity train`'s flags override its JSON config, and the checks of the result.
+
+Owns `config_from_args` (used by `train` and `estimate`): the config file read and checked
+with --nvme as its missing nvme_path, the flags laid over it, a config's global batch kept
+when one of --micro-batch and --grad-accum is given, and the batch triple checked for the
+run's ranks before any data is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from infinity.cli.train_schedule import apply_schedule_flags
+from infinity.config import Config
+from infinity.config.resolve import check_batch
+
+log = logging.getLogger(__name__)
+
+
+# Elements per optimizer sub-group when --nvme is given and the config does not say: the NVMe
+# pipeline holds buffer_count sub-groups of 12 bytes/element in RAM (4 x 1.2 GB), where
+# DeepSpeed's default of 1e9 would need 48 GB.
+NVME_SUB_GROUP_SIZE = 100_000_000
+
+
+def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:
+    """The JSON config (if any) with the flags laid over it, validated; its batch triple
+    checked for `world_size` ranks (train_batch_size counts all of them)."""
+    raw: dict[str, Any] = {}
+    if args.config:
+        from infinity.config.parse import read_json
+
+        raw = read_json(args.config)
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"config file {args.config!r} holds a JSON {type(raw).__name__}; a config is "
+                'one JSON object such as {"train_micro_batch_size_per_gpu": 1}'
+            )
+    nvme = _nvme_paths(args.nvme)
+    if nvme is not None:
+        raw = _with_nvme_path(raw, nvme)
+    try:
+        base: dict[str, Any] = Config.load(raw).to_dict() if args.config else {}
+    except (TypeError, ValueError) as exc:  # TypeError: a value of the wrong type
+        raise ValueError(f"config file {args.config!r}: {exc}") from None
+    zero = base.setdefault("zero_optimization", {})
+    given_zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
+    sub_group_given = any("sub_group_size" in k for k in (given_zero or {}))
+    if args.micro_batch is not None or args.grad_accum is not None:
+        _keep_global_batch(args, raw, base, world_size)
+        base["train_batch_size"] = "auto"  # derived again from the two that were given
+    if args.micro_batch is not None:
+        base["train_micro_batch_size_per_gpu"] = args.micro_batch
+    if args.grad_accum is not None:
+        base["gradient_accumulation_steps"] = args.grad_accum
+    if args.lr is not None:
+        base.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = args.lr
+        sched = base.get("scheduler") or {}
+        params = sched.get("params") or {}
+        if "warmup_max_lr" in params:
+            params["warmup_max_lr"] = args.lr
+    if nvme is not None:
+        # The optimizer states and the 16-bit parameters go to NVMe (the parameters stay in
+        # RAM when the config says offload_param.device "cpu").
+        zero.setdefault("offload_optimizer", {}).update(device="nvme", nvme_path=nvme)
+        param = zero.setdefault("offload_param", {})
+        param["nvme_path"] = nvme
+        if not (given_zero or {}).get("offload_param", {}).get("device"):
+            param["device"] = "nvme"
+        if not sub_group_given:
+            zero["sub_group_size"] = NVME_SUB_GROUP_SIZE
+    if args.dtype is not None:
+        base.setdefault("fp16", {})["enabled"] = args.dtype == "fp16"
+        base.setdefault("bf16", {})["enabled"] = args.dtype == "bf16"
+    if args.seed is not None:
+        base["seed"] = args.seed
+    apply_schedule_flags(args, raw, base)
+    config = Config.load(base)
+    if args.seed is None:
+        check_seed(config.seed, f"the seed in {args.config}")
+    # The batch triple is checked now, not after the data is tokenized.
+    check_batch(config, world_size)
+    return config
+
+
+def _nvme_paths(flag: str | None) -> str | list[str] | None:
+    """--nvme as the config's nvme_path: one directory, or a list of one per local rank."""
+    if flag is None:
+        return None
+    paths = [os.fspath(Path(p.strip()).expanduser()) for p in flag.split(",")]
+    return paths if len(paths) > 1 else paths[0]
+
+
+def _with_nvme_path(raw: dict, nvme: str | list[str]) -> dict:
+    """`raw` with --nvme as the nvme_path of each offload section that names the device
+    "nvme" without a path (the config is checked with it, not refused for lacking one)."""
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return raw
+    zero = dict(zero)
+    for name in ("offload_optimizer", "offload_param"):
+        section = zero.get(name)
+        if isinstance(section, dict) and section.get("device") == "nvme":
+            zero[name] = {"nvme_path": nvme, **section}
+    return {**raw, "zero_optimization": zero}
+
+
+def _keep_global_batch(args: argparse.Namespace, raw: dict, base: dict, world: int) -> None:
+    """One of --micro-batch and --grad-accum with a config's train_batch_size: the config's
+    global batch stays and the other factor is derived from it (both flags: they win)."""
+    train = raw.get("train_batch_size")
+    if train in (None, "auto") or (args.micro_batch is not None and args.grad_accum is not None):
+        return
+    flag, given, other = (
+        ("--micro-batch", args.micro_batch, "gradient_accumulation_steps")
+        if args.micro_batch is not None
+        else ("--grad-accum", args.grad_accum, "train_micro_batch_size_per_gpu")
+    )
+    if not isinstance(train, int) or train % (given * world):
+        raise ValueError(
+            f"{flag} {given} with the train_batch_size {train!r} of {args.config}: that "
+            f"global batch is not {flag} x {other} x {world} rank(s) for any whole {other}; "
+            f"give a {flag} that divides it, or both --micro-batch and --grad-accum (which "
+            "replace train_batch_size)"
+        )
+    base[other] = train // (given * world)
+    log.info("%s %d with train_batch_size %d from %s: %s %d", flag, given, train,
+             args.config, other, base[other])  # fmt: skip
+
+
+# torch.manual_seed takes up to 2**64 - 1, and the data order's PCG64 needs a non-negative seed.
+SEED_MAX = 2**64 - 1
+
+
+def check_seed(seed: int, where: str = "--seed") -> None:
+    """Refuse a seed torch or the data order cannot take, naming it and where it came from."""
+    if isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(
+            f"{where} is {seed}, out of range: give a whole number from 0 to 2**64 - 1 ({SEED_MAX})"
+        )

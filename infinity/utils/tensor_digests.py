@@ -1,0 +1,52 @@
+"""CRC-32 digests of the tensors read from safetensors files, remembered per file.
+
+[Note: base digests] A checkpoint of a LoRA run names its frozen base by path and a cheap
+fingerprint of each shard (its header and 64 KiB at each end), which an edit in the middle
+of a shard leaves unchanged. So the loader takes a CRC-32 of each tensor's bytes as it reads
+them (they are in memory already; CRC-32 runs at several GB/s) and remembers it here, keyed
+by the file with its size and modification time; the base record takes them
+(`checkpoint.base_model.describe_dir`) and an export checks each tensor it reads against
+them. CRC-32 finds any accidental change (and any edit not crafted to keep it); it is not a
+defense against a deliberate forgery.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+
+_REMEMBERED: dict[str, tuple[tuple[int, int], dict[str, list[int]]]] = {}
+"""Real path -> ((size, mtime_ns) when read, {tensor name: [start, numel, crc32]})."""
+
+
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 of a contiguous tensor's bytes."""
+    if tensor.numel() == 0:
+        return 0
+    return zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def remember(path: str | os.PathLike, name: str, start: int, numel: int, crc: int) -> None:
+    """Record that elements [start, start + numel) of `name` in `path` had CRC-32 `crc`."""
+    real = os.path.realpath(path)
+    stamp = _stamp(real)
+    held = _REMEMBERED.get(real)
+    if held is None or held[0] != stamp:
+        held = _REMEMBERED[real] = (stamp, {})
+    held[1][name] = [start, numel, crc]
+
+
+def remembered(path: str | os.PathLike) -> dict[str, list[int]] | None:
+    """The digests read from `path` in this process, if it has not changed since."""
+    real = os.path.realpath(path)
+    held = _REMEMBERED.get(real)
+    if held is None or not os.path.exists(real) or held[0] != _stamp(real):
+        return None
+    return dict(held[1])
