@@ -2,7 +2,7 @@
 NVMe optimizer sweep faster than with either off, and every setting gives bitwise the same
 state.
 
-One `NvmeStateStore` per setting (read on/off x write on/off) over the same sub-groups; each
+One `NvmeStateTier` per setting (read on/off x write on/off) over the same sub-groups; each
 round sweeps every store once with a real CPU-Adam step per sub-group, in an order that
 rotates so the shared disk's swings hit every setting alike. Reading into the next sweep is
 off for all (`prefetch_next_sweep=False`): it would overlap the other settings' sweeps. After
@@ -27,7 +27,7 @@ from bench_record import machine, write_json
 from benchmarks.optimizer_swap_bench import open_aio, state_groups
 from infinity.io.aio import AioHandle
 from infinity.optim import adam_step_flat
-from infinity.swap.nvme_state import NvmeStateStore
+from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.store import SwapStore
 
 _GB = 1e9
@@ -38,7 +38,7 @@ def _name(read: bool, write: bool) -> str:
     return f"read_{'on' if read else 'off'}_write_{'on' if write else 'off'}"
 
 
-def sweep_pass(state: NvmeStateStore, grad: torch.Tensor, step: int) -> float:
+def sweep_pass(state: NvmeStateTier, grad: torch.Tensor, step: int) -> float:
     """Seconds for one sweep with an Adam step on each sub-group."""
     start = time.perf_counter()
     for _, s in state.sweep():
@@ -56,7 +56,7 @@ def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -
     with SwapStore(args.path, run_id=f"bench{os.getpid()}") as store:
         states = {}
         for read, write in SETTINGS:
-            states[_name(read, write)] = NvmeStateStore(
+            states[_name(read, write)] = NvmeStateTier(
                 [numel] * groups,
                 store=store,
                 aio=aio,

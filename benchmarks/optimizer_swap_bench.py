@@ -1,4 +1,4 @@
-"""Claim: a sweep of `NvmeStateStore` (read sub-group i+1 and write back i-1 while i is
+"""Claim: a sweep of `NvmeStateTier` (read sub-group i+1 and write back i-1 while i is
 updated) keeps the disk as busy as raw `AioHandle` reads and writes of the same bytes.
 
 Each round, interleaved so that the shared disk's swings hit every variant alike: raw writes
@@ -28,7 +28,7 @@ import torch
 from bench_record import machine, write_json
 
 from infinity.io.aio import AioHandle, aligned_empty
-from infinity.swap.nvme_state import NvmeStateStore
+from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.store import SwapStore, align_up
 
 _GB = 1e9
@@ -43,7 +43,7 @@ def raw_pass(aio: AioHandle, buf: torch.Tensor, path: str, chunks: int, write: b
     return time.perf_counter() - start
 
 
-def sweep_pass(state: NvmeStateStore) -> float:
+def sweep_pass(state: NvmeStateTier) -> float:
     start = time.perf_counter()
     for _, s in state.sweep():
         s.master.add_(1.0)  # stands in for the Adam step; memory-bound and cheap
@@ -59,7 +59,7 @@ def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -
         states = {}
         for count in args.buffer_count:
             # No read-ahead into the next sweep: it would overlap the raw passes, hiding reads.
-            states[count] = NvmeStateStore(
+            states[count] = NvmeStateTier(
                 [numel] * groups,
                 store=store,
                 aio=aio,

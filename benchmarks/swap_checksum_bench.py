@@ -2,7 +2,7 @@
 [Note: extent checksums] in infinity/io/checksum.py) costs under 3% of the NVMe optimizer
 sweep with the default sums.
 
-Three `NvmeStateStore`s over the same sub-groups in one swap directory: without checksums
+Three `NvmeStateTier`s over the same sub-groups in one swap directory: without checksums
 ("off"), with the default sums (the first `SAMPLE_BYTES` of every page, "sampled") and
 with sums of every byte ("full"). Each round sweeps all three with a real CPU-Adam step per
 sub-group, in an order that rotates so the shared disk's swings hit each alike. Reading into
@@ -31,7 +31,7 @@ from benchmarks.optimizer_pipeline_bench import sweep_pass
 from benchmarks.optimizer_swap_bench import machine, open_aio, state_groups
 from infinity.io import checksum
 from infinity.io.aio import AioHandle, aligned_empty
-from infinity.swap.nvme_state import NvmeStateStore
+from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.store import SwapStore
 
 _GB = 1e9
@@ -47,7 +47,7 @@ def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -
     with SwapStore(args.path, run_id=f"bench{os.getpid()}") as store:
         states = {}
         for name, sample in VARIANTS.items():
-            states[name] = NvmeStateStore(
+            states[name] = NvmeStateTier(
                 [numel] * groups,
                 store=store,
                 aio=aio,

@@ -43,11 +43,11 @@ from infinity.accelerator import Accelerator
 from infinity.comm import Comm
 from infinity.config import Config
 from infinity.swap import (
-    NvmeParamStore,
+    NvmeParamTier,
     SwapStores,
-    make_grad_store,
-    make_param_store,
-    make_state_store,
+    make_grad_tier,
+    make_param_tier,
+    make_state_tier,
 )
 from infinity.utils.step_timer import StepTimer
 from infinity.zero import (
@@ -119,7 +119,7 @@ class PartitionedModel:
     comm: Comm
     accelerator: Accelerator
     swap_stores: SwapStores
-    param_store: NvmeParamStore | None
+    param_tier: NvmeParamTier | None
     records: list[OffloadParam] = field(default_factory=list)
     optimizer: PartitionedOptimizer | None = None
     coordinator: Coordinator | None = None
@@ -141,9 +141,9 @@ class PartitionedModel:
         stats.update({k: v for k, v in optim.items() if k.startswith(prefixes)})
         pinned = optim.get("optim_host_buffer_pinned_bytes", 0)  # offload_optimizer.pin_memory
         peak_pinned = optim.get("optim_host_buffer_peak_bytes", 0) if pinned else 0
-        if self.param_store is not None:
-            stats.update(self.param_store.memory_stats())
-            pool = self.param_store.pool
+        if self.param_tier is not None:
+            stats.update(self.param_tier.memory_stats())
+            pool = self.param_tier.pool
             stats["host_bytes"] += pool.total_bytes
             if pool.pinned:
                 pinned += pool.total_bytes
@@ -182,8 +182,8 @@ class PartitionedModel:
                     self.optimizer.grads.close()
         finally:
             try:
-                if self.param_store is not None:
-                    self.param_store.close()
+                if self.param_tier is not None:
+                    self.param_tier.close()
             finally:
                 self.swap_stores.close()
 
@@ -207,12 +207,12 @@ def assemble(
     trainable = [(n, _shard_numel(p.numel(), comm)) for n, p in named if p.requires_grad]
     _check_names(named, trainable, no_decay)
     parts = PartitionedModel(
-        model, config, comm, accelerator, SwapStores(rank=comm.rank), param_store=None
+        model, config, comm, accelerator, SwapStores(rank=comm.rank), param_tier=None
     )
     try:
-        plan, state_store = _tiers(parts, named, trainable)
+        plan, state_tier = _tiers(parts, named, trainable)
         parts.records, units, sources = partition_model(model, config, accelerator, plan)
-        _optimizer(parts, plan, state_store, trainable, sources, no_decay)
+        _optimizer(parts, plan, state_tier, trainable, sources, no_decay)
         del sources  # the optimizer has written them into their homes
         _runtime(parts, units, timer, loss_scale)
     except BaseException:  # no swap directory or lock outlives a failed start
@@ -257,37 +257,35 @@ def _tiers(
     on_nvme: set[str] = set()
     if zero.offload_param.device == "nvme":
         on_nvme = frozen_on_nvme(named, zero.offload_param)
-        parts.param_store = _param_store(parts, named, on_nvme, dtype)
+        parts.param_tier = _param_tier(parts, named, on_nvme, dtype)
     layout = optimizer_layout([n for _, n in trainable], zero)
-    state_store = make_state_store(
+    state_tier = make_state_tier(
         layout.sub_group_numels, zero.offload_optimizer, config.aio, stores=parts.swap_stores
     )
-    if parts.param_store is not None:
-        lay_out_flat(parts.param_store, layout, names, dtype)
-    weights = make_weights(
-        layout, names, dtype, state_store=state_store, param_store=parts.param_store
-    )
+    if parts.param_tier is not None:
+        lay_out_flat(parts.param_tier, layout, names, dtype)
+    weights = make_weights(layout, names, dtype, state_tier=state_tier, param_tier=parts.param_tier)
     plan = HomePlan(
         weights,
         {n: i for i, n in enumerate(names)},
-        parts.param_store,
+        parts.param_tier,
         frozenset(on_nvme),
         comm=comm if comm.world_size > 1 else None,
     )
-    return plan, state_store
+    return plan, state_tier
 
 
-def _param_store(
+def _param_tier(
     parts: PartitionedModel,
     named: list[tuple[str, nn.Parameter]],
     on_nvme: set[str],
     dtype: torch.dtype,
-) -> NvmeParamStore:
+) -> NvmeParamTier:
     """The NVMe parameter tier: frozen parameters laid out one extent each (the trainable
     ones are laid out in the flat extent by `lay_out_flat`); this rank's shards of them."""
     zero = parts.config.zero_optimization
     numels = [_shard_numel(p.numel(), parts.comm) for _, p in named]
-    return make_param_store(
+    return make_param_tier(
         {n: (k, dtype) for (n, _), k in zip(named, numels, strict=True) if n in on_nvme},
         zero.offload_param,
         parts.config.aio,
@@ -303,7 +301,7 @@ def _param_store(
 def _optimizer(
     parts: PartitionedModel,
     plan: HomePlan,
-    state_store,
+    state_tier,
     trainable: list[tuple[str, int]],
     sources: list[torch.Tensor],
     no_decay: Collection[str],
@@ -314,7 +312,7 @@ def _optimizer(
     layout = plan.weights.layout
     names = [n for n, _ in trainable]
     slots = [Slot(n, k, src) for (n, k), src in zip(trainable, sources, strict=True)]
-    grads = make_grad_store(
+    grads = make_grad_tier(
         layout.sub_group_numels, zero.offload_optimizer, config.aio, stores=parts.swap_stores
     )
     try:
@@ -322,15 +320,15 @@ def _optimizer(
             slots,
             optimizer=config.optimizer,
             zero=zero,
-            state_store=state_store,
+            state_tier=state_tier,
             weights=plan.weights,
             no_decay=[i for i, n in enumerate(names) if n in no_decay],
-            grad_store=grads,
+            grad_tier=grads,
             comm=parts.comm,
         )
     except BaseException:
         try:
-            state_store.close()
+            state_tier.close()
         finally:
             grads.close()
         raise

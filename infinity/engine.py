@@ -107,7 +107,7 @@ class Engine:
         self.records, self.optimizer = parts.records, parts.optimizer
         self.coordinator, self.hooks, self.entry = parts.coordinator, parts.hooks, parts.entry
         self.grad_reducer, self.grad_offload = parts.grad_reducer, parts.grad_offload
-        self.param_store = parts.param_store
+        self.param_tier = parts.param_tier
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule: Schedule = build_schedule(
             self.config.scheduler, float(self.config.optimizer.lr)

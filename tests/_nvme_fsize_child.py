@@ -12,7 +12,7 @@ import sys
 import torch
 
 from infinity.io.aio import AioHandle
-from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore
+from infinity.swap.nvme_state import NvmeStateError, NvmeStateTier
 from infinity.swap.store import SwapStore
 
 
@@ -21,7 +21,7 @@ def main(path: str, backend: str) -> None:
     numels = [4096] * 6
     out: dict = {}
     with SwapStore(path, run_id="fsize") as store, AioHandle(backend=backend) as aio:
-        state = NvmeStateStore(numels, store=store, aio=aio, buffer_count=3)
+        state = NvmeStateTier(numels, store=store, aio=aio, buffer_count=3)
         for i in range(len(numels)):
             state.initialize(i, torch.full((4096,), float(i)))
         ext = store.extent("optim", "subgroup.3")

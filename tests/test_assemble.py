@@ -38,7 +38,7 @@ def test_one_layout_and_new_weights_flow_down(tmp_path):
     optimizer = engine.optimizer
     # The layout the homes were made with is the optimizer's: computed once.
     assert optimizer.layout is optimizer.weights.layout
-    assert engine.param_store.flat.total == optimizer.layout.total
+    assert engine.param_tier.flat.total == optimizer.layout.total
     refresh = optimizer.on_new_weights
     assert isinstance(refresh, GatheredRefresh) and refresh.coordinator is engine.coordinator
     assert refresh.trainable == [r for r in engine.records if r.trainable]

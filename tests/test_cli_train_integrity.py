@@ -12,7 +12,7 @@ from _train_inputs import train_args, write_inputs
 
 from infinity.checkpoint import load_checkpoint
 from infinity.cli.main import main
-from infinity.swap.nvme_state import NvmeStateStore
+from infinity.swap.nvme_state import NvmeStateTier
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_a_zeroed_optimizer_swap_file_stops_the_run(tmp_path, capsys, monkeypatc
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": 2000}}))
     zeroed = []
-    real_sweep = NvmeStateStore.sweep
+    real_sweep = NvmeStateTier.sweep
 
     def sweep(self):
         if not zeroed and _latest(save) == 2:
@@ -40,7 +40,7 @@ def test_a_zeroed_optimizer_swap_file_stops_the_run(tmp_path, capsys, monkeypatc
             zeroed.append(path)
         return real_sweep(self)
 
-    monkeypatch.setattr(NvmeStateStore, "sweep", sweep)
+    monkeypatch.setattr(NvmeStateTier, "sweep", sweep)
     args = train_args(model, data, save, "--config", config, "--save-every", 1, steps=4,
                       nvme=nvme)  # fmt: skip
     assert main(args) == 1

@@ -121,7 +121,7 @@ def _nvme_decisions(tmp_path, seed: int | None):
     torch.manual_seed(0)
     engine = infinity.initialize(tiny_gpt(checkpointing=True), cfg)
     if seed is not None:
-        store = engine.param_store
+        store = engine.param_tier
         store.aio = DelayedAio(store.aio, seed=seed, max_delay_s=0.002)
     log: list[tuple[str, str]] = []
     engine.coordinator.observers.append(lambda event, rec: log.append((event.value, rec.name)))

@@ -13,9 +13,9 @@ from _fake_aio import FakeAio
 
 from infinity.io import AioHandle
 from infinity.io.extent import ExtentError, ExtentIO
-from infinity.swap.grad_store import NvmeGradError, NvmeGradStore
-from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore
-from infinity.swap.param_store import NvmeParamError, NvmeParamStore
+from infinity.swap.grad_tier import NvmeGradError, NvmeGradTier
+from infinity.swap.nvme_state import NvmeStateError, NvmeStateTier
+from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore
 
@@ -101,7 +101,7 @@ def test_bytes_writes_at_issue_reads_when_landed_failures_and_drops_never(tmp_pa
 
 def test_optimizer_state_changed_on_disk_stops_the_sweep(swap, aio):
     numels = [70_000] * 6  # 840 KB per sub-group: several chunks each
-    store = NvmeStateStore(numels, store=swap, aio=aio, buffer_count=3)
+    store = NvmeStateTier(numels, store=swap, aio=aio, buffer_count=3)
     for i in range(len(numels)):
         store.initialize(i, torch.full((numels[i],), float(i)))
     for _, s in store.sweep():
@@ -121,7 +121,7 @@ def test_optimizer_state_changed_on_disk_stops_the_sweep(swap, aio):
 
 def test_spilled_gradients_changed_on_disk_are_found(swap, aio):
     numels = [20_000, 20_000, 20_000]
-    store = NvmeGradStore(numels, store=swap, aio=aio, buffer_count=2)
+    store = NvmeGradTier(numels, store=swap, aio=aio, buffer_count=2)
     for g in (2, 1, 0):  # backward: each pushes the one before it to disk
         store.add(g, 0, torch.ones(numels[g]))
     assert store.residency[2].name == "ON_NVME"
@@ -137,7 +137,7 @@ def test_spilled_gradients_changed_on_disk_are_found(swap, aio):
 
 def test_parameters_changed_on_disk_are_found(swap, aio):
     pool = PinnedBufferPool(2, 1 << 16, pin=False)
-    ps = NvmeParamStore(store=swap, aio=aio, pool=pool)
+    ps = NvmeParamTier(store=swap, aio=aio, pool=pool)
     ps.reserve({"w": (10_000, torch.float16)})
     ps.swap_out("w", torch.ones(10_000, dtype=torch.float16)).wait()
     fut = ps.swap_in("w")

@@ -1,4 +1,4 @@
-"""NvmeStateStore: the StateStore contract on disk, its pipeline, and failures."""
+"""NvmeStateTier: the StateTier contract on disk, its pipeline, and failures."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from infinity.config.sections import AioConfig
 from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import available_backends
 from infinity.optim.functional import adam_step_flat
-from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore, Residency
-from infinity.swap.state_store import HostStateStore, SubGroupState
+from infinity.swap.nvme_state import NvmeStateError, NvmeStateTier, Residency
+from infinity.swap.state_tier import HostStateTier, SubGroupState
 from infinity.swap.store import SwapStore
 
 NUMELS = [1000, 1, 3000, 0, 777, 4096, 513]
@@ -57,8 +57,8 @@ def _run(store, masters, steps):
 @pytest.mark.parametrize("buffers", [3, 5])
 def test_bitwise_equal_to_host_store(swap, lazy, buffers):
     masters = _masters(NUMELS)
-    want = _run(HostStateStore(NUMELS), masters, steps=3)
-    with NvmeStateStore(NUMELS, store=swap, aio=FakeAio(lazy=lazy), buffer_count=buffers) as s:
+    want = _run(HostStateTier(NUMELS), masters, steps=3)
+    with NvmeStateTier(NUMELS, store=swap, aio=FakeAio(lazy=lazy), buffer_count=buffers) as s:
         got = _run(s, masters, steps=3)
         assert all(r is Residency.ON_NVME for r in s.residency)
         assert s.stats.bytes_read > 0 and s.stats.bytes_written > 0
@@ -73,8 +73,8 @@ def test_fewer_sub_groups_than_buffers_get_one_buffer_each(swap, numels):
     """buffer_count 4 over one or two sub-groups (LoRA adapters): only as many buffers are
     allocated, and the sweeps give the host store's results."""
     masters = _masters(numels)
-    want = _run(HostStateStore(numels), masters, steps=3)
-    with NvmeStateStore(numels, store=swap, aio=FakeAio(lazy=True), buffer_count=4) as s:
+    want = _run(HostStateTier(numels), masters, steps=3)
+    with NvmeStateTier(numels, store=swap, aio=FakeAio(lazy=True), buffer_count=4) as s:
         assert s.pool.buffer_count == len(numels)
         got = _run(s, masters, steps=3)
     for w, g in zip(want, got, strict=True):
@@ -87,8 +87,8 @@ def test_adam_steps_bitwise_equal_to_host_store(swap):
     grads = [[torch.randn(n, generator=g) for n in numels] for _ in range(3)]
     results = []
     for store in (
-        HostStateStore(numels),
-        NvmeStateStore(numels, store=swap, aio=FakeAio(lazy=True), buffer_count=3),
+        HostStateTier(numels),
+        NvmeStateTier(numels, store=swap, aio=FakeAio(lazy=True), buffer_count=3),
     ):
         for i, m in enumerate(_masters(numels, seed=4)):
             store.initialize(i, m)
@@ -107,16 +107,16 @@ def test_adam_steps_bitwise_equal_to_host_store(swap):
 @pytest.mark.parametrize("backend", available_backends())
 def test_bitwise_equal_to_host_store_real_io(swap, backend):
     masters = _masters(NUMELS, seed=1)
-    want = _run(HostStateStore(NUMELS), masters, steps=2)
+    want = _run(HostStateTier(NUMELS), masters, steps=2)
     aio = AioHandle(block_size=8192, queue_depth=4, backend=backend)
-    with aio, NvmeStateStore(NUMELS, store=swap, aio=aio, buffer_count=3) as s:
+    with aio, NvmeStateTier(NUMELS, store=swap, aio=aio, buffer_count=3) as s:
         got = _run(s, masters, steps=2)
     for w, g in zip(want, got, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(w, g, strict=True))
 
 
 def test_aio_config_makes_an_owned_handle(swap):
-    with NvmeStateStore([100, 200], store=swap, aio=AioConfig(backend="posix")) as s:
+    with NvmeStateTier([100, 200], store=swap, aio=AioConfig(backend="posix")) as s:
         assert s.aio.backend == "posix"
         s.initialize(1, torch.ones(200))
         assert torch.equal(s.read(1).master, torch.ones(200))
@@ -125,7 +125,7 @@ def test_aio_config_makes_an_owned_handle(swap):
 
 def test_read_ahead_issued_before_caller_gets_control(swap):
     aio = FakeAio(lazy=True)
-    store = NvmeStateStore(NUMELS, store=swap, aio=aio, buffer_count=3)
+    store = NvmeStateTier(NUMELS, store=swap, aio=aio, buffer_count=3)
     offsets = {store.store.extent("optim", f"subgroup.{i}").offset: i for i in range(7)}
     for i, m in enumerate(_masters(NUMELS)):
         store.initialize(i, m)
@@ -150,7 +150,7 @@ def test_read_ahead_issued_before_caller_gets_control(swap):
 
 def test_next_sweep_prefetch_is_used_or_dropped(swap):
     aio = FakeAio(lazy=True)
-    store = NvmeStateStore([100] * 4, store=swap, aio=aio, buffer_count=3)
+    store = NvmeStateTier([100] * 4, store=swap, aio=aio, buffer_count=3)
     for _ in store.sweep():
         pass
     aio.log.clear()
@@ -171,7 +171,7 @@ def test_next_sweep_prefetch_is_used_or_dropped(swap):
     with open(ext.path, "rb") as f:
         f.seek(ext.offset + 400)
         assert torch.all(torch.frombuffer(bytearray(f.read(400)), dtype=torch.float32) == 5.0)
-    no_prefetch = NvmeStateStore(
+    no_prefetch = NvmeStateTier(
         [100] * 4, store=swap, aio=FakeAio(), prefetch_next_sweep=False, kind="optim.b"
     )
     for _ in no_prefetch.sweep():
@@ -182,7 +182,7 @@ def test_next_sweep_prefetch_is_used_or_dropped(swap):
 
 def test_reads_are_queued_before_the_write_back_of_the_stepped_sub_group(swap):
     aio = FakeAio(lazy=True)
-    store = NvmeStateStore([1024] * 6, store=swap, aio=aio, buffer_count=3)
+    store = NvmeStateTier([1024] * 6, store=swap, aio=aio, buffer_count=3)
     offsets = {store.store.extent("optim", f"subgroup.{i}").offset: i for i in range(6)}
     for i, _ in store.sweep():
         if i == 2:
@@ -197,7 +197,7 @@ def test_reads_are_queued_before_the_write_back_of_the_stepped_sub_group(swap):
 
 def test_write_of_previous_overlaps_step_of_current(swap):
     aio = FakeAio(lazy=True)
-    store = NvmeStateStore([4096] * 5, store=swap, aio=aio, buffer_count=4)
+    store = NvmeStateTier([4096] * 5, store=swap, aio=aio, buffer_count=4)
     pending_writes = []
     for _i, _ in store.sweep():
         pending_writes.append(len(store._writes))
@@ -208,7 +208,7 @@ def test_write_of_previous_overlaps_step_of_current(swap):
 
 
 def test_breaking_out_keeps_changes_and_drains(swap):
-    store = NvmeStateStore(NUMELS, store=swap, aio=FakeAio(lazy=True), buffer_count=4)
+    store = NvmeStateTier(NUMELS, store=swap, aio=FakeAio(lazy=True), buffer_count=4)
     it = store.sweep()
     for i, s in it:
         s.master.fill_(float(i + 7))
@@ -224,7 +224,7 @@ def test_breaking_out_keeps_changes_and_drains(swap):
 
 
 def test_calls_during_a_sweep_are_refused(swap):
-    store = NvmeStateStore([10, 10], store=swap, aio=FakeAio())
+    store = NvmeStateTier([10, 10], store=swap, aio=FakeAio())
     it = store.sweep()
     next(it)
     with pytest.raises(RuntimeError, match="during a sweep"):
@@ -238,7 +238,7 @@ def test_calls_during_a_sweep_are_refused(swap):
 def test_enospc_mid_sweep_stops_cleanly(swap, lazy):
     numels = [2000] * 6
     aio = FakeAio(lazy=lazy)
-    store = NvmeStateStore(numels, store=swap, aio=aio, buffer_count=3)
+    store = NvmeStateTier(numels, store=swap, aio=aio, buffer_count=3)
     for i, m in enumerate(_masters(numels)):
         store.initialize(i, m)
     before = [store.read(i) for i in range(len(numels))]
@@ -265,7 +265,7 @@ def test_enospc_mid_sweep_stops_cleanly(swap, lazy):
 
 def test_enospc_in_initialize_surfaces_at_next_use(swap):
     aio = FakeAio(lazy=True, fail_write=1)
-    store = NvmeStateStore([100, 100, 100], store=swap, aio=aio, buffer_count=3)
+    store = NvmeStateTier([100, 100, 100], store=swap, aio=aio, buffer_count=3)
     for i, m in enumerate(_masters([100] * 3)):
         store.initialize(i, m)
     with pytest.raises(NvmeStateError, match="sub-group 1"):
@@ -274,7 +274,7 @@ def test_enospc_in_initialize_surfaces_at_next_use(swap):
 
 
 def test_write_and_read_roundtrip_and_checks(swap):
-    store = NvmeStateStore([5, 9], store=swap, aio=FakeAio())
+    store = NvmeStateTier([5, 9], store=swap, aio=FakeAio())
     st = SubGroupState(*(torch.arange(9, dtype=torch.float32) * k for k in (1, 2, 3)))
     store.write(1, st)
     back = store.read(1)
@@ -286,20 +286,20 @@ def test_write_and_read_roundtrip_and_checks(swap):
     with pytest.raises(IndexError):
         store.read(2)
     with pytest.raises(ValueError, match="at least 3"):
-        NvmeStateStore([1], store=swap, aio=FakeAio(), buffer_count=2)
+        NvmeStateTier([1], store=swap, aio=FakeAio(), buffer_count=2)
     store.close()
     with pytest.raises(NvmeStateError, match="closed"):
         store.read(0)
 
 
 def test_uninitialized_sub_groups_read_as_zero(swap):
-    store = NvmeStateStore([333], store=swap, aio=FakeAio())
+    store = NvmeStateTier([333], store=swap, aio=FakeAio())
     assert all(torch.count_nonzero(t) == 0 for t in store.read(0))
     store.close()
 
 
 def test_memory_stats(swap):
-    store = NvmeStateStore([1024, 2048], store=swap, aio=FakeAio(), buffer_count=3)
+    store = NvmeStateTier([1024, 2048], store=swap, aio=FakeAio(), buffer_count=3)
     for _ in store.sweep():
         pass
     m = store.memory_stats()
@@ -330,9 +330,9 @@ def test_real_write_failure_mid_sweep_in_child(tmp_path, backend):
 @pytest.mark.parametrize("backend", available_backends())
 def test_read_range_reads_just_one_fields_share(swap, backend):
     masters = _masters(NUMELS)
-    host = HostStateStore(NUMELS)
+    host = HostStateTier(NUMELS)
     want = _run(host, masters, steps=2)
-    with NvmeStateStore(NUMELS, store=swap, aio=AioConfig(backend=backend), buffer_count=3) as s:
+    with NvmeStateTier(NUMELS, store=swap, aio=AioConfig(backend=backend), buffer_count=3) as s:
         _run(s, masters, steps=2)
         gen = torch.Generator().manual_seed(1)
         for i, n in enumerate(NUMELS):

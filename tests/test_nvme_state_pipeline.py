@@ -10,9 +10,9 @@ from _fake_aio import FakeAio
 
 from infinity.accelerator.cpu import CpuAccelerator
 from infinity.config import Config
-from infinity.swap import SwapStores, make_state_store
-from infinity.swap.nvme_state import NvmeStateStore
-from infinity.swap.state_store import HostStateStore
+from infinity.swap import SwapStores, make_state_tier
+from infinity.swap.nvme_state import NvmeStateTier
+from infinity.swap.state_tier import HostStateTier
 from infinity.swap.store import SwapStore
 
 NUMELS = [1000, 3000, 1, 777, 4096, 513]
@@ -41,7 +41,7 @@ class InFlightAio(FakeAio):
         return sum(1 for kind, fut in self.futures if kind == op and not fut.done())
 
 
-def _sweep_twice(store: NvmeStateStore, aio: InFlightAio) -> list[tuple[int, int]]:
+def _sweep_twice(store: NvmeStateTier, aio: InFlightAio) -> list[tuple[int, int]]:
     """(reads, writes) in flight while the caller holds each sub-group, over two sweeps."""
     g = torch.Generator().manual_seed(0)
     for i, n in enumerate(store.numels):
@@ -60,7 +60,7 @@ def _sweep_twice(store: NvmeStateStore, aio: InFlightAio) -> list[tuple[int, int
 def test_each_switch_turns_its_overlap_on_and_off(tmp_path, read, write):
     aio = InFlightAio()
     with SwapStore(tmp_path, run_id="t") as swap:
-        store = NvmeStateStore(
+        store = NvmeStateTier(
             NUMELS, store=swap, aio=aio, buffer_count=4, pipeline_read=read, pipeline_write=write
         )
         with store:
@@ -75,11 +75,11 @@ def test_each_switch_turns_its_overlap_on_and_off(tmp_path, read, write):
 
 @pytest.mark.parametrize("read,write", SWITCHES)
 def test_results_are_bitwise_those_of_the_host_tier(tmp_path, read, write):
-    want_store = HostStateStore(NUMELS)
+    want_store = HostStateTier(NUMELS)
     _sweep_twice_host(want_store)
     with SwapStore(tmp_path, run_id="t") as swap:
         aio = InFlightAio()
-        with NvmeStateStore(
+        with NvmeStateTier(
             NUMELS, store=swap, aio=aio, buffer_count=3, pipeline_read=read, pipeline_write=write
         ) as store:
             _sweep_twice(store, aio)
@@ -89,7 +89,7 @@ def test_results_are_bitwise_those_of_the_host_tier(tmp_path, read, write):
                     assert torch.equal(a, b), i
 
 
-def _sweep_twice_host(store: HostStateStore) -> None:
+def _sweep_twice_host(store: HostStateTier) -> None:
     g = torch.Generator().manual_seed(0)
     for i, n in enumerate(store.numels):
         store.initialize(i, torch.randn(n, generator=g))
@@ -153,7 +153,7 @@ def test_pin_memory_allocates_the_pipeline_buffers_pinned(tmp_path, monkeypatch,
         {"zero_optimization": _engine_cfg(tmp_path, pin_memory=pin)["zero_optimization"]}
     )
     with SwapStores() as stores:
-        store = make_state_store(
+        store = make_state_tier(
             NUMELS, cfg.zero_optimization.offload_optimizer, cfg.aio, stores=stores
         )
         with store:

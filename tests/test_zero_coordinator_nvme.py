@@ -14,7 +14,7 @@ from infinity.accelerator import CpuAccelerator
 from infinity.config import ZeroConfig
 from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import available_backends
-from infinity.swap.param_store import NvmeParamError, NvmeParamStore
+from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore, align_up
 from infinity.zero import (
@@ -47,7 +47,7 @@ class Model:
     def __init__(self, swap, aio, *, buffers, seed=0, alias=True):
         self.accel = CpuAccelerator(alias_host=alias)
         self.pool = PinnedBufferPool(buffers, align_up(2049 * 2), timeout_s=5.0)
-        self.ps = NvmeParamStore(store=swap, aio=aio, pool=self.pool)
+        self.ps = NvmeParamTier(store=swap, aio=aio, pool=self.pool)
         g = torch.Generator().manual_seed(seed)
         names = [(f"l{i}.p{j}", s) for i in range(LAYERS) for j, s in enumerate(SHAPES)]
         self.weights = {n: torch.randn(s, generator=g).to(DT) for n, s in names}

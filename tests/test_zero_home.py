@@ -10,7 +10,7 @@ from _fake_aio import FakeAio
 
 import infinity
 from infinity.accelerator import CpuAccelerator
-from infinity.swap.param_store import NvmeParamStore
+from infinity.swap.param_tier import NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore
 from infinity.zero import HomeTier, HostHome, NvmeHome
@@ -19,7 +19,7 @@ from infinity.zero import HomeTier, HostHome, NvmeHome
 @pytest.fixture
 def nvme_home(tmp_path):
     with SwapStore(tmp_path, run_id="t") as swap:
-        ps = NvmeParamStore(store=swap, aio=FakeAio(lazy=True), pool=PinnedBufferPool(1, 8192))
+        ps = NvmeParamTier(store=swap, aio=FakeAio(lazy=True), pool=PinnedBufferPool(1, 8192))
         ps.reserve({"w": (1000, torch.bfloat16)})
         yield NvmeHome(ps, "w"), ps
 

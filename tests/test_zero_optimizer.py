@@ -10,7 +10,7 @@ import torch
 
 from infinity.config import OptimizerConfig, ZeroConfig
 from infinity.optim import native_adam
-from infinity.swap.state_store import SubGroupState
+from infinity.swap.state_tier import SubGroupState
 from infinity.zero import PartitionedOptimizer, Slot, sub_group_numels
 
 # Numels 407, 64, 105, 5000, 3, 258, 0, each slot on a 2048-element boundary: offsets 0,
@@ -36,7 +36,7 @@ def backend(request, monkeypatch):
 
 
 class CopyingStateStore:
-    """A StateStore that, like the NVMe tier, keeps nothing resident between uses: the sweep
+    """A StateTier that, like the NVMe tier, keeps nothing resident between uses: the sweep
     hands out copies and writes each back when the caller moves on."""
 
     def __init__(self, numels):
@@ -92,7 +92,7 @@ def make_opt(slots, *, sub_group_size=4096, store=None, no_decay=(), **cfg):
     optimizer = OptimizerConfig(**cfg)
     zero = ZeroConfig(sub_group_size=sub_group_size)
     return PartitionedOptimizer(
-        slots, optimizer=optimizer, zero=zero, state_store=store, no_decay=no_decay
+        slots, optimizer=optimizer, zero=zero, state_tier=store, no_decay=no_decay
     )
 
 
@@ -550,7 +550,7 @@ def test_changed_hyperparameters_are_logged_and_the_config_wins(caplog):
 
 
 def _nvme_store_factory(tmp_path):
-    """NvmeStateStore over a fresh swap directory per store (skips where the tier is absent)."""
+    """NvmeStateTier over a fresh swap directory per store (skips where the tier is absent)."""
     nvme_state = pytest.importorskip("infinity.swap.nvme_state")
     swap_store = pytest.importorskip("infinity.swap.store")
     from infinity.config import AioConfig
@@ -561,7 +561,7 @@ def _nvme_store_factory(tmp_path):
         path = tmp_path / f"swap{len(made)}"
         path.mkdir()
         swap = swap_store.SwapStore(path, run_id="t")
-        store = nvme_state.NvmeStateStore(numels, store=swap, aio=AioConfig(backend="posix"),
+        store = nvme_state.NvmeStateTier(numels, store=swap, aio=AioConfig(backend="posix"),
                                           buffer_count=3)  # fmt: skip
         made.append((store, swap))
         return store

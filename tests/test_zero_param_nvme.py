@@ -14,7 +14,7 @@ from torch import nn
 from infinity.accelerator import CpuAccelerator
 from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import available_backends
-from infinity.swap.param_store import NvmeParamError, NvmeParamStore
+from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore
 from infinity.zero import HomeTier, NvmeHome, OffloadParam, ParamState
@@ -31,7 +31,7 @@ def swap(tmp_path):
 
 def _store(swap, aio, buffers=2):
     pool = PinnedBufferPool(buffers, 3 * 4096)
-    ps = NvmeParamStore(store=swap, aio=aio, pool=pool)
+    ps = NvmeParamTier(store=swap, aio=aio, pool=pool)
     ps.reserve({"frozen": (NUMEL, torch.float16)})
     ps.reserve_flat({"a": (0, NUMEL), "b": (4096, NUMEL)}, 8192, torch.float16)
     return ps, pool

@@ -1,6 +1,6 @@
 """The NVMe gradient store's bytes for one optimizer step, replayed without tensors.
 
-`NvmeGradStore` (infinity/swap/grad_store.py) decides what to write, read back and add on
+`NvmeGradTier` (infinity/swap/grad_tier.py) decides what to write, read back and add on
 disk from the order backward adds the gradients in (see [Note: spilled gradients] there).
 `grad_traffic` runs that policy (`infinity.swap.grad_plan`, the plan the store applies)
 on the sizes alone, counting bytes: backward reaches the gathering units

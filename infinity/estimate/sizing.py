@@ -23,7 +23,7 @@ from infinity.swap.footprint import Footprint
 from infinity.swap.grad_plan import grad_footprint
 from infinity.swap.nvme_state import nvme_state_footprint, state_buffers, state_nbytes
 from infinity.swap.pool import param_pool_nbytes
-from infinity.swap.state_store import host_state_footprint
+from infinity.swap.state_tier import host_state_footprint
 from infinity.swap.store import reserved_nbytes
 from infinity.zero import model_dtype
 from infinity.zero.param import frozen_nvme_mask
@@ -206,7 +206,7 @@ def sizes(
 
 def _state(zero: ZeroConfig, sub_groups: Sequence[int]) -> tuple[Footprint, int]:
     """The optimizer-state tier's footprint, and the bytes the end of a sweep reads ahead
-    (NvmeStateStore's prefetch_next_sweep: every buffer is free when a sweep ends)."""
+    (NvmeStateTier's prefetch_next_sweep: every buffer is free when a sweep ends)."""
     if zero.offload_optimizer.device != "nvme":
         return host_state_footprint(sub_groups), 0
     buffer_count = zero.offload_optimizer.buffer_count

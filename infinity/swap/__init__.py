@@ -2,30 +2,30 @@
 storage tiers of parameters, gradients and optimizer state. The I/O itself is
 `infinity.io`'s."""
 
-from infinity.swap.grad_store import HostGradStore, NvmeGradError, NvmeGradStore
-from infinity.swap.nvme_state import NvmeStateError, NvmeStateStore
-from infinity.swap.param_store import NvmeParamError, NvmeParamStore
+from infinity.swap.grad_tier import HostGradTier, NvmeGradError, NvmeGradTier
+from infinity.swap.nvme_state import NvmeStateError, NvmeStateTier
+from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
-from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
+from infinity.swap.state_tier import HostStateTier, StateTier, SubGroupState
 from infinity.swap.store import SwapStore, SwapStoreError
-from infinity.swap.tiers import SwapStores, make_grad_store, make_param_store, make_state_store
+from infinity.swap.tiers import SwapStores, make_grad_tier, make_param_tier, make_state_tier
 
 __all__ = [
-    "HostGradStore",
-    "HostStateStore",
+    "HostGradTier",
+    "HostStateTier",
     "NvmeGradError",
-    "NvmeGradStore",
+    "NvmeGradTier",
     "NvmeParamError",
-    "NvmeParamStore",
+    "NvmeParamTier",
     "NvmeStateError",
-    "NvmeStateStore",
+    "NvmeStateTier",
     "PinnedBufferPool",
-    "StateStore",
+    "StateTier",
     "SubGroupState",
     "SwapStore",
     "SwapStoreError",
     "SwapStores",
-    "make_grad_store",
-    "make_param_store",
-    "make_state_store",
+    "make_grad_tier",
+    "make_param_tier",
+    "make_state_tier",
 ]

@@ -2,7 +2,7 @@
 
 Owns the record only. Each tier states its own footprint through one function beside it,
 which its constructor sizes its allocations with: `grad_footprint` (grad_plan.py),
-`nvme_state_footprint` (nvme_state.py), `host_state_footprint` (state_store.py),
+`nvme_state_footprint` (nvme_state.py), `host_state_footprint` (state_tier.py),
 `param_pool_nbytes` (pool.py), `weights_footprint` (infinity/zero/weights.py). The estimate
 (`infinity.estimate.sizing`) calls those same functions instead of restating their rules.
 """

@@ -6,9 +6,9 @@ each sub-group's sum is (`GradResidency`), which buffer holds it, which buffer i
 next (least recently used), when a read behind or ahead starts, and when a small add goes to
 disk. It holds no tensors and does no I/O: a `GradSink` carries out each decision, and an
 `idle(buffer)` predicate says whether a buffer's last transfer has finished (the one input
-that may depend on the disk's timing). `NvmeGradStore` (infinity/swap/grad_store.py) applies
+that may depend on the disk's timing). `NvmeGradTier` (infinity/swap/grad_tier.py) applies
 it; the estimate (`infinity.estimate.grad_traffic`) runs it and counts bytes. The rules are
-[Note: spilled gradients] in grad_store.py.
+[Note: spilled gradients] in grad_tier.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from infinity.swap.footprint import Footprint
 from infinity.swap.store import align_up, reserved_nbytes
 
 GRAD_BUFFERS = 3
-"""Host buffers of `NvmeGradStore` by default: two sub-groups being filled by backward (the
+"""Host buffers of `NvmeGradTier` by default: two sub-groups being filled by backward (the
 one a layer's gradients straddle into, and the one before it) and one being written."""
 PARTIAL_FRACTION = 16
 """A gradient of at most 1/this of its sub-group, added while the sub-group is on disk, is
@@ -30,7 +30,7 @@ layer's norm weights, reached in backward after the layer's other sub-groups wer
 F32 = 4
 NORM_ROW_NUMEL = 4096
 """Elements per row of the norms a write records (see [Note: accurate norms] in
-grad_store.py): an add on disk reads and writes back whole rows."""
+grad_tier.py): an add on disk reads and writes back whole rows."""
 
 
 def disk_rows(start: int, numel: int, total: int) -> tuple[int, int]:
@@ -41,15 +41,15 @@ def disk_rows(start: int, numel: int, total: int) -> tuple[int, int]:
 
 
 def grad_buffers(numels: Sequence[int], buffer_count: int = GRAD_BUFFERS) -> tuple[int, int]:
-    """`NvmeGradStore`'s host buffers for sub-groups of `numels`: (count, bytes of each)."""
+    """`NvmeGradTier`'s host buffers for sub-groups of `numels`: (count, bytes of each)."""
     return min(buffer_count, max(len(numels), 1) + 1), align_up(max(numels, default=1) * F32)
 
 
 def grad_footprint(
     numels: Sequence[int], *, nvme: bool, buffer_count: int = GRAD_BUFFERS
 ) -> Footprint:
-    """The gradient tier over sub-groups of `numels`: `HostGradStore`'s flat fp32 buffer,
-    or `NvmeGradStore`'s `grad_buffers` and its extents (one fp32 sub-group each)."""
+    """The gradient tier over sub-groups of `numels`: `HostGradTier`'s flat fp32 buffer,
+    or `NvmeGradTier`'s `grad_buffers` and its extents (one fp32 sub-group each)."""
     if not nvme:
         return Footprint(F32 * sum(numels))
     count, nbytes = grad_buffers(numels, buffer_count)
@@ -129,7 +129,7 @@ class GradPlan:
     def added(self, g: int, b: int, sink: GradSink) -> None:
         """The add into `b` is done: keep one buffer free (writing out the least recently
         used other one), and start reading the sub-group below when buffers allow (see
-        `NvmeGradStore._read_behind`: this depends on the adds alone, never on timing)."""
+        `NvmeGradTier._read_behind`: this depends on the adds alone, never on timing)."""
         writing = None
         if not any(o is None for o in self.owner):
             writing = self._least_recent(but=b)

@@ -1,9 +1,9 @@
-"""The NVMe tier of the optimizer state: `NvmeStateStore`.
+"""The NVMe tier of the optimizer state: `NvmeStateTier`.
 
 Owns each sub-group's fp32 master weights and Adam moments on disk (one extent per sub-group
 in the swap store, kind "optim": master, exp_avg and exp_avg_sq back to back), the ring of
 host buffers they pass through, and the read-ahead / write-back pipeline of `sweep()`. It
-implements the `StateStore` contract ([Note: sweep semantics] in state_store.py); it does
+implements the `StateTier` contract ([Note: sweep semantics] in state_tier.py); it does
 not know what the optimizer computes.
 
 [Note: NVMe sweep pipeline] With B host buffers: while the caller steps sub-group i in one
@@ -40,7 +40,7 @@ from infinity.io.aio import aligned_empty
 from infinity.io.extent import ExtentError, ExtentIO, Transfer
 from infinity.swap.footprint import Footprint
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
-from infinity.swap.state_store import SubGroupState
+from infinity.swap.state_tier import SubGroupState
 from infinity.swap.store import ALIGN_BYTES, SwapStore, align_up, reserved_nbytes
 
 logger = logging.getLogger(__name__)
@@ -62,14 +62,14 @@ def pipeline_buffer_count(buffer_count: int, num_sub_groups: int) -> int:
 
 
 def state_buffers(numels: Sequence[int], buffer_count: int) -> tuple[int, int]:
-    """`NvmeStateStore`'s pipeline buffers: (count, bytes of each: the largest sub-group's
+    """`NvmeStateTier`'s pipeline buffers: (count, bytes of each: the largest sub-group's
     extent, page-aligned)."""
     slot = max((reserved_nbytes(state_nbytes(n)) for n in numels), default=4096)
     return pipeline_buffer_count(buffer_count, len(numels)), align_up(slot)
 
 
 def nvme_state_footprint(numels: Sequence[int], buffer_count: int) -> Footprint:
-    """`NvmeStateStore`'s pipeline buffers and its extents (one sub-group's state each)."""
+    """`NvmeStateTier`'s pipeline buffers and its extents (one sub-group's state each)."""
     count, nbytes = state_buffers(numels, buffer_count)
     return Footprint(count * nbytes, sum(reserved_nbytes(state_nbytes(n)) for n in numels))
 
@@ -102,7 +102,7 @@ class _Transfer:
     op: str  # "read" | "write"
 
 
-class NvmeStateStore:
+class NvmeStateTier:
     """Optimizer state on NVMe, swept through `buffer_count` host buffers.
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
@@ -166,7 +166,7 @@ class NvmeStateStore:
     def _key(index: int) -> str:
         return f"subgroup.{index}"
 
-    # -- the StateStore contract -----------------------------------------------------------
+    # -- the StateTier contract -----------------------------------------------------------
 
     def initialize(self, index: int, master: torch.Tensor) -> None:
         """Queue sub-group `index`'s first write (master from `master`, moments zero); it is
@@ -300,7 +300,7 @@ class NvmeStateStore:
         finally:
             self.io.close()
 
-    def __enter__(self) -> NvmeStateStore:
+    def __enter__(self) -> NvmeStateTier:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,11 +18,11 @@ import torch
 from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.io.aio import AioHandle
 from infinity.swap.grad_plan import grad_footprint
-from infinity.swap.grad_store import HostGradStore, NvmeGradStore
-from infinity.swap.nvme_state import NvmeStateStore, nvme_state_footprint
-from infinity.swap.param_store import NvmeParamStore
+from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
+from infinity.swap.nvme_state import NvmeStateTier, nvme_state_footprint
+from infinity.swap.param_tier import NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
-from infinity.swap.state_store import HostStateStore, StateStore
+from infinity.swap.state_tier import HostStateTier, StateTier
 from infinity.swap.store import SwapStore, default_run_id
 
 logger = logging.getLogger(__name__)
@@ -63,17 +63,17 @@ class SwapStores:
         self.close()
 
 
-def make_state_store(
+def make_state_tier(
     numels: Sequence[int],
     offload: OffloadOptimizerConfig,
     aio: AioConfig | AioHandle,
     *,
     stores: SwapStores,
-) -> StateStore:
+) -> StateTier:
     """The optimizer-state tier for `offload.device`: host memory for "cpu"/"none", else an
-    `NvmeStateStore` in the swap store of `offload.nvme_path`."""
+    `NvmeStateTier` in the swap store of `offload.nvme_path`."""
     if offload.device != "nvme":
-        return HostStateStore(numels)
+        return HostStateTier(numels)
     if not offload.nvme_path:
         raise ValueError(
             "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
@@ -86,7 +86,7 @@ def make_state_store(
             "transfers overlap its step only where true (both true is faster)",
             offload.pipeline_read, offload.pipeline_write,
         )  # fmt: skip
-    return NvmeStateStore(
+    return NvmeStateTier(
         numels,
         store=stores.get(offload.nvme_path),
         aio=aio,
@@ -97,19 +97,19 @@ def make_state_store(
     )
 
 
-def make_grad_store(
+def make_grad_tier(
     numels: Sequence[int],
     offload: OffloadOptimizerConfig,
     aio: AioConfig | AioHandle,
     *,
     stores: SwapStores,
-) -> HostGradStore | NvmeGradStore:
+) -> HostGradTier | NvmeGradTier:
     """The gradient tier follows the optimizer state's: with the state on NVMe the host
     keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same swap store (see
-    [Note: spilled gradients] in grad_store.py); otherwise one flat host buffer."""
+    [Note: spilled gradients] in grad_tier.py); otherwise one flat host buffer."""
     if offload.device != "nvme":
-        return HostGradStore(numels)
-    return NvmeGradStore(numels, store=stores.get(offload.nvme_path), aio=aio)
+        return HostGradTier(numels)
+    return NvmeGradTier(numels, store=stores.get(offload.nvme_path), aio=aio)
 
 
 def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:
@@ -133,7 +133,7 @@ def _physical_ram() -> int:
         return 0
 
 
-def make_param_store(
+def make_param_tier(
     params: Mapping[str, tuple[int, torch.dtype]],
     offload: OffloadParamConfig,
     aio: AioConfig | AioHandle,
@@ -142,7 +142,7 @@ def make_param_store(
     largest_numel: int = 0,
     element_size: int = 0,
     prefetch_numel: int = 0,
-) -> NvmeParamStore:
+) -> NvmeParamTier:
     """The NVMe parameter tier (`offload.device == "nvme"`): every partition in `params`
     (stable name -> (numel, dtype)) laid out under `offload.nvme_path` (more can be laid out
     later with `reserve_flat`), with a staging pool sized from `offload` and the largest
@@ -150,7 +150,7 @@ def make_param_store(
     than those in `params`)."""
     if offload.device != "nvme" or not offload.nvme_path:
         raise ValueError(
-            f"make_param_store needs offload_param.device 'nvme' and an nvme_path, got "
+            f"make_param_tier needs offload_param.device 'nvme' and an nvme_path, got "
             f"device={offload.device!r}, nvme_path={offload.nvme_path!r}"
         )
     largest = max([n for n, _ in params.values()] + [largest_numel, 1])
@@ -163,7 +163,7 @@ def make_param_store(
     pool = PinnedBufferPool.for_params(
         offload, element_size=element_size, largest_numel=largest, prefetch_numel=prefetch_numel
     )
-    ps = NvmeParamStore(store=stores.get(offload.nvme_path), aio=aio, pool=pool)
+    ps = NvmeParamTier(store=stores.get(offload.nvme_path), aio=aio, pool=pool)
     if params:
         ps.reserve(params)
     return ps

@@ -58,7 +58,7 @@ from infinity.zero.unit import ModuleUnit
 from infinity.zero.weights import HostWeights, NvmeWeights
 
 if TYPE_CHECKING:
-    from infinity.swap.param_store import NvmeParamStore
+    from infinity.swap.param_tier import NvmeParamTier
 
 logger = logging.getLogger(__name__)
 
@@ -178,10 +178,10 @@ class HomePlan:
     """The optimizer's weight output: trainable slot i's home is `weights.home(i)`."""
     slots: dict[str, int]
     """Trainable parameter name -> its slot in the optimizer, in model order."""
-    param_store: NvmeParamStore | None = None
+    param_tier: NvmeParamTier | None = None
     """The NVMe parameter tier, when `offload_param.device` is "nvme"."""
     frozen_on_nvme: frozenset[str] = frozenset()
-    """Frozen parameters whose home is their own extent in `param_store` (the others keep
+    """Frozen parameters whose home is their own extent in `param_tier` (the others keep
     their partition in host memory)."""
     comm: Comm | None = None
     """With several ranks, every home holds this rank's shard (see `infinity.zero.shard`)."""
@@ -199,8 +199,8 @@ class HomePlan:
         if slot is not None:
             return self.weights.home(slot)
         if name in self.frozen_on_nvme:
-            assert self.param_store is not None
-            home = NvmeHome(self.param_store, name)
+            assert self.param_tier is not None
+            home = NvmeHome(self.param_tier, name)
             home.write(partition)
             return home
         return HostHome(partition, name=name)

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from infinity.accelerator import Accelerator, Event, Stream
-from infinity.swap.param_store import NvmeParamError
+from infinity.swap.param_tier import NvmeParamError
 from infinity.swap.pool import aligned_host_bytes
 
 if TYPE_CHECKING:
-    from infinity.swap.param_store import NvmeParamStore, SwapFuture
+    from infinity.swap.param_tier import NvmeParamTier, SwapFuture
 
 logger = logging.getLogger(__name__)
 
@@ -172,13 +172,13 @@ class _HostFetch:
 
 class NvmeHome:
     """Weights in the NVMe parameter store under `key` (its own extent, or a range of the
-    optimizer's flat extent: see [Note: the flat extent] in param_store.py)."""
+    optimizer's flat extent: see [Note: the flat extent] in param_tier.py)."""
 
     tier = HomeTier.NVME
     host_bytes = 0
     __slots__ = ("store", "key", "numel", "dtype")
 
-    def __init__(self, store: NvmeParamStore, key: str) -> None:
+    def __init__(self, store: NvmeParamTier, key: str) -> None:
         layout = store.layout(key)  # KeyError naming the key when it was never reserved
         self.store, self.key, self.numel, self.dtype = store, key, layout.numel, layout.dtype
 
@@ -208,7 +208,7 @@ class _NvmeFetch:
 
     def __init__(
         self,
-        store: NvmeParamStore,
+        store: NvmeParamTier,
         key: str,
         read: SwapFuture,
         stream: Stream,

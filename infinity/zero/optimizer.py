@@ -3,9 +3,9 @@
 Owns, for the trainable slots of one rank: the flat space they are laid out in and its
 sub-groups (see [Note: the flat space] in sub_groups.py), the Adam/AdamW step over the
 sub-groups, the global-norm clipping and the overflow check. The fp32 gradient sums that the
-engine's hooks accumulate into live behind a grad store (`infinity.swap.grad_store`: one flat
+engine's hooks accumulate into live behind a grad store (`infinity.swap.grad_tier`: one flat
 host buffer, or a few host buffers and NVMe); the fp32 master weights and moments behind a
-`StateStore` (host or NVMe); the weights in the model dtype in a weight output
+`StateTier` (host or NVMe); the weights in the model dtype in a weight output
 (`infinity.zero.weights`: host memory, or NVMe through the parameter store) whose ranges are
 the trainable parameters' homes. It does not own
 the loss scale (the engine drives the scaler and passes `loss_scale`), the learning-rate
@@ -40,8 +40,8 @@ from infinity.accelerator import profile_range
 from infinity.comm import Comm, SingleProcess
 from infinity.config import AUTO, OptimizerConfig, ZeroConfig
 from infinity.optim import AdamHyper, adam_step_flat
-from infinity.swap.grad_store import HostGradStore
-from infinity.swap.state_store import HostStateStore, StateStore, SubGroupState
+from infinity.swap.grad_tier import HostGradTier
+from infinity.swap.state_tier import HostStateTier, StateTier, SubGroupState
 from infinity.zero.build_files import release_build_pages
 from infinity.zero.sub_groups import (
     MODEL_DTYPES,
@@ -83,7 +83,7 @@ class PartitionedOptimizer:
     default a host buffer, `partition(i)`). The engine adds gradients with
     `accumulate_grad(i, grad)` (`grad(i)` is the host grad store's view of them) and must
     drop its own copies of the partitions before the first gradient (the host gradient
-    buffer is allocated then). `grad_store` (an `NvmeGradStore` of the same sub-groups)
+    buffer is allocated then). `grad_tier` (an `NvmeGradTier` of the same sub-groups)
     keeps most of the gradients on NVMe. Weight decay applies to every slot except the
     indices in `no_decay`. `comm` (default: one process) sums the squared gradient norm over
     the ranks, so every rank clips by the global norm and skips the same overflowing steps.
@@ -95,10 +95,10 @@ class PartitionedOptimizer:
         *,
         optimizer: OptimizerConfig,
         zero: ZeroConfig,
-        state_store: StateStore | None = None,
+        state_tier: StateTier | None = None,
         no_decay: Collection[int] = (),
         weights: HostWeights | NvmeWeights | None = None,
-        grad_store: Any = None,
+        grad_tier: Any = None,
         comm: Comm | None = None,
     ) -> None:
         self.comm = comm or SingleProcess()
@@ -111,27 +111,27 @@ class PartitionedOptimizer:
         self.no_decay = frozenset(_check_no_decay(no_decay, len(slots)))
         self.layout: FlatLayout = _layout(weights, self._numels, self.sub_group_size)
         numels = self.layout.sub_group_numels
-        if state_store is None:
-            state_store = HostStateStore(numels)
-        elif list(state_store.numels) != numels:
+        if state_tier is None:
+            state_tier = HostStateTier(numels)
+        elif list(state_tier.numels) != numels:
             raise ValueError(
-                f"the state store holds sub-groups of {list(state_store.numels)} elements but "
+                f"the state store holds sub-groups of {list(state_tier.numels)} elements but "
                 f"these slots make {numels} (sub_group_size={self.sub_group_size}); build "
                 "the store with infinity.zero.sub_group_numels(...)"
             )
-        self.store = state_store
-        if grad_store is None:
-            grad_store = HostGradStore(numels)
-        elif list(grad_store.numels) != numels:
+        self.store = state_tier
+        if grad_tier is None:
+            grad_tier = HostGradTier(numels)
+        elif list(grad_tier.numels) != numels:
             raise ValueError(
-                f"the grad store holds sub-groups of {list(grad_store.numels)} elements but "
+                f"the grad store holds sub-groups of {list(grad_tier.numels)} elements but "
                 f"these slots make {numels}; build it with infinity.zero.sub_group_numels(...)"
             )
-        self.grads = grad_store
+        self.grads = grad_tier
         if weights is None:
-            weights = make_weights(self.layout, self._names, self.dtype, state_store=state_store)
+            weights = make_weights(self.layout, self._names, self.dtype, state_tier=state_tier)
         self.weights = weights
-        self.aliased = aliases_masters(weights, state_store)  # [Note: where the weights live]
+        self.aliased = aliases_masters(weights, state_tier)  # [Note: where the weights live]
         self._runs = [
             decay_runs(self.layout, g, self.no_decay) for g in range(self.layout.num_sub_groups)
         ]
@@ -193,7 +193,7 @@ class PartitionedOptimizer:
     def flat_grad(self) -> torch.Tensor:
         """Every slot's gradient in the flat space (padding stays zero; host grad store
         only: the sub-groups of the flat space are back to back in its buffer)."""
-        if not isinstance(self.grads, HostGradStore):
+        if not isinstance(self.grads, HostGradTier):
             raise RuntimeError(
                 "the gradients are spilled to NVMe (offload_optimizer.device 'nvme'): there is "
                 "no flat host gradient; add to a slot's gradient with accumulate_grad(i, grad)"
@@ -403,7 +403,7 @@ class PartitionedOptimizer:
         grad = grad_stats.pop("grad_host_bytes")
         part = 0 if self.aliased else self.weights.host_bytes
         store_stats = {}
-        if isinstance(self.store, HostStateStore):
+        if isinstance(self.store, HostStateTier):
             state = 3 * 4 * sum(self.store.numels)
         else:
             if callable(getattr(self.store, "memory_stats", None)):

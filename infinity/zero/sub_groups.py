@@ -200,5 +200,5 @@ def optimizer_layout(slot_numels: Sequence[int], zero: ZeroConfig) -> FlatLayout
 
 def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
     """Elements of each sub-group the optimizer will make of slots of `slot_numels`: the
-    `numels` to build a `StateStore` with before constructing the optimizer."""
+    `numels` to build a `StateTier` with before constructing the optimizer."""
     return optimizer_layout(slot_numels, zero).sub_group_numels

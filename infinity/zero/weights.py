@@ -22,7 +22,7 @@ import torch
 
 from infinity.io.aio import aligned_empty
 from infinity.swap.footprint import Footprint
-from infinity.swap.state_store import HostStateStore
+from infinity.swap.state_tier import HostStateTier
 from infinity.swap.store import reserved_nbytes
 from infinity.zero.home import HostHome, NvmeHome
 from infinity.zero.sub_groups import FlatLayout
@@ -97,7 +97,7 @@ class HostWeights:
 
 def lay_out_flat(store: Any, layout: FlatLayout, names: Sequence[str], dtype: torch.dtype) -> None:
     """Lay out `layout`'s flat space in the parameter store `store` as one extent, each
-    slot `names[i]` at its offset (`NvmeParamStore.reserve_flat`): once, before
+    slot `names[i]` at its offset (`NvmeParamTier.reserve_flat`): once, before
     `NvmeWeights` is made over it."""
     spans = zip(names, layout.offsets, layout.numels, strict=True)
     store.reserve_flat({name: (off, n) for name, off, n in spans}, layout.total, dtype)
@@ -177,26 +177,26 @@ def make_weights(
     names: Sequence[str],
     dtype: torch.dtype,
     *,
-    state_store: Any,
-    param_store: Any = None,
+    state_tier: Any,
+    param_tier: Any = None,
 ) -> HostWeights | NvmeWeights:
-    """The weight output of an optimizer over `layout` with `state_store`: on NVMe in
-    `param_store` when given (its flat extent laid out by `lay_out_flat`); else the fp32
+    """The weight output of an optimizer over `layout` with `state_tier`: on NVMe in
+    `param_tier` when given (its flat extent laid out by `lay_out_flat`); else the fp32
     masters themselves when they are in host memory (see [Note: where the weights live] in
     optimizer.py); else a new flat host buffer."""
-    if param_store is not None:
-        return NvmeWeights(param_store, layout, names, dtype)
-    on_host = isinstance(state_store, HostStateStore)
+    if param_tier is not None:
+        return NvmeWeights(param_tier, layout, names, dtype)
+    on_host = isinstance(state_tier, HostStateTier)
     if aliases_state(dtype, state_on_host=on_host):
-        return HostWeights(state_store.flat.master, layout, names)
+        return HostWeights(state_tier.flat.master, layout, names)
     own = weights_footprint(layout, dtype, nvme=False, state_on_host=on_host)
     return HostWeights(torch.zeros(own.host // dtype.itemsize, dtype=dtype), layout, names)
 
 
-def aliases_masters(weights: HostWeights | NvmeWeights, state_store: Any) -> bool:
-    """Whether `weights` are the fp32 masters of `state_store` (stepped in place)."""
+def aliases_masters(weights: HostWeights | NvmeWeights, state_tier: Any) -> bool:
+    """Whether `weights` are the fp32 masters of `state_tier` (stepped in place)."""
     return (
         isinstance(weights, HostWeights)
-        and isinstance(state_store, HostStateStore)
-        and weights.flat.data_ptr() == state_store.flat.master.data_ptr()
+        and isinstance(state_tier, HostStateTier)
+        and weights.flat.data_ptr() == state_tier.flat.master.data_ptr()
     )

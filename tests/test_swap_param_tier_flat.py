@@ -1,4 +1,4 @@
-"""NvmeParamStore's flat extent: parameters inside the optimizer's flat space round-trip,
+"""NvmeParamTier's flat extent: parameters inside the optimizer's flat space round-trip,
 whole-page reads, transfers ordered by the ranges they touch, non-blocking swap_in."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from _fake_aio import FakeAio
 
 from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import available_backends
-from infinity.swap.param_store import NvmeParamError, NvmeParamStore
+from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore, align_up
 
@@ -63,7 +63,7 @@ def test_flat_roundtrip_whole_page_reads(swap, dtype, lazy):
     itemsize = dtype.itemsize
     pool = PinnedBufferPool(2, align_up(max(NUMELS) * itemsize))
     aio = FakeAio(lazy=lazy)
-    ps = NvmeParamStore(store=swap, aio=aio, pool=pool)
+    ps = NvmeParamTier(store=swap, aio=aio, pool=pool)
     ps.reserve_flat(entries, total, dtype)
     flat = _flat(entries, total, dtype, seed=1)
     # Sub-groups of 3 x 2048 elements split parameters; lazy writes are still pending here.
@@ -87,7 +87,7 @@ def test_flat_roundtrip_real_io(swap, backend):
     entries, total = _layout(NUMELS)
     pool = PinnedBufferPool(1, align_up(max(NUMELS) * 2))
     with AioHandle(block_size=8192, queue_depth=4, backend=backend) as aio:
-        ps = NvmeParamStore(store=swap, aio=aio, pool=pool)
+        ps = NvmeParamTier(store=swap, aio=aio, pool=pool)
         ps.reserve({"frozen": (4097, torch.float16)})  # an own extent next to the flat one
         ps.reserve_flat(entries, total, torch.float16)
         frozen = torch.randn(4097).half()
@@ -108,7 +108,7 @@ def test_flat_write_waits_for_reads_in_its_range_only(swap):
     entries, total = _layout([100, 3000, 50])  # offsets 0, 2048, 6144; total 8192
     pool = PinnedBufferPool(3, 8192)
     aio = FakeAio(lazy=True)
-    ps = NvmeParamStore(store=swap, aio=aio, pool=pool)
+    ps = NvmeParamTier(store=swap, aio=aio, pool=pool)
     ps.reserve_flat(entries, total, torch.float16)
     old = _flat(entries, total, torch.float16, seed=3)
     for f in _write_sub_groups(ps, old, 4096):
@@ -137,7 +137,7 @@ def test_flat_write_waits_for_reads_in_its_range_only(swap):
 
 def test_flat_writes_keep_their_order(swap):
     entries, total = _layout([4096])
-    ps = NvmeParamStore(store=swap, aio=FakeAio(lazy=True))
+    ps = NvmeParamTier(store=swap, aio=FakeAio(lazy=True))
     ps.reserve_flat(entries, total, torch.float32)
     ps.write_flat(0, torch.ones(4096))
     ps.write_flat(2048, torch.full((2048,), 2.0))  # overlaps the first: waits for it
@@ -149,7 +149,7 @@ def test_swap_in_without_blocking(swap):
     entries, total = _layout([10, 20, 30])
     pool = PinnedBufferPool(1, 4096)
     aio = FakeAio(lazy=True)
-    ps = NvmeParamStore(store=swap, aio=aio, pool=pool)
+    ps = NvmeParamTier(store=swap, aio=aio, pool=pool)
     ps.reserve_flat(entries, total, torch.float16)
     ps.write_flat(0, _flat(entries, total, torch.float16, seed=5)).wait()
     a = ps.swap_in("layers.0.w", block=False)
@@ -166,7 +166,7 @@ def test_swap_in_without_blocking(swap):
 
 
 def test_bad_flat_requests(swap):
-    ps = NvmeParamStore(store=swap, aio=FakeAio())
+    ps = NvmeParamTier(store=swap, aio=FakeAio())
     with pytest.raises(ValueError, match="before reserve_flat"):
         ps.write_flat(0, torch.zeros(2048).half())
     with pytest.raises(ValueError, match="'b'.*multiple of 4096 bytes"):
@@ -199,7 +199,7 @@ def test_bad_flat_requests(swap):
 def test_failed_flat_write_is_never_read_as_valid(swap):
     entries, total = _layout([100, 100])
     pool = PinnedBufferPool(1, 4096)
-    ps = NvmeParamStore(store=swap, aio=FakeAio(lazy=True, fail_write=1), pool=pool)
+    ps = NvmeParamTier(store=swap, aio=FakeAio(lazy=True, fail_write=1), pool=pool)
     ps.reserve_flat(entries, total, torch.float16)
     ps.write_flat(0, torch.ones(total).half()).wait()
     ps.write_flat(0, torch.zeros(2048).half())  # fails: ENOSPC
@@ -216,7 +216,7 @@ def test_failed_flat_write_is_never_read_as_valid(swap):
 def test_failed_read_names_the_parameter_and_the_file(swap):
     entries, total = _layout([100])
     pool = PinnedBufferPool(1, 4096)
-    ps = NvmeParamStore(store=swap, aio=FakeAio(lazy=True, fail_read=0), pool=pool)
+    ps = NvmeParamTier(store=swap, aio=FakeAio(lazy=True, fail_read=0), pool=pool)
     ps.reserve_flat(entries, total, torch.float16)
     ps.write_flat(0, torch.ones(total).half()).wait()
     f = ps.swap_in("layers.0.w")
@@ -229,7 +229,7 @@ def test_failed_read_names_the_parameter_and_the_file(swap):
 
 
 def test_written_ranges_merge_like_a_mask():
-    from infinity.swap.param_store import _Coverage
+    from infinity.swap.param_tier import _Coverage
 
     g = torch.Generator().manual_seed(0)
     cov, mask = _Coverage(), torch.zeros(200, dtype=torch.bool)

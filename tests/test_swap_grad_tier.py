@@ -13,7 +13,7 @@ from _engine_models import batches, run_engine, tiny_gpt
 from test_engine_nvme import _cfg
 
 from infinity.config.sections import AioConfig
-from infinity.swap.grad_store import HostGradStore, NvmeGradError, NvmeGradStore
+from infinity.swap.grad_tier import HostGradTier, NvmeGradError, NvmeGradTier
 from infinity.swap.store import SwapStore
 
 AIO = AioConfig(backend="posix", block_size=1 << 16, queue_depth=4)
@@ -36,9 +36,9 @@ def _adds(seed: int, micro_steps: int):
 
 @pytest.mark.parametrize("buffer_count", [2, 3, 5])
 def test_spilled_sums_are_bitwise_the_host_ones(tmp_path, buffer_count):
-    host = HostGradStore(NUMELS)
+    host = HostGradTier(NUMELS)
     with SwapStore(str(tmp_path), run_id="t") as store:
-        nvme = NvmeGradStore(NUMELS, store=store, aio=AIO, buffer_count=buffer_count)
+        nvme = NvmeGradTier(NUMELS, store=store, aio=AIO, buffer_count=buffer_count)
         for g, start, values in _adds(0, micro_steps=3):
             host.add(g, start, values)
             nvme.add(g, start, values)
@@ -57,7 +57,7 @@ def test_spilled_sums_are_bitwise_the_host_ones(tmp_path, buffer_count):
 
 def test_a_second_window_starts_from_zero(tmp_path):
     with SwapStore(str(tmp_path), run_id="t") as store:
-        nvme = NvmeGradStore(NUMELS, store=store, aio=AIO, buffer_count=2)
+        nvme = NvmeGradTier(NUMELS, store=store, aio=AIO, buffer_count=2)
         for g, start, values in _adds(1, micro_steps=1):
             nvme.add(g, start, values)
         nvme.zero()  # a skipped step
@@ -74,7 +74,7 @@ def test_a_second_window_starts_from_zero(tmp_path):
 
 def test_overflow_in_a_spilled_sub_group_reaches_the_norm(tmp_path):
     with SwapStore(str(tmp_path), run_id="t") as store:
-        nvme = NvmeGradStore(NUMELS, store=store, aio=AIO, buffer_count=2)
+        nvme = NvmeGradTier(NUMELS, store=store, aio=AIO, buffer_count=2)
         nvme.add(0, 7, torch.tensor([float("inf")]))
         for g in range(1, len(NUMELS)):  # pushes sub-group 0 out to disk
             nvme.add(g, 0, torch.ones(4))
@@ -85,7 +85,7 @@ def test_overflow_in_a_spilled_sub_group_reaches_the_norm(tmp_path):
 
 def test_a_failed_write_names_the_file_and_refuses_further_use(tmp_path, monkeypatch):
     with SwapStore(str(tmp_path), run_id="t") as store:
-        nvme = NvmeGradStore(NUMELS, store=store, aio=AIO, buffer_count=2)
+        nvme = NvmeGradTier(NUMELS, store=store, aio=AIO, buffer_count=2)
 
         def refuse(*args, **kwargs):
             raise OSError(28, "No space left on device")
@@ -102,7 +102,7 @@ def test_a_failed_write_names_the_file_and_refuses_further_use(tmp_path, monkeyp
 def test_too_few_buffers_is_a_clear_error(tmp_path):
     store = SwapStore(str(tmp_path), run_id="t")
     with store, pytest.raises(ValueError, match="at least 2 host buffers"):
-        NvmeGradStore(NUMELS, store=store, aio=AIO, buffer_count=1)
+        NvmeGradTier(NUMELS, store=store, aio=AIO, buffer_count=1)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
@@ -136,9 +136,9 @@ def test_small_adds_to_spilled_sub_groups_update_only_their_rows(tmp_path):
     big = [torch.randn(n, generator=gen) for n in numels]
     small = [(g, start, torch.randn(100, generator=gen)) for g, start in
              ((0, 0), (0, 40_000), (1, 4090), (1, 67_484), (0, 65_436), (1, 65_530))]  # fmt: skip
-    host = HostGradStore(numels)
+    host = HostGradTier(numels)
     with SwapStore(str(tmp_path), run_id="t") as store:
-        nvme = NvmeGradStore(numels, store=store, aio=AIO, buffer_count=2)
+        nvme = NvmeGradTier(numels, store=store, aio=AIO, buffer_count=2)
         for g in (0, 1, 0, 1):  # each written out by the other's add
             host.add(g, 0, big[g])
             nvme.add(g, 0, big[g])
@@ -161,9 +161,9 @@ def test_small_adds_to_spilled_sub_groups_update_only_their_rows(tmp_path):
 
 
 def test_later_micro_steps_read_the_next_sub_group_down_ahead(tmp_path):
-    host = HostGradStore(NUMELS)
+    host = HostGradTier(NUMELS)
     with SwapStore(str(tmp_path), run_id="t") as store:
-        nvme = NvmeGradStore(NUMELS, store=store, aio=AIO, buffer_count=3)
+        nvme = NvmeGradTier(NUMELS, store=store, aio=AIO, buffer_count=3)
         ahead = []
         for _ in range(3):  # micro-steps, each going down the sub-groups as backward does
             for g in reversed(range(len(NUMELS))):
@@ -190,7 +190,7 @@ def test_a_large_16_bit_gradient_is_added_in_pieces_to_the_same_bits(dtype):
     """`add_into` adds a 16-bit gradient longer than a piece one piece at a time (no
     gradient-sized fp32 temporary); the sums are bitwise those of one `add_`, odd tail
     included, and short or fp32 sources take the one call."""
-    from infinity.swap.grad_store import _ADD_CHUNK_NUMEL, add_into
+    from infinity.swap.grad_tier import _ADD_CHUNK_NUMEL, add_into
 
     g = torch.Generator().manual_seed(0)
     n = 3 * _ADD_CHUNK_NUMEL + 77
@@ -200,7 +200,7 @@ def test_a_large_16_bit_gradient_is_added_in_pieces_to_the_same_bits(dtype):
     whole.add_(src)
     add_into(pieces, src)
     assert torch.equal(whole, pieces)
-    host = HostGradStore([n, 10])
+    host = HostGradTier([n, 10])
     host.add(0, 0, src)
     host.add(0, 0, src)
     assert torch.equal(host.take(0), src.float() + src.float())

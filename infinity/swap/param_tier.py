@@ -1,4 +1,4 @@
-"""The NVMe tier of parameter partitions: `NvmeParamStore`.
+"""The NVMe tier of parameter partitions: `NvmeParamTier`.
 
 Owns where each half-precision partition lives on disk (one extent per parameter in the swap
 store, kind "param", keyed by the parameter's stable name; or a sub-range of the optimizer's
@@ -55,7 +55,7 @@ class ParamLayout:
 
 
 @dataclass(frozen=True, slots=True)
-class FlatLayout:
+class FlatExtent:
     """The optimizer's flat element space on disk (see [Note: the flat extent])."""
 
     total: int
@@ -68,11 +68,11 @@ class SwapFuture:
     """One parameter transfer. `wait()` returns the tensor holding the data (the destination
     of a swap_in, the source of a swap_out) and raises the I/O error, if any; it keeps the
     tensor alive until then. `buffer` is the pool buffer a swap_in landed in, if any: give it
-    back with `NvmeParamStore.release` (a failed swap_in gives it back itself)."""
+    back with `NvmeParamTier.release` (a failed swap_in gives it back itself)."""
 
     def __init__(
         self,
-        owner: NvmeParamStore,
+        owner: NvmeParamTier,
         op: str,
         layout: ParamLayout,
         tensor: torch.Tensor,
@@ -138,7 +138,7 @@ def _overlap(a: Extent, b: Extent) -> bool:
     )
 
 
-class NvmeParamStore:
+class NvmeParamTier:
     """Parameter partitions on NVMe, keyed by stable parameter names.
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (made and owned).
@@ -165,7 +165,7 @@ class NvmeParamStore:
         self._written: set[str] = set()
         self._writing: dict[str, SwapFuture] = {}
         self._reading: dict[str, list[SwapFuture]] = {}
-        self.flat: FlatLayout | None = None
+        self.flat: FlatExtent | None = None
         self._flat_range: dict[str, tuple[int, int]] = {}  # name -> flat [start, stop)
         self._flat_written = _Coverage()
         self._flat_writes: list[SwapFuture] = []
@@ -206,7 +206,7 @@ class NvmeParamStore:
                 )
             prev_stop, prev_name = stop, name
         ext = self.store.reserve(KIND, {FLAT_KEY: total * itemsize})[FLAT_KEY]
-        self.flat = FlatLayout(total, dtype, itemsize, ext)
+        self.flat = FlatExtent(total, dtype, itemsize, ext)
         for start, stop, name in spans:
             self._layouts[name] = self._flat_layout(name, start, stop)
             self._flat_range[name] = (start, stop)

@@ -1,8 +1,8 @@
 """Where the fp32 gradient partitions live between backward and the optimizer step.
 
 A grad store holds, for each optimizer sub-group, the fp32 sum of the gradients since the
-last step. `HostGradStore` keeps all of them in one flat host buffer (4 bytes per trainable
-element). `NvmeGradStore` keeps a few sub-groups in host buffers and the rest on disk, so its
+last step. `HostGradTier` keeps all of them in one flat host buffer (4 bytes per trainable
+element). `NvmeGradTier` keeps a few sub-groups in host buffers and the rest on disk, so its
 RAM is `GRAD_BUFFERS` x the sub-group size whatever the model size. It owns the buffers, the
 disk extents (kind "grad") and the sums of squares the global norm is made of; it does not
 know what the optimizer computes from them.
@@ -106,7 +106,7 @@ def sum_of_squares(flat: torch.Tensor) -> float:
     return sum_from_norms(row_norms(flat))
 
 
-class HostGradStore:
+class HostGradTier:
     """Every sub-group's gradient in one flat host buffer, allocated at first use."""
 
     def __init__(self, numels: Sequence[int]) -> None:
@@ -174,7 +174,7 @@ class _Buffer:
     """The sub-group `future` writes, so a read of it waits for the write first."""
 
 
-class NvmeGradStore:
+class NvmeGradTier:
     """Gradient sums on NVMe with `buffer_count` host buffers (see [Note: spilled gradients]):
     which sub-group is where is the plan's (`infinity.swap.grad_plan.GradPlan`), the
     transfers and the sums are the store's.
@@ -362,7 +362,7 @@ class _Apply:
 
     __slots__ = ("store",)
 
-    def __init__(self, store: NvmeGradStore) -> None:
+    def __init__(self, store: NvmeGradTier) -> None:
         self.store = store
 
     def zero(self, g: int, b: int) -> None:

@@ -1,4 +1,4 @@
-"""NvmeParamStore: partitions round-trip exactly, reads wait for their writes, errors."""
+"""NvmeParamTier: partitions round-trip exactly, reads wait for their writes, errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from _fake_aio import FakeAio
 
 from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import available_backends
-from infinity.swap.param_store import NvmeParamError, NvmeParamStore
+from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.store import SwapStore
 
@@ -33,7 +33,7 @@ def _tensor(numel, dtype, seed):
 def test_roundtrip_all_dtypes_and_odd_sizes(swap, lazy):
     params = {f"layers.{d}.{n}": (n, dt) for d, dt in enumerate(DTYPES) for n in NUMELS}
     pool = PinnedBufferPool(2, 8 * max(NUMELS))
-    ps = NvmeParamStore(store=swap, aio=FakeAio(lazy=lazy), pool=pool)
+    ps = NvmeParamTier(store=swap, aio=FakeAio(lazy=lazy), pool=pool)
     ps.reserve(params)
     data = {k: _tensor(n, dt, i) for i, (k, (n, dt)) in enumerate(params.items())}
     futures = [ps.swap_out(k, t) for k, t in data.items()]
@@ -62,7 +62,7 @@ def test_roundtrip_real_io(swap, backend):
     params = {f"p{n}.{dt}": (n, dt) for dt in DTYPES[:3] for n in NUMELS}
     pool = PinnedBufferPool(1, 4 * max(NUMELS))
     with AioHandle(block_size=8192, queue_depth=4, backend=backend) as aio:
-        ps = NvmeParamStore(store=swap, aio=aio, pool=pool)
+        ps = NvmeParamTier(store=swap, aio=aio, pool=pool)
         ps.reserve(params)
         data = {k: _tensor(n, dt, i) for i, (k, (n, dt)) in enumerate(params.items())}
         for k, t in data.items():
@@ -78,7 +78,7 @@ def test_roundtrip_real_io(swap, backend):
 
 def test_read_never_overtakes_pending_write(swap):
     aio = FakeAio(lazy=True)  # nothing happens until waited
-    ps = NvmeParamStore(store=swap, aio=aio)
+    ps = NvmeParamTier(store=swap, aio=aio)
     ps.reserve({"w": (100, torch.float16)})
     ps.swap_out("w", torch.ones(100, dtype=torch.float16)).wait()
     newer = torch.full((100,), 2.0, dtype=torch.float16)
@@ -88,7 +88,7 @@ def test_read_never_overtakes_pending_write(swap):
 
 def test_write_never_overtakes_pending_read(swap):
     aio = FakeAio(lazy=True)
-    ps = NvmeParamStore(store=swap, aio=aio)
+    ps = NvmeParamTier(store=swap, aio=aio)
     ps.reserve({"w": (100, torch.float16)})
     ps.swap_out("w", torch.ones(100, dtype=torch.float16)).wait()
     reading = ps.swap_in("w", torch.empty(100, dtype=torch.float16))  # not waited
@@ -100,7 +100,7 @@ def test_write_never_overtakes_pending_read(swap):
 
 
 def test_bad_requests(swap):
-    ps = NvmeParamStore(store=swap, aio=FakeAio())
+    ps = NvmeParamTier(store=swap, aio=FakeAio())
     ps.reserve({"w": (10, torch.bfloat16)})
     with pytest.raises(ValueError, match="never swapped out"):
         ps.swap_in("w", torch.empty(10, dtype=torch.bfloat16))
@@ -119,7 +119,7 @@ def test_bad_requests(swap):
 
 def test_failed_write_is_never_read_as_valid(swap):
     pool = PinnedBufferPool(1, 4096)
-    ps = NvmeParamStore(store=swap, aio=FakeAio(lazy=True, fail_write=1), pool=pool)
+    ps = NvmeParamTier(store=swap, aio=FakeAio(lazy=True, fail_write=1), pool=pool)
     ps.reserve({"w": (100, torch.float32)})
     ps.swap_out("w", torch.ones(100)).wait()
     ps.swap_out("w", torch.zeros(100))

@@ -1,6 +1,6 @@
 """Where the optimizer's fp32 state lives: the contract, and the host-memory tier.
 
-A `StateStore` holds, for each optimizer sub-group, the fp32 master weights and the two Adam
+A `StateTier` holds, for each optimizer sub-group, the fp32 master weights and the two Adam
 moments as three flat tensors. The optimizer (`infinity.zero`) never knows which tier it
 talks to: it sweeps the sub-groups in order and updates each in place. The NVMe tier
 implements the same contract with reads of the next sub-group and write-back of the previous
@@ -20,7 +20,7 @@ _F32 = 4
 
 
 def host_state_footprint(numels: Sequence[int]) -> Footprint:
-    """`HostStateStore`'s three flat fp32 fields (master, exp_avg, exp_avg_sq)."""
+    """`HostStateTier`'s three flat fp32 fields (master, exp_avg, exp_avg_sq)."""
     return Footprint(3 * _F32 * sum(numels))
 
 
@@ -32,7 +32,7 @@ class SubGroupState(NamedTuple):
     exp_avg_sq: torch.Tensor
 
 
-class StateStore(Protocol):
+class StateTier(Protocol):
     """The fp32 state of every sub-group, wherever it lives.
 
     [Note: sweep semantics] `sweep()` yields `(index, SubGroupState)` for every sub-group in
@@ -73,7 +73,7 @@ class StateStore(Protocol):
         ...
 
 
-class HostStateStore:
+class HostStateTier:
     """Every sub-group's state in (unpinned) host memory: the "cpu" offload tier."""
 
     def __init__(self, numels: Sequence[int]) -> None:
