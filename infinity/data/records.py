@@ -47,7 +47,7 @@ def iter_json_array(
     stream: BinaryIO, path: Path, field: str, chunk_bytes: int
 ) -> Iterator[tuple[str, bool]]:
     """Yield (text, True) per element of the one JSON array the file holds."""
-    reader = _Buffer(decoded_chunks(stream, path, chunk_bytes), path)
+    reader = _JsonReader(decoded_chunks(stream, path, chunk_bytes), path)
     reader.expect("[", "the start of the array")
     if reader.peek() == "]":
         reader.take()
@@ -66,7 +66,7 @@ def iter_json_array(
         raise reader.error("there is more after the closing ']'")
 
 
-class _Buffer:
+class _JsonReader:
     """Decoded text with a read position; filled from `chunks` when a value runs past it."""
 
     def __init__(self, chunks: Iterator[str], path: Path) -> None:
