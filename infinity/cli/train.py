@@ -444,6 +444,7 @@ def check_tokenizer_dir(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from infinity.cli.train_agree import check_same_run, describe_run
     from infinity.cli.train_ranks import FollowedRankZero, InputsRefused, join
     from infinity.cli.train_stop import StopSignals
     from infinity.utils.host_memory import unmap_large_allocations
@@ -457,6 +458,11 @@ def run(args: argparse.Namespace) -> int:
             signals.rank = ranks.rank if ranks.many else None
             # Checked on every rank (a path one node lacks fails there only), said once.
             model, config = ranks.check_inputs(lambda: _inputs(args, ranks))
+            if ranks.many:  # the same run on every rank, before any work is shared
+                run = ranks.check_inputs(
+                    lambda: describe_run(args, config, model, world_size=ranks.world_size)
+                )
+                ranks.check_inputs(lambda: check_same_run(ranks.comm, run))
             return _run(args, config, ranks, signals, held, model)
         except (FollowedRankZero, InputsRefused):
             return 1  # rank 0 says why

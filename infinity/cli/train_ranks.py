@@ -24,10 +24,13 @@ without one (killed), or that it did not answer within the timeout.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -40,6 +43,7 @@ from infinity.accelerator import use_local_device
 from infinity.comm import CommError, from_env
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 ERROR_FILE = "rank-{rank}.error"
 # How long rank 0 waits for a failed rank's report after a collective broke: the failing
@@ -66,6 +70,8 @@ def join(save_dir: Path, timeout_s: float | None) -> Iterator[Ranks]:
     """This process's `Ranks`: under torchrun it joins the process group (its device picked
     by LOCAL_RANK) and leaves it on exit; otherwise a world of one."""
     use_local_device(int(os.environ.get("LOCAL_RANK", "0") or 0))
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun
+        follow_launcher()
     comm = from_env(timeout_s)
     try:
         ranks = Ranks(comm, save_dir)
@@ -73,6 +79,35 @@ def join(save_dir: Path, timeout_s: float | None) -> Iterator[Ranks]:
         yield ranks
     finally:
         comm.close()
+
+
+# How often the watchdog looks whether the launcher is still this process's parent.
+LAUNCHER_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+def follow_launcher(signum: int = signal.SIGTERM) -> None:
+    """Stop when the launcher (torchrun, this process's parent) dies, however it dies.
+
+    torchrun starts each worker in its own session, so a `kill -9` of torchrun or of its
+    process group never reaches the workers, which would train on to the end. The kernel
+    sends `signum` when the parent dies (PR_SET_PDEATHSIG, Linux), and a watchdog thread
+    sends it when the parent pid changes (other systems, and a parent that died before the
+    request was made). SIGTERM is what torchrun itself sends on a stop: the ranks agree on a
+    stop after the current step and save a checkpoint ([Note: stopping on a signal])."""
+    launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(LAUNCHER_POLL_S)
+        log.warning("the launcher (pid %d) is gone: stopping this rank", launcher)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=watch, name="infinity-launcher-watch", daemon=True).start()
 
 
 class Ranks:
@@ -305,4 +340,11 @@ def _error_lines(errors: list[str | None]) -> list[str]:
     return lines
 
 
-__all__ = ["ERROR_FILE", "FollowedRankZero", "InputsRefused", "Ranks", "join"]
+__all__ = [
+    "ERROR_FILE",
+    "FollowedRankZero",
+    "InputsRefused",
+    "Ranks",
+    "follow_launcher",
+    "join",
+]
