@@ -483,24 +483,21 @@ def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config]:
 def _run(
     args, config: Config, ranks, signals, held: contextlib.ExitStack, model: CausalLMSpec
 ) -> int:
-    from infinity.checkpoint import SaveDirLock
     from infinity.cli.train_run import TrainRun
+    from infinity.cli.train_savedir import SaveDirClaim
     from infinity.cli.train_stop import StopNow
 
     try:
         # Held by rank 0 until the run ends or the process dies: a second run there is refused.
         save_dir = Path(args.save_dir).expanduser()
-        ranks.decide(lambda: _hold(held, SaveDirLock(save_dir)))
+        claims: list[SaveDirClaim] = []
+        ranks.decide(lambda: claims.append(held.enter_context(SaveDirClaim(save_dir))))
         ranks.start()
-        run = TrainRun(args, config, ranks, model=model)
+        run = TrainRun(args, config, ranks, model=model, claim=claims[0] if claims else None)
     except StopNow as stop:
         ranks.say(f"stopped by {stop.name} before training started", err=True)
         return stop.exit_code
     return run.run(signals)
-
-
-def _hold(held: contextlib.ExitStack, lock) -> None:
-    held.enter_context(lock)
 
 
 __all__ = [

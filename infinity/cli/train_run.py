@@ -26,7 +26,13 @@ from infinity.checkpoint import Checkpoint, MetricsLog, latest_tag, load_checkpo
 from infinity.cli import train_disk
 from infinity.cli.train import PROFILE_WARMUP_STEPS, lora_spec, tokenizer_dir
 from infinity.cli.train_ranks import Ranks
-from infinity.cli.train_savedir import RunShape, check_resume, find_resume, prepare_fresh
+from infinity.cli.train_savedir import (
+    RunShape,
+    SaveDirClaim,
+    check_resume,
+    find_resume,
+    prepare_fresh,
+)
 from infinity.cli.train_stop import Phase, StopNow, StopSignals, stop_in_chain
 from infinity.comm import CommError
 from infinity.config import Config
@@ -43,11 +49,19 @@ class TrainRun:
     """Builds everything from the parsed flags and the config, then trains."""
 
     def __init__(
-        self, args: argparse.Namespace, config: Config, ranks: Ranks, *, model: hf_auto.CausalLMSpec
+        self,
+        args: argparse.Namespace,
+        config: Config,
+        ranks: Ranks,
+        *,
+        model: hf_auto.CausalLMSpec,
+        claim: SaveDirClaim | None = None,
     ) -> None:
         self.args = args
         self.ranks = ranks
         """This rank's place in the run (one rank without torchrun): see train_ranks."""
+        self.claim = claim
+        """Rank 0's hold on the save directory, checked before each record and save."""
         self.save_dir = Path(args.save_dir).expanduser()
         self.model = model
         """The transformers config of the directory (or preset) and the parameter shapes, as
@@ -335,6 +349,7 @@ class TrainRun:
     def _save(self, engine, data: PackedDataset) -> str:
         """Checkpoint the state after the last step. A failed save (a full disk...) stops the
         run; the writer's error already says that the previous checkpoint is intact."""
+        self._check_claim()
         try:
             tag = engine.save_checkpoint(self.save_dir, client_state=self._client_state(data))
         except OSError as exc:
@@ -350,6 +365,10 @@ class TrainRun:
             except OSError as exc:  # the new checkpoint is safe: retention can wait
                 log.warning("--keep-last: could not remove an old checkpoint: %s", exc)
         return tag
+
+    def _check_claim(self) -> None:
+        """The save directory is still this run's (checked on rank 0, agreed by all)."""
+        self.ranks.decide(lambda: self.claim and self.claim.check())
 
     def _resume_hint(self, once: str = "") -> str:
         """Which checkpoint a later run starts from, and the command for it."""
@@ -412,6 +431,7 @@ class TrainRun:
                     raise self._step_failed(engine, exc) from exc
                 self._saved = None
                 loss = self.ranks.mean(loss)
+                self._check_claim()
                 seconds = time.perf_counter() - start
                 record = self._record(engine, loss, lr, tokens_per_step / seconds, seconds)
                 record["tflops"] = flops_per_token * record["tokens_per_s"] / 1e12
