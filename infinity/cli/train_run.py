@@ -329,7 +329,7 @@ class TrainRun:
         """--resume with other LoRA flags than the checkpoint's is refused before loading."""
         saved = resume.state.get("lora")
         now = self._lora_state() if self.lora is not None else None
-        if saved != now:
+        if _unordered(saved) != _unordered(now):  # the targets' order changes no layer
 
             def flags(state):
                 if state is None:
@@ -494,6 +494,13 @@ class TrainRun:
             record["loss_scale"] = engine.loss_scale
             record["skipped"] = engine.was_step_skipped
         return record
+
+
+def _unordered(lora: dict | None) -> dict | None:
+    """A LoRA record with its target lists sorted."""
+    if lora is None:
+        return None
+    return {k: sorted(v) if isinstance(v, list) else v for k, v in lora.items()}
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
