@@ -475,9 +475,25 @@ def run(args: argparse.Namespace) -> int:
 def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config]:
     """The checked inputs: the model's description and this rank's config."""
     model = check_inputs(args)
+    _check_nvme_entries(args, getattr(ranks.comm, "local_world_size", ranks.world_size))
     # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
     config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
     return model, config
+
+
+def _check_nvme_entries(args: argparse.Namespace, local_ranks: int) -> None:
+    """--nvme A,B names one directory per process on the node: an entry no process takes
+    would never be checked or used, so it is a mistake to say now."""
+    if args.nvme is None:
+        return
+    paths = [p.strip() for p in args.nvme.split(",")]
+    if len(paths) > 1 and len(paths) != local_ranks:
+        raise ValueError(
+            f"--nvme lists {len(paths)} directories ({', '.join(paths)}) but {local_ranks} "
+            f"process{'' if local_ranks == 1 else 'es'} run on this node: a list gives one "
+            "directory per process (torchrun --nproc_per_node); give "
+            f"{local_ranks} or a single directory that every process shares"
+        )
 
 
 def _run(

@@ -1,4 +1,5 @@
-"""A new user's mistakes with LoRA and the Python API, beside tests/test_cli_misuse.py: each
+"""A new user's mistakes with LoRA, --nvme lists and the Python API, beside
+tests/test_cli_misuse.py: each
 ends with one clear message (exit 1, a phrase naming the fix, no traceback, the checkpoint
 unchanged), or, where the request is sound, it works."""
 
@@ -88,6 +89,15 @@ def test_the_adapter_export_loads_with_auto_peft(lora_run, tmp_path):
     assert json.loads((out / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
     model = peft.AutoPeftModelForCausalLM.from_pretrained(out)
     assert isinstance(model, peft.PeftModelForCausalLM)
+
+
+@pytest.mark.parametrize("entries", [2, 3])
+def test_an_nvme_list_longer_than_the_processes_is_refused(inputs, tmp_path, capsys, entries):
+    dirs = [tmp_path / f"ssd{i}" for i in range(entries)]
+    dirs[0].mkdir()  # the others would never be looked at
+    args = train_args(*inputs, tmp_path / "run", "--steps", 1, "--nvme", ",".join(map(str, dirs)))
+    _fails(capsys, args, f"--nvme lists {entries} directories")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def _model():
