@@ -244,6 +244,41 @@ def test_sigterm_to_the_launcher_stops_all_ranks_after_a_common_step(inputs, tmp
     assert "Traceback" not in _rank_log(logs, 1, "stderr")
 
 
+def test_killing_rank_zero_lets_the_next_rank_name_it_once(inputs, tmp_path):
+    save, logs = tmp_path / "run", tmp_path / "logs"
+    args = _args(
+        inputs, save, "--micro-batch", 1, "--steps", 100000, "--save-every", 2,
+        "--no-progress", "--comm-timeout", 60,
+    )  # fmt: skip
+    proc = _torchrun(args, logs)
+    _wait_for(proc, lambda: (save / "latest").exists())
+    victim = _rank_pid(proc.pid, 0)
+    os.kill(victim, signal.SIGKILL)
+    code, out = _finish(proc, timeout=90)
+    assert code != 0, out
+    err1 = _rank_log(logs, 1, "stderr")
+    assert f"rank 0 (pid {victim}) ended without an error report" in err1, err1
+    assert err1.count("error:") == 1 and "is intact and is the latest" in err1, err1
+    assert "save a checkpoint after this step" not in err1 and "Traceback" not in err1
+    # torchrun's summary names the cause instead of "To enable traceback see: ..."
+    assert f"traceback : infinity: the run stopped: rank 0 (pid {victim})" in out, out
+    load_checkpoint(save).verify()
+
+
+def test_a_signal_after_rank_zero_ended_stops_at_once_without_promising_a_checkpoint(capsys):
+    from infinity.cli.train_stop import Phase, StopNow, StopSignals
+
+    signals = StopSignals()
+    signals.rank, signals.gone_ranks = 1, lambda: [0]
+    signals.start_training()
+    with pytest.raises(StopNow) as stop:
+        signals._handle(signal.SIGTERM, None)
+    assert stop.value.phase is Phase.TRAINING and signals.requested is None
+    said = capsys.readouterr()
+    assert "rank 0 has ended, so the ranks cannot save a checkpoint together" in said.out
+    assert "after this step" not in said.out + said.err
+
+
 def _gone(pid: int) -> bool:
     """Whether process `pid` has ended (a zombie nobody reaps counts as ended)."""
     try:

@@ -474,26 +474,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config]:
     """The checked inputs: the model's description and this rank's config."""
+    from infinity.cli.train_agree import check_nvme_entries
+
     model = check_inputs(args)
-    _check_nvme_entries(args, getattr(ranks.comm, "local_world_size", ranks.world_size))
+    check_nvme_entries(args, getattr(ranks.comm, "local_world_size", ranks.world_size))
     # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
     config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
     return model, config
-
-
-def _check_nvme_entries(args: argparse.Namespace, local_ranks: int) -> None:
-    """--nvme A,B names one directory per process on the node: an entry no process takes
-    would never be checked or used, so it is a mistake to say now."""
-    if args.nvme is None:
-        return
-    paths = [p.strip() for p in args.nvme.split(",")]
-    if len(paths) > 1 and len(paths) != local_ranks:
-        raise ValueError(
-            f"--nvme lists {len(paths)} directories ({', '.join(paths)}) but {local_ranks} "
-            f"process{'' if local_ranks == 1 else 'es'} run on this node: a list gives one "
-            "directory per process (torchrun --nproc_per_node); give "
-            f"{local_ranks} or a single directory that every process shares"
-        )
 
 
 def _run(
@@ -509,6 +496,7 @@ def _run(
         claims: list[SaveDirClaim] = []
         ranks.decide(lambda: claims.append(held.enter_context(SaveDirClaim(save_dir))))
         ranks.start()
+        signals.gone_ranks = ranks.gone_ranks
         run = TrainRun(args, config, ranks, model=model, claim=claims[0] if claims else None)
     except StopNow as stop:
         ranks.say(f"stopped by {stop.name} before training started", err=True)

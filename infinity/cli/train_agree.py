@@ -3,7 +3,8 @@
 Owns the run's description as each rank resolved it (`describe_run`: the model, tokenizer
 and data by content, sequence length, precision, batch, schedule, LoRA, seed, steps and the
 save directory, in the flags' names) and the check that every rank has the same one
-(`check_same_run`). Ranks launched with different flags would otherwise train together
+(`check_same_run`), and that an --nvme list names one directory per process on the node
+(`check_nvme_entries`). Ranks launched with different flags would otherwise train together
 without a word (each shard stepping at its own lr, different data) or fail deep inside a
 collective. What may differ between ranks (a per-rank --nvme directory, the progress bar) is
 left out.
@@ -110,6 +111,21 @@ def check_same_run(comm: Any, run: dict) -> None:
         )
 
 
+def check_nvme_entries(args: argparse.Namespace, local_ranks: int) -> None:
+    """--nvme A,B names one directory per process on the node: an entry no process takes
+    would never be checked or used, so it is a mistake to say now."""
+    if args.nvme is None:
+        return
+    paths = [p.strip() for p in args.nvme.split(",")]
+    if len(paths) > 1 and len(paths) != local_ranks:
+        raise ValueError(
+            f"--nvme lists {len(paths)} directories ({', '.join(paths)}) but {local_ranks} "
+            f"process{'' if local_ranks == 1 else 'es'} run on this node: a list gives one "
+            "directory per process (torchrun --nproc_per_node); give "
+            f"{local_ranks} or a single directory that every process shares"
+        )
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in d.items():
@@ -167,4 +183,4 @@ def _data_digest(path: Path) -> str:
     return f"{size} bytes, {h.hexdigest()[:12]}"
 
 
-__all__ = ["check_same_run", "describe_run", "differences"]
+__all__ = ["check_nvme_entries", "check_same_run", "describe_run", "differences"]

@@ -30,6 +30,7 @@ from infinity.cli.train_savedir import (
     RunShape,
     SaveDirClaim,
     check_resume,
+    check_same_adapters,
     find_resume,
     prepare_fresh,
 )
@@ -39,7 +40,7 @@ from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
 from infinity.data.tokenizer import tokenizer_files
 from infinity.models import hf_auto
-from infinity.models.lora import LoraSpec, apply_lora, lora_targets
+from infinity.models.lora import apply_lora, lora_targets
 from infinity.utils.profiler import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ class TrainRun:
         try:
             return self._run(signals)
         except CommError as exc:
-            if not self.ranks.is_main or stop_in_chain(exc) is not None:
+            if stop_in_chain(exc) is not None or not self.ranks.speaks():
                 raise
             raise self._other_rank_failed() from exc
         except BaseException as exc:
@@ -301,7 +302,8 @@ class TrainRun:
         resume: Checkpoint | None,
     ) -> int:
         if resume is not None:
-            self._check_same_adapters(resume)
+            now = self._lora_state() if self.lora is not None else None
+            check_same_adapters(resume.state.get("lora"), now, self.save_dir)
             _, client_state = engine.load_checkpoint(self.save_dir, resume.tag)
             data.load_state_dict(client_state["data"])
             if self.ranks.is_main:
@@ -324,27 +326,6 @@ class TrainRun:
             + (" (continue with --resume)" if stopped else "")
         )
         return 0
-
-    def _check_same_adapters(self, resume: Checkpoint) -> None:
-        """--resume with other LoRA flags than the checkpoint's is refused before loading."""
-        saved = resume.state.get("lora")
-        now = self._lora_state() if self.lora is not None else None
-        if _unordered(saved) != _unordered(now):  # the targets' order changes no layer
-
-            def flags(state):
-                if state is None:
-                    return "no LoRA"
-                spec = LoraSpec.from_dict(state)
-                return (
-                    f"--lora-r {spec.r} --lora-alpha {spec.alpha or spec.r} --lora-dropout "
-                    f"{spec.dropout} --lora-targets {','.join(state['resolved_targets'])}"
-                )
-
-            raise ValueError(
-                f"--resume: the checkpoint in {self.save_dir} was trained with {flags(saved)}, "
-                f"this run asks for {flags(now)}; resume with the checkpoint's flags, or use "
-                "another --save-dir for a new run"
-            )
 
     def _save(self, engine, data: PackedDataset) -> str:
         """Checkpoint the state after the last step. A failed save (a full disk...) stops the
@@ -494,13 +475,6 @@ class TrainRun:
             record["loss_scale"] = engine.loss_scale
             record["skipped"] = engine.was_step_skipped
         return record
-
-
-def _unordered(lora: dict | None) -> dict | None:
-    """A LoRA record with its target lists sorted."""
-    if lora is None:
-        return None
-    return {k: sorted(v) if isinstance(v, list) else v for k, v in lora.items()}
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

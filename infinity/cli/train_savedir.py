@@ -31,6 +31,7 @@ from infinity.checkpoint import (
 from infinity.checkpoint.layout import LOCK
 from infinity.checkpoint.lock import plain_os_error
 from infinity.checkpoint.metrics import FILE as METRICS_FILE
+from infinity.models.lora import LoraSpec
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,36 @@ def check_resume(ckpt: Checkpoint, now: RunShape, *, model: dict, shapes: dict) 
         )
 
 
+def check_same_adapters(saved: dict | None, now: dict | None, save_dir: Path) -> None:
+    """--resume with other LoRA flags than the checkpoint's (`saved`, `now`: the LoRA
+    records, None without LoRA) is refused before loading; the targets' order changes no
+    layer, so it may differ."""
+    if _unordered(saved) == _unordered(now):
+        return
+
+    def flags(state: dict | None) -> str:
+        if state is None:
+            return "no LoRA"
+        spec = LoraSpec.from_dict(state)
+        return (
+            f"--lora-r {spec.r} --lora-alpha {spec.alpha or spec.r} --lora-dropout "
+            f"{spec.dropout} --lora-targets {','.join(state['resolved_targets'])}"
+        )
+
+    raise ValueError(
+        f"--resume: the checkpoint in {save_dir} was trained with {flags(saved)}, this run "
+        f"asks for {flags(now)}; resume with the checkpoint's flags, or use another "
+        "--save-dir for a new run"
+    )
+
+
+def _unordered(lora: dict | None) -> dict | None:
+    """A LoRA record with its target lists sorted."""
+    if lora is None:
+        return None
+    return {k: sorted(v) if isinstance(v, list) else v for k, v in lora.items()}
+
+
 def _model_changes(ckpt: Checkpoint, model: dict, shapes: dict) -> list[str]:
     saved = ckpt.state.get("model")
     if not saved or "param_shapes" not in saved:
@@ -275,4 +306,11 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-__all__ = ["RunShape", "SaveDirClaim", "check_resume", "find_resume", "prepare_fresh"]
+__all__ = [
+    "RunShape",
+    "SaveDirClaim",
+    "check_resume",
+    "check_same_adapters",
+    "find_resume",
+    "prepare_fresh",
+]
