@@ -459,10 +459,10 @@ def run(args: argparse.Namespace) -> int:
             # Checked on every rank (a path one node lacks fails there only), said once.
             model, config = ranks.check_inputs(lambda: _inputs(args, ranks))
             if ranks.many:  # the same run on every rank, before any work is shared
-                run = ranks.check_inputs(
+                mine = ranks.check_inputs(
                     lambda: describe_run(args, config, model, world_size=ranks.world_size)
                 )
-                ranks.check_inputs(lambda: check_same_run(ranks.comm, run))
+                ranks.check_inputs(lambda: check_same_run(ranks.comm, mine))
             return _run(args, config, ranks, signals, held, model)
         except (FollowedRankZero, InputsRefused):
             return 1  # rank 0 says why
