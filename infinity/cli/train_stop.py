@@ -178,12 +178,15 @@ class StopSignals:
             )
             return
         gone = self.gone_ranks() if self.phase is Phase.TRAINING else []
-        if gone:
+        if gone and self.requested is None:
+            # The next collective fails (the peer is gone) and the run reports why.
+            self.requested = signum
             _say(
                 f"{who} {what}: rank {', '.join(map(str, gone))} has ended, so the ranks "
-                "cannot save a checkpoint together; stopping at once"
+                "cannot save a checkpoint together; stopping"
             )
-        elif self.phase is Phase.TRAINING and self.requested is None:
+            return
+        if self.phase is Phase.TRAINING and self.requested is None:
             self.requested = signum
             every = "all ranks save" if self.rank is not None else "saving"
             _say(
