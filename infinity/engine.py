@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Collection
 from typing import Any
 
@@ -65,7 +66,28 @@ def initialize(
         raise TypeError(
             f"initialize: expected the model as a torch.nn.Module, got {type(model).__name__}"
         )
-    return Engine(model, config, **kwargs)
+    for key in sorted(kwargs.keys() & _NOT_TAKEN):
+        raise TypeError(f"initialize: {key}= is not a parameter here: {_NOT_TAKEN[key]}")
+    if model in _UNDER_ENGINE:
+        raise ValueError(
+            "initialize: this model is already under an engine (an earlier initialize "
+            "partitioned its parameters); use that engine, or build the model again for a new one"
+        )
+    engine = Engine(model, config, **kwargs)
+    _UNDER_ENGINE.add(model)
+    return engine
+
+
+# DeepSpeed's initialize takes these; here the config says what they said.
+_NOT_TAKEN = {
+    "optimizer": "the optimizer is the engine's own (CPU Adam over the offloaded states); "
+    'set it in the config, e.g. {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}',
+    "lr_scheduler": "the schedule is the engine's; set it in the config's scheduler section",
+    "model_parameters": "every parameter with requires_grad=True is trained; set "
+    "requires_grad=False on those to freeze",
+}
+_UNDER_ENGINE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models partitioned by `initialize`: a second engine on one would fail later, unclearly."""
 
 
 class Engine:

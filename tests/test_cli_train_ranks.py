@@ -24,6 +24,7 @@ from infinity.comm import SingleProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("_rank_child.py")
+FLAGS_CHILD = Path(__file__).with_name("_rank_flags_child.py")
 RUN_S = 240  # a hung run fails its test instead of the suite
 
 
@@ -38,10 +39,12 @@ def _args(inputs, save_dir, *extra):
     )
 
 
-def _torchrun(args, logs: Path, *, child: list[str] | None = None) -> subprocess.Popen:
+def _torchrun(
+    args, logs: Path, *, child: list[str] | None = None, script: Path = CHILD
+) -> subprocess.Popen:
     """2 ranks of `python -m infinity ARGS` (or of the failing child), each rank's output in
     logs/<run>/attempt_0/<rank>/{stdout,stderr}.log."""
-    target = ["-m", "infinity"] if child is None else [str(CHILD), *child]
+    target = ["-m", "infinity"] if child is None else [str(script), *child]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "--log-dir", str(logs), "--redirects", "3", *target, *map(str, args),
@@ -175,6 +178,11 @@ def test_a_failing_rank_stops_both_and_rank_zero_names_it(inputs, tmp_path, kind
     assert cause in err0 and cause in (save / "rank-1.error").read_text()
     assert "step2 is intact" in err0 and "--resume" in err0
     assert "Traceback" not in err0
+    # Said once (by rank 0), and torchrun's summary names it instead of its generic line.
+    assert "error:" not in _rank_log(logs, 1, "stderr")
+    summary = out.split("Root Cause")[-1]
+    assert "traceback : infinity: " in summary and cause in summary, out
+    assert "To enable traceback" not in out, out
     assert list_checkpoints(save) == ["step2"]
     load_checkpoint(save).verify()
 
@@ -239,6 +247,89 @@ def test_sigterm_to_the_launcher_stops_all_ranks_after_a_common_step(inputs, tmp
     ckpt = load_checkpoint(save)  # verifies both ranks' shards
     assert ckpt.world_size == 2 and ckpt.step == step == len(_losses(save))
     assert "Traceback" not in _rank_log(logs, 1, "stderr")
+
+
+def test_killing_rank_zero_lets_the_next_rank_name_it_once(inputs, tmp_path):
+    save, logs = tmp_path / "run", tmp_path / "logs"
+    args = _args(
+        inputs, save, "--micro-batch", 1, "--steps", 100000, "--save-every", 2,
+        "--no-progress", "--comm-timeout", 60,
+    )  # fmt: skip
+    proc = _torchrun(args, logs)
+    _wait_for(proc, lambda: (save / "latest").exists())
+    victim = _rank_pid(proc.pid, 0)
+    os.kill(victim, signal.SIGKILL)
+    code, out = _finish(proc, timeout=90)
+    assert code != 0, out
+    err1 = _rank_log(logs, 1, "stderr")
+    assert f"rank 0 (pid {victim}) ended without an error report" in err1, err1
+    assert err1.count("error:") == 1 and "is intact and is the latest" in err1, err1
+    assert "save a checkpoint after this step" not in err1 and "Traceback" not in err1
+    # torchrun's summary names the cause instead of "To enable traceback see: ..."
+    assert f"traceback : infinity: the run stopped: rank 0 (pid {victim})" in out, out
+    load_checkpoint(save).verify()
+
+
+def test_a_signal_after_rank_zero_ended_does_not_promise_a_checkpoint(capsys):
+    from infinity.cli.train_stop import StopSignals
+
+    signals = StopSignals()
+    signals.rank, signals.gone_ranks = 1, lambda: [0]
+    signals.start_training()
+    signals._handle(signal.SIGTERM, None)  # the next collective fails and says why
+    assert signals.requested == signal.SIGTERM
+    said = capsys.readouterr()
+    assert "rank 0 has ended, so the ranks cannot save a checkpoint together" in said.out
+    assert "after this step" not in said.out + said.err
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie nobody reaps counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def test_killing_the_launcher_stops_every_rank_after_a_common_step(inputs, tmp_path):
+    """torchrun starts its workers in their own session: a kill -9 of torchrun (or of its
+    process group) reaches them only through their parent-death signal."""
+    save, logs = tmp_path / "run", tmp_path / "logs"
+    args = _args(inputs, save, "--micro-batch", 1, "--steps", 100000, "--no-progress")
+    proc = _torchrun(args, logs)
+    _wait_for(proc, lambda: (save / "metrics.jsonl").exists() and len(_losses(save)) >= 2)
+    workers = [_rank_pid(proc.pid, rank) for rank in (0, 1)]
+    proc.kill()
+    killed = time.monotonic()
+    proc.communicate()
+    while not all(_gone(pid) for pid in workers) and time.monotonic() - killed < 60:
+        time.sleep(0.05)
+    stop_s = time.monotonic() - killed
+    alive = [pid for pid in workers if not _gone(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"ranks still running {stop_s:.1f} s after the launcher was killed"
+    print(f"ranks stopped {stop_s:.2f} s after kill -9 of the launcher")
+    out0 = _rank_log(logs, 0, "stdout")
+    assert "stopped by SIGTERM at step" in out0, out0 + _rank_log(logs, 0, "stderr")
+    step = int(out0.split("stopped by SIGTERM at step ")[1].split(";")[0])
+    assert load_checkpoint(save).step == step == len(_losses(save))
+
+
+def test_ranks_launched_with_different_flags_are_refused_naming_them(inputs, tmp_path):
+    save, logs = tmp_path / "run", tmp_path / "logs"
+    args = _args(inputs, save, "--micro-batch", 1, "--steps", 2)
+    proc = _torchrun(args, logs, child=["1", "--seq-len 8 --lr 0.5"], script=FLAGS_CHILD)
+    code, out = _finish(proc)
+    assert code != 0, out
+    err0, err1 = _rank_log(logs, 0, "stderr"), _rank_log(logs, 1, "stderr")
+    assert "ranks were launched with different settings" in err0, err0
+    assert (
+        "--seq-len (rank 0: 16; rank 1: 8)" in err0 and "--lr (rank 0: 0.01; rank 1: 0.5)" in err0
+    )
+    assert err0.count("different settings") == 1 and "infinity:" not in err1, err1
+    assert "Traceback" not in err0 + err1
+    assert not (save / "metrics.jsonl").exists() and list_checkpoints(save) == []
 
 
 # -- the pieces, in one process ---------------------------------------------------------------

@@ -5,6 +5,7 @@ resume mismatches in plain terms, and --keep-last."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -314,3 +315,42 @@ def test_a_stop_right_after_resuming_keeps_the_resumed_checkpoint(
 def test_save_dir_that_is_a_file(tmp_path, inputs, capsys):
     (tmp_path / "f").write_text("x")
     _fails(capsys, _args(inputs, tmp_path / "f", "--steps", 1), "is a file, not a directory")
+
+
+def test_a_run_whose_save_dir_is_removed_stops_and_never_shares_it(tmp_path, inputs):
+    """rm -rf of a live run's --save-dir drops its lock with the directory: the run stops at
+    its next step with an error naming that, instead of making the directory again and
+    writing into it beside (or over) a second run started there."""
+    save = tmp_path / "run"
+    first = train_process(_args(inputs, save, "--steps", 100_000, "--save-every", 2))
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / "latest").exists():
+            assert first.poll() is None, first.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        shutil.rmtree(save)
+        _, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 1, err
+    assert f"--save-dir {save} was removed" in err and "Traceback" not in err, err
+    assert not save.exists()  # nothing made again
+    assert main(_args(inputs, save, "--steps", 2)) == 0  # a second run there is its own
+    assert [r["step"] for r in _metrics(save)] == [1, 2] and list_checkpoints(save) == ["step2"]
+
+
+def test_a_save_dir_made_again_under_a_run_is_named(tmp_path):
+    from infinity.cli.train_savedir import SaveDirClaim
+
+    save = tmp_path / "run"
+    with SaveDirClaim(save) as claim:
+        claim.check()
+        (save / ".lock").unlink()
+        with pytest.raises(OSError, match="lost its lock file .lock"):
+            claim.check()
+        shutil.rmtree(save)
+        save.mkdir()
+        (save / ".lock").touch()  # a second run's
+        with pytest.raises(OSError, match="was removed and made again"):
+            claim.check()

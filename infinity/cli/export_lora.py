@@ -43,6 +43,8 @@ def export_adapter(ckpt, out: str) -> Path:
         state["resolved_targets"],
         _trained(ckpt).items(),
         base=source.get("path") or source.get("preset"),
+        # A Hugging Face directory loads as a transformers causal LM (a preset does not).
+        task_type="CAUSAL_LM" if source.get("path") else None,
     )
 
 

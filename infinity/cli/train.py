@@ -134,8 +134,9 @@ def check_seq_len(seq_len: int, model: CausalLMSpec) -> None:
 
 
 def check_lora_rank(spec, model: CausalLMSpec) -> None:
-    """An adapter's rank is at most the smaller side of the layer it adapts: a larger one
-    adds parameters without adding rank (`train` and `estimate` alike; None: no LoRA)."""
+    """The LoRA flags fit the model (targets that exist and can take an adapter, a rank no
+    larger than the layers it adapts: `lora_targets`' rules), checked on the meta device
+    before anything is built (`train` and `estimate` alike; `spec` None: no LoRA)."""
     if spec is None:
         return
     import torch
@@ -145,20 +146,7 @@ def check_lora_rank(spec, model: CausalLMSpec) -> None:
 
     with torch.device("meta"):
         meta = hf_auto.build(model.hf_config, init_weights=False)
-    targets = set(lora_targets(meta, spec))
-    layers = [
-        (name, m)
-        for name, m in meta.named_modules()
-        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
-    ]
-    name, narrowest = min(layers, key=lambda nm: min(nm[1].in_features, nm[1].out_features))
-    limit = min(narrowest.in_features, narrowest.out_features)
-    if spec.r > limit:
-        raise ValueError(
-            f"--lora-r {spec.r} is larger than the layer it adapts: {name} is "
-            f"{narrowest.in_features} x {narrowest.out_features}, so its adapter's rank is at "
-            f"most {limit}; pass --lora-r {limit} or less (or --lora-targets without that layer)"
-        )
+    lora_targets(meta, spec)
 
 
 # The step before a profile's: it traces the execution order and fills caches.
@@ -231,6 +219,7 @@ def check_tokenizer_dir(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from infinity.cli.train_agree import check_same_run, describe_run
     from infinity.cli.train_ranks import FollowedRankZero, InputsRefused, join
     from infinity.cli.train_stop import StopSignals
     from infinity.utils.host_memory import unmap_large_allocations
@@ -244,6 +233,11 @@ def run(args: argparse.Namespace) -> int:
             signals.rank = ranks.rank if ranks.many else None
             # Checked on every rank (a path one node lacks fails there only), said once.
             model, config = ranks.check_inputs(lambda: _inputs(args, ranks))
+            if ranks.many:  # the same run on every rank, before any work is shared
+                mine = ranks.check_inputs(
+                    lambda: describe_run(args, config, model, world_size=ranks.world_size)
+                )
+                ranks.check_inputs(lambda: check_same_run(ranks.comm, mine))
             return _run(args, config, ranks, signals, held, model)
         except (FollowedRankZero, InputsRefused):
             return 1  # rank 0 says why
@@ -255,7 +249,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config]:
     """The checked inputs: the model's description and this rank's config."""
+    from infinity.cli.train_agree import check_nvme_entries
+
     model = check_inputs(args)
+    check_nvme_entries(args, getattr(ranks.comm, "local_world_size", ranks.world_size))
     # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
     config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
     return model, config
@@ -264,24 +261,22 @@ def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config]:
 def _run(
     args, config: Config, ranks, signals, held: contextlib.ExitStack, model: CausalLMSpec
 ) -> int:
-    from infinity.checkpoint import SaveDirLock
     from infinity.cli.train_run import TrainRun
+    from infinity.cli.train_savedir import SaveDirClaim
     from infinity.cli.train_stop import StopNow
 
     try:
         # Held by rank 0 until the run ends or the process dies: a second run there is refused.
         save_dir = Path(args.save_dir).expanduser()
-        ranks.decide(lambda: _hold(held, SaveDirLock(save_dir)))
+        claims: list[SaveDirClaim] = []
+        ranks.decide(lambda: claims.append(held.enter_context(SaveDirClaim(save_dir))))
         ranks.start()
-        run = TrainRun(args, config, ranks, model=model)
+        signals.gone_ranks = ranks.gone_ranks
+        run = TrainRun(args, config, ranks, model=model, claim=claims[0] if claims else None)
     except StopNow as stop:
         ranks.say(f"stopped by {stop.name} before training started", err=True)
         return stop.exit_code
     return run.run(signals)
-
-
-def _hold(held: contextlib.ExitStack, lock) -> None:
-    held.enter_context(lock)
 
 
 __all__ = [

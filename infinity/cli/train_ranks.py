@@ -24,10 +24,14 @@ without one (killed), or that it did not answer within the timeout.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -40,11 +44,14 @@ from infinity.accelerator import use_local_device
 from infinity.comm import CommError, from_env
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 ERROR_FILE = "rank-{rank}.error"
 # How long rank 0 waits for a failed rank's report after a collective broke: the failing
 # rank writes it before exiting, but rank 0 sees the broken connection at about that moment.
 REPORT_WAIT_S = 5.0
+# How long another rank looks whether rank 0's process has ended after a collective broke.
+RANK_ZERO_WAIT_S = 1.0
 
 
 class FollowedRankZero(Exception):
@@ -66,6 +73,8 @@ def join(save_dir: Path, timeout_s: float | None) -> Iterator[Ranks]:
     """This process's `Ranks`: under torchrun it joins the process group (its device picked
     by LOCAL_RANK) and leaves it on exit; otherwise a world of one."""
     use_local_device(int(os.environ.get("LOCAL_RANK", "0") or 0))
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun
+        follow_launcher()
     comm = from_env(timeout_s)
     try:
         ranks = Ranks(comm, save_dir)
@@ -73,6 +82,52 @@ def join(save_dir: Path, timeout_s: float | None) -> Iterator[Ranks]:
         yield ranks
     finally:
         comm.close()
+
+
+# How often the watchdog looks whether the launcher is still this process's parent.
+LAUNCHER_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1
+# The parent-death signal: its handler turns one or several into one SIGTERM.
+LAUNCHER_GONE = getattr(signal, "SIGUSR1", signal.SIGTERM)
+
+
+def follow_launcher(stop: int = signal.SIGTERM) -> None:
+    """Stop when the launcher (torchrun, this process's parent) dies, however it dies.
+
+    torchrun starts each worker in its own session, so a `kill -9` of torchrun or of its
+    process group never reaches the workers, which would train on to the end. The kernel
+    sends LAUNCHER_GONE when the parent dies (PR_SET_PDEATHSIG, Linux; once per thread of
+    the parent, so maybe several times); elsewhere a watchdog thread notices the parent pid
+    change. Either way this process then sends itself `stop` once (a second would mean "stop
+    at once"): SIGTERM, what torchrun itself sends on a stop, so the ranks agree on a stop
+    after the current step and save a checkpoint ([Note: stopping on a signal]). Call it
+    from the main thread."""
+    launcher = os.getppid()
+    told: list[bool] = []
+
+    def gone(*_: Any) -> None:
+        if not told:
+            told.append(True)
+            log.warning("the launcher (pid %d) is gone: stopping this rank", launcher)
+            os.kill(os.getpid(), stop)
+
+    if sys.platform.startswith("linux"):
+        signal.signal(LAUNCHER_GONE, gone)
+        armed = False
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(LAUNCHER_GONE), 0, 0, 0) == 0
+        if armed:
+            if os.getppid() != launcher:  # it died before the request was made
+                gone()
+            return
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(LAUNCHER_POLL_S)
+        gone()
+
+    threading.Thread(target=watch, name="infinity-launcher-watch", daemon=True).start()
 
 
 class Ranks:
@@ -116,6 +171,7 @@ class Ranks:
         if error is not None:
             raise error
         if shared[1] is not None:
+            _tell_launcher(f"rank 0: {shared[1]}")
             raise FollowedRankZero(shared[1])
         return shared[0]
 
@@ -136,9 +192,11 @@ class Ranks:
         errors: list[str | None] = self.comm.all_gather_object(said)
         if all(e is None for e in errors):
             return result
+        lines = _error_lines(errors)
         if self.is_main:
-            for line in _error_lines(errors):
+            for line in lines:
                 print(line, file=sys.stderr, flush=True)
+        _tell_launcher("; ".join(line.removeprefix("infinity: ") for line in lines))
         # No rank exits before rank 0 has said it: torchrun stops the rest at the first exit.
         self.comm.barrier()
         if error is not None and not isinstance(error, USER_ERRORS):
@@ -198,13 +256,28 @@ class Ranks:
     def failed(self, exc: Exception) -> int:
         """This rank of a multi-rank run failed with `exc`: write its report for rank 0,
         say it (with the rank), return the exit code. A bug keeps its traceback."""
-        self.report(exc)
+        reported = self.report(exc)
         if not isinstance(exc, USER_ERRORS):
             raise exc
-        if self.is_main and isinstance(exc, CommError):  # the cause is another rank's
+        speaks = self.speaks()
+        if speaks and isinstance(exc, CommError):  # the cause is another rank's
             exc = CommError(f"the run stopped: {self.explain(self.comm.timeout_s)}")
-        self.say(f"error: {exc}", err=True)
+        if speaks or reported is None or not _launcher_reports():
+            self.say(f"error: {exc}", err=True)
+        # Else rank 0 says it, naming this rank, and torchrun's summary shows it: once.
+        _tell_launcher(f"{exc}")
         return 1
+
+    def speaks(self) -> bool:
+        """Whether this rank reports the run's failure: rank 0, or, when rank 0's process
+        has ended (killed), the lowest rank still running."""
+        if self.is_main:
+            return True
+        # A killed process's connections break a moment before it has ended.
+        deadline = time.monotonic() + RANK_ZERO_WAIT_S
+        while 0 not in (gone := set(self.gone_ranks())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return 0 in gone and self.rank == min(set(range(self.world_size)) - gone)
 
     def start(self) -> None:
         """Remove this rank's report of an earlier run; learn the other ranks' processes."""
@@ -212,6 +285,10 @@ class Ranks:
         if self.many:
             me = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
             self._peers = self.comm.all_gather_object(me)
+
+    def gone_ranks(self) -> list[int]:
+        """The other ranks whose process (on this host) has ended."""
+        return [p["rank"] for p in self._peers if p["rank"] != self.rank and not self._alive(p)]
 
     def report(self, exc: BaseException) -> Path | None:
         """Write this rank's failure to SAVE_DIR/rank-N.error (best effort: a failed disk
@@ -230,7 +307,7 @@ class Ranks:
         """Rank 0, after a collective failed: which other rank failed, and why."""
         deadline = time.monotonic() + REPORT_WAIT_S
         while True:
-            gone = [p for p in self._peers if p["rank"] != self.rank and not self._alive(p)]
+            gone = [p for p in self._peers if p["rank"] in self.gone_ranks()]
             reports = self._reports()  # after `gone`: a report is written before its exit
             if reports or gone or time.monotonic() > deadline:
                 break
@@ -276,7 +353,30 @@ class Ranks:
             return False
         except PermissionError:
             return True
-        return True
+        try:  # a process that has ended but is not yet reaped (by torchrun) is a zombie
+            return Path(f"/proc/{peer['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return True
+
+
+# Where torchrun's agent reads a worker's error for its summary ("traceback :" line).
+ELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+
+
+def _launcher_reports() -> bool:
+    return bool(os.environ.get(ELASTIC_ERROR_FILE))
+
+
+def _tell_launcher(message: str) -> None:
+    """Give torchrun this rank's error for its summary, which otherwise says only "To
+    enable traceback see: ..." (best effort)."""
+    path = os.environ.get(ELASTIC_ERROR_FILE)
+    if not path:
+        return
+    extra = {"timestamp": str(int(time.time()))}  # no py_callstack: the summary shows the message
+    record = {"message": {"message": f"infinity: {message}", "extraInfo": extra}}
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps(record))
 
 
 def _error_text(exc: Exception) -> str:
@@ -305,4 +405,11 @@ def _error_lines(errors: list[str | None]) -> list[str]:
     return lines
 
 
-__all__ = ["ERROR_FILE", "FollowedRankZero", "InputsRefused", "Ranks", "join"]
+__all__ = [
+    "ERROR_FILE",
+    "FollowedRankZero",
+    "InputsRefused",
+    "Ranks",
+    "follow_launcher",
+    "join",
+]

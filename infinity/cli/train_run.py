@@ -38,6 +38,7 @@ from infinity.cli.train_ranks import Ranks
 from infinity.cli.train_report import metrics_log
 from infinity.cli.train_savedir import (
     RunShape,
+    SaveDirClaim,
     check_resume,
     check_same_adapters,
     find_resume,
@@ -65,11 +66,19 @@ class TrainRun:
     """Builds everything from the parsed flags and the config, then trains."""
 
     def __init__(
-        self, args: argparse.Namespace, config: Config, ranks: Ranks, *, model: hf_auto.CausalLMSpec
+        self,
+        args: argparse.Namespace,
+        config: Config,
+        ranks: Ranks,
+        *,
+        model: hf_auto.CausalLMSpec,
+        claim: SaveDirClaim | None = None,
     ) -> None:
         self.args = args
         self.ranks = ranks
         """This rank's place in the run (one rank without torchrun): see train_ranks."""
+        self.claim = claim
+        """Rank 0's hold on the save directory, checked before each record and save."""
         self.save_dir = Path(args.save_dir).expanduser()
         self.model = model
         """The transformers config of the directory (or preset) and the parameter shapes, as
@@ -252,7 +261,7 @@ class TrainRun:
         try:
             return self._run(signals)
         except CommError as exc:
-            if not self.ranks.is_main or stop_in_chain(exc) is not None:
+            if stop_in_chain(exc) is not None or not self.ranks.speaks():
                 raise
             raise other_rank_failed(self.ranks, self.save_dir) from exc
         except BaseException as exc:
@@ -302,7 +311,7 @@ class TrainRun:
     ) -> int:
         if resume is not None:
             now = self._lora_state() if self.lora is not None else None
-            check_same_adapters(self.save_dir, resume, now)  # before anything is loaded
+            check_same_adapters(resume.state.get("lora"), now, self.save_dir)
             _, client_state = engine.load_checkpoint(self.save_dir, resume.tag)
             data.load_state_dict(client_state["data"])
             if self.ranks.is_main:
@@ -329,6 +338,7 @@ class TrainRun:
     def _save(self, engine, data: PackedDataset) -> str:
         """Checkpoint the state after the last step. A failed save (a full disk...) stops the
         run; the writer's error already says that the previous checkpoint is intact."""
+        self._check_claim()
         try:
             tag = engine.save_checkpoint(self.save_dir, client_state=self._client_state(data))
         except OSError as exc:
@@ -344,6 +354,10 @@ class TrainRun:
             except OSError as exc:  # the new checkpoint is safe: retention can wait
                 log.warning("--keep-last: could not remove an old checkpoint: %s", exc)
         return tag
+
+    def _check_claim(self) -> None:
+        """The save directory is still this run's (checked on rank 0, agreed by all)."""
+        self.ranks.decide(lambda: self.claim and self.claim.check())
 
     def _loop(self, engine, data, config: Config, steps: int, signals: StopSignals) -> None:
         micro = config.train_micro_batch_size_per_gpu
@@ -369,6 +383,7 @@ class TrainRun:
                     raise step_failed(self.save_dir, engine.global_steps + 1, exc) from exc
                 self._saved = None
                 loss = self.ranks.mean(loss)
+                self._check_claim()
                 seconds = time.perf_counter() - start
                 record = step_record(engine, loss, lr, tokens_per_step / seconds, seconds)
                 record["tflops"] = flops_per_token * record["tokens_per_s"] / 1e12

@@ -4,13 +4,17 @@ Owns: a fresh run refuses a directory holding complete checkpoints unless --over
 removes them and metrics.jsonl first); --resume finds the checkpoint to continue from the
 way `infinity export` does (`infinity.checkpoint.find_checkpoint`), and refuses settings that
 differ from the saved run's, saying which in the user's terms. Holding the directory for the
-run's life is `infinity.checkpoint.SaveDirLock`, taken by `infinity.cli.train.run`.
+run's life is `SaveDirClaim`: the lock (`infinity.checkpoint.SaveDirLock`), taken by
+`infinity.cli.train.run`, and the check before each step and save that the directory and its
+lock file are still the ones the run took.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +22,16 @@ from pathlib import Path
 from infinity.checkpoint import (
     Checkpoint,
     CheckpointNotFoundError,
+    SaveDirLock,
     latest_tag,
     list_checkpoints,
     load_checkpoint,
     start_over,
 )
+from infinity.checkpoint.layout import LOCK
+from infinity.checkpoint.lock import plain_os_error
 from infinity.checkpoint.metrics import FILE as METRICS_FILE
+from infinity.models.lora import LoraSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,65 @@ class RunShape:
     def per_step(self) -> int:
         """Sequences per optimizer step over all ranks."""
         return self.micro_batch * self.grad_accum * self.world_size
+
+
+class SaveDirClaim:
+    """A run's hold on its --save-dir, from `__enter__` to `__exit__` (a context manager).
+
+    The lock alone cannot keep a run's directory its own: a flock belongs to the lock file,
+    so `rm -rf SAVE_DIR` drops it with the directory, and a second run can then create the
+    directory again and lock it while the first still trains. So the claim also records
+    which directory and which lock file (device and inode) it took, and `check` (before each
+    step's record and each save) stops the run with an error naming what happened rather
+    than let it write into a directory it no longer holds."""
+
+    def __init__(self, save_dir: Path) -> None:
+        self.save_dir = save_dir
+        self.lock = SaveDirLock(save_dir)
+        self._taken: tuple | None = None
+        """(directory, lock file) as (st_dev, st_ino) when the lock was taken."""
+
+    def __enter__(self) -> SaveDirClaim:
+        self.lock.acquire()
+        self._taken = self._now()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+    def _now(self) -> tuple:
+        return tuple(_identity(self.save_dir / name) for name in ("", LOCK))
+
+    def check(self) -> None:
+        """Raise an OSError if the directory or its lock file is not the one taken."""
+        assert self._taken is not None, "check() outside the claim"
+        now = self._now()
+        if now == self._taken:
+            return
+        where, lock = now
+        if where is None:
+            what, code = "was removed", errno.ENOENT
+        elif where != self._taken[0]:
+            what, code = "was removed and made again (another run may be using it)", errno.ESTALE
+        else:
+            what = f"lost its lock file {LOCK} (removed or replaced: another run may hold it)"
+            code = errno.ESTALE if lock is not None else errno.ENOENT
+        raise plain_os_error(
+            code,
+            f"--save-dir {self.save_dir} {what} while this run was training; the run stops "
+            "here and writes nothing more there, so that no checkpoint or metrics.jsonl of "
+            "another run is replaced or mixed with its own. Start it again in a --save-dir "
+            "that no other run uses (with --resume where its checkpoints are)",
+        )
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of `path`, or None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def prepare_fresh(save_dir: Path, *, overwrite: bool) -> None:
@@ -141,6 +208,36 @@ def check_resume(ckpt: Checkpoint, now: RunShape, *, model: dict, shapes: dict) 
         )
 
 
+def check_same_adapters(saved: dict | None, now: dict | None, save_dir: Path) -> None:
+    """--resume with other LoRA flags than the checkpoint's (`saved`, `now`: the LoRA
+    records, None without LoRA) is refused before loading; the targets' order changes no
+    layer, so it may differ."""
+    if _unordered(saved) == _unordered(now):
+        return
+
+    def flags(state: dict | None) -> str:
+        if state is None:
+            return "no LoRA"
+        spec = LoraSpec.from_dict(state)
+        return (
+            f"--lora-r {spec.r} --lora-alpha {spec.alpha or spec.r} --lora-dropout "
+            f"{spec.dropout} --lora-targets {','.join(state['resolved_targets'])}"
+        )
+
+    raise ValueError(
+        f"--resume: the checkpoint in {save_dir} was trained with {flags(saved)}, this run "
+        f"asks for {flags(now)}; resume with the checkpoint's flags, or use another "
+        "--save-dir for a new run"
+    )
+
+
+def _unordered(lora: dict | None) -> dict | None:
+    """A LoRA record with its target lists sorted."""
+    if lora is None:
+        return None
+    return {k: sorted(v) if isinstance(v, list) else v for k, v in lora.items()}
+
+
 def _model_changes(ckpt: Checkpoint, model: dict, shapes: dict) -> list[str]:
     saved = ckpt.state.get("model")
     if not saved or "param_shapes" not in saved:
@@ -209,29 +306,11 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-__all__ = ["RunShape", "check_resume", "find_resume", "prepare_fresh"]
-
-
-def check_same_adapters(save_dir: Path, resume: Checkpoint, now: dict | None) -> None:
-    """--resume with other LoRA flags than the checkpoint's is refused before loading; `now`
-    is this run's LoRA state as a checkpoint records it (None without LoRA)."""
-    from infinity.models.lora import LoraSpec
-
-    saved = resume.state.get("lora")
-    if saved == now:
-        return
-
-    def flags(state):
-        if state is None:
-            return "no LoRA"
-        spec = LoraSpec.from_dict(state)
-        return (
-            f"--lora-r {spec.r} --lora-alpha {spec.alpha or spec.r} --lora-dropout "
-            f"{spec.dropout} --lora-targets {','.join(state['resolved_targets'])}"
-        )
-
-    raise ValueError(
-        f"--resume: the checkpoint in {save_dir} was trained with {flags(saved)}, "
-        f"this run asks for {flags(now)}; resume with the checkpoint's flags, or use "
-        "another --save-dir for a new run"
-    )
+__all__ = [
+    "RunShape",
+    "SaveDirClaim",
+    "check_resume",
+    "check_same_adapters",
+    "find_resume",
+    "prepare_fresh",
+]

@@ -34,6 +34,7 @@ import enum
 import os
 import signal
 import threading
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -124,6 +125,9 @@ class StopSignals:
         """The signal that asked for a stop during training, if one did."""
         self.rank: int | None = None
         """This process's rank when the run has several (its lines then name it)."""
+        self.gone_ranks: Callable[[], list[int]] = list
+        """The other ranks whose process has ended: with one gone no checkpoint can be
+        saved together, so a signal stops at once instead of promising one."""
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -171,6 +175,15 @@ class StopSignals:
             _say(
                 f"{who} {what}: already stopping, removing the swap files first "
                 "(SIGKILL ends it without cleaning up)"
+            )
+            return
+        gone = self.gone_ranks() if self.phase is Phase.TRAINING else []
+        if gone and self.requested is None:
+            # The next collective fails (the peer is gone) and the run reports why.
+            self.requested = signum
+            _say(
+                f"{who} {what}: rank {', '.join(map(str, gone))} has ended, so the ranks "
+                "cannot save a checkpoint together; stopping"
             )
             return
         if self.phase is Phase.TRAINING and self.requested is None:

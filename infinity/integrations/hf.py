@@ -17,8 +17,9 @@ one, the engine's schedule runs (its "auto" values filled from the Trainer). Eit
 engine steps the schedule, so a step skipped on fp16 overflow leaves the lr where it was
 (the Trainer still counts it in `global_step`, as it does with DeepSpeed). The logged
 `grad_norm` is the engine's pre-clip global norm. `save_model` streams a Hugging Face
-directory from the partitions; checkpoints add the engine's state (`infinity/` in the
-checkpoint folder), which `resume_from_checkpoint` restores exactly.
+directory from the partitions (a peft model: its adapter, as peft saves it); checkpoints add
+the engine's state (`infinity/` in the checkpoint folder), which `resume_from_checkpoint`
+restores exactly, overwriting a later checkpoint it reaches again as the Trainer does.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from infinity.checkpoint.layout import LATEST
 from infinity.config import Config
 from infinity.engine import Engine, initialize
 from infinity.integrations.hf_config import schedule_params, trainer_config
@@ -267,7 +269,10 @@ class InfinityTrainer(transformers.Trainer):
         if not self.args.should_save:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        save_hf_weights(self.engine, self.model, output_dir)
+        if _is_peft(self.model):
+            save_peft_adapter(self.engine, self.model, output_dir)
+        else:
+            save_hf_weights(self.engine, self.model, output_dir)
         generation = getattr(self.model, "generation_config", None)
         if generation is not None and getattr(self.model, "can_generate", lambda: False)():
             generation.save_pretrained(output_dir)
@@ -278,6 +283,11 @@ class InfinityTrainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)  # the Trainer's scheduler state
+        if self.args.should_save and (Path(output_dir) / ENGINE_TAG).is_dir():
+            # A run resumed from an earlier checkpoint reaches this step again: the Trainer
+            # overwrites its folder, so the engine's state there is superseded too (without
+            # `latest` naming it, the save sets it aside and removes it).
+            (Path(output_dir) / LATEST).unlink(missing_ok=True)
         self.engine.save_checkpoint(output_dir, tag=ENGINE_TAG)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -301,6 +311,25 @@ def _unwrap_optimizer(optimizer) -> _EngineOptimizer:
     while not isinstance(optimizer, _EngineOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    try:
+        import peft
+    except ImportError:
+        return False
+    return isinstance(model, peft.PeftModel)
+
+
+def save_peft_adapter(engine: Engine, model: torch.nn.Module, output_dir: Path) -> None:
+    """Write `model`'s (a `peft.PeftModel`) adapter as peft saves it (adapter_config.json
+    and adapter_model.safetensors, which `PeftModel.from_pretrained` and
+    `AutoPeftModelForCausalLM` load), its weights the trainable ones in `engine`'s partitions:
+    the frozen base is not written."""
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    # Only the adapter's parameters are read from their homes (the base can be far larger).
+    weights = {r.name: r.read_full().view(r.shape) for r in engine.records if r.name in trainable}
+    model.save_pretrained(output_dir, state_dict=weights)
 
 
 def save_hf_weights(engine: Engine, model: torch.nn.Module, output_dir: Path) -> None:
@@ -328,4 +357,4 @@ def save_hf_weights(engine: Engine, model: torch.nn.Module, output_dir: Path) ->
             old.unlink()
 
 
-__all__ = ["ENGINE_TAG", "InfinityTrainer", "save_hf_weights"]
+__all__ = ["ENGINE_TAG", "InfinityTrainer", "save_hf_weights", "save_peft_adapter"]

@@ -95,27 +95,72 @@ def block_linear_names(model: nn.Module) -> list[str]:
 
 
 def lora_targets(model: nn.Module, spec: LoraSpec) -> list[str]:
-    """The layer names `spec` adapts in `model`; unknown names are a ValueError."""
+    """The layer names `spec` adapts in `model`; unknown names, layers that cannot take an
+    adapter and a rank larger than a layer are a ValueError."""
     available = block_linear_names(model)
+    conv1d = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_conv1d(m)})
     if spec.targets is None:
         if not available:
             raise ValueError(
-                "the model has no linear layer inside a block (an nn.ModuleList) to adapt; "
-                "name the layers with targets (--lora-targets)"
+                "the model has no linear layer inside a block (an nn.ModuleList) to adapt"
+                + _conv1d_note(conv1d, conv1d)
+                + "; name the layers with targets (--lora-targets)"
             )
-        return available
-    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    unknown = sorted(set(spec.targets) - linear)
-    if unknown:
-        raise ValueError(
-            f"LoRA targets {unknown} are not linear layers of this model; choose from "
-            f"{sorted(linear)} (default: {','.join(available)})"
-        )
-    return list(spec.targets)
+        targets = available
+    else:
+        linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)}
+        unknown = sorted(set(spec.targets) - linear)
+        if unknown:
+            raise ValueError(
+                f"LoRA targets {unknown} are not linear layers of this model"
+                + _conv1d_note(conv1d, unknown)
+                + f"; choose from {sorted(linear)} (default: {','.join(available)})"
+            )
+        targets = list(spec.targets)
+    _check_rank(model, spec.r, targets)
+    return targets
 
 
-def peft_config(spec: LoraSpec, targets: list[str], base: str | None = None):
-    """The `peft.LoraConfig` of `spec` (adapter weights initialized as peft does: B = 0)."""
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's attention and MLP layers): a linear layer with its
+    weight stored transposed, which the adapters here do not take."""
+    return type(module).__name__ == "Conv1D"
+
+
+def _conv1d_note(conv1d: list[str], named: list[str]) -> str:
+    hit = sorted(set(conv1d) & set(named))
+    if not hit:
+        return ""
+    return (
+        f" ({', '.join(hit)} are transformers' Conv1D layers, as in GPT-2, which cannot take "
+        "LoRA adapters here: only nn.Linear layers can; choose a model built of nn.Linear "
+        "layers, e.g. Llama, Qwen2 or Mistral, or train it without --lora-r)"
+    )
+
+
+def _check_rank(model: nn.Module, r: int, targets: list[str]) -> None:
+    """A rank above min(in, out) of a layer adds parameters and nothing else."""
+    wanted = set(targets)
+    for name, m in model.named_modules():
+        if _is_linear(m) and name.rsplit(".", 1)[-1] in wanted:
+            limit = min(m.in_features, m.out_features)
+            if r > limit:
+                raise ValueError(
+                    f"LoRA rank r (--lora-r) {r} is larger than layer {name} "
+                    f"({m.in_features} in, {m.out_features} out): a rank above min(in, out) = "
+                    f"{limit} adds parameters but no capacity; use --lora-r {limit} or less"
+                )
+
+
+def peft_config(
+    spec: LoraSpec, targets: list[str], base: str | None = None, task_type: str | None = None
+):
+    """The `peft.LoraConfig` of `spec` (adapter weights initialized as peft does: B = 0).
+    `task_type` "CAUSAL_LM" in a saved adapter lets `AutoPeftModelForCausalLM` load it."""
     return _peft().LoraConfig(
         r=spec.r,
         lora_alpha=spec.r if spec.alpha is None else spec.alpha,
@@ -123,6 +168,7 @@ def peft_config(spec: LoraSpec, targets: list[str], base: str | None = None):
         target_modules=targets,
         bias="none",
         base_model_name_or_path=base,
+        task_type=task_type,
     )
 
 
@@ -168,10 +214,12 @@ def write_adapter(
     adapters: Iterable[tuple[str, torch.Tensor]],
     *,
     base: str | None = None,
+    task_type: str | None = None,
 ) -> Path:
     """A directory `peft.PeftModel.from_pretrained(base_model, out)` loads: adapter_config.json
     (peft's own writer) and adapter_model.safetensors. Written under a temporary name and
-    renamed into place, so `out` is complete or absent."""
+    renamed into place, so `out` is complete or absent. `task_type` "CAUSAL_LM" (for a base
+    that is a transformers model) lets `AutoPeftModelForCausalLM` load it."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -184,7 +232,7 @@ def write_adapter(
         tensors = {adapter_key(n): t.contiguous() for n, t in adapters if is_adapter(n)}
         if not tensors:
             raise ValueError("no LoRA adapter weights to write (no lora_A / lora_B tensors)")
-        peft_config(spec, targets, base).save_pretrained(tmp)
+        peft_config(spec, targets, base, task_type).save_pretrained(tmp)
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         os.rename(tmp, out)
     except BaseException:

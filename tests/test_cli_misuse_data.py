@@ -105,9 +105,9 @@ CASES = [
     ("estimate-micro-batch-huge", lambda w: _estimate(w, "--micro-batch", "1000000000000"),
      1, "this run cannot fit: the activations of one micro batch (1000000000000 x 16 tokens)"),
     ("estimate-lora-r-huge", lambda w: _estimate(w, "--lora-r", "1000000000"),
-     1, "--lora-r 1000000000 is larger than the layer it adapts"),
+     1, "LoRA rank r (--lora-r) 1000000000 is larger than layer"),
     ("train-lora-r-huge", lambda w: _train(w, "--lora-r", "1000000"),
-     1, "--lora-r 1000000 is larger than the layer it adapts"),
+     1, "LoRA rank r (--lora-r) 1000000 is larger than layer"),
     # -- data files
     ("data-field-on-text", lambda w: _train(w, "--data-field", "body", data="corpus.txt"),
      1, "--data-field body names a field of JSON records"),
