@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from infinity.checkpoint import latest_tag
-from infinity.cli.train_stop import Phase, StopNow
+from infinity.cli.train_stop import RunPhase, StopNow
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,9 @@ def step_failed(save_dir: Path, step: int, exc: OSError) -> OSError:
 def stopped_at_once(save_dir: Path, stop: StopNow) -> str:
     """The line for a second signal's stop at once, by the phase it landed in."""
     when = {
-        Phase.STARTING: "before training started",
-        Phase.TRAINING: "during training (the step in progress is not saved)",
-        Phase.SAVING: "while saving a checkpoint (that save was abandoned)",
+        RunPhase.STARTING: "before training started",
+        RunPhase.TRAINING: "during training (the step in progress is not saved)",
+        RunPhase.SAVING: "while saving a checkpoint (that save was abandoned)",
     }.get(stop.phase, "")
     return f"stopped at once by {stop.name} {when}. {resume_hint(save_dir)}"
 

@@ -51,7 +51,7 @@ from infinity.cli.train_step import (
     start_profile,
     step_record,
 )
-from infinity.cli.train_stop import Phase, StopSignals, stop_in_chain
+from infinity.cli.train_stop import RunPhase, StopSignals, stop_in_chain
 from infinity.comm import CommError
 from infinity.config import Config
 from infinity.data import PackedDataset, open_dataset
@@ -270,7 +270,7 @@ class TrainRun:
             stop = stop_in_chain(exc)
             if stop is None:
                 raise
-            if stop.phase is Phase.SAVING and self._saved is not None:
+            if stop.phase is RunPhase.SAVING and self._saved is not None:
                 # It came after the checkpoint was complete, before the run said so: nothing
                 # was lost, so this is the clean stop the first signal asked for.
                 self.ranks.say(

@@ -41,7 +41,7 @@ from tqdm import tqdm
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class Phase(enum.Enum):
+class RunPhase(enum.Enum):
     """What a signal does at each point of a run."""
 
     STARTING = "building the model, data and engine: a signal stops at once"
@@ -53,7 +53,7 @@ class Phase(enum.Enum):
 class StopNow(KeyboardInterrupt):
     """Raised by a signal that stops the run at once: `signum`, and the `phase` it came in."""
 
-    def __init__(self, signum: int, phase: Phase) -> None:
+    def __init__(self, signum: int, phase: RunPhase) -> None:
         self.signum = int(signum)
         self.phase = phase
         super().__init__(signal.Signals(self.signum).name)
@@ -120,7 +120,7 @@ class StopSignals:
     """
 
     def __init__(self) -> None:
-        self.phase = Phase.STARTING
+        self.phase = RunPhase.STARTING
         self.requested: int | None = None
         """The signal that asked for a stop during training, if one did."""
         self.rank: int | None = None
@@ -151,16 +151,16 @@ class StopSignals:
     # -- phases (verbs) ----------------------------------------------------------------------
 
     def start_training(self) -> None:
-        self._move((Phase.STARTING,), Phase.TRAINING)
+        self._move((RunPhase.STARTING,), RunPhase.TRAINING)
 
     def start_saving(self) -> None:
-        self._move((Phase.TRAINING,), Phase.SAVING)
+        self._move((RunPhase.TRAINING,), RunPhase.SAVING)
 
     def start_closing(self) -> None:
         """From any phase: what follows must run to its end."""
-        self.phase = Phase.CLOSING
+        self.phase = RunPhase.CLOSING
 
-    def _move(self, sources: tuple[Phase, ...], to: Phase) -> None:
+    def _move(self, sources: tuple[RunPhase, ...], to: RunPhase) -> None:
         assert self.phase in sources, f"{self.phase.name} -> {to.name}"
         self.phase = to
 
@@ -171,13 +171,13 @@ class StopSignals:
         if signum == signal.SIGHUP:
             detach_from_terminal()
         who = f"infinity: rank {self.rank}:" if self.rank is not None else "infinity:"
-        if self.phase is Phase.CLOSING:
+        if self.phase is RunPhase.CLOSING:
             _say(
                 f"{who} {what}: already stopping, removing the swap files first "
                 "(SIGKILL ends it without cleaning up)"
             )
             return
-        gone = self.gone_ranks() if self.phase is Phase.TRAINING else []
+        gone = self.gone_ranks() if self.phase is RunPhase.TRAINING else []
         if gone and self.requested is None:
             # The next collective fails (the peer is gone) and the run reports why.
             self.requested = signum
@@ -186,7 +186,7 @@ class StopSignals:
                 "cannot save a checkpoint together; stopping"
             )
             return
-        if self.phase is Phase.TRAINING and self.requested is None:
+        if self.phase is RunPhase.TRAINING and self.requested is None:
             self.requested = signum
             every = "all ranks save" if self.rank is not None else "saving"
             _say(
@@ -194,8 +194,8 @@ class StopSignals:
                 f"(send it again to stop at once without one)"
             )
             return
-        phase, self.phase = self.phase, Phase.CLOSING  # the clean-up runs to its end
+        phase, self.phase = self.phase, RunPhase.CLOSING  # the clean-up runs to its end
         raise StopNow(signum, phase)
 
 
-__all__ = ["Phase", "StopNow", "StopSignals", "stop_in_chain"]
+__all__ = ["RunPhase", "StopNow", "StopSignals", "stop_in_chain"]
