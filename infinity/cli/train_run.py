@@ -342,6 +342,8 @@ class TrainRun:
         try:
             tag = engine.save_checkpoint(self.save_dir, client_state=self._client_state(data))
         except OSError as exc:
+            if self.claim is not None:  # rank 0: a directory taken away mid-save says so
+                self.claim.check()
             raise error(
                 first_errno(exc),
                 f"{(exc.strerror or str(exc)).rstrip('.')}. Training stopped at step "
