@@ -14,18 +14,8 @@ MAX_FUNCTION_LINES = 60
 # relative to the repository root ("infinity/x.py"), or "path:qualified.function_name".
 JUSTIFIED: dict[str, str] = {}
 
-# ---- TEMPORARY ------------------------------------------------------------------------
-# Over the limits today and being split under issue 22. Remove each line once its split has
-# merged (test_no_exception_is_stale says which); this block should end up empty.
-TEMPORARY: dict[str, str] = {
-    "infinity/estimate/__init__.py:measure_rates": "being split under issue 22",
-    "infinity/estimate/result.py:estimate": "being split under issue 22",
-    "infinity/estimate/result.py:step_times": "being split under issue 22",
-    "infinity/estimate/sizing.py:sizes": "being split under issue 22",
-}
-# ---- end TEMPORARY ----------------------------------------------------------------------
 
-EXCEPTIONS = {**JUSTIFIED, **TEMPORARY}
+EXCEPTIONS = JUSTIFIED
 
 
 def _functions(tree: ast.AST, prefix: str = ""):

@@ -59,47 +59,17 @@ def measure_rates(
     config = resolve_config(config, shape)
     dtype = model_dtype(config)
     micro = int(config.train_micro_batch_size_per_gpu)
-    frozen = shape.lora_r > 0
-    sources = {}
+    sources: dict[str, str] = {}
     gpu = GPUS.get(device)
     if gpu is None:
-        compute_s = hardware.probe_compute_s(
-            shape.probe_config,
-            micro,
-            seq_len,
-            dtype,
-            lora_r=shape.lora_r,
-            checkpointing=activation_checkpointing,
-        )
-        copy = hardware.probe_copy_bytes_per_s()
-        fresh = hardware.probe_fresh_copy_bytes_per_s()
-        stand_in = (
-            ""
-            if shape.dims.model_type == "llama"
-            else (f" (a Llama of the {shape.dims.model_type} model's sizes)")
-        )
-        sources["compute"] = (
-            "probe: the model cut to one layer, and a block per further layer, forward and "
-            f"backward on this CPU{stand_in}"
-        )
-        sources["copies"] = "probe: a host memory copy, and one into new memory (gradients)"
-        if module_overhead_s:
-            sources["hooks"] = (
-                "probe: a Llama of three blocks of this model's sizes (a tiny one for full "
-                "fine-tuning) through the engine against plain PyTorch"
-            )
-        if gather_copy_bytes_per_s:
-            sources["copies"] += "; gathers at the rate the engine copied them in that probe"
+        compute_s, copy, fresh = _cpu_rates(
+            shape, micro, seq_len, dtype, activation_checkpointing, sources,
+            hooks_probed=bool(module_overhead_s), gathers_probed=bool(gather_copy_bytes_per_s),
+        )  # fmt: skip
     else:
-        flops = shape.train_flops_per_token(seq_len) / 3 * micro * seq_len  # one forward
-        n = hardware.passes(frozen=frozen, checkpointing=activation_checkpointing)
-        compute_s = hardware.gpu_compute_s(gpu, flops, dtype, n)
-        copy, fresh = gpu.host_link_bps, 0.0
-        peak = "fp32" if dtype.itemsize == 4 else "16-bit tensor"
-        sources["compute"] = (
-            f"{gpu.name}: published {peak} peak x {hardware.GPU_UTILIZATION:.0%} utilization"
+        compute_s, copy, fresh = _gpu_rates(
+            gpu, shape, micro, seq_len, dtype, activation_checkpointing, sources
         )
-        sources["copies"] = f"{gpu.name}: PCIe {gpu.host_link_bps / 1e9:.0f} GB/s"
     read, write, sources["nvme"] = _disk(config, nvme_path, bench_aio)
     sources["cpu_adam"] = "probe: adam_step_flat on this CPU"
     return Rates(
@@ -116,6 +86,57 @@ def measure_rates(
         module_overhead_s=module_overhead_s if gpu is None else 0.0,
         gather_copy_bytes_per_s=gather_copy_bytes_per_s if gpu is None else 0.0,
     )
+
+
+def _cpu_rates(
+    shape: ModelShape,
+    micro: int,
+    seq_len: int,
+    dtype,
+    checkpointing: bool,
+    sources: dict,
+    *,
+    hooks_probed: bool,
+    gathers_probed: bool,
+) -> tuple[float, float, float]:
+    """(compute seconds of a micro batch, copy and fresh-copy bytes/s), probed on this CPU;
+    where each came from goes into `sources`."""
+    compute_s = hardware.probe_compute_s(
+        shape.probe_config, micro, seq_len, dtype,
+        lora_r=shape.lora_r, checkpointing=checkpointing,
+    )  # fmt: skip
+    copy = hardware.probe_copy_bytes_per_s()
+    fresh = hardware.probe_fresh_copy_bytes_per_s()
+    kind = shape.dims.model_type
+    stand_in = "" if kind == "llama" else f" (a Llama of the {kind} model's sizes)"
+    sources["compute"] = (
+        "probe: the model cut to one layer, and a block per further layer, forward and "
+        f"backward on this CPU{stand_in}"
+    )
+    sources["copies"] = "probe: a host memory copy, and one into new memory (gradients)"
+    if hooks_probed:
+        sources["hooks"] = (
+            "probe: a Llama of three blocks of this model's sizes (a tiny one for full "
+            "fine-tuning) through the engine against plain PyTorch"
+        )
+    if gathers_probed:
+        sources["copies"] += "; gathers at the rate the engine copied them in that probe"
+    return compute_s, copy, fresh
+
+
+def _gpu_rates(
+    gpu, shape: ModelShape, micro: int, seq_len: int, dtype, checkpointing: bool, sources: dict
+) -> tuple[float, float, float]:
+    """(compute seconds of a micro batch, copy bytes/s, 0) from `gpu`'s published figures."""
+    flops = shape.train_flops_per_token(seq_len) / 3 * micro * seq_len  # one forward
+    n = hardware.passes(frozen=shape.lora_r > 0, checkpointing=checkpointing)
+    compute_s = hardware.gpu_compute_s(gpu, flops, dtype, n)
+    peak = "fp32" if dtype.itemsize == 4 else "16-bit tensor"
+    sources["compute"] = (
+        f"{gpu.name}: published {peak} peak x {hardware.GPU_UTILIZATION:.0%} utilization"
+    )
+    sources["copies"] = f"{gpu.name}: PCIe {gpu.host_link_bps / 1e9:.0f} GB/s"
+    return compute_s, gpu.host_link_bps, 0.0
 
 
 def _disk(config: Config, nvme_path: str | None, bench_aio: str | None) -> tuple[float, float, str]:

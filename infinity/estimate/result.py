@@ -181,14 +181,9 @@ def estimate(
     gpu = rates.gpu
     alias = gpu is None and aliases is not False  # only the CPU device shares host memory
     sz = sizes(
-        shape,
-        config,
-        pins=gpu is not None,
-        grads_spill=grads_spill,
-        checkpointing=activation_checkpointing,
-        aliases=alias,
-        world_size=world_size,
-    )
+        shape, config, pins=gpu is not None, grads_spill=grads_spill,
+        checkpointing=activation_checkpointing, aliases=alias, world_size=world_size,
+    )  # fmt: skip
     micro = int(config.train_micro_batch_size_per_gpu)
     accum = int(config.gradient_accumulation_steps)
     tokens = micro * seq_len
@@ -199,15 +194,40 @@ def estimate(
         reads = prefetch_of(shape, config, checkpointing=activation_checkpointing)
     recycled = gpu is None and recycles
     times = step_times(
-        sz,
-        rates,
-        accum=accum,
-        pipelined=pipelined,
-        modules=shape.modules,
-        prefetch=reads,
+        sz, rates, accum=accum, pipelined=pipelined, modules=shape.modules, prefetch=reads,
         recycled=recycled,
-    )
+    )  # fmt: skip
     acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
+    device, steady, peak = _memory(shape, config, sz, rates, acts, alias, recycled, runtime_bytes)
+    est = Estimate(
+        sizes=sz, times=times, rates=rates, peak_rss_bytes=peak, steady_rss_bytes=steady,
+        device_bytes=device, activation_bytes=acts, bound=bound_of(times), advice=[],
+        params=shape.numel, trainable_params=shape.trainable_numel,
+        tokens_per_step=tokens * accum,
+        inputs=_inputs(shape, config, rates, seq_len, activation_checkpointing),
+    )  # fmt: skip
+    if ram_bytes is None:  # this machine's RAM says nothing about a GPU machine's
+        ram_bytes = _ram() if gpu is None else 0
+    from infinity.estimate.advice import advice  # it reads a finished Estimate
+
+    est.advice = advice(est, config, ram_bytes=ram_bytes)
+    return est
+
+
+def _memory(
+    shape: ModelShape,
+    config: Config,
+    sz: Sizes,
+    rates: Rates,
+    acts: int,
+    alias: bool,
+    recycled: bool,
+    runtime_bytes: int | None,
+) -> tuple[int, int, int]:
+    """(device bytes, steady RSS, peak RSS) of the run: the live set, the activations and
+    the largest gradient on the device; on the CPU device that memory is host RAM, less what
+    gathers alias of host homes."""
+    gpu = rates.gpu
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
     if recycled and sz.gather_bytes_per_micro_step:
@@ -223,38 +243,28 @@ def estimate(
         steady + grad_transient_bytes(shape),
         runtime + sz.host_bytes + build_partition_bytes(shape, config, sz.itemsize),
     )
-    est = Estimate(
-        sizes=sz,
-        times=times,
-        rates=rates,
-        peak_rss_bytes=peak,
-        steady_rss_bytes=steady,
-        device_bytes=device,
-        activation_bytes=acts,
-        bound=bound_of(times),
-        advice=[],
-        params=shape.numel,
-        trainable_params=shape.trainable_numel,
-        tokens_per_step=tokens * accum,
-        inputs={
-            "model_params": shape.numel,
-            "dtype": config.precision,
-            "device": rates.device,
-            "seq_len": seq_len,
-            "micro_batch": micro,
-            "gradient_accumulation_steps": accum,
-            "activation_checkpointing": activation_checkpointing,
-            "lora_r": shape.lora_r,
-            "offload_param": config.zero_optimization.offload_param.device,
-            "offload_optimizer": config.zero_optimization.offload_optimizer.device,
-            "sub_group_size": int(config.zero_optimization.sub_group_size),
-            "max_live_parameters": int(config.zero_optimization.max_live_parameters),
-        },
-    )
-    if ram_bytes is None:  # this machine's RAM says nothing about a GPU machine's
-        ram_bytes = _ram() if gpu is None else 0
-    est.advice = advice(est, config, ram_bytes=ram_bytes)
-    return est
+    return device, steady, peak
+
+
+def _inputs(
+    shape: ModelShape, config: Config, rates: Rates, seq_len: int, checkpointing: bool
+) -> dict:
+    """What the estimate was made for, as its JSON records it."""
+    zero = config.zero_optimization
+    return {
+        "model_params": shape.numel,
+        "dtype": config.precision,
+        "device": rates.device,
+        "seq_len": seq_len,
+        "micro_batch": int(config.train_micro_batch_size_per_gpu),
+        "gradient_accumulation_steps": int(config.gradient_accumulation_steps),
+        "activation_checkpointing": checkpointing,
+        "lora_r": shape.lora_r,
+        "offload_param": zero.offload_param.device,
+        "offload_optimizer": zero.offload_optimizer.device,
+        "sub_group_size": int(zero.sub_group_size),
+        "max_live_parameters": int(zero.max_live_parameters),
+    }
 
 
 def step_times(
@@ -277,18 +287,7 @@ def step_times(
     compute = rates.compute_s
     copies = micro_step_copies_s(sz, rates, recycled=recycled)
     hooks = modules * rates.module_overhead_s if rates.gpu is None else 0.0
-    # The disk during forward and backward: parameter reads, the spilled gradients written
-    # and read back, and the optimizer state the last sweep read ahead.
-    window_io = (
-        (accum * sz.param_read_bytes_per_micro_step
-         + sz.grad_read_bytes_per_step - sz.grad_step_read_bytes
-         + sz.optim_ahead_read_bytes) / read
-        + sz.grad_write_bytes_per_step / write
-    )  # fmt: skip
-    # Backward's adds wait for these on the host thread, whatever the device.
-    grad_wait = (
-        sz.grad_waited_read_bytes_per_step / read + sz.grad_waited_write_bytes_per_step / write
-    )
+    window_io, grad_wait = _window_disk_s(sz, read, write, accum)
     cores = compute + copies + hooks
     micro = cores
     if rates.gpu is None and prefetch is not None:
@@ -306,11 +305,7 @@ def step_times(
         window = max(accum * micro + grad_wait, window_io)
     else:
         window = max(accum * compute + grad_wait, accum * copies, window_io)
-    state_io = (
-        sz.optim_read_bytes_per_step - sz.optim_ahead_read_bytes + sz.grad_step_read_bytes
-    ) / read + (sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step) / write
-    adam = sz.flat_numel / rates.adam_numel_per_s
-    norm = sz.grad_host_bytes / rates.norm_bytes_per_s
+    state_io, adam, norm = _optimizer_parts_s(sz, rates)
     optimizer = (max(adam, state_io) if pipelined else adam + state_io) + norm
     return StepTimes(
         compute_s=accum * compute,
@@ -324,6 +319,34 @@ def step_times(
         optimizer_step_s=optimizer,
         step_s=window + optimizer,
     )
+
+
+def _window_disk_s(sz: Sizes, read: float, write: float, accum: int) -> tuple[float, float]:
+    """(the disk's seconds during forward and backward, what backward waits for of them):
+    parameter reads, the spilled gradients written and read back, and the optimizer state
+    the last sweep read ahead; backward's adds wait on the host thread, whatever the device."""
+    window_io = (
+        (accum * sz.param_read_bytes_per_micro_step
+         + sz.grad_read_bytes_per_step - sz.grad_step_read_bytes
+         + sz.optim_ahead_read_bytes) / read
+        + sz.grad_write_bytes_per_step / write
+    )  # fmt: skip
+    grad_wait = (
+        sz.grad_waited_read_bytes_per_step / read + sz.grad_waited_write_bytes_per_step / write
+    )
+    return window_io, grad_wait
+
+
+def _optimizer_parts_s(sz: Sizes, rates: Rates) -> tuple[float, float, float]:
+    """(the optimizer state's transfers, CPU-Adam, the norm pass) of one step, in seconds."""
+    state_io = (
+        sz.optim_read_bytes_per_step - sz.optim_ahead_read_bytes + sz.grad_step_read_bytes
+    ) / rates.nvme_read_bps + (
+        sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step
+    ) / rates.nvme_write_bps
+    adam = sz.flat_numel / rates.adam_numel_per_s
+    norm = sz.grad_host_bytes / rates.norm_bytes_per_s
+    return state_io, adam, norm
 
 
 def micro_step_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> float:
@@ -396,89 +419,6 @@ def grad_transient_bytes(shape: ModelShape) -> int:
     """Host memory a gradient takes on its way into the fp32 partition: the largest
     trainable parameter's gradient converted to fp32."""
     return 4 * max((p.numel for p in shape.params if p.trainable), default=0)
-
-
-def advice(est: Estimate, config: Config, *, ram_bytes: int) -> list[str]:
-    """What to change: the bound's usual remedy, and whatever does not fit."""
-    zero = config.zero_optimization
-    out = []
-    if est.bound == Bound.NVME:
-        if zero.offload_param.device == "nvme" and ram_bytes:
-            need = est.peak_rss_bytes + est.sizes.flat_numel * est.sizes.itemsize
-            if need < 0.9 * ram_bytes:
-                out.append(
-                    f"the disk bounds the step: keep the 16-bit parameters in RAM "
-                    f'(offload_param.device "cpu", about {need / _GIB:.1f} GiB peak RSS) '
-                    "so forward and backward read nothing from NVMe"
-                )
-        out.append(_nvme_advice(est))
-    elif est.bound == Bound.CPU_ADAM:
-        out.append(
-            "CPU-Adam bounds the step: more CPU cores (or a larger --grad-accum to run it "
-            "less often per token) shorten it"
-        )
-    elif est.bound == Bound.COPIES:
-        out.append(
-            "host-device copies bound the step: keep offload_param.pin_memory true, raise "
-            "stage3_max_live_parameters so fewer parameters are gathered twice, or raise "
-            "--micro-batch so each copy serves more tokens"
-        )
-    if est.times.grad_wait_s > 0.03 * est.times.step_s:
-        out.append(
-            f"backward waits {est.times.grad_wait_s:.2f} s a step for spilled gradients a "
-            "layer returns to after they were written: a zero_optimization.sub_group_size "
-            "of at least a layer's parameters keeps every layer within two sub-groups (the "
-            "optimizer's offload_optimizer.buffer_count buffers grow with it)"
-        )
-    gpu = est.rates.gpu
-    device_full = gpu is not None and est.device_bytes > gpu.memory_bytes
-    if est.bound == Bound.COMPUTE:
-        out.append(
-            "compute bounds the step: offload costs little here"
-            + (
-                ""
-                if device_full
-                else "; a larger --micro-batch raises throughput while device memory allows"
-            )
-        )
-    if device_full:
-        out.append(
-            f"device memory {est.device_bytes / _GIB:.1f} GiB exceeds the {gpu.name}'s "
-            f"{gpu.memory_bytes / _GIB:.0f} GiB: enable --activation-checkpointing, lower "
-            "--micro-batch or stage3_max_live_parameters"
-        )
-    if ram_bytes and est.peak_rss_bytes > ram_bytes:
-        fix = (
-            "lower zero_optimization.sub_group_size or offload_optimizer.buffer_count"
-            if zero.offload_optimizer.device == "nvme"
-            else "put the optimizer state and parameters on NVMe (--nvme PATH)"
-        )
-        out.append(
-            f"peak host memory {est.peak_rss_bytes / _GIB:.1f} GiB exceeds this machine's "
-            f"{ram_bytes / _GIB:.1f} GiB of RAM: {fix}"
-        )
-    return out
-
-
-def _nvme_advice(est: Estimate) -> str:
-    """The remedy for a disk-bound step, by which traffic dominates: parameter reads recur
-    every micro step (more accumulation multiplies them), the optimizer's state moves once
-    per step whatever the batch."""
-    s, accum = est.sizes, est.inputs["gradient_accumulation_steps"]
-    param_reads = accum * s.param_read_bytes_per_micro_step
-    if param_reads > est.nvme_read_bytes_per_step + est.nvme_write_bytes_per_step - param_reads:
-        return (
-            f"parameter reads in forward and backward are most of the disk traffic "
-            f"({param_reads / 1e9:.1f} GB per step, again for every micro batch, so --grad-accum "
-            "multiplies them): raise --micro-batch so each read serves more tokens, raise "
-            "stage3_max_live_parameters so fewer are read twice, or keep the parameters in RAM "
-            '(offload_param.device "cpu") on a machine that holds them'
-        )
-    return (
-        "the optimizer moves its state once per step whatever the batch: raise "
-        "--grad-accum (or --micro-batch) to spread it over more tokens, or put the swap "
-        "directory on a faster SSD (RAID 0 of several)"
-    )
 
 
 def _current_rss() -> int:

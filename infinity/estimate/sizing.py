@@ -147,61 +147,73 @@ def sizes(
     itemsize = dtype.itemsize
     homes = home_numels(shape, world_size)
     layout = layout_of(shape, config, world_size)
-    sub_groups = layout.sub_group_numels
     optim_nvme = zero.offload_optimizer.device == "nvme"
     param_nvme = zero.offload_param.device == "nvme"
     spill = optim_nvme if grads_spill is None else grads_spill
-    grad = grad_footprint(sub_groups, nvme=spill)
+    grad = grad_footprint(layout.sub_group_numels, nvme=spill)
     accum = int(config.gradient_accumulation_steps)
     grads = grad_traffic(shape, layout, accum) if spill else GradTraffic(0, 0, 0)
-    state, ahead = _state(zero, sub_groups)
+    state, ahead = _state(zero, layout.sub_group_numels)
     weights = weights_footprint(layout, dtype, nvme=param_nvme, state_on_host=not optim_nvme)
     on_nvme = home_on_nvme(shape, zero)
     frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
     pool = param_pool_bytes(shape, config, world_size) if param_nvme else 0
-    pinned = pool if (pins and zero.offload_param.pin_memory) else 0
-    if optim_nvme and pins and zero.offload_optimizer.pin_memory:
-        pinned += state.host  # the NVMe pipeline's buffers, pinned when asked
+    pinned = _pinned(zero, pins, pool, state)
     # Only reads from NVMe are copied where gathers alias host homes (see [Note: gathered
     # means resident] in infinity/zero/param.py).
     copies = not (not pins if aliases is None else aliases)
-    _, fetches = param_fetches(shape, config, checkpointing=checkpointing)
-    read = sum(homes[f.param] for f in fetches if on_nvme[f.param])
-    gathered = sum(f.numel for f in fetches if copies or on_nvme[f.param])
-    kept = zip(shape.params, shape.persistent(zero), strict=True)
-    refreshed = sum(p.numel for p, keep in kept if keep and p.trainable)
+    read, gathered = _fetched_numels(shape, config, homes, on_nvme, copies, checkpointing)
     host = grad.host + weights.host + state.host + frozen.host + pool
     return Sizes(
-        grad_host_bytes=grad.host,
-        weights_host_bytes=weights.host,
-        state_host_bytes=state.host,
-        frozen_host_bytes=frozen.host,
-        param_pool_bytes=pool,
-        host_bytes=host,
-        pinned_bytes=pinned,
-        optim_nvme_bytes=state.disk,
-        param_nvme_bytes=weights.disk + frozen.disk,
-        grad_nvme_bytes=grad.disk,
-        grad_read_bytes_per_step=grads.read,
-        grad_write_bytes_per_step=grads.written,
-        grad_step_read_bytes=grads.step_read,
+        grad_host_bytes=grad.host, weights_host_bytes=weights.host, state_host_bytes=state.host,
+        frozen_host_bytes=frozen.host, param_pool_bytes=pool, host_bytes=host, pinned_bytes=pinned,
+        optim_nvme_bytes=state.disk, param_nvme_bytes=weights.disk + frozen.disk,
+        grad_nvme_bytes=grad.disk, grad_read_bytes_per_step=grads.read,
+        grad_write_bytes_per_step=grads.written, grad_step_read_bytes=grads.step_read,
         grad_waited_read_bytes_per_step=grads.backward_waited_read,
         grad_waited_write_bytes_per_step=grads.backward_waited_written,
-        optim_read_bytes_per_step=state.disk,
-        optim_ahead_read_bytes=ahead,
+        optim_read_bytes_per_step=state.disk, optim_ahead_read_bytes=ahead,
         optim_write_bytes_per_step=state.disk,
         param_write_bytes_per_step=layout.total * itemsize if param_nvme else 0,
         param_read_bytes_per_micro_step=read * itemsize,
         gather_bytes_per_micro_step=gathered * itemsize,
         # The CPU device (it never pins) adds gradients straight into their fp32 partitions.
         grad_offload_bytes_per_micro_step=shape.trainable_numel * itemsize if pins else 0,
-        refresh_bytes_per_step=refreshed * itemsize if (param_nvme or copies) else 0,
-        peak_live_numel=peak_live_numel(shape, config),
-        trainable_numel=shape.trainable_numel,
-        flat_numel=layout.total,
-        num_sub_groups=layout.num_sub_groups,
-        itemsize=itemsize,
-    )
+        refresh_bytes_per_step=_refreshed(shape, zero) * itemsize if (param_nvme or copies) else 0,
+        peak_live_numel=peak_live_numel(shape, config), trainable_numel=shape.trainable_numel,
+        flat_numel=layout.total, num_sub_groups=layout.num_sub_groups, itemsize=itemsize,
+    )  # fmt: skip
+
+
+def _refreshed(shape: ModelShape, zero: ZeroConfig) -> int:
+    """Elements of trainable parameters that stay gathered (persistent): after each step the
+    new weights are copied to them."""
+    kept = zip(shape.params, shape.persistent(zero), strict=True)
+    return sum(p.numel for p, keep in kept if keep and p.trainable)
+
+
+def _pinned(zero: ZeroConfig, pins: bool, pool: int, state: Footprint) -> int:
+    """Pinned host bytes: the parameter pool, and the NVMe pipeline's buffers when asked."""
+    pinned = pool if (pins and zero.offload_param.pin_memory) else 0
+    if zero.offload_optimizer.device == "nvme" and pins and zero.offload_optimizer.pin_memory:
+        pinned += state.host
+    return pinned
+
+
+def _fetched_numels(
+    shape: ModelShape,
+    config: Config,
+    homes: Sequence[int],
+    on_nvme: Sequence[bool],
+    copies: bool,
+    checkpointing: bool,
+) -> tuple[int, int]:
+    """(elements read from NVMe, elements copied to the device) in one micro step, by the
+    live-set planner over the model's trace."""
+    _, fetches = param_fetches(shape, config, checkpointing=checkpointing)
+    read = sum(homes[f.param] for f in fetches if on_nvme[f.param])
+    gathered = sum(f.numel for f in fetches if copies or on_nvme[f.param])
+    return read, gathered
 
 
 def _state(zero: ZeroConfig, sub_groups: Sequence[int]) -> tuple[Footprint, int]:
