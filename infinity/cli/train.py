@@ -72,6 +72,7 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
                 "folder holding config.json and the *.safetensors files"
             )
     check_data_options(check_data_file(Path(args.data).expanduser()), args.data_field)
+    check_eval_data(args)
     if args.resume and args.overwrite:
         raise ValueError(
             "--resume continues the run in --save-dir and --overwrite deletes it: give one"
@@ -95,6 +96,22 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
     check_lora_rank(lora_spec(args), model_spec)
     _check_profile(args)
     return model_spec
+
+
+def check_eval_data(args: argparse.Namespace) -> None:
+    """--eval-data is a data file the run can read, checked as --data is; --eval-every
+    needs it."""
+    eval_data = getattr(args, "eval_data", None)
+    if eval_data is None:
+        if getattr(args, "eval_every", None) is not None:
+            raise ValueError(
+                f"--eval-every {args.eval_every} needs --eval-data FILE (the validation data)"
+            )
+        return
+    try:
+        check_data_options(check_data_file(Path(eval_data).expanduser()), args.data_field)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--eval-data {eval_data}: {exc}") from None
 
 
 def _create_nvme_dirs(flag: str | None) -> None:

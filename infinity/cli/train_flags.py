@@ -96,6 +96,13 @@ def add_input_flags(parser: argparse.ArgumentParser) -> None:
         help="the JSONL or JSON field that holds each document's text (default 'text')",
     )
     parser.add_argument(
+        "--eval-data",
+        metavar="FILE",
+        help="a validation file in the formats --data takes (and its --data-field), tokenized "
+        "the same way; its loss and perplexity over all of it, in file order, are written to "
+        "metrics.jsonl after the last step and every --eval-every steps",
+    )
+    parser.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="a directory holding a Hugging Face tokenizer (any form transformers reads) to use "
@@ -191,6 +198,13 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         metavar="N",
         help="checkpoint every N optimizer steps (default: only at the end and on a stop)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=_positive_int,
+        metavar="N",
+        help="with --eval-data: evaluate after every N optimizer steps too (counted from step "
+        "0, so a resumed run keeps the schedule); default: only after the last step",
     )
     parser.add_argument(
         "--resume",

@@ -24,6 +24,7 @@ import infinity
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.cli import train_disk
 from infinity.cli.train import tokenizer_dir
+from infinity.cli.train_eval import due, evaluate
 from infinity.cli.train_failures import (
     close_quietly,
     error,
@@ -93,6 +94,10 @@ class TrainRun:
         self.lora = lora_spec(args)
         self._lora_targets: list[str] = []
         """The layer names the adapters went on (resolved from --lora-targets or all)."""
+        self.eval_data: PackedDataset | None = None
+        """The --eval-data sequences, read in file order (see train_eval)."""
+        self._eval_loss: float | None = None
+        """The latest validation loss, for the progress bar."""
 
     # -- building ------------------------------------------------------------------------
 
@@ -126,6 +131,25 @@ class TrainRun:
                 "own tokenizer or a model with a larger vocab_size"
             )
         return data
+
+    def _eval_data(self) -> PackedDataset | None:
+        """--eval-data tokenized as the training data (its own token cache), before any
+        training: a file with too few tokens fails here."""
+        if self.args.eval_data is None:
+            return None
+        try:
+            return self.ranks.main_first(
+                lambda: open_dataset(
+                    self.args.eval_data,
+                    seq_len=self.args.seq_len,
+                    seed=0,  # never shuffled: evaluation reads it in order
+                    tokenizer_dir=tokenizer_dir(self.args),
+                    cache_dir=self.save_dir / "tokens",
+                    field=self.args.data_field,
+                )
+            )
+        except ValueError as exc:
+            raise ValueError(f"--eval-data {self.args.eval_data}: {exc}") from None
 
     def _resolved(self, data: PackedDataset) -> tuple[Config, int]:
         world = self.ranks.world_size
@@ -284,6 +308,7 @@ class TrainRun:
     def _run(self, signals: StopSignals) -> int:
         resume = self._prepare_save_dir()
         data = self._data()
+        self.eval_data = self._eval_data()
         config, steps = self._resolved(data)
         self.ranks.decide(lambda: self._check_disk(config, steps))  # one disk check
         model = self._model(config)
@@ -391,9 +416,14 @@ class TrainRun:
                 record["tflops"] = flops_per_token * record["tokens_per_s"] / 1e12
                 if self.ranks.is_main:
                     self.metrics.append(record)
+                if self.eval_data is not None and due(
+                    engine.global_steps, self.args.eval_every, steps
+                ):
+                    self._evaluate(engine, micro)
                 bar.update(1)
+                shown = "" if self._eval_loss is None else f", eval_loss={self._eval_loss:.4f}"
                 bar.set_postfix_str(
-                    f"loss={loss:.4f}, tok_s={record['tokens_per_s']:.0f}, "
+                    f"loss={loss:.4f}{shown}, tok_s={record['tokens_per_s']:.0f}, "
                     f"tflops={record['tflops']:.3g} | {engine.last_step_telemetry().compact()}"
                 )
                 if profiler is not None and (profiler.path or profiler.error):
@@ -404,6 +434,15 @@ class TrainRun:
                     self._save(engine, data)
         if profiler is not None:  # the run ended before the profile did
             end_profile(profiler)
+
+    def _evaluate(self, engine, micro: int) -> None:
+        """The validation loss now: a record in metrics.jsonl and a log line (every rank runs
+        the same forwards, which gather the parameters together; rank 0 writes)."""
+        result = evaluate(engine, self.eval_data, micro)
+        self._eval_loss = result.loss
+        if self.ranks.is_main:
+            self.metrics.append(result.record())
+            log.info("%s", result.describe())
 
     @staticmethod
     def _one_step(engine, data: PackedDataset, micro: int, accum: int) -> float:
