@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from infinity.cli.train_config import check_seed, config_from_args
 from infinity.cli.train_flags import (
+    add_eval_flags,
     add_input_flags,
     add_lora_flags,
     add_run_flags,
@@ -49,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_input_flags(parser)
     add_training_flags(parser)
     add_schedule_flags(parser)
+    add_eval_flags(parser)
     add_lora_flags(parser)
     add_run_flags(parser)
     parser.set_defaults(func=run)

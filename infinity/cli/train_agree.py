@@ -39,6 +39,7 @@ _FLAGS = (
     "seq_len",
     "steps",
     "save_every",
+    "eval_every",
     "keep_last",
     "resume",
     "overwrite",
@@ -62,6 +63,8 @@ def describe_run(
         "--data": _data_digest(Path(args.data).expanduser()),
         "--save-dir": str(Path(args.save_dir).expanduser().resolve()),
     }
+    if getattr(args, "eval_data", None) is not None:  # the ranks evaluate together
+        run["--eval-data"] = _data_digest(Path(args.eval_data).expanduser())
     for name in _FLAGS:
         value = getattr(args, name, None)
         run["--" + name.replace("_", "-")] = list(value) if isinstance(value, tuple) else value

@@ -96,13 +96,6 @@ def add_input_flags(parser: argparse.ArgumentParser) -> None:
         help="the JSONL or JSON field that holds each document's text (default 'text')",
     )
     parser.add_argument(
-        "--eval-data",
-        metavar="FILE",
-        help="a validation file in the formats --data takes (and its --data-field), tokenized "
-        "the same way; its loss and perplexity over all of it, in file order, are written to "
-        "metrics.jsonl after the last step and every --eval-every steps",
-    )
-    parser.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="a directory holding a Hugging Face tokenizer (any form transformers reads) to use "
@@ -200,13 +193,6 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="checkpoint every N optimizer steps (default: only at the end and on a stop)",
     )
     parser.add_argument(
-        "--eval-every",
-        type=_positive_int,
-        metavar="N",
-        help="with --eval-data: evaluate after every N optimizer steps too (counted from step "
-        "0, so a resumed run keeps the schedule); default: only after the last step",
-    )
-    parser.add_argument(
         "--resume",
         action="store_true",
         help="continue from the newest checkpoint in --save-dir whose checksums verify, with "
@@ -251,6 +237,28 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="also write each step's loss, learning rate, grad norm, tokens/s and time "
         "breakdown as TensorBoard events under SAVE_DIR/tensorboard (needs the tensorboard "
         "package: pip install 'infinity-trainer[tb]'); metrics.jsonl is always written",
+    )
+
+
+def add_eval_flags(parser: argparse.ArgumentParser) -> None:
+    """The validation set and when it is evaluated (one argument group); what an
+    evaluation computes is in `infinity.cli.train_eval`."""
+    group = parser.add_argument_group(
+        "validation", "the loss and perplexity on held-out data as the model trains"
+    )
+    group.add_argument(
+        "--eval-data",
+        metavar="FILE",
+        help="a validation file in the formats --data takes (and its --data-field), tokenized "
+        "the same way; its loss and perplexity over all of it, in file order, are written to "
+        "metrics.jsonl after the last step and every --eval-every steps",
+    )
+    group.add_argument(
+        "--eval-every",
+        type=_positive_int,
+        metavar="N",
+        help="with --eval-data: evaluate after every N optimizer steps too (counted from step "
+        "0, so a resumed run keeps the schedule); default: only after the last step",
     )
 
 
