@@ -169,3 +169,22 @@ def test_sequential_batches_visit_every_label_once_in_order(num_tokens):
     assert inputs == list(range(num_tokens - 1))
     assert all(x.shape == y.shape for x, y in batches)
     assert all(x.shape[1] == SEQ_LEN for x, _ in batches[: data.num_sequences // 2])
+
+
+def test_two_ranks_evaluate_as_one(inputs, tmp_path):
+    """Under torchrun every rank runs the same evaluation forwards (they gather the
+    parameters together); rank 0 writes the same losses one rank gives."""
+    from test_cli_train_ranks import _finish, _torchrun
+
+    model, data, val = inputs
+    flags = ["--steps", 3, "--eval-data", val, "--eval-every", 2]
+    one = tmp_path / "one"
+    assert main(train_args(model, data, one, *flags)) == 0
+    two = tmp_path / "two"
+    args = train_args(model, data, two, *flags, micro_batch=1, no_progress=None)
+    code, out = _finish(_torchrun(args, tmp_path / "logs"))
+    assert code == 0, out
+    want = [(r["step"], r["eval_tokens"]) for r in _evals(one)]
+    assert [(r["step"], r["eval_tokens"]) for r in _evals(two)] == want == [(2, 118), (3, 118)]
+    got = [r["eval_loss"] for r in _evals(two)]
+    assert got == pytest.approx([r["eval_loss"] for r in _evals(one)], abs=1e-5)
