@@ -188,3 +188,12 @@ def test_two_ranks_evaluate_as_one(inputs, tmp_path):
     assert [(r["step"], r["eval_tokens"]) for r in _evals(two)] == want == [(2, 118), (3, 118)]
     got = [r["eval_loss"] for r in _evals(two)]
     assert got == pytest.approx([r["eval_loss"] for r in _evals(one)], abs=1e-5)
+
+
+def test_progress_bar_shows_the_latest_eval_loss(tmp_path, inputs, capsys):
+    model, data, val = inputs
+    save = tmp_path / "run"
+    flags = ["--steps", 2, "--eval-data", val, "--eval-every", 1]
+    assert main(train_args(model, data, save, *flags, no_progress=None)) == 0
+    bar = capsys.readouterr().err
+    assert f"eval_loss={_evals(save)[-1]['eval_loss']:.4f}" in bar
