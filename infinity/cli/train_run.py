@@ -4,8 +4,9 @@ Owns the order of things (model under `infinity.init`, weights streamed into par
 data, engine, resume), the per-step record in `metrics.jsonl`, the progress bar and the
 stop on a signal or a failed step, which never leaves a torn checkpoint or the swap directory
 behind. What each signal means is in `infinity.cli.train_stop`, what a stopped or failed run
-says in `train_failures`, a step's loss and record in `train_step`; the flags and input
-checks are in `infinity.cli.train` and `train_flags`.
+says in `train_failures`, a step's loss and record in `train_step`, the --eval-data
+evaluations in `train_eval`; the flags and input checks are in `infinity.cli.train` and
+`train_flags`.
 """
 
 from __future__ import annotations
