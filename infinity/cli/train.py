@@ -72,6 +72,10 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
                 "folder holding config.json and the *.safetensors files"
             )
     check_data_options(check_data_file(Path(args.data).expanduser()), args.data_field)
+    if args.chat_template is not None and not Path(args.chat_template).expanduser().is_file():
+        raise ValueError(
+            f"--chat-template {args.chat_template}: no such file; give a Jinja chat template file"
+        )
     if args.resume and args.overwrite:
         raise ValueError(
             "--resume continues the run in --save-dir and --overwrite deletes it: give one"
