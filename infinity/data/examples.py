@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from infinity.data import chat
-from infinity.data.cache import _dtype_for, default_cache_dir
+from infinity.data.cache import _dtype_for, _open, default_cache_dir
 from infinity.data.dataset import PackedDataset
 from infinity.data.source import check_data_file, detect_format, iter_records
 from infinity.data.tokenizer import Tokenizer
@@ -124,39 +124,53 @@ def build_example_cache(data_path, tokenizer, kind, template, *, cache_dir=None,
     paths = {part: cache_dir / f"{key}.{part}" for part in ("tokens", "mask", "starts", "json")}
     dtype = _dtype_for(tokenizer.vocab_size)
     if not paths["json"].is_file():
-        ids, mask, starts = _tokenize(data_path, tokenizer, kind, template, fmt)
-        for part, array in (("tokens", ids.astype(dtype)), ("mask", mask), ("starts", starts)):
-            write_file_atomic(paths[part], array.tobytes())
+        n_tokens, starts = _write_examples(data_path, tokenizer, kind, template, fmt, paths, dtype)
+        write_file_atomic(paths["starts"], starts.tobytes())
         meta = {"source": str(data_path), "tokenizer": tokenizer.name, "format": fmt}
-        meta |= {"kind": kind, "n_tokens": len(ids), "n_examples": len(starts) - 1}
-        write_file_atomic(paths["json"], json.dumps(meta).encode())
-        log.info("tokenized %s: %d examples, %d tokens", data_path, len(starts) - 1, len(ids))
+        meta |= {"kind": kind, "n_tokens": n_tokens, "n_examples": len(starts) - 1}
+        write_file_atomic(paths["json"], json.dumps(meta).encode())  # last: the cache is whole
+        log.info("tokenized %s: %d examples, %d tokens", data_path, len(starts) - 1, n_tokens)
     meta = json.loads(paths["json"].read_text())
     n = meta["n_tokens"]
     return (
-        np.memmap(paths["tokens"], dtype=dtype, mode="r", shape=(n,)),
-        np.memmap(paths["mask"], dtype=np.uint8, mode="r", shape=(n,)),
+        _open(paths["tokens"], dtype, n),
+        _open(paths["mask"], np.dtype(np.uint8), n),
         np.fromfile(paths["starts"], dtype=np.int64),
     )
 
 
-def _tokenize(data_path: Path, tokenizer, kind: str, template: str, fmt: str):
-    ids: list[int] = []
-    masks: list[np.ndarray] = []
+def _write_examples(data_path: Path, tokenizer, kind, template, fmt, paths, dtype):
+    """Render every record into the ids and mask files as it is read (under temporary names,
+    renamed when whole); returns the token count and where each example starts."""
+    tmp = {part: paths[part].with_name(f".{paths[part].name}.tmp-{os.getpid()}") for part in paths}
     starts = [0]
-    for where, record in iter_records(data_path, fmt=fmt):
-        chat.check_record(data_path, where, record, kind)
-        if kind == "messages":
-            toks, mask = chat.render_messages(
-                tokenizer, record["messages"], template, f"{data_path} {where}"
-            )
-        else:
-            toks, mask = chat.render_prompt(tokenizer, record["prompt"], record["completion"])
-        ids.extend(toks)
-        masks.append(mask)
-        starts.append(len(ids))
-    mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
-    return np.asarray(ids, dtype=np.int64), mask.astype(np.uint8), np.asarray(starts, np.int64)
+    try:
+        with open(tmp["tokens"], "wb") as ids_out, open(tmp["mask"], "wb") as mask_out:
+            for where, record in iter_records(data_path, fmt=fmt):
+                chat.check_record(data_path, where, record, kind)
+                if kind == "messages":
+                    ids, mask = chat.render_messages(
+                        tokenizer, record["messages"], template, f"{data_path} {where}"
+                    )
+                else:
+                    ids, mask = chat.render_prompt(
+                        tokenizer, record["prompt"], record["completion"]
+                    )
+                np.asarray(ids, dtype=dtype).tofile(ids_out)
+                mask.astype(np.uint8).tofile(mask_out)
+                starts.append(starts[-1] + len(ids))
+            for out in (ids_out, mask_out):
+                out.flush()
+                os.fsync(out.fileno())
+        if len(starts) == 1:
+            raise ValueError(f"data file {data_path} holds no records; pass a file with examples")
+        for part in ("tokens", "mask"):
+            os.replace(tmp[part], paths[part])
+    finally:
+        for part in ("tokens", "mask"):
+            if tmp[part].exists():
+                tmp[part].unlink()
+    return starts[-1], np.asarray(starts, dtype=np.int64)
 
 
 class ExampleDataset(PackedDataset):
