@@ -272,3 +272,52 @@ def test_train_matches_torch_with_hand_masked_labels(tmp_path, inputs, which, ti
     assert len(got) == STEPS
     assert np.allclose(got, want, rtol=0, atol=1e-5), (got, want)
     assert got[-1] < got[0]
+
+
+def _tree(root: Path) -> dict:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+def test_cli_refuses_bad_instruction_input_with_one_error(tmp_path, capsys, inputs):
+    model, chat, _ = inputs
+    save = tmp_path / "run"
+    save.mkdir()
+    (save / "notes.txt").write_text("kept")
+    text = tmp_path / "t.jsonl"
+    text.write_text(json.dumps({"text": "abc " * 40}) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    cases = [
+        (text, ["--pack", "--train-on-prompt"], "--train-on-prompt, --pack shape instruction data"),
+        (chat, ["--chat-template", str(tmp_path / "none.jinja")], "no such file"),
+        (bad, [], "role 'robot'"),
+    ]
+    for data, extra, needle in cases:
+        before = _tree(save)
+        assert main(train_args(model, data, save, "--steps", 1, *extra)) == 1
+        err = capsys.readouterr().err
+        assert err.count("infinity: error:") == 1 and needle in err, err
+        after = {p: b for p, b in _tree(save).items() if "tokens" not in p.parts}
+        assert after == {p: b for p, b in before.items() if "tokens" not in p.parts}
+
+
+def test_resume_of_a_chat_run_gives_the_uninterrupted_losses(tmp_path, capsys, inputs):
+    model, chat, _ = inputs
+    flags = dict(seq_len=SEQ, micro_batch=MICRO, grad_accum=ACCUM, lr=LR, seed=SEED)
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert main(train_args(model, chat, whole, "--steps", 4, "--pack", **flags)) == 0
+    assert main(train_args(model, chat, part, "--steps", 2, "--pack", **flags)) == 0
+    resumed = train_args(model, chat, part, "--steps", 4, "--pack", "--resume", **flags)
+    assert main(resumed) == 0
+
+    def losses(save):
+        return [
+            json.loads(line)["loss"] for line in (save / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    assert losses(part) == losses(whole)
+    # The examples shaped otherwise do not continue that position.
+    unpacked = train_args(model, chat, part, "--steps", 6, "--resume", **flags)
+    capsys.readouterr()
+    assert main(unpacked) == 1
+    assert "resume with the same --pack" in capsys.readouterr().err
