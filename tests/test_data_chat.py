@@ -214,6 +214,23 @@ def test_a_tokenizer_without_a_template_is_an_error_or_takes_a_file(tmp_path, in
     assert data.tokens[: data.spans[0][1]].tolist() == _by_hand(_conversations()[0])[0]
 
 
+def test_byte_tokens_take_prompt_completion_but_not_messages(tmp_path, inputs):
+    model, chat, pairs = inputs
+    data = open_dataset(pairs, seq_len=SEQ, seed=SEED, tokenizer_dir=None, cache_dir=tmp_path)
+    ids, mask = _by_hand(_pairs()[3])
+    start, end = data.spans[3]
+    assert (data.tokens[start:end].tolist(), data.mask[start:end].tolist()) == (ids, mask)
+    with pytest.raises(ValueError, match="--byte-tokens"):
+        open_dataset(
+            chat,
+            seq_len=SEQ,
+            seed=SEED,
+            tokenizer_dir=None,
+            cache_dir=tmp_path,
+            examples=ExampleOptions(chat_template=str(model / "tokenizer_config.json")),
+        )
+
+
 def test_masked_positions_receive_no_gradient(tmp_path, inputs):
     model, chat, _ = inputs
     from transformers import AutoModelForCausalLM

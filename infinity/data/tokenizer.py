@@ -98,6 +98,8 @@ class HFTokenizer:
     def chat_template(self) -> str | None:
         """The tokenizer's own chat template (None: it has none)."""
         template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one renders chats
+            template = template.get("default")
         return template if isinstance(template, str) else None
 
     def render_chat(self, messages: list[dict], template: str, *, generation: bool) -> list[int]:
