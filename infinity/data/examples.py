@@ -220,6 +220,8 @@ class ExampleDataset(PackedDataset):
         )
 
     def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence `i`'s (inputs, labels), each (seq_len,): labels[t] is the token after
+        inputs[t] where it is trained on, else -100 (as is every padded position)."""
         L = self.seq_len
         if self.spans is None:
             start, end = i * L, i * L + L + 1
