@@ -75,6 +75,7 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
             )
     check_data_options(check_data_file(Path(args.data).expanduser()), args.data_field)
     check_eval_data(args)
+    _check_example_flags(args)
     if args.resume and args.overwrite:
         raise ValueError(
             "--resume continues the run in --save-dir and --overwrite deletes it: give one"
@@ -114,6 +115,32 @@ def check_eval_data(args: argparse.Namespace) -> None:
         check_data_options(check_data_file(Path(eval_data).expanduser()), args.data_field)
     except (ValueError, OSError) as exc:
         raise ValueError(f"--eval-data {eval_data}: {exc}") from None
+
+
+def _check_example_flags(args: argparse.Namespace) -> None:
+    """The instruction-data flags name a readable template and come with instruction data."""
+    from infinity.data.examples import file_kind
+
+    if args.chat_template is not None and not Path(args.chat_template).expanduser().is_file():
+        raise ValueError(
+            f"--chat-template {args.chat_template}: no such file; give a Jinja chat template file"
+        )
+    given = [
+        flag
+        for flag, on in (
+            ("--chat-template", args.chat_template is not None),
+            ("--train-on-prompt", args.train_on_prompt),
+            ("--pack", args.pack),
+            ("--overlong", args.overlong != "truncate"),
+        )
+        if on
+    ]
+    if given and file_kind(Path(args.data).expanduser()) is None:
+        raise ValueError(
+            f"{', '.join(given)} shape instruction data, but {args.data} is pre-training data "
+            "(text, or records with a text field, always packed); drop them, or give records "
+            "with 'messages' or 'prompt' and 'completion'"
+        )
 
 
 def _create_nvme_dirs(flag: str | None) -> None:

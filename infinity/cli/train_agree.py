@@ -36,6 +36,9 @@ _FLAG_OF_KEY = {
 # Flags compared as given (the files are compared by content instead of by path).
 _FLAGS = (
     "data_field",
+    "train_on_prompt",
+    "pack",
+    "overlong",
     "seq_len",
     "steps",
     "save_every",
@@ -61,6 +64,7 @@ def describe_run(
         "--model": _model_digest(model),
         "--tokenizer": _files_digest(tokenizer_dir(args)),
         "--data": _data_digest(Path(args.data).expanduser()),
+        "--chat-template": _template_digest(getattr(args, "chat_template", None)),
         "--save-dir": str(Path(args.save_dir).expanduser().resolve()),
     }
     if getattr(args, "eval_data", None) is not None:  # the ranks evaluate together
@@ -187,3 +191,8 @@ def _data_digest(path: Path) -> str:
 
 
 __all__ = ["check_nvme_entries", "check_same_run", "describe_run", "differences"]
+
+
+def _template_digest(template: str | None) -> str | None:
+    """The --chat-template file by its content (None: the tokenizer's own)."""
+    return None if template is None else _data_digest(Path(template).expanduser())

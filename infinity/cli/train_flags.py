@@ -72,6 +72,47 @@ def lora_spec(args: argparse.Namespace):
     )
 
 
+def _add_example_flags(parser: argparse.ArgumentParser) -> None:
+    """How instruction and chat records (`messages`, or `prompt` and `completion`) train."""
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template to render 'messages' records with, for a tokenizer that has "
+        "none (or to replace its own)",
+    )
+    parser.add_argument(
+        "--train-on-prompt",
+        action="store_true",
+        help="instruction data: take the loss on every token, not only the assistant turns or "
+        "the completion",
+    )
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help="instruction data: pack several examples into each sequence (they can then attend "
+        "to each other) instead of one padded example per sequence",
+    )
+    parser.add_argument(
+        "--overlong",
+        choices=("truncate", "drop"),
+        default="truncate",
+        help="instruction data: an example longer than --seq-len is truncated (default) or "
+        "dropped; the log counts them",
+    )
+
+
+def example_options(args: argparse.Namespace):
+    """The run's `ExampleOptions` from the instruction-data flags."""
+    from infinity.data import ExampleOptions
+
+    return ExampleOptions(
+        chat_template=args.chat_template,
+        train_on_prompt=args.train_on_prompt,
+        pack=args.pack,
+        overlong=args.overlong,
+    )
+
+
 def add_input_flags(parser: argparse.ArgumentParser) -> None:
     """The model, the data, the tokenizer, the disk and the JSON config."""
     parser.add_argument(
@@ -87,7 +128,8 @@ def add_input_flags(parser: argparse.ArgumentParser) -> None:
         help="UTF-8 text (one document), JSONL (.jsonl: one JSON object per line, the text "
         "in the field --data-field names) or JSON (.json: an array of such objects, or JSON "
         "lines), gzip/bzip2/xz-compressed or not; tokenized with the model directory's "
-        "tokenizer",
+        "tokenizer. Records with 'messages' (chat, rendered with the chat template) or "
+        "'prompt' and 'completion' are fine-tuned on the answers only",
     )
     parser.add_argument(
         "--data-field",
@@ -95,6 +137,7 @@ def add_input_flags(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the JSONL or JSON field that holds each document's text (default 'text')",
     )
+    _add_example_flags(parser)
     parser.add_argument(
         "--tokenizer",
         metavar="DIR",

@@ -35,7 +35,7 @@ from infinity.cli.train_failures import (
     step_failed,
     stopped_at_once,
 )
-from infinity.cli.train_flags import lora_spec
+from infinity.cli.train_flags import example_options, lora_spec
 from infinity.cli.train_ranks import Ranks
 from infinity.cli.train_report import metrics_log
 from infinity.cli.train_savedir import (
@@ -111,6 +111,7 @@ class TrainRun:
                 tokenizer_dir=tokenizer_dir(self.args),
                 cache_dir=self.save_dir / "tokens",
                 field=self.args.data_field,
+                examples=example_options(self.args),
                 rank=self.ranks.rank,
                 world_size=self.ranks.world_size,
             )
@@ -147,6 +148,7 @@ class TrainRun:
                     tokenizer_dir=tokenizer_dir(self.args),
                     cache_dir=self.save_dir / "tokens",
                     field=self.args.data_field,
+                    examples=example_options(self.args),
                 )
             )
         except ValueError as exc:

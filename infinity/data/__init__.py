@@ -6,16 +6,25 @@ packed into fixed-length sequences in a seeded order with a resumable position.
     data = PackedDataset(tokens, seq_len=..., seed=...)
     input_ids, labels = data.next_batch(micro_batch)
     state = data.state_dict()  # into the checkpoint; data.load_state_dict(state) on resume
+
+Instruction and chat records (`messages`, or `prompt` and `completion`) become an
+`ExampleDataset` instead (infinity.data.examples): the same batches, with labels -100 where
+the loss is not taken. `open_dataset` picks by the file's first record.
 """
+
+import logging
 
 from infinity.data.cache import build_token_cache, default_cache_dir
 from infinity.data.dataset import DataState, PackedDataset
+from infinity.data.examples import ExampleDataset, ExampleOptions, file_kind, open_examples
 from infinity.data.source import iter_documents
 from infinity.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "ByteTokenizer",
     "DataState",
+    "ExampleDataset",
+    "ExampleOptions",
     "HFTokenizer",
     "PackedDataset",
     "Tokenizer",
@@ -24,7 +33,10 @@ __all__ = [
     "iter_documents",
     "load_tokenizer",
     "open_dataset",
+    "open_examples",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def open_dataset(
@@ -38,13 +50,40 @@ def open_dataset(
     field: str = "text",
     rank: int = 0,
     world_size: int = 1,
+    examples: ExampleOptions | None = None,
 ) -> PackedDataset:
-    """Tokenizer of `tokenizer_dir` (None: UTF-8 bytes), token cache, packed dataset: the
-    CLI's one call."""
+    """Tokenizer of `tokenizer_dir` (None: UTF-8 bytes), token cache, dataset: the CLI's one
+    call. Instruction or chat records give an `ExampleDataset` shaped by `examples`;
+    pre-training data (text, or records with a text field) a `PackedDataset`."""
+    examples = examples if examples is not None else ExampleOptions()
     tokenizer = load_tokenizer(tokenizer_dir)
-    tokens = build_token_cache(data_path, tokenizer, cache_dir=cache_dir, fmt=fmt, field=field)
-    data = PackedDataset(
-        tokens, seq_len=seq_len, seed=seed, rank=rank, world_size=world_size, source=str(data_path)
-    )
+    kind = file_kind(data_path, fmt)
+    if kind is None:
+        if not examples.is_default():
+            raise ValueError(
+                f"--chat-template, --train-on-prompt, --pack and --overlong shape instruction "
+                f"data, but {data_path} is pre-training data (text, or records with a "
+                f"{field!r} field, always packed); drop those flags, or give records with "
+                "'messages' or 'prompt' and 'completion'"
+            )
+        tokens = build_token_cache(data_path, tokenizer, cache_dir=cache_dir, fmt=fmt, field=field)
+        data = PackedDataset(
+            tokens,
+            seq_len=seq_len,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            source=str(data_path),
+        )
+    else:
+        data = open_examples(
+            data_path, tokenizer, seq_len=seq_len, seed=seed, options=examples,
+            cache_dir=cache_dir, fmt=fmt, rank=rank, world_size=world_size,
+        )  # fmt: skip
+        if examples.pack:
+            log.info(
+                "--pack: several examples per sequence, and they attend to each other (no "
+                "per-example attention mask); the loss stays on the answers"
+            )
     data.tokenizer = tokenizer
     return data

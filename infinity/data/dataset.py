@@ -49,17 +49,23 @@ class PackedDataset:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.num_sequences = max(0, (len(tokens) - 1) // seq_len)
+        self.num_sequences = self._count_sequences()
         if self.num_sequences == 0:
-            raise ValueError(
-                f"{source} has {len(tokens)} tokens, fewer than one sequence needs "
-                f"(seq_len + 1 = {seq_len + 1}); lower --seq-len or use more data"
-            )
+            raise ValueError(self._too_little(source))
         self.state = DataState()
         self.tokenizer = None
         """The tokenizer that produced `tokens`, when known (set by open_dataset)."""
         self._order_epoch = -1
         self._order: np.ndarray | None = None
+
+    def _count_sequences(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def _too_little(self, source: str) -> str:
+        return (
+            f"{source} has {len(self.tokens)} tokens, fewer than one sequence needs "
+            f"(seq_len + 1 = {self.seq_len + 1}); lower --seq-len or use more data"
+        )
 
     def order(self, epoch: int) -> np.ndarray:
         """The permutation of sequence indices for `epoch` (cached for the current one)."""
@@ -72,6 +78,11 @@ class PackedDataset:
     def sequence(self, i: int) -> np.ndarray:
         start = i * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence `i`'s (inputs, labels), each (seq_len,): labels[t] follows inputs[t]."""
+        seq = self.sequence(i)
+        return seq[:-1], seq[1:]
 
     def _take(self, n: int) -> list[int]:
         out = []
@@ -91,8 +102,8 @@ class PackedDataset:
             raise ValueError(f"micro_batch must be positive, got {micro_batch}")
         picks = self._take(micro_batch * self.world_size)
         mine = picks[self.rank * micro_batch : (self.rank + 1) * micro_batch]
-        seqs = torch.from_numpy(np.stack([self.sequence(i) for i in mine]))  # (B, L+1)
-        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        inputs, labels = zip(*(self.pair(i) for i in mine), strict=True)
+        return torch.from_numpy(np.stack(inputs)), torch.from_numpy(np.stack(labels))  # (B, L)
 
     def state_dict(self) -> dict:
         """JSON-able position plus what it is valid for (checked by load_state_dict)."""

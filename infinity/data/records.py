@@ -28,6 +28,12 @@ def iter_json_lines(
     stream: BinaryIO, path: Path, field: str, advice: str
 ) -> Iterator[tuple[str, bool]]:
     """Yield (text, True) per non-blank line, each line one JSON object."""
+    for where, record in iter_line_records(stream, path, advice):
+        yield text_of(path, where, record, field, "each line of a JSONL file"), True
+
+
+def iter_line_records(stream: BinaryIO, path: Path, advice: str) -> Iterator[tuple[str, object]]:
+    """Yield (where, value) per non-blank line ("line N"), each line parsed as JSON."""
     offset = 0
     for lineno, raw in enumerate(stream, 1):
         start, offset = offset, offset + len(raw)
@@ -40,13 +46,21 @@ def iter_json_lines(
             raise ValueError(
                 f"{path} line {lineno} (byte offset {start}) is not valid JSON: {exc.msg}; {advice}"
             ) from None
-        yield text_of(path, f"line {lineno}", record, field, "each line of a JSONL file"), True
+        yield f"line {lineno}", record
 
 
 def iter_json_array(
     stream: BinaryIO, path: Path, field: str, chunk_bytes: int
 ) -> Iterator[tuple[str, bool]]:
     """Yield (text, True) per element of the one JSON array the file holds."""
+    for where, record in iter_array_records(stream, path, chunk_bytes):
+        yield text_of(path, where, record, field, "each array element"), True
+
+
+def iter_array_records(
+    stream: BinaryIO, path: Path, chunk_bytes: int
+) -> Iterator[tuple[str, object]]:
+    """Yield (where, value) per element ("element N") of the one JSON array the file holds."""
     reader = _JsonReader(decoded_chunks(stream, path, chunk_bytes), path)
     reader.expect("[", "the start of the array")
     if reader.peek() == "]":
@@ -55,7 +69,7 @@ def iter_json_array(
         index = 0
         while True:
             record = reader.value(index)
-            yield text_of(path, f"element {index}", record, field, "each array element"), True
+            yield f"element {index}", record
             index += 1
             sep = reader.take()
             if sep == "]":

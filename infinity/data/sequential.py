@@ -2,7 +2,8 @@
 
 Owns the validation set's batches: every sequence of a `PackedDataset` in file order (no
 shuffle, no position to save), then the tokens past the last full sequence as one shorter
-sequence, so that every token after the first is a label exactly once. Training's seeded,
+sequence, so that every token after the first is a label exactly once (instruction and chat
+examples: every sequence, with its masks). Training's seeded,
 resumable order is `infinity.data.dataset`'s.
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from infinity.data.dataset import PackedDataset
+from infinity.data.examples import ExampleDataset
 
 
 def sequential_batches(
@@ -26,8 +28,10 @@ def sequential_batches(
         raise ValueError(f"micro_batch must be positive, got {micro_batch}")
     for first in range(0, data.num_sequences, micro_batch):
         last = min(first + micro_batch, data.num_sequences)
-        seqs = torch.from_numpy(np.stack([data.sequence(i) for i in range(first, last)]))
-        yield seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()  # (B, L+1) -> (B, L) each
+        inputs, labels = zip(*(data.pair(i) for i in range(first, last)), strict=True)
+        yield torch.from_numpy(np.stack(inputs)), torch.from_numpy(np.stack(labels))  # (B, L)
+    if isinstance(data, ExampleDataset):  # examples: every one is in a sequence already
+        return
     start = data.num_sequences * data.seq_len
     tail = np.asarray(data.tokens[start:], dtype=np.int64)
     if len(tail) >= 2:

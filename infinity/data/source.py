@@ -21,7 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from infinity.data.records import JSON_ADVICE, iter_json_array, iter_json_lines
+from infinity.data.records import (
+    JSON_ADVICE,
+    iter_array_records,
+    iter_json_array,
+    iter_json_lines,
+    iter_line_records,
+)
 from infinity.data.text import iter_pieces
 
 CHUNK_BYTES = 64 << 10
@@ -182,6 +188,21 @@ def iter_documents(
             yield from iter_json_lines(stream, path, field, advice)
         else:
             yield from iter_json_array(stream, path, field, CHUNK_BYTES)
+
+
+def iter_records(path: str | os.PathLike, *, fmt: str = "auto") -> Iterator[tuple[str, object]]:
+    """Yield (where, value) per record of a JSONL or JSON file ("line N" / "element N"); a
+    plain-text file has no records and is refused."""
+    path = check_data_file(path)
+    fmt = detect_format(path, fmt)
+    if fmt == "text":
+        raise ValueError(f"data file {path} is read as plain text, which holds no records")
+    with open_data(path) as stream:
+        if fmt == "jsonl" or not _is_array(path):
+            advice = JSON_ADVICE if fmt == "json" else _JSONL_ADVICE
+            yield from iter_line_records(stream, path, advice)
+        else:
+            yield from iter_array_records(stream, path, CHUNK_BYTES)
 
 
 def _is_array(path: Path) -> bool:

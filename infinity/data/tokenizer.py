@@ -94,6 +94,27 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own chat template (None: it has none)."""
+        template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one renders chats
+            template = template.get("default")
+        return template if isinstance(template, str) else None
+
+    def render_chat(self, messages: list[dict], template: str, *, generation: bool) -> list[int]:
+        """The ids of `messages` rendered with the Jinja `template` through transformers'
+        apply_chat_template; `generation` adds the template's opening of an assistant turn."""
+        return list(
+            self._tok.apply_chat_template(
+                messages,
+                chat_template=template,
+                tokenize=True,
+                add_generation_prompt=generation,
+                return_dict=False,
+            )
+        )
+
 
 def _fingerprint(tok, directory: Path, eos_id: int | None) -> str:
     """What decides the ids: the fast tokenizer's whole pipeline when there is one (whatever
