@@ -335,7 +335,10 @@ def test_a_run_whose_save_dir_is_removed_stops_and_never_shares_it(tmp_path, inp
     finally:
         first.kill()
     assert first.returncode == 1, err
-    assert f"--save-dir {save} was removed" in err and "Traceback" not in err, err
+    # Which the run sees depends on where the removal was at its check: the lock file gone
+    # first, or the whole directory (made again, or not).
+    named = (f"--save-dir {save} was removed", f"--save-dir {save} lost its lock file")
+    assert any(n in err for n in named) and "Traceback" not in err, err
     # A save or record already past its check may make the directory again in the moment
     # the removal takes; the run stops at its next check, leaving no checkpoint there.
     assert not save.exists() or list_checkpoints(save) == []
