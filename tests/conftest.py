@@ -3,6 +3,8 @@ the CPU both ways: gathers aliasing host homes (the default) and copying them, a
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -20,3 +22,14 @@ def accel(request):
 
         return CudaAccelerator()
     return CpuAccelerator(alias_host=request.param == "cpu")
+
+
+@pytest.fixture
+def quiet_root_logger():
+    """`infinity.cli.main` configures logging once per process; for tests that call it
+    in-process, keep it from binding a handler to one test's captured stderr."""
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = [logging.NullHandler()]
+    yield
+    root.handlers = saved

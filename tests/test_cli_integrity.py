@@ -18,21 +18,14 @@ from infinity.checkpoint import layout, load_checkpoint
 from infinity.cli.main import main
 from infinity.models import LlamaConfig, LlamaForCausalLM, export_hf
 
+pytestmark = pytest.mark.usefixtures("quiet_root_logger")
+
 pytest.importorskip("peft")
 
 # Large enough that the middle of its shard is far from the 64 KiB sampled at each end.
 _CONFIG = dict(vocab_size=260, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                bos_token_id=256, eos_token_id=257)  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _quiet_root_logger():
-    root = logging.getLogger()
-    saved = root.handlers[:]
-    root.handlers = [logging.NullHandler()]
-    yield
-    root.handlers = saved
 
 
 @pytest.fixture(scope="module")

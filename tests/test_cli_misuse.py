@@ -28,6 +28,8 @@ from _train_inputs import write_inputs
 import infinity
 from infinity.cli.main import main
 
+pytestmark = pytest.mark.usefixtures("quiet_root_logger")
+
 # -- the inputs: one good set and every kind of broken one, made once --------------------
 
 
@@ -171,17 +173,6 @@ def _digest(path: Path) -> dict[str, str]:
         for p in sorted(path.rglob("*"))
         if p.is_file() and p.name != ".lock"
     }
-
-
-@pytest.fixture(autouse=True)
-def _quiet_root_logger():
-    """`main` configures logging once per process; in-process, keep it from binding a
-    handler to one test's captured stderr."""
-    root = logging.getLogger()
-    saved = root.handlers[:]
-    root.handlers = [logging.NullHandler()]
-    yield
-    root.handlers = saved
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from _train_inputs import write_inputs
 from infinity.checkpoint import load_checkpoint
 from infinity.cli.main import main
 
+pytestmark = pytest.mark.usefixtures("quiet_root_logger")
+
 
 class World:
     def __init__(self, root: Path) -> None:
@@ -56,15 +58,6 @@ def world(tmp_path_factory) -> World:
     w.paths["run"] = w.root / "runs" / "done"
     assert main(_train(w, "--save-dir", w["run"], "--steps", "2")) == 0
     return w
-
-
-@pytest.fixture(autouse=True)
-def _quiet_root_logger():
-    root = logging.getLogger()
-    saved = root.handlers[:]
-    root.handlers = [logging.NullHandler()]
-    yield
-    root.handlers = saved
 
 
 def _train(w: World, *extra: str, model: str = "model", data: str = "data") -> list[str]:

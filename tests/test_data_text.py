@@ -6,7 +6,6 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
-import logging
 import lzma
 import random
 from pathlib import Path
@@ -17,6 +16,8 @@ from _train_inputs import train_args, write_inputs
 from infinity.cli.main import main
 from infinity.data import build_token_cache, load_tokenizer, source
 from infinity.data.tokenizer import HFTokenizer
+
+pytestmark = pytest.mark.usefixtures("quiet_root_logger")
 
 _WORDS = ["héllo", "wörld", "naïve", "日本語", "tokens", "  ", "\n", "\n\n", "  indented",
           "x1234", "don't", "😀ok", "end.", "\t"]  # fmt: skip
@@ -74,15 +75,6 @@ def test_text_without_spaces_is_cut_at_characters(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     return write_inputs(tmp_path_factory.mktemp("inputs"))
-
-
-@pytest.fixture(autouse=True)
-def _quiet_root_logger():
-    root = logging.getLogger()
-    saved = root.handlers[:]
-    root.handlers = [logging.NullHandler()]
-    yield
-    root.handlers = saved
 
 
 def _train(inputs, data, save_dir, *extra) -> list[str]:
