@@ -358,3 +358,17 @@ def test_an_evaluation_pass_reads_every_example_with_its_masks(tmp_path, inputs,
     assert torch.equal(got_labels, torch.from_numpy(np.stack([w[1] for w in want])))
     assert (got_labels == -100).any() and (got_labels != -100).any()  # masks kept
     assert ds.num_sequences <= len(records)
+
+
+def test_an_evaluation_pass_of_packed_examples_labels_every_token_once(tmp_path, inputs):
+    """Packed, the examples are one stream cut as text is: the pass's labels, in order, are
+    the stream's masked next tokens, the tail past the last full sequence included."""
+    from infinity.data.sequential import sequential_batches
+
+    model, chat, _ = inputs
+    ds = _open(chat, model, tmp_path, pack=True)
+    tokens = np.asarray(ds.tokens, dtype=np.int64)
+    want = np.where(np.asarray(ds.mask, bool)[1:], tokens[1:], -100)
+    got = np.concatenate([b[1].reshape(-1).numpy() for b in sequential_batches(ds, 2)])
+    assert len(tokens) - 1 > ds.num_sequences * SEQ  # a tail to read
+    assert np.array_equal(got, want)

@@ -84,6 +84,13 @@ class PackedDataset:
         seq = self.sequence(i)
         return seq[:-1], seq[1:]
 
+    def tail(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(inputs, labels) of the tokens past the last full sequence, each (T,) with
+        T < seq_len, or None when they hold no label: what an evaluation pass reads after
+        the sequences so that every token after the first is a label once."""
+        rest = np.asarray(self.tokens[self.num_sequences * self.seq_len :], dtype=np.int64)
+        return (rest[:-1], rest[1:]) if len(rest) >= 2 else None
+
     def _take(self, n: int) -> list[int]:
         out = []
         while len(out) < n:

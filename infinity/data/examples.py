@@ -227,17 +227,29 @@ class ExampleDataset(PackedDataset):
             start, end = i * L, i * L + L + 1
         else:
             start, end = (int(x) for x in self.spans[i])
+        ids, trained = self._labelled(start, end)
+        inputs = np.full(L, self.pad_id, dtype=np.int64)
+        labels = np.full(L, IGNORE, dtype=np.int64)
+        inputs[: len(ids)], labels[: len(ids)] = ids, trained
+        return inputs, labels
+
+    def tail(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Unpacked, every kept example is a sequence: None. Packed, the tokens past the last
+        full sequence, labelled as `pair` labels them (see `PackedDataset.tail`)."""
+        start = self.num_sequences * self.seq_len
+        if self.spans is not None or len(self.tokens) - start < 2:
+            return None
+        return self._labelled(start, len(self.tokens))
+
+    def _labelled(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, labels) of tokens [start, end), unpadded: labels[t] is the token after
+        inputs[t] where it is trained on, else -100."""
         ids = np.asarray(self.tokens[start:end], dtype=np.int64)
         if self.options.train_on_prompt:
             keep = np.ones(len(ids), bool)
         else:
             keep = np.asarray(self.mask[start:end], bool)
-        inputs = np.full(L, self.pad_id, dtype=np.int64)
-        labels = np.full(L, IGNORE, dtype=np.int64)
-        n = len(ids) - 1
-        inputs[:n] = ids[:-1]
-        labels[:n] = np.where(keep[1:], ids[1:], IGNORE)
-        return inputs, labels
+        return ids[:-1], np.where(keep[1:], ids[1:], IGNORE)
 
     def state_dict(self) -> dict:
         opts = self.options

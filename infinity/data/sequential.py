@@ -2,9 +2,9 @@
 
 Owns the validation set's batches: every sequence of a `PackedDataset` in file order (no
 shuffle, no position to save), then the tokens past the last full sequence as one shorter
-sequence, so that every token after the first is a label exactly once (instruction and chat
-examples: every sequence, with its masks). Training's seeded,
-resumable order is `infinity.data.dataset`'s.
+sequence (`PackedDataset.tail`), so that every token after the first is a label exactly
+once; instruction and chat examples keep their masks. Training's seeded, resumable order is
+`infinity.data.dataset`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from infinity.data.dataset import PackedDataset
-from infinity.data.examples import ExampleDataset
 
 
 def sequential_batches(
@@ -30,10 +29,7 @@ def sequential_batches(
         last = min(first + micro_batch, data.num_sequences)
         inputs, labels = zip(*(data.pair(i) for i in range(first, last)), strict=True)
         yield torch.from_numpy(np.stack(inputs)), torch.from_numpy(np.stack(labels))  # (B, L)
-    if isinstance(data, ExampleDataset):  # examples: every one is in a sequence already
-        return
-    start = data.num_sequences * data.seq_len
-    tail = np.asarray(data.tokens[start:], dtype=np.int64)
-    if len(tail) >= 2:
-        seq = torch.from_numpy(tail)[None]  # (1, T+1)
-        yield seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    tail = data.tail()
+    if tail is not None:
+        inputs, labels = (torch.from_numpy(x)[None] for x in tail)  # (1, T) each
+        yield inputs, labels
