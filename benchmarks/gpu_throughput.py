@@ -131,8 +131,8 @@ def _run_case(case: Case, args, work: Path, saves: Path, corpus: Path) -> dict:
         measured["peak_device_bytes"] = max(r.get("peak_device_bytes", 0) for r in warm)
         measured["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in warm)
         measured["steps"] = [r["step"] for r in warm]
-    result = {"case": dataclasses.asdict(case), "flags": flags, **run, "measured": measured,
-              "estimate": estimate}  # fmt: skip
+    result = {"case": dataclasses.asdict(case), "flags": flags, "grad_accum": args.grad_accum,
+              **run, "measured": measured, "estimate": estimate}  # fmt: skip
     _print_case(case, result)
     return result
 
@@ -179,7 +179,7 @@ def _rows(r: dict) -> list[tuple[str, str, float | None, float | None]]:
         ("step time", "s", e.get("step_seconds"), m.get("step_seconds")),
         ("tokens/s", "n", e.get("tokens_per_second"), m.get("tokens_per_s")),
         ("achieved TFLOPS", "n", None, m.get("tflops")),
-        ("forward + backward", "s", t.get("micro_step_s") and t["micro_step_s"] * _accum(r),
+        ("forward + backward", "s", t.get("micro_step_s") and t["micro_step_s"] * r["grad_accum"],
          (m.get("forward_seconds", 0) + m.get("backward_seconds", 0)) if m else None),
         ("optimizer step", "s", t.get("optimizer_step_s"), m.get("optimizer_seconds")),
         ("Adam kernels", "s", t.get("cpu_adam_s"), m.get("optimizer_compute_seconds")),
@@ -192,10 +192,6 @@ def _rows(r: dict) -> list[tuple[str, str, float | None, float | None]]:
         ("peak device memory", "B", e.get("device_bytes"), m.get("peak_device_bytes")),
         ("peak RSS", "B", e.get("peak_rss_bytes"), m.get("peak_rss_bytes")),
     ]  # fmt: skip
-
-
-def _accum(r: dict) -> int:
-    return int(r["flags"][r["flags"].index("--grad-accum") + 1])
 
 
 def _print_case(case: Case, r: dict) -> None:
