@@ -7,12 +7,13 @@
 #   5. benchmarks/gpu_smoke.py: the tiny model on both tiers against plain PyTorch, the 1B
 #      with both tiers on NVMe against the CPU device, NVMe bytes against the estimate;
 #   6. benchmarks/gpu_throughput.py: a 1B full fine-tune in bf16 (state in RAM; both tiers on
-#      NVMe) and a 7B LoRA r=16 with the base on NVMe, telemetry beside the estimate;
+#      NVMe) and a 7B LoRA r=16 with the base on NVMe, telemetry beside the estimate, and a
+#      torch.profiler trace of the 1B's second step (state in RAM);
 #   7. a one-rank torchrun (NCCL) of the tiny model;
 #   8. with the time left, the whole suite on the GPU (the "auto" device is CUDA there).
 # Each phase has its own time limit so the whole fits GPU_CHECK_BUDGET_S (default 450 s).
 # Everything goes to $OUT (default: a new temporary directory): gpu_check.log, aio.json,
-# smoke.json, throughput.json, cuda_tests.xml, suite.xml, summary.json.
+# smoke.json, throughput.json, profile-llama-1b.json.gz, cuda_tests.xml, suite.xml, summary.json.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh            # on the GPU machine
 #   GPU_CHECK_DEVICE=cpu bash benchmarks/gpu_check.sh    # dry run on the CPU device
@@ -106,10 +107,11 @@ SMOKE_CASES=${GPU_CHECK_SMOKE_CASES:-tiny,1b}
 [[ $DEVICE == cpu ]] && SMOKE_CASES=tiny
 phase smoke 200 "$PY" benchmarks/gpu_smoke.py --device "$DEVICE" --nvme "$NVME" \
     --scratch "$SCRATCH" --cases "$SMOKE_CASES" "${AIO_FLAG[@]}" --json "$OUT/smoke.json"
-THROUGHPUT=(--cases "${GPU_CHECK_THROUGHPUT_CASES:-1b-ram,1b-nvme,7b-lora}" --steps 3 --timeout 100)
+THROUGHPUT=(--cases "${GPU_CHECK_THROUGHPUT_CASES:-1b-ram,7b-lora,1b-nvme}" --steps 3
+    --timeout 110 --profile-to "$OUT" --profile-cases 1b-ram)
 [[ $DEVICE == cpu ]] && THROUGHPUT=(--cases tiny-ram,tiny-nvme,tiny-lora --seq-len 64
-    --micro-batch 2 --steps 3 --timeout 60)
-phase throughput 330 "$PY" -m benchmarks.gpu_throughput --device "$DEVICE" --nvme "$NVME" \
+    --micro-batch 2 --steps 3 --timeout 60 --profile-to "$OUT" --profile-cases tiny-ram)
+phase throughput 340 "$PY" -m benchmarks.gpu_throughput --device "$DEVICE" --nvme "$NVME" \
     --scratch "$SCRATCH" "${THROUGHPUT[@]}" "${AIO_FLAG[@]}" --json "$OUT/throughput.json"
 
 phase torchrun 60 torchrun_tiny

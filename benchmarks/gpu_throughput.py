@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench_record import machine, write_json
@@ -100,6 +102,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu", help="the estimate's GPU name (default: from the device's name)")
     p.add_argument("--bench-aio", help="the estimate's disk rates (`infinity bench aio --json`)")
     p.add_argument("--json", help="write every case's telemetry and estimate here")
+    p.add_argument("--profile-to", metavar="DIR",
+                   help="record each case's second step with torch.profiler and keep its "
+                   "Chrome trace, gzipped, as DIR/profile-<model>[-nvme|-lora].json.gz")
+    p.add_argument("--profile-cases", help="only these cases, with --profile-to (default: all)")
     return p.parse_args(argv)
 
 
@@ -119,13 +125,22 @@ def _run_case(case: Case, args, work: Path, saves: Path, corpus: Path) -> dict:
     swap = work / f"swap-{case.model}"
     swap.mkdir(exist_ok=True)
     flags = _flags(case, args, swap)
-    train = [*flags, "--data", str(corpus), "--byte-tokens", "--steps", str(args.steps),
+    # A profiled run records its second step (after the warm-up one) and runs one more.
+    key = next(k for k, c in CASES.items() if c == case)
+    profiled = bool(args.profile_to) and key in (args.profile_cases or key).split(",")
+    steps = args.steps + 1 if profiled else args.steps
+    train = [*flags, "--data", str(corpus), "--byte-tokens", "--steps", str(steps),
              "--seed", "0", "--no-progress", "--save-dir", str(saves / "run")]  # fmt: skip
+    if profiled:
+        train += ["--profile", "1"]
     run = _train(train, args)
+    if profiled:
+        run["profile"] = _keep_trace(saves / "run" / "profile", Path(args.profile_to), case)
     shutil.rmtree(saves / "run", ignore_errors=True)  # a 1B checkpoint is ~15 GB
     shutil.rmtree(swap, ignore_errors=True)
     estimate = _estimate(flags, args, work / "estimate.json")
-    warm = run["records"][1:] or run["records"]  # step 1 traces the order and fills pools
+    # Step 1 traces the order and fills pools; a profiled step 2 is slowed by the profiler.
+    warm = run["records"][2 if profiled else 1 :] or run["records"]
     measured = {k: statistics.median(r[k] for r in warm) for k in MEDIANS} if warm else {}
     if warm:
         measured["peak_device_bytes"] = max(r.get("peak_device_bytes", 0) for r in warm)
@@ -138,22 +153,53 @@ def _run_case(case: Case, args, work: Path, saves: Path, corpus: Path) -> dict:
 
 
 def _train(flags: list[str], args) -> dict:
-    """`infinity train` under a wall-clock limit; the steps it finished either way."""
+    """`infinity train` under a wall-clock limit; the steps it finished either way. The run
+    is stopped once its last step's record is written: its final checkpoint (~15 GB for a
+    1B model) measures the disk, not the step."""
     cmd = [sys.executable, "-m", "infinity.cli.main", "train", *flags]
     env = dict(os.environ, INFINITY_ACCELERATOR=args.device)
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, start_new_session=True) as proc:  # fmt: skip
-        try:
-            out, _ = proc.communicate(timeout=args.timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the run and anything it started
-            out, _ = proc.communicate()
-            timed_out = True
     metrics = Path(flags[flags.index("--save-dir") + 1]) / "metrics.jsonl"
-    records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-    return {"rc": proc.returncode, "timed_out": timed_out, "records": records,
-            "log_tail": out.strip().splitlines()[-15:]}  # fmt: skip
+    steps = int(flags[flags.index("--steps") + 1])
+    log = metrics.parent.with_suffix(".log")
+    t0 = time.monotonic()
+    first_step_s = None
+    with log.open("w") as out, subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    ) as proc:
+        while proc.poll() is None and time.monotonic() - t0 < args.timeout:
+            done = _records(metrics)
+            if done and first_step_s is None:
+                first_step_s = time.monotonic() - t0 - done[0].get("step_s", 0)
+            if len(done) >= steps:
+                break
+            time.sleep(0.5)
+        timed_out = proc.poll() is None and len(_records(metrics)) < steps
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the run and anything it started
+        proc.wait()
+    lines = log.read_text(errors="replace").strip().splitlines()
+    return {"rc": proc.returncode, "timed_out": timed_out, "records": _records(metrics),
+            "setup_seconds": first_step_s, "log_tail": lines[-15:]}  # fmt: skip
+
+
+def _records(metrics: Path) -> list[dict]:
+    """The complete lines of metrics.jsonl (the last may be half-written)."""
+    if not metrics.exists():
+        return []
+    lines = metrics.read_text().split("\n")[:-1]
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+def _keep_trace(profile_dir: Path, to: Path, case: Case) -> str | None:
+    traces = sorted(profile_dir.glob("*.json"))
+    if not traces:
+        return None
+    tag = case.model + ("-lora" if case.lora_r else "-nvme" if case.nvme else "")
+    to.mkdir(parents=True, exist_ok=True)
+    dest = to / f"profile-{tag}.json.gz"
+    with traces[-1].open("rb") as src, gzip.open(dest, "wb", compresslevel=6) as out:
+        shutil.copyfileobj(src, out)
+    return str(dest)
 
 
 def _estimate(flags: list[str], args, out: Path) -> dict:
@@ -195,9 +241,14 @@ def _rows(r: dict) -> list[tuple[str, str, float | None, float | None]]:
 
 
 def _print_case(case: Case, r: dict) -> None:
-    state = "timed out" if r["timed_out"] else f"rc {r['rc']}"
-    print(f"\n== {case.name}: {len(r['records'])} steps, {state}")
-    if r["rc"] not in (0, None) and not r["timed_out"]:
+    stopped = r["rc"] == -signal.SIGKILL and not r["timed_out"]  # after its last step
+    state = "timed out" if r["timed_out"] else "stopped after it" if stopped else f"rc {r['rc']}"
+    setup = r.get("setup_seconds")
+    setup = f", {setup:.0f} s before step 1" if setup is not None else ""
+    print(f"\n== {case.name}: {len(r['records'])} steps{setup}, {state}")
+    if r.get("profile"):
+        print(f"  profile of step 2: {r['profile']}")
+    if r["rc"] not in (0, None) and not r["timed_out"] and not stopped:
         print("  " + "\n  ".join(r["log_tail"]))
     if "error" in r["estimate"]:
         print("  (the estimate failed: " + r["estimate"]["error"].strip()[-300:] + ")")
