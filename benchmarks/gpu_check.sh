@@ -108,10 +108,10 @@ SMOKE_CASES=${GPU_CHECK_SMOKE_CASES:-tiny,1b}
 phase smoke 200 "$PY" benchmarks/gpu_smoke.py --device "$DEVICE" --nvme "$NVME" \
     --scratch "$SCRATCH" --cases "$SMOKE_CASES" "${AIO_FLAG[@]}" --json "$OUT/smoke.json"
 THROUGHPUT=(--cases "${GPU_CHECK_THROUGHPUT_CASES:-1b-ram,7b-lora,1b-nvme}" --steps 3
-    --timeout 110 --profile-to "$OUT" --profile-cases 1b-ram)
+    --timeout "${GPU_CHECK_CASE_TIMEOUT:-110}" --profile-to "$OUT" --profile-cases 1b-ram)
 [[ $DEVICE == cpu ]] && THROUGHPUT=(--cases tiny-ram,tiny-nvme,tiny-lora --seq-len 64
     --micro-batch 2 --steps 3 --timeout 60 --profile-to "$OUT" --profile-cases tiny-ram)
-phase throughput 340 "$PY" -m benchmarks.gpu_throughput --device "$DEVICE" --nvme "$NVME" \
+phase throughput "${GPU_CHECK_THROUGHPUT_S:-340}" "$PY" -m benchmarks.gpu_throughput --device "$DEVICE" --nvme "$NVME" \
     --scratch "$SCRATCH" "${THROUGHPUT[@]}" "${AIO_FLAG[@]}" --json "$OUT/throughput.json"
 
 phase torchrun 60 torchrun_tiny

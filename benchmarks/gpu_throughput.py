@@ -173,13 +173,18 @@ def _train(flags: list[str], args) -> dict:
             if len(done) >= steps:
                 break
             time.sleep(0.5)
-        timed_out = proc.poll() is None and len(_records(metrics)) < steps
-        if proc.poll() is None:
+        stopped = proc.poll() is None
+        if stopped:
             os.killpg(proc.pid, signal.SIGKILL)  # the run and anything it started
         proc.wait()
+    records = _records(metrics)
+    timed_out = stopped and len(records) < steps
+    # A run stopped after its last step did all it was asked: rc 0, "stopped" says how.
+    rc = 0 if stopped and not timed_out else proc.returncode
     lines = log.read_text(errors="replace").strip().splitlines()
-    return {"rc": proc.returncode, "timed_out": timed_out, "records": _records(metrics),
-            "setup_seconds": first_step_s, "log_tail": lines[-15:]}  # fmt: skip
+    return {"rc": rc, "timed_out": timed_out, "stopped": stopped and not timed_out,
+            "records": records, "setup_seconds": first_step_s,
+            "log_tail": lines[-15:]}  # fmt: skip
 
 
 def _records(metrics: Path) -> list[dict]:
@@ -241,14 +246,13 @@ def _rows(r: dict) -> list[tuple[str, str, float | None, float | None]]:
 
 
 def _print_case(case: Case, r: dict) -> None:
-    stopped = r["rc"] == -signal.SIGKILL and not r["timed_out"]  # after its last step
-    state = "timed out" if r["timed_out"] else "stopped after it" if stopped else f"rc {r['rc']}"
+    state = "timed out" if r["timed_out"] else "stopped after it" if r["stopped"] else f"rc {r['rc']}"
     setup = r.get("setup_seconds")
     setup = f", {setup:.0f} s before step 1" if setup is not None else ""
     print(f"\n== {case.name}: {len(r['records'])} steps{setup}, {state}")
     if r.get("profile"):
         print(f"  profile of step 2: {r['profile']}")
-    if r["rc"] not in (0, None) and not r["timed_out"] and not stopped:
+    if r["rc"] not in (0, None) and not r["timed_out"]:
         print("  " + "\n  ".join(r["log_tail"]))
     if "error" in r["estimate"]:
         print("  (the estimate failed: " + r["estimate"]["error"].strip()[-300:] + ")")

@@ -139,8 +139,13 @@ class PartitionedModel:
         stats["host_bytes"] = host + optim["host_bytes"]
         prefixes = ("nvme_", "optim_host_buffer", "grad_")
         stats.update({k: v for k, v in optim.items() if k.startswith(prefixes)})
-        pinned = optim.get("optim_host_buffer_pinned_bytes", 0)  # offload_optimizer.pin_memory
-        peak_pinned = optim.get("optim_host_buffer_peak_bytes", 0) if pinned else 0
+        # Pinned: the host homes (offload_param.pin_memory; the trainable ones are the
+        # optimizer's weight buffer) and the NVMe pipelines' buffers.
+        homes = sum(r.home.pinned_bytes for r in self.records if not r.trainable)
+        homes += self.optimizer.weights.pinned_bytes
+        buffers = optim.get("optim_host_buffer_pinned_bytes", 0)  # offload_optimizer.pin_memory
+        pinned = homes + buffers
+        peak_pinned = homes + (optim.get("optim_host_buffer_peak_bytes", 0) if buffers else 0)
         if self.param_tier is not None:
             stats.update(self.param_tier.memory_stats())
             pool = self.param_tier.pool
@@ -264,7 +269,10 @@ def _tiers(
     )
     if parts.param_tier is not None:
         lay_out_flat(parts.param_tier, layout, names, dtype)
-    weights = make_weights(layout, names, dtype, state_tier=state_tier, param_tier=parts.param_tier)
+    pin = parts.accelerator if zero.offload_param.pin_memory else None
+    weights = make_weights(
+        layout, names, dtype, state_tier=state_tier, param_tier=parts.param_tier, pin=pin
+    )
     plan = HomePlan(
         weights,
         {n: i for i, n in enumerate(names)},

@@ -158,7 +158,7 @@ def sizes(
     on_nvme = home_on_nvme(shape, zero)
     frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
     pool = param_pool_bytes(shape, config, world_size) if param_nvme else 0
-    pinned = _pinned(zero, pins, pool, state)
+    pinned = _pinned(zero, pins, pool, state, weights.host + frozen.host)
     # Only reads from NVMe are copied where gathers alias host homes (see [Note: gathered
     # means resident] in infinity/zero/param.py).
     copies = not (not pins if aliases is None else aliases)
@@ -192,9 +192,13 @@ def _refreshed(shape: ModelShape, zero: ZeroConfig) -> int:
     return sum(p.numel for p, keep in kept if keep and p.trainable)
 
 
-def _pinned(zero: ZeroConfig, pins: bool, pool: int, state: Footprint) -> int:
-    """Pinned host bytes: the parameter pool, and the NVMe pipeline's buffers when asked."""
-    pinned = pool if (pins and zero.offload_param.pin_memory) else 0
+def _pinned(zero: ZeroConfig, pins: bool, pool: int, state: Footprint, homes: int) -> int:
+    """Pinned host bytes: the parameter homes in host memory (`homes`: the 16-bit weight
+    buffer and frozen partitions; fp32 masters that are also the weights stay pageable) or
+    the NVMe parameter pool, and the NVMe state pipeline's buffers when asked."""
+    pinned = 0
+    if pins and zero.offload_param.pin_memory:
+        pinned = pool if zero.offload_param.device == "nvme" else homes
     if zero.offload_optimizer.device == "nvme" and pins and zero.offload_optimizer.pin_memory:
         pinned += state.host
     return pinned

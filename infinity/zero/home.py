@@ -86,6 +86,11 @@ class ParamHome(Protocol):
         """Host memory this home keeps (0 on NVMe)."""
         ...
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Of `host_bytes`, those in pinned memory."""
+        ...
+
     def read(self) -> torch.Tensor:
         """A flat host copy of the weights."""
         ...
@@ -137,6 +142,10 @@ class HostHome:
     def host_bytes(self) -> int:
         return self.flat.nbytes
 
+    @property
+    def pinned_bytes(self) -> int:
+        return self.flat.nbytes if self.flat.is_pinned() else 0
+
     def read(self) -> torch.Tensor:
         return self.flat.clone()
 
@@ -175,7 +184,7 @@ class NvmeHome:
     optimizer's flat extent: see [Note: the flat extent] in param_tier.py)."""
 
     tier = HomeTier.NVME
-    host_bytes = 0
+    host_bytes = pinned_bytes = 0
     __slots__ = ("store", "key", "numel", "dtype")
 
     def __init__(self, store: NvmeParamTier, key: str) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from infinity.accelerator import Accelerator
 from infinity.io.aio import aligned_empty
 from infinity.swap.footprint import Footprint
 from infinity.swap.state_tier import HostStateTier
@@ -93,6 +94,10 @@ class HostWeights:
     @property
     def host_bytes(self) -> int:
         return self.flat.nbytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.flat.nbytes if self.flat.is_pinned() else 0
 
 
 def lay_out_flat(store: Any, layout: FlatLayout, names: Sequence[str], dtype: torch.dtype) -> None:
@@ -171,6 +176,8 @@ class NvmeWeights:
     def host_bytes(self) -> int:
         return sum(t.nbytes for t in self._ring)
 
+    pinned_bytes = 0  # the ring is written to disk, never copied to a device
+
 
 def make_weights(
     layout: FlatLayout,
@@ -179,18 +186,26 @@ def make_weights(
     *,
     state_tier: Any,
     param_tier: Any = None,
+    pin: Accelerator | None = None,
 ) -> HostWeights | NvmeWeights:
     """The weight output of an optimizer over `layout` with `state_tier`: on NVMe in
     `param_tier` when given (its flat extent laid out by `lay_out_flat`); else the fp32
     masters themselves when they are in host memory (see [Note: where the weights live] in
-    optimizer.py); else a new flat host buffer."""
+    optimizer.py); else a new flat host buffer, pinned by `pin` where it can pin (the homes
+    every gather copies to the device from: pageable memory copies at a fraction of the
+    bus's rate and blocks the host while it does)."""
     if param_tier is not None:
         return NvmeWeights(param_tier, layout, names, dtype)
     on_host = isinstance(state_tier, HostStateTier)
     if aliases_state(dtype, state_on_host=on_host):
         return HostWeights(state_tier.flat.master, layout, names)
-    own = weights_footprint(layout, dtype, nvme=False, state_on_host=on_host)
-    return HostWeights(torch.zeros(own.host // dtype.itemsize, dtype=dtype), layout, names)
+    numel = weights_footprint(layout, dtype, nvme=False, state_on_host=on_host).host
+    numel //= dtype.itemsize
+    if pin is not None and pin.pin_supported():
+        flat = pin.empty_pinned((numel,), dtype).zero_()
+    else:
+        flat = torch.zeros(numel, dtype=dtype)
+    return HostWeights(flat, layout, names)
 
 
 def aliases_masters(weights: HostWeights | NvmeWeights, state_tier: Any) -> bool:
