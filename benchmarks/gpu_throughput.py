@@ -102,9 +102,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu", help="the estimate's GPU name (default: from the device's name)")
     p.add_argument("--bench-aio", help="the estimate's disk rates (`infinity bench aio --json`)")
     p.add_argument("--json", help="write every case's telemetry and estimate here")
-    p.add_argument("--profile-to", metavar="DIR",
-                   help="record each case's second step with torch.profiler and keep its "
-                   "Chrome trace, gzipped, as DIR/profile-<model>[-nvme|-lora].json.gz")
+    p.add_argument(
+        "--profile-to",
+        metavar="DIR",
+        help="record each case's second step with torch.profiler and keep its "
+        "Chrome trace, gzipped, as DIR/profile-<model>[-nvme|-lora].json.gz",
+    )
     p.add_argument("--profile-cases", help="only these cases, with --profile-to (default: all)")
     return p.parse_args(argv)
 
@@ -163,9 +166,12 @@ def _train(flags: list[str], args) -> dict:
     log = metrics.parent.with_suffix(".log")
     t0 = time.monotonic()
     first_step_s = None
-    with log.open("w") as out, subprocess.Popen(
-        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    ) as proc:
+    with (
+        log.open("w") as out,
+        subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        ) as proc,
+    ):
         while proc.poll() is None and time.monotonic() - t0 < args.timeout:
             done = _records(metrics)
             if done and first_step_s is None:
@@ -246,7 +252,9 @@ def _rows(r: dict) -> list[tuple[str, str, float | None, float | None]]:
 
 
 def _print_case(case: Case, r: dict) -> None:
-    state = "timed out" if r["timed_out"] else "stopped after it" if r["stopped"] else f"rc {r['rc']}"
+    state = f"rc {r['rc']}"
+    if r["timed_out"] or r["stopped"]:
+        state = "timed out" if r["timed_out"] else "stopped after it"
     setup = r.get("setup_seconds")
     setup = f", {setup:.0f} s before step 1" if setup is not None else ""
     print(f"\n== {case.name}: {len(r['records'])} steps{setup}, {state}")

@@ -41,7 +41,7 @@ from torch import nn
 
 from infinity.accelerator import Accelerator
 from infinity.comm import Comm
-from infinity.config import Config
+from infinity.config import Config, resolve_stage3
 from infinity.swap import (
     NvmeParamTier,
     SwapStores,
@@ -78,15 +78,10 @@ __all__ = ["GatheredRefresh", "PartitionedModel", "assemble", "resolve_config"]
 
 def resolve_config(model: nn.Module, config: Config, comm: Comm) -> Config:
     """`config` with its "auto" values settled for `model` on `comm`'s ranks, as this local
-    rank runs it; only ZeRO stage 3 is accepted."""
+    rank runs it (`resolve_stage3`, the estimate's rule too)."""
     largest = max((p.numel() for p in model.parameters()), default=1)
-    resolved = config.resolve(
-        world_size=comm.world_size, largest_param_numel=max(1, largest)
-    ).for_local_rank(comm.local_rank)
-    stage = resolved.zero_optimization.stage
-    if stage != 3:
-        raise ValueError(f"zero_optimization.stage: only 3 is supported, got {stage}")
-    return resolved
+    resolved = resolve_stage3(config, largest_param_numel=largest, world_size=comm.world_size)
+    return resolved.for_local_rank(comm.local_rank)
 
 
 class GatheredRefresh:

@@ -14,8 +14,8 @@ from _engine_models import Zoo, config
 import infinity
 from infinity.accelerator import CpuAccelerator
 from infinity.config import Config
-from infinity.estimate.sizing import resolve_config, sizes
 from infinity.estimate.shapes import model_shape
+from infinity.estimate.sizing import resolve_config, sizes
 from infinity.swap.state_tier import HostStateTier
 from infinity.zero.sub_groups import flat_layout
 from infinity.zero.weights import make_weights
@@ -49,9 +49,7 @@ def test_the_16_bit_weight_buffer_is_allocated_pinned_and_zeroed(dtype):
     # Asked not to pin, or on a device that cannot: pageable.
     plain = make_weights(layout, ["a", "b", "c"], dtype, state_tier=state)
     assert plain.flat.numel() == layout.total and len(pins.pinned) == 1
-    unpinned = make_weights(
-        layout, ["a", "b", "c"], dtype, state_tier=state, pin=CpuAccelerator()
-    )
+    unpinned = make_weights(layout, ["a", "b", "c"], dtype, state_tier=state, pin=CpuAccelerator())
     assert not unpinned.flat.is_pinned() and len(pins.pinned) == 1
 
 

@@ -5,6 +5,7 @@ mapped onto these dataclasses; nothing below this package sees raw dicts. `AUTO`
 that are derived later from the model or the world size (see `Config.resolve`).
 """
 
+from infinity.config.resolve import resolve_stage3
 from infinity.config.scheduler_params import (
     SCHEDULER_PARAMS,
     STEP_SCHEDULES,
@@ -41,4 +42,5 @@ __all__ = [
     "SchedulerConfig",
     "ZeroConfig",
     "check_scheduler_params",
+    "resolve_stage3",
 ]

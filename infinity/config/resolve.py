@@ -44,6 +44,24 @@ def resolve(
     return out
 
 
+def resolve_stage3(
+    cfg: Config, *, largest_param_numel: int, world_size: int = 1, hidden_size: int | None = None
+) -> Config:
+    """`cfg` resolved for a model whose largest parameter has `largest_param_numel` elements,
+    as the engine runs it and the estimate models it: ZeRO stage 3 only."""
+    stage = cfg.zero_optimization.stage
+    if stage != 3:
+        raise ValueError(
+            f"zero_optimization.stage is {stage}: Infinity runs (and estimates) stage 3 "
+            "only; set it to 3"
+        )
+    return cfg.resolve(
+        world_size=world_size,
+        hidden_size=hidden_size,
+        largest_param_numel=max(1, largest_param_numel),
+    )
+
+
 def check_batch(cfg: Config, world_size: int = 1) -> None:
     """Raise the ValueError `resolve` would raise for an inconsistent train_batch_size,
     train_micro_batch_size_per_gpu and gradient_accumulation_steps, without resolving."""

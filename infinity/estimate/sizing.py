@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infinity.config import Config, ZeroConfig
+from infinity.config import Config, ZeroConfig, resolve_stage3
 from infinity.estimate.grad_traffic import GradTraffic, grad_traffic
 from infinity.estimate.param_traffic import param_fetches
 from infinity.estimate.shapes import ModelShape
@@ -97,14 +97,10 @@ class Sizes:
 
 
 def resolve_config(config: Config, shape: ModelShape) -> Config:
-    """The config as `infinity train` and the engine resolve it for this model."""
-    if config.zero_optimization.stage != 3:
-        raise ValueError(
-            f"zero_optimization.stage is {config.zero_optimization.stage}: Infinity runs (and "
-            "estimates) stage 3 only; set it to 3"
-        )
+    """The config as `infinity train` and the engine resolve it for this model
+    (`resolve_stage3`, the engine's rule, with the Hugging Face integration's sizes)."""
     largest = max((p.numel for p in shape.params), default=1)
-    return config.resolve(hidden_size=shape.dims.hidden_size, largest_param_numel=max(1, largest))
+    return resolve_stage3(config, largest_param_numel=largest, hidden_size=shape.dims.hidden_size)
 
 
 def home_numels(shape: ModelShape, world_size: int = 1) -> list[int]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.accelerator import Accelerator, Event
+from infinity.zero.backward_end import OnceAtBackwardEnd
 
 DEFAULT_IN_FLIGHT_BYTES = 256 << 20
 """Bytes of gradients in flight at most (pinned staging and the device gradients they copy)
@@ -66,7 +67,7 @@ class GradOffload:
         self._pending: deque[_Staged] = deque()
         self._pending_bytes = 0
         self._stream = accelerator.new_stream() if self.staged else None
-        self._callback_queued = False
+        self._at_end = OnceAtBackwardEnd(self.flush)
         self.peak_in_flight_bytes = 0
 
     def add(self, slot: int, grad: torch.Tensor) -> None:
@@ -77,7 +78,7 @@ class GradOffload:
                 grad = self.accel.to_host(grad, out=torch.empty(grad.shape, dtype=grad.dtype))
             self.accumulate(slot, grad)
             return
-        self._queue_flush()
+        self._at_end.arm()  # inside a backward, its end adds what is still in flight
         self._add_landed()
         while self._pending and self._pending_bytes + grad.nbytes > self.in_flight_bytes:
             self._add_oldest()
@@ -88,7 +89,7 @@ class GradOffload:
     def flush(self) -> None:
         """Wait for every copy in flight and add it: all gradients of the backward are in
         their slots on return."""
-        self._callback_queued = False
+        self._at_end.disarm()
         while self._pending:
             self._add_oldest()
 
@@ -118,14 +119,3 @@ class GradOffload:
         self._pending_bytes -= staged.nbytes
         staged.device_grad = None  # landed: the device memory may be reused
         self.accumulate(staged.slot, staged.host)
-
-    def _queue_flush(self) -> None:
-        """Inside a backward, its end adds what is still in flight."""
-        if self._callback_queued:
-            return
-        engine = torch.autograd.Variable._execution_engine
-        try:
-            engine.queue_callback(self.flush)
-            self._callback_queued = True
-        except RuntimeError:  # not inside a backward (a direct call): `flush` is explicit
-            pass

@@ -33,6 +33,7 @@ import torch
 
 from infinity.accelerator import Accelerator
 from infinity.comm import Comm, Work
+from infinity.zero.backward_end import OnceAtBackwardEnd
 from infinity.zero.shard import shard_of
 
 
@@ -94,15 +95,13 @@ class GradReducer:
         self._pool_size = 2 if overlap else 1
         self._allocated = 0
         self._pooled_bytes = 0
-        self._callback_queued = False
+        self._at_end = OnceAtBackwardEnd(self.flush)
         self.buckets_issued = 0
 
     def add(self, slot: int, grad: torch.Tensor) -> None:
         """Take slot `slot`'s full device gradient (flat, N elements) into a bucket; issue
         the bucket when full."""
-        if not self._callback_queued:  # the end of this backward flushes the rest
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        self._at_end.arm()  # the end of this backward flushes the rest
         n = grad.numel()
         s = shard_of(n, self.world_size, 0).numel
         bucket = self._open
@@ -126,7 +125,7 @@ class GradReducer:
     def flush(self) -> None:
         """Issue the open bucket and wait for every reduction: all gradients of the
         backward are in the slots on return. Every rank calls it at the same point."""
-        self._callback_queued = False
+        self._at_end.disarm()
         if self._open is not None:
             self._issue(self._open)
         while self._in_flight:
