@@ -63,6 +63,11 @@ class OffloadOptimizerConfig:
     for each write-back before going on (DeepSpeed's default; slower, same results)."""
     fast_init: bool = False
     """Only false: Infinity has no separate optimizer-state initialization pass to skip."""
+    max_in_cpu: int = 0
+    """Elements of optimizer state kept in host memory when device is "nvme": the first
+    sub-groups that fit in it whole stay in RAM (12 bytes per element, stepped in place) and
+    the rest go to NVMe. Infinity's key (DeepSpeed's offload_optimizer has none); the
+    placement planner sets it. Results are the same wherever each sub-group lives."""
 
 
 @dataclass(kw_only=True, slots=True)

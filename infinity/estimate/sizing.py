@@ -23,6 +23,7 @@ from infinity.swap.footprint import Footprint
 from infinity.swap.grad_plan import grad_footprint
 from infinity.swap.nvme_state import nvme_state_footprint, state_buffers, state_nbytes
 from infinity.swap.pool import param_pool_nbytes
+from infinity.swap.split_state import state_in_ram
 from infinity.swap.state_tier import host_state_footprint
 from infinity.swap.store import reserved_nbytes
 from infinity.zero import model_dtype
@@ -143,18 +144,18 @@ def sizes(
     itemsize = dtype.itemsize
     homes = home_numels(shape, world_size)
     layout = layout_of(shape, config, world_size)
-    optim_nvme = zero.offload_optimizer.device == "nvme"
+    state, ahead, buffers = _state(zero, layout.sub_group_numels)
+    optim_nvme = state.disk > 0  # some state on NVMe
     param_nvme = zero.offload_param.device == "nvme"
     spill = optim_nvme if grads_spill is None else grads_spill
     grad = grad_footprint(layout.sub_group_numels, nvme=spill)
     accum = int(config.gradient_accumulation_steps)
     grads = grad_traffic(shape, layout, accum) if spill else GradTraffic(0, 0, 0)
-    state, ahead = _state(zero, layout.sub_group_numels)
     weights = weights_footprint(layout, dtype, nvme=param_nvme, state_on_host=not optim_nvme)
     on_nvme = home_on_nvme(shape, zero)
     frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
     pool = param_pool_bytes(shape, config, world_size) if param_nvme else 0
-    pinned = _pinned(zero, pins, pool, state, weights.host + frozen.host)
+    pinned = _pinned(zero, pins, pool, buffers, weights.host + frozen.host)
     # Only reads from NVMe are copied where gathers alias host homes (see [Note: gathered
     # means resident] in infinity/zero/param.py).
     copies = not (not pins if aliases is None else aliases)
@@ -188,15 +189,17 @@ def _refreshed(shape: ModelShape, zero: ZeroConfig) -> int:
     return sum(p.numel for p, keep in kept if keep and p.trainable)
 
 
-def _pinned(zero: ZeroConfig, pins: bool, pool: int, state: Footprint, homes: int) -> int:
+def _pinned(zero: ZeroConfig, pins: bool, pool: int, buffers: int, homes: int) -> int:
     """Pinned host bytes: the parameter homes in host memory (`homes`: the 16-bit weight
     buffer and frozen partitions; fp32 masters that are also the weights stay pageable) or
-    the NVMe parameter pool, and the NVMe state pipeline's buffers when asked."""
+    the NVMe parameter pool, and the NVMe state pipeline's `buffers` when asked."""
+    if not pins:
+        return 0
     pinned = 0
-    if pins and zero.offload_param.pin_memory:
+    if zero.offload_param.pin_memory:
         pinned = pool if zero.offload_param.device == "nvme" else homes
-    if zero.offload_optimizer.device == "nvme" and pins and zero.offload_optimizer.pin_memory:
-        pinned += state.host
+    if zero.offload_optimizer.pin_memory:
+        pinned += buffers
     return pinned
 
 
@@ -216,16 +219,22 @@ def _fetched_numels(
     return read, gathered
 
 
-def _state(zero: ZeroConfig, sub_groups: Sequence[int]) -> tuple[Footprint, int]:
-    """The optimizer-state tier's footprint, and the bytes the end of a sweep reads ahead
-    (NvmeStateTier's prefetch_next_sweep: every buffer is free when a sweep ends)."""
-    if zero.offload_optimizer.device != "nvme":
-        return host_state_footprint(sub_groups), 0
+def _state(zero: ZeroConfig, sub_groups: Sequence[int]) -> tuple[Footprint, int, int]:
+    """The optimizer-state tier's footprint (the sub-groups `state_in_ram` keeps in host
+    memory, the rest on NVMe), the bytes the end of a sweep reads ahead (NvmeStateTier's
+    prefetch_next_sweep: every buffer is free when a sweep ends), and the NVMe pipeline's
+    host buffers (of the footprint's host bytes)."""
+    in_ram = state_in_ram(sub_groups, zero.offload_optimizer)
+    host = host_state_footprint(sub_groups[:in_ram])
+    on_nvme = sub_groups[in_ram:]
+    if not on_nvme:
+        return host, 0, 0
     buffer_count = zero.offload_optimizer.buffer_count
-    count, _ = state_buffers(sub_groups, buffer_count)
-    extents = [reserved_nbytes(state_nbytes(n)) for n in sub_groups]
+    count, _ = state_buffers(on_nvme, buffer_count)
+    extents = [reserved_nbytes(state_nbytes(n)) for n in on_nvme]
     ahead = sum(extents[:count]) if zero.offload_optimizer.pipeline_read else 0
-    return nvme_state_footprint(sub_groups, buffer_count), ahead
+    nvme = nvme_state_footprint(on_nvme, buffer_count)
+    return Footprint(host.host + nvme.host, nvme.disk), ahead, nvme.host
 
 
 # -- where frozen parameters live ------------------------------------------------------------

@@ -22,6 +22,7 @@ from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateTier, nvme_state_footprint
 from infinity.swap.param_tier import NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
+from infinity.swap.split_state import SplitStateTier, state_in_ram
 from infinity.swap.state_tier import HostStateTier, StateTier
 from infinity.swap.store import SwapStore, default_run_id
 
@@ -71,14 +72,17 @@ def make_state_tier(
     stores: SwapStores,
 ) -> StateTier:
     """The optimizer-state tier for `offload.device`: host memory for "cpu"/"none", else an
-    `NvmeStateTier` in the swap store of `offload.nvme_path`."""
-    if offload.device != "nvme":
+    `NvmeStateTier` in the swap store of `offload.nvme_path`, or a `SplitStateTier` when
+    `offload.max_in_cpu` keeps the first sub-groups in host memory."""
+    in_ram = state_in_ram(numels, offload)
+    if in_ram == len(numels):
         return HostStateTier(numels)
     if not offload.nvme_path:
         raise ValueError(
             "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
         )
-    state = nvme_state_footprint(numels, offload.buffer_count)
+    on_nvme = list(numels[in_ram:])
+    state = nvme_state_footprint(on_nvme, offload.buffer_count)
     check_host_buffers(state.host + grad_footprint(numels, nvme=True).host)
     if not (offload.pipeline_read and offload.pipeline_write):
         logger.info(
@@ -86,15 +90,19 @@ def make_state_tier(
             "transfers overlap its step only where true (both true is faster)",
             offload.pipeline_read, offload.pipeline_write,
         )  # fmt: skip
-    return NvmeStateTier(
-        numels,
-        store=stores.get(offload.nvme_path),
-        aio=aio,
-        buffer_count=offload.buffer_count,
-        pin_memory=offload.pin_memory,
-        pipeline_read=offload.pipeline_read,
-        pipeline_write=offload.pipeline_write,
-    )
+
+    def nvme(numels: list[int]) -> NvmeStateTier:
+        return NvmeStateTier(
+            numels,
+            store=stores.get(offload.nvme_path),
+            aio=aio,
+            buffer_count=offload.buffer_count,
+            pin_memory=offload.pin_memory,
+            pipeline_read=offload.pipeline_read,
+            pipeline_write=offload.pipeline_write,
+        )
+
+    return SplitStateTier(numels, in_ram, nvme) if in_ram else nvme(on_nvme)
 
 
 def make_grad_tier(
@@ -104,10 +112,10 @@ def make_grad_tier(
     *,
     stores: SwapStores,
 ) -> HostGradTier | NvmeGradTier:
-    """The gradient tier follows the optimizer state's: with the state on NVMe the host
-    keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same swap store (see
-    [Note: spilled gradients] in grad_tier.py); otherwise one flat host buffer."""
-    if offload.device != "nvme":
+    """The gradient tier follows the optimizer state's: with state on NVMe the host keeps
+    `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same swap store (see
+    [Note: spilled gradients] in grad_tier.py); with all of it in RAM, one flat host buffer."""
+    if state_in_ram(numels, offload) == len(numels):
         return HostGradTier(numels)
     return NvmeGradTier(numels, store=stores.get(offload.nvme_path), aio=aio)
 

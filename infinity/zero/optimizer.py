@@ -408,7 +408,9 @@ class PartitionedOptimizer:
         else:
             if callable(getattr(self.store, "memory_stats", None)):
                 store_stats = dict(self.store.memory_stats())
+            # The NVMe pipeline's buffers, and the sub-groups a split keeps in RAM.
             state = int(store_stats.get("optim_host_buffer_bytes", 0))
+            state += int(store_stats.pop("optim_host_state_bytes", 0))
         return {
             **store_stats,
             **grad_stats,

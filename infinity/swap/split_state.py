@@ -1,0 +1,110 @@
+"""Optimizer state split between host memory and NVMe: `SplitStateTier`.
+
+The first sub-groups whose state fits in `offload_optimizer.max_in_cpu` elements stay in host
+memory (a `HostStateTier` over them, stepped in place), the rest are swept from NVMe (an
+`NvmeStateTier` over them). Which sub-groups go where is `ram_sub_groups`, the one rule the
+engine and the estimate share; it does not decide how much RAM to spend (the placement
+planner, `infinity.placement`, does).
+
+[Note: host sub-groups first] The host sub-groups are the first ones of the sweep. The NVMe
+tier starts reading its first sub-groups for the next step at the end of each sweep, so by
+the time the host sub-groups have been stepped those reads have had the forward and backward
+passes and the host sub-groups' step to finish; the NVMe sub-groups then follow through the
+usual pipeline. Where a sub-group lives changes no value: the same Adam kernel steps the same
+fp32 numbers either way, and a checkpoint reads and writes each sub-group through whichever
+tier holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from infinity.config.sections import OffloadOptimizerConfig
+from infinity.swap.nvme_state import NvmeStateTier
+from infinity.swap.state_tier import HostStateTier, SubGroupState
+
+
+def ram_sub_groups(numels: Sequence[int], max_in_cpu: int) -> int:
+    """How many of the first sub-groups (of `numels` elements) fit whole in `max_in_cpu`
+    elements of host state."""
+    room, count = int(max_in_cpu), 0
+    for n in numels:
+        if n > room:
+            break
+        room -= n
+        count += 1
+    return count
+
+
+def state_in_ram(numels: Sequence[int], offload: OffloadOptimizerConfig) -> int:
+    """Sub-groups whose state lives in host memory under `offload`: all of them unless the
+    device is "nvme", else those `max_in_cpu` keeps. The gradients spill to NVMe only when
+    some state does (`make_grad_tier`), and fp32 weights alias the masters only when all of
+    it is in RAM."""
+    if offload.device != "nvme":
+        return len(numels)
+    return ram_sub_groups(numels, offload.max_in_cpu)
+
+
+class SplitStateTier:
+    """Sub-groups [0, k) in host memory, [k, n) on NVMe (see [Note: host sub-groups first])."""
+
+    def __init__(
+        self,
+        numels: Sequence[int],
+        in_ram: int,
+        make_nvme: Callable[[list[int]], NvmeStateTier],
+    ) -> None:
+        self.numels = list(numels)
+        if not 0 < in_ram < len(self.numels):
+            raise ValueError(
+                f"SplitStateTier: {in_ram} of {len(self.numels)} sub-groups in host memory; "
+                "a split needs some in each tier (use HostStateTier or NvmeStateTier)"
+            )
+        self.in_ram = in_ram
+        self.host = HostStateTier(self.numels[:in_ram])
+        self.nvme = make_nvme(self.numels[in_ram:])
+        self.stats = self.nvme.stats
+
+    def _tier(self, index: int) -> tuple[HostStateTier | NvmeStateTier, int]:
+        if not 0 <= index < len(self.numels):
+            raise IndexError(f"sub-group {index} out of range (there are {len(self.numels)})")
+        if index < self.in_ram:
+            return self.host, index
+        return self.nvme, index - self.in_ram
+
+    def initialize(self, index: int, master) -> None:
+        tier, i = self._tier(index)
+        tier.initialize(i, master)
+
+    def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
+        for i, state in self.host.sweep():
+            yield i, state
+        swept = self.nvme.sweep()
+        try:
+            for i, state in swept:
+                yield self.in_ram + i, state
+        finally:  # a sweep left early (an exception) unwinds the NVMe pipeline at once
+            swept.close()
+
+    def read(self, index: int) -> SubGroupState:
+        tier, i = self._tier(index)
+        return tier.read(i)
+
+    def write(self, index: int, state: SubGroupState) -> None:
+        tier, i = self._tier(index)
+        tier.write(i, state)
+
+    def read_range(self, index: int, field: str, start: int, stop: int):
+        tier, i = self._tier(index)
+        return tier.read_range(i, field, start, stop)
+
+    def close(self) -> None:
+        self.nvme.close()
+
+    def memory_stats(self) -> dict[str, int]:
+        """The NVMe tier's figures, and the host sub-groups' state bytes."""
+        return {
+            **self.nvme.memory_stats(),
+            "optim_host_state_bytes": self.host.flat.master.nbytes * 3,
+        }

@@ -1,0 +1,96 @@
+"""Optimizer state split between RAM and NVMe (`offload_optimizer.max_in_cpu`): the first
+sub-groups that fit stay in host memory, the rest are swept from NVMe. Where a sub-group
+lives changes no value: losses and weights are bitwise those of the all-RAM and all-NVMe
+runs, and a checkpoint saved under one split resumes under another exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _engine_models import Zoo, batches, config, run_engine, train_steps
+
+import infinity
+from infinity.config.sections import OffloadOptimizerConfig
+from infinity.swap.split_state import SplitStateTier, ram_sub_groups, state_in_ram
+from infinity.swap.state_tier import HostStateTier
+
+SUB_GROUP = 4096  # the Zoo's slots make several sub-groups of this size
+
+
+def _cfg(tmp_path, in_ram: int | None, *, dtype: str = "bf16", accum: int = 1) -> dict:
+    """State all in RAM (None), or on NVMe with `in_ram` elements kept in RAM."""
+    optim = {"device": "cpu"}
+    if in_ram is not None:
+        (tmp_path / "swap").mkdir(parents=True, exist_ok=True)
+        optim = {"device": "nvme", "nvme_path": str(tmp_path / "swap"), "max_in_cpu": in_ram}
+    cfg = config(sub_group_size=SUB_GROUP, offload_optimizer=optim)
+    cfg["gradient_accumulation_steps"] = accum
+    if dtype != "fp32":
+        cfg[dtype] = {"enabled": True}
+    return cfg
+
+
+def test_the_first_sub_groups_that_fit_whole_stay_in_ram():
+    assert ram_sub_groups([10, 10, 5], 0) == 0
+    assert ram_sub_groups([10, 10, 5], 19) == 1
+    assert ram_sub_groups([10, 10, 5], 20) == 2
+    assert ram_sub_groups([10, 10, 5], 10**9) == 3
+    assert ram_sub_groups([10, 3, 5], 12) == 1  # a prefix: the third does not jump the second
+    nvme = OffloadOptimizerConfig(device="nvme", nvme_path="/x", max_in_cpu=20)
+    assert state_in_ram([10, 10, 5], nvme) == 2
+    assert state_in_ram([10, 10, 5], OffloadOptimizerConfig(device="cpu")) == 3
+
+
+@pytest.mark.parametrize(("dtype", "accum"), [("bf16", 1), ("fp32", 2)])
+def test_every_split_trains_bitwise_as_all_ram_and_all_nvme(tmp_path, dtype, accum):
+    torch.manual_seed(0)
+    model = Zoo()
+    data = batches(6)
+    runs = {}
+    for name, in_ram in (("ram", None), ("nvme", 0), ("split", 2 * SUB_GROUP)):
+        losses, engine = run_engine(model, data, _cfg(tmp_path / name, in_ram, dtype=dtype,
+                                                      accum=accum))  # fmt: skip
+        store = engine.optimizer.store
+        if name == "split":
+            assert isinstance(store, SplitStateTier) and store.in_ram == 2
+            assert store.stats.bytes_read > 0  # the NVMe part was really swept
+        weights = [r.home.read() for r in engine.records]
+        runs[name] = (losses, weights, engine.memory_stats())
+        engine.close()
+    for name in ("nvme", "split"):
+        assert runs[name][0] == runs["ram"][0]  # bitwise
+        for a, b in zip(runs[name][1], runs["ram"][1], strict=True):
+            assert torch.equal(a, b)
+    split, nvme = runs["split"][2], runs["nvme"][2]
+    assert split["nvme_optim_bytes_read"] < nvme["nvme_optim_bytes_read"]
+    assert split["host_bytes"] > nvme["host_bytes"]  # two sub-groups' state in RAM
+
+
+def test_all_of_the_state_fitting_is_the_host_tier(tmp_path):
+    torch.manual_seed(0)
+    engine = infinity.initialize(Zoo(), _cfg(tmp_path, 10**9))
+    try:
+        assert isinstance(engine.optimizer.store, HostStateTier)
+        assert engine.memory_stats().get("nvme_grad_bytes_written", 0) == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2 * SUB_GROUP, 0), (0, SUB_GROUP), (None, 1)])
+def test_a_checkpoint_resumes_exactly_under_another_split(tmp_path, saved, resumed):
+    torch.manual_seed(0)
+    model = Zoo()
+    data = batches(6)
+    _, reference = run_engine(model, data, _cfg(tmp_path / "ref", resumed))
+    want = [r.home.read() for r in reference.records]
+    reference.close()
+    _, first = run_engine(model, data[:3], _cfg(tmp_path / "a", saved))
+    first.save_checkpoint(tmp_path / "ckpt")
+    first.close()
+    torch.manual_seed(1)  # the resumed weights must come from the checkpoint
+    second = infinity.initialize(Zoo(), _cfg(tmp_path / "b", resumed))
+    second.load_checkpoint(tmp_path / "ckpt")
+    train_steps(second, data[3:])
+    for a, b in zip((r.home.read() for r in second.records), want, strict=True):
+        assert torch.equal(a, b)
+    second.close()
