@@ -158,7 +158,7 @@ def _train_flags(case: Case, dtype: str, model: str, corpus: Path, swap: Path) -
         "--grad-accum", str(case.grad_accum), "--lr", str(LR), "--seed", str(SEED),
         "--dtype", dtype, "--no-progress",
     ]  # fmt: skip
-    return flags + (["--nvme", str(swap)] if case.nvme else [])
+    return flags + (["--nvme", str(swap), "--placement", "nvme"] if case.nvme else [])
 
 
 def _train(flags: list[str], save_dir: Path, device: str) -> dict:
@@ -213,7 +213,7 @@ def _estimate(case: Case, args, model: str, swap: Path, out: Path) -> dict | Non
         "--json", str(out),
     ]  # fmt: skip
     if case.nvme:
-        flags += ["--nvme", str(swap)]
+        flags += ["--nvme", str(swap), "--placement", "nvme"]
     if args.bench_aio:
         flags += ["--bench-aio", args.bench_aio]
     proc = subprocess.run(

@@ -121,7 +121,7 @@ def _flags(case: Case, args: argparse.Namespace, swap: Path) -> list[str]:
     ]  # fmt: skip
     if case.lora_r:
         flags += ["--lora-r", str(case.lora_r)]
-    return flags + (["--nvme", str(swap)] if case.nvme else [])
+    return flags + (["--nvme", str(swap), "--placement", "nvme"] if case.nvme else [])
 
 
 def _run_case(case: Case, args, work: Path, saves: Path, corpus: Path) -> dict:

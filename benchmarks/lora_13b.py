@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
     save = path / "run"
     cmd = [
         sys.executable, "-m", "infinity.cli.main", "train", "--model", args.model,
-        "--data", str(corpus(path)), "--nvme", str(path), "--dtype", "bf16",
+        "--data", str(corpus(path)), "--nvme", str(path), "--placement", "nvme", "--dtype", "bf16",
         "--lora-r", str(args.r), "--steps", str(args.steps), "--seq-len", str(args.seq_len),
         "--activation-checkpointing", "--config", str(cfg), "--save-dir", str(save),
         "--no-progress", "--byte-tokens",

@@ -37,7 +37,10 @@ TRAIN_FLAGS = dict(seq_len=16, micro_batch=2, grad_accum=2, lr=1e-2, seed=5, no_
 def train_args(model, data, save_dir, *extra, **flags) -> list[str]:
     """`infinity train` of `model` on `data` into `save_dir` with TRAIN_FLAGS, `flags` over
     them (seq_len=32 is --seq-len 32, True a bare flag, None leaves one out), then `extra`
-    (where a flag given again wins)."""
+    (where a flag given again wins). With `nvme=`, every class goes to NVMe (--placement
+    nvme) unless `placement=` says otherwise: what these tests mean by a run on NVMe."""
+    if flags.get("nvme") is not None:
+        flags.setdefault("placement", "nvme")
     args = ["train", "--model", str(model), "--data", str(data), "--save-dir", str(save_dir)]
     for name, value in {**TRAIN_FLAGS, **flags}.items():
         flag = "--" + name.replace("_", "-")

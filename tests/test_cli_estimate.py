@@ -61,7 +61,7 @@ def test_json_file_is_written_whole_and_says_so(tmp_path, capsys):
     [
         (["--json", "{tmp}/missing/est.json"], "missing does not exist"),
         (["--json", "{tmp}"], "is a directory"),
-        (["--nvme", "{tmp}/file"], "is a file, not a directory"),
+        (["--nvme", "{tmp}/file", "--placement", "nvme"], "is a file, not a directory"),
         (["--model", "{tmp}/file"], "a file, not a model directory"),
     ],
 )
@@ -80,7 +80,21 @@ def test_swap_disk_without_room_is_reported_and_not_probed(tmp_path, capsys, mon
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 64 << 10))
     out = tmp_path / "est.json"
-    assert _estimate("--model", "tiny", "--nvme", ssd, "--device", "h100", "--json", out) == 0
+    assert (
+        _estimate(
+            "--model",
+            "tiny",
+            "--nvme",
+            ssd,
+            "--placement",
+            "nvme",
+            "--device",
+            "h100",
+            "--json",
+            out,
+        )
+        == 0
+    )
     d = json.loads(out.read_text())
     assert "too little free space to probe" in d["rates"]["sources"]["nvme"]
     assert any("0.1 MiB free" in a and "--nvme" in a for a in d["advice"])
@@ -90,8 +104,8 @@ def test_swap_disk_without_room_is_reported_and_not_probed(tmp_path, capsys, mon
 
 def test_swap_disk_with_room_gets_no_disk_advice(tmp_path, aio):
     out = tmp_path / "est.json"
-    assert _estimate("--model", "tiny", "--nvme", tmp_path, "--device", "h100",
-                     "--bench-aio", aio, "--json", out) == 0  # fmt: skip
+    assert _estimate("--model", "tiny", "--nvme", tmp_path, "--placement", "nvme",
+                     "--device", "h100", "--bench-aio", aio, "--json", out) == 0  # fmt: skip
     assert not any("free" in a for a in json.loads(out.read_text())["advice"])
 
 
@@ -104,8 +118,9 @@ def _advice(tmp_path, *flags) -> dict:
 def test_disk_bound_by_parameter_reads_points_at_the_micro_batch(tmp_path, aio):
     # A LoRA base larger than the live budget on NVMe: every micro batch reads it twice,
     # while the adapters' optimizer state is small, so more accumulation would only add reads.
-    d = _advice(tmp_path, "--nvme", tmp_path / "absent", "--bench-aio", aio, "--device",
-                "h100", "--dtype", "bf16", "--lora-r", "8", "--grad-accum", "4")  # fmt: skip
+    d = _advice(tmp_path, "--nvme", tmp_path / "absent", "--placement", "nvme", "--bench-aio",
+                aio, "--device", "h100", "--dtype", "bf16", "--lora-r", "8",
+                "--grad-accum", "4")  # fmt: skip
     assert d["bound"] == "nvme"
     terms = d["terms"]
     assert 4 * terms["param_read_bytes_per_micro_step"] > d["nvme_read_bytes_per_step"] / 2
@@ -114,8 +129,8 @@ def test_disk_bound_by_parameter_reads_points_at_the_micro_batch(tmp_path, aio):
 
 
 def test_disk_bound_by_the_optimizer_points_at_accumulation(tmp_path, aio):
-    d = _advice(tmp_path, "--nvme", tmp_path / "absent", "--bench-aio", aio, "--device",
-                "h100")  # fmt: skip
+    d = _advice(tmp_path, "--nvme", tmp_path / "absent", "--placement", "nvme", "--bench-aio",
+                aio, "--device", "h100")  # fmt: skip
     assert d["bound"] == "nvme"
     assert any("raise --grad-accum" in a for a in d["advice"])
 
@@ -172,8 +187,8 @@ def _train_then_estimate(tmp_path, model, data, aio, zero: dict, accum: int, *fl
     cfg.write_text(json.dumps({"zero_optimization": zero}))
     ssd = tmp_path / "ssd"
     ssd.mkdir()
-    shape = ["--config", cfg, "--nvme", ssd, "--seq-len", 16, "--micro-batch", 2,
-             "--grad-accum", accum, *flags]  # fmt: skip
+    shape = ["--config", cfg, "--nvme", ssd, "--placement", "nvme", "--seq-len", 16,
+             "--micro-batch", 2, "--grad-accum", accum, *flags]  # fmt: skip
     run = tmp_path / "run"
     argv = train_args(model, data, run, "--steps", 3, *shape, grad_accum=None, seq_len=None,
                       micro_batch=None)  # fmt: skip

@@ -523,7 +523,9 @@ def test_nvme_on_tmpfs_trains_and_cleans_up(world, tmp_path, capsys):
         pytest.skip("no writable /dev/shm")
     nvme = Path(tempfile.mkdtemp(dir=shm))
     try:
-        argv = _train(world, "--nvme", str(nvme), "--save-dir", str(tmp_path / "run"))
+        argv = _train(
+            world, "--nvme", str(nvme), "--placement", "nvme", "--save-dir", str(tmp_path / "run")
+        )
         code, _, err = _run(argv, capsys)
         assert code == 0, err
         assert list(nvme.iterdir()) == []  # the swap directory is removed
@@ -536,12 +538,14 @@ def test_prefetch_warning_only_when_buffers_limit_the_model(world, tmp_path, cap
     caplog.set_level(logging.WARNING)
     nvme = tmp_path / "ssd"
     nvme.mkdir()
-    argv = _train(world, "--nvme", str(nvme), "--save-dir", str(tmp_path / "a"))
+    argv = _train(
+        world, "--nvme", str(nvme), "--placement", "nvme", "--save-dir", str(tmp_path / "a")
+    )
     assert _run(argv, capsys)[0] == 0
     assert "prefetch" not in caplog.text
     few = tmp_path / "few.json"
     few.write_text(json.dumps({"zero_optimization": {"offload_param": {"buffer_count": 2}}}))
-    argv = _train(world, "--nvme", str(nvme), "--config", str(few),
+    argv = _train(world, "--nvme", str(nvme), "--placement", "nvme", "--config", str(few),
                   "--save-dir", str(tmp_path / "b"))  # fmt: skip
     assert _run(argv, capsys)[0] == 0
     assert "hold less than the prefetch depth" in caplog.text

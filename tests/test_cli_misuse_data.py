@@ -133,14 +133,24 @@ def test_misuse_ends_with_one_clear_message(world, capsys, argv_of, code, phrase
 
 def test_a_missing_nvme_parent_is_refused_before_tokenizing(world, tmp_path, capsys):
     save = tmp_path / "run"
-    argv = _train(world, "--nvme", str(tmp_path / "no" / "ssd"), "--save-dir", str(save))
+    argv = _train(
+        world,
+        "--nvme",
+        str(tmp_path / "no" / "ssd"),
+        "--placement",
+        "nvme",
+        "--save-dir",
+        str(save),
+    )
     assert _run(argv, capsys)[0] == 1
     assert not (save / "tokens").exists()
 
 
 def test_an_nvme_directory_whose_parent_exists_is_created(world, tmp_path, capsys):
     nvme = tmp_path / "ssd"
-    argv = _train(world, "--nvme", str(nvme), "--save-dir", str(tmp_path / "run"))
+    argv = _train(
+        world, "--nvme", str(nvme), "--placement", "nvme", "--save-dir", str(tmp_path / "run")
+    )
     code, _, err = _run(argv, capsys)
     assert code == 0, err
     assert nvme.is_dir()
@@ -149,7 +159,7 @@ def test_an_nvme_directory_whose_parent_exists_is_created(world, tmp_path, capsy
 def test_nvme_flag_gives_the_path_a_config_leaves_out(world, tmp_path, capsys):
     nvme = tmp_path / "ssd"
     argv = _train(world, "--config", world["nvme_no_path.json"], "--nvme", str(nvme),
-                  "--save-dir", str(tmp_path / "run"))  # fmt: skip
+                  "--placement", "nvme", "--save-dir", str(tmp_path / "run"))  # fmt: skip
     code, _, err = _run(argv, capsys)
     assert code == 0, err
 
@@ -167,7 +177,7 @@ def test_a_config_train_batch_size_stays_with_micro_batch(world, tmp_path, capsy
 def test_a_tiny_nvme_run_does_not_warn_about_buffers(world, tmp_path, caplog, capsys):
     caplog.set_level(logging.WARNING)
     argv = _train(world, "--model", "tiny", "--byte-tokens", "--nvme", str(tmp_path / "ssd"),
-                  "--save-dir", str(tmp_path / "run"))  # fmt: skip
+                  "--placement", "nvme", "--save-dir", str(tmp_path / "run"))  # fmt: skip
     code, _, err = _run(argv, capsys)
     assert code == 0, err
     assert "buffer_count" not in caplog.text

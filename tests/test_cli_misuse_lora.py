@@ -95,7 +95,16 @@ def test_the_adapter_export_loads_with_auto_peft(lora_run, tmp_path):
 def test_an_nvme_list_longer_than_the_processes_is_refused(inputs, tmp_path, capsys, entries):
     dirs = [tmp_path / f"ssd{i}" for i in range(entries)]
     dirs[0].mkdir()  # the others would never be looked at
-    args = train_args(*inputs, tmp_path / "run", "--steps", 1, "--nvme", ",".join(map(str, dirs)))
+    args = train_args(
+        *inputs,
+        tmp_path / "run",
+        "--steps",
+        1,
+        "--nvme",
+        ",".join(map(str, dirs)),
+        "--placement",
+        "nvme",
+    )
     _fails(capsys, args, f"--nvme lists {entries} directories")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

@@ -182,7 +182,8 @@ def test_flags_override_the_config_file(tmp_path):
     }))  # fmt: skip
     args = build_parser().parse_args([
         "train", "--model", "tiny", "--data", "x", "--config", str(cfg), "--micro-batch", "2",
-        "--grad-accum", "4", "--lr", "3e-3", "--nvme", str(tmp_path), "--seed", "9",
+        "--grad-accum", "4", "--lr", "3e-3", "--nvme", str(tmp_path), "--placement", "nvme",
+        "--seed", "9",
     ])  # fmt: skip
     config = config_from_args(args).resolve(total_num_steps=10)
     assert config.train_micro_batch_size_per_gpu == 2
@@ -206,6 +207,13 @@ def test_nvme_run_matches_the_ram_run(tmp_path, inputs):
     nvme = tmp_path / "ssd"
     nvme.mkdir()
     assert main(train_args(model, data, tmp_path / "ram", "--steps", 3)) == 0
-    assert main(train_args(model, data, tmp_path / "nv", "--steps", 3, "--nvme", nvme)) == 0
+    assert (
+        main(
+            train_args(
+                model, data, tmp_path / "nv", "--steps", 3, "--nvme", nvme, "--placement", "nvme"
+            )
+        )
+        == 0
+    )
     assert _losses(tmp_path / "nv") == _losses(tmp_path / "ram")
     assert not [p for p in nvme.rglob("*") if p.is_file()], "swap files left behind"

@@ -69,7 +69,7 @@ def test_eval_loss_matches_the_exported_model(tmp_path, inputs, tier, caplog):
     pytest.importorskip("transformers")
     model, data, val = inputs
     save = tmp_path / "run"
-    extra = ["--nvme", tmp_path / "ssd"] if tier == "nvme" else []
+    extra = ["--nvme", tmp_path / "ssd", "--placement", "nvme"] if tier == "nvme" else []
     caplog.set_level("INFO", logger="infinity.cli.train_run")
     assert main(train_args(model, data, save, "--steps", 3, "--eval-data", val, *extra)) == 0
     (last,) = _evals(save)  # only after the last step without --eval-every
@@ -85,7 +85,7 @@ def test_eval_loss_matches_the_exported_model(tmp_path, inputs, tier, caplog):
 
 def test_eval_every_places_evaluations_and_leaves_training_as_it_was(tmp_path, inputs):
     model, data, val = inputs
-    flags = ["--steps", 5, "--nvme", tmp_path / "ssd"]
+    flags = ["--steps", 5, "--nvme", tmp_path / "ssd", "--placement", "nvme"]
     assert main(train_args(model, data, tmp_path / "plain", *flags)) == 0
     with_eval = ["--eval-data", val, "--eval-every", 2]
     assert main(train_args(model, data, tmp_path / "eval", *flags, *with_eval)) == 0

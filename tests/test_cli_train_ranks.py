@@ -115,7 +115,7 @@ def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_pa
     for d in nvme:
         d.mkdir()
     if nvme:  # one directory the ranks share, or one per local rank
-        args += ["--nvme", ",".join(map(str, nvme))]
+        args += ["--nvme", ",".join(map(str, nvme)), "--placement", "nvme"]
     code, out = _finish(_torchrun(args, logs))
     assert code == 0, out
     assert all(list(d.iterdir()) == [] for d in nvme)  # each rank removed its swap files

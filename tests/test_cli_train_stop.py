@@ -115,7 +115,11 @@ def _nvme(tmp_path) -> Path:
 def test_sigterm_mid_training_saves_exits_0_and_resumes_exactly(tmp_path, inputs, reference):
     ref, _ = reference(LONG)
     nvme, save = _nvme(tmp_path), tmp_path / "run"
-    proc = _child("none", tmp_path / "marker", _args(inputs, save, "--steps", LONG, "--nvme", nvme))
+    proc = _child(
+        "none",
+        tmp_path / "marker",
+        _args(inputs, save, "--steps", LONG, "--nvme", nvme, "--placement", "nvme"),
+    )
     _wait_for(proc, lambda: (save / "metrics.jsonl").exists() and len(_losses(save)) >= 2)
     assert _swap_leftovers(nvme), "the run keeps its optimizer state under --nvme"
     proc.send_signal(signal.SIGTERM)
@@ -126,7 +130,12 @@ def test_sigterm_mid_training_saves_exits_0_and_resumes_exactly(tmp_path, inputs
     assert 2 <= stopped < LONG
     assert load_checkpoint(save).step == stopped and _latest(save) == f"step{stopped}"
     assert _swap_leftovers(nvme) == []
-    assert main(_args(inputs, save, "--steps", LONG, "--nvme", nvme, "--resume")) == 0
+    assert (
+        main(
+            _args(inputs, save, "--steps", LONG, "--nvme", nvme, "--placement", "nvme", "--resume")
+        )
+        == 0
+    )
     assert _losses(save) == ref  # exactly, not approximately
     assert _swap_leftovers(nvme) == []
 
@@ -134,7 +143,9 @@ def test_sigterm_mid_training_saves_exits_0_and_resumes_exactly(tmp_path, inputs
 @pytest.mark.parametrize("hold", ["load", "engine"])
 def test_sigterm_during_start_exits_at_once_and_leaves_nothing(tmp_path, inputs, hold):
     nvme, save, marker = _nvme(tmp_path), tmp_path / "run", tmp_path / "marker"
-    proc = _child(hold, marker, _args(inputs, save, "--steps", LONG, "--nvme", nvme))
+    proc = _child(
+        hold, marker, _args(inputs, save, "--steps", LONG, "--nvme", nvme, "--placement", "nvme")
+    )
     _wait_for(proc, marker.exists)
     assert bool(_swap_leftovers(nvme)) == (hold == "engine")  # the engine's store exists
     proc.send_signal(signal.SIGTERM)
@@ -151,7 +162,9 @@ def test_sigterm_during_start_exits_at_once_and_leaves_nothing(tmp_path, inputs,
 
 def test_second_signal_while_saving_keeps_the_previous_checkpoint(tmp_path, inputs, reference):
     nvme, save, marker = _nvme(tmp_path), tmp_path / "run", tmp_path / "marker"
-    args = _args(inputs, save, "--steps", LONG, "--nvme", nvme, "--save-every", 3)
+    args = _args(
+        inputs, save, "--steps", LONG, "--nvme", nvme, "--placement", "nvme", "--save-every", 3
+    )
     proc = _child("save:2", marker, args)  # the save after step 3's is held in progress
     _wait_for(proc, lambda: (save / "latest").exists() and len(_losses(save)) >= 4)
     proc.send_signal(signal.SIGTERM)  # stop after this step (its save is held)...
@@ -247,7 +260,10 @@ def test_failed_nvme_transfer_mid_step_is_a_clean_stop(
     # Count the optimizer's writes per step: the initial write and one per step per sub-group.
     made = _fake_disk(monkeypatch)
     ok = tmp_path / "ok"
-    assert main(_args(inputs, ok, "--steps", steps, "--nvme", _nvme(tmp_path))) == 0
+    assert (
+        main(_args(inputs, ok, "--steps", steps, "--nvme", _nvme(tmp_path), "--placement", "nvme"))
+        == 0
+    )
     assert _losses(ok) == ref  # the fake handle changes nothing
     sub_groups, rest = divmod(sum(aio.writes for aio in made), steps + 1)
     assert rest == 0 and sub_groups >= 3, (sub_groups, rest)
@@ -258,7 +274,23 @@ def test_failed_nvme_transfer_mid_step_is_a_clean_stop(
     middle = 3 * sub_groups + sub_groups // 2
     _fake_disk(monkeypatch, **{"fail_write" if fails == "write" else "fail_reads_after": middle})
     capsys.readouterr()
-    assert main(_args(inputs, save, "--steps", steps, "--nvme", nvme, "--save-every", 2)) == 1
+    assert (
+        main(
+            _args(
+                inputs,
+                save,
+                "--steps",
+                steps,
+                "--nvme",
+                nvme,
+                "--placement",
+                "nvme",
+                "--save-every",
+                2,
+            )
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err  # one paragraph
     what = (f"step {failed_step} failed", f"{fails} of optimizer sub-group", *needles)
@@ -271,8 +303,8 @@ def test_failed_nvme_transfer_mid_step_is_a_clean_stop(
     assert _shard(save, "step2") == _shard(ref_dir, "step2")  # untouched
 
     monkeypatch.undo()  # the disk is fine again: resume with real I/O
-    assert main(_args(inputs, save, "--steps", steps, "--nvme", nvme, "--resume",
-                      "--save-every", 2)) == 0  # fmt: skip
+    assert main(_args(inputs, save, "--steps", steps, "--nvme", nvme, "--placement", "nvme",
+                      "--resume", "--save-every", 2)) == 0  # fmt: skip
     assert _losses(save) == ref
     assert _swap_leftovers(nvme) == []
 
@@ -383,7 +415,9 @@ def test_second_signal_inside_nvme_io_is_a_stop_at_once(
     monkeypatch.setattr(MetricsLog, "append", append)
     nvme, save = _nvme(tmp_path), tmp_path / "run"
     capsys.readouterr()
-    code = main(_args(inputs, save, "--steps", 6, "--nvme", nvme, "--save-every", 2))
+    code = main(
+        _args(inputs, save, "--steps", 6, "--nvme", nvme, "--placement", "nvme", "--save-every", 2)
+    )
     err = capsys.readouterr().err
     assert trap.fired
     assert code == 128 + signal.SIGTERM, err
@@ -412,7 +446,9 @@ def test_signal_after_the_last_save_changes_nothing(tmp_path, inputs, monkeypatc
     monkeypatch.setattr(train_run.TrainRun, "_save", save)
     save_dir = tmp_path / "run"
     nvme = _nvme(tmp_path)
-    assert main(_args(inputs, save_dir, "--steps", LONG, "--nvme", nvme)) == 0
+    assert (
+        main(_args(inputs, save_dir, "--steps", LONG, "--nvme", nvme, "--placement", "nvme")) == 0
+    )
     out = capsys.readouterr().out
     assert "SIGTERM after the checkpoint was saved" in out and "step3 is complete" in out
     assert list_checkpoints(save_dir) == ["step3"] and _latest(save_dir) == "step3"
@@ -458,7 +494,7 @@ def test_sighup_stops_like_sigterm(tmp_path, inputs, output):
     """An ssh disconnect: the checkpoint is saved and the swap directory removed, even though
     the terminal the run wrote to is gone."""
     nvme, save = _nvme(tmp_path), tmp_path / "run"
-    args = _args(inputs, save, "--steps", LONG, "--nvme", nvme)
+    args = _args(inputs, save, "--steps", LONG, "--nvme", nvme, "--placement", "nvme")
     env = dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu")
     cmd = [sys.executable, str(CHILD), "none", str(tmp_path / "marker"), *args[1:]]
     if output == "terminal":

@@ -51,7 +51,7 @@ def test_metrics_carry_each_steps_telemetry(tmp_path, capsys, inputs, counters, 
     extra = ["--steps", 3]
     if tier == "nvme":
         (tmp_path / "ssd").mkdir()
-        extra += ["--nvme", tmp_path / "ssd"]
+        extra += ["--nvme", tmp_path / "ssd", "--placement", "nvme"]
     assert main(_args(inputs, tmp_path / "run", *extra)) == 0
     records = _records(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -82,7 +82,9 @@ def test_metrics_carry_each_steps_telemetry(tmp_path, capsys, inputs, counters, 
 def test_profile_writes_a_chrome_trace_of_the_steps(tmp_path, capsys, inputs):
     (tmp_path / "ssd").mkdir()
     run = tmp_path / "run"
-    args = _args(inputs, run, "--steps", 4, "--profile", 2, "--nvme", tmp_path / "ssd")
+    args = _args(
+        inputs, run, "--steps", 4, "--profile", 2, "--nvme", tmp_path / "ssd", "--placement", "nvme"
+    )
     assert main([*args, "--no-progress"]) == 0
     trace = run / "profile" / "trace-steps-2-3.json"
     assert f"--profile: steps 2-3 written to {trace}" in capsys.readouterr().out
@@ -128,7 +130,16 @@ def test_wall_clock_breakdown_in_the_config_logs_each_step(tmp_path, caplog, inp
     cfg.write_text(json.dumps({"wall_clock_breakdown": True, "steps_per_print": 1}))
     (tmp_path / "ssd").mkdir()
     args = _args(
-        inputs, tmp_path / "run", "--steps", 2, "--config", cfg, "--nvme", tmp_path / "ssd"
+        inputs,
+        tmp_path / "run",
+        "--steps",
+        2,
+        "--config",
+        cfg,
+        "--nvme",
+        tmp_path / "ssd",
+        "--placement",
+        "nvme",
     )
     with caplog.at_level("INFO", logger="infinity.engine"):
         assert main([*args, "--no-progress"]) == 0

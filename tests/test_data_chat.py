@@ -280,7 +280,7 @@ def test_train_matches_torch_with_hand_masked_labels(tmp_path, inputs, which, ti
     model, chat, pairs = inputs
     path, records = (chat, _conversations()) if which == "chat" else (pairs, _pairs())
     save = tmp_path / "run"
-    extra = ["--nvme", str(tmp_path / "swap")] if tier == "nvme" else []
+    extra = ["--nvme", str(tmp_path / "swap"), "--placement", "nvme"] if tier == "nvme" else []
     flags = dict(seq_len=SEQ, micro_batch=MICRO, grad_accum=ACCUM, lr=LR, seed=SEED)
     assert main(train_args(model, path, save, "--steps", STEPS, *extra, **flags)) == 0
     lines = (save / "metrics.jsonl").read_text().splitlines()

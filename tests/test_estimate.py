@@ -451,8 +451,8 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     aio.write_text(json.dumps([{"op": "read", "gbps": 3.0}, {"op": "write", "gbps": 2.0}]))
     out = tmp_path / "est.json"
     code = main(["estimate", "--model", "llama-13b", "--nvme", str(tmp_path / "ssd"),
-                 "--device", "h100", "--dtype", "bf16", "--bench-aio", str(aio),
-                 "--json", str(out)])  # fmt: skip
+                 "--placement", "nvme", "--device", "h100", "--dtype", "bf16",
+                 "--bench-aio", str(aio), "--json", str(out)])  # fmt: skip
     assert code == 0
     text = capsys.readouterr().out
     assert "host RAM, peak" in text and "bound:" in text
@@ -511,7 +511,22 @@ def test_cli_probes_an_existing_nvme_directory(tmp_path, capsys):
     out = tmp_path / "est.json"
     ssd = tmp_path / "ssd"
     ssd.mkdir()
-    assert main(["estimate", "--model", "tiny", "--nvme", str(ssd), "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                "tiny",
+                "--nvme",
+                str(ssd),
+                "--placement",
+                "nvme",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     d = json.loads(out.read_text())
     assert d["rates"]["sources"]["nvme"].startswith("probe:")
     assert d["nvme_read_bytes_per_step"] > 0 and d["nvme_bytes"] > 0

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from infinity.cli.placement import add_placement_flags, plan_run, planned
 from infinity.cli.train import check_lora_rank, check_seq_len, config_from_args
 from infinity.cli.train_flags import positive_int
 from infinity.config import Config
@@ -69,6 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="recompute each layer's activations in backward (as `infinity train`)",
     )
     _add_machine_flags(parser)
+    add_placement_flags(parser)
     parser.set_defaults(func=run)
 
 
@@ -209,6 +211,11 @@ def run(args: argparse.Namespace) -> int:
     # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
     config = Config.load({**config.to_dict(), "train_batch_size": "auto"}).for_local_rank(0)
     check_fits(shape, config, args)
+    plan = None
+    if planned(args):  # as `infinity train` places it (see infinity/cli/placement.py)
+        plan = plan_run(args, config, spec.hf_config, gpu=args.device != "cpu",
+                        lora_r=args.lora_r or 0, world_size=args.world_size)  # fmt: skip
+        config = plan.apply(config)
     # The CPU probes run at a capped batch, scaled to the run's by the FLOPs formula; a GPU's
     # compute comes from its published figures at the run's own batch.
     probe_config, probe_seq_len = config, args.seq_len
@@ -231,8 +238,11 @@ def run(args: argparse.Namespace) -> int:
     # With the JSON on stdout, the report goes to stderr so the two never mix.
     report = sys.stderr if args.json == "-" else sys.stdout
     print(render(est, args.model, args.world_size), file=report)
+    if plan is not None:
+        print("\n".join(plan.lines()), file=report)
     if args.json:
         out = est.as_json()
+        out["placement"] = plan.to_dict() if plan is not None else None
         out["inputs"]["model"] = args.model
         out["inputs"]["world_size"] = args.world_size
         write_json(out, args.json)

@@ -12,6 +12,7 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infinity.cli.placement import add_placement_flags
 from infinity.cli.train_config import check_seed, config_from_args
 from infinity.cli.train_flags import (
     add_eval_flags,
@@ -53,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_eval_flags(parser)
     add_lora_flags(parser)
     add_run_flags(parser)
+    add_placement_flags(parser)
     parser.set_defaults(func=run)
 
 
@@ -151,6 +153,7 @@ def _create_nvme_dirs(flag: str | None) -> None:
             continue
         path = Path(entry.strip()).expanduser()
         if path.is_dir():
+            _check_writable(path)  # whatever the plan puts there, the disk must take it
             continue
         if path.exists():
             raise ValueError(f"--nvme {path} is not a directory; give a directory on the SSD")
@@ -166,6 +169,17 @@ def _create_nvme_dirs(flag: str | None) -> None:
                 f"--nvme {path} cannot be created ({exc.strerror}); give a directory on a "
                 "disk you can write to"
             ) from None
+
+
+def _check_writable(path: Path) -> None:
+    """One test write into --nvme DIR (as the swap store's own check does when it opens)."""
+    from infinity.swap.store import SwapStoreError, check_base_dir, probe_direct
+
+    try:
+        check_base_dir(str(path))
+        probe_direct(str(path))
+    except (SwapStoreError, OSError) as exc:
+        raise ValueError(f"--nvme {path}: {exc}") from None
 
 
 def check_seq_len(seq_len: int, model: CausalLMSpec) -> None:

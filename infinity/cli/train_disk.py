@@ -74,19 +74,22 @@ def plan(
     n_params = len(shapes)
     uses: list[DiskUse] = []
     if zero.offload_param.device == "nvme":
-        numel = base_numel + (0 if full else trainable)
+        numel = base_numel
+        if not full:  # the frozen base (max_in_cpu keeps some of it in RAM) and the adapters
+            numel += trainable - min(base_numel, zero.offload_param.max_in_cpu)
         weights = numel * itemsize + _PAGE * n_params
         parts = {
             "parameters": weights,
             "trainable build files (while starting)": trainable * itemsize,
         }
         uses.append(DiskUse(path=Path(zero.offload_param.nvme_path), parts=parts))
-    if zero.offload_optimizer.device == "nvme":
+    on_disk = trainable - min(trainable, zero.offload_optimizer.max_in_cpu)  # at most
+    if zero.offload_optimizer.device == "nvme" and on_disk:
         uses.append(
             DiskUse(
                 path=Path(zero.offload_optimizer.nvme_path),
                 parts={
-                    "optimizer states": trainable * _OPTIM_BYTES,
+                    "optimizer states": on_disk * _OPTIM_BYTES,
                     "gradients": trainable * _GRAD_BYTES,
                 },
             )

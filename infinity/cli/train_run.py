@@ -22,8 +22,11 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import infinity
+from infinity.accelerator import get_accelerator
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.cli import train_disk
+from infinity.cli.estimate import write_json
+from infinity.cli.placement import plan_run, planned
 from infinity.cli.train import tokenizer_dir
 from infinity.cli.train_eval import due, evaluate
 from infinity.cli.train_failures import (
@@ -178,6 +181,24 @@ class TrainRun:
         )
         return config, steps
 
+    def _placed(self, config: Config) -> Config:
+        """`config` with the planner's placement when it decides (see [Note: when the
+        planner decides] in infinity/cli/placement.py): planned on rank 0, the same on all."""
+        if not planned(self.args):
+            return config
+        gpu = get_accelerator().device.type != "cpu"
+        plan = self.ranks.decide(
+            lambda: plan_run(
+                self.args, config, self.model.hf_config, gpu=gpu,
+                lora_r=self.lora.r if self.lora else 0, world_size=self.ranks.world_size,
+                local_ranks=getattr(self.ranks.comm, "local_world_size", 1),
+            )
+        )  # fmt: skip
+        self.ranks.say("\n".join(plan.lines()))
+        if self.ranks.is_main:  # what was planned, beside what was measured (metrics.jsonl)
+            write_json(plan.to_dict(), self.save_dir / "placement.json")
+        return plan.apply(config)
+
     def _model(self, config: Config) -> torch.nn.Module:
         """The transformers class of the directory's config.json (a preset: Llama), built
         under `infinity.init` with the weights streamed into the partitions."""
@@ -313,6 +334,7 @@ class TrainRun:
         data = self._data()
         self.eval_data = self._eval_data()
         config, steps = self._resolved(data)
+        config = self._placed(config)
         self.ranks.decide(lambda: self._check_disk(config, steps))  # one disk check
         model = self._model(config)
         engine = infinity.initialize(

@@ -198,7 +198,10 @@ def estimate(
         recycled=recycled,
     )  # fmt: skip
     acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
-    device, steady, peak = _memory(shape, config, sz, rates, acts, alias, recycled, runtime_bytes)
+    device, steady, peak = memory_of(
+        shape, config, sz, gpu=gpu is not None, acts=acts, alias=alias, recycled=recycled,
+        runtime_bytes=runtime_bytes,
+    )  # fmt: skip
     est = Estimate(
         sizes=sz, times=times, rates=rates, peak_rss_bytes=peak, steady_rss_bytes=steady,
         device_bytes=device, activation_bytes=acts, bound=bound_of(times), advice=[],
@@ -214,31 +217,31 @@ def estimate(
     return est
 
 
-def _memory(
+def memory_of(
     shape: ModelShape,
     config: Config,
     sz: Sizes,
-    rates: Rates,
+    *,
+    gpu: bool,
     acts: int,
     alias: bool,
     recycled: bool,
     runtime_bytes: int | None,
 ) -> tuple[int, int, int]:
     """(device bytes, steady RSS, peak RSS) of the run: the live set, the activations and
-    the largest gradient on the device; on the CPU device that memory is host RAM, less what
-    gathers alias of host homes."""
-    gpu = rates.gpu
+    the largest gradient on the device; on the CPU device (`gpu` False) that memory is host
+    RAM, less what gathers alias of host homes."""
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
     if recycled and sz.gather_bytes_per_micro_step:
         device += recycled_slack_bytes(shape, sz.itemsize)
-    runtime = _current_rss() if runtime_bytes is None else runtime_bytes
-    if gpu is not None:
+    runtime = current_rss() if runtime_bytes is None else runtime_bytes
+    if gpu:
         runtime += CUDA_RUNTIME_HOST_BYTES
     # The CPU device's memory is host RAM; gathers from host homes alias them (no RAM).
     host_homes = config.zero_optimization.offload_param.device != "nvme"
-    aliased = sz.peak_live_numel * sz.itemsize if gpu is None and host_homes and alias else 0
-    steady = runtime + sz.host_bytes + (device - aliased if gpu is None else 0)
+    aliased = sz.peak_live_numel * sz.itemsize if not gpu and host_homes and alias else 0
+    steady = runtime + sz.host_bytes + (0 if gpu else device - aliased)
     peak = max(
         steady + grad_transient_bytes(shape),
         runtime + sz.host_bytes + build_partition_bytes(shape, config, sz.itemsize),
@@ -421,7 +424,7 @@ def grad_transient_bytes(shape: ModelShape) -> int:
     return 4 * max((p.numel for p in shape.params if p.trainable), default=0)
 
 
-def _current_rss() -> int:
+def current_rss() -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:

@@ -44,8 +44,10 @@ class Sizes:
     """The trainable weights' host copy (0 when they alias the fp32 masters; the staging
     ring with parameters on NVMe)."""
     state_host_bytes: int
-    """fp32 master + Adam moments in host memory (the cpu tier), or the NVMe pipeline's
-    buffers."""
+    """fp32 master + Adam moments in host memory (the cpu tier, or the sub-groups
+    `offload_optimizer.max_in_cpu` keeps there) and the NVMe pipeline's buffers."""
+    state_buffer_bytes: int
+    """Of `state_host_bytes`, the NVMe pipeline's buffers."""
     frozen_host_bytes: int
     param_pool_bytes: int
     """The parameter staging pool (NVMe parameter tier only)."""
@@ -54,6 +56,8 @@ class Sizes:
     pinned_bytes: int
     optim_nvme_bytes: int
     param_nvme_bytes: int
+    frozen_nvme_bytes: int
+    """Of `param_nvme_bytes`, the frozen parameters' extents."""
     grad_nvme_bytes: int
     """fp32 gradient extents on NVMe (optimizer on NVMe only)."""
     grad_read_bytes_per_step: int
@@ -163,8 +167,9 @@ def sizes(
     host = grad.host + weights.host + state.host + frozen.host + pool
     return Sizes(
         grad_host_bytes=grad.host, weights_host_bytes=weights.host, state_host_bytes=state.host,
-        frozen_host_bytes=frozen.host, param_pool_bytes=pool, host_bytes=host, pinned_bytes=pinned,
-        optim_nvme_bytes=state.disk, param_nvme_bytes=weights.disk + frozen.disk,
+        state_buffer_bytes=buffers, frozen_host_bytes=frozen.host, param_pool_bytes=pool,
+        host_bytes=host, pinned_bytes=pinned, optim_nvme_bytes=state.disk,
+        param_nvme_bytes=weights.disk + frozen.disk, frozen_nvme_bytes=frozen.disk,
         grad_nvme_bytes=grad.disk, grad_read_bytes_per_step=grads.read,
         grad_write_bytes_per_step=grads.written, grad_step_read_bytes=grads.step_read,
         grad_waited_read_bytes_per_step=grads.backward_waited_read,

@@ -91,7 +91,7 @@ class SwapStore:
         if file_bytes < ALIGN_BYTES or file_bytes % ALIGN_BYTES:
             raise ValueError(f"file_bytes={file_bytes} must be a positive multiple of 4096")
         self.file_bytes = file_bytes
-        _check_base_dir(self.nvme_path)
+        check_base_dir(self.nvme_path)
         self.run_dir = os.path.join(self.nvme_path, f"infinity-{self.run_id}")
         self.dir = os.path.join(self.run_dir, f"rank{rank}")
         self._lock_fd: int | None = None
@@ -257,7 +257,7 @@ class SwapStore:
 # -- checks (see [Note: swap directory checks]) ----------------------------------------------
 
 
-def _check_base_dir(path: str) -> None:
+def check_base_dir(path: str) -> None:
     hint = "set offload_param/offload_optimizer.nvme_path to a directory on a fast local SSD"
     if not os.path.exists(path):
         raise SwapStoreError(f"nvme_path {path} does not exist; create it (mkdir -p) or {hint}")

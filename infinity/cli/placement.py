@@ -1,0 +1,147 @@
+"""`--ram-budget`, `--device-memory` and `--placement` for `infinity train` and `infinity
+estimate`: the budgets read and defaulted from the machine, and the placement planner
+(`infinity.estimate.placement`) applied to a run's config.
+
+[Note: when the planner decides] With `--nvme` and a config that names neither offload
+device, `--placement auto` (the default) lets the planner place each class of tensors within
+the RAM budget; `--placement nvme` puts every class on NVMe (the plan before budgets
+existed). A config that names `offload_param.device` or `offload_optimizer.device` runs
+exactly as written. Without `--nvme` everything is in RAM and a budget is only checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from infinity.config import Config
+from infinity.estimate.placement import Budget, Placement, plan_placement
+
+DEFAULT_RAM_SHARE = 0.8
+"""Of the RAM available when a run starts (MemAvailable), the share the planner may use by
+default; the rest is left to the page cache, the data loader and the rest of the machine."""
+
+_UNITS = {
+    "": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a SIZE: `16G` or `16GiB` (2**30 bytes each), `16GB` (10**9), `512M`, or a
+    plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write it as 16G or 16GiB (2**30 bytes), 16GB (10**9), "
+            "512M, or a number of bytes"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def add_placement_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ram-budget",
+        type=parse_size,
+        metavar="SIZE",
+        help="host RAM the run may use (16G, 16GiB, 512M or bytes; default: "
+        f"{DEFAULT_RAM_SHARE * 100:.0f}%% of the RAM available at the start, shared by the "
+        "ranks of this machine); with --nvme the planner keeps in RAM what fits, the rest on "
+        "NVMe",
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=parse_size,
+        metavar="SIZE",
+        help="GPU memory the run may use: the plan's device memory (the live parameters and "
+        "the activations) is checked against it; on the CPU device the device memory is "
+        "host RAM and --ram-budget covers it",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=["auto", "nvme"],
+        default="auto",
+        help="with --nvme: 'auto' (default) places each class of tensors in RAM or on NVMe "
+        "within --ram-budget, 'nvme' puts them all on NVMe; a config that names the offload "
+        "devices runs as written",
+    )
+
+
+def planned(args: argparse.Namespace) -> bool:
+    """Whether the planner decides this run's placement (see [Note: when the planner
+    decides])."""
+    if not getattr(args, "nvme", None) or getattr(args, "placement", "auto") != "auto":
+        return False
+    if not args.config:
+        return True
+    from infinity.config.parse import read_json
+
+    zero = read_json(args.config).get("zero_optimization") or {}
+    named = [(zero.get(k) or {}).get("device") for k in ("offload_param", "offload_optimizer")]
+    return not any(named)
+
+
+def ram_budget(args: argparse.Namespace, local_ranks: int = 1) -> Budget:
+    """--ram-budget, or the default share of the RAM available now; one rank's share of it
+    when `local_ranks` processes share this machine."""
+    if args.ram_budget is not None:
+        total, source = args.ram_budget, f"--ram-budget {args.ram_budget / 2**30:.1f}G"
+    else:
+        available = _available_ram()
+        total = int(available * DEFAULT_RAM_SHARE)
+        source = f"{DEFAULT_RAM_SHARE:.0%} of the {available / 2**30:.1f} GiB available"
+    if local_ranks > 1:
+        source += f", shared by {local_ranks} ranks"
+    return Budget(total // local_ranks, source)
+
+
+def plan_run(
+    args: argparse.Namespace,
+    config: Config,
+    hf_config,
+    *,
+    gpu: bool,
+    lora_r: int = 0,
+    world_size: int = 1,
+    local_ranks: int = 1,
+    runtime_bytes: int | None = None,
+) -> Placement:
+    """The plan for a run of `hf_config` under `config` (its nvme_path set by --nvme)."""
+    from infinity.estimate import model_shape
+    from infinity.estimate.result import current_rss
+
+    if getattr(args, "device_memory", None) is not None and not gpu:
+        raise ValueError(
+            "--device-memory: on the CPU device the device memory is host RAM; give "
+            "--ram-budget alone"
+        )
+    shape = model_shape(hf_config, lora_r=lora_r)
+    plan = plan_placement(
+        shape, config, ram_budget(args, local_ranks), gpu=gpu, seq_len=args.seq_len,
+        checkpointing=bool(args.activation_checkpointing),
+        runtime_bytes=current_rss() if runtime_bytes is None else runtime_bytes,
+        world_size=world_size,
+    )  # fmt: skip
+    limit = getattr(args, "device_memory", None)
+    if limit is not None and plan.device_bytes > limit:
+        raise ValueError(
+            f"--device-memory {limit / 2**30:.1f}G: the run needs {plan.device_bytes / 2**30:.2f} "
+            "GiB on the device (the live parameters and the activations); lower "
+            "stage3_max_live_parameters, --micro-batch or --seq-len, or turn on "
+            "--activation-checkpointing"
+        )
+    return plan
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

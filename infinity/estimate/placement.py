@@ -1,0 +1,237 @@
+"""The placement planner: which tier each class of tensor lives in under a host-RAM budget.
+
+A pure function of the model's shape, the run (dtype, batch, accumulation, LoRA, ranks) and
+the budget: no tensor, no I/O. It writes its choice as the config keys the engine already
+executes (`offload_param.device` and `max_in_cpu`, `offload_optimizer.device` and
+`max_in_cpu`), so the engine runs exactly the plan and the estimate of the planned config is
+the plan's own figures: the two agree by construction.
+
+[Note: what the planner keeps in RAM] With the budget as the only limit, every class that
+fits stays in host memory, and the rest goes to NVMe in the order that moves the fewest
+bytes per step for the bytes it frees. For each home of the 16-bit trainable weights (RAM or
+NVMe), it keeps in RAM the frozen parameters that fit first (in model order, as
+`offload_param.max_in_cpu` keeps them: each one kept is a read per forward and per backward
+saved), then the optimizer's sub-groups that fit (`offload_optimizer.max_in_cpu`: each one
+kept saves reading and writing its 12 bytes per element every step; all of them kept also
+keeps the gradients in RAM), and of the two homes it takes the one with the fewest NVMe bytes
+per step, then the smaller peak RSS. Peak RSS is the estimate's (`memory_of`), which counts
+the pipelines' buffers and, on the CPU device, the device memory. A budget below the
+all-NVMe plan's peak RSS is refused with that minimum.
+
+It does not place tensors on the GPU beyond what the engine keeps there (the live set and
+the activations): device-resident weights and accumulators are not planned yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from infinity.config import Config
+from infinity.estimate.result import activation_bytes, memory_of
+from infinity.estimate.shapes import ModelShape
+from infinity.estimate.sizing import Sizes, layout_of, resolve_config, sizes
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Host memory the run may use, and where the figure came from."""
+
+    ram_bytes: int
+    source: str
+    """e.g. "--ram-budget 16G", or "80% of the 21.3 GiB available"."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tiers:
+    """One class of tensors: bytes in host RAM and on NVMe."""
+
+    ram_bytes: int
+    nvme_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The plan, as config keys and as the bytes each class keeps in each tier."""
+
+    param_device: str
+    """offload_param.device: "cpu" (the 16-bit trainable weights in RAM) or "nvme"."""
+    param_max_in_cpu: int
+    """offload_param.max_in_cpu: elements of frozen parameters kept in RAM."""
+    optim_device: str
+    """offload_optimizer.device ("nvme" also when every sub-group is kept in RAM)."""
+    optim_max_in_cpu: int
+    """offload_optimizer.max_in_cpu: elements of optimizer state kept in RAM."""
+    weights: Tiers
+    frozen: Tiers
+    state: Tiers
+    grads: Tiers
+    buffers_bytes: int
+    """Host staging of the NVMe tiers (parameter pool, state pipeline)."""
+    nvme_read_bytes_per_step: int
+    nvme_write_bytes_per_step: int
+    peak_rss_bytes: int
+    device_bytes: int
+    """The estimate's device memory (the live set, activations; host RAM on the CPU device)."""
+    budget: Budget
+
+    def apply(self, config: Config) -> Config:
+        """`config` with the plan's four keys set."""
+        raw = config.to_dict()
+        zero = raw.setdefault("zero_optimization", {})
+        param = zero.setdefault("offload_param", {})
+        param.update(device=self.param_device, max_in_cpu=self.param_max_in_cpu)
+        optim = zero.setdefault("offload_optimizer", {})
+        optim.update(device=self.optim_device, max_in_cpu=self.optim_max_in_cpu)
+        return Config.load(raw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        """The plan as `infinity train` and `infinity estimate` print it."""
+        rows = [
+            ("16-bit trainable weights", self.weights),
+            ("frozen parameters", self.frozen),
+            ("optimizer state (fp32)", self.state),
+            ("gradients (fp32)", self.grads),
+        ]
+        out = [
+            f"placement within {_size(self.budget.ram_bytes)} of RAM ({self.budget.source}): "
+            f"peak RSS {_size(self.peak_rss_bytes)}"
+        ]
+        for name, t in rows:
+            if t.ram_bytes or t.nvme_bytes:
+                out.append(
+                    f"  {name:<26} RAM {_size(t.ram_bytes):>10}   NVMe {_size(t.nvme_bytes):>10}"
+                )
+        out.append(f"  {'NVMe staging buffers':<26} RAM {_size(self.buffers_bytes):>10}")
+        out.append(
+            f"  NVMe per step: {_size(self.nvme_read_bytes_per_step)} read, "
+            f"{_size(self.nvme_write_bytes_per_step)} written"
+        )
+        return out
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def plan_placement(
+    shape: ModelShape,
+    config: Config,
+    budget: Budget,
+    *,
+    gpu: bool,
+    seq_len: int,
+    checkpointing: bool = False,
+    runtime_bytes: int,
+    world_size: int = 1,
+) -> Placement:
+    """The placement of `shape` trained under `config` (its offload devices are what the
+    planner chooses; the nvme_path must be set) within `budget` (see [Note: what the planner
+    keeps in RAM]). `gpu`: the device is a GPU (its host memory pins; on the CPU device the
+    device memory is host RAM); `runtime_bytes`: the process's RSS before the model."""
+    config = resolve_config(config, shape)
+    evaluate = _Evaluator(shape, config, budget, gpu, seq_len, checkpointing, runtime_bytes,
+                          world_size)  # fmt: skip
+    plans = [p for p in (evaluate.best("cpu"), evaluate.best("nvme")) if p is not None]
+    if not plans:
+        floor = evaluate.plan("nvme", 0, 0)
+        raise ValueError(
+            f"a RAM budget of {budget.ram_bytes / 2**30:.2f} GiB ({budget.source}) is below "
+            f"the {floor.peak_rss_bytes / 2**30:.2f} GiB this run needs with everything on "
+            "NVMe; raise --ram-budget, or lower zero_optimization.sub_group_size (the state "
+            "pipeline's buffers) or the batch"
+        )
+    return min(plans, key=lambda p: (_moved(p), p.peak_rss_bytes))
+
+
+def _moved(p: Placement) -> int:
+    return p.nvme_read_bytes_per_step + p.nvme_write_bytes_per_step
+
+
+class _Evaluator:
+    """Plans for one run: the estimate's sizes and peak RSS of each candidate."""
+
+    def __init__(self, shape, config, budget, gpu, seq_len, checkpointing, runtime, world):
+        self.shape, self.config, self.budget = shape, config, budget
+        self.gpu, self.checkpointing, self.runtime, self.world = gpu, checkpointing, runtime, world
+        micro = int(config.train_micro_batch_size_per_gpu)
+        itemsize = 2 if config.precision in ("bf16", "fp16") else 4
+        self.acts = activation_bytes(shape, micro * seq_len, seq_len, itemsize, checkpointing)
+        frozen = [p.numel for p in shape.params if not p.trainable]
+        self.frozen_steps = [0]
+        for n in frozen:  # max_in_cpu values at which one more frozen parameter fits
+            self.frozen_steps.append(self.frozen_steps[-1] + n)
+        numels = layout_of(shape, config, world).sub_group_numels
+        self.state_steps = [0]
+        for n in numels:
+            self.state_steps.append(self.state_steps[-1] + n)
+
+    def plan(self, param: str, frozen: int, state: int) -> Placement:
+        raw = self.config.to_dict()
+        zero = raw["zero_optimization"]
+        zero["offload_param"].update(device=param, max_in_cpu=frozen)
+        zero["offload_optimizer"].update(device="nvme", max_in_cpu=state)
+        cfg = Config.load(raw)
+        sz = sizes(self.shape, cfg, pins=self.gpu, checkpointing=self.checkpointing,
+                   aliases=not self.gpu, world_size=self.world)  # fmt: skip
+        device, _, peak = memory_of(self.shape, cfg, sz, gpu=self.gpu, acts=self.acts,
+                               alias=not self.gpu, recycled=not self.gpu,
+                               runtime_bytes=self.runtime)  # fmt: skip
+        return _placement(param, frozen, state, sz, (peak, device), self.budget, cfg)
+
+    def best(self, param: str) -> Placement | None:
+        """The frozen parameters, then the sub-groups, that fit, with `param`'s home."""
+        frozen_steps = self.frozen_steps if param == "nvme" else [0]  # "cpu": all in RAM
+        fits = self._fits(lambda k: self.plan(param, frozen_steps[k], 0), frozen_steps)
+        if fits is None:
+            return None
+        frozen = frozen_steps[fits]
+        fits = self._fits(lambda k: self.plan(param, frozen, self.state_steps[k]), self.state_steps)
+        return self.plan(param, frozen, self.state_steps[fits or 0])
+
+    def _fits(self, make: Callable[[int], Placement], steps: list[int]) -> int | None:
+        """The largest k whose plan fits the budget (peak RSS grows with k; the last step,
+        everything in RAM, is tried on its own: it drops the NVMe buffers), None if none."""
+        ok = lambda k: make(k).peak_rss_bytes <= self.budget.ram_bytes  # noqa: E731
+        last = len(steps) - 1
+        if ok(last):
+            return last
+        if not ok(0):
+            return None
+        lo, hi = 0, last - 1  # ok(lo) holds
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+        return lo
+
+
+def _placement(
+    param: str,
+    frozen: int,
+    state: int,
+    sz: Sizes,
+    memory: tuple[int, int],
+    budget: Budget,
+    cfg: Config,
+) -> Placement:
+    weights_ram = sz.weights_host_bytes if param == "cpu" else 0  # else the staging ring
+    state_ram = sz.state_host_bytes - sz.state_buffer_bytes
+    accum = int(cfg.gradient_accumulation_steps)
+    read = sz.optim_read_bytes_per_step + sz.grad_read_bytes_per_step
+    read += sz.param_read_bytes_per_micro_step * accum
+    write = sz.optim_write_bytes_per_step + sz.grad_write_bytes_per_step
+    write += sz.param_write_bytes_per_step
+    return Placement(
+        param_device=param, param_max_in_cpu=frozen, optim_device="nvme",
+        optim_max_in_cpu=state,
+        weights=Tiers(weights_ram, sz.param_nvme_bytes - sz.frozen_nvme_bytes),
+        frozen=Tiers(sz.frozen_host_bytes, sz.frozen_nvme_bytes),
+        state=Tiers(state_ram, sz.optim_nvme_bytes),
+        grads=Tiers(sz.grad_host_bytes, sz.grad_nvme_bytes),
+        buffers_bytes=sz.param_pool_bytes + sz.state_buffer_bytes,
+        nvme_read_bytes_per_step=read, nvme_write_bytes_per_step=write,
+        peak_rss_bytes=memory[0], device_bytes=memory[1], budget=budget,
+    )  # fmt: skip

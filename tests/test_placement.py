@@ -1,0 +1,135 @@
+"""The placement planner (`infinity.estimate.placement`) and its flags: within a RAM budget
+it keeps in RAM what fits and moves the rest to NVMe; more budget never moves more bytes; the
+engine, given the plan's config, moves exactly the bytes the plan says; a budget below the
+all-NVMe plan is refused with that minimum."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+import infinity
+from infinity.cli.placement import parse_size, planned
+from infinity.config import Config
+from infinity.estimate import model_shape
+from infinity.estimate.placement import Budget, plan_placement
+from infinity.models import LlamaConfig, LlamaForCausalLM
+from infinity.models.lora import LoraSpec, apply_lora
+
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+RUNTIME = 200 << 20  # the process's RSS before the model, as the plan is told it
+SEQ = 16
+
+
+def _config(path, *, dtype: str = "bf16", accum: int = 1) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 20000,
+            "stage3_param_persistence_threshold": 1000,
+            "stage3_prefetch_bucket_size": 20000,
+            "stage3_max_live_parameters": 30000,
+            "offload_param": {"device": "nvme", "nvme_path": str(path)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
+        },
+    }
+    if dtype != "fp32":
+        cfg[dtype] = {"enabled": True}
+    return cfg
+
+
+def _plan(path, ram: int, *, lora_r: int = 0, **kw):
+    shape = model_shape(LlamaConfig(**SHAPE), lora_r=lora_r)
+    return plan_placement(shape, Config.load(_config(path, **kw)), Budget(ram, "test"),
+                          gpu=False, seq_len=SEQ, runtime_bytes=RUNTIME)  # fmt: skip
+
+
+def _moved(p) -> int:
+    return p.nvme_read_bytes_per_step + p.nvme_write_bytes_per_step
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_more_budget_never_moves_more_bytes_and_every_plan_fits(tmp_path, lora_r):
+    floor = _plan(tmp_path, 1 << 40, lora_r=lora_r)  # everything fits: nothing moves
+    assert _moved(floor) == 0 and floor.state.nvme_bytes == floor.frozen.nvme_bytes == 0
+    with pytest.raises(ValueError, match=r"below the .* GiB this run needs with everything"):
+        _plan(tmp_path, RUNTIME, lora_r=lora_r)
+    moved = []
+    for extra in range(0, 70):
+        budget = RUNTIME + extra * (1 << 16)  # 64 KiB steps past the runtime
+        try:
+            p = _plan(tmp_path, budget, lora_r=lora_r)
+        except ValueError:
+            continue
+        assert p.peak_rss_bytes <= budget
+        moved.append(_moved(p))
+    assert len(moved) > 5 and moved == sorted(moved, reverse=True)
+    assert moved[0] > moved[-1]  # a real trade: some budgets keep more in RAM than others
+
+
+def test_a_mixed_plan_splits_the_optimizer_state(tmp_path):
+    plans = [_plan(tmp_path, RUNTIME + k * (1 << 16)) for k in range(30, 56)]
+    mixed = [p for p in plans if p.state.ram_bytes and p.state.nvme_bytes]
+    assert mixed, "some budget keeps part of the optimizer state in RAM and part on NVMe"
+
+
+def _engine_bytes(cfg: dict, lora_r: int, steps: int = 3) -> tuple[int, int]:
+    torch.manual_seed(0)
+    with infinity.init(cfg):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+        if lora_r:
+            model = apply_lora(model, LoraSpec(r=lora_r))
+    engine = infinity.initialize(model, cfg)
+    ids = torch.randint(0, 256, (2, SEQ))
+    stats = []
+    for _ in range(steps):
+        engine.backward(engine(ids, labels=ids))
+        engine.step()
+        stats.append(engine.memory_stats())
+    engine.close()
+    keys = ("nvme_optim_bytes_{}", "nvme_param_bytes_{}", "nvme_grad_bytes_{}")
+    read = sum(stats[-1].get(k.format("read"), 0) - stats[-2].get(k.format("read"), 0)
+               for k in keys)  # fmt: skip
+    written = sum(stats[-1].get(k.format("written"), 0) - stats[-2].get(k.format("written"), 0)
+                  for k in keys)  # fmt: skip
+    return read, written
+
+
+@pytest.mark.parametrize(("lora_r", "extra"), [(0, 30), (0, 38), (0, 50), (4, 30), (4, 32)])
+def test_the_engine_moves_exactly_the_planned_bytes(tmp_path, lora_r, extra):
+    plan = _plan(tmp_path, RUNTIME + extra * (1 << 16), lora_r=lora_r)
+    assert _moved(plan) > 0  # the budget leaves something on NVMe
+    cfg = plan.apply(Config.load(_config(tmp_path))).to_dict()
+    read, written = _engine_bytes(cfg, lora_r)
+    assert (read, written) == (plan.nvme_read_bytes_per_step, plan.nvme_write_bytes_per_step)
+
+
+def test_sizes_are_read_as_people_write_them():
+    assert parse_size("16G") == parse_size("16GiB") == 16 * 2**30
+    assert parse_size("16GB") == 16 * 10**9
+    assert parse_size("512M") == 512 * 2**20 and parse_size("1.5g") == 3 * 2**29
+    assert parse_size("4096") == 4096
+    for bad in ("", "G", "-1G", "16X", "0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+            parse_size(bad)
+
+
+def test_the_planner_decides_only_for_nvme_without_named_devices(tmp_path):
+    def args(**kw):
+        return argparse.Namespace(**{"nvme": "/x", "placement": "auto", "config": None, **kw})
+
+    assert planned(args())
+    assert not planned(args(nvme=None)) and not planned(args(placement="nvme"))
+    named = tmp_path / "c.json"
+    named.write_text(json.dumps({"zero_optimization": {"offload_param": {"device": "cpu"}}}))
+    assert not planned(args(config=str(named)))
+    other = tmp_path / "o.json"
+    other.write_text(json.dumps({"zero_optimization": {"sub_group_size": 1000}}))
+    assert planned(args(config=str(other)))
