@@ -157,6 +157,13 @@ def test_sft_matches_the_plain_sft_trainer(tmp_path, kind):
     ours.end()
 
 
+def test_an_optimizer_of_ones_own_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs= are not supported"):
+        InfinitySFTTrainer(
+            model=None, optimizer_cls_and_kwargs=(torch.optim.SGD, {}), infinity_config={}
+        )
+
+
 def test_importing_infinity_does_not_import_trl():
     code = "import sys, infinity, infinity.integrations.hf; assert 'trl' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
