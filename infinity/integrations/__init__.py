@@ -1,2 +1,2 @@
-"""Infinity inside other training tools: `hf` (the Hugging Face Trainer). Each module imports
-its tool on use, so `import infinity` never needs them."""
+"""Infinity inside other training tools: `hf` (the Hugging Face Trainer) and `sft` (TRL's
+SFTTrainer). Each module imports its tool on use, so `import infinity` never needs them."""

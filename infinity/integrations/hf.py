@@ -154,11 +154,12 @@ class InfinityTrainer(transformers.Trainer):
                 '(e.g. {"zero_optimization": {"stage": 3}}; "auto" values come from args)'
             )
         optimizers = kwargs.get("optimizers", (None, None))
-        if any(o is not None for o in optimizers):
+        if any(o is not None for o in optimizers) or kwargs.get("optimizer_cls_and_kwargs"):
             raise ValueError(
-                "InfinityTrainer: optimizers= is not supported, the optimizer step is the "
-                "engine's; configure it in infinity_config's optimizer section (or through "
-                "TrainingArguments: learning_rate, adam_beta1/2, adam_epsilon, weight_decay)"
+                "InfinityTrainer: optimizers= and optimizer_cls_and_kwargs= are not "
+                "supported, the optimizer step is the engine's; configure it in "
+                "infinity_config's optimizer section (or through TrainingArguments: "
+                "learning_rate, adam_beta1/2, adam_epsilon, weight_decay)"
             )
         super().__init__(*args, **kwargs)
         if self.args.deepspeed:

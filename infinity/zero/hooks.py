@@ -47,6 +47,11 @@ so later iterations prefetch it), gradient hooks on its inputs and outputs bring
 its backward, and they are released right after unless reused soon. The parameter is never
 held for the whole forward of the module that borrowed it.
 
+[Note: fused kernels] `Function.apply` (TRL's fused LM head) is no torch function, and
+autograd records an input parameter's shape when it is applied: the parameter must be
+gathered by then. `begin_external_call` / `end_external_call` bracket such code as a call
+of a unit of its own: gathered and pinned throughout, hooked for backward as a module call.
+
 [Note: the hooks' own work] The hooks call the coordinator, whose tensor work (copies,
 views) must not be taken for the model's use of a parameter. Every hook body that does such
 work runs inside `ModelHooks.own_work()` (the `_own_work` decorator on whole methods), which
@@ -362,16 +367,39 @@ class ModelHooks:
         """Run one torch function that uses parameters of other modules, as if it were a
         module of its own: gathered (and traced, so prefetched) right before, hooked for
         backward, released per the reuse rule right after."""
-        key = recs[0] if len(recs) == 1 else tuple(recs)
-        unit = self._external.get(key)
-        if unit is None:
-            unit = self._external[key] = ModuleUnit("+".join(r.name for r in recs) + "@use", recs)
         with self.own_work():
-            call = self._enter(unit, args, kwargs)
+            call = self._enter(self._external_unit(recs), args, kwargs)
         out = func(*args, **kwargs)
         with self.own_work():
             self._exit(call, out)
         return out
+
+    def _external_unit(self, recs: list[OffloadParam]) -> ModuleUnit:
+        key = recs[0] if len(recs) == 1 else tuple(recs)
+        unit = self._external.get(key)
+        if unit is None:
+            unit = self._external[key] = ModuleUnit("+".join(r.name for r in recs) + "@use", recs)
+        return unit
+
+    @_own_work
+    def begin_external_call(self, params: Iterable[nn.Parameter], inputs: tuple) -> _Call:
+        """Begin code that reads `params` outside torch functions, with `inputs`: they stay
+        gathered and pinned until `end_external_call` (see [Note: fused kernels])."""
+        recs = list(dict.fromkeys(self.by_param[p] for p in params))
+        call = self._enter(self._external_unit(recs), inputs, {})
+        self.stack.append(call)
+        return call
+
+    def end_external_call(self, call: _Call, output) -> None:
+        """End `call` with its `output` (None when the code raised), hooked for backward."""
+        if not self.stack or self.stack[-1] is not call:
+            raise RuntimeError(
+                f"end_external_call of {call.unit.name!r}: it is not the innermost running "
+                "call; end external calls in the reverse order of their beginnings"
+            )
+        self.stack.pop()
+        with self.own_work():
+            self._exit(call, output)
 
 
 class GatherOnUse(TorchFunctionMode):
