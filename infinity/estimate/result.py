@@ -198,15 +198,12 @@ def estimate(
         recycled=recycled,
     )  # fmt: skip
     acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
-    device, steady, peak = memory_of(
-        shape, config, sz, gpu=gpu is not None, acts=acts, alias=alias, recycled=recycled,
-        runtime_bytes=runtime_bytes,
-    )  # fmt: skip
+    memory = dict(acts=acts, alias=alias, recycled=recycled, runtime_bytes=runtime_bytes)
+    device, steady, peak = memory_of(shape, config, sz, gpu=gpu is not None, **memory)
     est = Estimate(
         sizes=sz, times=times, rates=rates, peak_rss_bytes=peak, steady_rss_bytes=steady,
         device_bytes=device, activation_bytes=acts, bound=bound_of(times), advice=[],
-        params=shape.numel, trainable_params=shape.trainable_numel,
-        tokens_per_step=tokens * accum,
+        params=shape.numel, trainable_params=shape.trainable_numel, tokens_per_step=tokens * accum,
         inputs=_inputs(shape, config, rates, seq_len, activation_checkpointing),
     )  # fmt: skip
     if ram_bytes is None:  # this machine's RAM says nothing about a GPU machine's

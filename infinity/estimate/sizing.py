@@ -143,8 +143,7 @@ def sizes(
     does; False replays runs made before they did). `world_size`: the ranks the parameters
     are sharded across; every byte is one rank's (its homes, optimizer state, gradients and
     NVMe reads hold its shards; the live budget counts gathered, whole parameters)."""
-    zero = config.zero_optimization
-    dtype = model_dtype(config)
+    zero, dtype = config.zero_optimization, model_dtype(config)
     itemsize = dtype.itemsize
     homes = home_numels(shape, world_size)
     layout = layout_of(shape, config, world_size)
