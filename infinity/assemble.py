@@ -49,6 +49,7 @@ from infinity.swap import (
     make_param_tier,
     make_state_tier,
 )
+from infinity.utils.phase_clock import PhaseClock
 from infinity.utils.step_timer import StepTimer
 from infinity.zero import (
     BackwardEntry,
@@ -123,6 +124,8 @@ class PartitionedModel:
     grad_reducer: GradReducer | None = None
     grad_offload: GradOffload | None = None
     grad_handles: list = field(default_factory=list)
+    startup_s: dict[str, float] = field(default_factory=dict)
+    """Seconds `assemble` spent in each step (check, tiers, partition, optimizer, runtime)."""
 
     def memory_stats(self) -> dict[str, int]:
         """See `Engine.memory_stats`."""
@@ -201,6 +204,7 @@ def assemble(
     """Partition `model` under the resolved `config` and build what trains it, in the order
     the module's docstring gives. `loss_scale` returns the fp16 loss scale (None: none);
     `timer` times plain backwards."""
+    clock = PhaseClock()
     if comm.world_size > 1:
         check_same_weights(model.named_parameters(), comm)
     named = list(model.named_parameters())
@@ -209,12 +213,18 @@ def assemble(
     parts = PartitionedModel(
         model, config, comm, accelerator, SwapStores(rank=comm.rank), param_tier=None
     )
+    parts.startup_s = clock.seconds
+    clock.lap("check")
     try:
         plan, state_tier = _tiers(parts, named, trainable)
+        clock.lap("tiers")
         parts.records, units, sources = partition_model(model, config, accelerator, plan)
+        clock.lap("partition")
         _optimizer(parts, plan, state_tier, trainable, sources, no_decay)
         del sources  # the optimizer has written them into their homes
+        clock.lap("optimizer")
         _runtime(parts, units, timer, loss_scale)
+        clock.lap("runtime")
     except BaseException:  # no swap directory or lock outlives a failed start
         parts.close()
         raise

@@ -182,3 +182,16 @@ def test_tokenize_rss_tiny(tmp_path):
     assert jsonl["n_tokens"] > text["n_tokens"]  # an EOS per line
     assert 0 < text["peak_rss_bytes"] < 2 << 30
     assert not (tmp_path / "w").exists()
+
+
+def test_startup_tiny(tmp_path):
+    out = tmp_path / "s.json"
+    _bench("startup.py", "--preset", "tiny", "--dtype", "fp32", "--seq-len", "16",
+           "--workdir", tmp_path, "--json", out, timeout=180)  # fmt: skip
+    rec = json.loads(out.read_text())
+    (run,) = rec["runs"]
+    assert set(run["phases_s"]) == {"data", "placement", "disk_check", "model", "engine"}
+    assert set(run["engine_phases_s"]) == {"check", "tiers", "partition", "optimizer", "runtime"}
+    assert 0 < run["ready_s"] <= run["before_step1_s"]
+    assert run["step1_s"] > 0 and run["num_params"] > 0
+    assert not any(tmp_path.glob("startup-*"))  # its work folder is removed

@@ -63,6 +63,7 @@ from infinity.data import PackedDataset, open_dataset
 from infinity.data.tokenizer import tokenizer_files
 from infinity.models import hf_auto
 from infinity.models.lora import apply_lora, lora_targets
+from infinity.utils.phase_clock import PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class TrainRun:
         """The --eval-data sequences, read in file order (see train_eval)."""
         self._eval_loss: float | None = None
         """The latest validation loss, for the progress bar."""
+        self.startup_s: dict[str, float] = {}
+        """Seconds of each phase before the first step (data, placement, disk_check, model,
+        engine)."""
 
     # -- building ------------------------------------------------------------------------
 
@@ -330,16 +334,25 @@ class TrainRun:
             return stop.exit_code
 
     def _run(self, signals: StopSignals) -> int:
+        clock = PhaseClock()
         resume = self._prepare_save_dir()
         data = self._data()
         self.eval_data = self._eval_data()
         config, steps = self._resolved(data)
+        clock.lap("data")
         config = self._placed(config)
+        clock.lap("placement")
         self.ranks.decide(lambda: self._check_disk(config, steps))  # one disk check
+        clock.lap("disk_check")
         model = self._model(config)
+        clock.lap("model")
         engine = infinity.initialize(
             model, config, base_model=self._base_source(config), comm=self.ranks.comm
         )
+        clock.lap("engine")
+        self.startup_s = clock.seconds
+        inner = ", ".join(f"{k} {v:.2f} s" for k, v in engine.parts.startup_s.items())
+        log.info("ready to train in %s; engine: %s", clock.describe(), inner)
         try:
             code = self._train(engine, data, config, steps, signals, resume)
         except BaseException:

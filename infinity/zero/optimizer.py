@@ -152,12 +152,16 @@ class PartitionedOptimizer:
         for g in range(layout.num_sub_groups):
             start, stop = layout.range(g)
             out = self.weights.out(start, stop)
-            if not self.aliased:
-                out.zero_()
             pieces = layout.pieces(g)
+            done = 0  # out[:done] is written: the pieces cover it, the padding between is zero
             for slot, a, b in pieces:
                 at = layout.offsets[slot] + a - start
+                if not self.aliased:
+                    out[done:at].zero_()
                 out[at : at + b - a].copy_(slots[slot].partition[a:b])
+                done = at + b - a
+            if not self.aliased:
+                out[done:].zero_()
             release_build_pages(slots[slot].partition for slot, _, _ in pieces)
             if not self.aliased:
                 self.store.initialize(g, out)
