@@ -138,11 +138,13 @@ def plan_placement(
     plans = [p for p in (evaluate.best("cpu"), evaluate.best("nvme")) if p is not None]
     if not plans:
         floor = evaluate.plan("nvme", 0, 0)
+        device = "" if gpu else f", the device's memory (host RAM here) {_size(floor.device_bytes)}"
         raise ValueError(
-            f"a RAM budget of {budget.ram_bytes / 2**30:.2f} GiB ({budget.source}) is below "
-            f"the {floor.peak_rss_bytes / 2**30:.2f} GiB this run needs with everything on "
-            "NVMe; raise --ram-budget, or lower zero_optimization.sub_group_size (the state "
-            "pipeline's buffers) or the batch"
+            f"a RAM budget of {_size(budget.ram_bytes)} ({budget.source}) is below the "
+            f"{_size(floor.peak_rss_bytes)} this run needs with everything on NVMe (its NVMe "
+            f"staging buffers take {_size(floor.buffers_bytes)}{device}); raise --ram-budget, "
+            "or shrink the buffers: offload_param.buffer_count (each holds the largest "
+            "parameter), zero_optimization.sub_group_size, stage3_max_live_parameters"
         )
     return min(plans, key=lambda p: (_moved(p), p.peak_rss_bytes))
 
