@@ -33,8 +33,9 @@ SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_l
 
 
 def _config(
-    path, *, param="nvme", optim="nvme", dtype="bf16", accum=1, optim_in_cpu=0, **zero
-) -> dict:
+    path, *, param="nvme", optim="nvme", dtype="bf16", accum=1, optim_in_cpu=0,
+    grads_in_cpu=False, **zero,
+) -> dict:  # fmt: skip
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accum,
@@ -49,6 +50,7 @@ def _config(
                 "device": optim,
                 "nvme_path": str(path),
                 "max_in_cpu": optim_in_cpu,
+                "gradients_in_cpu": grads_in_cpu,
             },
             **zero,
         },
@@ -112,6 +114,9 @@ CASES = {
     "optim-split-bf16": dict(param="cpu", optim_in_cpu=45000),
     "optim-split-fp32-accum2": dict(dtype="fp32", accum=2, optim_in_cpu=41000),
     "optim-nvme-device-all-in-ram": dict(optim_in_cpu=10**9),
+    # The state on NVMe (part of it in RAM), every fp32 gradient in RAM across accumulation.
+    "grads-in-ram-state-split-accum3": dict(accum=3, optim_in_cpu=41000, grads_in_cpu=True),
+    "grads-in-ram-state-nvme-fp32": dict(dtype="fp32", param="cpu", grads_in_cpu=True),
 }
 # Spilled gradients over accumulation windows: which sub-groups backward finds in a buffer,
 # reads back whole, or adds to on disk row by row depends on the window and the sub-groups.

@@ -81,6 +81,7 @@ def test_a_mixed_plan_splits_the_optimizer_state(tmp_path):
 
 
 def _engine_bytes(cfg: dict, lora_r: int, steps: int = 3) -> tuple[int, int]:
+    """NVMe bytes read and written in the last of `steps` optimizer steps."""
     torch.manual_seed(0)
     with infinity.init(cfg):
         model = LlamaForCausalLM(LlamaConfig(**SHAPE))
@@ -90,8 +91,9 @@ def _engine_bytes(cfg: dict, lora_r: int, steps: int = 3) -> tuple[int, int]:
     ids = torch.randint(0, 256, (2, SEQ))
     stats = []
     for _ in range(steps):
-        engine.backward(engine(ids, labels=ids))
-        engine.step()
+        for _ in range(engine.gradient_accumulation_steps):
+            engine.backward(engine(ids, labels=ids))
+            engine.step()
         stats.append(engine.memory_stats())
     engine.close()
     keys = ("nvme_optim_bytes_{}", "nvme_param_bytes_{}", "nvme_grad_bytes_{}")
@@ -133,3 +135,14 @@ def test_the_planner_decides_only_for_nvme_without_named_devices(tmp_path):
     other = tmp_path / "o.json"
     other.write_text(json.dumps({"zero_optimization": {"sub_group_size": 1000}}))
     assert planned(args(config=str(other)))
+
+
+def test_with_accumulation_the_gradients_stay_in_ram_before_the_state(tmp_path):
+    # Spilled, each gradient is read and written at every micro batch: 4 bytes held save
+    # more than the state's 12, so some budget keeps every gradient in RAM with state spilled.
+    plans = [_plan(tmp_path, RUNTIME + k * (1 << 16), accum=4) for k in range(30, 60)]
+    chosen = [p for p in plans if p.gradients_in_cpu and p.state.nvme_bytes]
+    assert chosen
+    cfg = chosen[0].apply(Config.load(_config(tmp_path, accum=4))).to_dict()
+    want = (chosen[0].nvme_read_bytes_per_step, chosen[0].nvme_write_bytes_per_step)
+    assert _engine_bytes(cfg, 0) == want

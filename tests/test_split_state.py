@@ -11,18 +11,23 @@ from _engine_models import Zoo, batches, config, run_engine, train_steps
 
 import infinity
 from infinity.config.sections import OffloadOptimizerConfig
+from infinity.swap.grad_tier import HostGradTier
 from infinity.swap.split_state import SplitStateTier, ram_sub_groups, state_in_ram
 from infinity.swap.state_tier import HostStateTier
 
 SUB_GROUP = 4096  # the Zoo's slots make several sub-groups of this size
 
 
-def _cfg(tmp_path, in_ram: int | None, *, dtype: str = "bf16", accum: int = 1) -> dict:
-    """State all in RAM (None), or on NVMe with `in_ram` elements kept in RAM."""
+def _cfg(
+    tmp_path, in_ram: int | None, *, dtype: str = "bf16", accum: int = 1, grads: bool = False
+) -> dict:
+    """State all in RAM (None), or on NVMe with `in_ram` elements kept in RAM (and with
+    `grads` every gradient in RAM)."""
     optim = {"device": "cpu"}
     if in_ram is not None:
         (tmp_path / "swap").mkdir(parents=True, exist_ok=True)
-        optim = {"device": "nvme", "nvme_path": str(tmp_path / "swap"), "max_in_cpu": in_ram}
+        optim = {"device": "nvme", "nvme_path": str(tmp_path / "swap"), "max_in_cpu": in_ram,
+                 "gradients_in_cpu": grads}  # fmt: skip
     cfg = config(sub_group_size=SUB_GROUP, offload_optimizer=optim)
     cfg["gradient_accumulation_steps"] = accum
     if dtype != "fp32":
@@ -47,17 +52,21 @@ def test_every_split_trains_bitwise_as_all_ram_and_all_nvme(tmp_path, dtype, acc
     model = Zoo()
     data = batches(6)
     runs = {}
-    for name, in_ram in (("ram", None), ("nvme", 0), ("split", 2 * SUB_GROUP)):
-        losses, engine = run_engine(model, data, _cfg(tmp_path / name, in_ram, dtype=dtype,
-                                                      accum=accum))  # fmt: skip
+    placements = (("ram", None, False), ("nvme", 0, False), ("split", 2 * SUB_GROUP, False),
+                  ("nvme-grads-in-ram", 0, True))  # fmt: skip
+    for name, in_ram, grads in placements:
+        cfg = _cfg(tmp_path / name, in_ram, dtype=dtype, accum=accum, grads=grads)
+        losses, engine = run_engine(model, data, cfg)
         store = engine.optimizer.store
         if name == "split":
             assert isinstance(store, SplitStateTier) and store.in_ram == 2
             assert store.stats.bytes_read > 0  # the NVMe part was really swept
+        if name == "nvme-grads-in-ram":
+            assert isinstance(engine.optimizer.grads, HostGradTier)
         weights = [r.home.read() for r in engine.records]
         runs[name] = (losses, weights, engine.memory_stats())
         engine.close()
-    for name in ("nvme", "split"):
+    for name in ("nvme", "split", "nvme-grads-in-ram"):
         assert runs[name][0] == runs["ram"][0]  # bitwise
         for a, b in zip(runs[name][1], runs["ram"][1], strict=True):
             assert torch.equal(a, b)

@@ -68,6 +68,11 @@ class OffloadOptimizerConfig:
     sub-groups that fit in it whole stay in RAM (12 bytes per element, stepped in place) and
     the rest go to NVMe. Infinity's key (DeepSpeed's offload_optimizer has none); the
     placement planner sets it. Results are the same wherever each sub-group lives."""
+    gradients_in_cpu: bool = False
+    """Keep every fp32 gradient partition in host memory (4 bytes per trainable element)
+    even when some optimizer state is on NVMe; by default they spill to NVMe with the state.
+    Infinity's key, set by the placement planner: with gradient accumulation each micro
+    batch adds into them, so a spilled gradient is read and written again at every one."""
 
 
 @dataclass(kw_only=True, slots=True)

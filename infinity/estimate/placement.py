@@ -12,11 +12,13 @@ bytes per step for the bytes it frees. For each home of the 16-bit trainable wei
 NVMe), it keeps in RAM the frozen parameters that fit first (in model order, as
 `offload_param.max_in_cpu` keeps them: each one kept is a read per forward and per backward
 saved), then the optimizer's sub-groups that fit (`offload_optimizer.max_in_cpu`: each one
-kept saves reading and writing its 12 bytes per element every step; all of them kept also
-keeps the gradients in RAM), and of the two homes it takes the one with the fewest NVMe bytes
-per step, then the smaller peak RSS. Peak RSS is the estimate's (`memory_of`), which counts
-the pipelines' buffers and, on the CPU device, the device memory. A budget below the
-all-NVMe plan's peak RSS is refused with that minimum.
+kept saves reading and writing its 12 bytes per element every step), with the fp32 gradients
+spilled with the state or all kept in RAM (`offload_optimizer.gradients_in_cpu`: with
+accumulation a spilled gradient is read and written again at every micro batch, so 4 bytes
+held can save far more than the state's 12), and of the two homes it takes the one with the
+fewest NVMe bytes per step, then the smaller peak RSS. Peak RSS is the estimate's
+(`memory_of`), which counts the pipelines' buffers and, on the CPU device, the device memory.
+A budget below the all-NVMe plan's peak RSS is refused with that minimum.
 
 It does not place tensors on the GPU beyond what the engine keeps there (the live set and
 the activations): device-resident weights and accumulators are not planned yet.
@@ -62,6 +64,8 @@ class Placement:
     """offload_optimizer.device ("nvme" also when every sub-group is kept in RAM)."""
     optim_max_in_cpu: int
     """offload_optimizer.max_in_cpu: elements of optimizer state kept in RAM."""
+    gradients_in_cpu: bool
+    """offload_optimizer.gradients_in_cpu: every fp32 gradient in RAM though state spills."""
     weights: Tiers
     frozen: Tiers
     state: Tiers
@@ -82,7 +86,8 @@ class Placement:
         param = zero.setdefault("offload_param", {})
         param.update(device=self.param_device, max_in_cpu=self.param_max_in_cpu)
         optim = zero.setdefault("offload_optimizer", {})
-        optim.update(device=self.optim_device, max_in_cpu=self.optim_max_in_cpu)
+        optim.update(device=self.optim_device, max_in_cpu=self.optim_max_in_cpu,
+                     gradients_in_cpu=self.gradients_in_cpu)  # fmt: skip
         return Config.load(raw)
 
     def to_dict(self) -> dict:
@@ -171,18 +176,18 @@ class _Evaluator:
         for n in numels:
             self.state_steps.append(self.state_steps[-1] + n)
 
-    def plan(self, param: str, frozen: int, state: int) -> Placement:
+    def plan(self, param: str, frozen: int, state: int, grads: bool = False) -> Placement:
         raw = self.config.to_dict()
         zero = raw["zero_optimization"]
         zero["offload_param"].update(device=param, max_in_cpu=frozen)
-        zero["offload_optimizer"].update(device="nvme", max_in_cpu=state)
+        zero["offload_optimizer"].update(device="nvme", max_in_cpu=state, gradients_in_cpu=grads)
         cfg = Config.load(raw)
         sz = sizes(self.shape, cfg, pins=self.gpu, checkpointing=self.checkpointing,
                    aliases=not self.gpu, world_size=self.world)  # fmt: skip
         device, _, peak = memory_of(self.shape, cfg, sz, gpu=self.gpu, acts=self.acts,
                                alias=not self.gpu, recycled=not self.gpu,
                                runtime_bytes=self.runtime)  # fmt: skip
-        return _placement(param, frozen, state, sz, (peak, device), self.budget, cfg)
+        return _placement(param, (frozen, state, grads), sz, (peak, device), self.budget, cfg)
 
     def best(self, param: str) -> Placement | None:
         """The frozen parameters, then the sub-groups, that fit, with `param`'s home."""
@@ -191,8 +196,13 @@ class _Evaluator:
         if fits is None:
             return None
         frozen = frozen_steps[fits]
-        fits = self._fits(lambda k: self.plan(param, frozen, self.state_steps[k]), self.state_steps)
-        return self.plan(param, frozen, self.state_steps[fits or 0])
+        plans = []
+        steps = self.state_steps
+        for grads in (False, True):  # the gradients spilled with the state, or all in RAM
+            fits = self._fits(lambda k, g=grads: self.plan(param, frozen, steps[k], g), steps)
+            if fits is not None:
+                plans.append(self.plan(param, frozen, steps[fits], grads))
+        return min(plans, key=lambda p: (_moved(p), p.peak_rss_bytes))
 
     def _fits(self, make: Callable[[int], Placement], steps: list[int]) -> int | None:
         """The largest k whose plan fits the budget (peak RSS grows with k; the last step,
@@ -212,8 +222,7 @@ class _Evaluator:
 
 def _placement(
     param: str,
-    frozen: int,
-    state: int,
+    kept: tuple[int, int, bool],
     sz: Sizes,
     memory: tuple[int, int],
     budget: Budget,
@@ -227,8 +236,8 @@ def _placement(
     write = sz.optim_write_bytes_per_step + sz.grad_write_bytes_per_step
     write += sz.param_write_bytes_per_step
     return Placement(
-        param_device=param, param_max_in_cpu=frozen, optim_device="nvme",
-        optim_max_in_cpu=state,
+        param_device=param, param_max_in_cpu=kept[0], optim_device="nvme",
+        optim_max_in_cpu=kept[1], gradients_in_cpu=kept[2],
         weights=Tiers(weights_ram, sz.param_nvme_bytes - sz.frozen_nvme_bytes),
         frozen=Tiers(sz.frozen_host_bytes, sz.frozen_nvme_bytes),
         state=Tiers(state_ram, sz.optim_nvme_bytes),

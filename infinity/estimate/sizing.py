@@ -136,13 +136,12 @@ def sizes(
 ) -> Sizes:
     """Every byte term for `shape` under a resolved `config`; `pins`: the device's host
     memory can be pinned (a GPU; the CPU device never pins). `grads_spill`: the fp32
-    gradients go to NVMe per sub-group (default: when the optimizer state does, as the
-    engine does; False replays runs made before gradients could spill). `checkpointing`:
-    activation checkpointing, which changes the order backward gathers in. `aliases`: gathers
-    from host homes alias them instead of copying (default: on the CPU device, as the engine
-    does; False replays runs made before they did). `world_size`: the ranks the parameters
-    are sharded across; every byte is one rank's (its homes, optimizer state, gradients and
-    NVMe reads hold its shards; the live budget counts gathered, whole parameters)."""
+    gradients go to NVMe per sub-group (default: as the engine decides, `gradients_spill`;
+    False replays runs made before they could). `checkpointing`: activation checkpointing,
+    which changes the order backward gathers in. `aliases`: gathers from host homes alias
+    them instead of copying (default: on the CPU device, as the engine does; False replays
+    runs made before they did). `world_size`: the ranks sharing the parameters; every byte is
+    one rank's (its shards; the live budget counts gathered, whole parameters)."""
     zero, dtype = config.zero_optimization, model_dtype(config)
     itemsize = dtype.itemsize
     homes = home_numels(shape, world_size)
@@ -150,7 +149,8 @@ def sizes(
     state, ahead, buffers = _state(zero, layout.sub_group_numels)
     optim_nvme = state.disk > 0  # some state on NVMe
     param_nvme = zero.offload_param.device == "nvme"
-    spill = optim_nvme if grads_spill is None else grads_spill
+    keep = zero.offload_optimizer.gradients_in_cpu  # else they spill with the state
+    spill = (optim_nvme and not keep) if grads_spill is None else grads_spill
     grad = grad_footprint(layout.sub_group_numels, nvme=spill)
     accum = int(config.gradient_accumulation_steps)
     grads = grad_traffic(shape, layout, accum) if spill else GradTraffic(0, 0, 0)

@@ -46,6 +46,12 @@ def state_in_ram(numels: Sequence[int], offload: OffloadOptimizerConfig) -> int:
     return ram_sub_groups(numels, offload.max_in_cpu)
 
 
+def gradients_spill(numels: Sequence[int], offload: OffloadOptimizerConfig) -> bool:
+    """Whether the fp32 gradients go through the NVMe gradient tier: when some state is on
+    NVMe, unless `offload.gradients_in_cpu` keeps them all in RAM."""
+    return state_in_ram(numels, offload) < len(numels) and not offload.gradients_in_cpu
+
+
 class SplitStateTier:
     """Sub-groups [0, k) in host memory, [k, n) on NVMe (see [Note: host sub-groups first])."""
 

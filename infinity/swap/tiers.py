@@ -22,7 +22,7 @@ from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateTier, nvme_state_footprint
 from infinity.swap.param_tier import NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
-from infinity.swap.split_state import SplitStateTier, state_in_ram
+from infinity.swap.split_state import SplitStateTier, gradients_spill, state_in_ram
 from infinity.swap.state_tier import HostStateTier, StateTier
 from infinity.swap.store import SwapStore, default_run_id
 
@@ -83,7 +83,8 @@ def make_state_tier(
         )
     on_nvme = list(numels[in_ram:])
     state = nvme_state_footprint(on_nvme, offload.buffer_count)
-    check_host_buffers(state.host + grad_footprint(numels, nvme=True).host)
+    spilled = grad_footprint(numels, nvme=True).host if gradients_spill(numels, offload) else 0
+    check_host_buffers(state.host + spilled)  # the pipelines' buffers, not planned RAM
     if not (offload.pipeline_read and offload.pipeline_write):
         logger.info(
             "offload_optimizer.pipeline_read=%s, pipeline_write=%s: the optimizer's NVMe "
@@ -112,10 +113,11 @@ def make_grad_tier(
     *,
     stores: SwapStores,
 ) -> HostGradTier | NvmeGradTier:
-    """The gradient tier follows the optimizer state's: with state on NVMe the host keeps
-    `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same swap store (see
-    [Note: spilled gradients] in grad_tier.py); with all of it in RAM, one flat host buffer."""
-    if state_in_ram(numels, offload) == len(numels):
+    """The gradient tier follows the optimizer state's (`gradients_spill`): with state on
+    NVMe the host keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same
+    swap store (see [Note: spilled gradients] in grad_tier.py); with all of it in RAM, or
+    `gradients_in_cpu`, one flat host buffer."""
+    if not gradients_spill(numels, offload):
         return HostGradTier(numels)
     return NvmeGradTier(numels, store=stores.get(offload.nvme_path), aio=aio)
 
