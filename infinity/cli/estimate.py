@@ -342,9 +342,19 @@ def _run_lines(est, model: str, world_size: int) -> list[str]:
         f"{i['gradient_accumulation_steps']} = {est.tokens_per_step} tokens{ranks}, "
         f"device {i['device']}",
         f"offload: parameters to {i['offload_param']}, optimizer state to "
-        f"{i['offload_optimizer']}; {s.num_sub_groups} sub-group{_plural(s.num_sub_groups)} "
+        f"{_state_tier(i['offload_optimizer'], s)}; {s.num_sub_groups} "
+        f"sub-group{_plural(s.num_sub_groups)} "
         f"of at most {i['sub_group_size']:,} elements",
     ]
+
+
+def _state_tier(device: str, s) -> str:
+    """Where the optimizer state is, a split (offload_optimizer.max_in_cpu) included."""
+    if device != "nvme":
+        return device
+    if not s.optim_nvme_bytes:
+        return "cpu (every sub-group kept in RAM)"
+    return "nvme, part kept in RAM" if s.state_host_bytes > s.state_buffer_bytes else "nvme"
 
 
 def _memory_lines(est) -> list[str]:
