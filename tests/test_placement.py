@@ -146,3 +146,41 @@ def test_with_accumulation_the_gradients_stay_in_ram_before_the_state(tmp_path):
     cfg = chosen[0].apply(Config.load(_config(tmp_path, accum=4))).to_dict()
     want = (chosen[0].nvme_read_bytes_per_step, chosen[0].nvme_write_bytes_per_step)
     assert _engine_bytes(cfg, 0) == want
+
+
+def test_a_checkpoint_saved_under_one_plan_resumes_exactly_under_another(tmp_path):
+    """Budgets differ between machines: weights in RAM with every gradient kept, saved;
+    resumed with the weights on NVMe and the state split; the weights after the last step
+    are those of a run made under the second plan throughout."""
+    first = _plan(tmp_path, RUNTIME + 52 * (1 << 16))  # weights in RAM, most state in RAM
+    second = _plan(tmp_path, RUNTIME + 30 * (1 << 16))  # weights on NVMe, state on NVMe
+    assert (first.param_device, second.param_device) == ("cpu", "nvme")
+    base = Config.load(_config(tmp_path))
+    ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def engine_for(plan):
+        torch.manual_seed(0)
+        cfg = plan.apply(base).to_dict()
+        with infinity.init(cfg):
+            model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+        return infinity.initialize(model, cfg)
+
+    def steps(engine, n):
+        for _ in range(n):
+            engine.backward(engine(ids, labels=ids))
+            engine.step()
+
+    reference = engine_for(second)
+    steps(reference, 4)
+    want = [r.home.read() for r in reference.records]
+    reference.close()
+    saved = engine_for(first)
+    steps(saved, 2)
+    saved.save_checkpoint(tmp_path / "ckpt")
+    saved.close()
+    resumed = engine_for(second)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    steps(resumed, 2)
+    for a, b in zip((r.home.read() for r in resumed.records), want, strict=True):
+        assert torch.equal(a, b)
+    resumed.close()

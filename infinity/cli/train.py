@@ -172,13 +172,14 @@ def _create_nvme_dirs(flag: str | None) -> None:
 
 
 def _check_writable(path: Path) -> None:
-    """One test write into --nvme DIR (as the swap store's own check does when it opens)."""
-    from infinity.swap.store import SwapStoreError, check_base_dir, probe_direct
+    """--nvme DIR takes files from this user (the swap store's own check, made again when a
+    rank opens its directory there, with a test write): checked up front, since the plan may
+    put nothing there at first."""
+    from infinity.swap.store import SwapStoreError, check_base_dir
 
     try:
         check_base_dir(str(path))
-        probe_direct(str(path))
-    except (SwapStoreError, OSError) as exc:
+    except SwapStoreError as exc:
         raise ValueError(f"--nvme {path}: {exc}") from None
 
 
