@@ -163,12 +163,12 @@ def test_sequential_batches_visit_every_label_once_in_order(num_tokens):
     tokens = np.arange(num_tokens, dtype=np.uint16)
     data = PackedDataset(tokens, seq_len=SEQ_LEN, seed=0)
     batches = list(sequential_batches(data, 2))
-    inputs = torch.cat([x.flatten() for x, _ in batches]).tolist()
-    labels = torch.cat([y.flatten() for _, y in batches]).tolist()
+    inputs = torch.cat([x.flatten() for x, _, _ in batches]).tolist()
+    labels = torch.cat([y.flatten() for _, y, _ in batches]).tolist()
     assert labels == list(range(1, num_tokens))  # file order, each once
     assert inputs == list(range(num_tokens - 1))
-    assert all(x.shape == y.shape for x, y in batches)
-    assert all(x.shape[1] == SEQ_LEN for x, _ in batches[: data.num_sequences // 2])
+    assert all(x.shape == y.shape and p is None for x, y, p in batches)  # text: no positions
+    assert all(x.shape[1] == SEQ_LEN for x, _, _ in batches[: data.num_sequences // 2])
 
 
 def test_two_ranks_evaluate_as_one(inputs, tmp_path):

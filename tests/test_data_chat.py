@@ -372,3 +372,60 @@ def test_an_evaluation_pass_of_packed_examples_labels_every_token_once(tmp_path,
     got = np.concatenate([b[1].reshape(-1).numpy() for b in sequential_batches(ds, 2)])
     assert len(tokens) - 1 > ds.num_sequences * SEQ  # a tail to read
     assert np.array_equal(got, want)
+
+
+def test_packed_examples_do_not_attend_to_each_other(tmp_path, inputs):
+    """--pack: each example's position ids restart at 0, and with them the model's logits
+    for an example inside a packed sequence are those of the example alone (without them,
+    the tokens after a boundary see the example before it)."""
+    from transformers import AutoModelForCausalLM
+
+    model, chat, _ = inputs
+    ds = _open(chat, model, tmp_path, seq_len=48, pack=True)
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    checked = 0
+    for i in range(ds.num_sequences):
+        x = torch.from_numpy(ds.pair(i)[0])
+        pos = torch.from_numpy(ds.positions(i * 48, i * 48 + 48))
+        starts = torch.nonzero(pos == 0).flatten().tolist()
+        if not starts or starts[-1] == 0:
+            continue  # no example begins inside this sequence
+        b = next(s for s in starts if s > 0)
+        e = next((s for s in starts if s > b), 48)
+        with torch.no_grad():
+            packed = net(input_ids=x[None], position_ids=pos[None], use_cache=False).logits[0]
+            alone = net(input_ids=x[None, b:e]).logits[0]
+            mixed = net(input_ids=x[None]).logits[0]
+        assert torch.allclose(packed[b:e], alone, atol=1e-5)
+        assert not torch.allclose(mixed[b:e], alone, atol=1e-3)
+        checked += 1
+    assert checked
+
+
+def test_packed_training_matches_torch_with_restarting_positions(tmp_path, inputs):
+    """`infinity train --pack` gives, step for step, the losses of plain PyTorch + AdamW fed
+    the same packed batches with their position ids."""
+    from transformers import AutoModelForCausalLM
+
+    model, chat, _ = inputs
+    save = tmp_path / "run"
+    flags = dict(seq_len=SEQ, micro_batch=MICRO, grad_accum=ACCUM, lr=LR, seed=SEED)
+    assert main(train_args(model, chat, save, "--steps", STEPS, "--pack", **flags)) == 0
+    got = [json.loads(x)["loss"] for x in (save / "metrics.jsonl").read_text().splitlines()]
+    ds = _open(chat, model, tmp_path, pack=True)
+    torch.manual_seed(SEED)
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0)
+    want = []
+    for _ in range(STEPS):
+        total = 0.0
+        for _ in range(ACCUM):
+            x, y, pos = ds.next_batch(MICRO, with_positions=True)
+            assert pos is not None and (pos[:, 1:] == 0).any()  # an example begins inside
+            loss = causal_lm_loss(net(input_ids=x, position_ids=pos, use_cache=False).logits, y)
+            (loss / ACCUM).backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        want.append(total / ACCUM)
+    assert np.allclose(got, want, rtol=0, atol=1e-5), (got, want)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.cli.train_step import causal_lm_loss
+from infinity.cli.train_step import causal_lm_loss, model_inputs
 from infinity.data import PackedDataset
 from infinity.data.sequential import sequential_batches
 
@@ -64,11 +64,12 @@ def evaluate(engine, data: PackedDataset, micro_batch: int) -> EvalResult:
     total, count = 0.0, 0
     try:
         with torch.no_grad():
-            for input_ids, labels in sequential_batches(data, micro_batch):
+            for input_ids, labels, positions in sequential_batches(data, micro_batch):
                 n = int((labels != IGNORE_INDEX).sum())
                 if n == 0:
                     continue
-                loss = causal_lm_loss(engine(input_ids=input_ids).logits, labels)
+                logits = engine(**model_inputs(input_ids, positions)).logits
+                loss = causal_lm_loss(logits, labels)
                 total += float(loss) * n  # a batch's mean, weighted by its labels
                 count += n
     finally:

@@ -89,8 +89,9 @@ def _add_example_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pack",
         action="store_true",
-        help="instruction data: pack several examples into each sequence (they can then attend "
-        "to each other) instead of one padded example per sequence",
+        help="instruction data: pack several examples into each sequence instead of one padded "
+        "example per sequence (their position ids restart at each example, which keeps each "
+        "example's attention to itself)",
     )
     parser.add_argument(
         "--overlong",

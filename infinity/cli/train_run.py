@@ -52,6 +52,7 @@ from infinity.cli.train_savedir import (
 from infinity.cli.train_step import (
     causal_lm_loss,
     end_profile,
+    model_inputs,
     profile_written,
     start_profile,
     step_record,
@@ -487,8 +488,8 @@ class TrainRun:
         """`accum` micro batches, then the optimizer step; the mean micro-batch loss."""
         total = 0.0
         for _ in range(accum):
-            input_ids, labels = data.next_batch(micro)
-            loss = causal_lm_loss(engine(input_ids=input_ids).logits, labels)
+            input_ids, labels, positions = data.next_batch(micro, with_positions=True)
+            loss = causal_lm_loss(engine(**model_inputs(input_ids, positions)).logits, labels)
             engine.backward(loss)
             engine.step()
             total += float(loss.detach())

@@ -16,6 +16,15 @@ from infinity.cli.train import PROFILE_WARMUP_STEPS
 from infinity.utils.profiler import StepProfiler
 
 
+def model_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict:
+    """The model's keyword arguments for a batch: with packed examples their position ids
+    (each example's restart at 0, which transformers' attention masks also read to keep the
+    examples apart; no KV cache, which would stop it from doing so)."""
+    if position_ids is None:
+        return {"input_ids": input_ids}
+    return {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy in fp32. `labels` are already shifted by the data pipeline
     (labels[t] follows input_ids[t]), so the model's own loss, which shifts, is not used."""

@@ -10,6 +10,14 @@ packed into fixed-length sequences in a seeded order with a resumable position.
 Instruction and chat records (`messages`, or `prompt` and `completion`) become an
 `ExampleDataset` instead (infinity.data.examples): the same batches, with labels -100 where
 the loss is not taken. `open_dataset` picks by the file's first record.
+
+[Note: packed examples] With --pack several examples share a sequence. Their position ids
+restart at 0 where each example begins (`ExampleDataset.positions`; `next_batch(...,
+with_positions=True)` and `sequential_batches` hand them out) and the CLI passes them to the
+model as `position_ids`, with no KV cache: rotary and learned positions then count from each
+example's start, and transformers' attention masks (sdpa, eager, flex; flash attention
+through its variable-length path) read the restarts as sequence boundaries, so no example
+attends to another. A model that ignores `position_ids` would let them.
 """
 
 import logging
@@ -80,10 +88,12 @@ def open_dataset(
             data_path, tokenizer, seq_len=seq_len, seed=seed, options=examples,
             cache_dir=cache_dir, fmt=fmt, rank=rank, world_size=world_size,
         )  # fmt: skip
-        if examples.pack:
+        if examples.pack:  # see [Note: packed examples]
             log.info(
-                "--pack: several examples per sequence, and they attend to each other (no "
-                "per-example attention mask); the loss stays on the answers"
+                "--pack: several examples per sequence; their position ids restart at each "
+                "example, which keeps each example's attention to itself with transformers' "
+                "sdpa, eager, flex and flash attention (a model of its own that ignores "
+                "position_ids lets them attend to each other); the loss stays on the answers"
             )
     data.tokenizer = tokenizer
     return data

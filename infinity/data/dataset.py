@@ -84,6 +84,11 @@ class PackedDataset:
         seq = self.sequence(i)
         return seq[:-1], seq[1:]
 
+    def positions(self, start: int, stop: int) -> np.ndarray | None:
+        """Position ids of tokens [start, stop) when they are not simply 0, 1, 2, ... in each
+        sequence (packed examples restart theirs); None for text."""
+        return None
+
     def tail(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(inputs, labels) of the tokens past the last full sequence, each (T,) with
         T < seq_len, or None when they hold no label: what an evaluation pass reads after
@@ -103,14 +108,23 @@ class PackedDataset:
                 self.state.index = 0
         return out
 
-    def next_batch(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next (input_ids, labels), each (micro_batch, seq_len); advances state."""
+    def next_batch(self, micro_batch: int, *, with_positions: bool = False) -> tuple:
+        """This rank's next (input_ids, labels), each (micro_batch, seq_len); advances state.
+        `with_positions`: also the position ids, (micro_batch, seq_len), or None where they
+        are the plain 0, 1, 2, ... (`positions`)."""
         if micro_batch <= 0:
             raise ValueError(f"micro_batch must be positive, got {micro_batch}")
         picks = self._take(micro_batch * self.world_size)
         mine = picks[self.rank * micro_batch : (self.rank + 1) * micro_batch]
         inputs, labels = zip(*(self.pair(i) for i in mine), strict=True)
-        return torch.from_numpy(np.stack(inputs)), torch.from_numpy(np.stack(labels))  # (B, L)
+        batch = torch.from_numpy(np.stack(inputs)), torch.from_numpy(np.stack(labels))  # (B, L)
+        return (*batch, self.batch_positions(mine)) if with_positions else batch
+
+    def batch_positions(self, indices) -> torch.Tensor | None:
+        """The position ids of sequences `indices`, (len, seq_len), or None (`positions`)."""
+        L = self.seq_len
+        rows = [self.positions(i * L, i * L + L) for i in indices]
+        return None if rows[0] is None else torch.from_numpy(np.stack(rows))
 
     def state_dict(self) -> dict:
         """JSON-able position plus what it is valid for (checked by load_state_dict)."""

@@ -47,7 +47,8 @@ class ExampleOptions:
     train_on_prompt: bool = False
     """Take the loss on every token of an example, not only the answers."""
     pack: bool = False
-    """Pack several examples per sequence (they then attend to each other)."""
+    """Pack several examples per sequence (their positions restart at each example, so the
+    model's attention keeps each to itself where its implementation allows)."""
     overlong: str = "truncate"
     """An example longer than a sequence: 'truncate' it or 'drop' it."""
 
@@ -187,8 +188,12 @@ class ExampleDataset(PackedDataset):
         self.pad_id = pad_id
         spans, counts = _kept_spans(mask, starts, seq_len + 1, options)
         self._log_counts(counts, kw.get("source", "data"), seq_len)
+        self.packed_starts: np.ndarray | None = None
+        """Packed: where each kept example begins in `tokens` (see `positions`)."""
         if options.pack:
             tokens, mask = _laid_end_to_end(tokens, mask, spans, starts)
+            lengths = spans[:, 1] - spans[:, 0]
+            self.packed_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
             spans = None
         self.spans = spans
         """(start, end) of each kept example in `tokens` (None: packed, cut as text is)."""
@@ -232,6 +237,17 @@ class ExampleDataset(PackedDataset):
         labels = np.full(L, IGNORE, dtype=np.int64)
         inputs[: len(ids)], labels[: len(ids)] = ids, trained
         return inputs, labels
+
+    def positions(self, start: int, stop: int) -> np.ndarray | None:
+        """Packed: each token's position within its own example, for tokens [start, stop)
+        (they restart at 0 where an example begins: with them as `position_ids` the model's
+        attention keeps each example to itself, see [Note: packed examples] in
+        infinity/data/__init__.py). Unpacked, one example per sequence: None."""
+        if self.packed_starts is None:
+            return None
+        at = np.arange(start, stop, dtype=np.int64)
+        first = self.packed_starts[np.searchsorted(self.packed_starts, at, side="right") - 1]
+        return at - first
 
     def tail(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Unpacked, every kept example is a sequence: None. Packed, the tokens past the last
