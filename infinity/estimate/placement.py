@@ -33,6 +33,7 @@ from infinity.config import Config
 from infinity.estimate.result import activation_bytes, memory_of
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, layout_of, resolve_config, sizes
+from infinity.zero import model_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +166,7 @@ class _Evaluator:
         self.shape, self.config, self.budget = shape, config, budget
         self.gpu, self.checkpointing, self.runtime, self.world = gpu, checkpointing, runtime, world
         micro = int(config.train_micro_batch_size_per_gpu)
-        itemsize = 2 if config.precision in ("bf16", "fp16") else 4
+        itemsize = model_dtype(config).itemsize
         self.acts = activation_bytes(shape, micro * seq_len, seq_len, itemsize, checkpointing)
         frozen = [p.numel for p in shape.params if not p.trainable]
         self.frozen_steps = [0]
