@@ -12,7 +12,12 @@ from _engine_models import Zoo, batches, config, run_engine, train_steps
 import infinity
 from infinity.config.sections import OffloadOptimizerConfig
 from infinity.swap.grad_tier import HostGradTier
-from infinity.swap.split_state import SplitStateTier, ram_sub_groups, state_in_ram
+from infinity.swap.split_state import (
+    SplitGradTier,
+    SplitStateTier,
+    ram_sub_groups,
+    state_in_ram,
+)
 from infinity.swap.state_tier import HostStateTier
 
 SUB_GROUP = 4096  # the Zoo's slots make several sub-groups of this size
@@ -61,6 +66,9 @@ def test_every_split_trains_bitwise_as_all_ram_and_all_nvme(tmp_path, dtype, acc
         if name == "split":
             assert isinstance(store, SplitStateTier) and store.in_ram == 2
             assert store.stats.bytes_read > 0  # the NVMe part was really swept
+            # The gradients of the sub-groups kept in RAM stay there; the others spill.
+            assert isinstance(engine.optimizer.grads, SplitGradTier)
+            assert engine.optimizer.grads.in_ram == 2
         if name == "nvme-grads-in-ram":
             assert isinstance(engine.optimizer.grads, HostGradTier)
         weights = [r.home.read() for r in engine.records]
@@ -73,6 +81,7 @@ def test_every_split_trains_bitwise_as_all_ram_and_all_nvme(tmp_path, dtype, acc
     split, nvme = runs["split"][2], runs["nvme"][2]
     assert split["nvme_optim_bytes_read"] < nvme["nvme_optim_bytes_read"]
     assert split["host_bytes"] > nvme["host_bytes"]  # two sub-groups' state in RAM
+    assert 0 < split["nvme_grad_bytes_written"] < nvme["nvme_grad_bytes_written"]
 
 
 def test_all_of_the_state_fitting_is_the_host_tier(tmp_path):

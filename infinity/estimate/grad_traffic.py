@@ -111,10 +111,12 @@ class GradTraffic(NamedTuple):
     """Of the bytes written in backward, those an add waits for."""
 
 
-def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> GradTraffic:
+def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int, first: int = 0) -> GradTraffic:
     """The NVMe gradient store's bytes in one optimizer step of `accum` micro-steps: its
-    plan (`GradPlan`) driven by backward's adds, then the step's takes and releases."""
-    numels = layout.sub_group_numels
+    plan (`GradPlan`) driven by backward's adds, then the step's takes and releases. The
+    store holds the sub-groups from `first` on (those before stay in RAM: `SplitGradTier`),
+    numbered from 0 in it."""
+    numels = layout.sub_group_numels[first:]
     plan = GradPlan(numels)
     sink = _GradSink(numels)
     order = backward_slots(shape)
@@ -122,8 +124,11 @@ def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> GradTraff
         for i in order:
             lo = layout.offsets[i]
             hi = lo + layout.numels[i]
-            for g in layout.sub_groups_of(i):
-                start, stop = layout.range(g)
+            for sub in layout.sub_groups_of(i):
+                if sub < first:
+                    continue  # a host buffer: no transfer
+                start, stop = layout.range(sub)
+                g = sub - first
                 a, b = max(lo, start) - start, min(hi, stop) - start
                 sink.writing.clear()  # writes started by earlier adds have landed
                 if plan.on_disk(g, b - a):
@@ -132,7 +137,7 @@ def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int) -> GradTraff
                     plan.added(g, plan.add(g, sink, sink.idle), sink)
     backward_read = sink.nbytes_read
     sink.backward = False
-    for g in range(layout.num_sub_groups):
+    for g in range(len(numels)):
         plan.take(g, sink, sink.idle)
         plan.release(g, sink)
     return GradTraffic(

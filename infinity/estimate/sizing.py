@@ -151,9 +151,7 @@ def sizes(
     param_nvme = zero.offload_param.device == "nvme"
     keep = zero.offload_optimizer.gradients_in_cpu  # else they spill with the state
     spill = (optim_nvme and not keep) if grads_spill is None else grads_spill
-    grad = grad_footprint(layout.sub_group_numels, nvme=spill)
-    accum = int(config.gradient_accumulation_steps)
-    grads = grad_traffic(shape, layout, accum) if spill else GradTraffic(0, 0, 0)
+    grad, grads = _grads(shape, layout, config, spill)
     weights = weights_footprint(layout, dtype, nvme=param_nvme, state_on_host=not optim_nvme)
     on_nvme = home_on_nvme(shape, zero)
     frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
@@ -184,6 +182,21 @@ def sizes(
         peak_live_numel=peak_live_numel(shape, config), trainable_numel=shape.trainable_numel,
         flat_numel=layout.total, num_sub_groups=layout.num_sub_groups, itemsize=itemsize,
     )  # fmt: skip
+
+
+def _grads(
+    shape: ModelShape, layout: FlatLayout, config: Config, spill: bool
+) -> tuple[Footprint, GradTraffic]:
+    """The gradient tier's footprint and NVMe traffic: one host buffer, or spilled through
+    the NVMe tier except the sub-groups whose state is kept in RAM (`SplitGradTier`)."""
+    numels = layout.sub_group_numels
+    if not spill:
+        return grad_footprint(numels, nvme=False), GradTraffic(0, 0, 0)
+    first = state_in_ram(numels, config.zero_optimization.offload_optimizer)
+    nvme = grad_footprint(numels[first:], nvme=True)
+    host = grad_footprint(numels[:first], nvme=False).host if first else 0
+    accum = int(config.gradient_accumulation_steps)
+    return Footprint(host + nvme.host, nvme.disk), grad_traffic(shape, layout, accum, first)
 
 
 def _refreshed(shape: ModelShape, zero: ZeroConfig) -> int:

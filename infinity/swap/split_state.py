@@ -1,10 +1,15 @@
-"""Optimizer state split between host memory and NVMe: `SplitStateTier`.
+"""Optimizer state split between host memory and NVMe: `SplitStateTier`, and the gradients
+that follow it, `SplitGradTier`.
 
 The first sub-groups whose state fits in `offload_optimizer.max_in_cpu` elements stay in host
 memory (a `HostStateTier` over them, stepped in place), the rest are swept from NVMe (an
 `NvmeStateTier` over them). Which sub-groups go where is `ram_sub_groups`, the one rule the
 engine and the estimate share; it does not decide how much RAM to spend (the placement
 planner, `infinity.placement`, does).
+
+The gradients of the sub-groups kept in RAM stay in RAM too (`SplitGradTier`: a
+`HostGradTier` over them, an `NvmeGradTier` over the rest), unless
+`offload_optimizer.gradients_in_cpu` keeps all of them there.
 
 [Note: host sub-groups first] The host sub-groups are the first ones of the sweep. The NVMe
 tier starts reading its first sub-groups for the next step at the end of each sweep, so by
@@ -20,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from infinity.config.sections import OffloadOptimizerConfig
+from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.state_tier import HostStateTier, SubGroupState
 
@@ -114,3 +120,47 @@ class SplitStateTier:
             **self.nvme.memory_stats(),
             "optim_host_state_bytes": self.host.flat.master.nbytes * 3,
         }
+
+
+class SplitGradTier:
+    """The fp32 gradients of sub-groups [0, k) in host memory, [k, n) through an
+    `NvmeGradTier`: the gradient tier of a `SplitStateTier`, the same contract as either."""
+
+    def __init__(self, numels: Sequence[int], in_ram: int, nvme: NvmeGradTier) -> None:
+        self.numels = list(numels)
+        self.in_ram = in_ram
+        self.host = HostGradTier(self.numels[:in_ram])
+        self.nvme = nvme
+        self.stats = nvme.stats
+
+    def _tier(self, index: int) -> tuple[HostGradTier | NvmeGradTier, int]:
+        if index < self.in_ram:
+            return self.host, index
+        return self.nvme, index - self.in_ram
+
+    def add(self, index: int, start: int, src) -> None:
+        tier, i = self._tier(index)
+        tier.add(i, start, src)
+
+    def sums_of_squares(self) -> list[float]:
+        return self.host.sums_of_squares() + self.nvme.sums_of_squares()
+
+    def take(self, index: int):
+        tier, i = self._tier(index)
+        return tier.take(i)
+
+    def release(self, index: int) -> None:
+        tier, i = self._tier(index)
+        tier.release(i)
+
+    def zero(self) -> None:
+        self.host.zero()
+        self.nvme.zero()
+
+    def close(self) -> None:
+        self.nvme.close()
+
+    def memory_stats(self) -> dict[str, int]:
+        stats = dict(self.nvme.memory_stats())
+        stats["grad_host_bytes"] += self.host.memory_stats()["grad_host_bytes"]
+        return stats

@@ -22,7 +22,12 @@ from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateTier, nvme_state_footprint
 from infinity.swap.param_tier import NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
-from infinity.swap.split_state import SplitStateTier, gradients_spill, state_in_ram
+from infinity.swap.split_state import (
+    SplitGradTier,
+    SplitStateTier,
+    gradients_spill,
+    state_in_ram,
+)
 from infinity.swap.state_tier import HostStateTier, StateTier
 from infinity.swap.store import SwapStore, default_run_id
 
@@ -83,7 +88,8 @@ def make_state_tier(
         )
     on_nvme = list(numels[in_ram:])
     state = nvme_state_footprint(on_nvme, offload.buffer_count)
-    spilled = grad_footprint(numels, nvme=True).host if gradients_spill(numels, offload) else 0
+    spill = gradients_spill(numels, offload)
+    spilled = grad_footprint(numels[in_ram:], nvme=True).host if spill else 0
     check_host_buffers(state.host + spilled)  # the pipelines' buffers, not planned RAM
     if not (offload.pipeline_read and offload.pipeline_write):
         logger.info(
@@ -112,14 +118,17 @@ def make_grad_tier(
     aio: AioConfig | AioHandle,
     *,
     stores: SwapStores,
-) -> HostGradTier | NvmeGradTier:
+) -> HostGradTier | NvmeGradTier | SplitGradTier:
     """The gradient tier follows the optimizer state's (`gradients_spill`): with state on
     NVMe the host keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same
-    swap store (see [Note: spilled gradients] in grad_tier.py); with all of it in RAM, or
+    swap store (see [Note: spilled gradients] in grad_tier.py), except those of the
+    sub-groups whose state is kept in RAM (`SplitGradTier`); with all of the state in RAM, or
     `gradients_in_cpu`, one flat host buffer."""
     if not gradients_spill(numels, offload):
         return HostGradTier(numels)
-    return NvmeGradTier(numels, store=stores.get(offload.nvme_path), aio=aio)
+    in_ram = state_in_ram(numels, offload)
+    nvme = NvmeGradTier(numels[in_ram:], store=stores.get(offload.nvme_path), aio=aio)
+    return SplitGradTier(numels, in_ram, nvme) if in_ram else nvme
 
 
 def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:
