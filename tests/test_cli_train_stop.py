@@ -64,6 +64,12 @@ def _args(inputs, save_dir, *extra):
     return train_args(model, data, save_dir, *extra, config=config)
 
 
+def _default_sighup() -> None:
+    """A run started from a terminal has SIGHUP's default action; the suite itself may run
+    under nohup, whose ignored SIGHUP a child inherits (and a run honours, on purpose)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _child(hold, marker, args):
     return subprocess.Popen(
         [sys.executable, str(CHILD), hold, str(marker), *args[1:]],
@@ -71,6 +77,7 @@ def _child(hold, marker, args):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_sighup,
     )
 
 
@@ -500,7 +507,8 @@ def test_sighup_stops_like_sigterm(tmp_path, inputs, output):
     if output == "terminal":
         master, slave = os.openpty()
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=slave,
-                                stderr=slave, start_new_session=True)  # fmt: skip
+                                stderr=slave, start_new_session=True,
+                                preexec_fn=_default_sighup)  # fmt: skip
         os.close(slave)
         reader = threading.Thread(target=_drain_pty, args=(master,), daemon=True)
         reader.start()
