@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench_record import machine, write_json
+from gpu_throughput import _records
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -115,13 +116,6 @@ def _run(name: str, flags: list[str], args, work: Path, corpus: Path, cfg: Path)
     return {"name": name, "flags": flags, "rc": rc, "wall_s": time.monotonic() - t0,
             "plan": plan, "measured": measured, "records": records,
             "log_tail": log.read_text().strip().splitlines()[-20:]}  # fmt: skip
-
-
-def _records(metrics: Path) -> list[dict]:
-    """The complete lines of metrics.jsonl (the last may be half-written)."""
-    if not metrics.exists():
-        return []
-    return [json.loads(x) for x in metrics.read_text().split("\n")[:-1] if x.strip()]
 
 
 def _print(r: dict) -> None:

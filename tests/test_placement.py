@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from test_estimate import _config as estimate_config
 
 import infinity
 from infinity.cli.placement import parse_size, planned
@@ -26,23 +27,9 @@ SEQ = 16
 
 
 def _config(path, *, dtype: str = "bf16", accum: int = 1) -> dict:
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": accum,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {
-            "stage": 3,
-            "sub_group_size": 20000,
-            "stage3_param_persistence_threshold": 1000,
-            "stage3_prefetch_bucket_size": 20000,
-            "stage3_max_live_parameters": 30000,
-            "offload_param": {"device": "nvme", "nvme_path": str(path)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
-        },
-    }
-    if dtype != "fp32":
-        cfg[dtype] = {"enabled": True}
-    return cfg
+    """The estimate's exactness config (its devices are the planner's to choose) with a live
+    budget under the model, so the frozen base is streamed."""
+    return estimate_config(path, dtype=dtype, accum=accum, stage3_max_live_parameters=30000)
 
 
 def _plan(path, ram: int, *, lora_r: int = 0, **kw):

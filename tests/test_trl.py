@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from _hf_models import hf_model, tokenizer
+from test_integrations_hf import INFINITY, _logs
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -86,18 +87,7 @@ def _offload(kind: str, tmp_path) -> dict:
             "offload_param": {"device": "nvme", "nvme_path": nvme},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
         }
-    return {
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_max_live_parameters": 6000,
-            "stage3_param_persistence_threshold": 0,  # nothing stays gathered between steps
-            **offload,
-        }
-    }
-
-
-def _logs(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+    return {"zero_optimization": {**INFINITY["zero_optimization"], **offload}}
 
 
 def _rel(a, b):
