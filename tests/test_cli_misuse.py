@@ -159,6 +159,11 @@ def _build(root: Path) -> World:
 
     w.add("nvme_missing", root / "nowhere" / "ssd")
     w.add("nvme_file", w.paths["data"])
+    w.add("ssd", root / "ssd").mkdir()
+    w.config("cfg_optim_in_cpu_neg.json",
+             {"zero_optimization": {"offload_optimizer": {"max_in_cpu": -1}}})  # fmt: skip
+    w.config("cfg_grads_in_cpu_str.json",
+             {"zero_optimization": {"offload_optimizer": {"gradients_in_cpu": "yes"}}})  # fmt: skip
     w.add("out", root / "exported")  # never created: every export case fails first
     run = w.add("run", root / "runs" / "done")
     assert main(_train(w, "--save-dir", str(run), "--steps", "2", "--save-every", "1")) == 0
@@ -309,6 +314,19 @@ CASES = [
     ("nvme-missing", lambda w: _train(w, "--nvme", w["nvme_missing"]), 1, "nowhere"),
     ("nvme-is-a-file", lambda w: _train(w, "--nvme", w["nvme_file"]), 1, "not a directory"),
     ("nvme-proc", lambda w: _train(w, "--nvme", "/proc/self"), 1, "/proc/self"),
+    # -- train: placement within a RAM budget
+    ("ram-budget-not-a-size", lambda w: _train(w, "--nvme", w["ssd"], "--ram-budget", "12X"),
+     2, "'12X' is not a size"),
+    ("ram-budget-below-floor", lambda w: _train(w, "--nvme", w["ssd"], "--ram-budget", "1M"),
+     1, "this run needs with everything on NVMe"),
+    ("device-memory-on-cpu", lambda w: _train(w, "--nvme", w["ssd"], "--device-memory", "1G"),
+     1, "--device-memory: on the CPU device"),
+    ("placement-unknown", lambda w: _train(w, "--nvme", w["ssd"], "--placement", "ram"),
+     2, "invalid choice"),
+    ("config-optim-in-cpu-neg", lambda w: _train(w, "--config", w["cfg_optim_in_cpu_neg.json"]),
+     1, "max_in_cpu"),
+    ("config-grads-in-cpu-str", lambda w: _train(w, "--config", w["cfg_grads_in_cpu_str.json"]),
+     1, "gradients_in_cpu"),
     ("save-dir-is-a-file", lambda w: _train(w, "--save-dir", w["data"]), 1, "jsonl is a file"),
     ("save-dir-proc", lambda w: _train(w, "--save-dir", "/proc/infinity-run"), 1,
      "--save-dir /proc/infinity-run cannot be created"),
