@@ -319,6 +319,8 @@ CASES = [
      2, "'12X' is not a size"),
     ("ram-budget-below-floor", lambda w: _train(w, "--nvme", w["ssd"], "--ram-budget", "1M"),
      1, "this run needs with everything on NVMe"),
+    ("ram-budget-above-machine", lambda w: _train(w, "--nvme", w["ssd"], "--ram-budget", "64T"),
+     1, "more than this machine's"),
     ("device-memory-on-cpu", lambda w: _train(w, "--nvme", w["ssd"], "--device-memory", "1G"),
      1, "--device-memory: on the CPU device"),
     ("placement-unknown", lambda w: _train(w, "--nvme", w["ssd"], "--placement", "ram"),

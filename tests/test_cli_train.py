@@ -197,7 +197,7 @@ def test_flags_override_the_config_file(tmp_path):
         str(tmp_path),
     )
     assert zero.offload_param.device == "cpu"  # until the NVMe parameter tier is wired in
-    assert zero.sub_group_size == 100_000_000  # buffers that fit in RAM, unless the config says
+    assert zero.sub_group_size == 20_000_000  # buffers that fit in RAM, unless the config says
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": 5000}}))
     assert config_from_args(args).zero_optimization.sub_group_size == 5000
 

@@ -32,10 +32,11 @@ def _config(path, *, dtype: str = "bf16", accum: int = 1) -> dict:
     return estimate_config(path, dtype=dtype, accum=accum, stage3_max_live_parameters=30000)
 
 
-def _plan(path, ram: int, *, lora_r: int = 0, **kw):
+def _plan(path, ram: int, *, lora_r: int = 0, tunable=(), **kw):
     shape = model_shape(LlamaConfig(**SHAPE), lora_r=lora_r)
     return plan_placement(shape, Config.load(_config(path, **kw)), Budget(ram, "test"),
-                          gpu=False, seq_len=SEQ, runtime_bytes=RUNTIME)  # fmt: skip
+                          gpu=False, seq_len=SEQ, runtime_bytes=RUNTIME,
+                          tunable=tunable)  # fmt: skip
 
 
 def _moved(p) -> int:
@@ -171,3 +172,50 @@ def test_a_checkpoint_saved_under_one_plan_resumes_exactly_under_another(tmp_pat
     for a, b in zip((r.home.read() for r in resumed.records), want, strict=True):
         assert torch.equal(a, b)
     resumed.close()
+
+
+def test_lean_buffers_lower_the_floor_and_change_no_result(tmp_path):
+    """Where the config leaves the buffer counts unset, a budget under the configured
+    buffers' floor still plans, with fewer buffers; the engine moves exactly the plan's
+    bytes and trains to the same bits as with the configured buffers."""
+    lean = {"offload_param.buffer_count", "offload_optimizer.buffer_count"}
+
+    def floor(**kw) -> int:
+        for k in range(700):
+            try:
+                _plan(tmp_path, RUNTIME + k * (1 << 13), **kw)
+                return RUNTIME + k * (1 << 13)
+            except ValueError:
+                continue
+        raise AssertionError("no budget fits")
+
+    low = floor(tunable=lean)
+    assert low < floor()  # the configured buffers do not fit in `low`
+    plan = _plan(tmp_path, low, tunable=lean)
+    assert plan.buffers == {"offload_param.buffer_count": 3, "offload_optimizer.buffer_count": 3}
+    assert plan.peak_rss_bytes <= low and _moved(plan) > 0
+    assert "fewer buffers" in "\n".join(plan.lines())
+    cfg = plan.apply(Config.load(_config(tmp_path))).to_dict()
+    assert cfg["zero_optimization"]["offload_param"]["buffer_count"] == 3
+    assert _engine_bytes(cfg, 0) == (plan.nvme_read_bytes_per_step, plan.nvme_write_bytes_per_step)
+    # Generous budgets keep the configured buffers: nothing is gained by lowering them.
+    assert _plan(tmp_path, 1 << 40, tunable=lean).buffers == {}
+
+    def trained(cfg: dict) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        with infinity.init(cfg):
+            model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+        engine = infinity.initialize(model, cfg)
+        ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            engine.backward(engine(ids, labels=ids))
+            engine.step()
+        out = [r.home.read() for r in engine.records]
+        engine.close()
+        return out
+
+    same_placement = plan.apply(Config.load(_config(tmp_path))).to_dict()
+    for section in ("offload_param", "offload_optimizer"):
+        same_placement["zero_optimization"][section]["buffer_count"] = 5
+    for a, b in zip(trained(cfg), trained(same_placement), strict=True):
+        assert torch.equal(a, b)

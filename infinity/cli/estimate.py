@@ -297,7 +297,9 @@ def check_fits(shape, config: Config, args: argparse.Namespace) -> None:
     if gpu is not None:
         limit, where = gpu.memory_bytes, f"the {gpu.name}'s {_size(gpu.memory_bytes)}"
     else:
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        from infinity.utils.host_memory import physical_ram
+
+        limit = physical_ram()
         where = f"this machine's {_size(limit)} of RAM"
     micro = int(resolve_config(config, shape).train_micro_batch_size_per_gpu)
     itemsize = model_dtype(config).itemsize

@@ -12,11 +12,11 @@ exactly as written. Without `--nvme` everything is in RAM and a budget is only c
 from __future__ import annotations
 
 import argparse
-import os
 import re
 
 from infinity.config import Config
-from infinity.estimate.placement import Budget, Placement, plan_placement
+from infinity.estimate.placement import LEAN_BUFFERS, Budget, Placement, plan_placement
+from infinity.utils.host_memory import available_ram, physical_ram
 
 DEFAULT_RAM_SHARE = 0.8
 """Of the RAM available when a run starts (MemAvailable), the share the planner may use by
@@ -75,13 +75,33 @@ def planned(args: argparse.Namespace) -> bool:
     decides])."""
     if not getattr(args, "nvme", None) or getattr(args, "placement", "auto") != "auto":
         return False
-    if not args.config:
-        return True
-    from infinity.config.parse import read_json
-
-    zero = read_json(args.config).get("zero_optimization") or {}
+    zero = _user_zero(args)
     named = [(zero.get(k) or {}).get("device") for k in ("offload_param", "offload_optimizer")]
     return not any(named)
+
+
+def _user_zero(args: argparse.Namespace) -> dict:
+    if not args.config:
+        return {}
+    from infinity.config.parse import read_json
+
+    return read_json(args.config).get("zero_optimization") or {}
+
+
+def tunable_buffers(args: argparse.Namespace) -> set[str]:
+    """The keys of LEAN_BUFFERS the run's config leaves unset: the planner may lower them
+    (see [Note: lean buffers] in infinity/estimate/placement.py)."""
+    zero = _user_zero(args)
+    spelled = {"stage3_max_live_parameters": ("stage3_max_live_parameters", "max_live_parameters")}
+    unset = set()
+    for key in LEAN_BUFFERS:
+        *path, name = key.split(".")
+        section = zero
+        for part in path:
+            section = section.get(part) or {}
+        if not any(n in section for n in spelled.get(key, (name,))):
+            unset.add(key)
+    return unset
 
 
 def ram_budget(args: argparse.Namespace, local_ranks: int = 1) -> Budget:
@@ -89,8 +109,15 @@ def ram_budget(args: argparse.Namespace, local_ranks: int = 1) -> Budget:
     when `local_ranks` processes share this machine."""
     if args.ram_budget is not None:
         total, source = args.ram_budget, f"--ram-budget {args.ram_budget / 2**30:.1f}G"
+        machine = physical_ram()
+        if machine and total > machine:
+            raise ValueError(
+                f"--ram-budget {total / 2**30:.1f}G is more than this machine's "
+                f"{machine / 2**30:.1f} GiB of RAM; give at most that (the default is "
+                f"{DEFAULT_RAM_SHARE:.0%} of the RAM available when the run starts)"
+            )
     else:
-        available = _available_ram()
+        available = available_ram()
         total = int(available * DEFAULT_RAM_SHARE)
         source = f"{DEFAULT_RAM_SHARE:.0%} of the {available / 2**30:.1f} GiB available"
     if local_ranks > 1:
@@ -123,7 +150,7 @@ def plan_run(
         shape, config, ram_budget(args, local_ranks), gpu=gpu, seq_len=args.seq_len,
         checkpointing=bool(args.activation_checkpointing),
         runtime_bytes=current_rss() if runtime_bytes is None else runtime_bytes,
-        world_size=world_size,
+        world_size=world_size, tunable=tunable_buffers(args),
     )  # fmt: skip
     limit = getattr(args, "device_memory", None)
     if limit is not None and plan.device_bytes > limit:
@@ -134,14 +161,3 @@ def plan_run(
             "--activation-checkpointing"
         )
     return plan
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -22,9 +22,12 @@ log = logging.getLogger(__name__)
 
 
 # Elements per optimizer sub-group when --nvme is given and the config does not say: the NVMe
-# pipeline holds buffer_count sub-groups of 12 bytes/element in RAM (4 x 1.2 GB), where
-# DeepSpeed's default of 1e9 would need 48 GB.
-NVME_SUB_GROUP_SIZE = 100_000_000
+# pipeline holds buffer_count sub-groups of 12 bytes/element in RAM (4 x 240 MB), where
+# DeepSpeed's default of 1e9 would need 48 GB. Small enough that a 4 GiB --ram-budget runs a
+# 2B model (the buffers are RAM the planner cannot give to state), large enough that each I/O
+# runs at the disk's rate; one size for every budget, so every placement sums the gradient
+# norm in the same order and trains to the same bits.
+NVME_SUB_GROUP_SIZE = 20_000_000
 
 
 def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:

@@ -158,7 +158,7 @@ def add_input_flags(parser: argparse.ArgumentParser) -> None:
         "16-bit parameters (default: host RAM, or as the config says; a config's "
         "offload_param.device 'cpu' keeps the parameters in RAM); under torchrun, one "
         "directory shared by the ranks or a comma-separated list of one per local rank. "
-        "Unless the config sets sub_group_size, it becomes 1e8 elements (4 x 1.2 GB of host "
+        "Unless the config sets sub_group_size, it becomes 2e7 elements (4 x 240 MB of host "
         "buffers)",
     )
     parser.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config")

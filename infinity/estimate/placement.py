@@ -20,20 +20,37 @@ fewest NVMe bytes per step, then the smaller peak RSS. Peak RSS is the estimate'
 (`memory_of`), which counts the pipelines' buffers and, on the CPU device, the device memory.
 A budget below the all-NVMe plan's peak RSS is refused with that minimum.
 
+[Note: lean buffers] The staging buffers are RAM too. Where the config leaves a buffer
+setting unset (the caller says which: `tunable`), the planner also tries the lean settings
+of `LEAN_BUFFERS` (fewer parameter staging buffers, a smaller live set, the shallowest state
+pipeline) and keeps them when they move fewer bytes within the budget (the RAM they free
+holds state instead) or when only they fit. None of them changes a result: they decide how
+many transfers are in flight and how much stays gathered, never how a number is computed.
+The sub-group size, which orders the gradient norm's sum, is not among them.
+
 It does not place tensors on the GPU beyond what the engine keeps there (the live set and
 the activations): device-resident weights and accumulators are not planned yet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass, field, replace
 
 from infinity.config import Config
 from infinity.estimate.result import activation_bytes, memory_of
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, layout_of, resolve_config, sizes
 from infinity.zero import model_dtype
+
+LEAN_BUFFERS: dict[str, int] = {
+    "stage3_max_live_parameters": 300_000_000,
+    "offload_param.buffer_count": 3,
+    "offload_optimizer.buffer_count": 3,
+}
+"""The buffer settings the planner may lower (see [Note: lean buffers]), by their key under
+zero_optimization: at least 3 staging buffers keep a read, a copy and a prefetch in flight,
+and 3e8 live elements hold any linear layer of a 70B Llama with room to prefetch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +96,14 @@ class Placement:
     device_bytes: int
     """The estimate's device memory (the live set, activations; host RAM on the CPU device)."""
     budget: Budget
+    buffers: dict[str, int] = field(default_factory=dict)
+    """The buffer settings the plan lowered (see [Note: lean buffers]), keyed as LEAN_BUFFERS."""
 
     def apply(self, config: Config) -> Config:
-        """`config` with the plan's four keys set."""
+        """`config` with the plan's keys set."""
         raw = config.to_dict()
         zero = raw.setdefault("zero_optimization", {})
+        _set_buffers(zero, self.buffers)
         param = zero.setdefault("offload_param", {})
         param.update(device=self.param_device, max_in_cpu=self.param_max_in_cpu)
         optim = zero.setdefault("offload_optimizer", {})
@@ -111,7 +131,11 @@ class Placement:
                 out.append(
                     f"  {name:<26} RAM {_size(t.ram_bytes):>10}   NVMe {_size(t.nvme_bytes):>10}"
                 )
-        out.append(f"  {'NVMe staging buffers':<26} RAM {_size(self.buffers_bytes):>10}")
+        lowered = ", ".join(f"{k} {v:,}" for k, v in self.buffers.items())
+        out.append(
+            f"  {'NVMe staging buffers':<26} RAM {_size(self.buffers_bytes):>10}"
+            + (f"   (fewer buffers to fit the budget: {lowered})" if lowered else "")
+        )
         out.append(
             f"  NVMe per step: {_size(self.nvme_read_bytes_per_step)} read, "
             f"{_size(self.nvme_write_bytes_per_step)} written"
@@ -133,16 +157,23 @@ def plan_placement(
     checkpointing: bool = False,
     runtime_bytes: int,
     world_size: int = 1,
+    tunable: Collection[str] = (),
 ) -> Placement:
     """The placement of `shape` trained under `config` (its offload devices are what the
     planner chooses; the nvme_path must be set) within `budget` (see [Note: what the planner
     keeps in RAM]). `gpu`: the device is a GPU (its host memory pins; on the CPU device the
-    device memory is host RAM); `runtime_bytes`: the process's RSS before the model."""
+    device memory is host RAM); `runtime_bytes`: the process's RSS before the model;
+    `tunable`: the keys of LEAN_BUFFERS the config leaves unset (see [Note: lean buffers])."""
     config = resolve_config(config, shape)
-    evaluate = _Evaluator(shape, config, budget, gpu, seq_len, checkpointing, runtime_bytes,
-                          world_size)  # fmt: skip
-    plans = [p for p in (evaluate.best("cpu"), evaluate.best("nvme")) if p is not None]
-    if not plans:
+    plans, evaluate = [], None
+    for rung, lowered in enumerate(_buffer_rungs(config, tunable)):
+        raw = config.to_dict()
+        _set_buffers(raw["zero_optimization"], lowered)
+        evaluate = _Evaluator(shape, Config.load(raw), budget, gpu, seq_len, checkpointing,
+                              runtime_bytes, world_size, lowered)  # fmt: skip
+        plans += [(_moved(p), rung, p.peak_rss_bytes, p) for p in
+                  (evaluate.best("cpu"), evaluate.best("nvme")) if p is not None]  # fmt: skip
+    if not plans:  # `evaluate` is the leanest rung's
         floor = evaluate.plan("nvme", 0, 0)
         device = "" if gpu else f", the device's memory (host RAM here) {_size(floor.device_bytes)}"
         raise ValueError(
@@ -152,7 +183,30 @@ def plan_placement(
             "or shrink the buffers: offload_param.buffer_count (each holds the largest "
             "parameter), zero_optimization.sub_group_size, stage3_max_live_parameters"
         )
-    return min(plans, key=lambda p: (_moved(p), p.peak_rss_bytes))
+    return min(plans, key=lambda t: t[:3])[3]  # fewest bytes, then generous buffers, less RSS
+
+
+def _buffer_rungs(config: Config, tunable: Collection[str]) -> list[dict[str, int]]:
+    """The buffer settings to plan with: as configured, then lowered where `tunable` lets."""
+    zero = config.to_dict()["zero_optimization"]
+    lean = {k: v for k, v in LEAN_BUFFERS.items() if k in tunable and v < _get(zero, k)}
+    return [{}, lean] if lean else [{}]
+
+
+def _get(zero: dict, key: str):
+    *path, name = key.split(".")
+    for part in path:
+        zero = zero[part]
+    return zero[name]
+
+
+def _set_buffers(zero: dict, buffers: dict[str, int]) -> None:
+    for key, value in buffers.items():
+        *path, name = key.split(".")
+        section = zero
+        for part in path:
+            section = section.setdefault(part, {})
+        section[name] = value
 
 
 def _moved(p: Placement) -> int:
@@ -162,8 +216,9 @@ def _moved(p: Placement) -> int:
 class _Evaluator:
     """Plans for one run: the estimate's sizes and peak RSS of each candidate."""
 
-    def __init__(self, shape, config, budget, gpu, seq_len, checkpointing, runtime, world):
-        self.shape, self.config, self.budget = shape, config, budget
+    def __init__(self, shape, config, budget, gpu, seq_len, checkpointing, runtime, world,
+                 buffers):  # fmt: skip
+        self.shape, self.config, self.budget, self.buffers = shape, config, budget, buffers
         self.gpu, self.checkpointing, self.runtime, self.world = gpu, checkpointing, runtime, world
         micro = int(config.train_micro_batch_size_per_gpu)
         itemsize = model_dtype(config).itemsize
@@ -188,7 +243,8 @@ class _Evaluator:
         device, _, peak = memory_of(self.shape, cfg, sz, gpu=self.gpu, acts=self.acts,
                                alias=not self.gpu, recycled=not self.gpu,
                                runtime_bytes=self.runtime)  # fmt: skip
-        return _placement(param, (frozen, state, grads), sz, (peak, device), self.budget, cfg)
+        plan = _placement(param, (frozen, state, grads), sz, (peak, device), self.budget, cfg)
+        return replace(plan, buffers=self.buffers)
 
     def best(self, param: str) -> Placement | None:
         """The frozen parameters, then the sub-groups, that fit, with `param`'s home."""

@@ -33,7 +33,6 @@ side (`grad_wait_s`).
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import asdict, dataclass, field
 
 from infinity.accelerator.recycled import MIN_BYTES
@@ -42,6 +41,7 @@ from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
 from infinity.estimate.pipeline import Prefetch, micro_step_s, prefetch_of
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, resolve_config, sizes
+from infinity.utils.host_memory import physical_ram
 
 _GIB = float(1 << 30)
 
@@ -207,7 +207,7 @@ def estimate(
         inputs=_inputs(shape, config, rates, seq_len, activation_checkpointing),
     )  # fmt: skip
     if ram_bytes is None:  # this machine's RAM says nothing about a GPU machine's
-        ram_bytes = _ram() if gpu is None else 0
+        ram_bytes = physical_ram() if gpu is None else 0
     from infinity.estimate.advice import advice  # it reads a finished Estimate
 
     est.advice = advice(est, config, ram_bytes=ram_bytes)
@@ -430,10 +430,3 @@ def current_rss() -> int:
     except OSError:
         pass
     return 0
-
-
-def _ram() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0

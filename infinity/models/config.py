@@ -210,6 +210,15 @@ PRESETS: dict[str, dict] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+    "llama-2b": dict(  # 2.1B: the shape benchmarks/bigger_than_ram.py builds for 2.1e9
+        vocab_size=32000,
+        hidden_size=2560,
+        intermediate_size=6912,
+        num_hidden_layers=24,
+        num_attention_heads=20,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
     "llama-7b": dict(
         vocab_size=32000,
         hidden_size=4096,
@@ -232,7 +241,7 @@ PRESETS: dict[str, dict] = {
 
 
 def preset(name: str, **overrides) -> LlamaConfig:
-    """A named shape (random init) for benchmarks: tiny, llama-1b, llama-7b, llama-13b."""
+    """A named shape (random init) for benchmarks: tiny, llama-1b, llama-2b, llama-7b, llama-13b."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     return LlamaConfig(**{**PRESETS[name], **overrides})

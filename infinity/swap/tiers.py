@@ -30,6 +30,7 @@ from infinity.swap.split_state import (
 )
 from infinity.swap.state_tier import HostStateTier, StateTier
 from infinity.swap.store import SwapStore, default_run_id
+from infinity.utils.host_memory import physical_ram
 
 logger = logging.getLogger(__name__)
 
@@ -134,22 +135,15 @@ def make_grad_tier(
 def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:
     """Refuse NVMe optimizer buffers that would take more than half of the machine's RAM
     (the usual cause: the default sub_group_size of 1e9 elements, 12 GB per buffer)."""
-    ram = ram_bytes if ram_bytes is not None else _physical_ram()
+    ram = ram_bytes if ram_bytes is not None else physical_ram()
     if ram and nbytes > ram // 2:
         raise ValueError(
             f"the NVMe optimizer pipeline needs {nbytes / 2**30:.1f} GiB of host buffers "
             f"(offload_optimizer.buffer_count x 12 bytes + 3 gradient buffers x 4 bytes, per "
             f"element of the largest sub-group) but the machine has {ram / 2**30:.1f} GiB of "
-            f"RAM; lower zero_optimization.sub_group_size (e.g. to 1e8 elements) or "
+            f"RAM; lower zero_optimization.sub_group_size (e.g. to 2e7 elements) or "
             f"offload_optimizer.buffer_count (at least 3)"
         )
-
-
-def _physical_ram() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
 
 
 def make_param_tier(

@@ -1,4 +1,5 @@
-"""Giving freed host memory back to the operating system.
+"""The machine's host memory: its size (`physical_ram`, `available_ram`), and giving freed
+memory back to the operating system (`unmap_large_allocations`).
 
 [Note: glibc and large buffers] glibc's malloc serves a request from its heap unless it is at
 least the mmap threshold, which starts at 128 KiB and rises (up to 32 MiB) each time a mapped
@@ -14,12 +15,34 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 
 logger = logging.getLogger(__name__)
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 DEFAULT_THRESHOLD = 4 << 20
+
+
+def physical_ram() -> int:
+    """Bytes of RAM this machine has (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def available_ram() -> int:
+    """Bytes of RAM available to a new process now (the kernel's MemAvailable: free memory
+    plus what it can reclaim), or `physical_ram()` where /proc/meminfo is not there."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return physical_ram()
 
 
 def unmap_large_allocations(threshold: int = DEFAULT_THRESHOLD) -> bool:
