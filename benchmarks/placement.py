@@ -3,14 +3,15 @@ moves fewer bytes over the SSD and runs faster than with everything on NVMe, its
 equal to the plan's and its peak RSS within the budget.
 
 One run of `infinity train --nvme` per placement, the same model, data and seed, in this
-order: `--placement nvme` (every class on NVMe, the behaviour before the planner), then
-`--ram-budget B` for each of `--budgets`. Each run takes `--steps` steps; the figures are
-medians of the steps after the first (metrics.jsonl), beside the plan the run wrote
-(SAVE_DIR/placement.json). The config tunes only the buffers (sub-group size, live budget),
-never a device, so the planner decides.
+order: `--placement nvme` (every class on NVMe, the behaviour before the planner), the
+default plan (no `--ram-budget`: 80% of the RAM available), then `--ram-budget B` for each
+of `--budgets`. No config: the CLI's defaults, so the planner also sizes the buffers. Each
+run takes `--steps` steps; the figures are medians of the steps after the first
+(metrics.jsonl), beside the plan the run wrote (SAVE_DIR/placement.json). With `--config
+FILE` every run uses that config instead (it must not name a device).
 
-    python benchmarks/placement.py --path /tmp/placement --budgets 4G,8G,16G \\
-        --json benchmarks/results/placement.json
+    python benchmarks/placement.py --path /tmp/placement --model llama-2b \\
+        --budgets 4G,8G,16G --json benchmarks/results/placement.json
 """
 
 from __future__ import annotations
@@ -31,15 +32,6 @@ from bench_record import machine, write_json
 from gpu_throughput import _records
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = {
-    "zero_optimization": {
-        "stage": 3,
-        "sub_group_size": 20_000_000,
-        "stage3_max_live_parameters": 300_000_000,
-        "stage3_prefetch_bucket_size": 50_000_000,
-        "stage3_param_persistence_threshold": 100_000,
-    }
-}
 MEDIANS = ("step_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds",
            "nvme_read_bytes", "nvme_write_bytes", "tokens_per_s")  # fmt: skip
 
@@ -52,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lora-r", type=int, default=0)
+    p.add_argument("--config", help="a config for every run (default: none)")
+    p.add_argument("--no-default", action="store_true", help="skip the default-budget run")
     p.add_argument("--json", help="write the runs here")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="placement-", dir=args.path))
@@ -60,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         corpus = work / "corpus.txt"
         words = ["offload", "gather", "release", "prefetch", "adam", "nvme", "pinned", "plan"]
         corpus.write_text(" ".join(words[(i * 7919) % len(words)] for i in range(200_000)))
-        cfg = work / "config.json"
-        cfg.write_text(json.dumps(CONFIG))
+        cfg = Path(args.config).resolve() if args.config else None
         placements = [("all on NVMe", ["--placement", "nvme"])]
+        if not args.no_default:
+            placements.append(("default budget", []))
         placements += [(f"--ram-budget {b}", ["--ram-budget", b]) for b in args.budgets.split(",")]
         for name, flags in placements:
             runs.append(_run(name, flags, args, work, corpus, cfg))
@@ -76,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["measured"] for r in runs) else 1
 
 
-def _run(name: str, flags: list[str], args, work: Path, corpus: Path, cfg: Path) -> dict:
+def _run(name: str, flags: list[str], args, work: Path, corpus: Path, cfg: Path | None) -> dict:
     save, swap = work / "run", work / "swap"
     shutil.rmtree(save, ignore_errors=True)
     shutil.rmtree(swap, ignore_errors=True)
@@ -84,9 +79,11 @@ def _run(name: str, flags: list[str], args, work: Path, corpus: Path, cfg: Path)
     cmd = [sys.executable, "-m", "infinity.cli.main", "train", "--model", args.model,
            "--data", str(corpus), "--byte-tokens", "--dtype", "bf16", "--seq-len",
            str(args.seq_len), "--micro-batch", "1", "--steps", str(args.steps), "--seed", "0",
-           "--activation-checkpointing", "--config", str(cfg), "--nvme", str(swap),
+           "--activation-checkpointing", "--nvme", str(swap),
            "--save-dir", str(save), "--save-every", str(10**6), "--no-progress",
            *flags]  # fmt: skip
+    if cfg is not None:
+        cmd += ["--config", str(cfg)]
     if args.lora_r:
         cmd += ["--lora-r", str(args.lora_r)]
     t0 = time.monotonic()
