@@ -31,7 +31,8 @@ import time
 import torch
 from bench_record import machine, write_json
 
-from infinity.cli.bench_aio import BENCH_FILE, human, parse_bytes
+from infinity.cli.bench_aio import BENCH_FILE, human
+from infinity.cli.sizes import parse_size
 from infinity.io import AioHandle, aligned_empty, available_backends
 
 
@@ -261,8 +262,8 @@ def format_summary(out: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--path", default=".", help="directory on the disk to measure")
-    parser.add_argument("--size", type=parse_bytes, default=2 << 30)
-    parser.add_argument("--block-size", type=parse_bytes, default=1 << 20)
+    parser.add_argument("--size", type=parse_size, default=2 << 30)
+    parser.add_argument("--block-size", type=parse_size, default=1 << 20)
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)

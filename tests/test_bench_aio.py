@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from infinity.cli.bench_aio import AioBenchConfig, best, parse_bool, parse_bytes, parse_list
+from infinity.cli.bench_aio import AioBenchConfig, best, parse_bool, parse_list
 from infinity.cli.main import main
+from infinity.cli.sizes import parse_size
 from infinity.io import available_backends
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,10 +85,10 @@ def test_best_picks_balanced_config():
 
 
 def test_arguments_are_checked(tmp_path):
-    assert parse_bytes("4G") == 4 << 30 and parse_bytes("128K") == 131072
-    assert parse_list("128K,1M", parse_bytes) == [131072, 1 << 20]
-    with pytest.raises(ValueError, match="cannot read"):
-        parse_bytes("lots")
+    assert parse_size("4G") == 4 << 30 and parse_size("128K") == 131072
+    assert parse_list("128K,1M", parse_size) == [131072, 1 << 20]
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+        parse_size("lots")
     with pytest.raises(ValueError, match="not a directory"):
         AioBenchConfig(path=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="multiple of 4096"):

@@ -393,7 +393,7 @@ CASES = [
     ("bench-aio-block", lambda w: ["bench", "aio", "--path", w["dir"], "--block-size", "3"],
      1, "block"),
     ("bench-aio-zero-size", lambda w: ["bench", "aio", "--path", w["dir"], "--size", "0"],
-     1, "size"),
+     2, "'0' must be a positive size"),
     ("bench-aio-depth",
      lambda w: ["bench", "aio", "--path", w["dir"], "--size", "1M", "--queue-depth", "0"],
      1, "queue"),

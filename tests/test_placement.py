@@ -13,7 +13,8 @@ import torch
 from test_estimate import _config as estimate_config
 
 import infinity
-from infinity.cli.placement import parse_size, planned
+from infinity.cli.placement import planned
+from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate import model_shape
 from infinity.estimate.placement import Budget, plan_placement
@@ -106,8 +107,11 @@ def test_sizes_are_read_as_people_write_them():
     assert parse_size("16GB") == 16 * 10**9
     assert parse_size("512M") == 512 * 2**20 and parse_size("1.5g") == 3 * 2**29
     assert parse_size("4096") == 4096
-    for bad in ("", "G", "-1G", "16X", "0"):
+    for bad in ("", "G", "16X", "nanGB", "infGB"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+            parse_size(bad)
+    for bad in ("-1G", "0", "-5GB"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a positive size"):
             parse_size(bad)
 
 

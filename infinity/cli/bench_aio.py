@@ -23,26 +23,13 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
+from infinity.cli.sizes import parse_size
 from infinity.io import AioFallbackWarning, AioHandle, aligned_empty, available_backends
 
 BENCH_FILE = "infinity_aio_bench.bin"
 MAX_BUFFER = 1 << 30
 """Bytes of host memory the sweep uses at most: larger files are moved as several requests
 in flight at once, all from (or into) one buffer."""
-
-
-def parse_bytes(text: str) -> int:
-    """'4G' -> 4 * 2**30, '128K' -> 131072 (K, M, G, T are powers of two: sizes)."""
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    try:
-        if t and t[-1] in scale:
-            return int(float(t[:-1]) * scale[t[-1]])
-        return int(t)
-    except (ValueError, OverflowError):  # not a number, or inf
-        raise ValueError(
-            f"cannot read {text!r} as a size; write e.g. 4G, 128K or 1048576"
-        ) from None
 
 
 def parse_list(text: str, parse=int) -> list:
@@ -276,8 +263,8 @@ def format_table(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True, help="directory on the disk to measure")
-    parser.add_argument("--size", type=parse_bytes, default=4 << 30, help="file size (4G)")
-    parser.add_argument("--block-size", type=lambda s: parse_list(s, parse_bytes),
+    parser.add_argument("--size", type=parse_size, default=4 << 30, help="file size (4G)")
+    parser.add_argument("--block-size", type=lambda s: parse_list(s, parse_size),
                         default=[128 << 10, 1 << 20, 8 << 20], help="e.g. 128K,1M,8M")  # fmt: skip
     parser.add_argument("--queue-depth", type=parse_list, default=[8, 32], help="e.g. 8,32")
     parser.add_argument("--threads", type=parse_list, default=[1, 2], help="e.g. 1,2")

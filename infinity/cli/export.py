@@ -15,26 +15,8 @@ import torch
 
 from infinity.checkpoint import CheckpointNotFoundError, layout, load_checkpoint
 from infinity.cli import export_lora
+from infinity.cli.sizes import parse_size
 from infinity.models import export_hf
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-    t = text.strip().upper()
-    number, mult = t, 1
-    for unit, size in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(unit):
-            number, mult = t[: -len(unit)], size
-            break
-    try:
-        value = int(float(number) * mult) if mult > 1 else int(number)
-    except (ValueError, OverflowError):  # not a number, or inf
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; use e.g. 5GB, 500MB or bytes"
-        ) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size, e.g. 5GB")
-    return value
 
 
 def open_checkpoint(path: Path, tag: str | None):
@@ -152,7 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-shard-size",
-        type=_parse_bytes,
+        type=parse_size,
         default=5 * 10**9,
         help="largest shard file, e.g. 5GB (default) or 500MB",
     )

@@ -12,8 +12,8 @@ exactly as written. Without `--nvme` everything is in RAM and a budget is only c
 from __future__ import annotations
 
 import argparse
-import re
 
+from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate.placement import LEAN_BUFFERS, Budget, Placement, plan_placement
 from infinity.utils.host_memory import available_ram, physical_ram
@@ -21,25 +21,6 @@ from infinity.utils.host_memory import available_ram, physical_ram
 DEFAULT_RAM_SHARE = 0.8
 """Of the RAM available when a run starts (MemAvailable), the share the planner may use by
 default; the rest is left to the page cache, the data loader and the rest of the machine."""
-
-_UNITS = {
-    "": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a SIZE: `16G` or `16GiB` (2**30 bytes each), `16GB` (10**9), `512M`, or a
-    plain number of bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; write it as 16G or 16GiB (2**30 bytes), 16GB (10**9), "
-            "512M, or a number of bytes"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def add_placement_flags(parser: argparse.ArgumentParser) -> None:
