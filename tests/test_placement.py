@@ -17,6 +17,7 @@ from infinity.cli.placement import planned
 from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate import model_shape
+from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
 from infinity.estimate.placement import Budget, plan_placement
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.lora import LoraSpec, apply_lora
@@ -198,7 +199,7 @@ def test_lean_buffers_lower_the_floor_and_change_no_result(tmp_path):
     plan = _plan(tmp_path, low, tunable=lean)
     assert plan.buffers == {"offload_param.buffer_count": 3, "offload_optimizer.buffer_count": 3}
     assert plan.peak_rss_bytes <= low and _moved(plan) > 0
-    assert "fewer buffers" in "\n".join(plan.lines())
+    assert "set for this budget" in "\n".join(plan.lines())
     cfg = plan.apply(Config.load(_config(tmp_path))).to_dict()
     assert cfg["zero_optimization"]["offload_param"]["buffer_count"] == 3
     assert _engine_bytes(cfg, 0) == (plan.nvme_read_bytes_per_step, plan.nvme_write_bytes_per_step)
@@ -223,3 +224,35 @@ def test_lean_buffers_lower_the_floor_and_change_no_result(tmp_path):
         same_placement["zero_optimization"][section]["buffer_count"] = 5
     for a, b in zip(trained(cfg), trained(same_placement), strict=True):
         assert torch.equal(a, b)
+
+
+def test_on_a_gpu_the_live_set_fills_the_device_budget(tmp_path):
+    """With a device budget and the live set the planner's to choose, a LoRA base stays
+    gathered on the device: fewer host-to-device bytes a step, within the device budget;
+    the engine (on the CPU device here) moves exactly the plan's NVMe bytes under it. A
+    device budget under the run's floor is one error naming it."""
+    shape = model_shape(LlamaConfig(**SHAPE), lora_r=4)
+    cfg = Config.load(_config(tmp_path, accum=2))
+
+    def plan(device: int, tunable=("stage3_max_live_parameters",), ram=RUNTIME << 4):
+        budget = Budget(ram, "test", device, "test device")
+        return plan_placement(shape, cfg, budget, gpu=True, seq_len=SEQ,
+                              runtime_bytes=RUNTIME, tunable=tunable)  # fmt: skip
+
+    for k in range(100):  # the smallest RAM budget that plans: part of the run on NVMe
+        ram = RUNTIME + CUDA_RUNTIME_HOST_BYTES + k * (1 << 15)
+        try:
+            resident = plan(64 << 20, ram=ram)
+            break
+        except ValueError:
+            continue
+    as_configured = plan(64 << 20, tunable=(), ram=ram)
+    assert resident.live_parameters > as_configured.live_parameters == 30000
+    assert resident.host_device_bytes_per_step < as_configured.host_device_bytes_per_step
+    assert resident.device_bytes <= 64 << 20 and _moved(resident) > 0
+    assert "host to device" in "\n".join(resident.lines())
+    with pytest.raises(ValueError, match="device budget of .* is below"):
+        plan(1 << 10)
+    applied = resident.apply(cfg).to_dict()
+    got = _engine_bytes(applied, 4)
+    assert got == (resident.nvme_read_bytes_per_step, resident.nvme_write_bytes_per_step)

@@ -213,8 +213,13 @@ def run(args: argparse.Namespace) -> int:
     check_fits(shape, config, args)
     plan = None
     if planned(args):  # as `infinity train` places it (see infinity/cli/placement.py)
-        plan = plan_run(args, config, spec.hf_config, gpu=args.device != "cpu",
-                        lora_r=args.lora_r or 0, world_size=args.world_size)  # fmt: skip
+        from infinity.estimate import GPUS
+
+        gpu = GPUS.get(args.device)
+        memory = (gpu.memory_bytes, f"the {gpu.name}'s memory") if gpu else None
+        plan = plan_run(args, config, spec.hf_config, gpu=gpu is not None,
+                        lora_r=args.lora_r or 0, world_size=args.world_size,
+                        device_default=memory, here=gpu is None)  # fmt: skip
         config = plan.apply(config)
     # The CPU probes run at a capped batch, scaled to the run's by the FLOPs formula; a GPU's
     # compute comes from its published figures at the run's own batch.

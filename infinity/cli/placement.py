@@ -85,13 +85,14 @@ def tunable_buffers(args: argparse.Namespace) -> set[str]:
     return unset
 
 
-def ram_budget(args: argparse.Namespace, local_ranks: int = 1) -> Budget:
+def ram_budget(args: argparse.Namespace, local_ranks: int = 1, here: bool = True) -> Budget:
     """--ram-budget, or the default share of the RAM available now; one rank's share of it
-    when `local_ranks` processes share this machine."""
+    when `local_ranks` processes share this machine. `here`: the run is on this machine (not
+    an estimate for another), so a budget above its RAM is refused."""
     if args.ram_budget is not None:
         total, source = args.ram_budget, f"--ram-budget {args.ram_budget / 2**30:.1f}G"
         machine = physical_ram()
-        if machine and total > machine:
+        if here and machine and total > machine:
             raise ValueError(
                 f"--ram-budget {total / 2**30:.1f}G is more than this machine's "
                 f"{machine / 2**30:.1f} GiB of RAM; give at most that (the default is "
@@ -116,8 +117,14 @@ def plan_run(
     world_size: int = 1,
     local_ranks: int = 1,
     runtime_bytes: int | None = None,
+    device_default: tuple[int, str] | None = None,
+    here: bool = True,
 ) -> Placement:
-    """The plan for a run of `hf_config` under `config` (its nvme_path set by --nvme)."""
+    """The plan for a run of `hf_config` under `config` (its nvme_path set by --nvme).
+    `device_default`: the GPU memory the run may use without --device-memory, and where the
+    figure came from; `here`: the run is on this machine (see `ram_budget`)."""
+    from dataclasses import replace
+
     from infinity.estimate import model_shape
     from infinity.estimate.result import current_rss
 
@@ -126,19 +133,20 @@ def plan_run(
             "--device-memory: on the CPU device the device memory is host RAM; give "
             "--ram-budget alone"
         )
+    budget = ram_budget(args, local_ranks, here)
+    limit = getattr(args, "device_memory", None)
+    if limit is not None:
+        budget = replace(budget, device_bytes=limit, device_source=f"--device-memory {_g(limit)}")
+    elif gpu and device_default is not None:
+        budget = replace(budget, device_bytes=device_default[0], device_source=device_default[1])
     shape = model_shape(hf_config, lora_r=lora_r)
-    plan = plan_placement(
-        shape, config, ram_budget(args, local_ranks), gpu=gpu, seq_len=args.seq_len,
+    return plan_placement(
+        shape, config, budget, gpu=gpu, seq_len=args.seq_len,
         checkpointing=bool(args.activation_checkpointing),
         runtime_bytes=current_rss() if runtime_bytes is None else runtime_bytes,
         world_size=world_size, tunable=tunable_buffers(args),
     )  # fmt: skip
-    limit = getattr(args, "device_memory", None)
-    if limit is not None and plan.device_bytes > limit:
-        raise ValueError(
-            f"--device-memory {limit / 2**30:.1f}G: the run needs {plan.device_bytes / 2**30:.2f} "
-            "GiB on the device (the live parameters and the activations); lower "
-            "stage3_max_live_parameters, --micro-batch or --seq-len, or turn on "
-            "--activation-checkpointing"
-        )
-    return plan
+
+
+def _g(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f}G"

@@ -191,12 +191,15 @@ class TrainRun:
         planner decides] in infinity/cli/placement.py): planned on rank 0, the same on all."""
         if not planned(self.args):
             return config
-        gpu = get_accelerator().device.type != "cpu"
+        accel = get_accelerator()
+        gpu = accel.device.type != "cpu"
+        free = accel.memory_free() if gpu else 0
         plan = self.ranks.decide(
             lambda: plan_run(
                 self.args, config, self.model.hf_config, gpu=gpu,
                 lora_r=self.lora.r if self.lora else 0, world_size=self.ranks.world_size,
                 local_ranks=getattr(self.ranks.comm, "local_world_size", 1),
+                device_default=(free, "free on the GPU at the start") if free else None,
             )
         )  # fmt: skip
         self.ranks.say("\n".join(plan.lines()))

@@ -28,6 +28,15 @@ holds state instead) or when only they fit. None of them changes a result: they 
 many transfers are in flight and how much stays gathered, never how a number is computed.
 The sub-group size, which orders the gradient norm's sum, is not among them.
 
+[Note: resident on the device] On a GPU the live set is device memory, not RAM: where the
+config leaves `stage3_max_live_parameters` unset and a device budget is given, the planner
+also tries the largest live set the device holds beside the activations (`_resident_live`).
+The live-set policy then keeps parameters gathered across uses (a frozen base that fits is
+read to the device once, not at every micro batch; trainable weights gathered in forward
+stay for backward), which the estimate's replay counts. Among plans that move the same NVMe
+bytes the one with the fewest host-to-device bytes wins. Every plan on a GPU must fit the
+device budget.
+
 It does not place tensors on the GPU beyond what the engine keeps there (the live set and
 the activations): device-resident weights and accumulators are not planned yet.
 """
@@ -60,6 +69,10 @@ class Budget:
     ram_bytes: int
     source: str
     """e.g. "--ram-budget 16G", or "80% of the 21.3 GiB available"."""
+    device_bytes: int = 0
+    """GPU memory the run may use (0: unbounded here, as on the CPU device, whose memory is
+    host RAM and within `ram_bytes`)."""
+    device_source: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +105,16 @@ class Placement:
     """Host staging of the NVMe tiers (parameter pool, state pipeline)."""
     nvme_read_bytes_per_step: int
     nvme_write_bytes_per_step: int
+    host_device_bytes_per_step: int
+    live_parameters: int
+    """stage3_max_live_parameters: elements gathered on the device at most."""
     peak_rss_bytes: int
     device_bytes: int
     """The estimate's device memory (the live set, activations; host RAM on the CPU device)."""
     budget: Budget
     buffers: dict[str, int] = field(default_factory=dict)
-    """The buffer settings the plan lowered (see [Note: lean buffers]), keyed as LEAN_BUFFERS."""
+    """The buffer and live-set settings the plan changed (see [Note: lean buffers] and [Note:
+    resident on the device]), keyed as LEAN_BUFFERS."""
 
     def apply(self, config: Config) -> Config:
         """`config` with the plan's keys set."""
@@ -134,12 +151,19 @@ class Placement:
         lowered = ", ".join(f"{k} {v:,}" for k, v in self.buffers.items())
         out.append(
             f"  {'NVMe staging buffers':<26} RAM {_size(self.buffers_bytes):>10}"
-            + (f"   (fewer buffers to fit the budget: {lowered})" if lowered else "")
+            + (f"   (set for this budget: {lowered})" if lowered else "")
         )
         out.append(
             f"  NVMe per step: {_size(self.nvme_read_bytes_per_step)} read, "
             f"{_size(self.nvme_write_bytes_per_step)} written"
         )
+        if self.budget.device_bytes:
+            out.append(
+                f"  device: {_size(self.device_bytes)} of {_size(self.budget.device_bytes)} "
+                f"({self.budget.device_source}), up to {self.live_parameters:,} parameter "
+                f"elements gathered; host to device {_size(self.host_device_bytes_per_step)} "
+                "per step"
+            )
         return out
 
 
@@ -165,16 +189,27 @@ def plan_placement(
     device memory is host RAM); `runtime_bytes`: the process's RSS before the model;
     `tunable`: the keys of LEAN_BUFFERS the config leaves unset (see [Note: lean buffers])."""
     config = resolve_config(config, shape)
+    micro = int(config.train_micro_batch_size_per_gpu)
+    acts = activation_bytes(shape, micro * seq_len, seq_len, model_dtype(config).itemsize,
+                            checkpointing)  # fmt: skip
     plans, evaluate = [], None
-    for rung, lowered in enumerate(_buffer_rungs(config, tunable)):
+    for rung, changed in enumerate(_rungs(shape, config, tunable, gpu, budget, acts)):
         raw = config.to_dict()
-        _set_buffers(raw["zero_optimization"], lowered)
-        evaluate = _Evaluator(shape, Config.load(raw), budget, gpu, seq_len, checkpointing,
-                              runtime_bytes, world_size, lowered)  # fmt: skip
-        plans += [(_moved(p), rung, p.peak_rss_bytes, p) for p in
-                  (evaluate.best("cpu"), evaluate.best("nvme")) if p is not None]  # fmt: skip
-    if not plans:  # `evaluate` is the leanest rung's
+        _set_buffers(raw["zero_optimization"], changed)
+        evaluate = _Evaluator(shape, Config.load(raw), budget, gpu, acts, checkpointing,
+                              runtime_bytes, world_size, changed)  # fmt: skip
+        for p in (evaluate.best("cpu"), evaluate.best("nvme")):
+            if p is not None:
+                plans.append((_moved(p), p.host_device_bytes_per_step, rung, p.peak_rss_bytes, p))
+    if not plans:  # `evaluate` is the last rung's
         floor = evaluate.plan("nvme", 0, 0)
+        if gpu and budget.device_bytes and floor.device_bytes > budget.device_bytes:
+            raise ValueError(
+                f"a device budget of {_size(budget.device_bytes)} ({budget.device_source}) is "
+                f"below the {_size(floor.device_bytes)} this run needs on the device (the live "
+                "parameters and the activations); lower stage3_max_live_parameters, "
+                "--micro-batch or --seq-len, or turn on --activation-checkpointing"
+            )
         device = "" if gpu else f", the device's memory (host RAM here) {_size(floor.device_bytes)}"
         raise ValueError(
             f"a RAM budget of {_size(budget.ram_bytes)} ({budget.source}) is below the "
@@ -183,14 +218,38 @@ def plan_placement(
             "or shrink the buffers: offload_param.buffer_count (each holds the largest "
             "parameter), zero_optimization.sub_group_size, stage3_max_live_parameters"
         )
-    return min(plans, key=lambda t: t[:3])[3]  # fewest bytes, then generous buffers, less RSS
+    # Fewest NVMe bytes, then host-to-device bytes, then the earliest rung, then less RSS.
+    return min(plans, key=lambda t: t[:4])[4]
 
 
-def _buffer_rungs(config: Config, tunable: Collection[str]) -> list[dict[str, int]]:
-    """The buffer settings to plan with: as configured, then lowered where `tunable` lets."""
+LIVE = "stage3_max_live_parameters"
+
+
+def _rungs(shape, config, tunable, gpu, budget, acts) -> list[dict[str, int]]:
+    """The buffer and live-set settings to plan with: as configured, then lowered where
+    `tunable` lets (see [Note: lean buffers]); on a GPU with a device budget, the host
+    buffers lowered or not, each with the live set the device holds (see [Note: resident on
+    the device])."""
     zero = config.to_dict()["zero_optimization"]
     lean = {k: v for k, v in LEAN_BUFFERS.items() if k in tunable and v < _get(zero, k)}
-    return [{}, lean] if lean else [{}]
+    if gpu:  # the live set is device memory there: lowering it frees no RAM
+        lean.pop(LIVE, None)
+    rungs = [{}, lean] if lean else [{}]
+    if gpu and budget.device_bytes and LIVE in tunable:
+        live = _resident_live(shape, config, budget.device_bytes, acts)
+        if live > _get(zero, LIVE):
+            rungs += [{**r, LIVE: live} for r in list(rungs)]
+    return rungs
+
+
+def _resident_live(shape: ModelShape, config: Config, device_bytes: int, acts: int) -> int:
+    """The largest live set (elements) that fits `device_bytes` beside the activations, the
+    largest gradient and the one unit a gather may exceed the budget by (see `memory_of`),
+    less a tenth for the allocator's fragmentation."""
+    itemsize = model_dtype(config).itemsize
+    largest = max((p.numel for p in shape.params), default=0)
+    free = int(device_bytes * 0.9) - acts - 2 * largest * itemsize
+    return max(0, min(free // itemsize, shape.numel))  # no more than the whole model
 
 
 def _get(zero: dict, key: str):
@@ -216,13 +275,11 @@ def _moved(p: Placement) -> int:
 class _Evaluator:
     """Plans for one run: the estimate's sizes and peak RSS of each candidate."""
 
-    def __init__(self, shape, config, budget, gpu, seq_len, checkpointing, runtime, world,
+    def __init__(self, shape, config, budget, gpu, acts, checkpointing, runtime, world,
                  buffers):  # fmt: skip
         self.shape, self.config, self.budget, self.buffers = shape, config, budget, buffers
         self.gpu, self.checkpointing, self.runtime, self.world = gpu, checkpointing, runtime, world
-        micro = int(config.train_micro_batch_size_per_gpu)
-        itemsize = model_dtype(config).itemsize
-        self.acts = activation_bytes(shape, micro * seq_len, seq_len, itemsize, checkpointing)
+        self.acts = acts
         frozen = [p.numel for p in shape.params if not p.trainable]
         self.frozen_steps = [0]
         for n in frozen:  # max_in_cpu values at which one more frozen parameter fits
@@ -259,12 +316,18 @@ class _Evaluator:
             fits = self._fits(lambda k, g=grads: self.plan(param, frozen, steps[k], g), steps)
             if fits is not None:
                 plans.append(self.plan(param, frozen, steps[fits], grads))
-        return min(plans, key=lambda p: (_moved(p), p.peak_rss_bytes))
+        return min(plans, key=lambda p: (_moved(p), p.host_device_bytes_per_step, p.peak_rss_bytes))
+
+    def fits(self, p: Placement) -> bool:
+        """Within the RAM budget and, on a GPU, the device budget (when one is given)."""
+        device = self.budget.device_bytes
+        over_device = self.gpu and device and p.device_bytes > device
+        return p.peak_rss_bytes <= self.budget.ram_bytes and not over_device
 
     def _fits(self, make: Callable[[int], Placement], steps: list[int]) -> int | None:
         """The largest k whose plan fits the budget (peak RSS grows with k; the last step,
         everything in RAM, is tried on its own: it drops the NVMe buffers), None if none."""
-        ok = lambda k: make(k).peak_rss_bytes <= self.budget.ram_bytes  # noqa: E731
+        ok = lambda k: self.fits(make(k))  # noqa: E731
         last = len(steps) - 1
         if ok(last):
             return last
@@ -292,6 +355,8 @@ def _placement(
     read += sz.param_read_bytes_per_micro_step * accum
     write = sz.optim_write_bytes_per_step + sz.grad_write_bytes_per_step
     write += sz.param_write_bytes_per_step
+    micro = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
+    host_device = accum * micro + sz.refresh_bytes_per_step
     return Placement(
         param_device=param, param_max_in_cpu=kept[0], optim_device="nvme",
         optim_max_in_cpu=kept[1], gradients_in_cpu=kept[2],
@@ -301,5 +366,7 @@ def _placement(
         grads=Tiers(sz.grad_host_bytes, sz.grad_nvme_bytes),
         buffers_bytes=sz.param_pool_bytes + sz.state_buffer_bytes,
         nvme_read_bytes_per_step=read, nvme_write_bytes_per_step=write,
+        host_device_bytes_per_step=host_device,
+        live_parameters=int(cfg.zero_optimization.max_live_parameters),
         peak_rss_bytes=memory[0], device_bytes=memory[1], budget=budget,
     )  # fmt: skip
