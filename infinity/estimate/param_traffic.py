@@ -108,13 +108,35 @@ def _split(shape: ModelShape, params: Sequence[int]) -> list[tuple[int, ...]]:
     return [tuple(params)]
 
 
+_REPLAYS: dict[tuple, tuple[ModelShape, tuple[list[Position], list[PlannedFetch]]]] = {}
+_REPLAYS_KEPT = 8
+
+
 def param_fetches(
     shape: ModelShape, config: Config, *, checkpointing: bool
 ) -> tuple[list[Position], list[PlannedFetch]]:
     """The trace of one training iteration and the fetches of its steady state, in the
     order they are decided: iterations are replayed until two in a row fetch the same (the
     first starts with nothing gathered; frozen parameters carry over from one to the
-    next)."""
+    next). The last few replays are kept: the placement planner asks for the same one for
+    every candidate that differs only in what lives in RAM (callers must not change them)."""
+    zero = config.zero_optimization
+    key = (id(shape), checkpointing, int(zero.max_live_parameters),
+           int(zero.prefetch_bucket_size), int(zero.max_reuse_distance),
+           tuple(shape.persistent(zero)))  # fmt: skip
+    kept = _REPLAYS.get(key)
+    if kept is not None and kept[0] is shape:
+        return kept[1]
+    result = _replay(shape, config, checkpointing)
+    if len(_REPLAYS) >= _REPLAYS_KEPT:
+        _REPLAYS.pop(next(iter(_REPLAYS)))
+    _REPLAYS[key] = (shape, result)
+    return result
+
+
+def _replay(
+    shape: ModelShape, config: Config, checkpointing: bool
+) -> tuple[list[Position], list[PlannedFetch]]:
     trace = training_trace(shape, checkpointing=checkpointing)
     zero = config.zero_optimization
     plan = LivePlan(
