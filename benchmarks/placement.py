@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-r", type=int, default=0)
     p.add_argument("--config", help="a config for every run (default: none)")
     p.add_argument("--no-default", action="store_true", help="skip the default-budget run")
+    p.add_argument("--estimate", action="store_true",
+                   help="also run `infinity estimate` with each run's flags (its probes run "
+                   "between the runs) and record its step and peak RSS")  # fmt: skip
     p.add_argument("--json", help="write the runs here")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="placement-", dir=args.path))
@@ -58,9 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         placements = [("all on NVMe", ["--placement", "nvme"])]
         if not args.no_default:
             placements.append(("default budget", []))
-        placements += [(f"--ram-budget {b}", ["--ram-budget", b]) for b in args.budgets.split(",")]
+        budgets = [b for b in args.budgets.split(",") if b]
+        placements += [(f"--ram-budget {b}", ["--ram-budget", b]) for b in budgets]
         for name, flags in placements:
             runs.append(_run(name, flags, args, work, corpus, cfg))
+            if args.estimate:
+                runs[-1]["estimate"] = _estimate(flags, args, work, cfg)
             _print(runs[-1])
             if args.json:
                 write_json({"machine": machine(args.path), "argv": sys.argv, "runs": runs},
@@ -115,6 +121,26 @@ def _run(name: str, flags: list[str], args, work: Path, corpus: Path, cfg: Path 
             "log_tail": log.read_text().strip().splitlines()[-20:]}  # fmt: skip
 
 
+def _estimate(flags: list[str], args, work: Path, cfg: Path | None) -> dict:
+    """`infinity estimate` for the run just made: the same flags, its swap directory probed."""
+    swap = work / "swap"
+    swap.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "infinity.cli.main", "estimate", "--model", args.model,
+           "--dtype", "bf16", "--seq-len", str(args.seq_len), "--micro-batch", "1",
+           "--activation-checkpointing", "--nvme", str(swap), *flags, "--json", "-"]  # fmt: skip
+    if cfg is not None:
+        cmd += ["--config", str(cfg)]
+    if args.lora_r:
+        cmd += ["--lora-r", str(args.lora_r)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1:]}
+    est = json.loads(out.stdout)
+    keep = ("step_seconds", "peak_rss_bytes", "nvme_read_bytes_per_step",
+            "nvme_write_bytes_per_step", "bound", "times")  # fmt: skip
+    return {k: est[k] for k in keep}
+
+
 def _print(r: dict) -> None:
     print(f"\n== {r['name']}: rc {r['rc']}, {len(r['records'])} steps, {r['wall_s']:.0f} s")
     if r["rc"]:
@@ -124,6 +150,12 @@ def _print(r: dict) -> None:
         print(f"  step {m['step_seconds']:.2f} s, NVMe {m['nvme_read_bytes'] / 1e9:.2f} GB read "
               f"{m['nvme_write_bytes'] / 1e9:.2f} GB written, peak RSS "
               f"{m['peak_rss_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+    est = r.get("estimate") or {}
+    if "step_seconds" in est and m:
+        print(f"  estimate: step {est['step_seconds']:.2f} s "
+              f"({est['step_seconds'] / m['step_seconds']:.2f} of measured), peak RSS "
+              f"{est['peak_rss_bytes'] / 2**30:.2f} GiB "
+              f"({est['peak_rss_bytes'] / m['peak_rss_bytes']:.2f} of measured)")  # fmt: skip
     if plan:
         budget = plan["budget"]["ram_bytes"] / 2**30
         print(f"  plan: NVMe {plan['nvme_read_bytes_per_step'] / 1e9:.2f} GB read "
