@@ -174,6 +174,13 @@ def test_bytes_equal_the_engine_counters(tmp_path, case):
     in_ram = sum(sz_numels[: state_in_ram(sz_numels, resolved.zero_optimization.offload_optimizer)])
     assert stats[-1].get("optim_host_buffer_bytes", 0) == sz.state_host_bytes - 12 * in_ram
     assert stats[-1].get("param_pool_bytes", 0) == sz.param_pool_bytes
+    # The engine's peak live set is the replayed policy's; with a frozen base just over the
+    # budget (kept across iterations) the first iterations can peak one small unit apart.
+    peak = stats[-1]["peak_live_param_numel"]
+    if case.startswith("lora-base-over-budget"):
+        assert abs(peak - sz.peak_live_numel) <= max(p.numel for p in shape.params)
+    else:
+        assert peak == sz.peak_live_numel
 
 
 def test_budget_cutting_inside_a_layer_is_exact(tmp_path):

@@ -108,7 +108,19 @@ def _split(shape: ModelShape, params: Sequence[int]) -> list[tuple[int, ...]]:
     return [tuple(params)]
 
 
-_REPLAYS: dict[tuple, tuple[ModelShape, tuple[list[Position], list[PlannedFetch]]]] = {}
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """The live-set policy run over one training iteration until its steady state."""
+
+    trace: list[Position]
+    fetches: list[PlannedFetch]
+    """The steady iteration's fetches, in the order they are decided."""
+    peak_live_numel: int
+    """The most elements gathered at once over the replayed iterations (the coordinator's
+    `peak_live_param_numel`)."""
+
+
+_REPLAYS: dict[tuple, tuple[ModelShape, Replay]] = {}
 _REPLAYS_KEPT = 8
 
 
@@ -120,6 +132,12 @@ def param_fetches(
     first starts with nothing gathered; frozen parameters carry over from one to the
     next). The last few replays are kept: the placement planner asks for the same one for
     every candidate that differs only in what lives in RAM (callers must not change them)."""
+    replay = replayed(shape, config, checkpointing=checkpointing)
+    return replay.trace, replay.fetches
+
+
+def replayed(shape: ModelShape, config: Config, *, checkpointing: bool) -> Replay:
+    """The replay `param_fetches` reads (see there), with its peak live set."""
     zero = config.zero_optimization
     key = (id(shape), checkpointing, int(zero.max_live_parameters),
            int(zero.prefetch_bucket_size), int(zero.max_reuse_distance),
@@ -134,9 +152,7 @@ def param_fetches(
     return result
 
 
-def _replay(
-    shape: ModelShape, config: Config, checkpointing: bool
-) -> tuple[list[Position], list[PlannedFetch]]:
+def _replay(shape: ModelShape, config: Config, checkpointing: bool) -> Replay:
     trace = training_trace(shape, checkpointing=checkpointing)
     zero = config.zero_optimization
     plan = LivePlan(
@@ -152,6 +168,7 @@ def _replay(
             plan.hold(i)
     order = LiveTrace([pos.params for pos in trace], plan.numel)
     sink = _LiveSink(plan.numel)
+    _iteration(plan, order, sink, traced=False)  # the engine's first: it records the trace
     previous = None
     for _ in range(_MAX_ITERATIONS):
         sink.fetches = []
@@ -159,7 +176,7 @@ def _replay(
         if sink.fetches == previous:
             break
         previous = sink.fetches
-    return trace, sink.fetches
+    return Replay(trace, sink.fetches, plan.peak_live_numel)
 
 
 class _LiveSink:
@@ -172,26 +189,28 @@ class _LiveSink:
         self.fetches: list[PlannedFetch] = []
 
     def fetch(self, i: int, needed: int | None) -> None:
-        assert needed is not None  # the estimate's iterations never leave the trace
+        if needed is None:  # the untraced first iteration: its fetches are not counted
+            return
         self.fetches.append(PlannedFetch(self.at, needed, self.numel[i], i))
 
     def release(self, i: int) -> None:
         pass
 
 
-def _iteration(plan: LivePlan, order: LiveTrace, sink: _LiveSink) -> None:
+def _iteration(plan: LivePlan, order: LiveTrace, sink: _LiveSink, traced: bool = True) -> None:
     """One forward + backward as the hooks drive the coordinator: the iteration's first
-    prefetch, then at each gather the unit, prefetch, and the unit's end."""
-    plan.begin(order)
+    prefetch, then at each gather the unit, prefetch, and the unit's end. Untraced (the
+    first iteration, which records the order): no prefetch, and no reuse known."""
+    plan.begin(order if traced else None)
     sink.at = 0
     plan.prefetch((), sink)
     for pos, unit in enumerate(order.units):
-        plan.advance(pos)
+        plan.advance(pos if traced else None)
         sink.at = pos
         running = set(unit)
         plan.gather(unit, sink)
         plan.prefetch(running, sink)
         for i in unit:
-            plan.settle(i, pos, sink)
+            plan.settle(i, pos if traced else None, sink)
     plan.release_all(sink, keep_frozen=True)
     plan.end()

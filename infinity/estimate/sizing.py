@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from infinity.config import Config, ZeroConfig, resolve_stage3
 from infinity.estimate.grad_traffic import GradTraffic, grad_traffic
-from infinity.estimate.param_traffic import param_fetches
+from infinity.estimate.param_traffic import param_fetches, replayed
 from infinity.estimate.shapes import ModelShape
 from infinity.swap.footprint import Footprint
 from infinity.swap.grad_plan import grad_footprint
@@ -179,7 +179,8 @@ def sizes(
         # The CPU device (it never pins) adds gradients straight into their fp32 partitions.
         grad_offload_bytes_per_micro_step=shape.trainable_numel * itemsize if pins else 0,
         refresh_bytes_per_step=_refreshed(shape, zero) * itemsize if (param_nvme or copies) else 0,
-        peak_live_numel=peak_live_numel(shape, config), trainable_numel=shape.trainable_numel,
+        peak_live_numel=replayed(shape, config, checkpointing=checkpointing).peak_live_numel,
+        trainable_numel=shape.trainable_numel,
         flat_numel=layout.total, num_sub_groups=layout.num_sub_groups, itemsize=itemsize,
     )  # fmt: skip
 
@@ -301,13 +302,3 @@ def non_persistent_numel(shape: ModelShape, config: Config, *, trainable_only=Fa
     )
 
 
-def peak_live_numel(shape: ModelShape, config: Config) -> int:
-    """Gathered elements at most: the budget (or the largest unit, which a gather may take
-    whatever the budget), never more than the non-persistent total, plus the persistent
-    ones."""
-    zero = config.zero_optimization
-    persistent = shape.persistent(zero)
-    non_persistent = non_persistent_numel(shape, config)
-    largest = max((shape.unit_numel(u, persistent=persistent) for u in shape.units), default=0)
-    live = min(non_persistent, max(int(zero.max_live_parameters), largest))
-    return live + shape.numel - non_persistent
