@@ -76,6 +76,12 @@ def test_metrics_carry_each_steps_telemetry(tmp_path, capsys, inputs, counters, 
             )
             assert r["nvme_read_bytes"] > 0 and r["nvme_write_bytes"] > 0
             assert r["nvme_optim_wait_seconds"] <= r["optimizer_seconds"]
+            # By tier, summing to the totals: the sweep reads and writes the state (this
+            # model's parameters are persistent and its gradients fit their host buffers).
+            for way in ("read", "write"):
+                tiers = [r[f"nvme_{t}_{way}_bytes"] for t in ("param", "optim", "grad")]
+                assert sum(tiers) == r[f"nvme_{way}_bytes"]
+                assert r[f"nvme_optim_{way}_bytes"] > 0
     assert len(COMPACT.findall(capsys.readouterr().err)) >= 3  # one per step, in the bar
 
 

@@ -50,6 +50,15 @@ class StepTelemetry:
     device_to_host_bytes: int
     nvme_read_bytes: int
     nvme_write_bytes: int
+    nvme_param_read_bytes: int
+    """The NVMe bytes by tier: the 16-bit parameters (gathers, and the optimizer's writes
+    of new weights), the optimizer state, the spilled fp32 gradients; each pair sums to
+    the two totals above."""
+    nvme_param_write_bytes: int
+    nvme_optim_read_bytes: int
+    nvme_optim_write_bytes: int
+    nvme_grad_read_bytes: int
+    nvme_grad_write_bytes: int
     prefetch_hits: int
     prefetch_misses: int
     peak_rss_bytes: int
@@ -161,6 +170,12 @@ def step_telemetry(
         device_to_host_bytes=int(deltas.get("device_to_host_bytes", 0)),
         nvme_read_bytes=int(_sum_tiers(deltas, "_bytes_read")),
         nvme_write_bytes=int(_sum_tiers(deltas, "_bytes_written")),
+        nvme_param_read_bytes=int(deltas.get("nvme_param_bytes_read", 0)),
+        nvme_param_write_bytes=int(deltas.get("nvme_param_bytes_written", 0)),
+        nvme_optim_read_bytes=int(deltas.get("nvme_optim_bytes_read", 0)),
+        nvme_optim_write_bytes=int(deltas.get("nvme_optim_bytes_written", 0)),
+        nvme_grad_read_bytes=int(deltas.get("nvme_grad_bytes_read", 0)),
+        nvme_grad_write_bytes=int(deltas.get("nvme_grad_bytes_written", 0)),
         prefetch_hits=int(deltas.get("prefetch_hits", 0)),
         prefetch_misses=int(deltas.get("prefetch_misses", 0)),
         peak_rss_bytes=peak_rss_bytes(),
