@@ -300,5 +300,3 @@ def non_persistent_numel(shape: ModelShape, config: Config, *, trainable_only=Fa
         for p, keep in zip(shape.params, persistent, strict=True)
         if not keep and (p.trainable or not trainable_only)
     )
-
-
