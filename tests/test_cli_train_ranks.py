@@ -133,6 +133,30 @@ def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_pa
     assert "still referenced" not in rank1 + _rank_log(logs, 0, "stderr")  # left the group
 
 
+@pytest.mark.parametrize(
+    "kept", [{"max_in_cpu": 8192}, {"max_in_cpu": 8192, "gradients_in_cpu": True}]
+)
+def test_two_ranks_train_to_the_same_bits_wherever_the_state_lives(inputs, tmp_path, kept):
+    """Placement changes no result on two ranks either: the first sub-groups' state (with
+    their gradients, or with every gradient) kept in RAM, the rest on NVMe, against
+    everything on NVMe: the same losses and gradient norms, bit for bit."""
+    runs = {}
+    for name, optim in (("nvme", {}), ("split", kept)):
+        cfg = tmp_path / f"{name}.json"
+        zero = {"stage": 3, "sub_group_size": 4096, "offload_param": {"device": "nvme"},
+                "offload_optimizer": {"device": "nvme", **optim}}  # fmt: skip
+        cfg.write_text(json.dumps({"zero_optimization": zero}))
+        ssd, save = tmp_path / f"ssd-{name}", tmp_path / name
+        ssd.mkdir()
+        args = _args(inputs, save, "--micro-batch", 1, "--grad-accum", 2, "--steps", 3,
+                     "--config", cfg, "--nvme", ssd)  # fmt: skip
+        code, out = _finish(_torchrun(args, tmp_path / f"logs-{name}"))
+        assert code == 0, out
+        records = [json.loads(line) for line in (save / "metrics.jsonl").open()]
+        runs[name] = [(r["loss"], r["grad_norm"]) for r in records]
+    assert len(runs["nvme"]) == 3 and runs["split"] == runs["nvme"]
+
+
 def test_saved_on_two_resumes_on_one_and_on_two(inputs, tmp_path):
     expected = _single_rank_losses(inputs, tmp_path, 5)
     save, logs = tmp_path / "two", tmp_path / "logs"
