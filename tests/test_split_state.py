@@ -51,7 +51,7 @@ def test_the_first_sub_groups_that_fit_whole_stay_in_ram():
     assert state_in_ram([10, 10, 5], OffloadOptimizerConfig(device="cpu")) == 3
 
 
-@pytest.mark.parametrize(("dtype", "accum"), [("bf16", 1), ("fp32", 2)])
+@pytest.mark.parametrize(("dtype", "accum"), [("bf16", 1), ("fp32", 2), ("bf16", 4)])
 def test_every_split_trains_bitwise_as_all_ram_and_all_nvme(tmp_path, dtype, accum):
     torch.manual_seed(0)
     model = Zoo()
