@@ -47,6 +47,7 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
 from infinity.config import Config
+from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
 from infinity.estimate.result import activation_bytes, memory_of
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, layout_of, resolve_config, sizes
@@ -211,10 +212,13 @@ def plan_placement(
                 "--micro-batch or --seq-len, or turn on --activation-checkpointing"
             )
         device = "" if gpu else f", the device's memory (host RAM here) {_size(floor.device_bytes)}"
+        process = runtime_bytes + (CUDA_RUNTIME_HOST_BYTES if gpu else 0)
         raise ValueError(
             f"a RAM budget of {_size(budget.ram_bytes)} ({budget.source}) is below the "
-            f"{_size(floor.peak_rss_bytes)} this run needs with everything on NVMe (its NVMe "
-            f"staging buffers take {_size(floor.buffers_bytes)}{device}); raise --ram-budget, "
+            f"{_size(floor.peak_rss_bytes)} this run needs with everything on NVMe (the "
+            f"process before the model {_size(process)}{' with the CUDA runtime' if gpu else ''}"
+            f", its NVMe staging buffers {_size(floor.buffers_bytes)}{device}); raise "
+            "--ram-budget, "
             "or shrink the buffers: offload_param.buffer_count (each holds the largest "
             "parameter), zero_optimization.sub_group_size, stage3_max_live_parameters"
         )
