@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from infinity.cli.placement import add_placement_flags, plan_run, planned
+from infinity.cli.placement import add_placement_flags, plan_run
 from infinity.cli.train import check_lora_rank, check_seq_len, config_from_args
 from infinity.cli.train_flags import positive_int
 from infinity.config import Config
@@ -211,15 +211,14 @@ def run(args: argparse.Namespace) -> int:
     # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
     config = Config.load({**config.to_dict(), "train_batch_size": "auto"}).for_local_rank(0)
     check_fits(shape, config, args)
-    plan = None
-    if planned(args):  # as `infinity train` places it (see infinity/cli/placement.py)
-        from infinity.estimate import GPUS
+    from infinity.estimate import GPUS
 
-        gpu = GPUS.get(args.device)
-        memory = (gpu.memory_bytes, f"the {gpu.name}'s memory") if gpu else None
-        plan = plan_run(args, config, spec.hf_config, gpu=gpu is not None,
-                        lora_r=args.lora_r or 0, world_size=args.world_size,
-                        device_default=memory, here=gpu is None)  # fmt: skip
+    gpu = GPUS.get(args.device)  # placed as `infinity train` places it (cli/placement.py)
+    memory = (gpu.memory_bytes, f"the {gpu.name}'s memory") if gpu else None
+    plan = plan_run(args, config, spec.hf_config, gpu=gpu is not None,
+                    lora_r=args.lora_r or 0, world_size=args.world_size,
+                    device_default=memory, here=gpu is None)  # fmt: skip
+    if plan is not None:
         config = plan.apply(config)
     # The CPU probes run at a capped batch, scaled to the run's by the FLOPs formula; a GPU's
     # compute comes from its published figures at the run's own batch.

@@ -15,7 +15,13 @@ import argparse
 
 from infinity.cli.sizes import parse_size
 from infinity.config import Config
-from infinity.estimate.placement import LEAN_BUFFERS, Budget, Placement, plan_placement
+from infinity.estimate.placement import (
+    LEAN_BUFFERS,
+    Budget,
+    Placement,
+    check_budget,
+    plan_placement,
+)
 from infinity.utils.host_memory import available_ram, physical_ram
 
 DEFAULT_RAM_SHARE = 0.8
@@ -119,10 +125,12 @@ def plan_run(
     runtime_bytes: int | None = None,
     device_default: tuple[int, str] | None = None,
     here: bool = True,
-) -> Placement:
-    """The plan for a run of `hf_config` under `config` (its nvme_path set by --nvme).
-    `device_default`: the GPU memory the run may use without --device-memory, and where the
-    figure came from; `here`: the run is on this machine (see `ram_budget`)."""
+) -> Placement | None:
+    """The plan for a run of `hf_config` under `config` (its nvme_path set by --nvme), or
+    None where the planner does not decide (see [Note: when the planner decides]; a
+    --ram-budget is then checked against the run's peak RSS). `device_default`: the GPU
+    memory the run may use without --device-memory, and where the figure came from; `here`:
+    the run is on this machine (see `ram_budget`)."""
     from dataclasses import replace
 
     from infinity.estimate import model_shape
@@ -133,19 +141,22 @@ def plan_run(
             "--device-memory: on the CPU device the device memory is host RAM; give "
             "--ram-budget alone"
         )
+    if not planned(args) and args.ram_budget is None:
+        return None
     budget = ram_budget(args, local_ranks, here)
+    shape = model_shape(hf_config, lora_r=lora_r)
+    run = dict(gpu=gpu, seq_len=args.seq_len, checkpointing=bool(args.activation_checkpointing),
+               runtime_bytes=current_rss() if runtime_bytes is None else runtime_bytes,
+               world_size=world_size)  # fmt: skip
+    if not planned(args):
+        check_budget(shape, config, budget, **run)
+        return None
     limit = getattr(args, "device_memory", None)
     if limit is not None:
         budget = replace(budget, device_bytes=limit, device_source=f"--device-memory {_g(limit)}")
     elif gpu and device_default is not None:
         budget = replace(budget, device_bytes=device_default[0], device_source=device_default[1])
-    shape = model_shape(hf_config, lora_r=lora_r)
-    return plan_placement(
-        shape, config, budget, gpu=gpu, seq_len=args.seq_len,
-        checkpointing=bool(args.activation_checkpointing),
-        runtime_bytes=current_rss() if runtime_bytes is None else runtime_bytes,
-        world_size=world_size, tunable=tunable_buffers(args),
-    )  # fmt: skip
+    return plan_placement(shape, config, budget, tunable=tunable_buffers(args), **run)
 
 
 def _g(nbytes: int) -> str:

@@ -26,7 +26,7 @@ from infinity.accelerator import get_accelerator
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.cli import train_disk
 from infinity.cli.estimate import write_json
-from infinity.cli.placement import plan_run, planned
+from infinity.cli.placement import plan_run
 from infinity.cli.train import tokenizer_dir
 from infinity.cli.train_eval import due, evaluate
 from infinity.cli.train_failures import (
@@ -189,8 +189,6 @@ class TrainRun:
     def _placed(self, config: Config) -> Config:
         """`config` with the planner's placement when it decides (see [Note: when the
         planner decides] in infinity/cli/placement.py): planned on rank 0, the same on all."""
-        if not planned(self.args):
-            return config
         accel = get_accelerator()
         gpu = accel.device.type != "cpu"
         free = accel.memory_free() if gpu else 0
@@ -202,6 +200,8 @@ class TrainRun:
                 device_default=(free, "free on the GPU at the start") if free else None,
             )
         )  # fmt: skip
+        if plan is None:  # the config places it (a --ram-budget was checked)
+            return config
         self.ranks.say("\n".join(plan.lines()))
         if self.ranks.is_main:  # what was planned, beside what was measured (metrics.jsonl)
             write_json(plan.to_dict(), self.save_dir / "placement.json")

@@ -299,11 +299,8 @@ class _Evaluator:
         zero["offload_param"].update(device=param, max_in_cpu=frozen)
         zero["offload_optimizer"].update(device="nvme", max_in_cpu=state, gradients_in_cpu=grads)
         cfg = Config.load(raw)
-        sz = sizes(self.shape, cfg, pins=self.gpu, checkpointing=self.checkpointing,
-                   aliases=not self.gpu, world_size=self.world)  # fmt: skip
-        device, _, peak = memory_of(self.shape, cfg, sz, gpu=self.gpu, acts=self.acts,
-                               alias=not self.gpu, recycled=not self.gpu,
-                               runtime_bytes=self.runtime)  # fmt: skip
+        sz, device, peak = _memory(self.shape, cfg, self.gpu, self.acts, self.checkpointing,
+                                   self.runtime, self.world)  # fmt: skip
         plan = _placement(param, (frozen, state, grads), sz, (peak, device), self.budget, cfg)
         return replace(plan, buffers=self.buffers)
 
@@ -342,6 +339,46 @@ class _Evaluator:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
         return lo
+
+
+def _memory(shape, cfg, gpu, acts, checkpointing, runtime, world) -> tuple[Sizes, int, int]:
+    """The estimate's sizes, device bytes and peak RSS of `cfg` (see `memory_of`)."""
+    sz = sizes(shape, cfg, pins=gpu, checkpointing=checkpointing, aliases=not gpu,
+               world_size=world)  # fmt: skip
+    device, _, peak = memory_of(shape, cfg, sz, gpu=gpu, acts=acts, alias=not gpu,
+                                recycled=not gpu, runtime_bytes=runtime)  # fmt: skip
+    return sz, device, peak
+
+
+def check_budget(
+    shape: ModelShape,
+    config: Config,
+    budget: Budget,
+    *,
+    gpu: bool,
+    seq_len: int,
+    checkpointing: bool = False,
+    runtime_bytes: int,
+    world_size: int = 1,
+) -> int:
+    """A run whose placement the config fixes (no planning): its peak RSS, or ValueError
+    when that is over `budget` (naming both and what would help)."""
+    config = resolve_config(config, shape)
+    micro = int(config.train_micro_batch_size_per_gpu)
+    acts = activation_bytes(shape, micro * seq_len, seq_len, model_dtype(config).itemsize,
+                            checkpointing)  # fmt: skip
+    _, _, peak = _memory(shape, config, gpu, acts, checkpointing, runtime_bytes, world_size)
+    if peak > budget.ram_bytes:
+        zero = config.zero_optimization
+        devices = (zero.offload_param.device, zero.offload_optimizer.device)
+        raise ValueError(
+            f"this run needs {_size(peak)} of RAM at its peak, over the budget of "
+            f"{_size(budget.ram_bytes)} ({budget.source}); its config places the parameters "
+            f"on {devices[0]!r} and the optimizer state on {devices[1]!r}. Give --nvme DIR "
+            "(and no offload devices in the config) to let the planner keep in RAM what fits "
+            "and put the rest on the SSD, or raise --ram-budget"
+        )
+    return peak
 
 
 def _placement(
