@@ -37,8 +37,8 @@ stay for backward), which the estimate's replay counts. Among plans that move th
 bytes the one with the fewest host-to-device bytes wins. Every plan on a GPU must fit the
 device budget.
 
-It does not place tensors on the GPU beyond what the engine keeps there (the live set and
-the activations): device-resident weights and accumulators are not planned yet.
+Beyond the live set and the activations it places nothing on the GPU: fp32 gradient
+accumulators resident there are not built yet.
 """
 
 from __future__ import annotations
