@@ -3,7 +3,9 @@ beside `infinity estimate` for the same shape and disk.
 
 Runs the real CLI for a few optimizer steps per case and reads its per-step telemetry
 (metrics.jsonl): a Llama-1B full fine-tune in bf16 with the optimizer state in RAM, the same
-with both tiers on NVMe, and a Llama-7B LoRA (r=16) with the frozen base on NVMe. The first
+with both tiers on NVMe, a Llama-1B LoRA (r=16) placed by the planner (`--nvme` alone: the
+base kept in RAM and, within the GPU's free memory, gathered on the device once), and a
+Llama-7B LoRA (r=16) with the frozen base on NVMe. The first
 step warms up (traces the order, fills the pools); the figures are medians of the steps
 after it. Each case has a wall-clock limit, so one slow case cannot take the others' time;
 a case stopped at its limit keeps the steps it finished.
@@ -39,19 +41,25 @@ class Case:
     model: str
     nvme: bool
     lora_r: int = 0
+    planned: bool = False
+    """With `nvme`: the planner places the run (`--nvme` alone), not `--placement nvme`."""
 
 
 CASES = {
     "1b-ram": Case(name="llama-1b full fine-tune, state in RAM", model="llama-1b", nvme=False),
     "1b-nvme": Case(name="llama-1b full fine-tune, both tiers on NVMe", model="llama-1b",
                     nvme=True),
+    "1b-lora-planned": Case(name="llama-1b LoRA r=16, placed by the planner", model="llama-1b",
+                            nvme=True, lora_r=16, planned=True),
     "7b-lora": Case(name="llama-7b LoRA r=16, base on NVMe", model="llama-7b", nvme=True,
                     lora_r=16),
     "tiny-ram": Case(name="tiny full fine-tune, state in RAM", model="tiny", nvme=False),
     "tiny-nvme": Case(name="tiny full fine-tune, both tiers on NVMe", model="tiny", nvme=True),
     "tiny-lora": Case(name="tiny LoRA r=8, base on NVMe", model="tiny", nvme=True, lora_r=8),
+    "tiny-lora-planned": Case(name="tiny LoRA r=8, placed by the planner", model="tiny",
+                              nvme=True, lora_r=8, planned=True),
 }  # fmt: skip
-GPU_CASES = "1b-ram,1b-nvme,7b-lora"
+GPU_CASES = "1b-ram,1b-nvme,1b-lora-planned,7b-lora"
 # metrics.jsonl keys whose per-step median the table shows.
 MEDIANS = (
     "step_seconds", "tokens_per_s", "tflops", "forward_seconds", "backward_seconds",
@@ -106,7 +114,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--profile-to",
         metavar="DIR",
         help="record each case's second step with torch.profiler and keep its "
-        "Chrome trace, gzipped, as DIR/profile-<model>[-nvme|-lora].json.gz",
+        "Chrome trace, gzipped, as DIR/profile-<model>[-nvme|-lora][-planned].json.gz",
     )
     p.add_argument("--profile-cases", help="only these cases, with --profile-to (default: all)")
     return p.parse_args(argv)
@@ -121,7 +129,9 @@ def _flags(case: Case, args: argparse.Namespace, swap: Path) -> list[str]:
     ]  # fmt: skip
     if case.lora_r:
         flags += ["--lora-r", str(case.lora_r)]
-    return flags + (["--nvme", str(swap), "--placement", "nvme"] if case.nvme else [])
+    if not case.nvme:
+        return flags
+    return flags + ["--nvme", str(swap)] + ([] if case.planned else ["--placement", "nvme"])
 
 
 def _run_case(case: Case, args, work: Path, saves: Path, corpus: Path) -> dict:
@@ -139,6 +149,8 @@ def _run_case(case: Case, args, work: Path, saves: Path, corpus: Path) -> dict:
     run = _train(train, args)
     if profiled:
         run["profile"] = _keep_trace(saves / "run" / "profile", Path(args.profile_to), case)
+    plan = saves / "run" / "placement.json"  # what the planner chose (planned cases)
+    run["plan"] = json.loads(plan.read_text()) if plan.exists() else None
     shutil.rmtree(saves / "run", ignore_errors=True)  # a 1B checkpoint is ~15 GB
     shutil.rmtree(swap, ignore_errors=True)
     estimate = _estimate(flags, args, work / "estimate.json")
@@ -206,6 +218,7 @@ def _keep_trace(profile_dir: Path, to: Path, case: Case) -> str | None:
     if not traces:
         return None
     tag = case.model + ("-lora" if case.lora_r else "-nvme" if case.nvme else "")
+    tag += "-planned" if case.planned else ""
     to.mkdir(parents=True, exist_ok=True)
     dest = to / f"profile-{tag}.json.gz"
     with traces[-1].open("rb") as src, gzip.open(dest, "wb", compresslevel=6) as out:

@@ -18,7 +18,8 @@ def test_dry_run_on_the_cpu_device(tmp_path):
     out = tmp_path / "throughput.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_throughput", "--device", "cpu", "--cases",
-         "tiny-nvme,tiny-lora", "--steps", "3", "--seq-len", "32", "--micro-batch", "1",
+         "tiny-nvme,tiny-lora,tiny-lora-planned", "--steps", "3", "--seq-len", "32",
+         "--micro-batch", "1",
          "--nvme", str(tmp_path), "--bench-aio", str(AIO), "--json", str(out),
          "--profile-to", str(tmp_path / "profiles"), "--profile-cases", "tiny-lora"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
@@ -26,20 +27,28 @@ def test_dry_run_on_the_cpu_device(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cases = json.loads(out.read_text())["cases"]
-    assert [c["case"]["lora_r"] for c in cases] == [0, 8]
-    for c, profiled in zip(cases, (False, True), strict=True):
+    assert [c["case"]["lora_r"] for c in cases] == [0, 8, 8]
+    for c, profiled in zip(cases, (False, True, False), strict=True):
         # A run is stopped once its last step is recorded (no final checkpoint).
         assert c["rc"] == 0 and not c["timed_out"] and c["stopped"]
         assert len(c["records"]) == 3 + profiled and c["setup_seconds"] > 0
         m, e = c["measured"], c["estimate"]
         # The first step warms up; a profiled second step is left out.
         assert m["steps"] == ([3, 4] if profiled else [2, 3])
-        # The engine's NVMe bytes and the estimate's agree exactly on the tiny model.
-        assert m["nvme_read_bytes"] == e["nvme_read_bytes_per_step"] > 0
-        assert m["nvme_write_bytes"] == e["nvme_write_bytes_per_step"] > 0
+        # The engine's NVMe bytes and the estimate's agree exactly on the tiny model; the
+        # planner keeps the whole tiny run in RAM, and says so.
+        planned = c["case"]["planned"]
+        assert m["nvme_read_bytes"] == e["nvme_read_bytes_per_step"]
+        assert m["nvme_write_bytes"] == e["nvme_write_bytes_per_step"]
+        assert (m["nvme_read_bytes"] > 0) is not planned
+        assert (c["plan"] is not None) is planned
+        if planned:
+            assert (
+                c["plan"]["nvme_read_bytes_per_step"] == 0 == e["placement"]["frozen"]["nvme_bytes"]
+            )
         assert m["peak_device_bytes"] == 0 and m["peak_rss_bytes"] > 1 << 20
     table = proc.stdout[proc.stdout.index("| case |") :].splitlines()
-    assert len(table) == 2 + len(cases) and "tiny LoRA r=8, base on NVMe" in table[-1]
+    assert len(table) == 2 + len(cases) and "tiny LoRA r=8, base on NVMe" in table[-2]
     trace = json.loads(gzip.decompress(Path(cases[1]["profile"]).read_bytes()))
     assert any(ev.get("name") == "infinity::engine::backward" for ev in trace["traceEvents"])
     assert cases[0].get("profile") is None
