@@ -112,10 +112,10 @@ class Accelerator(abc.ABC):
     @abc.abstractmethod
     def memory_allocated(self) -> int: ...
 
-    def memory_free(self) -> int:
-        """Device memory free now, by the driver's count (0 where the device memory is host
-        RAM)."""
-        return 0
+    def memory_free(self) -> tuple[int, int]:
+        """(free, total) device memory now, by the driver's count ((0, 0) where the device
+        memory is host RAM)."""
+        return 0, 0
 
     @abc.abstractmethod
     def max_memory_allocated(self) -> int: ...

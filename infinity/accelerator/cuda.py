@@ -77,8 +77,9 @@ class CudaAccelerator(Accelerator):
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
 
-    def memory_free(self) -> int:
-        return torch.cuda.mem_get_info(self.device)[0]
+    def memory_free(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
 
     def max_memory_allocated(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)

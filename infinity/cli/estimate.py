@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     from infinity.estimate import GPUS
 
     gpu = GPUS.get(args.device)  # placed as `infinity train` places it (cli/placement.py)
-    memory = (gpu.memory_bytes, f"the {gpu.name}'s memory") if gpu else None
+    memory = (gpu.memory_bytes, f"the {gpu.name}'s memory", gpu.memory_bytes) if gpu else None
     plan = plan_run(args, config, spec.hf_config, gpu=gpu is not None,
                     lora_r=args.lora_r or 0, world_size=args.world_size,
                     device_default=memory, here=gpu is None)  # fmt: skip

@@ -123,13 +123,14 @@ def plan_run(
     world_size: int = 1,
     local_ranks: int = 1,
     runtime_bytes: int | None = None,
-    device_default: tuple[int, str] | None = None,
+    device_default: tuple[int, str, int] | None = None,
     here: bool = True,
 ) -> Placement | None:
     """The plan for a run of `hf_config` under `config` (its nvme_path set by --nvme), or
     None where the planner does not decide (see [Note: when the planner decides]; a
     --ram-budget is then checked against the run's peak RSS). `device_default`: the GPU
-    memory the run may use without --device-memory, and where the figure came from; `here`:
+    memory the run may use without --device-memory, where the figure came from, and the
+    GPU's whole memory (a --device-memory above it is refused); `here`:
     the run is on this machine (see `ram_budget`)."""
     from dataclasses import replace
 
@@ -141,6 +142,13 @@ def plan_run(
             "--device-memory: on the CPU device the device memory is host RAM; give "
             "--ram-budget alone"
         )
+    limit = getattr(args, "device_memory", None)
+    if limit is not None and device_default is not None and limit > device_default[2]:
+        raise ValueError(
+            f"--device-memory {_g(limit)} is more than the GPU's "
+            f"{device_default[2] / 2**30:.1f} GiB; give at most that (without it the budget "
+            f"is {device_default[1]})"
+        )
     if not planned(args) and args.ram_budget is None:
         return None
     budget = ram_budget(args, local_ranks, here)
@@ -151,7 +159,6 @@ def plan_run(
     if not planned(args):
         check_budget(shape, config, budget, **run)
         return None
-    limit = getattr(args, "device_memory", None)
     if limit is not None:
         budget = replace(budget, device_bytes=limit, device_source=f"--device-memory {_g(limit)}")
     elif gpu and device_default is not None:

@@ -191,13 +191,13 @@ class TrainRun:
         planner decides] in infinity/cli/placement.py): planned on rank 0, the same on all."""
         accel = get_accelerator()
         gpu = accel.device.type != "cpu"
-        free = accel.memory_free() if gpu else 0
+        free, total = accel.memory_free() if gpu else (0, 0)
         plan = self.ranks.decide(
             lambda: plan_run(
                 self.args, config, self.model.hf_config, gpu=gpu,
                 lora_r=self.lora.r if self.lora else 0, world_size=self.ranks.world_size,
                 local_ranks=getattr(self.ranks.comm, "local_world_size", 1),
-                device_default=(free, "free on the GPU at the start") if free else None,
+                device_default=(free, "free on the GPU at the start", total) if free else None,
             )
         )  # fmt: skip
         if plan is None:  # the config places it (a --ram-budget was checked)
