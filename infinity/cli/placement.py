@@ -108,6 +108,8 @@ def ram_budget(args: argparse.Namespace, local_ranks: int = 1, here: bool = True
         available = available_ram()
         total = int(available * DEFAULT_RAM_SHARE)
         source = f"{DEFAULT_RAM_SHARE:.0%} of the {available / 2**30:.1f} GiB available"
+        if not here:  # an estimate for another machine
+            source += " on this machine: give --ram-budget for the one estimated"
     if local_ranks > 1:
         source += f", shared by {local_ranks} ranks"
     return Budget(total // local_ranks, source)
