@@ -1,10 +1,11 @@
 """The placement planner: which tier each class of tensor lives in under a host-RAM budget.
 
 A pure function of the model's shape, the run (dtype, batch, accumulation, LoRA, ranks) and
-the budget: no tensor, no I/O. It writes its choice as the config keys the engine already
-executes (`offload_param.device` and `max_in_cpu`, `offload_optimizer.device` and
-`max_in_cpu`), so the engine runs exactly the plan and the estimate of the planned config is
-the plan's own figures: the two agree by construction.
+the budgets: no tensor, no I/O. It writes its choice as the config keys the engine already
+executes (`offload_param.device` and `max_in_cpu`, `offload_optimizer.device`, `max_in_cpu`
+and `gradients_in_cpu`, and the buffer and live-set settings of the notes below), so the
+engine runs exactly the plan and the estimate of the planned config is the plan's own
+figures: the two agree by construction.
 
 [Note: what the planner keeps in RAM] With the budget as the only limit, every class that
 fits stays in host memory, and the rest goes to NVMe in the order that moves the fewest
@@ -149,10 +150,10 @@ class Placement:
                 out.append(
                     f"  {name:<26} RAM {_size(t.ram_bytes):>10}   NVMe {_size(t.nvme_bytes):>10}"
                 )
-        lowered = ", ".join(f"{k} {v:,}" for k, v in self.buffers.items())
+        chosen = ", ".join(f"{k} {v:,}" for k, v in self.buffers.items())
         out.append(
             f"  {'NVMe staging buffers':<26} RAM {_size(self.buffers_bytes):>10}"
-            + (f"   (set for this budget: {lowered})" if lowered else "")
+            + (f"   (set for this budget: {chosen})" if chosen else "")
         )
         out.append(
             f"  NVMe per step: {_size(self.nvme_read_bytes_per_step)} read, "
