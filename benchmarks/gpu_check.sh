@@ -82,7 +82,7 @@ open('$dir/c.txt','w').write(' '.join(random.choice(w) for _ in range(20000)))"
     mkdir -p "$dir/swap"
     "$PY" -m torch.distributed.run --nproc-per-node 1 -m infinity.cli.main train --model tiny \
         --data "$dir/c.txt" --byte-tokens --steps 3 --seq-len 64 --micro-batch 2 \
-        --nvme "$dir/swap" --save-dir "$dir/run" --no-progress &&
+        --nvme "$dir/swap" --placement nvme --save-dir "$dir/run" --no-progress &&
         tail -1 "$dir/run/metrics.jsonl"
     local rc=$?
     rm -rf "$dir"
