@@ -64,6 +64,12 @@ zero_optimization: at least 3 staging buffers keep a read, a copy and a prefetch
 and 3e8 live elements hold any linear layer of a 70B Llama with room to prefetch."""
 
 
+DEVICE_HEADROOM = 0.2
+"""The share of the device budget a resident live set leaves free: the caching allocator's
+fragmentation, the CUDA context's workspaces and what the estimate does not count (the
+resident plan has not run on a GPU yet; see [Note: resident on the device])."""
+
+
 @dataclass(frozen=True, slots=True)
 class Budget:
     """Host memory the run may use, and where the figure came from."""
@@ -250,10 +256,10 @@ def _rungs(shape, config, tunable, gpu, budget, acts) -> list[dict[str, int]]:
 def _resident_live(shape: ModelShape, config: Config, device_bytes: int, acts: int) -> int:
     """The largest live set (elements) that fits `device_bytes` beside the activations, the
     largest gradient and the one unit a gather may exceed the budget by (see `memory_of`),
-    less a tenth for the allocator's fragmentation."""
+    less DEVICE_HEADROOM of the budget."""
     itemsize = model_dtype(config).itemsize
     largest = max((p.numel for p in shape.params), default=0)
-    free = int(device_bytes * 0.9) - acts - 2 * largest * itemsize
+    free = int(device_bytes * (1 - DEVICE_HEADROOM)) - acts - 2 * largest * itemsize
     return max(0, min(free // itemsize, shape.numel))  # no more than the whole model
 
 
