@@ -130,8 +130,9 @@ def param_fetches(
     """The trace of one training iteration and the fetches of its steady state, in the
     order they are decided: iterations are replayed until two in a row fetch the same (the
     first starts with nothing gathered and, as the engine's first does, follows no trace;
-    frozen parameters carry over from one to the next). The last few replays are kept: the placement planner asks for the same one for
-    every candidate that differs only in what lives in RAM (callers must not change them)."""
+    frozen parameters carry over from one to the next). The last few replays are kept: the
+    placement planner asks for the same one for every candidate that differs only in what
+    lives in RAM (callers must not change them)."""
     replay = replayed(shape, config, checkpointing=checkpointing)
     return replay.trace, replay.fetches
 
