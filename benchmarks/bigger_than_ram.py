@@ -345,6 +345,8 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
             "memory_stats": engine.memory_stats(),
             # The estimate's replay: gathers from host homes alias them (no copy, no RAM).
             "gathers_alias_host": engine.accelerator.shares_host_memory,
+            # The staging pool gives an outlier parameter its own buffer (swap/pool.py).
+            "staging_outlier_buffer": True,
             # ... and those from NVMe land in recycled buffers: how many were handed out again
             # (see infinity/accelerator/recycled.py)
             "recycled_buffers_reused": engine.accelerator.buffers.reused,

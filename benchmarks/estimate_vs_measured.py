@@ -72,9 +72,18 @@ def rates_of(record: dict, probed: dict) -> Rates:
 
 def estimate_record(record: dict, probed: dict) -> Estimate:
     seq = int(record["args"]["seq_len"])
+    shape, config = shape_of(record), dict(record["config"])
+    if not record.get("staging_outlier_buffer"):
+        # Runs recorded before an outlier parameter had its own staging buffer sized every
+        # buffer for the largest parameter.
+        zero = config.setdefault("zero_optimization", {})
+        param = dict(zero.get("offload_param") or {})
+        if param.get("buffer_size", "auto") == "auto":
+            param["buffer_size"] = max(p.numel for p in shape.params)
+        config["zero_optimization"] = {**zero, "offload_param": param}
     return estimate(
-        shape_of(record),
-        Config.load(record["config"]),
+        shape,
+        Config.load(config),
         rates_of(record, probed),
         seq_len=seq,
         activation_checkpointing=bool(record["model"]["activation_checkpointing"]),

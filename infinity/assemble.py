@@ -80,8 +80,8 @@ __all__ = ["GatheredRefresh", "PartitionedModel", "assemble", "resolve_config"]
 def resolve_config(model: nn.Module, config: Config, comm: Comm) -> Config:
     """`config` with its "auto" values settled for `model` on `comm`'s ranks, as this local
     rank runs it (`resolve_stage3`, the estimate's rule too)."""
-    largest = max((p.numel() for p in model.parameters()), default=1)
-    resolved = resolve_stage3(config, largest_param_numel=largest, world_size=comm.world_size)
+    numels = [p.numel() for p in model.parameters()]
+    resolved = resolve_stage3(config, param_numels=numels, world_size=comm.world_size)
     return resolved.for_local_rank(comm.local_rank)
 
 
@@ -303,7 +303,7 @@ def _param_tier(
         zero.offload_param,
         parts.config.aio,
         stores=parts.swap_stores,
-        largest_numel=max(numels),
+        numels=numels,
         element_size=dtype.itemsize,
         # Prefetch never reads ahead more than the whole model: a bucket larger than the
         # model asks for no more buffers than the model has parameters to fill.

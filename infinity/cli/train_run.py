@@ -182,7 +182,7 @@ class TrainRun:
             world_size=world,
             hidden_size=self.model.hidden_size,
             total_num_steps=steps,
-            largest_param_numel=max(math.prod(s) for s in self.param_shapes.values()),
+            param_numels=[math.prod(s) for s in self.param_shapes.values()],
         )
         return config, steps
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
@@ -16,7 +17,7 @@ def resolve(
     hidden_size: int | None,
     total_num_steps: int | None,
     warmup_num_steps: int | None,
-    largest_param_numel: int | None,
+    param_numels: Sequence[int] | None,
 ) -> Config:
     """See `Config.resolve`."""
     given = dict(
@@ -24,8 +25,8 @@ def resolve(
         hidden_size=hidden_size,
         total_num_steps=total_num_steps,
         warmup_num_steps=warmup_num_steps,
-        largest_param_numel=largest_param_numel,
     )
+    given.update({f"param_numels[{i}]": n for i, n in enumerate(param_numels or ())})
     for name, value in given.items():
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -38,17 +39,21 @@ def resolve(
     _fill(out.fp16, default.fp16, ("enabled",))
     _fill(out.bf16, default.bf16, ("enabled",))
     _fill(out.optimizer, default.optimizer, ("lr", "betas", "eps", "weight_decay"))
-    _resolve_zero(out, hidden_size, largest_param_numel)
+    _resolve_zero(out, hidden_size, param_numels)
     _resolve_scheduler(out, total_num_steps, warmup_num_steps)
     out.validate()
     return out
 
 
 def resolve_stage3(
-    cfg: Config, *, largest_param_numel: int, world_size: int = 1, hidden_size: int | None = None
+    cfg: Config,
+    *,
+    param_numels: Sequence[int],
+    world_size: int = 1,
+    hidden_size: int | None = None,
 ) -> Config:
-    """`cfg` resolved for a model whose largest parameter has `largest_param_numel` elements,
-    as the engine runs it and the estimate models it: ZeRO stage 3 only."""
+    """`cfg` resolved for a model whose parameters have `param_numels` elements, as the
+    engine runs it and the estimate models it: ZeRO stage 3 only."""
     stage = cfg.zero_optimization.stage
     if stage != 3:
         raise ValueError(
@@ -58,8 +63,26 @@ def resolve_stage3(
     return cfg.resolve(
         world_size=world_size,
         hidden_size=hidden_size,
-        largest_param_numel=max(1, largest_param_numel),
+        param_numels=[max(1, n) for n in param_numels] or [1],
     )
+
+
+OUTLIER_RATIO = 4
+"""An outlier parameter is over this many times every ordinary one."""
+OUTLIERS_MAX = 2
+"""At most this many outliers (an embedding and an untied output layer), which share one
+staging buffer; with more, every buffer holds the largest parameter."""
+
+
+def staging_numel(numels: Sequence[int]) -> int:
+    """Elements per NVMe staging buffer for parameters of `numels` elements: the largest
+    parameter of at most 1/OUTLIER_RATIO of the largest when at most OUTLIERS_MAX are above
+    that, else the largest (see [Note: an outlier's own buffer] in infinity/swap/pool.py)."""
+    largest = max(numels, default=1)
+    ordinary = [n for n in numels if n * OUTLIER_RATIO <= largest]
+    if not ordinary or len(numels) - len(ordinary) > OUTLIERS_MAX:
+        return largest
+    return max(ordinary)
 
 
 def check_batch(cfg: Config, world_size: int = 1) -> None:
@@ -68,7 +91,7 @@ def check_batch(cfg: Config, world_size: int = 1) -> None:
     _resolve_batch(Config.from_dict(cfg.to_dict()), world_size)
 
 
-def _resolve_zero(cfg: Config, hidden: int | None, largest_param_numel: int | None) -> None:
+def _resolve_zero(cfg: Config, hidden: int | None, param_numels: Sequence[int] | None) -> None:
     zero = cfg.zero_optimization
     if hidden is not None:  # the Hugging Face integration's sizes
         if zero.prefetch_bucket_size == AUTO:
@@ -84,7 +107,8 @@ def _resolve_zero(cfg: Config, hidden: int | None, largest_param_numel: int | No
         (*names, "param_persistence_threshold", "sub_group_size", "reduce_bucket_size"),
     )
     if zero.offload_param.buffer_size == AUTO:
-        zero.offload_param.buffer_size = largest_param_numel or 100_000_000  # DeepSpeed: 1e8
+        # DeepSpeed's default is 1e8; with the model's sizes, see `staging_numel`.
+        zero.offload_param.buffer_size = staging_numel(param_numels) if param_numels else 10**8
 
 
 def _fill(section: Any, default: Any, names: tuple[str, ...]) -> None:

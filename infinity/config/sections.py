@@ -7,7 +7,7 @@ derives them; parsing, emitting and resolving live in the sibling modules.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -297,7 +297,7 @@ class Config:
         hidden_size: int | None = None,
         total_num_steps: int | None = None,
         warmup_num_steps: int | None = None,
-        largest_param_numel: int | None = None,
+        param_numels: Sequence[int] | None = None,
     ) -> Config:
         """A new Config with every "auto" replaced; `self` is unchanged.
 
@@ -307,7 +307,8 @@ class Config:
         0.9*h*h, persistence threshold 10*h). Scheduler "auto"s: warmup_min_lr 0,
         warmup_max_lr the optimizer's lr, warmup_num_steps `warmup_num_steps` (else 1000,
         capped at the total), total_num_steps `total_num_steps` (required if "auto").
-        `largest_param_numel` sizes offload_param.buffer_size (else 1e8, DeepSpeed's default).
+        `param_numels` (the model's parameter sizes) size offload_param.buffer_size (see
+        `infinity.config.resolve.staging_numel`; else 1e8, DeepSpeed's default).
         Everything else takes its default.
         """
         from infinity.config.resolve import resolve
@@ -318,5 +319,5 @@ class Config:
             hidden_size=hidden_size,
             total_num_steps=total_num_steps,
             warmup_num_steps=warmup_num_steps,
-            largest_param_numel=largest_param_numel,
+            param_numels=param_numels,
         )

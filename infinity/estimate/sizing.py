@@ -104,8 +104,8 @@ class Sizes:
 def resolve_config(config: Config, shape: ModelShape) -> Config:
     """The config as `infinity train` and the engine resolve it for this model
     (`resolve_stage3`, the engine's rule, with the Hugging Face integration's sizes)."""
-    largest = max((p.numel for p in shape.params), default=1)
-    return resolve_stage3(config, largest_param_numel=largest, hidden_size=shape.dims.hidden_size)
+    numels = [p.numel for p in shape.params]
+    return resolve_stage3(config, param_numels=numels, hidden_size=shape.dims.hidden_size)
 
 
 def home_numels(shape: ModelShape, world_size: int = 1) -> list[int]:
@@ -286,11 +286,12 @@ def frozen_footprint(
 
 
 def param_pool_bytes(shape: ModelShape, config: Config, world_size: int = 1) -> int:
-    """The NVMe parameter staging pool, sized for the largest home (one rank's shard)."""
-    largest = max(home_numels(shape, world_size), default=1)
+    """The NVMe parameter staging pool, sized for the homes (one rank's shards)."""
     element_size = model_dtype(config).itemsize
     param = config.zero_optimization.offload_param
-    return param_pool_nbytes(param, element_size=element_size, largest_numel=largest)
+    return param_pool_nbytes(
+        param, element_size=element_size, numels=home_numels(shape, world_size)
+    )
 
 
 def non_persistent_numel(shape: ModelShape, config: Config, *, trainable_only=False) -> int:

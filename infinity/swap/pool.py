@@ -1,9 +1,20 @@
 """The pinned buffer pool: fixed host staging buffers for NVMe transfers.
 
-Owns one arena of `buffer_count` page-aligned buffers of `buffer_bytes` each, allocated
-once (pinned directly when the accelerator pins, never pinned by copying) and never grown.
-`acquire` hands out a whole buffer and blocks while none is free, with a timeout and an error
-naming the holders; it never asserts. It does not decide what to swap or when.
+Owns one arena of page-aligned buffers of `buffer_bytes` each, and optionally one more of
+`large_bytes` for the few requests larger than that, allocated once (pinned directly when
+the accelerator pins, never pinned by copying) and never grown. `acquire` hands out a whole
+buffer of the class a request needs and blocks while none is free, with a timeout and an
+error naming the holders; it never asserts. It does not decide what to swap or when.
+
+[Note: an outlier's own buffer] A model's largest parameter can be many times its others (a
+Llama-3 embedding: 262M elements against 17M for the largest linear layer of the 1B). Staging
+buffers all sized for it hold mostly untouched memory: in a 1B run with five of them, 2,506
+MiB were mapped and 1,100 MiB ever resident. `offload_param.buffer_size` "auto" now resolves
+to the largest parameter of at most a quarter of the largest when no more than two are above
+it (`staging_numel` in infinity/config/resolve.py), and the pool keeps one more buffer, of
+the largest parameter,
+for the parameters over `buffer_size` (also when a set buffer_size is smaller than the
+largest, which DeepSpeed refuses); they wait for each other, the others do not wait for them.
 """
 
 from __future__ import annotations
@@ -12,13 +23,14 @@ import logging
 import resource
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from infinity.accelerator import get_accelerator
+from infinity.config.resolve import staging_numel
 from infinity.config.sections import OffloadParamConfig
 from infinity.io.aio import aligned_empty
 from infinity.swap.store import ALIGN_BYTES, align_up
@@ -80,27 +92,30 @@ def memlock_allows(nbytes: int) -> tuple[bool, int]:
     return nbytes <= soft, soft
 
 
-def param_buffer_numel(config: OffloadParamConfig, largest_numel: int) -> int:
-    """Elements per parameter staging buffer: `offload_param.buffer_size` ("auto": the
-    largest parameter); ValueError when a set size cannot hold the largest parameter."""
-    numel = largest_numel if config.buffer_size == "auto" else int(config.buffer_size)
-    if numel < largest_numel:
-        raise ValueError(
-            f"offload_param.buffer_size={numel} elements is smaller than the largest "
-            f'parameter ({largest_numel} elements); raise it or set it to "auto"'
-        )
-    return numel
+def param_buffer_numels(config: OffloadParamConfig, numels: Sequence[int]) -> tuple[int, int]:
+    """(elements per parameter staging buffer, elements of the outlier buffer or 0) for
+    parameters of `numels` elements: `offload_param.buffer_size` ("auto": `staging_numel`),
+    and one buffer of the largest parameter when it does not fit (see [Note: an outlier's
+    own buffer])."""
+    largest = max(numels, default=1)
+    numel = staging_numel(numels) if config.buffer_size == "auto" else int(config.buffer_size)
+    return numel, (largest if largest > numel else 0)
 
 
-def param_pool_nbytes(config: OffloadParamConfig, *, element_size: int, largest_numel: int) -> int:
+def param_pool_nbytes(
+    config: OffloadParamConfig, *, element_size: int, numels: Sequence[int]
+) -> int:
     """Host bytes of the parameter staging pool: `buffer_count` page-aligned buffers of
-    `param_buffer_numel` elements."""
-    numel = param_buffer_numel(config, largest_numel)
-    return config.buffer_count * align_up(numel * element_size)
+    the ordinary size and the outlier buffer (see `param_buffer_numels`)."""
+    numel, large = param_buffer_numels(config, numels)
+    return config.buffer_count * align_up(numel * element_size) + (
+        align_up(large * element_size) if large else 0
+    )
 
 
 class PinnedBufferPool:
-    """`buffer_count` host buffers of `buffer_bytes`, allocated once.
+    """`buffer_count` host buffers of `buffer_bytes` (and with `large_bytes` one more of that
+    size among them, for larger requests), allocated once.
 
     Thread-safe. `peak_bytes_in_use` (bytes asked for, high-water mark) and `pinned` feed
     memory stats.
@@ -114,6 +129,7 @@ class PinnedBufferPool:
         pin: bool = True,
         timeout_s: float = 300.0,
         name: str = "swap",
+        large_bytes: int = 0,
     ) -> None:
         if buffer_count < 1 or buffer_bytes < 1:
             raise ValueError(
@@ -121,16 +137,22 @@ class PinnedBufferPool:
                 f"must both be >= 1"
             )
         self.name = name
-        self.buffer_count = buffer_count
         self.buffer_bytes = align_up(buffer_bytes)
+        self.large_bytes = align_up(large_bytes) if large_bytes > self.buffer_bytes else 0
+        sizes = [self.buffer_bytes] * buffer_count
+        sizes += [self.large_bytes] if self.large_bytes else []
+        self.buffer_count = len(sizes)
         self.timeout_s = timeout_s
-        total = buffer_count * self.buffer_bytes
-        self.arena, self.pinned = self._allocate(total, pin and get_accelerator().pin_supported())
+        pin = pin and get_accelerator().pin_supported()
+        self.arena, self.pinned = self._allocate(sum(sizes), pin)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self._buffers = [
-            PoolBuffer(i, self.arena[i * self.buffer_bytes : (i + 1) * self.buffer_bytes])
-            for i in range(buffer_count)
+            PoolBuffer(i, self.arena[start : start + size])
+            for i, (start, size) in enumerate(zip(starts, sizes, strict=True))
         ]
-        self._free = list(reversed(self._buffers))
+        # Free buffers by class: the ordinary ones, and the outlier's (see the module's note).
+        self._free = [b for b in reversed(self._buffers) if b.data.numel() == self.buffer_bytes]
+        self._free_large = [b for b in self._buffers if b.data.numel() == self.large_bytes]
         self._cond = threading.Condition()
         self.bytes_in_use = 0
         self.peak_bytes_in_use = 0
@@ -141,12 +163,13 @@ class PinnedBufferPool:
         config: OffloadParamConfig,
         *,
         element_size: int,
-        largest_numel: int,
+        numels: Sequence[int],
         prefetch_numel: int = 0,
     ) -> PinnedBufferPool:
-        """The parameter staging pool from `offload_param`: `buffer_size` elements per buffer
-        ("auto": the largest parameter), `buffer_count` buffers, pinned if `pin_memory`."""
-        numel = param_buffer_numel(config, largest_numel)
+        """The parameter staging pool from `offload_param` for parameters of `numels`
+        elements: `buffer_count` buffers of `buffer_size` elements ("auto": see [Note: an
+        outlier's own buffer]), pinned if `pin_memory`."""
+        numel, large = param_buffer_numels(config, numels)
         depth = -(-prefetch_numel // max(numel, 1)) + 1
         # It matters when the buffers ahead of the one in use hold under half the window
         # (one buffer short of a small model's window waits for microseconds: no warning).
@@ -160,10 +183,10 @@ class PinnedBufferPool:
                 prefetch_numel,
                 depth,
             )
-        nbytes = param_pool_nbytes(config, element_size=element_size, largest_numel=largest_numel)
         return cls(
-            config.buffer_count, nbytes // config.buffer_count, pin=config.pin_memory, name="param"
-        )
+            config.buffer_count, numel * element_size, pin=config.pin_memory, name="param",
+            large_bytes=large * element_size,
+        )  # fmt: skip
 
     def _allocate(self, total: int, pin: bool) -> tuple[torch.Tensor, bool]:
         """The arena, pinned if asked and possible. Over RLIMIT_MEMLOCK pinning is still tried
@@ -191,23 +214,23 @@ class PinnedBufferPool:
 
     @property
     def total_bytes(self) -> int:
-        return self.buffer_count * self.buffer_bytes
+        return sum(b.data.numel() for b in self._buffers)
 
     @property
     def free_count(self) -> int:
         with self._cond:
-            return len(self._free)
+            return len(self._free) + len(self._free_large)
 
     def holders(self) -> list[str]:
         """Who holds each lent buffer (for error messages and debugging)."""
         with self._cond:
-            return [b.holder for b in self._buffers if b not in self._free]
+            return [b.holder for b in self._buffers if not self._is_free(b)]
 
     def try_acquire(self, nbytes: int, holder: str) -> PoolBuffer | None:
         """A buffer for `nbytes`, or None at once if none is free."""
         self._check_size(nbytes, holder)
         with self._cond:
-            return self._take(nbytes, holder) if self._free else None
+            return self._take(nbytes, holder) if self._free_for(nbytes) else None
 
     def acquire(self, nbytes: int, holder: str, timeout_s: float | None = None) -> PoolBuffer:
         """A buffer for `nbytes`, waiting while none is free.
@@ -221,8 +244,8 @@ class PinnedBufferPool:
         deadline = time.monotonic() + timeout_s
         me = threading.get_ident()
         with self._cond:
-            while not self._free:
-                if all(b.thread == me for b in self._buffers):
+            while not self._free_for(nbytes):
+                if all(b.thread == me for b in self._class(nbytes)):
                     raise RuntimeError(
                         f"{self.name} pool: {holder!r} waits for a buffer but this thread "
                         f"holds all {self.buffer_count} ({self._held_text()}); release one "
@@ -230,7 +253,7 @@ class PinnedBufferPool:
                     )
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
-                    if self._free:
+                    if self._free_for(nbytes):
                         break
                     raise TimeoutError(
                         f"{self.name} pool: {holder!r} waited {timeout_s:.1f} s for one of "
@@ -242,12 +265,13 @@ class PinnedBufferPool:
     def release(self, buf: PoolBuffer) -> None:
         """Return `buf` to the pool (wakes one waiter)."""
         with self._cond:
-            if buf in self._free or self._buffers[buf.index] is not buf:
+            if self._is_free(buf) or self._buffers[buf.index] is not buf:
                 raise ValueError(f"{self.name} pool: buffer {buf.index} is not lent out")
             self.bytes_in_use -= buf.nbytes
             buf.holder, buf.nbytes, buf.thread = "", 0, 0
-            self._free.append(buf)
-            self._cond.notify()
+            large = bool(self.large_bytes) and buf.data.numel() == self.large_bytes
+            (self._free_large if large else self._free).append(buf)
+            self._cond.notify_all()  # waiters of either class
 
     @contextmanager
     def borrow(self, nbytes: int, holder: str) -> Iterator[PoolBuffer]:
@@ -258,8 +282,20 @@ class PinnedBufferPool:
         finally:
             self.release(buf)
 
+    def _is_free(self, buf: PoolBuffer) -> bool:
+        return buf in self._free or buf in self._free_large
+
+    def _class(self, nbytes: int) -> list[PoolBuffer]:
+        """The buffers a request of `nbytes` may use: the ordinary ones, or the outlier's."""
+        if nbytes <= self.buffer_bytes:
+            return [b for b in self._buffers if b.data.numel() == self.buffer_bytes]
+        return [b for b in self._buffers if b.data.numel() == self.large_bytes]
+
+    def _free_for(self, nbytes: int) -> list[PoolBuffer]:
+        return self._free if nbytes <= self.buffer_bytes else self._free_large
+
     def _check_size(self, nbytes: int, holder: str) -> None:
-        if nbytes > self.buffer_bytes or nbytes < 0:
+        if nbytes > max(self.buffer_bytes, self.large_bytes) or nbytes < 0:
             raise ValueError(
                 f"{self.name} pool: {holder!r} needs {nbytes} bytes ({nbytes / _MIB:.1f} MiB) "
                 f"but a buffer holds {self.buffer_bytes} ({self.buffer_bytes / _MIB:.1f} MiB); "
@@ -267,7 +303,7 @@ class PinnedBufferPool:
             )
 
     def _take(self, nbytes: int, holder: str) -> PoolBuffer:
-        buf = self._free.pop()
+        buf = self._free_for(nbytes).pop()
         buf.holder, buf.nbytes, buf.thread = holder, nbytes, threading.get_ident()
         self.bytes_in_use += nbytes
         self.peak_bytes_in_use = max(self.peak_bytes_in_use, self.bytes_in_use)

@@ -152,21 +152,20 @@ def make_param_tier(
     aio: AioConfig | AioHandle,
     *,
     stores: SwapStores,
-    largest_numel: int = 0,
+    numels: Sequence[int] = (),
     element_size: int = 0,
     prefetch_numel: int = 0,
 ) -> NvmeParamTier:
     """The NVMe parameter tier (`offload.device == "nvme"`): every partition in `params`
     (stable name -> (numel, dtype)) laid out under `offload.nvme_path` (more can be laid out
-    later with `reserve_flat`), with a staging pool sized from `offload` and the largest
-    partition of the model (`largest_numel` elements of `element_size` bytes, when larger
-    than those in `params`)."""
+    later with `reserve_flat`), with a staging pool sized from `offload` and the partitions
+    of the model (`numels`, of `element_size` bytes, with those in `params`)."""
     if offload.device != "nvme" or not offload.nvme_path:
         raise ValueError(
             f"make_param_tier needs offload_param.device 'nvme' and an nvme_path, got "
             f"device={offload.device!r}, nvme_path={offload.nvme_path!r}"
         )
-    largest = max([n for n, _ in params.values()] + [largest_numel, 1])
+    numels = [*numels, *(n for n, _ in params.values())] or [1]
     element_size = (
         max(
             [torch.empty((), dtype=dt).element_size() for _, dt in params.values()] + [element_size]
@@ -174,7 +173,7 @@ def make_param_tier(
         or 2
     )
     pool = PinnedBufferPool.for_params(
-        offload, element_size=element_size, largest_numel=largest, prefetch_numel=prefetch_numel
+        offload, element_size=element_size, numels=numels, prefetch_numel=prefetch_numel
     )
     ps = NvmeParamTier(store=stores.get(offload.nvme_path), aio=aio, pool=pool)
     if params:
