@@ -608,8 +608,10 @@ def test_resolve_zero_sizes_without_hidden_size_take_defaults():
     assert zero.offload_param.buffer_size == 100_000_000
     assert cfg.resolve(param_numels=[12345]).zero_optimization.offload_param.buffer_size == 12345
     # An embedding 8x the rest: the buffers are sized for the rest (the pool adds its own).
-    embed = cfg.resolve(param_numels=[80_000, 10_000, 4_000])
-    assert embed.zero_optimization.offload_param.buffer_size == 10_000
+    embed = cfg.resolve(param_numels=[8_000_000, 100_000, 4_000])
+    assert embed.zero_optimization.offload_param.buffer_size == 100_000
+    small = cfg.resolve(param_numels=[80_000, 10_000])  # a small model: one size, the largest
+    assert small.zero_optimization.offload_param.buffer_size == 80_000
 
 
 def test_resolve_scheduler_autos():

@@ -72,15 +72,21 @@ OUTLIER_RATIO = 4
 OUTLIERS_MAX = 2
 """At most this many outliers (an embedding and an untied output layer), which share one
 staging buffer; with more, every buffer holds the largest parameter."""
+OUTLIER_MIN_NUMEL = 1 << 22
+"""An outlier has at least this many elements (8 MiB in 16 bits): below, buffers of the
+largest cost little, and smaller ones would only shorten the prefetch a small model's
+buffers hold."""
 
 
 def staging_numel(numels: Sequence[int]) -> int:
     """Elements per NVMe staging buffer for parameters of `numels` elements: the largest
     parameter of at most 1/OUTLIER_RATIO of the largest when at most OUTLIERS_MAX are above
-    that, else the largest (see [Note: an outlier's own buffer] in infinity/swap/pool.py)."""
+    that and the largest has OUTLIER_MIN_NUMEL elements or more, else the largest (see
+    [Note: an outlier's own buffer] in infinity/swap/pool.py)."""
     largest = max(numels, default=1)
     ordinary = [n for n in numels if n * OUTLIER_RATIO <= largest]
-    if not ordinary or len(numels) - len(ordinary) > OUTLIERS_MAX:
+    few = len(numels) - len(ordinary) <= OUTLIERS_MAX
+    if not ordinary or not few or largest < OUTLIER_MIN_NUMEL:
         return largest
     return max(ordinary)
 

@@ -10,11 +10,11 @@ error naming the holders; it never asserts. It does not decide what to swap or w
 Llama-3 embedding: 262M elements against 17M for the largest linear layer of the 1B). Staging
 buffers all sized for it hold mostly untouched memory: in a 1B run with five of them, 2,506
 MiB were mapped and 1,100 MiB ever resident. `offload_param.buffer_size` "auto" now resolves
-to the largest parameter of at most a quarter of the largest when no more than two are above
-it (`staging_numel` in infinity/config/resolve.py), and the pool keeps one more buffer, of
-the largest parameter, for the parameters over `buffer_size` (also when a set buffer_size is
-smaller than the largest, which DeepSpeed refuses); they wait for each other, the others do
-not wait for them.
+to the largest parameter of at most a quarter of the largest when no more than two, of 2^22
+elements or more, are above it (`staging_numel` in infinity/config/resolve.py), and the pool
+keeps one more buffer, of the largest parameter, for the parameters over `buffer_size` (also
+when a set buffer_size is smaller than the largest, which DeepSpeed refuses); they wait for
+each other, the others do not wait for them.
 """
 
 from __future__ import annotations
