@@ -82,16 +82,9 @@ def _run(name: str, flags: list[str], args, work: Path, corpus: Path, cfg: Path 
     shutil.rmtree(save, ignore_errors=True)
     shutil.rmtree(swap, ignore_errors=True)
     swap.mkdir()
-    cmd = [sys.executable, "-m", "infinity.cli.main", "train", "--model", args.model,
-           "--data", str(corpus), "--byte-tokens", "--dtype", "bf16", "--seq-len",
-           str(args.seq_len), "--micro-batch", "1", "--steps", str(args.steps), "--seed", "0",
-           "--activation-checkpointing", "--nvme", str(swap),
-           "--save-dir", str(save), "--save-every", str(10**6), "--no-progress",
-           *flags]  # fmt: skip
-    if cfg is not None:
-        cmd += ["--config", str(cfg)]
-    if args.lora_r:
-        cmd += ["--lora-r", str(args.lora_r)]
+    cmd = [sys.executable, "-m", "infinity.cli.main", "train", *_shared(flags, args, swap, cfg),
+           "--data", str(corpus), "--byte-tokens", "--steps", str(args.steps), "--seed", "0",
+           "--save-dir", str(save), "--save-every", str(10**6), "--no-progress"]  # fmt: skip
     t0 = time.monotonic()
     metrics, log = save / "metrics.jsonl", work / "train.log"
     out = log.open("w")
@@ -121,17 +114,22 @@ def _run(name: str, flags: list[str], args, work: Path, corpus: Path, cfg: Path 
             "log_tail": log.read_text().strip().splitlines()[-20:]}  # fmt: skip
 
 
+def _shared(flags: list[str], args, swap: Path, cfg: Path | None) -> list[str]:
+    """The flags `infinity train` and `infinity estimate` share for one placement."""
+    shared = ["--model", args.model, "--dtype", "bf16", "--seq-len", str(args.seq_len),
+              "--micro-batch", "1", "--activation-checkpointing", "--nvme", str(swap),
+              *flags]  # fmt: skip
+    if cfg is not None:
+        shared += ["--config", str(cfg)]
+    return shared + (["--lora-r", str(args.lora_r)] if args.lora_r else [])
+
+
 def _estimate(flags: list[str], args, work: Path, cfg: Path | None) -> dict:
     """`infinity estimate` for the run just made: the same flags, its swap directory probed."""
     swap = work / "swap"
     swap.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "infinity.cli.main", "estimate", "--model", args.model,
-           "--dtype", "bf16", "--seq-len", str(args.seq_len), "--micro-batch", "1",
-           "--activation-checkpointing", "--nvme", str(swap), *flags, "--json", "-"]  # fmt: skip
-    if cfg is not None:
-        cmd += ["--config", str(cfg)]
-    if args.lora_r:
-        cmd += ["--lora-r", str(args.lora_r)]
+    cmd = [sys.executable, "-m", "infinity.cli.main", "estimate",
+           *_shared(flags, args, swap, cfg), "--json", "-"]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1:]}

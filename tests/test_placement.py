@@ -13,12 +13,12 @@ import torch
 from test_estimate import _config as estimate_config
 
 import infinity
-from infinity.cli.placement import planned
+from infinity.cli.placement import planned, tunable_buffers
 from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate import model_shape
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
-from infinity.estimate.placement import Budget, plan_placement
+from infinity.estimate.placement import LEAN_BUFFERS, Budget, plan_placement
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.lora import LoraSpec, apply_lora
 
@@ -128,6 +128,21 @@ def test_the_planner_decides_only_for_nvme_without_named_devices(tmp_path):
     other = tmp_path / "o.json"
     other.write_text(json.dumps({"zero_optimization": {"sub_group_size": 1000}}))
     assert planned(args(config=str(other)))
+
+
+def test_the_planner_lowers_only_the_buffers_the_config_leaves_unset(tmp_path):
+    def tunable(zero: dict) -> set[str]:
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({"zero_optimization": zero}))
+        return tunable_buffers(argparse.Namespace(config=str(path)))
+
+    everything = set(LEAN_BUFFERS)
+    assert tunable_buffers(argparse.Namespace(config=None)) == everything
+    for spelling in ("stage3_max_live_parameters", "max_live_parameters"):  # either name
+        assert tunable({spelling: 10**8}) == everything - {"stage3_max_live_parameters"}
+    assert tunable({"offload_param": {"buffer_count": 4}}) == everything - {
+        "offload_param.buffer_count"
+    }
 
 
 def test_with_accumulation_the_gradients_stay_in_ram_before_the_state(tmp_path):

@@ -78,8 +78,12 @@ def _user_zero(args: argparse.Namespace) -> dict:
 def tunable_buffers(args: argparse.Namespace) -> set[str]:
     """The keys of LEAN_BUFFERS the run's config leaves unset: the planner may lower them
     (see [Note: lean buffers] in infinity/estimate/placement.py)."""
+    from infinity.config.keys import KEYS
+    from infinity.config.sections import ZeroConfig
+
     zero = _user_zero(args)
-    spelled = {"stage3_max_live_parameters": ("stage3_max_live_parameters", "max_live_parameters")}
+    # Every spelling a config may use, by the name LEAN_BUFFERS gives (DeepSpeed's first).
+    spelled = {names[0]: names for names in KEYS[ZeroConfig].values()}
     unset = set()
     for key in LEAN_BUFFERS:
         *path, name = key.split(".")

@@ -197,9 +197,7 @@ def plan_placement(
     device memory is host RAM); `runtime_bytes`: the process's RSS before the model;
     `tunable`: the keys of LEAN_BUFFERS the config leaves unset (see [Note: lean buffers])."""
     config = resolve_config(config, shape)
-    micro = int(config.train_micro_batch_size_per_gpu)
-    acts = activation_bytes(shape, micro * seq_len, seq_len, model_dtype(config).itemsize,
-                            checkpointing)  # fmt: skip
+    acts = _activations(shape, config, seq_len, checkpointing)
     plans, evaluate = [], None
     for rung, changed in enumerate(_rungs(shape, config, tunable, gpu, budget, acts)):
         raw = config.to_dict()
@@ -348,6 +346,13 @@ class _Evaluator:
         return lo
 
 
+def _activations(shape: ModelShape, config: Config, seq_len: int, checkpointing: bool) -> int:
+    """The estimate's activation bytes of one micro batch of the resolved `config`."""
+    micro = int(config.train_micro_batch_size_per_gpu)
+    itemsize = model_dtype(config).itemsize
+    return activation_bytes(shape, micro * seq_len, seq_len, itemsize, checkpointing)
+
+
 def _memory(shape, cfg, gpu, acts, checkpointing, runtime, world) -> tuple[Sizes, int, int]:
     """The estimate's sizes, device bytes and peak RSS of `cfg` (see `memory_of`)."""
     sz = sizes(shape, cfg, pins=gpu, checkpointing=checkpointing, aliases=not gpu,
@@ -371,9 +376,7 @@ def check_budget(
     """A run whose placement the config fixes (no planning): its peak RSS, or ValueError
     when that is over `budget` (naming both and what would help)."""
     config = resolve_config(config, shape)
-    micro = int(config.train_micro_batch_size_per_gpu)
-    acts = activation_bytes(shape, micro * seq_len, seq_len, model_dtype(config).itemsize,
-                            checkpointing)  # fmt: skip
+    acts = _activations(shape, config, seq_len, checkpointing)
     _, _, peak = _memory(shape, config, gpu, acts, checkpointing, runtime_bytes, world_size)
     if peak > budget.ram_bytes:
         zero = config.zero_optimization
