@@ -656,6 +656,8 @@ def test_resolve_rejects_bad_arguments():
         Config().resolve(world_size=0)
     with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
         Config().resolve(hidden_size=1.5)
+    with pytest.raises(ValueError, match=r"param_numels\[1\] must be a positive integer, got 0"):
+        Config().resolve(param_numels=[4, 0])
 
 
 def test_fp16_auto_with_bf16_on_resolves():
