@@ -326,7 +326,11 @@ def _optimizer(
     names = [n for n, _ in trainable]
     slots = [Slot(n, k, src) for (n, k), src in zip(trainable, sources, strict=True)]
     grads = make_grad_tier(
-        layout.sub_group_numels, zero.offload_optimizer, config.aio, stores=parts.swap_stores
+        layout.sub_group_numels,
+        zero.offload_optimizer,
+        config.aio,
+        stores=parts.swap_stores,
+        accelerator=parts.accelerator,
     )
     try:
         parts.optimizer = PartitionedOptimizer(
@@ -363,6 +367,7 @@ def _runtime(
     parts.entry = BackwardEntry(coord, loss_scale=loss_scale, timer=timer)
     by_param = {rec.param: rec for rec in parts.records}
     parts.hooks = ModelHooks(parts.module, units, by_param, coord, enter_backward=parts.entry.enter)
+    on_device = optimizer.device_slots()  # their sums stay on the device
     if parts.comm.world_size > 1:  # buckets that reduce-scatter gradients into the slots
         parts.grad_reducer = GradReducer(
             parts.comm,
@@ -372,8 +377,9 @@ def _runtime(
             overlap=zero.overlap_comm,
             contiguous=zero.contiguous_gradients,
             total_shard_numel=optimizer.layout.total,
+            on_device=on_device,
         )
-    parts.grad_offload = GradOffload(optimizer.accumulate_grad, accel)
+    parts.grad_offload = GradOffload(optimizer.accumulate_grad, accel, on_device=on_device)
     parts.grad_handles = install_grad_hooks(
         parts.records, parts.grad_offload.add, parts.hooks, accel, parts.grad_reducer
     )

@@ -73,6 +73,12 @@ class OffloadOptimizerConfig:
     even when some optimizer state is on NVMe; by default they spill to NVMe with the state.
     Infinity's key, set by the placement planner: with gradient accumulation each micro
     batch adds into them, so a spilled gradient is read and written again at every one."""
+    gradients_on_device: int = 0
+    """Elements of fp32 gradient sums kept on the device across micro batches: the first
+    sub-groups that fit in it whole (4 bytes per element of device memory) are added to
+    there, never copied to the host in backward, and read to the host once per step; the
+    others stay where `device`, `max_in_cpu` and `gradients_in_cpu` put them. Infinity's key,
+    set by the placement planner on a GPU. Results are the same wherever each sum lives."""
 
 
 @dataclass(kw_only=True, slots=True)

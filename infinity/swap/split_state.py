@@ -9,7 +9,8 @@ planner, `infinity.placement`, does).
 
 The gradients of the sub-groups kept in RAM stay in RAM too (`SplitGradTier`: a
 `HostGradTier` over them, an `NvmeGradTier` over the rest), unless
-`offload_optimizer.gradients_in_cpu` keeps all of them there.
+`offload_optimizer.gradients_in_cpu` keeps all of them there; the first sub-groups
+`offload_optimizer.gradients_on_device` holds keep theirs on the device (`grad_split`).
 
 [Note: host sub-groups first] The host sub-groups are the first ones of the sweep. The NVMe
 tier starts reading its first sub-groups for the next step at the end of each sweep, so by
@@ -22,10 +23,12 @@ tier holds it.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from infinity.config.sections import OffloadOptimizerConfig
-from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
+from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.state_tier import HostStateTier, SubGroupState
 
@@ -122,28 +125,51 @@ class SplitStateTier:
         }
 
 
+def grad_split(numels: Sequence[int], offload: OffloadOptimizerConfig) -> tuple[int, int]:
+    """Where the fp32 gradient sums of sub-groups of `numels` live: (d, k) with [0, d) on the
+    device (`gradients_on_device` keeps the first that fit), [d, k) in host memory and [k, n)
+    spilled to NVMe (those whose state is on NVMe, when `gradients_spill`). The one rule the
+    engine (`make_grad_tier`) and the estimate share."""
+    on_device = ram_sub_groups(numels, offload.gradients_on_device)
+    spill = gradients_spill(numels, offload)
+    return on_device, max(on_device, state_in_ram(numels, offload)) if spill else len(numels)
+
+
 class SplitGradTier:
-    """The fp32 gradients of sub-groups [0, k) in host memory, [k, n) through an
-    `NvmeGradTier`: the gradient tier of a `SplitStateTier`, the same contract as either."""
+    """The fp32 gradients split over tiers by sub-group, in order: each part a tier over the
+    next `count` sub-groups (device, host, NVMe; see `grad_split`), the same contract as
+    any one of them."""
 
-    def __init__(self, numels: Sequence[int], in_ram: int, nvme: NvmeGradTier) -> None:
+    def __init__(self, numels: Sequence[int], parts: Sequence[tuple[int, Any]]) -> None:
         self.numels = list(numels)
-        self.in_ram = in_ram
-        self.host = HostGradTier(self.numels[:in_ram])
-        self.nvme = nvme
-        self.stats = nvme.stats
+        if sum(count for count, _ in parts) != len(self.numels) or len(parts) < 2:
+            raise ValueError(
+                f"SplitGradTier: parts of {[c for c, _ in parts]} sub-groups for "
+                f"{len(self.numels)}; a split needs two tiers or more that cover them all"
+            )
+        self.parts = [tier for _, tier in parts]
+        self._first = [0]
+        for count, _ in parts:
+            self._first.append(self._first[-1] + count)
 
-    def _tier(self, index: int) -> tuple[HostGradTier | NvmeGradTier, int]:
-        if index < self.in_ram:
-            return self.host, index
-        return self.nvme, index - self.in_ram
+    def _tier(self, index: int) -> tuple[Any, int]:
+        if not 0 <= index < len(self.numels):
+            raise IndexError(f"sub-group {index} out of range (there are {len(self.numels)})")
+        k = bisect.bisect_right(self._first, index) - 1
+        return self.parts[k], index - self._first[k]
+
+    def on_device(self, index: int) -> bool:
+        """Whether sub-group `index`'s sum is on the device (a `DeviceGradTier`)."""
+        return isinstance(self._tier(index)[0], DeviceGradTier)
 
     def add(self, index: int, start: int, src) -> None:
         tier, i = self._tier(index)
+        if not isinstance(tier, DeviceGradTier) and src.device.type != "cpu":
+            src = src.cpu()  # a slot that straddles out of the device sub-groups
         tier.add(i, start, src)
 
     def sums_of_squares(self) -> list[float]:
-        return self.host.sums_of_squares() + self.nvme.sums_of_squares()
+        return [s for tier in self.parts for s in tier.sums_of_squares()]
 
     def take(self, index: int):
         tier, i = self._tier(index)
@@ -154,13 +180,22 @@ class SplitGradTier:
         tier.release(i)
 
     def zero(self) -> None:
-        self.host.zero()
-        self.nvme.zero()
+        for tier in self.parts:
+            tier.zero()
 
     def close(self) -> None:
-        self.nvme.close()
+        first = None
+        for tier in self.parts:
+            try:
+                tier.close()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def memory_stats(self) -> dict[str, int]:
-        stats = dict(self.nvme.memory_stats())
-        stats["grad_host_bytes"] += self.host.memory_stats()["grad_host_bytes"]
+        stats: dict[str, int] = {}
+        for tier in self.parts:
+            for key, value in tier.memory_stats().items():
+                stats[key] = stats.get(key, 0) + value
         return stats

@@ -15,8 +15,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from infinity.accelerator import Accelerator
 from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.io.aio import AioHandle
+from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.grad_plan import grad_footprint
 from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateTier, nvme_state_footprint
@@ -25,6 +27,7 @@ from infinity.swap.pool import PinnedBufferPool
 from infinity.swap.split_state import (
     SplitGradTier,
     SplitStateTier,
+    grad_split,
     gradients_spill,
     state_in_ram,
 )
@@ -119,17 +122,31 @@ def make_grad_tier(
     aio: AioConfig | AioHandle,
     *,
     stores: SwapStores,
-) -> HostGradTier | NvmeGradTier | SplitGradTier:
+    accelerator: Accelerator | None = None,
+) -> HostGradTier | NvmeGradTier | DeviceGradTier | SplitGradTier:
     """The gradient tier follows the optimizer state's (`gradients_spill`): with state on
     NVMe the host keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same
     swap store (see [Note: spilled gradients] in grad_tier.py), except those of the
-    sub-groups whose state is kept in RAM (`SplitGradTier`); with all of the state in RAM, or
-    `gradients_in_cpu`, one flat host buffer."""
-    if not gradients_spill(numels, offload):
-        return HostGradTier(numels)
-    in_ram = state_in_ram(numels, offload)
-    nvme = NvmeGradTier(numels[in_ram:], store=stores.get(offload.nvme_path), aio=aio)
-    return SplitGradTier(numels, in_ram, nvme) if in_ram else nvme
+    sub-groups whose state is kept in RAM; with all of the state in RAM, or
+    `gradients_in_cpu`, one flat host buffer. The first sub-groups `gradients_on_device`
+    holds stay on `accelerator`'s device (`DeviceGradTier`). Which is where: `grad_split`."""
+    on_device, spill_from = grad_split(numels, offload)
+    parts: list[tuple[int, object]] = []
+    if on_device:
+        if accelerator is None:
+            raise ValueError(
+                "offload_optimizer.gradients_on_device is set but no accelerator was given "
+                "to keep them on"
+            )
+        parts.append((on_device, DeviceGradTier(numels[:on_device], accelerator)))
+    if spill_from > on_device:
+        parts.append((spill_from - on_device, HostGradTier(numels[on_device:spill_from])))
+    if spill_from < len(numels):
+        nvme = NvmeGradTier(numels[spill_from:], store=stores.get(offload.nvme_path), aio=aio)
+        parts.append((len(numels) - spill_from, nvme))
+    if len(parts) < 2:
+        return parts[0][1] if parts else HostGradTier(numels)
+    return SplitGradTier(numels, parts)
 
 
 def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:

@@ -16,13 +16,14 @@ they were queued (a slot's pieces in order) whenever the hook runs again, the ol
 waited for when the bytes in flight pass the bound, and `flush` (queued by autograd at the
 end of the backward, and called before each optimizer step) adds the rest. The device
 gradient is kept referenced until its copy has landed, so its memory is not reused early.
-On the CPU device there is nothing to copy: `add` adds at once.
+On the CPU device there is nothing to copy: `add` adds at once; so it does for a slot whose
+sums are kept on the device (`offload_optimizer.gradients_on_device`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +58,12 @@ class GradOffload:
         *,
         staged: bool | None = None,
         in_flight_bytes: int = DEFAULT_IN_FLIGHT_BYTES,
+        on_device: Collection[int] = (),
     ) -> None:
         self.accumulate = accumulate
+        self.on_device = frozenset(on_device)
+        """Slots whose sums are on the device (the optimizer's `device_slots`): added there
+        at once, never copied."""
         self.accel = accelerator
         self.staged = accelerator.pin_supported() if staged is None else staged
         """Whether device gradients are copied through pinned buffers on a copy stream
@@ -72,7 +77,11 @@ class GradOffload:
 
     def add(self, slot: int, grad: torch.Tensor) -> None:
         """Slot `slot` += `grad` (flat, the slot's numel): now on the host, else once the
-        copy lands (by the next `flush` at the latest)."""
+        copy lands (by the next `flush` at the latest); a slot `on_device` adds it where it
+        is, at once."""
+        if slot in self.on_device:
+            self.accumulate(slot, grad)
+            return
         if not self.staged:
             if grad.device.type != "cpu":  # a device that cannot pin: a blocking copy
                 grad = self.accel.to_host(grad, out=torch.empty(grad.shape, dtype=grad.dtype))

@@ -26,7 +26,7 @@ queued by the first gradient) issues the last, partial bucket and waits for all 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -78,12 +78,15 @@ class GradReducer:
         overlap: bool,
         contiguous: bool,
         total_shard_numel: int,
+        on_device: Collection[int] = (),
     ) -> None:
         if bucket_numel < 1:
             raise ValueError(f"reduce_bucket_size must be >= 1 element, got {bucket_numel}")
         self.comm = comm
         self.world_size = comm.world_size
         self.accumulate = accumulate
+        self.on_device = frozenset(on_device)
+        """Slots whose sums are on the device: a bucket of only those is added there."""
         self.accel = accelerator
         self.overlap = overlap
         self.contiguous = contiguous
@@ -190,7 +193,8 @@ class GradReducer:
             self._buffers.append(bucket.buffer)
         bucket.buffer = None
         out = bucket.out
-        if out.device.type != "cpu":
+        device = all(e.slot in self.on_device for e in bucket.entries)
+        if out.device.type != "cpu" and not device:
             out = self.accel.to_host(out, out=torch.empty(out.shape, dtype=out.dtype))
         mean = out.float() if out.dtype != torch.float32 else out
         mean.div_(self.world_size)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import numbers
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -40,9 +39,11 @@ from infinity.accelerator import profile_range
 from infinity.comm import Comm, SingleProcess
 from infinity.config import AUTO, OptimizerConfig, ZeroConfig
 from infinity.optim import AdamHyper, adam_step_flat
+from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.grad_tier import HostGradTier
 from infinity.swap.state_tier import HostStateTier, StateTier, SubGroupState
 from infinity.zero.build_files import release_build_pages
+from infinity.zero.optimizer_checks import check_no_decay, check_same_slots, check_step_args
 from infinity.zero.sub_groups import (
     MODEL_DTYPES,
     FlatLayout,
@@ -108,7 +109,7 @@ class PartitionedOptimizer:
         self.sub_group_size = resolve_sub_group_size(zero.sub_group_size)
         self._names = [s.name for s in slots]
         self._numels = [s.numel for s in slots]
-        self.no_decay = frozenset(_check_no_decay(no_decay, len(slots)))
+        self.no_decay = frozenset(check_no_decay(no_decay, len(slots)))
         self.layout: FlatLayout = _layout(weights, self._numels, self.sub_group_size)
         numels = self.layout.sub_group_numels
         if state_tier is None:
@@ -205,8 +206,8 @@ class PartitionedOptimizer:
         return self.grads.flat
 
     def accumulate_grad(self, i: int, grad: torch.Tensor) -> None:
-        """Slot i's gradient += `grad` (flat host tensor of the slot's numel, any float
-        dtype), one sub-group piece at a time."""
+        """Slot i's gradient += `grad` (flat tensor of the slot's numel, any float dtype; on
+        the host, or on the device for the `device_slots`), one sub-group piece at a time."""
         lo, hi = self._span(i)
         if grad.numel() != hi - lo:
             raise ValueError(
@@ -217,6 +218,18 @@ class PartitionedOptimizer:
             start, stop = self.layout.range(g)
             a, b = max(lo, start), min(hi, stop)
             self.grads.add(g, a - start, grad[a - lo : b - lo])
+
+    def device_slots(self) -> frozenset[int]:
+        """The slots whose every sub-group sums its gradients on the device
+        (`offload_optimizer.gradients_on_device`): the hooks add theirs there, never copying
+        them to the host in backward."""
+        on_device = getattr(self.grads, "on_device", None)
+        if isinstance(self.grads, DeviceGradTier):
+            return frozenset(range(self.num_slots))
+        if on_device is None:
+            return frozenset()
+        groups = self.layout.sub_groups_of
+        return frozenset(i for i in range(self.num_slots) if all(on_device(g) for g in groups(i)))
 
     def zero_grad(self) -> None:
         self.grads.zero()
@@ -239,7 +252,7 @@ class PartitionedOptimizer:
         The gradients hold the loss-scaled sum of the micro-batches; `loss_scale` divides it
         out inside the same pass. On inf/NaN nothing is updated (see `StepResult`).
         """
-        _check_step_args(lr, loss_scale, max_grad_norm)
+        check_step_args(lr, loss_scale, max_grad_norm)
         self.last_compute_s = 0.0
         with profile_range("infinity::zero::step"):
             t0 = time.perf_counter()
@@ -388,7 +401,7 @@ class PartitionedOptimizer:
             raise ValueError(f"not a {_KIND} state dict: {str(d)[:120]}")
         if d.get("version", 0) > _VERSION:
             raise ValueError(f"state dict version {d['version']} is newer than {_VERSION}")
-        _check_same_slots(d["slots"], self._names, self._numels)
+        check_same_slots(d["slots"], self._names, self._numels)
         configured = self.hyper.constants()
         for key, saved in d.get("hyperparameters", {}).items():
             if configured.get(key) != saved:
@@ -455,41 +468,3 @@ def _hyperparameters(cfg: OptimizerConfig) -> AdamHyper:
         return AdamHyper.of(lr=0.0, **values, **modes)
     except (TypeError, ValueError) as e:
         raise type(e)(f"optimizer.params.{e}") from None
-
-
-def _check_no_decay(no_decay: Collection[int], num_slots: int) -> set[int]:
-    bad = [i for i in no_decay if isinstance(i, bool) or not isinstance(i, int)]
-    bad += [i for i in no_decay if isinstance(i, int) and not 0 <= i < num_slots]
-    if bad:
-        raise ValueError(
-            f"no_decay holds {bad[:5]}, which are not slot indices (0..{num_slots - 1})"
-        )
-    return set(no_decay)
-
-
-def _check_step_args(lr: float, loss_scale: float, max_grad_norm: float) -> None:
-    for name, value in (("lr", lr), ("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a real number, got {value!r}")
-    if not (math.isfinite(lr) and lr >= 0.0):
-        raise ValueError(f"lr must be finite and >= 0, got {lr}; check the schedule")
-    if not (math.isfinite(loss_scale) and loss_scale > 0.0):
-        raise ValueError(f"loss_scale must be finite and > 0, got {loss_scale}; 1.0 disables it")
-    if not max_grad_norm >= 0.0:
-        raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}")
-
-
-def _check_same_slots(saved: list, names: list[str], numels: list[int]) -> None:
-    for i, (entry, name, numel) in enumerate(zip(saved, names, numels, strict=False)):
-        if list(entry) != [name, numel]:
-            raise ValueError(
-                f"the checkpoint's slot {i} is {entry[0]!r} ({entry[1]} elements) but this "
-                f"optimizer's is {name!r} ({numel} elements); load it into the same model, "
-                "the same trainable parameters and the same partitioning"
-            )
-    if len(saved) != len(names):
-        raise ValueError(
-            f"the checkpoint has {len(saved)} slots but this optimizer has {len(names)}; the "
-            "first difference is at slot "
-            f"{min(len(saved), len(names))}: load it into the same trainable parameters"
-        )
