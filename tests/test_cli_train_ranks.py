@@ -134,12 +134,18 @@ def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "kept", [{"max_in_cpu": 8192}, {"max_in_cpu": 8192, "gradients_in_cpu": True}]
+    "kept",
+    [
+        {"max_in_cpu": 8192},
+        {"max_in_cpu": 8192, "gradients_in_cpu": True},
+        {"gradients_on_device": 8192},
+    ],
 )
 def test_two_ranks_train_to_the_same_bits_wherever_the_state_lives(inputs, tmp_path, kept):
     """Placement changes no result on two ranks either: the first sub-groups' state (with
-    their gradients, or with every gradient) kept in RAM, the rest on NVMe, against
-    everything on NVMe: the same losses and gradient norms, bit for bit."""
+    their gradients, or with every gradient) kept in RAM, the rest on NVMe, or the first
+    sub-groups' gradient sums on the device (reduce-scattered there), against everything on
+    NVMe: the same losses and gradient norms, bit for bit."""
     runs = {}
     for name, optim in (("nvme", {}), ("split", kept)):
         cfg = tmp_path / f"{name}.json"

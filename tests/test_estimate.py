@@ -34,7 +34,7 @@ SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_l
 
 def _config(
     path, *, param="nvme", optim="nvme", dtype="bf16", accum=1, optim_in_cpu=0,
-    grads_in_cpu=False, **zero,
+    grads_in_cpu=False, grads_on_device=0, **zero,
 ) -> dict:  # fmt: skip
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
@@ -51,6 +51,7 @@ def _config(
                 "nvme_path": str(path),
                 "max_in_cpu": optim_in_cpu,
                 "gradients_in_cpu": grads_in_cpu,
+                "gradients_on_device": grads_on_device,
             },
             **zero,
         },
@@ -118,6 +119,13 @@ CASES = {
     # The state on NVMe (part of it in RAM), every fp32 gradient in RAM across accumulation.
     "grads-in-ram-state-split-accum3": dict(accum=3, optim_in_cpu=41000, grads_in_cpu=True),
     "grads-in-ram-state-nvme-fp32": dict(dtype="fp32", param="cpu", grads_in_cpu=True),
+    # The first sub-groups' gradient sums on the device, the rest in RAM or spilled.
+    "grads-on-device-all-accum2": dict(accum=2, grads_on_device=10**9),
+    "grads-on-device-then-nvme-accum3": dict(accum=3, grads_on_device=41000),
+    "grads-on-device-host-nvme-fp32": dict(
+        dtype="fp32", optim_in_cpu=82000, grads_on_device=41000
+    ),  # fmt: skip
+    "grads-on-device-state-in-ram": dict(param="cpu", optim="cpu", grads_on_device=41000),
 }
 # Spilled gradients over accumulation windows: which sub-groups backward finds in a buffer,
 # reads back whole, or adds to on disk row by row depends on the window and the sub-groups.
@@ -181,8 +189,11 @@ def test_bytes_equal_the_engine_counters(tmp_path, case):
     assert _delta(stats, "nvme_grad_bytes_read") == sz.grad_read_bytes_per_step
     assert _delta(stats, "nvme_grad_bytes_written") == sz.grad_write_bytes_per_step
     moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
-    assert _delta(stats, "host_device_bytes") == accum * moved + sz.refresh_bytes_per_step
+    step = sz.refresh_bytes_per_step + sz.grad_step_copy_bytes
+    assert _delta(stats, "host_device_bytes") == accum * moved + step
     assert stats[-1]["grad_bytes"] == sz.grad_host_bytes
+    assert stats[-1].get("grad_device_bytes", 0) == sz.grad_device_bytes
+    assert (sz.grad_device_bytes > 0) == ("on-device" in case)
     assert disk == sz.nvme_bytes
     assert stats[-1]["host_bytes"] == sz.host_bytes
     assert stats[-1]["pinned_bytes"] == sz.pinned_bytes

@@ -18,7 +18,7 @@ from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate import model_shape
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
-from infinity.estimate.placement import LEAN_BUFFERS, Budget, plan_placement
+from infinity.estimate.placement import GRADS_ON_DEVICE, LEAN_BUFFERS, Budget, plan_placement
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.lora import LoraSpec, apply_lora
 
@@ -136,7 +136,7 @@ def test_the_planner_lowers_only_the_buffers_the_config_leaves_unset(tmp_path):
         path.write_text(json.dumps({"zero_optimization": zero}))
         return tunable_buffers(argparse.Namespace(config=str(path)))
 
-    everything = set(LEAN_BUFFERS)
+    everything = {*LEAN_BUFFERS, GRADS_ON_DEVICE}
     assert tunable_buffers(argparse.Namespace(config=None)) == everything
     for spelling in ("stage3_max_live_parameters", "max_live_parameters"):  # either name
         assert tunable({spelling: 10**8}) == everything - {"stage3_max_live_parameters"}

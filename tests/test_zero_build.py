@@ -17,13 +17,17 @@ from _engine_models import batches, config, tiny_gpt, train_steps
 from _hf_models import hf_config
 
 import infinity
-from infinity.zero.build_files import BuildFiles, release_build_pages
+from infinity.zero.build_files import BuildFiles, BuildPages, release_build_pages
+from infinity.zero.home import HostHome
 
 
 def _cfg(device: str, path, dtype: str = "bf16") -> dict:
+    """Parameters on `device`, with `path` as the swap directory (None: no swap directory,
+    so a build in RAM)."""
     cfg = config(sub_group_size=3000)
     cfg["bf16"] = {"enabled": dtype == "bf16"}
-    cfg["zero_optimization"]["offload_param"] = {"device": device, "nvme_path": str(path)}
+    offload = {"device": device, "nvme_path": None if path is None else str(path)}
+    cfg["zero_optimization"]["offload_param"] = offload
     return cfg
 
 
@@ -35,31 +39,38 @@ def _build(cfg: dict, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_nvme_build_is_bitwise_the_ram_build(tmp_path, dtype):
-    ram = _build(_cfg("cpu", tmp_path, dtype))
-    nvme = _build(_cfg("nvme", tmp_path, dtype))
-    got, want = nvme.state_dict(), ram.state_dict()
-    assert got.keys() == want.keys()
-    for name in want:
-        assert got[name].dtype == want[name].dtype, name
-        assert torch.equal(got[name], want[name]), name
-    # The tie survives: one parameter object, one partition.
-    assert nvme.lm_head.weight is nvme.model.embed_tokens.weight
-    assert os.listdir(tmp_path) == []  # the build files are unlinked as they are mapped
+    ram = _build(_cfg("cpu", None, dtype))
+    for device in ("nvme", "cpu"):  # in files: on NVMe, or in RAM with a swap directory
+        built = _build(_cfg(device, tmp_path, dtype))
+        got, want = built.state_dict(), ram.state_dict()
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name].dtype == want[name].dtype, name
+            assert torch.equal(got[name], want[name]), name
+        # The tie survives: one parameter object, one partition.
+        assert built.lm_head.weight is built.model.embed_tokens.weight
+        assert os.listdir(tmp_path) == []  # the build files are unlinked as they are mapped
 
 
 def test_an_nvme_built_model_trains_like_a_ram_built_one(tmp_path):
     data = batches(3, seed=4)
     losses = []
-    for device in ("cpu", "nvme"):
-        cfg = _cfg(device, tmp_path)
-        cfg["zero_optimization"]["offload_optimizer"] = {
-            "device": device,
-            "nvme_path": str(tmp_path),
-        }
-        engine = infinity.initialize(_build(cfg), cfg)
+    for device, path in (("cpu", None), ("cpu", tmp_path), ("nvme", tmp_path)):
+        cfg = _cfg(device, path)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": device, "nvme_path": path}
+        model = _build(cfg)
+        norm = model.model.norm.weight
+        norm.requires_grad_(False)  # a frozen home in RAM
+        assert BuildPages([norm]).holds(norm) == (path is not None)  # built in a file
+        engine = infinity.initialize(model, cfg)
+        frozen = [r.home for r in engine.records if not r.trainable]
+        homes = [h.flat for h in frozen if isinstance(h, HostHome)]
+        assert len(homes) == (device == "cpu")  # the frozen one, in RAM
+        # A home in RAM is anonymous memory, never a build file's mapping.
+        assert not any(BuildPages(homes).holds(h) for h in homes)
         losses.append(train_steps(engine, data))
         engine.close()
-    assert losses[0] == losses[1]
+    assert losses[0] == losses[1] == losses[2]
 
 
 def test_nvme_build_without_a_directory_is_a_clear_error(tmp_path):
@@ -83,8 +94,8 @@ _CHILD = textwrap.dedent(
     def anon():
         return status("RssAnon")
 
-    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param":
-           {"device": sys.argv[1], "nvme_path": sys.argv[2]}}}
+    offload = {"device": sys.argv[1], "nvme_path": sys.argv[2] or None}
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": offload}}
     mcfg = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816,
                        num_hidden_layers=8, num_attention_heads=8, tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -101,21 +112,27 @@ _CHILD = textwrap.dedent(
 
 
 def test_nvme_build_anonymous_memory_is_one_parameter_not_the_model(tmp_path):
+    """Built in files (parameters on NVMe, or in RAM with a swap directory given: see [Note:
+    a build that spares RAM]) a model holds one parameter of anonymous memory; built in RAM
+    (no swap directory), the whole model."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed tensors go back
     out = {}
-    for device in ("cpu", "nvme"):
+    for name, device, path in (("ram", "cpu", ""), ("cpu-with-swap", "cpu", str(tmp_path)),
+                               ("nvme", "nvme", str(tmp_path))):  # fmt: skip
         run = subprocess.run(
-            [sys.executable, "-c", _CHILD, device, str(tmp_path)],
+            [sys.executable, "-c", _CHILD, device, path],
             capture_output=True, text=True, env=env, timeout=300, check=True,
         )  # fmt: skip
-        out[device] = json.loads(run.stdout.strip().splitlines()[-1])
-    ram, nvme = out["cpu"], out["nvme"]
+        out[name] = json.loads(run.stdout.strip().splitlines()[-1])
+    ram = out["ram"]
     assert ram["model"] > 200 << 20
     assert ram["grew"] >= ram["model"]  # the peer: a build in RAM holds the whole model
-    assert nvme["grew"] < nvme["largest"] + (32 << 20), nvme
-    # Nor does the whole-model init pass map the model in (file pages count in VmHWM too).
     assert ram["peak_grew"] >= ram["model"]
-    assert nvme["peak_grew"] < nvme["largest"] + (96 << 20), nvme
+    for name in ("cpu-with-swap", "nvme"):
+        files = out[name]
+        assert files["grew"] < files["largest"] + (32 << 20), (name, files)
+        # Nor does the whole-model init pass map the model in (file pages count in VmHWM too).
+        assert files["peak_grew"] < files["largest"] + (96 << 20), (name, files)
 
 
 def _rss_file() -> int:

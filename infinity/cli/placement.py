@@ -16,6 +16,7 @@ import argparse
 from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate.placement import (
+    GRADS_ON_DEVICE,
     LEAN_BUFFERS,
     Budget,
     Placement,
@@ -76,8 +77,9 @@ def _user_zero(args: argparse.Namespace) -> dict:
 
 
 def tunable_buffers(args: argparse.Namespace) -> set[str]:
-    """The keys of LEAN_BUFFERS the run's config leaves unset: the planner may lower them
-    (see [Note: lean buffers] in infinity/estimate/placement.py)."""
+    """The keys of LEAN_BUFFERS, and GRADS_ON_DEVICE, the run's config leaves unset: the
+    planner may set them (see [Note: lean buffers] and [Note: gradient sums on the device] in
+    infinity/estimate/placement.py)."""
     from infinity.config.keys import KEYS
     from infinity.config.sections import ZeroConfig
 
@@ -85,7 +87,7 @@ def tunable_buffers(args: argparse.Namespace) -> set[str]:
     # Every spelling a config may use, by the name LEAN_BUFFERS gives (DeepSpeed's first).
     spelled = {names[0]: names for names in KEYS[ZeroConfig].values()}
     unset = set()
-    for key in LEAN_BUFFERS:
+    for key in (*LEAN_BUFFERS, GRADS_ON_DEVICE):
         *path, name = key.split(".")
         section = zero
         for part in path:

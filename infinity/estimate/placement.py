@@ -38,8 +38,16 @@ stay for backward), which the estimate's replay counts. Among plans that move th
 bytes the one with the fewest host-to-device bytes wins. Every plan on a GPU must fit the
 device budget.
 
-Beyond the live set and the activations it places nothing on the GPU: fp32 gradient
-accumulators resident there are not built yet.
+[Note: gradient sums on the device] Where the config leaves
+`offload_optimizer.gradients_on_device` unset and a device budget is given, the planner also
+tries keeping the first sub-groups' fp32 gradient sums on the GPU across micro batches
+(`_device_grads`: as many as fit beside the configured live set and the activations, less
+DEVICE_HEADROOM), alone and with the resident live set in what they leave. Their RAM (or
+their spill: read and written at every micro batch) goes to optimizer state, and backward
+copies none of their gradients to the host; the step copies each sum to the host twice (the
+norm, CPU-Adam). The planner keeps them when they move fewer NVMe bytes or, at equal NVMe
+bytes, fewer host-device bytes (with little accumulation the step's copies outweigh what
+backward saves).
 """
 
 from __future__ import annotations
@@ -85,10 +93,11 @@ class Budget:
 
 @dataclass(frozen=True, slots=True)
 class Tiers:
-    """One class of tensors: bytes in host RAM and on NVMe."""
+    """One class of tensors: bytes in host RAM, on NVMe and on the device."""
 
     ram_bytes: int
     nvme_bytes: int
+    device_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +130,9 @@ class Placement:
     """The estimate's device memory (the live set, activations; host RAM on the CPU device)."""
     budget: Budget
     buffers: dict[str, int] = field(default_factory=dict)
-    """The buffer and live-set settings the plan changed (see [Note: lean buffers] and [Note:
-    resident on the device]), keyed as LEAN_BUFFERS."""
+    """The buffer, live-set and device-gradient settings the plan changed (see [Note: lean
+    buffers], [Note: resident on the device] and [Note: gradient sums on the device]), keyed
+    as LEAN_BUFFERS."""
 
     def apply(self, config: Config) -> Config:
         """`config` with the plan's keys set."""
@@ -152,11 +162,14 @@ class Placement:
             f"peak RSS {_size(self.peak_rss_bytes)}"
         ]
         for name, t in rows:
-            if t.ram_bytes or t.nvme_bytes:
+            if t.ram_bytes or t.nvme_bytes or t.device_bytes:
+                device = f"   device {_size(t.device_bytes)}" if t.device_bytes else ""
                 out.append(
                     f"  {name:<26} RAM {_size(t.ram_bytes):>10}   NVMe {_size(t.nvme_bytes):>10}"
+                    + device
                 )
-        chosen = ", ".join(f"{k} {v:,}" for k, v in self.buffers.items())
+        shown = {k: v for k, v in self.buffers.items() if k != GRADS_ON_DEVICE}
+        chosen = ", ".join(f"{k} {v:,}" for k, v in shown.items())
         out.append(
             f"  {'NVMe staging buffers':<26} RAM {_size(self.buffers_bytes):>10}"
             + (f"   (set for this budget: {chosen})" if chosen else "")
@@ -199,7 +212,8 @@ def plan_placement(
     config = resolve_config(config, shape)
     acts = _activations(shape, config, seq_len, checkpointing)
     plans, evaluate = [], None
-    for rung, changed in enumerate(_rungs(shape, config, tunable, gpu, budget, acts)):
+    rungs = _rungs(shape, config, tunable, gpu, budget, acts, world_size)
+    for rung, changed in enumerate(rungs):
         raw = config.to_dict()
         _set_buffers(raw["zero_optimization"], changed)
         evaluate = _Evaluator(shape, Config.load(raw), budget, gpu, acts, checkpointing,
@@ -232,33 +246,70 @@ def plan_placement(
 
 
 LIVE = "stage3_max_live_parameters"
+GRADS_ON_DEVICE = "offload_optimizer.gradients_on_device"
+"""The device's gradient sums (see [Note: gradient sums on the device]), keyed as
+LEAN_BUFFERS; a config that sets it keeps it."""
 
 
-def _rungs(shape, config, tunable, gpu, budget, acts) -> list[dict[str, int]]:
+def _rungs(shape, config, tunable, gpu, budget, acts, world) -> list[dict[str, int]]:
     """The buffer and live-set settings to plan with: as configured, then lowered where
     `tunable` lets (see [Note: lean buffers]); on a GPU with a device budget, the host
     buffers lowered or not, each with the live set the device holds (see [Note: resident on
-    the device])."""
+    the device]), with gradient sums on the device, and with both (see [Note: gradient sums
+    on the device])."""
     zero = config.to_dict()["zero_optimization"]
     lean = {k: v for k, v in LEAN_BUFFERS.items() if k in tunable and v < _get(zero, k)}
     if gpu:  # the live set is device memory there: lowering it frees no RAM
         lean.pop(LIVE, None)
-    rungs = [{}, lean] if lean else [{}]
-    if gpu and budget.device_bytes and LIVE in tunable:
+    base = [{}, lean] if lean else [{}]
+    if not (gpu and budget.device_bytes):
+        return base
+    rungs = list(base)
+    if LIVE in tunable:
         live = _resident_live(shape, config, budget.device_bytes, acts)
         if live > _get(zero, LIVE):
-            rungs += [{**r, LIVE: live} for r in list(rungs)]
+            rungs += [{**r, LIVE: live} for r in base]
+    grads = _device_grads(shape, config, budget.device_bytes, acts, world)
+    if GRADS_ON_DEVICE in tunable and grads:
+        rungs += [{**r, GRADS_ON_DEVICE: grads} for r in base]
+        live = _resident_live(shape, config, budget.device_bytes, acts, reserved=4 * grads)
+        if LIVE in tunable and live > _get(zero, LIVE):
+            rungs += [{**r, GRADS_ON_DEVICE: grads, LIVE: live} for r in base]
     return rungs
 
 
-def _resident_live(shape: ModelShape, config: Config, device_bytes: int, acts: int) -> int:
-    """The largest live set (elements) that fits `device_bytes` beside the activations, the
-    largest gradient and the one unit a gather may exceed the budget by (see `memory_of`),
-    less DEVICE_HEADROOM of the budget."""
+def _free_device_bytes(shape: ModelShape, config: Config, device_bytes: int, acts: int) -> int:
+    """The device budget less DEVICE_HEADROOM, the activations, the largest gradient and
+    the one unit a gather may exceed the live budget by (see `memory_of`)."""
     itemsize = model_dtype(config).itemsize
     largest = max((p.numel for p in shape.params), default=0)
-    free = int(device_bytes * (1 - DEVICE_HEADROOM)) - acts - 2 * largest * itemsize
+    return int(device_bytes * (1 - DEVICE_HEADROOM)) - acts - 2 * largest * itemsize
+
+
+def _resident_live(
+    shape: ModelShape, config: Config, device_bytes: int, acts: int, *, reserved: int = 0
+) -> int:
+    """The largest live set (elements) that fits `device_bytes` beside the activations (and
+    `reserved` bytes of gradient sums): see `_free_device_bytes`."""
+    itemsize = model_dtype(config).itemsize
+    free = _free_device_bytes(shape, config, device_bytes, acts) - reserved
     return max(0, min(free // itemsize, shape.numel))  # no more than the whole model
+
+
+def _device_grads(
+    shape: ModelShape, config: Config, device_bytes: int, acts: int, world: int
+) -> int:
+    """Elements of fp32 gradient sums the device holds beside the configured live set: the
+    first whole sub-groups that fit (see [Note: gradient sums on the device])."""
+    itemsize = model_dtype(config).itemsize
+    live = min(int(config.zero_optimization.max_live_parameters), shape.numel) * itemsize
+    room = (_free_device_bytes(shape, config, device_bytes, acts) - live) // 4
+    total = 0
+    for n in layout_of(shape, config, world).sub_group_numels:
+        if total + n > room:
+            break
+        total += n
+    return total
 
 
 def _get(zero: dict, key: str):
@@ -407,14 +458,14 @@ def _placement(
     write = sz.optim_write_bytes_per_step + sz.grad_write_bytes_per_step
     write += sz.param_write_bytes_per_step
     micro = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
-    host_device = accum * micro + sz.refresh_bytes_per_step
+    host_device = accum * micro + sz.refresh_bytes_per_step + sz.grad_step_copy_bytes
     return Placement(
         param_device=param, param_max_in_cpu=kept[0], optim_device="nvme",
         optim_max_in_cpu=kept[1], gradients_in_cpu=kept[2],
         weights=Tiers(weights_ram, sz.param_nvme_bytes - sz.frozen_nvme_bytes),
         frozen=Tiers(sz.frozen_host_bytes, sz.frozen_nvme_bytes),
         state=Tiers(state_ram, sz.optim_nvme_bytes),
-        grads=Tiers(sz.grad_host_bytes, sz.grad_nvme_bytes),
+        grads=Tiers(sz.grad_host_bytes, sz.grad_nvme_bytes, sz.grad_device_bytes),
         buffers_bytes=sz.param_pool_bytes + sz.state_buffer_bytes,
         nvme_read_bytes_per_step=read, nvme_write_bytes_per_step=write,
         host_device_bytes_per_step=host_device,

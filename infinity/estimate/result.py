@@ -151,7 +151,7 @@ class Estimate:
     def host_device_bytes_per_step(self) -> int:
         s, accum = self.sizes, self.inputs["gradient_accumulation_steps"]
         per_micro_step = s.gather_bytes_per_micro_step + s.grad_offload_bytes_per_micro_step
-        return accum * per_micro_step + s.refresh_bytes_per_step
+        return accum * per_micro_step + s.refresh_bytes_per_step + s.grad_step_copy_bytes
 
 
 def estimate(
@@ -225,11 +225,12 @@ def memory_of(
     recycled: bool,
     runtime_bytes: int | None,
 ) -> tuple[int, int, int]:
-    """(device bytes, steady RSS, peak RSS) of the run: the live set, the activations and
-    the largest gradient on the device; on the CPU device (`gpu` False) that memory is host
-    RAM, less what gathers alias of host homes."""
+    """(device bytes, steady RSS, peak RSS) of the run: the live set, the activations, the
+    largest gradient and the gradient sums kept there on the device; on the CPU device
+    (`gpu` False) that memory is host RAM, less what gathers alias of host homes."""
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
+    device += sz.grad_device_bytes
     if recycled and sz.gather_bytes_per_micro_step:
         device += recycled_slack_bytes(shape, sz.itemsize)
     runtime = current_rss() if runtime_bytes is None else runtime_bytes
@@ -345,7 +346,9 @@ def _optimizer_parts_s(sz: Sizes, rates: Rates) -> tuple[float, float, float]:
         sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step
     ) / rates.nvme_write_bps
     adam = sz.flat_numel / rates.adam_numel_per_s
-    norm = sz.grad_host_bytes / rates.norm_bytes_per_s
+    # Sums kept on the device are copied to the host for the norm and again for CPU-Adam.
+    norm = (sz.grad_host_bytes + sz.grad_device_bytes) / rates.norm_bytes_per_s
+    norm += sz.grad_step_copy_bytes / rates.copy_bytes_per_s
     return state_io, adam, norm
 
 
@@ -409,8 +412,10 @@ def build_partition_bytes(shape: ModelShape, config: Config, itemsize: int) -> i
     out the optimizer's buffers: with parameters in host memory the model is built there,
     and (as measured: 9.05 GiB at initialization against 5.6 GiB steady for a 2.1B bf16
     model, 2026-11-23) its partitions stay until the optimizer holds their weights. Built
-    straight to NVMe (offload_param "nvme") they hold nothing."""
-    if config.zero_optimization.offload_param.device == "nvme":
+    in files (offload_param "nvme", or a swap directory given: `builds_in_files`) they hold
+    nothing."""
+    offload = config.zero_optimization.offload_param
+    if offload.device == "nvme" or offload.nvme_path:  # the estimate assumes the path exists
         return 0
     return shape.trainable_numel * itemsize
 

@@ -20,10 +20,11 @@ from infinity.estimate.grad_traffic import GradTraffic, grad_traffic
 from infinity.estimate.param_traffic import param_fetches, replayed
 from infinity.estimate.shapes import ModelShape
 from infinity.swap.footprint import Footprint
+from infinity.swap.grad_device import device_grad_bytes
 from infinity.swap.grad_plan import grad_footprint
 from infinity.swap.nvme_state import nvme_state_footprint, state_buffers, state_nbytes
 from infinity.swap.pool import param_pool_nbytes
-from infinity.swap.split_state import state_in_ram
+from infinity.swap.split_state import grad_split, state_in_ram
 from infinity.swap.state_tier import host_state_footprint
 from infinity.swap.store import reserved_nbytes
 from infinity.zero import model_dtype
@@ -83,7 +84,14 @@ class Sizes:
     gather_bytes_per_micro_step: int
     """Home -> device copies of parameters in one forward + backward."""
     grad_offload_bytes_per_micro_step: int
-    """Device -> host gradient copies (model dtype) in one backward."""
+    """Device -> host gradient copies (model dtype) in one backward (none for the gradients
+    whose sums are kept on the device)."""
+    grad_device_bytes: int
+    """fp32 gradient sums kept on the device across micro batches
+    (`offload_optimizer.gradients_on_device`)."""
+    grad_step_copy_bytes: int
+    """Device -> host copies of those sums at each optimizer step: once for the norm, once
+    for CPU-Adam."""
     refresh_bytes_per_step: int
     """New weights copied into the gathered persistent trainable parameters at each
     optimizer step (none where those alias their host homes: the CPU device)."""
@@ -151,7 +159,7 @@ def sizes(
     param_nvme = zero.offload_param.device == "nvme"
     keep = zero.offload_optimizer.gradients_in_cpu  # else they spill with the state
     spill = (optim_nvme and not keep) if grads_spill is None else grads_spill
-    grad, grads = _grads(shape, layout, config, spill)
+    grad, grads, grad_device = _grads(shape, layout, config, spill)
     weights = weights_footprint(layout, dtype, nvme=param_nvme, state_on_host=not optim_nvme)
     on_nvme = home_on_nvme(shape, zero)
     frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
@@ -177,7 +185,10 @@ def sizes(
         param_read_bytes_per_micro_step=read * itemsize,
         gather_bytes_per_micro_step=gathered * itemsize,
         # The CPU device (it never pins) adds gradients straight into their fp32 partitions.
-        grad_offload_bytes_per_micro_step=shape.trainable_numel * itemsize if pins else 0,
+        grad_offload_bytes_per_micro_step=(
+            _offloaded_numel(shape, layout, config) * itemsize if pins else 0
+        ),
+        grad_device_bytes=grad_device, grad_step_copy_bytes=2 * grad_device,
         refresh_bytes_per_step=_refreshed(shape, zero) * itemsize if (param_nvme or copies) else 0,
         peak_live_numel=replayed(shape, config, checkpointing=checkpointing).peak_live_numel,
         trainable_numel=shape.trainable_numel,
@@ -187,17 +198,34 @@ def sizes(
 
 def _grads(
     shape: ModelShape, layout: FlatLayout, config: Config, spill: bool
-) -> tuple[Footprint, GradTraffic]:
-    """The gradient tier's footprint and NVMe traffic: one host buffer, or spilled through
-    the NVMe tier except the sub-groups whose state is kept in RAM (`SplitGradTier`)."""
+) -> tuple[Footprint, GradTraffic, int]:
+    """The gradient tier's host and disk footprint, its NVMe traffic and the device bytes of
+    the sums kept there: by `grad_split`, the first sub-groups on the device (with one host
+    buffer the step reads them into), the next in host memory, the rest spilled through the
+    NVMe tier when `spill`."""
     numels = layout.sub_group_numels
-    if not spill:
-        return grad_footprint(numels, nvme=False), GradTraffic(0, 0, 0)
-    first = state_in_ram(numels, config.zero_optimization.offload_optimizer)
+    on_device, first = grad_split(numels, config.zero_optimization.offload_optimizer)
+    first = first if spill else len(numels)
+    device, host = device_grad_bytes(numels[:on_device]) if on_device else (0, 0)
+    host += grad_footprint(numels[on_device:first], nvme=False).host
+    if first == len(numels):
+        return Footprint(host), GradTraffic(0, 0, 0), device
     nvme = grad_footprint(numels[first:], nvme=True)
-    host = grad_footprint(numels[:first], nvme=False).host if first else 0
     accum = int(config.gradient_accumulation_steps)
-    return Footprint(host + nvme.host, nvme.disk), grad_traffic(shape, layout, accum, first)
+    traffic = grad_traffic(shape, layout, accum, first)
+    return Footprint(host + nvme.host, nvme.disk), traffic, device
+
+
+def _offloaded_numel(shape: ModelShape, layout: FlatLayout, config: Config) -> int:
+    """Elements of the gradients backward copies to the host: those of every trainable
+    parameter whose sums are not all kept on the device (`DeviceGradTier`)."""
+    on_device, _ = grad_split(layout.sub_group_numels, config.zero_optimization.offload_optimizer)
+    trainable = [p for p in shape.params if p.trainable]
+    return sum(
+        p.numel
+        for i, p in enumerate(trainable)
+        if not on_device or max(layout.sub_groups_of(i), default=0) >= on_device
+    )
 
 
 def _refreshed(shape: ModelShape, zero: ZeroConfig) -> int:

@@ -29,6 +29,16 @@ of a build in RAM: the same code runs on the same values in the same order. The 
 then copies every trainable partition to its NVMe home one sub-group at a time (a frozen one
 is written as its record is built), and the mappings go with the partitions.
 
+[Note: a build that spares RAM] With the parameters in RAM and a swap directory given
+(`offload_param.nvme_path`, as `infinity train --nvme` sets it), the build goes through
+files too. Built in RAM, every trainable partition would sit beside the optimizer's own
+weight buffer until the optimizer had copied it (pinned, on a GPU, and thrown away after):
+the model's 16-bit size on top of the run's steady RAM, at its start. Through files, the
+optimizer reads each sub-group's partitions and drops their pages as it goes, and a frozen
+parameter's home is a copy in anonymous (pinned) memory made one parameter at a time
+(`partition_model` never adopts a file mapping as a host home). A disk too full for the
+build only costs the RAM: the rest of the model is built in RAM, with a warning.
+
 Supported: any module whose parameters are registered through `nn.Module.__setattr__` or
 `register_parameter` (all of torch.nn, `infinity.models`, Hugging Face models), tied
 parameters (one record per `nn.Parameter` object), frozen parameters. A model already on the
@@ -50,7 +60,7 @@ from torch import nn
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.comm import Comm
 from infinity.config import Config, ZeroConfig
-from infinity.zero.build_files import BuildFiles
+from infinity.zero.build_files import BuildFiles, BuildPages
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
 from infinity.zero.param import OffloadParam
 from infinity.zero.shard import Shard, shard_of
@@ -98,6 +108,16 @@ def home_tier(config: Config) -> HomeTier:
     return HomeTier.NVME if device == "nvme" else HomeTier.HOST
 
 
+def builds_in_files(config: Config) -> bool:
+    """Whether `init` builds the partitions in files (see [Note: building on NVMe]): with
+    the parameters on NVMe, and with them in RAM whenever `offload_param.nvme_path` is a
+    directory (see [Note: a build that spares RAM])."""
+    offload = config.zero_optimization.offload_param
+    if home_tier(config) is HomeTier.NVME:
+        return True
+    return bool(offload.nvme_path) and os.path.isdir(str(offload.nvme_path))
+
+
 def _new_partition(
     src: torch.Tensor,
     dtype: torch.dtype,
@@ -143,18 +163,28 @@ def init(config: Config | dict | str, *, comm: Comm | None = None) -> Iterator[N
     config = Config.load(config).resolve().for_local_rank(local_rank)
     dtype = model_dtype(config)
     offload = config.zero_optimization.offload_param
-    files = BuildFiles(offload.nvme_path) if home_tier(config) is HomeTier.NVME else None
+    files = BuildFiles(offload.nvme_path) if builds_in_files(config) else None
+    must = home_tier(config) is HomeTier.NVME  # else the files only spare RAM
     pin = offload.pin_memory and files is None
     accel = get_accelerator()
 
     def on_register(module: nn.Module, name: str, param: nn.Parameter | None):
+        nonlocal files
         if param is None or param.is_meta or not param.is_floating_point():
             return None
+        if files is not None and files.owns(param):
+            return None  # already a partition (a tied parameter registered again)
         if files is not None:
-            if files.owns(param):
-                return None  # already a partition (a tied parameter registered again)
-            part = files.new_partition(param, dtype)
-        elif _adoptable(param, dtype, accel, pin):
+            try:
+                part = files.new_partition(param, dtype)
+                return nn.Parameter(part.view(param.shape), requires_grad=param.requires_grad)
+            except OSError as e:
+                if must:
+                    raise
+                logger.warning("building the rest of the model in RAM: %s", e)
+                files.close()
+                files = None
+        if _adoptable(param, dtype, accel, pin):
             return None  # already a partition (a tied parameter registered again)
         else:
             part = _new_partition(param, dtype, accel, pin)
@@ -224,6 +254,7 @@ def partition_model(
     persistent = persistent_flags([p.numel() for _, p in named], zero)
     # An NVMe home is written from host memory, never copied to the device from it.
     pin = zero.offload_param.pin_memory and home_tier(config) is HomeTier.HOST
+    built = BuildPages([p for _, p in named])  # never a host home: see [Note: a build ...]
     records: list[OffloadParam] = []
     sources: list[torch.Tensor] = [torch.empty(0)] * len(plan.slots)
     by_param: dict[nn.Parameter, OffloadParam] = {}
@@ -234,12 +265,17 @@ def partition_model(
                 f"the model under `with infinity.init(config):` instead"
             )
         shard = plan.shard(param.numel())
+        # A trainable partition is only read (by the optimizer, into its own buffer): it
+        # needs no pinning, and may be a build file's mapping.
+        home_pin = pin and name not in plan.slots
         if shard.numel != param.numel():
-            part = _new_partition(param, dtype, accel, pin, shard)
-        elif _adoptable(param, dtype, accel, pin):
+            part = _new_partition(param, dtype, accel, home_pin, shard)
+        elif _adoptable(param, dtype, accel, home_pin) and (
+            name in plan.slots or not built.holds(param)
+        ):
             part = param.detach().view(-1)
         else:
-            part = _new_partition(param, dtype, accel, pin)
+            part = _new_partition(param, dtype, accel, home_pin)
         rec = OffloadParam(
             name,
             param,

@@ -145,6 +145,10 @@ class BuildPages:
         }  # fmt: skip
         self._madvise = _madvise() if self._parts else None
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is one of the build partitions found."""
+        return id(tensor) in self._parts
+
     def release(self, tensor: torch.Tensor) -> None:
         """Drop `tensor`'s pages if it is one of the build partitions found; else nothing."""
         part = self._parts.get(id(tensor))
