@@ -71,8 +71,11 @@ def summary(plan: dict | None) -> str:
     for name, key in (("weights", "weights"), ("base", "frozen"), ("state", "state"),
                       ("gradients", "grads")):  # fmt: skip
         t = plan[key]
-        held = t["ram_bytes"] + t["nvme_bytes"]
-        if held:
+        device = t.get("device_bytes", 0)
+        held = t["ram_bytes"] + t["nvme_bytes"] + device
+        if device:
+            parts.append(f"{name} {device / gib:.1f}/{held / gib:.1f} GiB on the GPU")
+        elif held:
             parts.append(f"{name} {t['ram_bytes'] / gib:.1f}/{held / gib:.1f} GiB in RAM")
     if plan["budget"].get("device_bytes"):
         parts.append(f"live set {plan['live_parameters'] / 1e9:.1f}B elements")

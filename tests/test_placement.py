@@ -271,3 +271,38 @@ def test_on_a_gpu_the_live_set_fills_the_device_budget(tmp_path):
     applied = resident.apply(cfg).to_dict()
     got = _engine_bytes(applied, 4)
     assert got == (resident.nvme_read_bytes_per_step, resident.nvme_write_bytes_per_step)
+
+
+def test_on_a_gpu_gradient_sums_stay_on_the_device_with_accumulation(tmp_path):
+    """With accumulation and the device's gradient sums the planner's to choose, the sums
+    that fit stay on the device: their RAM holds optimizer state instead, so fewer NVMe bytes
+    a step than the plan without them, within the device budget; the engine (on the CPU
+    device here) moves exactly the plan's NVMe bytes and changes no result."""
+    shape = model_shape(LlamaConfig(**SHAPE))
+    cfg = Config.load(_config(tmp_path, accum=4))
+
+    def plan(ram: int, tunable=(GRADS_ON_DEVICE,), device: int = 64 << 20):
+        budget = Budget(ram, "test", device, "test device")
+        return plan_placement(shape, cfg, budget, gpu=True, seq_len=SEQ,
+                              runtime_bytes=RUNTIME, tunable=tunable)  # fmt: skip
+
+    floor = RUNTIME + CUDA_RUNTIME_HOST_BYTES
+    for k in range(200):  # a budget where the sums on the device leave state on NVMe
+        ram = floor + k * (1 << 15)
+        try:
+            on_device, without = plan(ram), plan(ram, tunable=())
+        except ValueError:
+            continue
+        if on_device.grads.device_bytes and on_device.state.nvme_bytes:
+            break
+    assert on_device.buffers[GRADS_ON_DEVICE] > 0 and GRADS_ON_DEVICE not in without.buffers
+    assert on_device.grads.device_bytes == 4 * on_device.buffers[GRADS_ON_DEVICE]
+    assert _moved(on_device) < _moved(without)
+    assert on_device.device_bytes <= 64 << 20
+    assert "device" in next(line for line in on_device.lines() if "gradients" in line)
+    applied = on_device.apply(cfg).to_dict()
+    assert applied["zero_optimization"]["offload_optimizer"]["gradients_on_device"] > 0
+    got = _engine_bytes(applied, 0)
+    assert got == (on_device.nvme_read_bytes_per_step, on_device.nvme_write_bytes_per_step)
+    # A device with room for the run alone: the planner does without sums there.
+    assert GRADS_ON_DEVICE not in plan(ram, device=without.device_bytes + 4096).buffers

@@ -165,11 +165,12 @@ def sizes(
     frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
     pool = param_pool_bytes(shape, config, world_size) if param_nvme else 0
     pinned = _pinned(zero, pins, pool, buffers, weights.host + frozen.host)
-    # Only reads from NVMe are copied where gathers alias host homes (see [Note: gathered
-    # means resident] in infinity/zero/param.py).
+    # Where gathers alias host homes, only NVMe reads copy ([Note: gathered means resident])
     copies = not (not pins if aliases is None else aliases)
     read, gathered = _fetched_numels(shape, config, homes, on_nvme, copies, checkpointing)
     host = grad.host + weights.host + state.host + frozen.host + pool
+    # The CPU device (it never pins) adds gradients straight into their fp32 partitions.
+    offloaded = _offloaded_numel(shape, layout, config) * itemsize if pins else 0
     return Sizes(
         grad_host_bytes=grad.host, weights_host_bytes=weights.host, state_host_bytes=state.host,
         state_buffer_bytes=buffers, frozen_host_bytes=frozen.host, param_pool_bytes=pool,
@@ -184,10 +185,7 @@ def sizes(
         param_write_bytes_per_step=layout.total * itemsize if param_nvme else 0,
         param_read_bytes_per_micro_step=read * itemsize,
         gather_bytes_per_micro_step=gathered * itemsize,
-        # The CPU device (it never pins) adds gradients straight into their fp32 partitions.
-        grad_offload_bytes_per_micro_step=(
-            _offloaded_numel(shape, layout, config) * itemsize if pins else 0
-        ),
+        grad_offload_bytes_per_micro_step=offloaded,
         grad_device_bytes=grad_device, grad_step_copy_bytes=2 * grad_device,
         refresh_bytes_per_step=_refreshed(shape, zero) * itemsize if (param_nvme or copies) else 0,
         peak_live_numel=replayed(shape, config, checkpointing=checkpointing).peak_live_numel,

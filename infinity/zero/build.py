@@ -1,8 +1,11 @@
 """Building partitioned models: `init(config)` and `partition_model`.
 
 Under `init`, every parameter a module registers is moved at once into a fresh flat
-partition in its home tier (host memory, pinned with CUDA, in the model dtype) and the
-parameter becomes a view of it (one whose own memory already qualifies is kept). A module's
+partition in its home tier (host memory, in the model dtype) and the parameter becomes a
+view of it (one whose own memory already qualifies is kept). Nothing is pinned while the
+model is built: which parameters will train is not known yet, and a trainable partition is
+only read once, by the optimizer, into its own (pinned) weight buffer; a frozen home is
+pinned by `partition_model`, a copy made one parameter at a time. A module's
 own initialization (`reset_parameters`, `nn.Parameter(torch.ones(...))`, a model's
 `init_weights`) therefore runs on the partition itself, and the model never exists twice in
 RAM: the peak is the partitions plus one parameter. `partition_model` then builds one
@@ -165,7 +168,6 @@ def init(config: Config | dict | str, *, comm: Comm | None = None) -> Iterator[N
     offload = config.zero_optimization.offload_param
     files = BuildFiles(offload.nvme_path) if builds_in_files(config) else None
     must = home_tier(config) is HomeTier.NVME  # else the files only spare RAM
-    pin = offload.pin_memory and files is None
     accel = get_accelerator()
 
     def on_register(module: nn.Module, name: str, param: nn.Parameter | None):
@@ -184,10 +186,9 @@ def init(config: Config | dict | str, *, comm: Comm | None = None) -> Iterator[N
                 logger.warning("building the rest of the model in RAM: %s", e)
                 files.close()
                 files = None
-        if _adoptable(param, dtype, accel, pin):
+        if _adoptable(param, dtype, accel, pin=False):
             return None  # already a partition (a tied parameter registered again)
-        else:
-            part = _new_partition(param, dtype, accel, pin)
+        part = _new_partition(param, dtype, accel, pin=False)
         return nn.Parameter(part.view(param.shape), requires_grad=param.requires_grad)
 
     handle = nn.modules.module.register_module_parameter_registration_hook(on_register)
@@ -236,6 +237,21 @@ class HomePlan:
         return HostHome(partition, name=name)
 
 
+def _partition(param, trainable: bool, plan: HomePlan, dtype, accel, pin: bool, built):
+    """A parameter's partition for its home (or, trainable, for the optimizer to read): its
+    own memory where that qualifies, else a copy (this rank's shard with several ranks). A
+    trainable partition is only read, into the optimizer's own buffer: it needs no pinning
+    and may be a build file's mapping; a host home never is one (see [Note: a build that
+    spares RAM])."""
+    shard = plan.shard(param.numel())
+    pin = pin and not trainable
+    if shard.numel != param.numel():
+        return _new_partition(param, dtype, accel, pin, shard)
+    if _adoptable(param, dtype, accel, pin) and (trainable or not built.holds(param)):
+        return param.detach().view(-1)
+    return _new_partition(param, dtype, accel, pin)
+
+
 def partition_model(
     model: nn.Module, config: Config, accel: Accelerator, plan: HomePlan
 ) -> tuple[list[OffloadParam], dict[nn.Module, ModuleUnit], list[torch.Tensor]]:
@@ -264,18 +280,7 @@ def partition_model(
                 f"parameter {name!r} is on the meta device: its values do not exist; build "
                 f"the model under `with infinity.init(config):` instead"
             )
-        shard = plan.shard(param.numel())
-        # A trainable partition is only read (by the optimizer, into its own buffer): it
-        # needs no pinning, and may be a build file's mapping.
-        home_pin = pin and name not in plan.slots
-        if shard.numel != param.numel():
-            part = _new_partition(param, dtype, accel, home_pin, shard)
-        elif _adoptable(param, dtype, accel, home_pin) and (
-            name in plan.slots or not built.holds(param)
-        ):
-            part = param.detach().view(-1)
-        else:
-            part = _new_partition(param, dtype, accel, home_pin)
+        part = _partition(param, name in plan.slots, plan, dtype, accel, pin, built)
         rec = OffloadParam(
             name,
             param,
