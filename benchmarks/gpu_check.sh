@@ -8,7 +8,8 @@
 #      with both tiers on NVMe against the CPU device, NVMe bytes against the estimate;
 #   6. benchmarks/gpu_throughput.py: a 1B full fine-tune in bf16 (state in RAM; both tiers on
 #      NVMe), a 1B LoRA r=16 placed by the planner (the base in RAM, gathered on the GPU
-#      once) and a 7B LoRA r=16 with the base on NVMe, telemetry beside the estimate, and a
+#      once), a 1B with accumulation 8 placed by the planner (its gradient sums kept on the
+#      GPU) and a 7B LoRA r=16 with the base on NVMe, telemetry beside the estimate, and a
 #      torch.profiler trace of the 1B's second step (state in RAM);
 #   7. a one-rank torchrun (NCCL) of the tiny model;
 #   8. with the time left, the whole suite on the GPU (the "auto" device is CUDA there).
@@ -108,7 +109,7 @@ SMOKE_CASES=${GPU_CHECK_SMOKE_CASES:-tiny,1b}
 [[ $DEVICE == cpu ]] && SMOKE_CASES=tiny
 phase smoke 200 "$PY" benchmarks/gpu_smoke.py --device "$DEVICE" --nvme "$NVME" \
     --scratch "$SCRATCH" --cases "$SMOKE_CASES" "${AIO_FLAG[@]}" --json "$OUT/smoke.json"
-THROUGHPUT=(--cases "${GPU_CHECK_THROUGHPUT_CASES:-1b-ram,1b-nvme,1b-lora-planned,7b-lora}" --steps 3
+THROUGHPUT=(--cases "${GPU_CHECK_THROUGHPUT_CASES:-1b-ram,1b-nvme,1b-lora-planned,1b-accum8-planned,7b-lora}" --steps 3
     --timeout "${GPU_CHECK_CASE_TIMEOUT:-110}" --profile-to "$OUT" --profile-cases 1b-ram)
 [[ $DEVICE == cpu ]] && THROUGHPUT=(--cases tiny-ram,tiny-nvme,tiny-lora,tiny-lora-planned --seq-len 64
     --micro-batch 2 --steps 3 --timeout 60 --profile-to "$OUT" --profile-cases tiny-ram)

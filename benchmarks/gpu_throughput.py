@@ -43,6 +43,8 @@ class Case:
     lora_r: int = 0
     planned: bool = False
     """With `nvme`: the planner places the run (`--nvme` alone), not `--placement nvme`."""
+    grad_accum: int | None = None
+    """Micro batches per step for this case (default: --grad-accum)."""
 
 
 CASES = {
@@ -51,6 +53,9 @@ CASES = {
                     nvme=True),
     "1b-lora-planned": Case(name="llama-1b LoRA r=16, placed by the planner", model="llama-1b",
                             nvme=True, lora_r=16, planned=True),
+    "1b-accum8-planned": Case(name="llama-1b full fine-tune, accumulation 8, placed by the "
+                              "planner (gradient sums on the GPU)", model="llama-1b", nvme=True,
+                              planned=True, grad_accum=8),
     "7b-lora": Case(name="llama-7b LoRA r=16, base on NVMe", model="llama-7b", nvme=True,
                     lora_r=16),
     "tiny-ram": Case(name="tiny full fine-tune, state in RAM", model="tiny", nvme=False),
@@ -59,7 +64,7 @@ CASES = {
     "tiny-lora-planned": Case(name="tiny LoRA r=8, placed by the planner", model="tiny",
                               nvme=True, lora_r=8, planned=True),
 }  # fmt: skip
-GPU_CASES = "1b-ram,1b-nvme,1b-lora-planned,7b-lora"
+GPU_CASES = "1b-ram,1b-nvme,1b-lora-planned,1b-accum8-planned,7b-lora"
 # metrics.jsonl keys whose per-step median the table shows.
 MEDIANS = (
     "step_seconds", "tokens_per_s", "tflops", "forward_seconds", "backward_seconds",
@@ -124,7 +129,8 @@ def _flags(case: Case, args: argparse.Namespace, swap: Path) -> list[str]:
     """The flags `infinity train` and `infinity estimate` share for this case."""
     flags = [
         "--model", case.model, "--seq-len", str(args.seq_len),
-        "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
+        "--micro-batch", str(args.micro_batch),
+        "--grad-accum", str(case.grad_accum or args.grad_accum),
         "--dtype", args.dtype, "--activation-checkpointing",
     ]  # fmt: skip
     if case.lora_r:
@@ -161,7 +167,8 @@ def _run_case(case: Case, args, work: Path, saves: Path, corpus: Path) -> dict:
         measured["peak_device_bytes"] = max(r.get("peak_device_bytes", 0) for r in warm)
         measured["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in warm)
         measured["steps"] = [r["step"] for r in warm]
-    result = {"case": dataclasses.asdict(case), "flags": flags, "grad_accum": args.grad_accum,
+    accum = case.grad_accum or args.grad_accum
+    result = {"case": dataclasses.asdict(case), "flags": flags, "grad_accum": accum,
               **run, "measured": measured, "estimate": estimate}  # fmt: skip
     _print_case(case, result)
     return result

@@ -141,3 +141,23 @@ def test_a_negative_budget_is_refused():
         infinity.Config.load(
             {"zero_optimization": {"offload_optimizer": {"gradients_on_device": -1}}}
         )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available here")
+def test_on_a_gpu_the_sums_and_the_norm_are_the_host_tier_bits():
+    from infinity.accelerator.cuda import CudaAccelerator
+
+    numels = [70000, 30000]
+    device, host = DeviceGradTier(numels, CudaAccelerator()), HostGradTier(numels)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):  # an accumulation window of bf16 gradients, made on the GPU
+        for index, n in enumerate(numels):
+            src = torch.randn(n, generator=g).to(torch.bfloat16)
+            device.add(index, 0, src.cuda())
+            host.add(index, 0, src)
+    assert device.memory_stats()["grad_device_bytes"] == 4 * 100000
+    assert device.sums_of_squares() == host.sums_of_squares()
+    for index in range(2):
+        got = device.take(index)
+        assert got.is_pinned() and torch.equal(got, host.take(index))
+    device.close()
