@@ -9,7 +9,7 @@ belong to the coordinator (the engine runs forward and backward inside its `forw
 `backward` context managers, which abort the iteration on an exception).
 
 [Note: loss scaling] `backward(loss)` differentiates loss * loss_scale / accumulation_steps,
-as DeepSpeed does. Gradients therefore reach the fp32 partitions scaled by loss_scale; the
+as DeepSpeed does. Gradients therefore reach the fp32 sums scaled by loss_scale; the
 optimizer divides it out inside its step (after the overflow check and global-norm clipping).
 
 [Note: plain backward] A plain `loss.backward()` works too, with PyTorch's meaning: the
@@ -387,7 +387,7 @@ class Engine:
         client_state: dict | None = None,
         include_frozen: bool = False,
     ) -> str:
-        """Write weights (from the partitions), optimizer state, schedule, loss scale, step
+        """Write weights (from their homes), optimizer state, schedule, loss scale, step
         counts and RNG states atomically under `save_dir/tag` (default: the step's tag).
         Frozen weights are left out unless `include_frozen`: a record of their base takes
         their place (see `infinity.checkpoint.base_model`). `client_state` (JSON-able: data
@@ -452,7 +452,7 @@ class Engine:
 
     def close(self) -> None:
         """Remove the engine's hooks from the model, release what is gathered and close the
-        optimizer's state tier. The weights stay in the partitions
+        optimizer's state tier. The weights stay in their homes
         (`named_parameters_host`). Idempotent."""
         if getattr(self, "_closed", False):
             return

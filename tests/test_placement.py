@@ -18,7 +18,8 @@ from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate import model_shape
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
-from infinity.estimate.placement import GRADS_ON_DEVICE, LEAN_BUFFERS, Budget, plan_placement
+from infinity.estimate.placement import Budget, plan_placement
+from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, LEAN_BUFFERS
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.lora import LoraSpec, apply_lora
 

@@ -73,11 +73,11 @@ def test_trainable_homes_are_the_optimizers_weights(precision):
     opt = engine.optimizer
     for rec in engine.records:
         assert isinstance(rec.home, HostHome) and rec.home.numel == rec.numel
-        view = opt.partition(rec.slot)
+        view = opt.home(rec.slot)
         assert rec.home.flat.data_ptr() == view.data_ptr()  # one copy, written by the step
     train_steps(engine, batches(2, seed=3))
     for rec in engine.records:
-        assert torch.equal(rec.home.read(), opt.partition(rec.slot))
+        assert torch.equal(rec.home.read(), opt.home(rec.slot))
     engine.close()
 
 

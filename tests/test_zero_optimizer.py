@@ -176,7 +176,7 @@ def run_parity(case, backend, dtype=torch.float32, store_cls=None):
     for i, (slot, peer) in enumerate(zip(slots, peers, strict=True)):
         expected = peer.detach().reshape(-1)
         assert_close_rel(state[f"{slot.name}.master"], expected)
-        part = ours.partition(i)
+        part = ours.home(i)
         assert part.dtype == dtype
         if dtype == torch.float32:
             assert_close_rel(part, expected)
@@ -231,13 +231,13 @@ def test_fp32_partitions_alias_the_host_masters(backend):
     opt = make_opt(slots, **backend)
     assert opt.aliased
     for i, slot in enumerate(slots):
-        assert torch.equal(opt.partition(i), slot.partition)  # initialised from the slot
-        assert opt.partition(i).data_ptr() != slot.partition.data_ptr() or not slot.numel
+        assert torch.equal(opt.home(i), slot.partition)  # initialised from the slot
+        assert opt.home(i).data_ptr() != slot.partition.data_ptr() or not slot.numel
         opt.grad(i).fill_(1.0)
     opt.step(lr=0.1)
     state = masters(opt)
     for i, slot in enumerate(slots):
-        assert torch.equal(opt.partition(i), state[f"{slot.name}.master"])
+        assert torch.equal(opt.home(i), state[f"{slot.name}.master"])
     stats = opt.memory_stats()
     assert stats == {"numel": NUMEL, "grad_bytes": 4 * TOTAL, "partition_bytes": 0,
                      "state_bytes": 12 * TOTAL, "host_bytes": 16 * TOTAL}  # fmt: skip
@@ -295,7 +295,7 @@ def _train(opt, grads):
 def _assert_same(a, b):
     assert a.step_count == b.step_count
     for i in range(a.num_slots):
-        assert torch.equal(a.partition(i), b.partition(i))
+        assert torch.equal(a.home(i), b.home(i))
     sa, sb = masters(a), masters(b)
     assert sa.keys() == sb.keys()
     for name in sa:
@@ -482,7 +482,7 @@ def test_benchmark_runs_at_tiny_size(tmp_path):
 def test_every_gradient_element_is_checked_for_overflow(bad):
     slots = make_slots(shapes=[(3 * 4096 + 5,), (7,)])
     opt = make_opt(slots, sub_group_size=1_000_000)
-    before = opt.partition(0).clone()
+    before = opt.home(0).clone()
     position, value = {"inf-in-rows": (4100, "inf"), "nan-in-tail": (3 * 4096 + 2, "nan"),
                        "-inf-first": (0, "-inf")}[bad]  # fmt: skip
     opt.grad(0).fill_(1e-3)
@@ -490,7 +490,7 @@ def test_every_gradient_element_is_checked_for_overflow(bad):
     result = opt.step(lr=1.0)
     assert result.overflow
     assert opt.step_count == 0
-    assert torch.equal(opt.partition(0), before)
+    assert torch.equal(opt.home(0), before)
     assert not opt.grad(0).any()
 
 
@@ -517,12 +517,12 @@ def test_refresh_masters_takes_weights_written_into_the_partitions(dtype, store_
     moments = {k: v for k, v in masters(opt).items() if not k.endswith(".master")}
     new = make_slots(DTYPES[dtype], seed=11)
     for i, slot in enumerate(new):
-        opt.partition(i).copy_(slot.partition)
+        opt.home(i).copy_(slot.partition)
     opt.refresh_masters()
     state = masters(opt)
     for i, slot in enumerate(new):
         assert torch.equal(state[f"{slot.name}.master"], slot.partition.float())
-        assert torch.equal(opt.partition(i), slot.partition)
+        assert torch.equal(opt.home(i), slot.partition)
     for k, v in moments.items():
         assert torch.equal(state[k], v)
 
@@ -531,7 +531,7 @@ def test_partitions_that_require_grad_are_copied_without_autograd():
     slots = [Slot(s.name, s.numel, torch.nn.Parameter(s.partition)) for s in make_slots()]
     for store in (None, CopyingStateStore([4096] * 4)):
         opt = make_opt(slots, store=store)
-        assert not any(opt.partition(i).requires_grad for i in range(opt.num_slots))
+        assert not any(opt.home(i).requires_grad for i in range(opt.num_slots))
         assert not any(t.requires_grad for _, t in masters(opt).items())
         opt.grad(0).fill_(1.0)
         opt.step(lr=1e-3)

@@ -16,13 +16,12 @@ import argparse
 from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate.placement import (
-    GRADS_ON_DEVICE,
-    LEAN_BUFFERS,
     Budget,
     Placement,
     check_budget,
     plan_placement,
 )
+from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, LEAN_BUFFERS
 from infinity.utils.host_memory import available_ram, physical_ram
 
 DEFAULT_RAM_SHARE = 0.8
@@ -79,7 +78,7 @@ def _user_zero(args: argparse.Namespace) -> dict:
 def tunable_buffers(args: argparse.Namespace) -> set[str]:
     """The keys of LEAN_BUFFERS, and GRADS_ON_DEVICE, the run's config leaves unset: the
     planner may set them (see [Note: lean buffers] and [Note: gradient sums on the device] in
-    infinity/estimate/placement.py)."""
+    infinity/estimate/placement_rungs.py)."""
     from infinity.config.keys import KEYS
     from infinity.config.sections import ZeroConfig
 

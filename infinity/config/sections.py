@@ -69,7 +69,7 @@ class OffloadOptimizerConfig:
     the rest go to NVMe. Infinity's key (DeepSpeed's offload_optimizer has none); the
     placement planner sets it. Results are the same wherever each sub-group lives."""
     gradients_in_cpu: bool = False
-    """Keep every fp32 gradient partition in host memory (4 bytes per trainable element)
+    """Keep every fp32 gradient sum in host memory (4 bytes per trainable element)
     even when some optimizer state is on NVMe; by default they spill to NVMe with the state.
     Infinity's key, set by the placement planner: with gradient accumulation each micro
     batch adds into them, so a spilled gradient is read and written again at every one."""

@@ -82,7 +82,7 @@ TOP_LEVEL: dict[str, Unsupported] = {
         "not implemented",
         (1.0,),
     ),
-    "sparse_gradients": Unsupported("gradient partitions are dense fp32 buffers", (False,)),
+    "sparse_gradients": Unsupported("gradient sums are dense fp32 buffers", (False,)),
     "sparse_attention": Unsupported(
         "block-sparse attention is a DeepSpeed kernel; use the model's own attention"
     ),

@@ -68,7 +68,7 @@ class StepTimes:
     """CPU-Adam over the trainable elements, and the gradient-norm pass."""
     copies_s: float
     """Host <-> device copies of gathered parameters and gradients (on the CPU device, the
-    gradients' adds into their fp32 partitions)."""
+    gradients' adds into their fp32 sums)."""
     hooks_s: float
     """The engine's own work per module (gather, release and gradient hooks) on the CPU
     device, where it takes the cores that compute."""
@@ -359,7 +359,7 @@ def micro_step_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> fl
     memory, at the fresh-copy rate, without `recycled`: see [Note: recycled device buffers]
     in infinity/accelerator/recycled.py; a gather from host memory aliases its home: no
     copy), and autograd writes each gradient into newly allocated memory (at the fresh-copy
-    rate); the gradient is then added straight into its fp32 partition (in pieces: see
+    rate); the gradient is then added straight into its fp32 sum (in pieces: see
     `infinity.swap.grad_tier.add_into`), reading the gradient and the partition and
     writing the partition (itemsize + 8 bytes per element, against a copy's 2 bytes of
     memory traffic per byte copied)."""
@@ -421,7 +421,7 @@ def build_partition_bytes(shape: ModelShape, config: Config, itemsize: int) -> i
 
 
 def grad_transient_bytes(shape: ModelShape) -> int:
-    """Host memory a gradient takes on its way into the fp32 partition: the largest
+    """Host memory a gradient takes on its way into its fp32 sum: the largest
     trainable parameter's gradient converted to fp32."""
     return 4 * max((p.numel for p in shape.params if p.trainable), default=0)
 

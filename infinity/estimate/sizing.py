@@ -39,7 +39,7 @@ class Sizes:
     """Bytes of one rank's run: resident, on disk, and moved per micro step or per step."""
 
     grad_host_bytes: int
-    """fp32 gradient partitions in host memory: one flat buffer, or with the optimizer on
+    """fp32 gradient sums in host memory: one flat buffer, or with the optimizer on
     NVMe the grad store's `GRAD_BUFFERS` sub-group buffers."""
     weights_host_bytes: int
     """The trainable weights' host copy (0 when they alias the fp32 masters; the staging
@@ -169,7 +169,7 @@ def sizes(
     copies = not (not pins if aliases is None else aliases)
     read, gathered = _fetched_numels(shape, config, homes, on_nvme, copies, checkpointing)
     host = grad.host + weights.host + state.host + frozen.host + pool
-    # The CPU device (it never pins) adds gradients straight into their fp32 partitions.
+    # The CPU device (it never pins) adds gradients straight into their fp32 sums.
     offloaded = _offloaded_numel(shape, layout, config) * itemsize if pins else 0
     return Sizes(
         grad_host_bytes=grad.host, weights_host_bytes=weights.host, state_host_bytes=state.host,

@@ -1,4 +1,4 @@
-"""Where the fp32 gradient partitions live between backward and the optimizer step.
+"""Where the fp32 gradient sums live between backward and the optimizer step.
 
 A grad store holds, for each optimizer sub-group, the fp32 sum of the gradients since the
 last step. `HostGradTier` keeps all of them in one flat host buffer (4 bytes per trainable

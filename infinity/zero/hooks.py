@@ -467,7 +467,7 @@ def install_grad_hooks(
     accelerator: Accelerator,
     reducer: GradReducer | None = None,
 ) -> list:
-    """Move each trainable parameter's gradient into its fp32 partition as soon as autograd
+    """Move each trainable parameter's gradient into its fp32 sum as soon as autograd
     has accumulated it (`accumulate(slot, flat_grad)`: `GradOffload.add`, which adds it on
     the CPU device and copies it off a GPU asynchronously, see [Note: staged gradient
     copies]), and drop the parameter's reference to it at once. With several ranks, `reducer`

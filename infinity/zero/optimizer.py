@@ -16,7 +16,7 @@ the comm it is given.
 
 [Note: where the weights live] With an fp32 model and the host tier, a slot's home is a
 view of the master weights themselves: the step updates it in place and no copy exists (4
-bytes per parameter saved, one pass fewer). With fp16/bf16 the partitions are their own flat
+bytes per parameter saved, one pass fewer). With fp16/bf16 the homes are their own flat
 buffer, written by the step's fused copy-out (the master rounded to nearest-even). With an
 fp32 model on any other tier the master is not resident between steps, so the homes are
 their own fp32 buffer, copied from the master while the sub-group is resident during the
@@ -79,9 +79,9 @@ class PartitionedOptimizer:
 
     Slots are laid out in order (each on a SLOT_ALIGN boundary) and the space is cut into
     sub-groups of `zero.sub_group_size` elements, which may split a slot; master weights
-    start from the slots' partitions and the weights are written to `weights` (built with
-    `make_weights` before the optimizer: its `home(i)` is slot i's home from then on; by
-    default a host buffer, `partition(i)`). The engine adds gradients with
+    start from the slots' (build) partitions and the weights are written to `weights` (built
+    with `make_weights` before the optimizer: its `home(i)` is slot i's home from then on; by
+    default a host buffer, which `home(i)` returns). The engine adds gradients with
     `accumulate_grad(i, grad)` (`grad(i)` is the host grad store's view of them) and must
     drop its own copies of the partitions before the first gradient (the host gradient
     buffer is allocated then). `grad_tier` (an `NvmeGradTier` of the same sub-groups)
@@ -184,13 +184,13 @@ class PartitionedOptimizer:
         start = self.layout.offsets[i]
         return start, start + self._numels[i]
 
-    def partition(self, i: int) -> torch.Tensor:
-        """Slot i's weights from now on: [numel] in the model dtype, written by `step`
-        (host weight home only)."""
+    def home(self, i: int) -> torch.Tensor:
+        """Slot i's home: its weights from now on, [numel] in the model dtype, written by
+        `step` (host weight home only)."""
         return self.weights.view(*self._span(i))
 
     def grad(self, i: int) -> torch.Tensor:
-        """Slot i's gradient partition: [numel] fp32 (host grad store only)."""
+        """Slot i's gradient sum: [numel] fp32 (host grad store only)."""
         start, stop = self._span(i)
         return self.flat_grad[start:stop]
 
@@ -235,8 +235,8 @@ class PartitionedOptimizer:
         self.grads.zero()
 
     def refresh_masters(self) -> None:
-        """Master weights := the partitions, moments kept: call after writing new weights
-        into `partition(i)` (e.g. loading model weights without optimizer state), else the
+        """Master weights := the homes, moments kept: call after writing new weights
+        into `home(i)` (e.g. loading model weights without optimizer state), else the
         next step would overwrite them from the old masters. A no-op when they alias."""
         if self.aliased:
             return
