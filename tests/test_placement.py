@@ -307,3 +307,27 @@ def test_on_a_gpu_gradient_sums_stay_on_the_device_with_accumulation(tmp_path):
     assert got == (on_device.nvme_read_bytes_per_step, on_device.nvme_write_bytes_per_step)
     # A device with room for the run alone: the planner does without sums there.
     assert GRADS_ON_DEVICE not in plan(ram, device=without.device_bytes + 4096).buffers
+
+
+def test_the_13b_headline_is_compute_bound_with_its_gradient_sums_on_the_gpu(tmp_path, capsys):
+    """The issue's headline run: 13B full fine-tuning, bf16, 2048 x 4 x accumulation 32, on
+    an H100 with 128 GiB of RAM and one (assumed) SSD. With the gradient sums on the GPU the
+    RAM holds most of the state, no gradient byte crosses the SSD, and compute bounds the
+    step (everything on NVMe it is bound by the SSD at over 20x the time)."""
+    from infinity.cli.main import main
+
+    out = tmp_path / "est.json"
+    argv = ["estimate", "--model", "llama-13b", "--nvme", str(tmp_path / "absent-ssd"),
+            "--dtype", "bf16", "--seq-len", "2048", "--micro-batch", "4", "--grad-accum", "32",
+            "--activation-checkpointing", "--device", "h100", "--device-memory", "80G",
+            "--ram-budget", "120G", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    est = json.loads(out.read_text())
+    plan = est["placement"]
+    assert est["bound"] == "compute"
+    assert plan["grads"]["device_bytes"] > 45 * 2**30 and plan["grads"]["nvme_bytes"] == 0
+    assert est["terms"]["grad_write_bytes_per_step"] == 0
+    assert plan["state"]["ram_bytes"] > plan["state"]["nvme_bytes"] > 0
+    assert plan["device_bytes"] <= 80 * 2**30 and plan["peak_rss_bytes"] <= 120 * 2**30
+    text = capsys.readouterr().out
+    assert "gradient sums" in text  # the device line says what it holds

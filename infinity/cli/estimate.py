@@ -378,7 +378,12 @@ def _memory_lines(est) -> list[str]:
             "device",
             est.device_bytes,
             f"parameters {s.peak_live_numel * s.itemsize / _GIB:.1f} GiB, activations "
-            f"{est.activation_bytes / _GIB:.1f} GiB",
+            f"{est.activation_bytes / _GIB:.1f} GiB"
+            + (
+                f", gradient sums {s.grad_device_bytes / _GIB:.1f} GiB"
+                if s.grad_device_bytes
+                else ""
+            ),
         ),
         _row(
             "NVMe",
