@@ -99,6 +99,20 @@ def test_the_cpu_device_adds_at_once():
     assert added == [3] and offload.in_flight == 0
 
 
+def test_a_slot_whose_sums_are_on_the_device_is_added_there_at_once():
+    """`offload_optimizer.gradients_on_device`: no copy, no stream, no event, while the
+    other slots still go through the staged copies."""
+    offload, device, added = _offload(on_device={1})
+    grad = torch.randn(6, dtype=torch.bfloat16)
+    offload.add(0, torch.zeros(4))  # staged
+    offload.add(1, grad)
+    assert [s for s, _ in added] == [1] and offload.in_flight == 1
+    assert torch.equal(added[0][1], grad)
+    assert [e for e in device.log if e[0] == "copy"] == [("copy", "copy", 4)]
+    offload.flush()
+    assert [s for s, _ in added] == [1, 0]
+
+
 def test_a_copy_waits_for_the_compute_stream_and_is_added_only_after_it_lands():
     offload, device, added = _offload()
     grads = [torch.randn(10, dtype=torch.bfloat16), torch.randn(7, dtype=torch.bfloat16)]
