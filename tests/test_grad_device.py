@@ -113,6 +113,30 @@ def test_sums_on_the_device_train_bitwise_as_host_and_nvme(tmp_path, dtype, accu
     assert 0 < runs["device-then-nvme"][3]["nvme_grad_bytes_written"] < spilled
 
 
+def test_an_fp16_overflow_on_the_device_skips_the_step_and_forgets_the_sums(tmp_path):
+    """An inf gradient summed on the device: the norm is inf, the step is skipped and the
+    sums read as zeros after it, so the next steps train as on the host tier, bit for bit."""
+    data = batches(4, seed=12)
+    runs = []
+    for on_device in (0, 10**9):
+        torch.manual_seed(0)
+        cfg = _cfg(tmp_path / str(on_device), on_device=on_device, dtype="fp32", accum=2)
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+        engine = infinity.initialize(Zoo(), cfg)
+        losses = []
+        for k, ids in enumerate(data):
+            loss = engine(ids, ids)
+            engine.backward(loss * float("inf") if k == 1 else loss)  # the first window
+            engine.step()
+            losses.append(loss.item())
+        assert engine.skipped_steps == 1 and engine.global_steps == 2
+        runs.append((losses, [r.home.read() for r in engine.records], engine.loss_scale))
+        engine.close()
+    assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2]
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
 def _offload(cfg: dict) -> OffloadOptimizerConfig:
     return infinity.Config.load(cfg).zero_optimization.offload_optimizer
 
