@@ -238,3 +238,46 @@ def test_a_model_kept_gathered_is_copied_once_per_step(tmp_path, tier):
         assert runs[0][2]["nvme_param_bytes_read"] > 3 * numel * itemsize
     for *_, e in runs.values():
         e.close()
+
+
+_FULL_DISK_CHILD = textwrap.dedent(
+    """
+    import json, logging, resource, signal, sys, torch, infinity
+    sys.path.insert(0, sys.argv[3])
+    from _engine_models import tiny_gpt
+
+    logging.basicConfig(level=logging.WARNING)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, as a full disk gives ENOSPC
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    cfg = {"zero_optimization": {"stage": 3, "offload_param":
+           {"device": sys.argv[1], "nvme_path": sys.argv[2]}}}
+    torch.manual_seed(0)
+    try:
+        with infinity.init(cfg):
+            model = tiny_gpt(layers=2, hidden=64, checkpointing=False)
+    except OSError as e:
+        print(json.dumps({"error": str(e)}))
+    else:
+        print(json.dumps({"sum": float(sum(p.double().sum() for p in model.parameters()))}))
+    """
+)
+
+
+def test_a_disk_too_full_for_the_build_costs_only_the_ram(tmp_path):
+    """With the weights in RAM, a build file the disk refuses sends the rest of the build to
+    RAM with a warning (the same weights); with the weights on NVMe it is the error."""
+    tests = os.path.dirname(__file__)
+    out = {}
+    for device in ("cpu", "nvme"):
+        run = subprocess.run(
+            [sys.executable, "-c", _FULL_DISK_CHILD, device, str(tmp_path), tests],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        out[device] = (json.loads(run.stdout.strip().splitlines()[-1]), run.stderr)
+    torch.manual_seed(0)
+    built = _build(_cfg("cpu", None, "fp32"))
+    want = float(sum(p.detach().double().sum() for p in built.parameters()))
+    got, log = out["cpu"]
+    assert got == {"sum": want}
+    assert "building the rest of the model in RAM" in log and "could not create" in log
+    assert "could not create a build partition" in out["nvme"][0]["error"]
