@@ -237,7 +237,15 @@ class HomePlan:
         return HostHome(partition, name=name)
 
 
-def _partition(param, trainable: bool, plan: HomePlan, dtype, accel, pin: bool, built):
+def _partition(
+    param: torch.Tensor,
+    trainable: bool,
+    plan: HomePlan,
+    dtype: torch.dtype,
+    accel: Accelerator,
+    pin: bool,
+    built: BuildPages,
+) -> torch.Tensor:
     """A parameter's partition for its home (or, trainable, for the optimizer to read): its
     own memory where that qualifies, else a copy (this rank's shard with several ranks). A
     trainable partition is only read, into the optimizer's own buffer: it needs no pinning
@@ -270,7 +278,7 @@ def partition_model(
     persistent = persistent_flags([p.numel() for _, p in named], zero)
     # An NVMe home is written from host memory, never copied to the device from it.
     pin = zero.offload_param.pin_memory and home_tier(config) is HomeTier.HOST
-    built = BuildPages([p for _, p in named])  # never a host home: see [Note: a build ...]
+    built = BuildPages([p for _, p in named])  # [Note: a build that spares RAM]
     records: list[OffloadParam] = []
     sources: list[torch.Tensor] = [torch.empty(0)] * len(plan.slots)
     by_param: dict[nn.Parameter, OffloadParam] = {}
