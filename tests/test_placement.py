@@ -331,3 +331,5 @@ def test_the_13b_headline_is_compute_bound_with_its_gradient_sums_on_the_gpu(tmp
     assert plan["device_bytes"] <= 80 * 2**30 and plan["peak_rss_bytes"] <= 120 * 2**30
     text = capsys.readouterr().out
     assert "gradient sums" in text  # the device line says what it holds
+    # The optimizer step (its NVMe transfers) still runs after forward and backward: said.
+    assert "the optimizer step adds" in text and "--grad-accum" in text

@@ -54,14 +54,7 @@ def advice(est: Estimate, config: Config, *, ram_bytes: int) -> list[str]:
     gpu = est.rates.gpu
     device_full = gpu is not None and est.device_bytes > gpu.memory_bytes
     if est.bound == Bound.COMPUTE:
-        out.append(
-            "compute bounds the step: offload costs little here"
-            + (
-                ""
-                if device_full
-                else "; a larger --micro-batch raises throughput while device memory allows"
-            )
-        )
+        out.append(_compute_advice(est, device_full))
     if device_full:
         out.append(
             f"device memory {est.device_bytes / _GIB:.1f} GiB exceeds the {gpu.name}'s "
@@ -99,4 +92,27 @@ def _nvme_advice(est: Estimate) -> str:
         "the optimizer moves its state once per step whatever the batch: raise "
         "--grad-accum (or --micro-batch) to spread it over more tokens, or put the swap "
         "directory on a faster SSD (RAID 0 of several)"
+    )
+
+
+OPTIMIZER_SHARE = 0.25
+"""Of a compute-bound step, the share the optimizer step (after forward and backward) may
+take before the advice names it."""
+
+
+def _compute_advice(est: Estimate, device_full: bool) -> str:
+    """Compute is the largest part: say whether the optimizer step, which runs after forward
+    and backward, still costs much, and what raises throughput."""
+    t = est.times
+    grow = (
+        ""
+        if device_full
+        else "; a larger --micro-batch raises throughput while device memory allows"
+    )
+    if t.optimizer_step_s <= OPTIMIZER_SHARE * t.step_s:
+        return "compute bounds the step: offload costs little here" + grow
+    return (
+        f"compute is the largest part of the step, but the optimizer step adds "
+        f"{t.optimizer_step_s:.1f} s of {t.step_s:.1f} after forward and backward (its NVMe "
+        "transfers and CPU-Adam): a larger --grad-accum spreads it over more tokens" + grow
     )
