@@ -41,6 +41,7 @@ from infinity.config import AUTO, OptimizerConfig, ZeroConfig
 from infinity.optim import AdamHyper, adam_step_flat
 from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.grad_tier import HostGradTier
+from infinity.swap.split_state import SplitGradTier
 from infinity.swap.state_tier import HostStateTier, StateTier, SubGroupState
 from infinity.zero.build_files import release_build_pages
 from infinity.zero.optimizer_checks import check_no_decay, check_same_slots, check_step_args
@@ -223,12 +224,11 @@ class PartitionedOptimizer:
         """The slots whose every sub-group sums its gradients on the device
         (`offload_optimizer.gradients_on_device`): the hooks add theirs there, never copying
         them to the host in backward."""
-        on_device = getattr(self.grads, "on_device", None)
         if isinstance(self.grads, DeviceGradTier):
             return frozenset(range(self.num_slots))
-        if on_device is None:
+        if not isinstance(self.grads, SplitGradTier):
             return frozenset()
-        groups = self.layout.sub_groups_of
+        on_device, groups = self.grads.on_device, self.layout.sub_groups_of
         return frozenset(i for i in range(self.num_slots) if all(on_device(g) for g in groups(i)))
 
     def zero_grad(self) -> None:
