@@ -68,10 +68,13 @@ def test_the_tier_sums_and_measures_as_the_host_tier():
     device.close()
 
 
-@pytest.mark.parametrize(("dtype", "accum"), [("bf16", 1), ("fp32", 2), ("bf16", 4)])
-def test_sums_on_the_device_train_bitwise_as_host_and_nvme(tmp_path, dtype, accum):
+@pytest.mark.parametrize(
+    ("dtype", "accum", "lora"),
+    [("bf16", 1, False), ("fp32", 2, False), ("bf16", 4, False), ("bf16", 2, True)],
+)
+def test_sums_on_the_device_train_bitwise_as_host_and_nvme(tmp_path, dtype, accum, lora):
     torch.manual_seed(0)
-    model = Zoo()
+    model = Zoo(lora=lora)  # with a frozen base: its weights have no sums anywhere
     data = batches(6)
     placements = {
         "host": dict(on_device=0, optim="cpu"),
