@@ -19,6 +19,7 @@ from infinity.cli.main import main
 from infinity.config import Config
 from infinity.estimate import GPUS, Rates, estimate, model_shape, sizes
 from infinity.estimate.hardware import probe_nvme, rates_from_bench_aio
+from infinity.estimate.param_traffic import Pass, training_trace
 from infinity.estimate.shapes import lora_numel
 from infinity.estimate.sizing import layout_of, resolve_config
 from infinity.models import LlamaConfig, LlamaForCausalLM, preset
@@ -740,3 +741,22 @@ def test_reads_the_prefetch_window_cannot_hide_make_the_cores_wait(tmp_path):
     host = estimate(shape, Config.load(_config(tmp_path, param="cpu")), _rates(compute_s=0.1),
                     seq_len=16, runtime_bytes=0).times  # fmt: skip
     assert host.read_wait_s == 0.0
+
+
+def test_backward_gathers_only_where_a_gradient_flows_out():
+    """Recorded on the meta device, not guessed from names: with LoRA the embedding and the
+    first adapted block's norm and q, k, v base layers pass no gradient back (their inputs
+    need none), every later module does; with full fine-tuning every module does."""
+    lora = model_shape(LlamaConfig(**SHAPE), lora_r=4)
+    flows = {u.name: u.grad_out for u in lora.units}
+    quiet = {n for n, f in flows.items() if not f}
+    assert quiet == {"model.embed_tokens", "model.layers.0.input_layernorm",
+                     "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                     "model.layers.0.self_attn.v_proj"}  # fmt: skip
+    full = model_shape(LlamaConfig(**SHAPE))
+    assert all(u.grad_out for u in full.units)
+    trace = training_trace(lora, checkpointing=False)
+    backward = {lora.params[p.params[0]].name for p in trace if p.kind is Pass.BACKWARD}
+    assert "model.layers.0.self_attn.q_proj.weight" not in backward
+    assert "model.layers.0.self_attn.q_proj.lora_A.weight" in backward
+    assert "model.layers.0.self_attn.o_proj.weight" in backward

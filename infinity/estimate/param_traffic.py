@@ -56,28 +56,24 @@ class PlannedFetch:
 def training_trace(shape: ModelShape, *, checkpointing: bool) -> list[Position]:
     """The gathers of one training iteration, in order: forward in execution order (peft's
     adapted layer as its base layer, then lora_A, then lora_B), then backward from the last
-    unit on, a decoder block recomputed first under activation checkpointing. Modules
-    before the first trainable parameter need no gradient, so a frozen embedding is not
-    gathered in backward, nor are the frozen layers of the first adapted block whose input
-    needs none (its query, key and value projections and the norm before them)."""
+    unit on, a decoder block recomputed first under activation checkpointing. Backward
+    gathers a module only where a gradient flows out of it (`UnitShape.grad_out`, recorded
+    on the meta device): a frozen embedding is not gathered in backward, nor are the frozen
+    layers of the first adapted block whose input needs none."""
     trace = [Position(p, Pass.FORWARD) for u in shape.units for p in _split(shape, u.params)]
     segments: list[tuple[bool, list[tuple[int, ...]]]] = []  # (a decoder block?, modules)
+    needs: dict[tuple[int, ...], bool] = {}
     last = None
     for unit in shape.units:
+        parts = _split(shape, unit.params)
+        for k, part in enumerate(parts):  # the adapters train; the base needs `grad_out`
+            needs[part] = k > 0 or unit.grad_out
         layer = unit.block
         if layer is not None and layer == last:
-            segments[-1][1].extend(_split(shape, unit.params))
+            segments[-1][1].extend(parts)
         else:
-            segments.append((layer is not None, _split(shape, unit.params)))
+            segments.append((layer is not None, parts))
         last = layer
-    needs: dict[tuple[int, ...], bool] = {}
-    frozen_below = True  # nothing gathered so far has a trainable parameter
-    for block, seg in segments:
-        trains = [any(shape.params[i].trainable for i in part) for part in seg]
-        for part, t in zip(seg, trains, strict=True):
-            tail = block and any(trains) and not _first_attention_input(shape, part)
-            needs[part] = t or not frozen_below or tail
-        frozen_below = frozen_below and not any(trains)
     for block, seg in reversed(segments):
         backward = [Position(part, Pass.BACKWARD) for part in reversed(seg) if needs[part]]
         if checkpointing and block:
@@ -88,15 +84,6 @@ def training_trace(shape: ModelShape, *, checkpointing: bool) -> list[Position]:
             backward = backward[len(early) :]
         trace += backward
     return trace
-
-
-def _first_attention_input(shape: ModelShape, part: tuple[int, ...]) -> bool:
-    """The norm and the q, k, v projections of a block: in the first adapted block of a
-    frozen model, no gradient flows into their input."""
-    name = shape.params[part[0]].name
-    return any(
-        k in name for k in ("input_layernorm", ".q_proj.", ".k_proj.", ".v_proj.", ".qkv_proj.")
-    )
 
 
 def _split(shape: ModelShape, params: Sequence[int]) -> list[tuple[int, ...]]:

@@ -5,7 +5,8 @@ activation, FLOP and compute-probe terms read.
 Built from a `LlamaConfig` (Infinity's own Llama) or a transformers config of any family
 `infinity train` takes (its `AutoModelForCausalLM` class) by constructing the model on the
 meta device (no memory, exact names, sizes and order, tied weights counted once) and running
-one meta forward with hooks to record the order in which modules with parameters run. LoRA
+one meta forward with hooks to record the order in which modules with parameters run, and
+which of them a gradient flows out of (autograd on, with the run's trainable parameters). LoRA
 adapters (`lora_r`) are added from shapes alone: r x (in + out) on the linear layers peft
 would adapt (`block_linear_names`), the base weights frozen.
 """
@@ -47,6 +48,10 @@ class UnitShape:
     block: str | None = None
     """The transformer block the unit is in (`model.layers.3`, `transformer.h.3`), None
     outside the blocks: activation checkpointing recomputes a block as a whole."""
+    grad_out: bool = True
+    """Whether the module's own output needs a gradient in a training forward (recorded on
+    the meta device with the run's trainable parameters; for a LoRA-adapted layer, its base
+    layer's output, before the adapters add theirs): backward gathers the unit only then."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +130,9 @@ def model_shape(config: LlamaConfig | Any, *, lora_r: int = 0) -> ModelShape:
         raise ValueError(f"lora_r must be an int >= 0 (0: full fine-tuning), got {lora_r!r}")
     dims = model_dims(config)  # an unreadable family fails before anything is built
     model = _meta_model(config)
-    order = _forward_order(model)
-    blocks = _blocks(model)
     adapted = set(_lora_targets(model)) if lora_r else set()
+    order, grad_out = _forward_order(model, adapted)
+    blocks = _blocks(model)
     params: list[ParamShape] = []
     index: dict[int, int] = {}
     units: dict[str, list[int]] = {}
@@ -156,7 +161,9 @@ def model_shape(config: LlamaConfig | Any, *, lora_r: int = 0) -> ModelShape:
         dims=dims,
         params=tuple(params),
         units=tuple(
-            UnitShape(n, tuple(units[n]), _block_of(n, blocks)) for n in order if n in units
+            UnitShape(n, tuple(units[n]), _block_of(n, blocks), grad_out[n])
+            for n in order
+            if n in units
         ),
         linears=tuple(linears),
         matmul_numel=sum(n for i, n in base.items() if i not in lookups),
@@ -209,20 +216,35 @@ def _adapters(module: nn.Linear, r: int) -> list[tuple[str, int]]:
     return [("lora_A.weight", r * module.in_features), ("lora_B.weight", module.out_features * r)]
 
 
-def _forward_order(model: nn.Module) -> list[str]:
-    """Names of the modules with own parameters, in the order one forward runs them."""
+def _forward_order(model: nn.Module, adapted: set[str]) -> tuple[list[str], dict[str, bool]]:
+    """Names of the modules with own parameters, in the order one forward runs them, and
+    whether each one's output needs a gradient (see `UnitShape.grad_out`): the forward runs
+    with autograd on, every parameter trainable for full fine-tuning, only the adapters with
+    LoRA (`adapted`: the layers peft adapts, whose output then needs a gradient, as their
+    adapters' sum does)."""
     order: list[str] = []
+    grad_out: dict[str, bool] = {}
     handles = []
+    for p in model.parameters():
+        p.requires_grad_(not adapted)
     for name, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is not None:
 
-            def hook(mod, args, name=name):
+            def pre(mod, args, name=name):
                 order.append(name)
 
-            handles.append(module.register_forward_pre_hook(hook))
+            def post(mod, args, out, name=name):
+                grad_out[name] = grad_out.get(name, False) or _needs_grad(out)
+                # An adapted layer's output is its base's plus the adapters': that needs one.
+                if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in adapted:
+                    return out + torch.zeros((), device=out.device, requires_grad=True)
+                return None
+
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post))
     try:
         ids = torch.zeros(1, _PROBE_TOKENS, dtype=torch.long, device="meta")
-        with torch.no_grad():
+        with torch.enable_grad():
             model(ids)
     finally:
         for h in handles:
@@ -230,4 +252,12 @@ def _forward_order(model: nn.Module) -> list[str]:
     seen: dict[str, None] = {}
     for name in order:
         seen.setdefault(name, None)
-    return list(seen)
+    return list(seen), grad_out
+
+
+def _needs_grad(out: Any) -> bool:
+    if isinstance(out, torch.Tensor):
+        return out.requires_grad
+    if isinstance(out, (tuple, list)):
+        return any(_needs_grad(o) for o in out)
+    return False
