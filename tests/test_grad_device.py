@@ -188,3 +188,16 @@ def test_on_a_gpu_the_sums_and_the_norm_are_the_host_tier_bits():
         got = device.take(index)
         assert got.is_pinned() and torch.equal(got, host.take(index))
     device.close()
+
+
+def test_the_slots_kept_on_the_device_lie_wholly_in_its_sub_groups():
+    """One rule for the engine (`device_slots`, which routes gradients) and the estimate
+    (which backward copies it counts): a slot straddling the last device sub-group is not."""
+    from infinity.zero.sub_groups import flat_layout
+
+    layout = flat_layout([1000, 5000, 1000], 4096)
+    assert [list(layout.sub_groups_of(i)) for i in range(3)] == [[0], [0, 1], [2]]
+    assert layout.slots_within(0) == frozenset()
+    assert layout.slots_within(1) == {0}  # slot 1 straddles into sub-group 1
+    assert layout.slots_within(2) == {0, 1}
+    assert layout.slots_within(3) == {0, 1, 2}

@@ -39,6 +39,7 @@ from collections.abc import Collection
 from infinity.config import Config
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import layout_of
+from infinity.swap.split_state import ram_sub_groups
 from infinity.zero import model_dtype
 
 LEAN_BUFFERS: dict[str, int] = {
@@ -124,12 +125,8 @@ def _device_grads(
     itemsize = model_dtype(config).itemsize
     live = min(int(config.zero_optimization.max_live_parameters), shape.numel) * itemsize
     room = (_free_device_bytes(shape, config, device_bytes, acts) - live) // 4
-    total = 0
-    for n in layout_of(shape, config, world).sub_group_numels:
-        if total + n > room:
-            break
-        total += n
-    return total
+    numels = layout_of(shape, config, world).sub_group_numels
+    return sum(numels[: ram_sub_groups(numels, room)])
 
 
 def _get(zero: dict, key: str):

@@ -42,6 +42,7 @@ from infinity.estimate.pipeline import Prefetch, micro_step_s, prefetch_of
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, resolve_config, sizes
 from infinity.utils.host_memory import physical_ram
+from infinity.zero.build import builds_in_files
 
 _GIB = float(1 << 30)
 
@@ -414,8 +415,7 @@ def build_partition_bytes(shape: ModelShape, config: Config, itemsize: int) -> i
     model, 2026-11-23) its partitions stay until the optimizer holds their weights. Built
     in files (offload_param "nvme", or a swap directory given: `builds_in_files`) they hold
     nothing."""
-    offload = config.zero_optimization.offload_param
-    if offload.device == "nvme" or offload.nvme_path:  # the estimate assumes the path exists
+    if builds_in_files(config, here=False):
         return 0
     return shape.trainable_numel * itemsize
 

@@ -216,14 +216,11 @@ def _grads(
 
 def _offloaded_numel(shape: ModelShape, layout: FlatLayout, config: Config) -> int:
     """Elements of the gradients backward copies to the host: those of every trainable
-    parameter whose sums are not all kept on the device (`DeviceGradTier`)."""
+    parameter whose sums are not all kept on the device (`FlatLayout.slots_within`)."""
     on_device, _ = grad_split(layout.sub_group_numels, config.zero_optimization.offload_optimizer)
+    kept = layout.slots_within(on_device)
     trainable = [p for p in shape.params if p.trainable]
-    return sum(
-        p.numel
-        for i, p in enumerate(trainable)
-        if not on_device or max(layout.sub_groups_of(i), default=0) >= on_device
-    )
+    return sum(p.numel for i, p in enumerate(trainable) if i not in kept)
 
 
 def _refreshed(shape: ModelShape, zero: ZeroConfig) -> int:

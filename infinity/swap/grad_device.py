@@ -40,16 +40,12 @@ class DeviceGradTier:
     def __init__(self, numels: Sequence[int], accelerator: Accelerator) -> None:
         self.numels = list(numels)
         self.accel = accelerator
-        self.device_bytes, self.host_bytes = device_grad_bytes(self.numels)
+        _, self.host_bytes = device_grad_bytes(self.numels)
         self._starts = [0]
         for n in self.numels:
             self._starts.append(self._starts[-1] + n)
         self._flat: torch.Tensor | None = None
         self._host: torch.Tensor | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.accel.device
 
     def _view(self, index: int) -> torch.Tensor:
         if self._flat is None:

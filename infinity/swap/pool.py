@@ -295,10 +295,11 @@ class PinnedBufferPool:
         return self._free if nbytes <= self.buffer_bytes else self._free_large
 
     def _check_size(self, nbytes: int, holder: str) -> None:
-        if nbytes > max(self.buffer_bytes, self.large_bytes) or nbytes < 0:
+        most = max(self.buffer_bytes, self.large_bytes)
+        if nbytes > most or nbytes < 0:
             raise ValueError(
                 f"{self.name} pool: {holder!r} needs {nbytes} bytes ({nbytes / _MIB:.1f} MiB) "
-                f"but a buffer holds {self.buffer_bytes} ({self.buffer_bytes / _MIB:.1f} MiB); "
+                f"but its largest buffer holds {most} ({most / _MIB:.1f} MiB); "
                 f"raise offload_param.buffer_size to at least the largest parameter"
             )
 

@@ -151,16 +151,14 @@ class SplitGradTier:
         self._first = [0]
         for count, _ in parts:
             self._first.append(self._first[-1] + count)
+        self.on_device = self._first[1] if isinstance(self.parts[0], DeviceGradTier) else 0
+        """How many of the first sub-groups sum on the device (a `DeviceGradTier` part)."""
 
     def _tier(self, index: int) -> tuple[Any, int]:
         if not 0 <= index < len(self.numels):
             raise IndexError(f"sub-group {index} out of range (there are {len(self.numels)})")
         k = bisect.bisect_right(self._first, index) - 1
         return self.parts[k], index - self._first[k]
-
-    def on_device(self, index: int) -> bool:
-        """Whether sub-group `index`'s sum is on the device (a `DeviceGradTier`)."""
-        return isinstance(self._tier(index)[0], DeviceGradTier)
 
     def add(self, index: int, start: int, src) -> None:
         tier, i = self._tier(index)

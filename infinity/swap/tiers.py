@@ -28,7 +28,6 @@ from infinity.swap.split_state import (
     SplitGradTier,
     SplitStateTier,
     grad_split,
-    gradients_spill,
     state_in_ram,
 )
 from infinity.swap.state_tier import HostStateTier, StateTier
@@ -92,8 +91,8 @@ def make_state_tier(
         )
     on_nvme = list(numels[in_ram:])
     state = nvme_state_footprint(on_nvme, offload.buffer_count)
-    spill = gradients_spill(numels, offload)
-    spilled = grad_footprint(numels[in_ram:], nvme=True).host if spill else 0
+    _, spill_from = grad_split(numels, offload)
+    spilled = grad_footprint(numels[spill_from:], nvme=True).host if spill_from < len(numels) else 0
     check_host_buffers(state.host + spilled)  # the pipelines' buffers, not planned RAM
     if not (offload.pipeline_read and offload.pipeline_write):
         logger.info(

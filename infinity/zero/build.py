@@ -111,14 +111,15 @@ def home_tier(config: Config) -> HomeTier:
     return HomeTier.NVME if device == "nvme" else HomeTier.HOST
 
 
-def builds_in_files(config: Config) -> bool:
+def builds_in_files(config: Config, *, here: bool = True) -> bool:
     """Whether `init` builds the partitions in files (see [Note: building on NVMe]): with
     the parameters on NVMe, and with them in RAM whenever `offload_param.nvme_path` is a
-    directory (see [Note: a build that spares RAM])."""
+    directory (see [Note: a build that spares RAM]). `here` False: for a run on another
+    machine, whose path is taken to exist (the estimate's)."""
     offload = config.zero_optimization.offload_param
     if home_tier(config) is HomeTier.NVME:
         return True
-    return bool(offload.nvme_path) and os.path.isdir(str(offload.nvme_path))
+    return bool(offload.nvme_path) and (not here or os.path.isdir(str(offload.nvme_path)))
 
 
 def _new_partition(

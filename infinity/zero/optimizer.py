@@ -226,10 +226,8 @@ class PartitionedOptimizer:
         them to the host in backward."""
         if isinstance(self.grads, DeviceGradTier):
             return frozenset(range(self.num_slots))
-        if not isinstance(self.grads, SplitGradTier):
-            return frozenset()
-        on_device, groups = self.grads.on_device, self.layout.sub_groups_of
-        return frozenset(i for i in range(self.num_slots) if all(on_device(g) for g in groups(i)))
+        on_device = self.grads.on_device if isinstance(self.grads, SplitGradTier) else 0
+        return self.layout.slots_within(on_device)
 
     def zero_grad(self) -> None:
         self.grads.zero()

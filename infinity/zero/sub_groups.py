@@ -90,6 +90,16 @@ class FlatLayout:
             return range(0)
         return range(off // self.sub_group_size, (off + n - 1) // self.sub_group_size + 1)
 
+    def slots_within(self, count: int) -> frozenset[int]:
+        """The slots that lie wholly in the first `count` sub-groups (an empty one counts as
+        there when `count` > 0): those whose gradient sums `DeviceGradTier` keeps when it holds
+        those sub-groups."""
+        if count <= 0:
+            return frozenset()
+        return frozenset(
+            i for i in range(len(self.numels)) if all(g < count for g in self.sub_groups_of(i))
+        )
+
 
 def resolve_sub_group_size(value: int | str) -> int:
     """`zero.sub_group_size` as an int rounded up to a multiple of SLOT_ALIGN: "auto" takes
