@@ -414,12 +414,13 @@ class Engine:
         return engine_checkpoint.save_16bit(self, save_dir, save_filename)
 
     def load_checkpoint(
-        self, save_dir: str | os.PathLike, tag: str | None = None
+        self, save_dir: str | os.PathLike, tag: str | None = None, *, accept_unverified=False
     ) -> tuple[str, dict]:
         """Resume exactly from `save_dir/tag` (default: the latest). Returns the checkpoint's
-        path and the `client_state` it was saved with, as DeepSpeed does."""
+        path and the `client_state` it was saved with, as DeepSpeed does. A checkpoint.json
+        without its checksum is refused unless `accept_unverified`."""
         self.coordinator.check_between_iterations("load_checkpoint")
-        result = engine_checkpoint.load(self, save_dir, tag)
+        result = engine_checkpoint.load(self, save_dir, tag, accept_unverified)
         self._deltas.rebase(self._counters())  # its writes are no step's
         return result
 

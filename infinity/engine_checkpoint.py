@@ -146,11 +146,13 @@ def save(
 
 
 def load(
-    engine: CheckpointedEngine, save_dir: str | os.PathLike, tag: str | None
+    engine: CheckpointedEngine, save_dir: str | os.PathLike, tag: str | None, accept_unverified
 ) -> tuple[str, dict]:
     """See `Engine.load_checkpoint`. Every rank calls it and reads its own spans."""
     comm = comm_of(engine)
-    ckpt = checkpoint.load_checkpoint(save_dir, tag, verify=False)
+    ckpt = checkpoint.load_checkpoint(
+        save_dir, tag, verify=False, accept_unverified=accept_unverified
+    )
     # A rank reads from the saved shards its spans overlap: its own under the same world size.
     ckpt.verify([comm.rank] if ckpt.world_size == comm.world_size else None)
     names = set(ckpt.tensor_names())

@@ -1,6 +1,7 @@
 """Integrity through the real CLI: a merged export refuses a base whose tensor changed in the
 middle of a shard (past the fingerprint's samples), and a resume refuses a checkpoint.json
-whose step or data position was edited; one written without a checksum loads with a warning."""
+whose step or data position was edited, and one without a checksum (an older save, or the sum
+deleted) unless --accept-unverified-checkpoint says to load it anyway."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from _train_inputs import train_args, write_byte_tokenizer
 
-from infinity.checkpoint import layout, load_checkpoint
+from infinity.checkpoint import CheckpointUnverifiedError, layout, load_checkpoint
 from infinity.cli.main import main
 from infinity.models import LlamaConfig, LlamaForCausalLM, export_hf
 
@@ -102,15 +103,44 @@ def test_an_edited_checkpoint_json_is_refused_on_resume(tmp_path, inputs, capsys
     assert _digest(save) == before
 
 
-def test_a_checkpoint_json_without_a_checksum_loads_with_a_warning(tmp_path, inputs, caplog):
+def _strip_checksum(save: Path, tag: str, **edits) -> Path:
+    """Delete checkpoint.json's own checksum (and apply `edits` to it): what an older
+    Infinity wrote, or what anyone who edits it and drops the sum leaves."""
+    meta_path = save / tag / layout.METADATA
+    meta = json.loads(meta_path.read_text())
+    del meta[layout.METADATA_SUM]
+    meta.update(edits)
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return meta_path
+
+
+def test_a_checkpoint_json_without_a_checksum_is_refused_unless_accepted(
+    tmp_path, inputs, capsys, caplog
+):
     model, data = inputs
     save = tmp_path / "run"
-    assert main(train_args(model, data, save, steps=1)) == 0
-    meta_path = save / "step1" / layout.METADATA
-    meta = json.loads(meta_path.read_text())
-    del meta[layout.METADATA_SUM]  # as an earlier version wrote it
-    meta_path.write_text(json.dumps(meta, indent=1))
+    assert main(train_args(model, data, save, steps=2)) == 0
+    meta_path = _strip_checksum(save, "step2", step=1)  # resumed as is, step 2 would rerun
+    before = _digest(save)
+    flag = "--accept-unverified-checkpoint"
+    for argv in (
+        train_args(model, data, save, "--resume", steps=4),
+        ["export", str(save), "--out", str(tmp_path / "out")],
+        ["export", str(save / "step2"), "--out", str(tmp_path / "out")],
+        ["generate", str(save), "--prompt", "the", "--byte-tokens", "--max-new-tokens", "2"],
+    ):
+        capsys.readouterr()
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert f"{meta_path} has no checksum (metadata_sha256)" in err, err
+        assert flag in err and "Traceback" not in err
+        assert _digest(save) == before and not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointUnverifiedError, match="accept_unverified=True"):
+        load_checkpoint(save)
+    # Accepted, it loads as it says: the user took its step on trust.
     with caplog.at_level(logging.WARNING):
-        assert load_checkpoint(save).step == 1
-    assert "has no checksum" in caplog.text
-    assert main(train_args(model, data, save, "--resume", steps=2)) == 0
+        assert load_checkpoint(save, accept_unverified=True).step == 1
+    assert "loaded unverified" in caplog.text
+    assert main(["export", str(save), "--out", str(tmp_path / "out"), flag]) == 0
+    assert main(train_args(model, data, save, "--resume", flag, steps=3)) == 0
+    assert load_checkpoint(save).step == 3  # the new save carries its checksum again

@@ -32,8 +32,9 @@ PARAM_PREFIX = "param/"
 # [Note: metadata checksum] checkpoint.json carries a SHA-256 of its own contents (the JSON
 # without this key, keys sorted, no spaces), so an edited step or data position is refused
 # on load instead of resumed as if true. Whitespace and key order may change; values may
-# not. A checkpoint.json without it was written before it existed: it loads, with a warning
-# that it is not verified.
+# not. A checkpoint.json without it (written before it existed, or with it deleted) is
+# refused unless the caller accepts it unverified (`accept_unverified`, the CLI's
+# --accept-unverified-checkpoint); then it loads with a warning.
 METADATA_SUM = "metadata_sha256"
 
 

@@ -30,6 +30,15 @@ class CheckpointCorruptError(ValueError):
     """A checkpoint file is truncated, corrupted or does not match its metadata."""
 
 
+class CheckpointUnverifiedError(CheckpointCorruptError):
+    """A checkpoint's metadata carries no checksum and the caller did not accept that."""
+
+
+ACCEPT_FLAG = "--accept-unverified-checkpoint"
+"""The CLI flag that loads a checkpoint whose metadata has no checksum (`accept_unverified`
+in Python); the refusal names both."""
+
+
 def _created(save_dir: Path, tag: str) -> float:
     """When checkpoint `tag` was committed: its metadata's time (which survives a copy of
     SAVE_DIR that resets file times), else its metadata file's modification time."""
@@ -62,13 +71,14 @@ def latest_tag(save_dir: str | os.PathLike) -> str | None:
     return tag or None
 
 
-def find_checkpoint(save_dir: str | os.PathLike) -> str:
+def find_checkpoint(save_dir: str | os.PathLike, *, accept_unverified: bool = False) -> str:
     """The checkpoint to resume from or export: the newest complete one whose checksums verify.
 
     Normally that is the one `latest` names (not verified here: loading does it). When
     `latest` is missing, empty, names no complete checkpoint, or a complete checkpoint was
     committed after the one it names (a crash between the two), the newer checkpoints are
     verified newest first and the first that passes is chosen, with a warning. Reads only.
+    `accept_unverified`: see `load_checkpoint`.
     """
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
@@ -82,7 +92,7 @@ def find_checkpoint(save_dir: str | os.PathLike) -> str:
     skipped = []
     for tag in reversed(newer):
         try:
-            Checkpoint(save_dir / tag, _read_metadata(save_dir / tag)).verify()
+            Checkpoint(save_dir / tag, _read_metadata(save_dir / tag, accept_unverified)).verify()
         except (CheckpointCorruptError, KeyError, TypeError) as exc:
             skipped.append(f"{tag} ({exc})")
             continue
@@ -108,9 +118,9 @@ def find_checkpoint(save_dir: str | os.PathLike) -> str:
     )
 
 
-def _resolve(save_dir: Path, tag: str | None) -> str:
+def _resolve(save_dir: Path, tag: str | None, accept_unverified: bool) -> str:
     if tag is None:
-        return find_checkpoint(save_dir)
+        return find_checkpoint(save_dir, accept_unverified=accept_unverified)
     layout.check_tag(tag)
     if not (save_dir / tag).is_dir():
         others = list_checkpoints(save_dir)
@@ -209,7 +219,7 @@ def _damage_fix(path: Path) -> str:
     )
 
 
-def _read_metadata(path: Path) -> dict:
+def _read_metadata(path: Path, accept_unverified: bool = False) -> dict:
     meta_path = path / layout.METADATA
     try:
         meta = jsonfloat.loads(meta_path.read_text())
@@ -229,19 +239,24 @@ def _read_metadata(path: Path) -> dict:
             f"{meta_path} has format version {meta['version']}, newer than this Infinity "
             f"understands ({layout.VERSION}); upgrade Infinity"
         )
-    _check_metadata_sum(meta_path, meta)
+    _check_metadata_sum(meta_path, meta, accept_unverified)
     return meta
 
 
-def _check_metadata_sum(meta_path: Path, meta: dict) -> None:
-    """[Note: metadata checksum] in layout.py: a mismatch is damage; no sum, an old save."""
+def _check_metadata_sum(meta_path: Path, meta: dict, accept_unverified: bool) -> None:
+    """[Note: metadata checksum] in layout.py: a mismatch is damage; no sum is refused
+    unless accepted (an old save, or a deleted sum: the two look alike)."""
     saved = meta.get(layout.METADATA_SUM)
     if saved is None:
-        log.warning(
-            "%s has no checksum (written by an Infinity before checkpoints carried one): its "
-            "step, data position and state are not verified",
-            meta_path,
-        )
+        what = f"{meta_path} has no checksum ({layout.METADATA_SUM})"
+        if not accept_unverified:
+            raise CheckpointUnverifiedError(
+                f"{what}: its step, data position and state cannot be verified (it was "
+                f"written by an Infinity before checkpoints carried one, or the checksum was "
+                f"removed). If you trust this checkpoint, load it anyway with {ACCEPT_FLAG} "
+                f"(accept_unverified=True in Python)"
+            )
+        log.warning("%s: loaded unverified, as %s asks", what, ACCEPT_FLAG)
         return
     if saved != layout.metadata_sum(meta):
         raise CheckpointCorruptError(
@@ -256,14 +271,17 @@ def load_checkpoint(
     *,
     verify: bool = True,
     ranks: list[int] | None = None,
+    accept_unverified: bool = False,
 ) -> Checkpoint:
     """Open checkpoint `tag` (default: the one `latest` names) and verify its shards' checksums.
 
     `ranks` limits verification to those ranks' shards (a rank need only verify its own).
+    A checkpoint.json without its own checksum raises `CheckpointUnverifiedError` unless
+    `accept_unverified` (see [Note: metadata checksum] in layout.py).
     """
     save_dir = Path(save_dir)
-    tag = _resolve(save_dir, tag)
-    ckpt = Checkpoint(save_dir / tag, _read_metadata(save_dir / tag))
+    tag = _resolve(save_dir, tag, accept_unverified)
+    ckpt = Checkpoint(save_dir / tag, _read_metadata(save_dir / tag, accept_unverified))
     if verify:
         ckpt.verify(ranks)
     return ckpt

@@ -16,16 +16,18 @@ import torch
 from infinity.checkpoint import CheckpointNotFoundError, layout, load_checkpoint
 from infinity.cli import export_lora
 from infinity.cli.sizes import parse_size
+from infinity.cli.train_flags import add_accept_flag
 from infinity.models import export_hf
 
 
-def open_checkpoint(path: Path, tag: str | None):
+def open_checkpoint(path: Path, tag: str | None, *, accept_unverified: bool = False):
     """A checkpoint directory itself, or the newest checkpoint of a save directory that
-    verifies (the one `infinity train --resume` continues from), or its `tag`."""
+    verifies (the one `infinity train --resume` continues from), or its `tag`. One whose
+    checkpoint.json carries no checksum is refused unless `accept_unverified`."""
     if (path / layout.METADATA).is_file() and tag is None:
-        return load_checkpoint(path.parent, path.name)
+        return load_checkpoint(path.parent, path.name, accept_unverified=accept_unverified)
     try:
-        return load_checkpoint(path, tag)
+        return load_checkpoint(path, tag, accept_unverified=accept_unverified)
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"{exc}; give the --save-dir of a training run (its newest checkpoint is exported) "
@@ -84,7 +86,9 @@ def _check_outputs(out: Path, extra: list[Path]) -> None:
 def run(args: argparse.Namespace) -> int:
     extra = [Path(p) for p in args.copy_files]
     _check_outputs(Path(args.out), extra)
-    ckpt = open_checkpoint(Path(args.checkpoint), args.tag)
+    ckpt = open_checkpoint(
+        Path(args.checkpoint), args.tag, accept_unverified=args.accept_unverified_checkpoint
+    )
     if (args.adapter or args.base) and not export_lora.is_lora_checkpoint(ckpt):
         flag = "--adapter" if args.adapter else "--base"
         raise ValueError(
@@ -151,6 +155,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="LoRA checkpoints: the base model directory to merge into, if it moved (default: "
         "the one recorded in the checkpoint; checked against its fingerprints)",
     )
+    add_accept_flag(parser)
     parser.add_argument(
         "--copy-files",
         nargs="*",

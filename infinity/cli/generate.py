@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from infinity.cli.train_flags import positive_int
+from infinity.cli.train_flags import add_accept_flag, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="sample only from the most likely tokens whose probabilities add up to P (0, 1]",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    add_accept_flag(parser)
     parser.set_defaults(func=run)
 
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         )
     tok = load_tokenizer(args, where)
     ids = prompt_ids(tok, args)
-    with open_model(where) as logits_of:
+    with open_model(where, accept_unverified=args.accept_unverified_checkpoint) as logits_of:
         new = sample(
             logits_of,
             ids,
@@ -157,7 +158,7 @@ def prompt_ids(tok, args: argparse.Namespace) -> list[int]:
 
 
 @contextlib.contextmanager
-def open_model(where: Path) -> Iterator[Logits]:
+def open_model(where: Path, *, accept_unverified: bool = False) -> Iterator[Logits]:
     """The logits function of an export directory or of a checkpoint."""
     if is_export(where):
         from transformers import AutoModelForCausalLM
@@ -166,12 +167,12 @@ def open_model(where: Path) -> Iterator[Logits]:
         model.eval()
         yield lambda ids: model(input_ids=ids).logits
         return
-    with engine_logits(where) as logits_of:
+    with engine_logits(where, accept_unverified) as logits_of:
         yield logits_of
 
 
 @contextlib.contextmanager
-def engine_logits(where: Path) -> Iterator[Logits]:
+def engine_logits(where: Path, accept_unverified: bool = False) -> Iterator[Logits]:
     """[Note: generating from a checkpoint] The checkpoint's config builds the model under
     `infinity.init` (fp32, parameters in RAM), its weights are streamed into the partitions
     one at a time, as `infinity export` reads them, and the engine's gathered forward runs
@@ -183,7 +184,7 @@ def engine_logits(where: Path) -> Iterator[Logits]:
     from infinity.models import hf_auto
     from infinity.models.hf_load import copying_sink
 
-    ckpt = open_checkpoint(where, None)
+    ckpt = open_checkpoint(where, None, accept_unverified=accept_unverified)
     if "base_model" in ckpt.state:  # a LoRA run saves its adapters alone
         raise ValueError(
             f"{ckpt.path} holds LoRA adapters without their base; export it merged "

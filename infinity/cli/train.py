@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from infinity.cli.placement import add_placement_flags
 from infinity.cli.train_config import check_seed, config_from_args
 from infinity.cli.train_flags import (
+    add_accept_flag,
     add_eval_flags,
     add_input_flags,
     add_lora_flags,
@@ -54,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_eval_flags(parser)
     add_lora_flags(parser)
     add_run_flags(parser)
+    add_accept_flag(parser, "with --resume: ")
     add_placement_flags(parser)
     parser.set_defaults(func=run)
 

@@ -222,6 +222,17 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_accept_flag(parser: argparse.ArgumentParser, when: str = "") -> None:
+    """--accept-unverified-checkpoint, for every command that reads a checkpoint."""
+    parser.add_argument(
+        "--accept-unverified-checkpoint",
+        action="store_true",
+        help=f"{when}read a checkpoint whose checkpoint.json carries no checksum (saved by an "
+        "older Infinity, or the checksum removed), so its step and data position cannot be "
+        "verified; refused without it",
+    )
+
+
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """Where the run saves, how it resumes, seeds, reports and waits."""
     parser.add_argument(

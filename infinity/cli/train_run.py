@@ -288,19 +288,16 @@ class TrainRun:
         tag = self.ranks.decide(check)
         if tag is None:
             return None
-        return mine[0] if mine else load_checkpoint(self.save_dir, tag, verify=False)
+        accept = self.args.accept_unverified_checkpoint
+        return mine[0] if mine else load_checkpoint(self.save_dir, tag, verify=False,
+                                                    accept_unverified=accept)  # fmt: skip
 
     def _check_save_dir(self) -> Checkpoint | None:
         if not self.args.resume:
             prepare_fresh(self.save_dir, overwrite=self.args.overwrite)
             return None
-        ckpt = find_resume(self.save_dir)
-        check_resume(
-            ckpt,
-            self._shape(),
-            model=self.model.to_dict(),
-            shapes=self.param_shapes,
-        )
+        ckpt = find_resume(self.save_dir, accept_unverified=self.args.accept_unverified_checkpoint)
+        check_resume(ckpt, self._shape(), model=self.model.to_dict(), shapes=self.param_shapes)
         return ckpt
 
     def _lora_state(self) -> dict:
@@ -379,7 +376,10 @@ class TrainRun:
         if resume is not None:
             now = self._lora_state() if self.lora is not None else None
             check_same_adapters(resume.state.get("lora"), now, self.save_dir)
-            _, client_state = engine.load_checkpoint(self.save_dir, resume.tag)
+            accept = self.args.accept_unverified_checkpoint
+            _, client_state = engine.load_checkpoint(
+                self.save_dir, resume.tag, accept_unverified=accept
+            )
             data.load_state_dict(client_state["data"])
             if self.ranks.is_main:
                 self.metrics.truncate_after(engine.global_steps)

@@ -154,10 +154,10 @@ def prepare_fresh(save_dir: Path, *, overwrite: bool) -> None:
         )  # fmt: skip
 
 
-def find_resume(save_dir: Path) -> Checkpoint:
+def find_resume(save_dir: Path, *, accept_unverified: bool = False) -> Checkpoint:
     """The checkpoint --resume continues from (metadata read, shards verified on load)."""
     try:
-        ckpt = load_checkpoint(save_dir, verify=False)
+        ckpt = load_checkpoint(save_dir, verify=False, accept_unverified=accept_unverified)
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"--resume: no checkpoint to continue from ({exc}); point --save-dir at the "
