@@ -24,29 +24,61 @@ def test_reference_has_the_standard_check_value():
     assert crc32c_reference(b"6789", crc32c_reference(b"12345")) == 0xE3069283
 
 
+KERNELS = checksum.KERNELS or ("none",)
+SIZES = [0, 1, 7, 8, 9, 63, 255, 256, 257, 511, 4096, 16_383, 65_537, 200_003]
+
+
 @needs_native
-@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 63, 4096, 65537, 200_003])
+def test_the_kernels_include_the_table_and_auto_is_the_fastest():
+    assert checksum.KERNELS[0] == "table"
+    data = np.frombuffer(b"123456789", dtype=np.uint8)
+    for kernel in (*checksum.KERNELS, "auto"):
+        assert native.crc32c(data.ctypes.data, 9, 0, kernel) == 0xE3069283
+    with pytest.raises(ValueError, match="'sse' is unknown"):
+        native.crc32c(data.ctypes.data, 9, 0, "sse")
+
+
+@needs_native
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("nbytes", SIZES)
 @pytest.mark.parametrize("offset", [0, 1, 5])  # unaligned starts
-def test_native_hardware_and_table_paths_equal_the_twin(nbytes, offset):
+def test_every_native_kernel_equals_the_twin(nbytes, offset, kernel):
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes + offset, dtype=np.uint8)
     want = crc32c_reference(data[offset:].tobytes())
     address = data.ctypes.data + offset
-    assert native.crc32c(address, nbytes) == want
-    assert native.crc32c(address, nbytes, 0, False) == want
-    half = nbytes // 2
-    assert native.crc32c(address + half, nbytes - half, native.crc32c(address, half)) == want
+    assert native.crc32c(address, nbytes, 0, kernel) == want
+    for half in (nbytes // 2, 3, 300):  # continued from a CRC, split anywhere
+        half = min(half, nbytes)
+        first = native.crc32c(address, half, 0, kernel)
+        assert native.crc32c(address + half, nbytes - half, first, kernel) == want
 
 
 @needs_native
-@pytest.mark.parametrize("hardware", [True, False])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("nbytes", [0, 100, 3 * 4096, 7 * 4096 + 5, 11 * 4096])
-def test_chunk_sums_are_the_crc_of_each_chunk(nbytes, hardware):
+def test_chunk_sums_are_the_crc_of_each_chunk(nbytes, kernel):
     data = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
     out = np.empty(-(-nbytes // 4096), dtype=np.uint32)
-    native.crc32c_chunks(data.ctypes.data, nbytes, 4096, out.ctypes.data, hardware)
+    native.crc32c_chunks(data.ctypes.data, nbytes, 4096, out.ctypes.data, kernel)
     want = [crc32c_reference(data[k : k + 4096].tobytes()) for k in range(0, nbytes, 4096)]
     assert out.tolist() == want
-    assert chunk_sums(torch.from_numpy(data), 4096).tolist() == want
+    assert chunk_sums(torch.from_numpy(data), 4096, kernel=kernel).tolist() == want
+
+
+@pytest.mark.parametrize("nbytes", [4096, 16 << 10, 100_003, (1 << 20) + 12])
+def test_by_default_one_byte_changed_anywhere_is_found(nbytes):
+    """Every byte is summed: the first, one mid-page, the last of the extent, whatever
+    the extent's size."""
+    sums, data = ExtentSums(), _buf(nbytes, 4)
+    sums.written("f", 8192, data)
+    for at in (0, 1, 2048 + 77, nbytes // 2 + 3, nbytes - 1):
+        changed = data.clone()
+        changed[at] ^= 0x10
+        bad = _check(sums, "f", 8192, changed)
+        assert bad is not None, f"a byte changed at {at} of {nbytes} went unseen"
+        chunk = at // checksum.CHUNK_BYTES * checksum.CHUNK_BYTES
+        assert bad.offset == 8192 + chunk and bad.want != bad.got
+    assert _check(sums, "f", 8192, data) is None
 
 
 def test_without_the_extension_zlib_stands_in(monkeypatch):
@@ -134,3 +166,31 @@ def test_sampled_sums_cover_the_head_of_every_page(monkeypatch, native_path):
     assert _check(sums, "f", 0, disk) is None
     disk[2 * 4096 + 10] ^= 1  # in a head: found
     assert _check(sums, "f", 0, disk).offset == 8192
+
+
+def test_a_read_covering_part_of_a_chunk_checks_it_with_the_rest_read_from_the_file():
+    """A parameter of 128 bytes read from the middle of a sub-group's record: its chunk is
+    checked whole, the bytes outside the read taken from the file."""
+    sums, disk = ExtentSums(chunk_bytes=4096), _buf(3 * 4096, 5)
+    sums.written("f", 0, disk)
+    asked = []
+
+    def outside(at: int, nbytes: int) -> bytes:
+        asked.append((at, nbytes))
+        return disk.numpy()[at : at + nbytes].tobytes()
+
+    read = disk[4096 + 1000 : 4096 + 1128].clone()
+    expected = sums.expected("f", 4096 + 1000, 128)
+    assert sums.verify(expected, 4096 + 1000, read, outside) is None
+    assert asked == [(4096, 1000), (4096 + 1128, 4096 - 1128)]
+    disk[4096 + 4000] ^= 1  # outside the read, inside its chunk: the chunk changed
+    assert sums.verify(expected, 4096 + 1000, read, outside).offset == 4096
+    read[5] ^= 1
+    assert sums.verify(expected, 4096 + 1000, read, outside).offset == 4096
+    assert sums.verify(expected, 4096 + 1000, read) is None  # nothing outside to read
+    # A read past a whole chunk into part of the next checks both.
+    disk[4096 + 4000] ^= 1
+    read = disk[: 4096 + 10].clone()
+    read[4096 + 3] ^= 1
+    bad = sums.verify(sums.expected("f", 0, 4096 + 10), 0, read, outside)
+    assert bad is not None and bad.offset == 4096

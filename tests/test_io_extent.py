@@ -12,6 +12,7 @@ import torch
 from _fake_aio import FakeAio
 
 from infinity.io import AioHandle
+from infinity.io.checksum import CHUNK_BYTES
 from infinity.io.extent import ExtentError, ExtentIO
 from infinity.swap.grad_tier import NvmeGradError, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateTier
@@ -51,7 +52,7 @@ def test_a_changed_extent_raises_naming_file_offset_and_the_fix(tmp_path, aio, s
     back = torch.empty_like(data)
     io.read(back, path, 8192, what="optimizer sub-group 3").wait()
     assert torch.equal(back, data)
-    _zero(path, 8192 + 300_000, 4096)
+    _zero(path, 8192 + 303_104, 4096)  # one page
     with pytest.raises(NvmeStateError) as e:
         io.read(back, path, 8192, what="optimizer sub-group 3").wait()
     err = e.value
@@ -61,7 +62,8 @@ def test_a_changed_extent_raises_naming_file_offset_and_the_fix(tmp_path, aio, s
     )  # fmt: skip
     text = str(err)
     assert "optimizer sub-group 3" in text and path in text and "read back other bytes" in text
-    assert "file bytes [303104, 319488)" in text  # the 16 KiB chunk holding the zeros
+    first = 8192 + 303_104 // CHUNK_BYTES * CHUNK_BYTES  # the chunk holding the zeros
+    assert f"file bytes [{first}, {first + CHUNK_BYTES})" in text
     assert "resume from the last checkpoint" in text
     with pytest.raises(NvmeStateError, match="earlier transfer failed"):
         io.check_usable("sweep")
@@ -148,4 +150,47 @@ def test_parameters_changed_on_disk_are_found(swap, aio):
     with pytest.raises(NvmeParamError, match=r"swap_in of parameter 'w' .*param\.0\.swp"):
         ps.swap_in("w").wait()
     assert pool.free_count == 2  # the failed read gave its buffer back
+    ps.close()
+
+
+def _flip(path: str, at: int) -> None:
+    """One bit of one byte changed in a live swap file."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([byte[0] ^ 0x04]), at)
+    finally:
+        os.close(fd)
+
+
+WHERE = {"first": lambda n: 0, "mid-page": lambda n: 4096 + 2001, "last": lambda n: n - 1}
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_one_byte_changed_in_an_optimizer_extent_is_found(swap, aio, where):
+    numels = [70_001] * 6  # 840,012 bytes per sub-group: not a whole number of pages
+    store = NvmeStateTier(numels, store=swap, aio=aio, buffer_count=3)
+    for i in range(len(numels)):
+        store.initialize(i, torch.full((numels[i],), float(i)))
+    for _, s in store.sweep():
+        s.master.add_(1.0)
+    ext = store._extents[4]  # past the reads started for the next sweep
+    assert ext.nbytes == 12 * 70_001
+    _flip(ext.path, ext.offset + WHERE[where](ext.nbytes))
+    with pytest.raises(NvmeStateError, match="read of optimizer sub-group 4 .*read back other"):
+        for _, s in store.sweep():
+            s.master.add_(1.0)
+    store.close()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_one_byte_changed_in_a_parameter_extent_is_found(swap, aio, where):
+    pool = PinnedBufferPool(2, 1 << 16, pin=False)
+    ps = NvmeParamTier(store=swap, aio=aio, pool=pool)
+    ps.reserve({"w": (10_001, torch.float16)})  # 20,002 bytes
+    ps.swap_out("w", torch.ones(10_001, dtype=torch.float16)).wait()
+    ext = ps.layout("w").extent
+    _flip(ext.path, ext.offset + WHERE[where](20_002))
+    with pytest.raises(NvmeParamError, match=r"swap_in of parameter 'w' .*read back other"):
+        ps.swap_in("w").wait()
     ps.close()

@@ -3,12 +3,15 @@
 // unaligned head and tail, and turns the (errno, offset, what) results into exceptions with
 // the path and a hint. The GIL is released on everything that can block.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cerrno>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 #include "crc32c.h"
 #include "engine.h"
@@ -19,6 +22,27 @@ using infinity_aio::IoError;
 using infinity_aio::Stats;
 
 namespace {
+
+using infinity_aio::CrcKernel;
+const std::pair<const char*, CrcKernel> kCrcKernels[] = {
+    {"table", CrcKernel::kTable},
+    {"instruction", CrcKernel::kInstruction},
+    {"fold", CrcKernel::kFold},
+};
+
+// A kernel by name: "auto" is the fastest this CPU runs; one it does not run is an error.
+CrcKernel crc_kernel(const std::string& name) {
+    if (name == "auto") return infinity_aio::crc32c_best();
+    for (const auto& [known, k] : kCrcKernels)
+        if (name == known) {
+            if (!infinity_aio::crc32c_runs(k))
+                throw std::invalid_argument("crc32c kernel '" + name +
+                                            "' does not run on this CPU; see crc32c_kernels()");
+            return k;
+        }
+    throw std::invalid_argument("crc32c kernel '" + name +
+                                "' is unknown: 'auto', 'table', 'instruction' or 'fold'");
+}
 
 std::unique_ptr<Engine> make_engine(const std::string& backend, size_t block_size,
                                     unsigned queue_depth, unsigned threads, bool single_submit,
@@ -110,31 +134,39 @@ PYBIND11_MODULE(_aio, m) {
         .def_readonly("overlap_events", &Engine::overlap_events);
     m.def(
         "crc32c",
-        [](uintptr_t address, size_t nbytes, uint32_t crc, bool hardware) {
+        [](uintptr_t address, size_t nbytes, uint32_t crc, const std::string& kernel) {
+            const auto k = crc_kernel(kernel);
             py::gil_scoped_release no_gil;
             return infinity_aio::crc32c(reinterpret_cast<const uint8_t*>(address), nbytes, crc,
-                                        hardware);
+                                        k);
         },
-        py::arg("address"), py::arg("nbytes"), py::arg("crc") = 0, py::arg("hardware") = true,
-        "CRC-32C of nbytes at address, continuing from crc (GIL released). hardware=False "
-        "takes the table path even where SSE4.2 exists.");
+        py::arg("address"), py::arg("nbytes"), py::arg("crc") = 0, py::arg("kernel") = "auto",
+        "CRC-32C of nbytes at address, continuing from crc (GIL released), by `kernel`: "
+        "'auto' (the fastest this CPU runs) or one of crc32c_kernels().");
     m.def(
         "crc32c_chunks",
-        [](uintptr_t address, size_t nbytes, size_t chunk, uintptr_t out, bool hardware,
-           size_t sample, size_t stride) {
+        [](uintptr_t address, size_t nbytes, size_t chunk, uintptr_t out,
+           const std::string& kernel, size_t sample, size_t stride) {
             if (chunk == 0) throw std::invalid_argument("chunk must be > 0");
+            const auto k = crc_kernel(kernel);
             py::gil_scoped_release no_gil;
             infinity_aio::crc32c_chunks(reinterpret_cast<const uint8_t*>(address), nbytes, chunk,
-                                        reinterpret_cast<uint32_t*>(out), hardware, sample,
-                                        stride);
+                                        reinterpret_cast<uint32_t*>(out), k, sample, stride);
         },
         py::arg("address"), py::arg("nbytes"), py::arg("chunk"), py::arg("out"),
-        py::arg("hardware") = true, py::arg("sample") = 0, py::arg("stride") = 0,
+        py::arg("kernel") = "auto", py::arg("sample") = 0, py::arg("stride") = 0,
         "CRC-32C of each chunk bytes of [address, address + nbytes) into the uint32 array at "
         "out (ceil(nbytes / chunk) entries; GIL released). With 0 < sample < stride, of the "
         "first sample bytes of every stride bytes of each chunk only.");
-    m.def("crc32c_hardware", &infinity_aio::crc32c_hardware,
-          "True when the CPU has the SSE4.2 crc32 instruction.");
+    m.def(
+        "crc32c_kernels",
+        [] {
+            std::vector<std::string> names;
+            for (const auto& [name, k] : kCrcKernels)
+                if (infinity_aio::crc32c_runs(k)) names.push_back(name);
+            return names;
+        },
+        "The CRC-32C kernels this CPU runs, slowest first ('table', 'instruction', 'fold').");
     m.def("probe", &probe, py::arg("backend"), py::arg("queue_depth") = 8,
           "'' if the kernel allows a ring of this backend, else the reason it does not.");
 }

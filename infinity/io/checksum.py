@@ -1,7 +1,7 @@
 """Checksums of extents: what was written where, checked when it is read back.
 
-Owns the CRC-32C of buffers (`chunk_sums`: the native SSE4.2 path of `infinity._aio` with a
-table fallback; `crc32c_reference` is its Python twin) and `ExtentSums`, the record of each
+Owns the CRC-32C of buffers (`chunk_sums`: the native kernels of `infinity._aio`, chosen at
+run time; `crc32c_reference` is their Python twin) and `ExtentSums`, the record of each
 written range of a file as CRCs of `CHUNK_BYTES` pieces. It reads no file itself: the extent
 I/O (`extent.py`) hands it the buffers it writes and reads.
 
@@ -9,19 +9,25 @@ I/O (`extent.py`) hands it the buffers it writes and reads.
 write's first byte (the last chunk short). A later write that covers a recorded range whole
 replaces it; one that covers part of it updates the chunks it covers whole and forgets those
 it covers in part (they are checked again once a write covers them whole). A read takes the
-sums of the chunks it covers whole when it is issued, and compares them with the bytes it
-got once it has landed: the tiers never issue a read over a write still in flight, so the
-sums taken at issue are those of the bytes on disk. Sums live in memory only and are never
+sums of the chunks it touches when it is issued, and compares them with the bytes it got
+once it has landed; a chunk it covers in part (a parameter smaller than a page, read into a
+tensor of its size) is checked whole, its other bytes read from the file. The tiers never
+issue a read beside a write still in flight in the same page, so the sums taken at issue are
+those of the bytes on disk. Chunks are pages (extents and transfers start on pages), so
+every byte a tier reads back is checked. Sums live in memory only and are never
 compared across processes, so without the extension a slower CRC (zlib's CRC-32) stands in.
 
-[Note: sampled sums] By default a chunk's sum covers the first `SAMPLE_BYTES` (64: one cache
-line) of each of its 4 KiB pages (pages of the file: extents start on page boundaries).
-Any change of 4 KiB or more, such as a block the file system or the disk loses, misdirects
-or zeroes, covers a page's head and is found, as is any change to a head; a smaller change
-inside the rest of a page is not. Summing every byte costs 10-25% of the NVMe optimizer's
-sweep on the 2-core development machine even on threads of its own, the sampled sums (one
-line per page, about 350 GB/s) nothing measurable (benchmarks/swap_checksum_bench.py,
-BENCHMARKS.md); `ExtentSums.sample_bytes` = 4096 sums every byte.
+[Note: full sums] A chunk's sum covers every byte of it: one byte changed anywhere in a
+live swap file is found when it is read back, before anything uses it. The sums of a write
+and the check of a read run on checksum threads of the tier (extent.py), beside the disk
+and the caller's optimizer step, with the fastest CRC-32C kernel the CPU runs: carry-less
+multiplication folding 256 bytes a step (AVX-512 VPCLMULQDQ, 56-64 GB/s on one core of the
+development machine over cached data, 33 GB/s from DRAM), else the crc32 instruction three
+chunks at a time (SSE4.2 or the ARMv8 CRC extension, about half that), else tables. The
+NVMe optimizer sweep pays about 1-2% for them (benchmarks/swap_checksum_bench.py,
+BENCHMARKS.md). `ExtentSums.sample_bytes` below `PAGE_BYTES` sums only the first bytes of
+each 4 KiB page, as releases before full sums did; it stays for that comparison only, since
+a change inside the rest of a page then goes unseen.
 """
 
 from __future__ import annotations
@@ -43,13 +49,16 @@ except ImportError:  # built without a compiler: zlib's CRC stands in (see the n
 
 PAGE_BYTES = 4096
 SAMPLE_BYTES = 64
-"""Bytes of each 4 KiB page a sum covers by default (see [Note: sampled sums])."""
-CHUNK_BYTES = 16 << 10
-"""Bytes per checksum: 4 bytes of RAM per 16 KiB of swap (256 MiB per TiB). A row of 4096
-fp32 gradients, so the gradient tier's read-add-write of a few rows rewrites whole chunks
-and keeps them checked."""
+"""Bytes of each 4 KiB page a sampled sum covers (see [Note: full sums]): not the default."""
+CHUNK_BYTES = 4 << 10
+"""Bytes per checksum: a page, so the chunks of every extent are the pages a read covers
+(16 KiB left the last partial chunk of a parameter unchecked). 5 bytes of RAM per page of
+swap (the sum and whether it is known): 1.25 GiB per TiB."""
 
-_NATIVE = _native is not None and hasattr(_native, "crc32c_chunks")
+_NATIVE = _native is not None and hasattr(_native, "crc32c_kernels")
+KERNELS: tuple[str, ...] = tuple(_native.crc32c_kernels()) if _NATIVE else ()
+"""The native CRC-32C kernels this CPU runs, slowest first ("table", "instruction",
+"fold"); the last is what "auto" takes."""
 NAME = "CRC-32C" if _NATIVE else "CRC-32"
 """The checksum in use, as error messages name it."""
 
@@ -76,17 +85,19 @@ def crc32c_reference(data: bytes | memoryview, crc: int = 0) -> int:
     return c ^ 0xFFFFFFFF
 
 
-def chunk_sums(buf, chunk_bytes: int = CHUNK_BYTES, sample_bytes: int = 0) -> np.ndarray:
+def chunk_sums(
+    buf, chunk_bytes: int = CHUNK_BYTES, sample_bytes: int = 0, kernel: str = "auto"
+) -> np.ndarray:
     """The checksum (`NAME`) of each `chunk_bytes` of a contiguous host buffer (a torch
     tensor or numpy array of any dtype), the last chunk short: uint32[ceil(nbytes / chunk)].
     With 0 < `sample_bytes` < `PAGE_BYTES`, each sum covers only the first `sample_bytes`
-    of every page of its chunk (see [Note: sampled sums]). The native path releases the
-    GIL."""
+    of every page of its chunk (see [Note: full sums]). `kernel` is "auto" or one of
+    `KERNELS`. The native path releases the GIL."""
     span = buffer_span(buf, writable=False)
     out = np.empty(-(-span.nbytes // chunk_bytes), dtype=np.uint32)
     sampled = 0 < sample_bytes < PAGE_BYTES
     if _NATIVE:
-        _native.crc32c_chunks(span.address, span.nbytes, chunk_bytes, out.ctypes.data, True,
+        _native.crc32c_chunks(span.address, span.nbytes, chunk_bytes, out.ctypes.data, kernel,
                               sample_bytes if sampled else 0, PAGE_BYTES)  # fmt: skip
         return out
     flat = _flat_bytes(buf)
@@ -152,12 +163,17 @@ class ExtentSums:
     """The checksums of what was written to each file (see [Note: extent checksums]).
     Thread-safe."""
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES, sample_bytes: int = SAMPLE_BYTES) -> None:
+    def __init__(
+        self, chunk_bytes: int = CHUNK_BYTES, sample_bytes: int = PAGE_BYTES, kernel: str = "auto"
+    ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.sample_bytes = sample_bytes
-        """Bytes of each page the sums cover (`PAGE_BYTES` or more: every byte)."""
+        """Bytes of each page the sums cover (`PAGE_BYTES` or more: every byte, the default;
+        fewer only to measure what sampling saved, see [Note: full sums])."""
+        self.kernel = kernel
+        """The native CRC-32C kernel: "auto" (the fastest) or one of `KERNELS`."""
         self._files: dict[str, list[_Record]] = {}  # by offset; records never overlap
         self._lock = threading.Lock()
 
@@ -174,7 +190,7 @@ class ExtentSums:
                     self._update(r, offset, buf, nbytes)
                 return  # its bytes outside every record stay unchecked
         # Outside the lock: the tiers never have two writes over one range in flight.
-        sums = chunk_sums(buf, self.chunk_bytes, self.sample_bytes)
+        sums = chunk_sums(buf, self.chunk_bytes, self.sample_bytes, self.kernel)
         with self._lock:
             records = self._files[path]
             for r in self._overlapping(records, offset, offset + nbytes):
@@ -190,30 +206,54 @@ class ExtentSums:
                 r.known[first:stop] = False
 
     def expected(self, path: str, offset: int, nbytes: int) -> list[Expected]:
-        """The sums a read of [offset, offset + nbytes) of `path` must match, taken now."""
+        """The sums a read of [offset, offset + nbytes) of `path` must match, taken now: of
+        the chunks it covers whole, and one entry for each chunk it covers in part (checked
+        with the chunk's other bytes read from the file, see `verify`)."""
         out = []
         with self._lock:
             for r in self._overlapping(self._files.get(path, []), offset, offset + nbytes):
                 first, stop = self._inside(r, offset, offset + nbytes)
-                if first < stop and r.known[first:stop].any():
-                    start = r.offset + first * self.chunk_bytes
-                    end = min(r.offset + stop * self.chunk_bytes, r.end)
-                    out.append(Expected(start, end - start, r.sums[first:stop].copy(),
-                                        r.known[first:stop].copy()))  # fmt: skip
+                touched_first, touched_stop = self._touched(r, offset, offset + nbytes)
+                if first >= stop:  # the read lies inside one chunk
+                    first = stop = touched_stop
+                for a, b in ((touched_first, min(first, touched_stop)), (first, stop),
+                             (max(stop, touched_first), touched_stop)):  # fmt: skip
+                    if a < b and r.known[a:b].any():
+                        start = r.offset + a * self.chunk_bytes
+                        end = min(r.offset + b * self.chunk_bytes, r.end)
+                        out.append(Expected(start, end - start, r.sums[a:b].copy(),
+                                            r.known[a:b].copy()))  # fmt: skip
         return out
 
-    def verify(self, expected: list[Expected], offset: int, buf) -> Mismatch | None:
-        """The first changed chunk of `buf` (read from file offset `offset`), or None."""
+    def verify(self, expected: list[Expected], offset: int, buf, outside=None) -> Mismatch | None:
+        """The first changed chunk of `buf` (read from file offset `offset`), or None. A chunk
+        the read covers in part is checked with its other bytes from `outside(at, nbytes)`
+        (file bytes at file offset `at`); without `outside` it is left unchecked."""
         flat = _flat_bytes(buf)
+        end = offset + flat.shape[0]
         for e in expected:
-            lo = e.offset - offset
-            got = chunk_sums(flat[lo : lo + e.nbytes], self.chunk_bytes, self.sample_bytes)
+            lo, hi = e.offset - offset, e.offset + e.nbytes - offset
+            if lo >= 0 and hi <= flat.shape[0]:
+                piece = flat[lo:hi]
+            elif outside is None:
+                continue
+            else:  # one chunk, partly outside the read: gather it
+                piece = np.empty(e.nbytes, np.uint8)
+                a, b = max(lo, 0), min(hi, flat.shape[0])
+                piece[a - lo : b - lo] = np.asarray(flat[a:b])
+                head = outside(e.offset, a - lo) if lo < a else b""
+                tail = outside(end, hi - b) if b < hi else b""
+                if len(head) != a - lo or len(tail) != hi - b:  # the file ends short of it
+                    return Mismatch(e.offset, e.nbytes, 0, int(e.sums[0]))
+                piece[: a - lo] = np.frombuffer(head, np.uint8)
+                piece[b - lo :] = np.frombuffer(tail, np.uint8)
+            got = chunk_sums(piece, self.chunk_bytes, self.sample_bytes, self.kernel)
             bad = np.flatnonzero((got != e.sums) & e.known)
             if bad.size:
                 k = int(bad[0])
                 start = e.offset + k * self.chunk_bytes
-                end = min(start + self.chunk_bytes, e.offset + e.nbytes)
-                return Mismatch(start, end - start, int(got[k]), int(e.sums[k]))
+                stop = min(start + self.chunk_bytes, e.offset + e.nbytes)
+                return Mismatch(start, stop - start, int(got[k]), int(e.sums[k]))
         return None
 
     def _update(self, r: _Record, offset: int, buf, nbytes: int) -> None:
@@ -223,7 +263,7 @@ class ExtentSums:
             lo = r.offset + first * self.chunk_bytes - offset
             hi = min(r.offset + stop * self.chunk_bytes, r.end) - offset
             r.sums[first:stop] = chunk_sums(
-                _flat_bytes(buf)[lo:hi], self.chunk_bytes, self.sample_bytes
+                _flat_bytes(buf)[lo:hi], self.chunk_bytes, self.sample_bytes, self.kernel
             )
             r.known[first:stop] = True
         touched_first, touched_stop = self._touched(r, offset, offset + nbytes)

@@ -96,10 +96,11 @@ class Transfer:
         """Whether a failure is kept in the tier's `failed` (see `ExtentIO.read`)."""
 
     def done(self) -> bool:
-        """True when the request has finished (successfully or not); never blocks."""
-        if self._finished:
-            return True
-        return self._future.done() and (self._job is None or self._job.done())
+        """True when the request has finished (successfully or not); never blocks. Its
+        checksum work may still be running then (`wait` finishes it): that a read's bytes
+        have landed is what callers schedule by, and a check on threads of its own must not
+        make prefetching look slower than the disk."""
+        return self._finished or self._future.done()
 
     def wait(self) -> None:
         with self._lock:
@@ -169,6 +170,15 @@ class Transfer:
         )
 
 
+def _pread(path: str, offset: int, nbytes: int) -> bytes:
+    """`nbytes` of `path` at `offset` (short at the end of the file), through the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, nbytes, offset)
+    finally:
+        os.close(fd)
+
+
 class _Deferred:
     """A read's check run by its first waiter, on the waiting thread."""
 
@@ -200,10 +210,10 @@ class ExtentIO:
     Failures raise `error` (a subclass of `ExtentError`), whose message ends with `advice`;
     the first is kept in `failed` and `check_usable` refuses further use after it where the
     tier wants that (see `check_usable`). With `checksums`, every write records its sums and
-    every read is checked against them (see [Note: extent checksums] in checksum.py): the
-    default sampled sums on the caller's thread (about 1% of a sweep), sums of every byte
-    (`sums.sample_bytes` = 4096) on threads of the tier's own, so that the sums of one
-    sub-group are computed while the caller steps the next and the disk moves a third."""
+    every read is checked against them (see [Note: extent checksums] and [Note: full sums]
+    in checksum.py): sums of every byte on threads of the tier's own, so that the sums of
+    one sub-group are computed while the caller steps the next and the disk moves a third
+    (sampled sums, kept for comparison only, run on the caller's thread)."""
 
     def __init__(
         self,
@@ -285,7 +295,7 @@ class ExtentIO:
             else:
                 job = pool.submit(self.sums.written, path, offset, buf)
         elif expected:
-            land = (self._land, future, expected, offset, buf)
+            land = (self._land, future, expected, path, offset, buf)
             job = _Deferred(*land) if pool is None else pool.submit(*land)
         t = Transfer(self, write, op, what, path, offset, buf, nbytes, count, future, job)
         t.poison = poison
@@ -302,10 +312,11 @@ class ExtentIO:
             self._sums_pool = ThreadPoolExecutor(SUM_THREADS, thread_name_prefix=name)
         return self._sums_pool
 
-    def _land(self, future, expected: list[Expected], offset: int, buf) -> Mismatch | None:
-        """On a checksum thread: wait for a read, then check what it brought."""
+    def _land(self, future, expected, path, offset: int, buf) -> Mismatch | None:
+        """On a checksum thread: wait for a read, then check what it brought (a chunk it
+        covers in part with the rest of that chunk read here: at most a chunk each end)."""
         future.wait()
-        return self.sums.verify(expected, offset, buf)
+        return self.sums.verify(expected, offset, buf, lambda at, n: _pread(path, at, n))
 
     def error_for(self, t: Transfer, problem: str, cause, *, code=None, advice=True):
         if code is None and isinstance(cause, OSError):
