@@ -11,13 +11,33 @@ from torch import nn
 import infinity.deepspeed as deepspeed
 
 
+def _gathered_parameters(rank: int) -> list[float]:
+    """What rank 0 writes inside GatheredParameters(modifier_rank=0) reaches rank 1, and
+    the next forward of both uses it."""
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                model.weight.fill_(2.0)
+                model.bias.fill_(1.0)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    with torch.no_grad():
+        y = engine(torch.ones(1, 4))
+    engine.close()
+    return y.flatten().tolist()
+
+
 def main() -> None:
     deepspeed.init_distributed()
     g = torch.Generator().manual_seed(3)
     data = torch.utils.data.TensorDataset(
         torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
     )
-    out = {"rank": deepspeed.comm.get_rank()}
+    rank = deepspeed.comm.get_rank()
+    out = {"rank": rank, "gathered": _gathered_parameters(rank)}
     for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 200_000), nn.Tanh(), nn.Linear(200_000, 1))

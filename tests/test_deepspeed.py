@@ -312,9 +312,12 @@ def test_training_data_gives_micro_batches_of_this_ranks_share():
     assert loader.sampler.num_replicas == 1 and loader.sampler.rank == 0
 
 
-def test_engine_names(tmp_path):
+def test_engine_names(tmp_path, caplog):
     engine, opt, _, _ = deepspeed.initialize(model=net(), config=adamw_config())
     assert engine.device == torch.device("cpu") and engine.local_rank == 0
+    assert engine.global_rank == 0 and engine.world_size == engine.dp_world_size == 1
+    assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.gradient_clipping() == 0.0 and engine.train_batch_size() == 4
     assert engine.module.training and not engine.eval().module.training
     assert engine.train().module.training
     assert engine.train_micro_batch_size_per_gpu() == 4 and engine.zero_optimization()
@@ -325,7 +328,11 @@ def test_engine_names(tmp_path):
     assert engine.load_checkpoint(tmp_path / "none") == (None, None)
     engine.save_checkpoint(tmp_path / "ck")
     assert (tmp_path / "ck" / "global_step2").is_dir()
-    assert engine.load_checkpoint(tmp_path / "ck")[0].endswith("global_step2")
+    with caplog.at_level(logging.WARNING):
+        assert engine.save_checkpoint(tmp_path / "ck", "keep", save_latest=False)
+    assert "save_latest=False): ignored" in caplog.text
+    assert engine.load_checkpoint(tmp_path / "ck", "global_step2")[0].endswith("global_step2")
+    assert engine.load_checkpoint(tmp_path / "ck")[0].endswith("keep")  # the latest
     opt.zero_grad()
     with pytest.raises(NotImplementedError, match="engine.step"):
         opt.step()
@@ -337,6 +344,10 @@ def test_what_is_not_implemented_says_what_to_do():
         (lambda: deepspeed.pipe, "data-parallel ranks only"),
         (lambda: deepspeed.moe, "mixture-of-experts"),
         (lambda: deepspeed.launcher, "torchrun"),
+        (lambda: deepspeed.ops, "CPU-Adam runs inside the engine"),
+        (lambda: deepspeed.checkpointing, "torch.utils.checkpoint"),
+        (lambda: deepspeed.init_inference, "infinity generate"),
+        (lambda: engine.backward(engine(*batches(1)[0]), retain_graph=True), "one forward"),
         (lambda: deepspeed.comm.all_gather, "torch.distributed"),
         (lambda: engine.train_batch, "pipeline"),
         (lambda: engine.no_sync, "backward"),
