@@ -4,6 +4,7 @@ without --data trains on the sample corpus shipped in the package, on byte token
 
 from __future__ import annotations
 
+import json
 import logging
 
 from infinity.cli.main import main
@@ -33,3 +34,18 @@ def test_train_without_data_then_generate_from_the_save_dir(tmp_path, caplog, ca
     # A resume finds the same data and tokens without the flags either.
     assert main([*argv, "--steps", "4", "--seq-len", "64", "--resume"]) == 0
     assert (save / "step4").is_dir()
+
+
+def test_a_stage_2_zero_offload_config_trains_with_nvme(tmp_path, capsys):
+    cfg = tmp_path / "ds.json"
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True}
+    cfg.write_text(json.dumps({"zero_optimization": zero, "fp16": {"enabled": True}}))
+    save = tmp_path / "run"
+    argv = ["train", "--model", "tiny", "--nvme", str(tmp_path / "ssd"), "--config", str(cfg)]
+    assert main([*argv, "--save-dir", str(save), "--steps", "2", "--seq-len", "64"]) == 0
+    assert (save / "step2").is_dir()
+    # The parameters stayed resident (none read from NVMe); --nvme held the optimizer state.
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 2 and all(r["nvme_param_read_bytes"] == 0 for r in steps)
+    assert sum(r["nvme_optim_read_bytes"] + r["nvme_optim_write_bytes"] for r in steps) > 0
