@@ -49,6 +49,7 @@ from infinity.checkpoint.base_model import describe_base
 from infinity.comm import Comm, from_env
 from infinity.config import Config
 from infinity.optim import Schedule, build_loss_scaler, build_schedule
+from infinity.utils.batch import check_fp16_inputs, to_device
 from infinity.utils.profiler import StepProfiler
 from infinity.utils.step_timer import StepTimer
 from infinity.utils.telemetry import CounterDeltas, StepTelemetry, step_telemetry
@@ -161,8 +162,12 @@ class Engine:
         Outputs that require grad are marked so that a plain `loss.backward()` drives the
         engine (see [Note: plain backward])."""
         self._check_open("forward")
-        half = self.config.fp16.enabled and self.config.fp16.auto_cast
-        args, kwargs = _to_device((args, kwargs), self.accelerator.device, half=half)
+        fp16 = self.config.fp16
+        if fp16.enabled and not fp16.auto_cast:
+            check_fp16_inputs(args, "argument")
+            check_fp16_inputs(kwargs, "argument")
+        half = fp16.enabled and fp16.auto_cast
+        args, kwargs = to_device((args, kwargs), self.accelerator.device, half=half)
         grad = torch.is_grad_enabled()
         # An evaluation forward belongs to no optimizer step's telemetry.
         before = None if grad else self._counters()
@@ -480,17 +485,3 @@ class Engine:
         of them must iterate it together)."""
         for rec in self.records:
             yield rec.name, engine_checkpoint.full_weights(rec)()
-
-
-def _to_device(obj: Any, device: torch.device, *, half: bool) -> Any:
-    """`obj` with every tensor (in tuples, lists, dicts) on `device`, as a batch from a CPU
-    data loader must be for the gathered parameters there; floating-point ones cast to fp16
-    when `half` (fp16.auto_cast)."""
-    if isinstance(obj, torch.Tensor):
-        obj = obj.to(device, non_blocking=obj.is_pinned())
-        return obj.half() if half and obj.is_floating_point() else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(x, device, half=half) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device, half=half) for k, v in obj.items()}
-    return obj

@@ -126,9 +126,16 @@ def test_a_missing_directory_is_named(tmp_path, capsys):
     assert "nope: no such directory" in capsys.readouterr().err
 
 
-def test_save_dir_needs_a_tokenizer(run, capsys):
-    _, save, _ = run
-    assert main(["generate", str(save), "--prompt", "x"]) == 1
+def test_a_save_dir_keeps_its_runs_tokenizer_and_without_it_asks_for_one(run, capsys, tmp_path):
+    model, save, _ = run
+    argv = (save, "--prompt", PROMPT, "--max-new-tokens", 4)
+    assert _gen(capsys, *argv) == _gen(capsys, *argv, "--tokenizer", model)
+    assert (save / "tokenizer" / "tokenizer.json").read_bytes() == (
+        model / "tokenizer.json"
+    ).read_bytes()
+    bare = tmp_path / "bare"  # a save dir from before runs kept their tokenizer
+    shutil.copytree(save, bare, ignore=shutil.ignore_patterns("tokenizer"))
+    assert main(["generate", str(bare), "--prompt", "x"]) == 1
     assert "--tokenizer DIR" in capsys.readouterr().err
     ids = ByteTokens()("ab")["input_ids"]
     assert ids == [256, 97, 98] and ByteTokens().decode([97, 257]) == "a"

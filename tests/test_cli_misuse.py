@@ -116,7 +116,7 @@ def _build(root: Path) -> World:
     w.config("cfg_optimizer.json", {"optimizer": {"type": "Lion9"}})
     w.config("cfg_neg_lr.json", {"optimizer": {"type": "AdamW", "params": {"lr": -1}}})
     w.config("cfg_scheduler.json", {"scheduler": {"type": "CosineForever"}})
-    w.config("cfg_stage.json", {"zero_optimization": {"stage": 2}})
+    w.config("cfg_stage.json", {"zero_optimization": {"stage": 4}})
     w.config("cfg_neg_seed.json", {"seed": -3})
     w.config("cfg_seed_str.json", {"seed": "abc"})
     w.config("cfg_neg_clip.json", {"gradient_clipping": -1.0})
@@ -296,7 +296,7 @@ CASES = [
     ("config-neg-lr", lambda w: _train(w, "--config", w["cfg_neg_lr.json"]), 1, "lr"),
     ("config-scheduler", lambda w: _train(w, "--config", w["cfg_scheduler.json"]),
      1, "CosineForever"),
-    ("config-stage-2", lambda w: _train(w, "--config", w["cfg_stage.json"]), 1, "stage"),
+    ("config-stage-4", lambda w: _train(w, "--config", w["cfg_stage.json"]), 1, "not a ZeRO stage"),
     ("config-neg-seed", lambda w: _train(w, "--config", w["cfg_neg_seed.json"]), 1, "seed"),
     ("config-seed-str", lambda w: _train(w, "--config", w["cfg_seed_str.json"]), 1, "seed"),
     ("config-neg-clip", lambda w: _train(w, "--config", w["cfg_neg_clip.json"]),

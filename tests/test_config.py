@@ -342,9 +342,14 @@ ERRORS = [
         r"scheduler\.type: 'WarmupCosine' is not one of .*did you mean 'WarmupCosineLR'",
     ),
     (
-        {"zero_optimization": {"stage": 2}},
+        {"zero_optimization": {"stage": 4}},
         ValueError,
-        r"zero_optimization\.stage: 2 is not supported.*stage 3 only",
+        r"zero_optimization\.stage: 4 is not a ZeRO stage; set it to 0, 1, 2 or 3",
+    ),
+    (
+        {"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
+        ValueError,
+        r"zero_optimization\.offload_param\.device: 'nvme' needs stage 3",
     ),
     ({"aio": {"use_gds": True}}, ValueError, r"aio\.use_gds: True is not supported"),
     # wrong types
@@ -507,8 +512,8 @@ def test_load_errors(tmp_path):
 
 def test_validate_checks_configs_built_in_code():
     Config().validate()
-    with pytest.raises(ValueError, match=r"zero_optimization\.stage: 1 is not supported"):
-        Config(zero_optimization=ZeroConfig(stage=1)).validate()
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage: -1 is not a ZeRO stage"):
+        Config(zero_optimization=ZeroConfig(stage=-1)).validate()
     bad = Config(zero_optimization=ZeroConfig(offload_param=OffloadParamConfig(device="nvme")))
     with pytest.raises(ValueError, match="nvme_path: required"):
         bad.validate()

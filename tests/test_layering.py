@@ -31,6 +31,7 @@ RANKS = {
     "estimate": 4,
     "cli": 5,
     "integrations": 5,
+    "deepspeed": 5,  # DeepSpeed's API over the engine
     "__main__": 6,
 }
 

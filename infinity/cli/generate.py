@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from infinity.cli.run_tokenizer import is_bytes, recorded_tokenizer
 from infinity.cli.train_flags import add_accept_flag, positive_int
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "dir holds none, so give the model directory it was trained from)",
     )
     parser.add_argument(
-        "--byte-tokens", action="store_true", help="UTF-8 bytes as tokens (runs trained so)"
+        "--byte-tokens",
+        action="store_true",
+        help="UTF-8 bytes as tokens (a save dir's run says so itself)",
     )
     parser.add_argument(
         "--max-new-tokens", type=positive_int, default=64, help="tokens to add (default 64)"
@@ -130,10 +133,17 @@ def load_tokenizer(args: argparse.Namespace, where: Path):
         return ByteTokens()
     directory = Path(args.tokenizer).expanduser() if args.tokenizer else where
     if args.tokenizer is None and not is_export(where):
+        recorded = recorded_tokenizer(where)  # the run's own, kept in its save dir
+        if recorded is not None:
+            return ByteTokens() if is_bytes(recorded) else _auto_tokenizer(recorded)
         raise ValueError(
             f"{where} is a save dir, which holds no tokenizer; pass --tokenizer DIR (the "
             "model directory it was trained from) or --byte-tokens"
         )
+    return _auto_tokenizer(directory)
+
+
+def _auto_tokenizer(directory: Path):
     from transformers import AutoTokenizer
 
     try:

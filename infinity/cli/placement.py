@@ -6,7 +6,9 @@ estimate`: the budgets read and defaulted from the machine, and the placement pl
 device, `--placement auto` (the default) lets the planner place each class of tensors within
 the RAM budget; `--placement nvme` puts every class on NVMe (the plan before budgets
 existed). A config that names `offload_param.device` or `offload_optimizer.device` runs
-exactly as written. Without `--nvme` everything is in RAM and a budget is only checked.
+exactly as written, and so does one at ZeRO stage 0-2 (every parameter stays on the device;
+`--nvme` holds the optimizer state). Without `--nvme` everything is in RAM and a budget is
+only checked.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def planned(args: argparse.Namespace) -> bool:
     if not getattr(args, "nvme", None) or getattr(args, "placement", "auto") != "auto":
         return False
     zero = _user_zero(args)
+    if zero.get("stage", 3) != 3:  # parameters resident: --nvme holds the optimizer state
+        return False
     named = [(zero.get(k) or {}).get("device") for k in ("offload_param", "offload_optimizer")]
     return not any(named)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,8 @@ from infinity.models import PRESETS
 
 if TYPE_CHECKING:
     from infinity.models.hf_auto import CausalLMSpec
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -65,6 +68,7 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
     model's description (its config read and checked), which the run builds from."""
     from infinity.models import hf_auto
 
+    sample_defaults(args)
     model = Path(args.model).expanduser()
     if args.model not in PRESETS:
         if not model.exists():
@@ -103,6 +107,26 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
     check_lora_rank(lora_spec(args), model_spec)
     _check_profile(args)
     return model_spec
+
+
+def sample_defaults(args: argparse.Namespace) -> None:
+    """Without --data, the sample corpus shipped in the package; for a model with no
+    tokenizer (a preset without --tokenizer), UTF-8 byte tokens with it. Both said in the log
+    (see [Note: which tokenizer]: bytes are chosen here only for a run that names no data,
+    on random weights)."""
+    if args.data is not None:
+        return
+    from infinity.data.sample import SAMPLE_CORPUS, SAMPLE_DESCRIPTION
+
+    args.data = str(SAMPLE_CORPUS)
+    log.info("no --data: training on the sample corpus, %s (%s)", SAMPLE_DESCRIPTION, args.data)
+    if args.model in PRESETS and args.tokenizer is None and not args.byte_tokens:
+        args.byte_tokens = True
+        log.info(
+            "--model %s has no tokenizer: UTF-8 byte tokens (ids 0-255, BOS 256, EOS 257); "
+            "`infinity generate` on the save dir uses them too",
+            args.model,
+        )
 
 
 def check_eval_data(args: argparse.Namespace) -> None:

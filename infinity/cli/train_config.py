@@ -68,11 +68,13 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:
             params["warmup_max_lr"] = args.lr
     if nvme is not None:
         # The optimizer states and the 16-bit parameters go to NVMe (the parameters stay in
-        # RAM when the config says offload_param.device "cpu").
+        # RAM when the config says offload_param.device "cpu", and on the device at ZeRO
+        # stages 0-2).
         zero.setdefault("offload_optimizer", {}).update(device="nvme", nvme_path=nvme)
         param = zero.setdefault("offload_param", {})
         param["nvme_path"] = nvme
-        if not (given_zero or {}).get("offload_param", {}).get("device"):
+        given = given_zero or {}
+        if not given.get("offload_param", {}).get("device") and given.get("stage", 3) == 3:
             param["device"] = "nvme"
         if not sub_group_given:
             zero["sub_group_size"] = NVME_SUB_GROUP_SIZE

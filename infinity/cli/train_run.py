@@ -294,7 +294,7 @@ class TrainRun:
 
     def _check_save_dir(self) -> Checkpoint | None:
         if not self.args.resume:
-            prepare_fresh(self.save_dir, overwrite=self.args.overwrite)
+            prepare_fresh(self.save_dir, self.args)
             return None
         ckpt = find_resume(self.save_dir, accept_unverified=self.args.accept_unverified_checkpoint)
         check_resume(ckpt, self._shape(), model=self.model.to_dict(), shapes=self.param_shapes)

@@ -11,6 +11,7 @@ lock file are still the ones the run took.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import logging
@@ -122,9 +123,18 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def prepare_fresh(save_dir: Path, *, overwrite: bool) -> None:
-    """A run without --resume: refuse a directory with checkpoints (or, with `overwrite`,
-    empty it); an earlier metrics.jsonl without any checkpoint is set aside, not appended to."""
+def prepare_fresh(save_dir: Path, args: argparse.Namespace) -> None:
+    """A run without --resume: refuse a directory with checkpoints (or, with --overwrite,
+    empty it); an earlier metrics.jsonl without any checkpoint is set aside, not appended to.
+    Then the run's tokenizer is kept there (`infinity.cli.run_tokenizer`)."""
+    from infinity.cli.run_tokenizer import record_tokenizer
+    from infinity.cli.train import tokenizer_dir
+
+    _empty_or_refuse(save_dir, overwrite=args.overwrite)
+    record_tokenizer(save_dir, tokenizer_dir(args))
+
+
+def _empty_or_refuse(save_dir: Path, *, overwrite: bool) -> None:
     tags = list_checkpoints(save_dir)
     if overwrite:
         removed = start_over(save_dir)

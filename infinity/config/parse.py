@@ -208,11 +208,20 @@ def _parse_scheduler(data: Any, path: str) -> SchedulerConfig:
 
 
 def _after_zero(zero: ZeroConfig, path: str) -> None:
-    if zero.stage != 3:
+    """Stages 0-2 run as stage 3 with every parameter resident ([Note: stages 0-2] in
+    resolve.py), which puts no parameter on NVMe."""
+    if zero.stage not in (0, 1, 2, 3):
         raise ValueError(
-            f"{_join(path, 'stage')}: {zero.stage} is not supported; Infinity implements ZeRO "
-            f"stage 3 only (parameters, gradients and optimizer states partitioned and "
-            f"offloaded): set it to 3"
+            f"{_join(path, 'stage')}: {zero.stage} is not a ZeRO stage; set it to 0, 1, 2 "
+            "or 3 (3 partitions and offloads the parameters as well)"
+        )
+    if zero.stage == 3:
+        return
+    if zero.offload_param.device == "nvme":
+        raise ValueError(
+            f"{_join(path, 'offload_param.device')}: 'nvme' needs stage 3, as in DeepSpeed: "
+            f"at stage {zero.stage} every parameter stays on the device; set stage 3 to "
+            "offload the parameters, or remove offload_param"
         )
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
+from infinity.config.keys import KEYS
 from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
-from infinity.config.sections import Config
+from infinity.config.sections import Config, ZeroConfig
 from infinity.config.values import AUTO
+
+logger = logging.getLogger(__name__)
 
 
 def resolve(
@@ -53,18 +57,56 @@ def resolve_stage3(
     hidden_size: int | None = None,
 ) -> Config:
     """`cfg` resolved for a model whose parameters have `param_numels` elements, as the
-    engine runs it and the estimate models it: ZeRO stage 3 only."""
-    stage = cfg.zero_optimization.stage
-    if stage != 3:
-        raise ValueError(
-            f"zero_optimization.stage is {stage}: Infinity runs (and estimates) stage 3 "
-            "only; set it to 3"
-        )
-    return cfg.resolve(
-        world_size=world_size,
-        hidden_size=hidden_size,
-        param_numels=[max(1, n) for n in param_numels] or [1],
-    )
+    engine runs it and the estimate models it: as stage 3, with every parameter resident at
+    stages 0-2 (see [Note: stages 0-2])."""
+    numels = [max(1, n) for n in param_numels] or [1]
+    if cfg.zero_optimization.stage < 3:
+        _warn_stage3_only(cfg.zero_optimization)
+        cfg = resident(cfg, numels)
+    return cfg.resolve(world_size=world_size, hidden_size=hidden_size, param_numels=numels)
+
+
+# [Note: stages 0-2] ZeRO stages 0, 1 and 2 keep every parameter whole on each rank's
+# device; 1 partitions the optimizer state and 2 the gradients too. Here they run through
+# the stage-3 engine with every parameter persistent: gathered at the first forward, never
+# released, refreshed by each optimizer step. On one rank that is exactly stage 2 with
+# offload_optimizer (ZeRO-Offload): the parameters on the device, the fp32 gradient sums and
+# the optimizer state where offload_optimizer puts them. On several ranks each rank still
+# keeps only its shard of the gradient sums and the optimizer state (reduce-scattered, as
+# stage 2 does; stages 0 and 1 would all-reduce and, at 0, keep the whole state on every
+# rank), and its shard of the 16-bit weights in host memory besides the resident copy. The
+# numbers are stage 3's, bit for bit: only where tensors live differs (docs/deepspeed.md).
+
+
+STAGE3_ONLY = (
+    "max_live_parameters",
+    "prefetch_bucket_size",
+    "max_reuse_distance",
+    "param_persistence_threshold",
+)
+"""ZeroConfig fields that tune the gathers of partitioned parameters (stage 3 only)."""
+
+
+def _warn_stage3_only(zero: ZeroConfig) -> None:
+    default = ZeroConfig()
+    for name in STAGE3_ONLY:
+        if getattr(zero, name) != getattr(default, name):
+            logger.warning(
+                "zero_optimization.%s: ignored at stage %d, where every parameter stays on "
+                "the device (it tunes stage 3's gathers)",
+                KEYS[ZeroConfig].get(name, (name,))[0],
+                zero.stage,
+            )
+
+
+def resident(cfg: Config, param_numels: Sequence[int]) -> Config:
+    """A copy of `cfg` whose live budget and persistence threshold keep every parameter of
+    `param_numels` elements gathered between iterations (`infinity.zero.build.persistent_flags`)."""
+    out = Config.from_dict(cfg.to_dict())
+    zero = out.zero_optimization
+    zero.max_live_parameters = max(1, sum(param_numels))
+    zero.param_persistence_threshold = max(param_numels, default=0) + 1
+    return out
 
 
 OUTLIER_RATIO = 4

@@ -86,7 +86,8 @@ class ZeroConfig:
     """ZeRO stage-3 partitioning, prefetch and budget settings."""
 
     stage: int = 3
-    """Only stage 3 is supported."""
+    """0, 1, 2 or 3; 0-2 keep every parameter on the device ([Note: stages 0-2] in
+    infinity/config/resolve.py)."""
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     max_live_parameters: int | str = 1_000_000_000

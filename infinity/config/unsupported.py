@@ -179,7 +179,11 @@ ZERO: dict[str, Unsupported] = {
         "the largest parameter's room); lower it or stage3_param_persistence_threshold instead",
         (sys.maxsize,),
     ),
-    "legacy_stage1": Unsupported("only ZeRO stage 3 is implemented", (False,)),
+    "legacy_stage1": Unsupported(
+        "DeepSpeed's deprecated stage-1 implementation is not one; stage 1 runs as every "
+        "stage does here (docs/deepspeed.md)",
+        (False,),
+    ),
 }
 
 OFFLOAD_OPTIMIZER: dict[str, Unsupported] = {
