@@ -106,18 +106,25 @@ def _single_rank_losses(inputs, tmp_path, steps: int) -> list[float]:
     return _losses(save)
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme", "nvme-per-rank"])
+@pytest.mark.parametrize("tier", ["cpu", "cpu-budget", "nvme", "nvme-per-rank", "nvme-planned"])
 def test_two_ranks_train_as_one_with_one_progress_bar_and_metrics(inputs, tmp_path, tier):
     save, logs = tmp_path / "two", tmp_path / "logs"
     args = _args(inputs, save, "--micro-batch", 1, "--grad-accum", 2, "--steps", 3)
-    nvme = {"cpu": [], "nvme": ["ssd"], "nvme-per-rank": ["ssd0", "ssd1"]}[tier]
-    nvme = [tmp_path / d for d in nvme]
+    dirs = {"nvme": ["ssd"], "nvme-per-rank": ["ssd0", "ssd1"], "nvme-planned": ["ssd"]}
+    nvme = [tmp_path / d for d in dirs.get(tier, [])]
     for d in nvme:
         d.mkdir()
     if nvme:  # one directory the ranks share, or one per local rank
-        args += ["--nvme", ",".join(map(str, nvme)), "--placement", "nvme"]
+        args += ["--nvme", ",".join(map(str, nvme))]
+    if nvme and tier != "nvme-planned":  # planned: --nvme alone, the planner places it
+        args += ["--placement", "nvme"]
+    if tier == "cpu-budget":  # checked against each rank's share of the budget
+        args += ["--ram-budget", "4G"]
     code, out = _finish(_torchrun(args, logs))
     assert code == 0, out
+    if tier == "nvme-planned":  # each rank's share of the batch and of the RAM
+        (plan,) = [ln for ln in _rank_log(logs, 0, "stdout").splitlines() if "placement" in ln]
+        assert "available, shared by 2 ranks): peak RSS" in plan
     assert all(list(d.iterdir()) == [] for d in nvme)  # each rank removed its swap files
     expected = _single_rank_losses(inputs, tmp_path, 3)
     assert _losses(save) == pytest.approx(expected, rel=1e-5)

@@ -171,7 +171,7 @@ def plan_placement(
     device memory is host RAM); `runtime_bytes`: the process's RSS before the model;
     `tunable`: the keys of LEAN_BUFFERS (and GRADS_ON_DEVICE) the config leaves unset (see
     placement_rungs.py)."""
-    config = resolve_config(config, shape)
+    config = resolve_config(config, shape, world_size)
     acts = _activations(shape, config, seq_len, checkpointing)
     plans, evaluate = [], None
     rungs = candidates(shape, config, tunable, gpu, budget.device_bytes, acts, world_size)
@@ -308,7 +308,7 @@ def check_budget(
 ) -> int:
     """A run whose placement the config fixes (no planning): its peak RSS, or ValueError
     when that is over `budget` (naming both and what would help)."""
-    config = resolve_config(config, shape)
+    config = resolve_config(config, shape, world_size)
     acts = _activations(shape, config, seq_len, checkpointing)
     _, _, peak = _memory(shape, config, gpu, acts, checkpointing, runtime_bytes, world_size)
     if peak > budget.ram_bytes:

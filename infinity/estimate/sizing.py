@@ -109,11 +109,14 @@ class Sizes:
         return self.optim_nvme_bytes + self.param_nvme_bytes + self.grad_nvme_bytes
 
 
-def resolve_config(config: Config, shape: ModelShape) -> Config:
-    """The config as `infinity train` and the engine resolve it for this model
-    (`resolve_stage3`, the engine's rule, with the Hugging Face integration's sizes)."""
+def resolve_config(config: Config, shape: ModelShape, world_size: int = 1) -> Config:
+    """The config as `infinity train` and the engine resolve it for this model on one of
+    `world_size` ranks (`resolve_stage3`, the engine's rule, with the Hugging Face
+    integration's sizes): a global batch counts every rank's micro batches."""
     numels = [p.numel for p in shape.params]
-    return resolve_stage3(config, param_numels=numels, hidden_size=shape.dims.hidden_size)
+    return resolve_stage3(
+        config, param_numels=numels, world_size=world_size, hidden_size=shape.dims.hidden_size
+    )
 
 
 def home_numels(shape: ModelShape, world_size: int = 1) -> list[int]:
