@@ -416,3 +416,13 @@ def test_model_parameters_groups_with_the_configs_optimizer_decay_as_torch():
     )
     ref = torch_losses(data, lambda m: torch.optim.AdamW(groups(m), lr=LR))
     assert train(engine, data) == pytest.approx(ref, abs=1e-5)
+
+
+def test_model_parameters_take_single_tensor_groups_and_an_auto_decay():
+    model = net()
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    config["optimizer"]["params"]["weight_decay"] = "auto"
+    groups = [{"params": model.b.weight}, {"params": model.b.bias, "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["b.weight", "b.bias"]
+    assert len(train(engine, batches(2))) == 2
