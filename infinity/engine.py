@@ -68,7 +68,10 @@ def initialize(
             f"initialize: expected the model as a torch.nn.Module, got {type(model).__name__}"
         )
     for key in sorted(kwargs.keys() & _NOT_TAKEN):
-        raise TypeError(f"initialize: {key}= is not a parameter here: {_NOT_TAKEN[key]}")
+        raise TypeError(
+            f"initialize: {key}= is not a parameter here: {_NOT_TAKEN[key]} (or call "
+            "infinity.deepspeed.initialize, which takes DeepSpeed's arguments)"
+        )
     if model in _UNDER_ENGINE:
         raise ValueError(
             "initialize: this model is already under an engine (an earlier initialize "

@@ -133,7 +133,7 @@ def _twice():
         (
             lambda: infinity.initialize(_model(), {}, lr_scheduler=object()),
             TypeError,
-            "config's scheduler section",
+            "config's scheduler section (or call infinity.deepspeed.initialize",
         ),
     ],
     ids=["initialize-twice", "initialize-optimizer", "initialize-lr-scheduler"],

@@ -380,3 +380,49 @@ def test_fp16_float32_input_without_auto_cast_is_one_error_naming_the_key():
     loss = engine(x.half(), y.half())  # fp16 inputs run
     engine.backward(loss)
     engine.step()
+
+
+def test_a_client_schedulers_state_resumes_with_the_checkpoint(tmp_path):
+    def run(model, steps, load=False):
+        client = torch.optim.AdamW(model.parameters(), lr=LR)
+        sched = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=client, lr_scheduler=sched, config={"train_batch_size": 4}
+        )
+        if load:
+            engine.load_checkpoint(tmp_path / "ck")
+        losses = train(engine, steps)
+        return engine, losses, [engine.get_lr()[0]]
+
+    data = batches(4)
+    _, whole, lr_whole = run(net(), data)
+    first, _, _ = run(net(), data[:2])
+    first.save_checkpoint(tmp_path / "ck")
+    _, rest, lr_rest = run(net(seed=5), data[2:], load=True)
+    assert rest == pytest.approx(whole[2:], abs=1e-6) and lr_rest == lr_whole == [LR / 16]
+
+
+def test_model_parameters_groups_with_the_configs_optimizer_decay_as_torch():
+    def groups(m):
+        return [
+            {"params": [m.a.weight, m.b.weight], "weight_decay": 0.1},
+            {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0},
+        ]
+
+    data = batches(4)
+    model = net()
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=groups(model), config=adamw_config()
+    )
+    ref = torch_losses(data, lambda m: torch.optim.AdamW(groups(m), lr=LR))
+    assert train(engine, data) == pytest.approx(ref, abs=1e-5)
+
+
+def test_model_parameters_take_single_tensor_groups_and_an_auto_decay():
+    model = net()
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    config["optimizer"]["params"]["weight_decay"] = "auto"
+    groups = [{"params": model.b.weight}, {"params": model.b.bias, "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["b.weight", "b.bias"]
+    assert len(train(engine, batches(2))) == 2

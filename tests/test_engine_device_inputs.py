@@ -12,7 +12,7 @@ import torch
 from _engine_models import Zoo, batches, config
 
 import infinity
-from infinity.engine import _to_device
+from infinity.utils.batch import to_device as _to_device
 
 
 def test_tensors_are_moved_and_the_structure_kept():

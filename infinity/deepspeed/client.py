@@ -72,7 +72,8 @@ def plan_client(
     for key in _SHARED:
         if any(key in g for g in groups):
             _shared_hyper([{**base, **g} for g in groups], None, only=(key,))
-    decay = float(base.get("weight_decay", 0.0))
+    given = base.get("weight_decay", 0.0)
+    decay = 0.0 if given == "auto" else float(given)  # "auto" resolves to 0, the default
     plan = _groups_plan(model, groups, default_decay=decay)
     section = None
     if plan.decay != decay or any(key in g for g in groups for key in _SHARED):
@@ -90,7 +91,11 @@ def _as_groups(model_parameters: Any) -> list[dict]:
             "parameters, or parameter groups (dicts with 'params')"
         )
     if all(isinstance(g, Mapping) for g in items):
-        return [{**g, "params": list(g["params"])} for g in items]
+        one = (torch.Tensor,)  # a group's params may be one tensor, as torch.optim allows
+        return [
+            {**g, "params": [g["params"]] if isinstance(g["params"], one) else list(g["params"])}
+            for g in items
+        ]
     return [{"params": items}]
 
 
