@@ -66,6 +66,24 @@ def test_resume_naming_the_same_targets_in_another_order_is_accepted(inputs, lor
     assert load_checkpoint(save).step == 3
 
 
+ALL_TARGETS = "v_proj,q_proj,k_proj,o_proj,up_proj,gate_proj,down_proj"
+
+
+def test_resume_naming_the_default_targets_in_another_order_is_accepted(inputs, tmp_path, capsys):
+    """A run on the default targets (every linear layer of the blocks) resumed with those
+    layers named, in another order: the same adapters, so it continues; other layers are
+    still refused, naming both sets."""
+    save = tmp_path / "run"
+    assert main(_args(inputs, save, "--steps", 2)) == 0
+    before = _digest(save)
+    fewer = [*_args(inputs, save, "--steps", 3, "--lora-targets", "v_proj,q_proj"), "--resume"]
+    _fails(capsys, fewer, "--lora-targets down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj")
+    assert _digest(save) == before
+    same = [*_args(inputs, save, "--steps", 3, "--lora-targets", ALL_TARGETS), "--resume"]
+    assert main(same) == 0
+    assert load_checkpoint(save).step == 3
+
+
 def test_a_lora_rank_larger_than_the_layers_is_refused(inputs, lora_run, capsys):
     before = _digest(lora_run)
     args = [*_args(inputs, lora_run, "--steps", 3), "--resume"]
@@ -119,10 +137,24 @@ def _twice():
     infinity.initialize(model, {})
 
 
+def _trainer_with_optim(optim: str):
+    from infinity.integrations.hf import InfinityTrainer
+
+    args = transformers.TrainingArguments(
+        output_dir="/nonexistent/out", optim=optim, use_cpu=True, report_to="none"
+    )
+    return InfinityTrainer(model=_model(), args=args, infinity_config={})
+
+
 @pytest.mark.parametrize(
     "call, error, phrase",
     [
         (_twice, ValueError, "this model is already under an engine"),
+        (
+            lambda: _trainer_with_optim("adafactor"),
+            ValueError,
+            "optim='adafactor': the optimizer step is the engine's, which runs 'adamw_torch'",
+        ),
         (
             lambda: infinity.initialize(
                 _model(), {}, optimizer=torch.optim.SGD(_model().parameters())
@@ -136,7 +168,7 @@ def _twice():
             "config's scheduler section (or call infinity.deepspeed.initialize",
         ),
     ],
-    ids=["initialize-twice", "initialize-optimizer", "initialize-lr-scheduler"],
+    ids=["initialize-twice", "trainer-optim", "initialize-optimizer", "initialize-lr-scheduler"],
 )
 def test_api_misuse_raises_a_named_error(call, error, phrase):
     with pytest.raises(error, match=re.escape(phrase)):

@@ -339,3 +339,32 @@ def test_accelerates_grad_scaler_does_not_scale_the_loss_a_second_time(tmp_path,
         repr(n) for n in _logs(plain, "grad_norm")
     ]
     assert scaled.engine.loss_scale == plain.engine.loss_scale
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "sgd", "adamw_8bit"])
+def test_an_optimizer_name_the_engine_does_not_run_is_refused_with_the_list(tmp_path, optim):
+    """The Trainer's optim names what steps the weights; the engine steps them with AdamW,
+    so any other name would be dropped: it is refused, listing the names that run."""
+    with pytest.raises(ValueError, match=f"optim='{optim}'") as info:
+        InfinityTrainer(
+            model=_model(),
+            args=_args(tmp_path, optim=optim),
+            train_dataset=_dataset(),
+            infinity_config=INFINITY,
+        )
+    assert "'adamw_torch', 'adamw_torch_fused'" in str(info.value)
+
+
+def test_the_optimizer_names_the_engine_runs_train_alike(tmp_path):
+    """adamw_torch (named) and adamw_torch_fused (the Trainer's default) are one update."""
+    losses = []
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        args = _args(tmp_path / optim, optim=optim, max_steps=3)
+        trainer = InfinityTrainer(
+            model=_model(), args=args, train_dataset=_dataset(), infinity_config=INFINITY
+        )
+        assert trainer.infinity_config["optimizer"]["type"] == "AdamW"
+        trainer.train()
+        trainer.end()
+        losses.append(_logs(trainer, "loss"))
+    assert losses[0] == losses[1] and len(losses[0]) == 3

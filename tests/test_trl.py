@@ -182,3 +182,16 @@ def test_resume_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path):
     resumed = trainer()
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert _logs(resumed, "loss")[5:] == losses[5:]
+
+
+def test_an_optimizer_name_the_engine_does_not_run_is_refused(tmp_path):
+    args = _args(tmp_path, "text")
+    args.optim = "adafactor"
+    with pytest.raises(ValueError, match="optim='adafactor'"):
+        InfinitySFTTrainer(
+            model=hf_model(transformers, "qwen2"),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(_rows("text")),
+            processing_class=_tokenizer(),
+            infinity_config=INFINITY,
+        )

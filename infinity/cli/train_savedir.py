@@ -220,8 +220,8 @@ def check_resume(ckpt: Checkpoint, now: RunShape, *, model: dict, shapes: dict) 
 
 def check_same_adapters(saved: dict | None, now: dict | None, save_dir: Path) -> None:
     """--resume with other LoRA flags than the checkpoint's (`saved`, `now`: the LoRA
-    records, None without LoRA) is refused before loading; the targets' order changes no
-    layer, so it may differ."""
+    records, None without LoRA) is refused before loading; the same layers named in another
+    order, or named where the saved run took the default, are the same adapters."""
     if _unordered(saved) == _unordered(now):
         return
 
@@ -242,10 +242,13 @@ def check_same_adapters(saved: dict | None, now: dict | None, save_dir: Path) ->
 
 
 def _unordered(lora: dict | None) -> dict | None:
-    """A LoRA record with its target lists sorted."""
+    """A LoRA record as what decides the adapters: the layers they are on as a set (the
+    targets as named, in whatever order or left to the default, are not compared)."""
     if lora is None:
         return None
-    return {k: sorted(v) if isinstance(v, list) else v for k, v in lora.items()}
+    record = {k: v for k, v in lora.items() if k != "targets"}
+    record["resolved_targets"] = set(lora.get("resolved_targets") or lora.get("targets") or [])
+    return record
 
 
 def _model_changes(ckpt: Checkpoint, model: dict, shapes: dict) -> list[str]:

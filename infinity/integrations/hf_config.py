@@ -1,7 +1,8 @@
 """The HF Trainer's arguments laid into an Infinity config, the way DeepSpeed's integration
 fills a DeepSpeed config.
 
-Owns `trainer_config(cfg, args)` and `schedule_params(...)`: every "auto" value, and every
+Owns `trainer_config(cfg, args)` and `schedule_params(...)`, and which `TrainingArguments.optim`
+names the engine runs (`TRAINER_OPTIMS`): every "auto" value, and every
 value the config leaves out, is taken from the `TrainingArguments`; a value given in both
 places that differs is a conflict, and all conflicts are reported in one ValueError. Unlike
 DeepSpeed, a left-out key is filled too (a config without `gradient_clipping` clips at the
@@ -47,6 +48,29 @@ _FROM_ARGS: list[tuple[tuple[str, ...], str, Any]] = [
     (("fp16", "enabled"), "fp16", lambda a: bool(a.fp16)),
     (("bf16", "enabled"), "bf16", lambda a: bool(a.bf16)),
 ]
+
+
+TRAINER_OPTIMS: dict[str, dict[str, Any]] = {
+    "adamw_torch": {"type": "AdamW"},
+    "adamw_torch_fused": {"type": "AdamW"},  # the Trainer's default: the same update
+}
+"""`TrainingArguments.optim` names the engine runs -> what each fills into the config's
+optimizer section where the config leaves it out (the config's own values win, as a
+DeepSpeed config's optimizer section does). Any other name is refused, listing these."""
+
+
+def trainer_optimizer(args) -> dict[str, Any]:
+    """The optimizer section fragment for `args.optim`, or a ValueError listing the names
+    the engine runs (the Trainer would otherwise build an optimizer that never steps)."""
+    name = str(getattr(args.optim, "value", args.optim))
+    if name not in TRAINER_OPTIMS:
+        raise ValueError(
+            f"TrainingArguments optim={name!r}: the optimizer step is the engine's, which "
+            f"runs {', '.join(repr(n) for n in TRAINER_OPTIMS)}; set optim to one of them "
+            "(its settings come from learning_rate, adam_beta1/2, adam_epsilon, weight_decay "
+            "or infinity_config's optimizer section)"
+        )
+    return TRAINER_OPTIMS[name]
 
 
 _SCHEDULE_FILLS = ("total_num_steps", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr")
@@ -98,8 +122,15 @@ def _prune_defaults(d: dict, default: dict) -> dict:
 def trainer_config(cfg: Config | dict | str | os.PathLike, args) -> dict:
     """`cfg` with the Trainer's batch sizes, accumulation, clipping, optimizer settings and
     precision filled in (see the module docstring); raises on conflicts."""
+    fragment = trainer_optimizer(args)
     raw = raw_config(cfg)
-    raw.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})
+    section = raw.setdefault("optimizer", {})
+    for key, value in fragment.items():
+        if isinstance(value, dict):
+            section[key] = {**value, **(section.get(key) or {})}
+        else:
+            section.setdefault(key, value)
+    section.setdefault("params", {})
     mismatches = []
     for path, hf_name, value_of in _FROM_ARGS:
         mismatch = _fill(raw, path, value_of(args), hf_name)
