@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-BLOCK = 256
-"""Elements per quantization block (one fp32 absmax each)."""
+from infinity.utils.quant_blocks import BLOCK, block_count
+
 ZERO_CODE_SIGNED = 127
 """The signed map's code of 0 (a zeroed exp_avg)."""
 TINY = 1.17549435e-38
@@ -81,11 +81,6 @@ def tables(signed: bool) -> QuantTables:
     assert int(within.max()) <= 1, "a bucket holds two midpoints: use finer buckets"
     inf = torch.tensor([float("inf")], dtype=torch.float32)
     return QuantTables(qmap, torch.cat([mids, inf]).contiguous(), below.contiguous())
-
-
-def block_count(numel: int) -> int:
-    """Absmax entries of `numel` elements."""
-    return -(-numel // BLOCK)
 
 
 def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
