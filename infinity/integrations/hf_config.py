@@ -49,6 +49,32 @@ _FROM_ARGS: list[tuple[tuple[str, ...], str, Any]] = [
 ]
 
 
+TRAINER_OPTIMS = {
+    "adamw_torch": "AdamW",
+    "adamw_torch_fused": "AdamW",
+    "adamw_bnb_8bit": "AdamW8bit",
+    "adamw_8bit": "AdamW8bit",
+    "adamw_torch_8bit": "AdamW8bit",
+    "paged_adamw_32bit": "AdamW",
+    "paged_adamw_8bit": "AdamW8bit",
+}
+"""`TrainingArguments.optim` values the engine runs, and the optimizer.type each is: AdamW
+with 32-bit or with 8-bit blockwise moments (bitsandbytes' and torchao's AdamW8bit scheme;
+"paged" optimizers page their state to the CPU, which the engine's tiers already do)."""
+
+
+def optimizer_type(args) -> str:
+    """The optimizer.type of the Trainer's `optim`; refuses one the engine does not run."""
+    optim = getattr(args, "optim", "adamw_torch")
+    name = str(getattr(optim, "value", optim))
+    if name not in TRAINER_OPTIMS:
+        raise ValueError(
+            f"TrainingArguments.optim={name!r} is not an optimizer InfinityTrainer runs: the "
+            f"optimizer step is the engine's CPU-Adam; use one of {', '.join(TRAINER_OPTIMS)}"
+        )
+    return TRAINER_OPTIMS[name]
+
+
 _SCHEDULE_FILLS = ("total_num_steps", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr")
 
 
@@ -99,8 +125,18 @@ def trainer_config(cfg: Config | dict | str | os.PathLike, args) -> dict:
     """`cfg` with the Trainer's batch sizes, accumulation, clipping, optimizer settings and
     precision filled in (see the module docstring); raises on conflicts."""
     raw = raw_config(cfg)
-    raw.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})
+    raw.setdefault("optimizer", {}).setdefault("params", {})
     mismatches = []
+    kind = optimizer_type(args)
+    given = raw["optimizer"].get("type")
+    if given is None:
+        raw["optimizer"]["type"] = kind
+    elif (given.lower() == "adamw8bit") != (kind == "AdamW8bit"):
+        optim = getattr(args.optim, "value", args.optim)
+        mismatches.append(
+            f"- infinity_config optimizer.type={given!r} vs TrainingArguments optim={optim!r} "
+            f"({kind})"
+        )
     for path, hf_name, value_of in _FROM_ARGS:
         mismatch = _fill(raw, path, value_of(args), hf_name)
         if mismatch:
