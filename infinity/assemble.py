@@ -70,6 +70,7 @@ from infinity.zero import (
 )
 from infinity.zero.grad_offload import GradOffload
 from infinity.zero.grad_reduce import GradReducer
+from infinity.zero.optimizer_state import state_format
 from infinity.zero.shard import check_same_weights, shard_of
 from infinity.zero.sub_groups import FlatLayout
 from infinity.zero.weights import lay_out_flat
@@ -270,7 +271,11 @@ def _tiers(
         parts.param_tier = _param_tier(parts, named, on_nvme, dtype)
     layout = optimizer_layout([n for _, n in trainable], zero)
     state_tier = make_state_tier(
-        layout.sub_group_numels, zero.offload_optimizer, config.aio, stores=parts.swap_stores
+        layout.sub_group_numels,
+        zero.offload_optimizer,
+        config.aio,
+        stores=parts.swap_stores,
+        fmt=state_format(config.optimizer),
     )
     if parts.param_tier is not None:
         lay_out_flat(parts.param_tier, layout, names, dtype)

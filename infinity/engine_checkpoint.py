@@ -24,6 +24,8 @@ from infinity.checkpoint import model16
 from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base
 from infinity.checkpoint.collective import save_on_all_ranks
 from infinity.checkpoint.spans import SpanReader, rank_span, shard_numel
+from infinity.swap.state_format import ZERO_CODE_SIGNED
+from infinity.utils.quant_blocks import block_count
 
 if TYPE_CHECKING:
     from torch import nn
@@ -77,6 +79,17 @@ def comm_of(engine: CheckpointedEngine) -> Any:
     return getattr(engine, "comm", None) or _OneRank()
 
 
+ABSMAX = "_absmax"
+"""The suffix of an 8-bit moment's absmax per block.
+
+[Note: 8-bit state in checkpoints] 8-bit moments are saved per slot like 32-bit ones: the
+master and the codes (uint8) as this rank's span of the parameter, so they join across
+ranks; an absmax has one entry per block of 256 of the rank's padded shard, so each rank
+saves its shard's blocks whole (the saved "tensor" is W times as long), and it resumes
+under the world size that saved it. The padding's exp_avg codes are the code of zero, as
+the step leaves them."""
+
+
 def _full_numel(rec: OffloadParam) -> int:
     return math.prod(rec.shape)
 
@@ -122,7 +135,9 @@ def save(
         for rec in saved:
             yield f"{PARAM}{rec.name}", _weights(rec, comm)
         for name, thunk in engine.optimizer.state_tensors():
-            if comm.world_size > 1:  # the slot is the padded shard: its span is saved
+            # The slot is the padded shard: its span is saved (an 8-bit absmax whole, see
+            # [Note: 8-bit state in checkpoints]).
+            if comm.world_size > 1 and not name.endswith(ABSMAX):
                 lo, hi = _span(by_name[name.rsplit(".", 1)[0]], comm)
                 thunk = _cut(thunk, hi - lo)
             yield f"{OPTIM}{name}", thunk
@@ -174,7 +189,9 @@ def load(
     )
     with ckpt.span_reader() as spans:
         engine.optimizer.load_state_tensors(
-            lambda name: _read_own(spans, OPTIM + name, by_name[name.rsplit(".", 1)[0]], comm)
+            lambda name: _read_optim(
+                spans, name, by_name[name.rsplit(".", 1)[0]], comm, ckpt.world_size
+            )
         )
         if with_frozen:
             for rec in engine.records:
@@ -197,6 +214,30 @@ def _read_own(spans: SpanReader, key: str, rec: OffloadParam, comm: Any) -> torc
     lo, hi = _span(rec, comm)
     n = _full_numel(rec)
     return spans.read(key, n, lo, hi, pad_to=shard_numel(n, comm.world_size))
+
+
+def _read_optim(
+    spans: SpanReader, name: str, rec: OffloadParam, comm: Any, saved_world: int
+) -> torch.Tensor:
+    """This rank's padded share of the saved optimizer tensor `name` (see [Note: 8-bit
+    state in checkpoints])."""
+    if not name.endswith(ABSMAX):
+        t = _read_own(spans, OPTIM + name, rec, comm)
+        if name.endswith(".exp_avg") and t.dtype == torch.uint8:
+            lo, hi = _span(rec, comm)
+            t[hi - lo :] = ZERO_CODE_SIGNED  # the padding's moment is zero
+        return t
+    if saved_world != comm.world_size:
+        raise ValueError(
+            f"the checkpoint's 8-bit optimizer state was saved by {saved_world} rank(s) and "
+            f"is loaded by {comm.world_size}: its quantization blocks follow each rank's "
+            f"shard, so it resumes under {saved_world} rank(s) only; resume with that many, "
+            "or with --optim adamw and --convert-optim-state under the saved world size, "
+            "then save a 32-bit checkpoint (which loads under any world size)"
+        )
+    blocks = block_count(shard_numel(_full_numel(rec), comm.world_size))
+    w, r = comm.world_size, comm.rank
+    return spans.read(OPTIM + name, blocks * w, r * blocks, (r + 1) * blocks)
 
 
 def _resharded(state: dict, by_name: dict, saved_world: int, world: int) -> dict:

@@ -10,7 +10,8 @@ argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated):
 - "paths": nvme_path as a list, one directory per local rank;
 - "unseeded": each rank seeded differently;
 - "export": the 16-bit model saved at the end;
-- "diverge": from the second step on, rank 1 bypasses a block (a rank-dependent branch).
+- "diverge": from the second step on, rank 1 bypasses a block (a rank-dependent branch);
+- "8bit": the 8-bit optimizer (AdamW8bit).
 """
 
 import json
@@ -94,6 +95,8 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
             "sub_group_size": 700,
         }
     cfg = config(**zero)
+    if "8bit" in options:
+        cfg["optimizer"]["type"] = "AdamW8bit"
     accum = 2 if "accum" in options else 1
     per_rank = GLOBAL_BATCH // c.world_size
     micro = per_rank // accum

@@ -53,3 +53,17 @@ def test_config_and_counts_are_checked():
         BenchConfig(dtypes=["fp8"])
     with pytest.raises(ValueError, match="peer"):
         BenchConfig(peers=["apex"])
+
+
+def test_the_8_bit_rows_sit_beside_torchaos(tmp_path):
+    out = tmp_path / "adam8.json"
+    argv = ["bench", "adam", "--numel", "8K", "--peer", "infinity-8bit", "--peer", "torchao-8bit",
+            "--dtype", "bf16", "--warmup", "1", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    ours = [r for r in rows if r["impl"] == "infinity-8bit"]
+    if native_adam.available8():
+        assert len(ours) == 2 and all(r["bytes_per_param"] in (14, 16) for r in ours)
+    peer = [r for r in rows if r["impl"] == "torchao-8bit"]
+    assert peer and (all("skipped" in r for r in peer) or len(peer) == 2)
+    assert bytes_per_param("bf16", False, eight_bit=True) == 14

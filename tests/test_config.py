@@ -172,6 +172,7 @@ def test_defaults_round_trip_through_json():
             "bias_correction": True,
             "adam_w_mode": True,
             "torch_adam": False,
+            "convert_state": False,
         },
     }
     assert "scheduler" not in data  # no schedule: nothing DeepSpeed would reject

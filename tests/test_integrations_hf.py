@@ -341,7 +341,7 @@ def test_accelerates_grad_scaler_does_not_scale_the_loss_a_second_time(tmp_path,
     assert scaled.engine.loss_scale == plain.engine.loss_scale
 
 
-@pytest.mark.parametrize("optim", ["adafactor", "sgd", "adamw_8bit"])
+@pytest.mark.parametrize("optim", ["adafactor", "sgd", "lion_32bit"])
 def test_an_optimizer_name_the_engine_does_not_run_is_refused_with_the_list(tmp_path, optim):
     """The Trainer's optim names what steps the weights; the engine steps them with AdamW,
     so any other name would be dropped: it is refused, listing the names that run."""

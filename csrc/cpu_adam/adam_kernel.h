@@ -41,10 +41,41 @@ struct AdamArgs {
 // Each updates elements [begin, end) of the buffers in `a`.
 using KernelFn = void (*)(const AdamArgs& a, size_t begin, size_t end);
 
+// The tables of one dynamic quantization map (infinity/optim/quant8.py computes them; the
+// kernel only reads them, so both sides use the same fp32 numbers).
+struct QuantMap {
+    const float* qmap = nullptr;       // [256] the value of each code
+    const float* mids = nullptr;       // midpoints between the non-negative values, then +inf
+    const int32_t* buckets = nullptr;  // midpoints below each bucket of |y|'s top 16 bits
+};
+
+constexpr size_t kBlock = 256;          // elements per absmax
+constexpr int32_t kBucketBase = (127 - 24) << 7;  // bucket 0: |y| below 2^-24
+constexpr int32_t kBucketTop = 127 << 7;          // the bucket of 1.0
+constexpr float kTiny = 1.17549435e-38f;          // divisor of an all-zero block
+
+// The 8-bit step: AdamArgs' fp32 exp_avg/exp_avg_sq are unused; the moments are uint8 codes
+// with one fp32 absmax per kBlock elements ([Note: the 8-bit scheme] in quant8.py).
+struct Adam8Args {
+    AdamArgs base;
+    uint8_t* m_codes = nullptr;
+    uint8_t* v_codes = nullptr;
+    float* m_absmax = nullptr;
+    float* v_absmax = nullptr;
+    QuantMap m_map;  // signed
+    QuantMap v_map;  // unsigned
+};
+
+// Each updates elements [begin, end) of `a`; begin is a multiple of kBlock.
+using Kernel8Fn = void (*)(const Adam8Args& a, size_t begin, size_t end);
+
 void adam_scalar(const AdamArgs& a, size_t begin, size_t end);
+void adam8_scalar(const Adam8Args& a, size_t begin, size_t end);
 #if defined(__x86_64__) || defined(_M_X64)
 void adam_avx2(const AdamArgs& a, size_t begin, size_t end);
 void adam_avx512(const AdamArgs& a, size_t begin, size_t end);
+void adam8_avx2(const Adam8Args& a, size_t begin, size_t end);
+void adam8_avx512(const Adam8Args& a, size_t begin, size_t end);
 #endif
 #if defined(__aarch64__)
 void adam_neon(const AdamArgs& a, size_t begin, size_t end);

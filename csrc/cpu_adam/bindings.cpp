@@ -73,6 +73,17 @@ KernelFn kernel_for(const std::string& requested) {
     return adam_scalar;
 }
 
+// The 8-bit step's path for a level: NEON has none yet, so aarch64 runs the scalar one.
+Kernel8Fn kernel8_for(const std::string& requested) {
+    const KernelFn k = kernel_for(requested);  // validates the request
+#if defined(__x86_64__) || defined(_M_X64)
+    if (k == adam_avx512) return adam8_avx512;
+    if (k == adam_avx2) return adam8_avx2;
+#endif
+    (void)k;
+    return adam8_scalar;
+}
+
 DType parse_dtype(const std::string& name, bool allow_none, const char* what) {
     if (name == "fp32" && !allow_none) return DType::f32;
     if (name == "fp16") return DType::f16;
@@ -158,6 +169,55 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
     });
 }
 
+// The 8-bit step: the same checks and constants as adam_step, the moments as codes and
+// absmax, and the six quantization tables (quant8.py) as addresses.
+void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_codes,
+                uintptr_t m_absmax, uintptr_t v_absmax, size_t numel,
+                const std::string& grad_dtype, uintptr_t half_out, const std::string& half_dtype,
+                long step, const py::object& hyper, double grad_scale,
+                const std::vector<uintptr_t>& tables, const std::string& simd,
+                size_t tile_numel) {
+    Adam8Args a8;
+    AdamArgs& a = a8.base;
+    a.grad_dtype = parse_dtype(grad_dtype, false, "gradient");
+    a.half_dtype = parse_dtype(half_dtype, true, "half_out");
+    const Kernel8Fn kernel = kernel8_for(simd);
+    const Hyper h = read_hyper(hyper);
+    if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, after this update)");
+    if (tile_numel == 0 || tile_numel % kBlock)
+        throw std::invalid_argument("tile_numel must be a positive multiple of 256");
+    if (tables.size() != 6)
+        throw std::invalid_argument("tables must be six addresses (qmap, mids, buckets) x 2");
+    for (uintptr_t t : tables)
+        if (!t) throw std::invalid_argument("null quantization table address");
+    if (numel == 0) return;
+    if (!param || !grad || !m_codes || !v_codes || !m_absmax || !v_absmax ||
+        (a.half_dtype != DType::none && !half_out))
+        throw std::invalid_argument("null buffer address with numel > 0");
+    a.param = static_cast<float*>(as_ptr(param));
+    a.grad = as_ptr(grad);
+    a.half_out = a.half_dtype == DType::none ? nullptr : as_ptr(half_out);
+    a.stream_half = false;
+    derive_constants(h, step, grad_scale, a);
+    a8.m_codes = static_cast<uint8_t*>(as_ptr(m_codes));
+    a8.v_codes = static_cast<uint8_t*>(as_ptr(v_codes));
+    a8.m_absmax = static_cast<float*>(as_ptr(m_absmax));
+    a8.v_absmax = static_cast<float*>(as_ptr(v_absmax));
+    QuantMap* maps[2] = {&a8.m_map, &a8.v_map};
+    for (int k = 0; k < 2; ++k) {
+        maps[k]->qmap = static_cast<const float*>(as_ptr(tables[3 * k]));
+        maps[k]->mids = static_cast<const float*>(as_ptr(tables[3 * k + 1]));
+        maps[k]->buckets = static_cast<const int32_t*>(as_ptr(tables[3 * k + 2]));
+    }
+
+    py::gil_scoped_release no_gil;
+    const size_t ntiles = (numel + tile_numel - 1) / tile_numel;
+    pool_parallel_for(ntiles, [&](size_t t) {
+        const size_t begin = t * tile_numel;
+        kernel(a8, begin, std::min(numel, begin + tile_numel));
+    });
+}
+
 // STREAM-like copy over the same pool, to measure the bandwidth the kernel is held against.
 void copy_bytes(uintptr_t dst, uintptr_t src, size_t nbytes, size_t tile_bytes) {
     if (tile_bytes == 0) throw std::invalid_argument("tile_bytes must be > 0");
@@ -185,6 +245,13 @@ PYBIND11_MODULE(_cpu_adam, m) {
           "One Adam/AdamW step in place over numel elements with the hyperparameters of "
           "`hyper` (an infinity.optim.AdamHyper); writes the new parameter to half_out "
           "(fp16/bf16, round to nearest-even) when half_dtype is not ''.");
+    m.def("adam8_step", &adam8_step, py::arg("param"), py::arg("grad"), py::arg("m_codes"),
+          py::arg("v_codes"), py::arg("m_absmax"), py::arg("v_absmax"), py::arg("numel"),
+          py::arg("grad_dtype"), py::arg("half_out"), py::arg("half_dtype"), py::arg("step"),
+          py::arg("hyper"), py::arg("grad_scale"), py::arg("tables"), py::arg("simd") = "auto",
+          py::arg("tile_numel") = 1 << 16,
+          "One Adam/AdamW step with 8-bit blockwise moments (uint8 codes, one fp32 absmax per "
+          "256 elements) in place over numel elements; see infinity.optim.adam8.");
     // The fields adam_step reads from `hyper`; its presence marks a build that takes the record.
     m.attr("HYPER_FIELDS") = py::make_tuple("lr", "beta1", "beta2", "eps", "weight_decay",
                                             "adamw_mode", "bias_correction");

@@ -65,13 +65,56 @@ struct V {
     static T div(T a, T b) { return _mm256_div_ps(a, b); }
     static T sqrt(T a) { return _mm256_sqrt_ps(a); }
     static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+    // The 8-bit step's operations (adam8_body.inc).
+    using I = __m256i;
+    static I load_u8(const uint8_t* p) {
+        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    }
+    static void store_u8(uint8_t* p, I x) {
+        // Lanes hold 0..255: unsigned saturation packs them unchanged.
+        const __m128i w =
+            _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+    }
+    static T gather(const float* t, I i) { return _mm256_i32gather_ps(t, i, 4); }
+    static I gather_i(const int32_t* t, I i) {
+        return _mm256_i32gather_epi32(reinterpret_cast<const int*>(t), i, 4);
+    }
+    static T abs(T x) {
+        return _mm256_castsi256_ps(
+            _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff)));
+    }
+    static T max(T a, T b) { return _mm256_max_ps(a, b); }
+    static float hmax(T x) {
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        return _mm_cvtss_f32(m);
+    }
+    static I bucket(T yabs) {
+        const I b = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(yabs), 16),
+                                     _mm256_set1_epi32(kBucketBase));
+        return _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()),
+                                _mm256_set1_epi32(kBucketTop - kBucketBase));
+    }
+    static I add_if_less(I c, T mid, T y) {
+        return _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(mid, y, _CMP_LT_OQ)));
+    }
+    static I signed_code(I t, T y) {
+        const I k = _mm256_set1_epi32(127);
+        const I neg = _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ));
+        return _mm256_blendv_epi8(_mm256_add_epi32(k, t),
+                                  _mm256_sub_epi32(k, _mm256_min_epi32(t, k)), neg);
+    }
 };
 
 #include "adam_body.inc"
+#include "adam8_body.inc"
 
 }  // namespace
 
 void adam_avx2(const AdamArgs& a, size_t begin, size_t end) { adam_entry(a, begin, end); }
+void adam8_avx2(const Adam8Args& a, size_t begin, size_t end) { adam8_entry(a, begin, end); }
 
 }  // namespace infinity_adam
 

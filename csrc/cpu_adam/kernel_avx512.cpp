@@ -14,6 +14,7 @@
 #else
 // GCC 12 warns inside its own intrinsics headers (`__Y = __Y` placeholders): not our code.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 #endif
@@ -64,13 +65,44 @@ struct V {
     static T div(T a, T b) { return _mm512_div_ps(a, b); }
     static T sqrt(T a) { return _mm512_sqrt_ps(a); }
     static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+    // The 8-bit step's operations (adam8_body.inc).
+    using I = __m512i;
+    static I load_u8(const uint8_t* p) {
+        return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+    static void store_u8(uint8_t* p, I x) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+    }
+    static T gather(const float* t, I i) { return _mm512_i32gather_ps(i, t, 4); }
+    static I gather_i(const int32_t* t, I i) { return _mm512_i32gather_epi32(i, t, 4); }
+    static T abs(T x) { return _mm512_abs_ps(x); }
+    static T max(T a, T b) { return _mm512_max_ps(a, b); }
+    static float hmax(T x) { return _mm512_reduce_max_ps(x); }
+    static I bucket(T yabs) {
+        const I b = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(yabs), 16),
+                                     _mm512_set1_epi32(kBucketBase));
+        return _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()),
+                                _mm512_set1_epi32(kBucketTop - kBucketBase));
+    }
+    static I add_if_less(I c, T mid, T y) {
+        return _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(mid, y, _CMP_LT_OQ), c,
+                                     _mm512_set1_epi32(1));
+    }
+    static I signed_code(I t, T y) {
+        const I k = _mm512_set1_epi32(127);
+        const __mmask16 neg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);
+        return _mm512_mask_blend_epi32(neg, _mm512_add_epi32(k, t),
+                                       _mm512_sub_epi32(k, _mm512_min_epi32(t, k)));
+    }
 };
 
 #include "adam_body.inc"
+#include "adam8_body.inc"
 
 }  // namespace
 
 void adam_avx512(const AdamArgs& a, size_t begin, size_t end) { adam_entry(a, begin, end); }
+void adam8_avx512(const Adam8Args& a, size_t begin, size_t end) { adam8_entry(a, begin, end); }
 
 }  // namespace infinity_adam
 

@@ -95,12 +95,29 @@ struct V {
     static T div(T a, T b) { return a / b; }
     static T sqrt(T a) { return std::sqrt(a); }
     static T fma(T a, T b, T c) { return std::fma(a, b, c); }
+    // The 8-bit step's operations (adam8_body.inc).
+    using I = int32_t;
+    static I load_u8(const uint8_t* p) { return *p; }
+    static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+    static T gather(const float* t, I i) { return t[i]; }
+    static I gather_i(const int32_t* t, I i) { return t[i]; }
+    static T abs(T x) { return std::fabs(x); }
+    static T max(T a, T b) { return b > a ? b : a; }
+    static float hmax(T x) { return x; }
+    static I bucket(T yabs) {
+        const int32_t b = static_cast<int32_t>(bits_of(yabs) >> 16) - kBucketBase;
+        return b < 0 ? 0 : (b > kBucketTop - kBucketBase ? kBucketTop - kBucketBase : b);
+    }
+    static I add_if_less(I c, T mid, T y) { return c + (mid < y ? 1 : 0); }
+    static I signed_code(I t, T y) { return y < 0.0f ? 127 - (t < 127 ? t : 127) : 127 + t; }
 };
 
 #include "adam_body.inc"
+#include "adam8_body.inc"
 
 }  // namespace
 
 void adam_scalar(const AdamArgs& a, size_t begin, size_t end) { adam_entry(a, begin, end); }
+void adam8_scalar(const Adam8Args& a, size_t begin, size_t end) { adam8_entry(a, begin, end); }
 
 }  // namespace infinity_adam

@@ -1,10 +1,10 @@
 """`infinity bench adam`: CPU-Adam throughput next to its peers and the copy bandwidth.
 
 Measures one optimizer step over N fp32 parameters for the engine's flat Adam step (the native
-kernel of `adam_step_flat`), torch AdamW (foreach and fused) and, where importable,
-DeepSpeed's DeepSpeedCPUAdam, all on the same buffers in one run, plus a STREAM-like copy;
-for each gradient dtype, and for "step + half-precision copy of the new weights" (ours
-fused, the peers' step then `copy_`).
+kernel of `adam_step_flat`), its 8-bit step (`adam8_step_flat`), torch AdamW (foreach and
+fused) and, where importable, DeepSpeed's DeepSpeedCPUAdam and torchao's AdamW8bit, all on
+the same parameters in one run, plus a STREAM-like copy; for each gradient dtype, and for
+"step + half-precision copy of the new weights" (ours fused, the peers' step then `copy_`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from infinity.optim import AdamHyper, adam_step_flat, native_adam
+from infinity.optim.adam8 import adam8_step_flat
+from infinity.utils.quant_blocks import block_count
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-PEERS = ("infinity", "torch-fused", "torch-foreach", "deepspeed")
+PEERS = ("infinity", "infinity-8bit", "torch-fused", "torch-foreach", "deepspeed", "torchao-8bit")
+EIGHT_BIT = ("infinity-8bit", "torchao-8bit")
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -140,6 +143,18 @@ class Buffers:
         self.grad32 = torch.randn(numel, generator=gen)
         self.half = torch.empty(numel, dtype=half_dtype)
         self.grads = {"fp32": self.grad32}
+        self._moments8: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def moments8(self) -> tuple[torch.Tensor, ...]:
+        """The 8-bit step's codes and absmax (made on first use)."""
+        if self._moments8 is None:
+            n, nb = self.param.numel(), block_count(self.param.numel())
+            self._moments8 = (
+                torch.full((n,), 127, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8),
+                torch.zeros(nb), torch.zeros(nb),
+            )  # fmt: skip
+        return self._moments8
 
     def grad(self, dtype: str) -> torch.Tensor:
         if dtype not in self.grads:
@@ -171,7 +186,15 @@ def _deepspeed_step(buf: Buffers) -> Callable[[], None]:
     return opt.step
 
 
+def _torchao_step(buf: Buffers) -> Callable[[], None]:
+    from torchao.optim import AdamW8bit  # noqa: PLC0415 - optional peer
+
+    return AdamW8bit([buf.param], **HYPER).step  # compiles on its first step (warm-up)
+
+
 def _peer_step(name: str, buf: Buffers) -> Callable[[], None]:
+    if name == "torchao-8bit":
+        return _torchao_step(buf)
     if name == "torch-fused":
         return _torch_step(buf, fused=True)
     if name == "torch-foreach":
@@ -179,16 +202,17 @@ def _peer_step(name: str, buf: Buffers) -> Callable[[], None]:
     return _deepspeed_step(buf)
 
 
-def _ours(buf: Buffers, dtype: str, half: bool) -> Callable[[], None]:
+def _ours(buf: Buffers, dtype: str, half: bool, eight_bit: bool) -> Callable[[], None]:
     grad = buf.grad(dtype)
     counter = [0]
     hyper = AdamHyper.of(**HYPER, adamw_mode=True)  # the peers' settings, as one record
+    moments = buf.moments8 if eight_bit else (buf.exp_avg, buf.exp_avg_sq)
+    step_fn = adam8_step_flat if eight_bit else adam_step_flat
 
     def step() -> None:
         counter[0] += 1
-        adam_step_flat(buf.param, grad, buf.exp_avg, buf.exp_avg_sq, step=counter[0],
-                       hyper=hyper, half_out=buf.half if half else None,
-                       backend="native")  # fmt: skip
+        step_fn(buf.param, grad, *moments, step=counter[0], hyper=hyper,
+                half_out=buf.half if half else None, backend="native")  # fmt: skip
 
     return step
 
@@ -215,9 +239,10 @@ def _theirs(name: str, buf: Buffers, dtype: str, half: bool) -> tuple[Callable[[
     return run, " ".join(notes)
 
 
-def bytes_per_param(dtype: str, half: bool) -> int:
-    """Logical traffic: read+write param, m, v (24) + read grad (+ write the half copy)."""
-    return 24 + DTYPES[dtype].itemsize + (2 if half else 0)
+def bytes_per_param(dtype: str, half: bool, eight_bit: bool = False) -> int:
+    """Logical traffic: read+write param, m, v (24; 12 with 8-bit moments, their absmax
+    aside) + read grad (+ write the half copy)."""
+    return (12 if eight_bit else 24) + DTYPES[dtype].itemsize + (2 if half else 0)
 
 
 # STREAM-like copy arrays: far larger than any cache, without doubling the benchmark's RAM.
@@ -238,6 +263,13 @@ def _available(name: str) -> str | None:
     """None if the peer can run here, else the reason it cannot."""
     if name == "infinity":
         return None if native_adam.available() else "infinity._cpu_adam is not built"
+    if name == "infinity-8bit":
+        return None if native_adam.available8() else "infinity._cpu_adam has no 8-bit step"
+    if name == "torchao-8bit":
+        try:
+            from torchao.optim import AdamW8bit  # noqa: F401, PLC0415
+        except Exception as exc:  # noqa: BLE001 - any failure means "not available"
+            return f"torchao not importable: {exc}"
     if name == "deepspeed":
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401, PLC0415
@@ -268,17 +300,18 @@ def run(cfg: BenchConfig) -> dict:
         for half in (False, True):
             fns, how = dict(copies), {}
             for name in peers:
-                if name == "infinity":
-                    fns[name], how[name] = _ours(buf, dtype, half), "fused"
+                if name.startswith("infinity"):
+                    fns[name] = _ours(buf, dtype, half, name in EIGHT_BIT)
+                    how[name] = "fused"
                 else:
                     fns[name], how[name] = _theirs(name, buf, dtype, half)
             log.info("measuring grad %s%s", dtype, " + half copy" if half else "")
             times = time_interleaved(fns, cfg.warmup, cfg.repeats)
-            nbytes = bytes_per_param(dtype, half) * cfg.numel
             for name in copies:
                 copy_times[name] += times.pop(name)
             for name, ts in times.items():
                 t = statistics.median(ts)
+                nbytes = bytes_per_param(dtype, half, name in EIGHT_BIT) * cfg.numel
                 record["rows"].append({
                     "impl": name, "grad": dtype, "half_copy": cfg.half_dtype if half else None,
                     "how": how[name], "median_ms": t * 1e3, "times_ms": [x * 1e3 for x in ts],

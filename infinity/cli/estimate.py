@@ -18,6 +18,7 @@ from pathlib import Path
 from infinity.cli.placement import add_placement_flags, plan_run
 from infinity.cli.train import check_lora_rank, check_seq_len, config_from_args
 from infinity.cli.train_flags import positive_int
+from infinity.cli.train_schedule import add_optim_flag
 from infinity.config import Config
 from infinity.models import PRESETS
 
@@ -101,6 +102,7 @@ def _add_machine_flags(parser: argparse.ArgumentParser) -> None:
         "(train_batch_size = micro batch x accumulation x N); memory and time are one rank's, "
         "with the parameters, optimizer state and gradients sharded across the N (default 1)",
     )
+    add_optim_flag(parser)
     parser.add_argument(
         "--json",
         metavar="FILE",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from infinity.cli.train_schedule import add_optim_flag
 from infinity.models import PRESETS
 
 
@@ -369,4 +370,13 @@ def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_float,
         metavar="WD",
         help="AdamW's decoupled weight decay (config: optimizer.params.weight_decay, default 0)",
+    )
+    add_optim_flag(group)
+    group.add_argument(
+        "--convert-optim-state",
+        action="store_true",
+        default=None,
+        help="resuming from a checkpoint whose optimizer state is in the other format "
+        "(adamw vs adamw_8bit): convert it once instead of refusing "
+        "(config: optimizer.params.convert_state)",
     )

@@ -1,6 +1,6 @@
-"""What the schedule flags of `infinity train` mean: --lr-schedule, --warmup-steps,
---warmup-ratio, --min-lr and --weight-decay laid over the config's scheduler and optimizer
-sections.
+"""What the schedule and optimizer flags of `infinity train` mean: --lr-schedule,
+--warmup-steps, --warmup-ratio, --min-lr, --weight-decay, --optim and --convert-optim-state
+laid over the config's scheduler and optimizer sections.
 
 Owns that mapping and its conflicts (a flag and the config file that set the same thing
 differently are one error naming both); the schedules themselves are
@@ -13,6 +13,19 @@ import argparse
 from typing import Any
 
 from infinity.config import AUTO, OptimizerConfig
+
+OPTIM_TYPES = {"adamw": "AdamW", "adamw_8bit": "AdamW8bit"}
+"""`--optim` names and the optimizer.type each selects (docs/optimizer_8bit.md)."""
+
+
+def add_optim_flag(parser: Any) -> None:
+    """--optim, shared by `infinity train` and `infinity estimate`."""
+    parser.add_argument(
+        "--optim",
+        choices=list(OPTIM_TYPES),
+        help="adamw: 32-bit moments (12 bytes of state per parameter); adamw_8bit: 8-bit "
+        "blockwise moments (about 6) (config: optimizer.type AdamW / AdamW8bit)",
+    )
 
 
 def schedule_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -31,6 +44,7 @@ def apply_schedule_flags(args: argparse.Namespace, raw: dict, base: dict) -> Non
     own JSON, for the conflicts. Raises ValueError naming the flag and the config key."""
     where = f"the config file {args.config}" if getattr(args, "config", None) else "the config"
     _apply_weight_decay(args, raw, base, where)
+    apply_optim_flags(args, raw, base, where)
     flags = schedule_flags(args)
     if not flags:
         return
@@ -73,6 +87,26 @@ def _check_min_lr(min_lr: float | None, base: dict) -> None:
             f"--min-lr {min_lr} is above the lr ({lr}, --lr or the config): the schedule "
             "decays from the lr down to --min-lr; lower --min-lr or raise --lr"
         )
+
+
+def apply_optim_flags(args: argparse.Namespace, raw: dict, base: dict, where: str) -> None:
+    """--optim and --convert-optim-state over the optimizer section; --optim and a config
+    type that says otherwise are one error naming both."""
+    optim = getattr(args, "optim", None)
+    section = base.setdefault("optimizer", {"type": "AdamW"})
+    if getattr(args, "convert_optim_state", None):
+        section.setdefault("params", {})["convert_state"] = True
+    if optim is None:
+        return
+    given = (raw.get("optimizer") or {}).get("type") if isinstance(raw, dict) else None
+    wanted = OPTIM_TYPES[optim]
+    same = given is None or str(given).lower() == wanted.lower()
+    if not same and not (optim == "adamw" and str(given).lower() == "adam"):
+        raise ValueError(
+            f"--optim {optim} and optimizer.type {given!r} in {where} differ; drop one of them"
+        )
+    if given is None or same:
+        section["type"] = wanted
 
 
 def _apply_weight_decay(args: argparse.Namespace, raw: dict, base: dict, where: str) -> None:

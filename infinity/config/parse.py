@@ -177,10 +177,11 @@ def _parse_optimizer(data: Any, path: str) -> OptimizerConfig:
     )
     if "type" in data:
         kind = data["type"]
-        if not (isinstance(kind, str) and kind.lower() in ("adam", "adamw")):
+        if not (isinstance(kind, str) and kind.lower() in ("adam", "adamw", "adamw8bit")):
             raise ValueError(
-                f"{path}.type: {kind!r} is not one of 'Adam', 'AdamW' (any case); Infinity "
-                f"steps the fp32 master weights with CPU-Adam"
+                f"{path}.type: {kind!r} is not one of 'Adam', 'AdamW', 'AdamW8bit' (any case); "
+                f"Infinity steps the fp32 master weights with CPU-Adam (AdamW8bit: 8-bit "
+                f"blockwise moments)"
             )
         values["type"] = _convert(kind, _hints(OptimizerConfig)["type"], f"{path}.type")
     betas = values.get("betas")

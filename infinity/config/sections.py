@@ -148,8 +148,10 @@ class BF16Config:
 class OptimizerConfig:
     """The optimizer, run by CPU-Adam on the fp32 master weights."""
 
-    type: Literal["Adam", "AdamW"] = "AdamW"
-    """Case-insensitive in the JSON. See `adamw_mode` for which weight decay applies."""
+    type: Literal["Adam", "AdamW", "AdamW8bit"] = "AdamW"
+    """Case-insensitive in the JSON. See `adamw_mode` for which weight decay applies.
+    "AdamW8bit": AdamW with 8-bit blockwise moments (bitsandbytes' scheme; docs/optimizer_8bit.md),
+    about half the optimizer state's bytes."""
     lr: float | str = 1e-3
     betas: tuple[float, float] | str = (0.9, 0.999)
     eps: float | str = 1e-8
@@ -159,12 +161,20 @@ class OptimizerConfig:
     """DeepSpeed's flag: decoupled (AdamW) weight decay even when type is "Adam"."""
     torch_adam: bool = False
     """Use the torch reference step instead of the native CPU-Adam kernel."""
+    convert_state: bool = False
+    """Resuming from a checkpoint whose optimizer state is in the other format (32-bit or
+    8-bit moments): convert it once instead of refusing."""
 
     @property
     def adamw_mode(self) -> bool:
         """Decoupled weight decay? As in DeepSpeed: type "AdamW", or "Adam" with adam_w_mode
         (which defaults to true, so a DeepSpeed "Adam" config trains with AdamW)."""
-        return self.type == "AdamW" or self.adam_w_mode
+        return self.type in ("AdamW", "AdamW8bit") or self.adam_w_mode
+
+    @property
+    def eight_bit(self) -> bool:
+        """8-bit blockwise moments (type "AdamW8bit")."""
+        return self.type == "AdamW8bit"
 
 
 @dataclass(kw_only=True, slots=True)

@@ -71,12 +71,15 @@ def measure_rates(
             gpu, shape, micro, seq_len, dtype, activation_checkpointing, sources
         )
     read, write, sources["nvme"] = _disk(config, nvme_path, bench_aio)
-    sources["cpu_adam"] = "probe: adam_step_flat on this CPU"
+    eight_bit = config.optimizer.eight_bit
+    sources["cpu_adam"] = (
+        f"probe: {'adam8_step_flat' if eight_bit else 'adam_step_flat'} on this CPU"
+    )
     return Rates(
         device=device,
         gpu=gpu,
         compute_s=compute_s,
-        adam_numel_per_s=hardware.probe_adam_numel_per_s(dtype),
+        adam_numel_per_s=hardware.probe_adam_numel_per_s(dtype, eight_bit=eight_bit),
         norm_bytes_per_s=hardware.probe_norm_bytes_per_s(),
         copy_bytes_per_s=copy,
         fresh_copy_bytes_per_s=fresh,

@@ -27,6 +27,8 @@ from infinity.io.aio import AioHandle, aligned_empty, preallocate
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.llama import LlamaDecoderLayer, rope_cos_sin
 from infinity.optim import adam_step_flat
+from infinity.optim.adam8 import adam8_step_flat
+from infinity.utils.quant_blocks import block_count
 
 GPU_UTILIZATION = 0.5
 """Fraction of the published peak a training step sustains (model FLOPs utilization)."""
@@ -177,19 +179,31 @@ def _median_s(fn, *, repeats: int) -> float:
 # -- host memory: CPU-Adam, the gradient norm, copies ------------------------------------------
 
 
-def probe_adam_numel_per_s(dtype: torch.dtype, numel: int = 1 << 23) -> float:
-    """Elements per second of `adam_step_flat` as the optimizer runs it (fp32 state and
-    gradients, a 16-bit copy-out for a 16-bit model)."""
+def probe_adam_numel_per_s(
+    dtype: torch.dtype, numel: int = 1 << 23, *, eight_bit: bool = False
+) -> float:
+    """Elements per second of `adam_step_flat` (or with `eight_bit` `adam8_step_flat`) as
+    the optimizer runs it (fp32 master and gradients, a 16-bit copy-out for a 16-bit
+    model)."""
     g = torch.Generator().manual_seed(0)
     param, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
-    m, v = torch.zeros(numel), torch.zeros(numel)
+    if eight_bit:
+        nb = block_count(numel)
+        codes = (
+            torch.full((numel,), 127, dtype=torch.uint8),
+            torch.zeros(numel, dtype=torch.uint8),
+        )
+        moments = (*codes, torch.zeros(nb), torch.zeros(nb))
+        step_fn = adam8_step_flat
+    else:
+        moments, step_fn = (torch.zeros(numel), torch.zeros(numel)), adam_step_flat
     half = None if dtype == torch.float32 else torch.empty(numel, dtype=dtype)
     step = [0]
 
     def run():
         step[0] += 1
-        adam_step_flat(param, grad, m, v, step=step[0], lr=1e-4, weight_decay=0.01,
-                       half_out=half)  # fmt: skip
+        step_fn(param, grad, *moments, step=step[0], lr=1e-4, weight_decay=0.01,
+                half_out=half)  # fmt: skip
 
     return numel / _median_s(run, repeats=5)
 

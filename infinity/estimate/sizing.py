@@ -25,9 +25,10 @@ from infinity.swap.grad_plan import grad_footprint
 from infinity.swap.nvme_state import nvme_state_footprint, state_buffers, state_nbytes
 from infinity.swap.pool import param_pool_nbytes
 from infinity.swap.split_state import grad_split, state_in_ram
-from infinity.swap.state_tier import host_state_footprint
+from infinity.swap.state_tier import StateFormat, host_state_footprint
 from infinity.swap.store import reserved_nbytes
 from infinity.zero import model_dtype
+from infinity.zero.optimizer_state import state_format
 from infinity.zero.param import frozen_nvme_mask
 from infinity.zero.shard import shard_of
 from infinity.zero.sub_groups import FlatLayout, optimizer_layout
@@ -157,7 +158,7 @@ def sizes(
     itemsize = dtype.itemsize
     homes = home_numels(shape, world_size)
     layout = layout_of(shape, config, world_size)
-    state, ahead, buffers = _state(zero, layout.sub_group_numels)
+    state, ahead, buffers = _state(zero, layout.sub_group_numels, state_format(config.optimizer))
     optim_nvme = state.disk > 0  # some state on NVMe
     param_nvme = zero.offload_param.device == "nvme"
     keep = zero.offload_optimizer.gradients_in_cpu  # else they spill with the state
@@ -263,21 +264,24 @@ def _fetched_numels(
     return read, gathered
 
 
-def _state(zero: ZeroConfig, sub_groups: Sequence[int]) -> tuple[Footprint, int, int]:
+def _state(
+    zero: ZeroConfig, sub_groups: Sequence[int], fmt: StateFormat
+) -> tuple[Footprint, int, int]:
     """The optimizer-state tier's footprint (the sub-groups `state_in_ram` keeps in host
     memory, the rest on NVMe), the bytes the end of a sweep reads ahead (NvmeStateTier's
     prefetch_next_sweep: every buffer is free when a sweep ends), and the NVMe pipeline's
-    host buffers (of the footprint's host bytes)."""
+    host buffers (of the footprint's host bytes); the state is of format `fmt` (32-bit or
+    8-bit moments)."""
     in_ram = state_in_ram(sub_groups, zero.offload_optimizer)
-    host = host_state_footprint(sub_groups[:in_ram])
+    host = host_state_footprint(sub_groups[:in_ram], fmt)
     on_nvme = sub_groups[in_ram:]
     if not on_nvme:
         return host, 0, 0
     buffer_count = zero.offload_optimizer.buffer_count
-    count, _ = state_buffers(on_nvme, buffer_count)
-    extents = [reserved_nbytes(state_nbytes(n)) for n in on_nvme]
+    count, _ = state_buffers(on_nvme, buffer_count, fmt)
+    extents = [reserved_nbytes(state_nbytes(n, fmt)) for n in on_nvme]
     ahead = sum(extents[:count]) if zero.offload_optimizer.pipeline_read else 0
-    nvme = nvme_state_footprint(on_nvme, buffer_count)
+    nvme = nvme_state_footprint(on_nvme, buffer_count, fmt)
     return Footprint(host.host + nvme.host, nvme.disk), ahead, nvme.host
 
 

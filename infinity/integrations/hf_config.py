@@ -50,25 +50,29 @@ _FROM_ARGS: list[tuple[tuple[str, ...], str, Any]] = [
 ]
 
 
-TRAINER_OPTIMS: dict[str, dict[str, Any]] = {
-    "adamw_torch": {"type": "AdamW"},
-    "adamw_torch_fused": {"type": "AdamW"},  # the Trainer's default: the same update
+TRAINER_OPTIMS = {
+    "adamw_torch": "AdamW",
+    "adamw_torch_fused": "AdamW",
+    "adamw_bnb_8bit": "AdamW8bit",
+    "adamw_8bit": "AdamW8bit",
+    "adamw_torch_8bit": "AdamW8bit",
+    "paged_adamw_32bit": "AdamW",
+    "paged_adamw_8bit": "AdamW8bit",
 }
-"""`TrainingArguments.optim` names the engine runs -> what each fills into the config's
-optimizer section where the config leaves it out (the config's own values win, as a
-DeepSpeed config's optimizer section does). Any other name is refused, listing these."""
+"""`TrainingArguments.optim` values the engine runs, and the optimizer.type each is: AdamW
+with 32-bit or with 8-bit blockwise moments (bitsandbytes' and torchao's AdamW8bit scheme;
+"paged" optimizers page their state to the CPU, which the engine's tiers already do)."""
 
 
-def trainer_optimizer(args) -> dict[str, Any]:
-    """The optimizer section fragment for `args.optim`, or a ValueError listing the names
-    the engine runs (the Trainer would otherwise build an optimizer that never steps)."""
-    name = str(getattr(args.optim, "value", args.optim))
+def optimizer_type(args) -> str:
+    """The optimizer.type of the Trainer's `optim`; refuses one the engine does not run."""
+    optim = getattr(args, "optim", "adamw_torch")
+    name = str(getattr(optim, "value", optim))
     if name not in TRAINER_OPTIMS:
         raise ValueError(
-            f"TrainingArguments optim={name!r}: the optimizer step is the engine's, which "
-            f"runs {', '.join(repr(n) for n in TRAINER_OPTIMS)}; set optim to one of them "
-            "(its settings come from learning_rate, adam_beta1/2, adam_epsilon, weight_decay "
-            "or infinity_config's optimizer section)"
+            f"TrainingArguments.optim={name!r} is not an optimizer InfinityTrainer runs: the "
+            f"optimizer step is the engine's CPU-Adam; use one of "
+            + ", ".join(repr(n) for n in TRAINER_OPTIMS)
         )
     return TRAINER_OPTIMS[name]
 
@@ -122,16 +126,19 @@ def _prune_defaults(d: dict, default: dict) -> dict:
 def trainer_config(cfg: Config | dict | str | os.PathLike, args) -> dict:
     """`cfg` with the Trainer's batch sizes, accumulation, clipping, optimizer settings and
     precision filled in (see the module docstring); raises on conflicts."""
-    fragment = trainer_optimizer(args)
     raw = raw_config(cfg)
-    section = raw.setdefault("optimizer", {})
-    for key, value in fragment.items():
-        if isinstance(value, dict):
-            section[key] = {**value, **(section.get(key) or {})}
-        else:
-            section.setdefault(key, value)
-    section.setdefault("params", {})
+    raw.setdefault("optimizer", {}).setdefault("params", {})
     mismatches = []
+    kind = optimizer_type(args)
+    given = raw["optimizer"].get("type")
+    if given is None:
+        raw["optimizer"]["type"] = kind
+    elif (given.lower() == "adamw8bit") != (kind == "AdamW8bit"):
+        optim = getattr(args.optim, "value", args.optim)
+        mismatches.append(
+            f"- infinity_config optimizer.type={given!r} vs TrainingArguments optim={optim!r} "
+            f"({kind})"
+        )
     for path, hf_name, value_of in _FROM_ARGS:
         mismatch = _fill(raw, path, value_of(args), hf_name)
         if mismatch:

@@ -42,6 +42,11 @@ def available() -> bool:
     return _native is not None
 
 
+def available8() -> bool:
+    """True when the native kernel has the 8-bit step."""
+    return _native is not None and hasattr(_native, "adam8_step")
+
+
 def simd_levels() -> list[str]:
     """SIMD levels this CPU can run with the native kernel, fastest first ([] if not built)."""
     return list(_native.simd_levels()) if _native is not None else []
@@ -100,21 +105,31 @@ def check_buffers(
     step: int,
 ) -> None:
     """Raises TypeError/ValueError unless the buffers are valid for one flat Adam step."""
-    named = {
-        "param": _check_tensor("param", param, (torch.float32,)),
-        "grad": _check_tensor("grad", grad, tuple(GRAD_DTYPES)),
-        "exp_avg": _check_tensor("exp_avg", exp_avg, (torch.float32,)),
-        "exp_avg_sq": _check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,)),
+    n = param.numel() if isinstance(param, torch.Tensor) else 0
+    specs = {
+        "param": (param, (torch.float32,), n),
+        "grad": (grad, tuple(GRAD_DTYPES), n),
+        "exp_avg": (exp_avg, (torch.float32,), n),
+        "exp_avg_sq": (exp_avg_sq, (torch.float32,), n),
     }
     if half_out is not None:
-        named["half_out"] = _check_tensor("half_out", half_out, tuple(HALF_DTYPES))
-    numel = param.numel()
+        specs["half_out"] = (half_out, tuple(HALF_DTYPES), n)
+    check_flat(specs, step)
+
+
+def check_flat(specs: dict[str, tuple[object, tuple[torch.dtype, ...], int]], step: int) -> None:
+    """Raises TypeError/ValueError unless each named buffer is a dense contiguous CPU tensor
+    of one of its dtypes with its numel, `step` is >= 1, and no written buffer shares memory
+    with another buffer (every buffer but "grad" is written)."""
+    named = {name: _check_tensor(name, t, dtypes) for name, (t, dtypes, _) in specs.items()}
+    numel = named["param"].numel()
     for name, t in named.items():
-        if t.numel() != numel:
-            raise ValueError(
-                f"{name} has {t.numel()} elements but param has {numel}; all buffers of one "
-                "flat Adam step must have the same numel"
-            )
+        want = specs[name][2]
+        if t.numel() != want:
+            what = "all buffers of one flat Adam step must have the same numel"
+            if want != numel:
+                what = f"{name} must have {want} for a step over {numel} parameters"
+            raise ValueError(f"{name} has {t.numel()} elements but param has {numel}; {what}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an int >= 1 (1-based, after this update), got {step!r}")
     if numel == 0:
@@ -169,6 +184,48 @@ def adam_step_native(
         simd,
         int(tile_numel),
         bool(stream_half),
+    )
+
+
+def adam8_step_native(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_absmax: torch.Tensor,
+    exp_avg_sq_absmax: torch.Tensor,
+    *,
+    step: int,
+    hyper: AdamHyper,
+    tables: tuple[torch.Tensor, ...],
+    grad_scale: float = 1.0,
+    half_out: torch.Tensor | None = None,
+    simd: str = "auto",
+    tile_numel: int = 1 << 16,
+) -> None:
+    """One flat 8-bit Adam step in the native kernel; the buffers must already pass
+    `check_buffers8` (adam8.py) and `tables` are quant8's six (`native_tables`)."""
+    if _native is None or not hasattr(_native, "adam8_step"):
+        raise ValueError(f"the native 8-bit Adam is not built; {BUILD_HINT}")
+    if simd not in SIMD_CHOICES:
+        raise ValueError(f"simd={simd!r} is not one of {', '.join(SIMD_CHOICES)}")
+    _native.adam8_step(
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        exp_avg_absmax.data_ptr(),
+        exp_avg_sq_absmax.data_ptr(),
+        param.numel(),
+        GRAD_DTYPES[grad.dtype],
+        half_out.data_ptr() if half_out is not None else 0,
+        HALF_DTYPES[half_out.dtype] if half_out is not None else "",
+        step,
+        hyper,
+        float(grad_scale),
+        [t.data_ptr() for t in tables],
+        simd,
+        int(tile_numel),
     )
 
 

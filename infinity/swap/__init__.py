@@ -6,7 +6,13 @@ from infinity.swap.grad_tier import HostGradTier, NvmeGradError, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateTier
 from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
-from infinity.swap.state_tier import HostStateTier, StateTier, SubGroupState
+from infinity.swap.state_tier import (
+    HostStateTier,
+    StateFormat,
+    StateTier,
+    SubGroupState,
+    SubGroupState8,
+)
 from infinity.swap.store import SwapStore, SwapStoreError
 from infinity.swap.tiers import SwapStores, make_grad_tier, make_param_tier, make_state_tier
 
@@ -20,8 +26,10 @@ __all__ = [
     "NvmeStateError",
     "NvmeStateTier",
     "PinnedBufferPool",
+    "StateFormat",
     "StateTier",
     "SubGroupState",
+    "SubGroupState8",
     "SwapStore",
     "SwapStoreError",
     "SwapStores",

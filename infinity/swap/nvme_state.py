@@ -40,18 +40,18 @@ from infinity.io.aio import aligned_empty
 from infinity.io.extent import ExtentError, ExtentIO, Transfer
 from infinity.swap.footprint import Footprint
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
-from infinity.swap.state_tier import SubGroupState
+from infinity.swap.state_tier import StateFormat, SubGroupState, SubGroupState8, check_format
 from infinity.swap.store import ALIGN_BYTES, SwapStore, align_up, reserved_nbytes
 
 logger = logging.getLogger(__name__)
 
 KIND = "optim"
-_F32 = 4
 
 
-def state_nbytes(numel: int) -> int:
-    """Bytes of one sub-group's state on disk: master, exp_avg and exp_avg_sq in fp32."""
-    return 3 * numel * _F32
+def state_nbytes(numel: int, fmt: StateFormat = StateFormat.ADAMW) -> int:
+    """Bytes of one sub-group's state on disk: master, exp_avg and exp_avg_sq in fp32, or
+    the 8-bit layout ([Note: the 8-bit state layout] in state_format.py)."""
+    return fmt.nbytes(numel)
 
 
 def pipeline_buffer_count(buffer_count: int, num_sub_groups: int) -> int:
@@ -61,17 +61,21 @@ def pipeline_buffer_count(buffer_count: int, num_sub_groups: int) -> int:
     return max(1, min(buffer_count, num_sub_groups))
 
 
-def state_buffers(numels: Sequence[int], buffer_count: int) -> tuple[int, int]:
+def state_buffers(
+    numels: Sequence[int], buffer_count: int, fmt: StateFormat = StateFormat.ADAMW
+) -> tuple[int, int]:
     """`NvmeStateTier`'s pipeline buffers: (count, bytes of each: the largest sub-group's
     extent, page-aligned)."""
-    slot = max((reserved_nbytes(state_nbytes(n)) for n in numels), default=4096)
+    slot = max((reserved_nbytes(state_nbytes(n, fmt)) for n in numels), default=4096)
     return pipeline_buffer_count(buffer_count, len(numels)), align_up(slot)
 
 
-def nvme_state_footprint(numels: Sequence[int], buffer_count: int) -> Footprint:
+def nvme_state_footprint(
+    numels: Sequence[int], buffer_count: int, fmt: StateFormat = StateFormat.ADAMW
+) -> Footprint:
     """`NvmeStateTier`'s pipeline buffers and its extents (one sub-group's state each)."""
-    count, nbytes = state_buffers(numels, buffer_count)
-    return Footprint(count * nbytes, sum(reserved_nbytes(state_nbytes(n)) for n in numels))
+    count, nbytes = state_buffers(numels, buffer_count, fmt)
+    return Footprint(count * nbytes, sum(reserved_nbytes(state_nbytes(n, fmt)) for n in numels))
 
 
 class Residency(enum.Enum):
@@ -136,6 +140,7 @@ class NvmeStateTier:
         pipeline_write: bool = True,
         kind: str = KIND,
         checksums: bool = True,
+        fmt: StateFormat = StateFormat.ADAMW,
     ) -> None:
         if buffer_count < 3:
             raise ValueError(
@@ -143,14 +148,15 @@ class NvmeStateTier:
                 f"needs at least 3 buffers (read ahead, step, write back); set it to 3 or more"
             )
         self.numels = list(numels)
+        self.format = fmt
         self.store = store
         self.io = ExtentIO(
             aio, tier="optim", error=NvmeStateError, advice=ADVICE, checksums=checksums
         )
         self.aio = self.io.aio
-        sizes = {self._key(i): state_nbytes(n) for i, n in enumerate(self.numels)}
+        sizes = {self._key(i): state_nbytes(n, fmt) for i, n in enumerate(self.numels)}
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
-        count, slot_bytes = state_buffers(self.numels, buffer_count)
+        count, slot_bytes = state_buffers(self.numels, buffer_count, fmt)
         self.pool = PinnedBufferPool(count, slot_bytes, pin=pin_memory, name="optim")
         self.residency = [Residency.ON_NVME] * len(self.numels)
         self.stats = self.io.stats
@@ -178,17 +184,16 @@ class NvmeStateTier:
         buf = self._free_buffer(index)
         state = self._views(index, buf)
         state.master.copy_(master.reshape(-1))
-        state.exp_avg.zero_()
-        state.exp_avg_sq.zero_()
+        self.format.reset_moments(state)
         self._swap_out(index, buf)
 
-    def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
+    def sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
         """Every sub-group in order, pipelined (see [Note: NVMe sweep pipeline])."""
         gen = self._sweep()
         self._active = weakref.ref(gen)
         return gen
 
-    def _sweep(self) -> Iterator[tuple[int, SubGroupState]]:
+    def _sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
         self._check_usable("sweep")
         self._sweeping = True
         reads, self._ahead = self._ahead, deque()
@@ -233,7 +238,7 @@ class NvmeStateTier:
         finally:
             self._sweeping = False
 
-    def read(self, index: int) -> SubGroupState:
+    def read(self, index: int) -> SubGroupState | SubGroupState8:
         """A copy of sub-group `index`'s state (waits for its pending write first)."""
         self._check_usable("read")
         self._drop_ahead()
@@ -243,7 +248,8 @@ class NvmeStateTier:
         t = self._swap_in(index, buf)
         try:
             self._wait(t)
-            return SubGroupState(*(x.clone() for x in self._views(index, buf)))
+            state = self._views(index, buf)
+            return type(state)(*(x.clone() for x in state))
         finally:
             if self.residency[index] in (Residency.READING, Residency.RESIDENT):
                 self.residency[index] = Residency.ON_NVME
@@ -255,29 +261,29 @@ class NvmeStateTier:
         self._check_usable("read_range")
         self._drop_ahead()
         self._check(index, None, "state")
-        n = self.numels[index]
-        if field not in SubGroupState._fields or not 0 <= start <= stop <= n:
+        base, dtype, n = self.format.field_offset(field, self.numels[index])
+        if not 0 <= start <= stop <= n:
             raise ValueError(
-                f"read_range({index}, {field!r}, {start}, {stop}): the field must be one of "
-                f"{SubGroupState._fields} and 0 <= start <= stop <= {n}"
+                f"read_range({index}, {field!r}, {start}, {stop}): {field} has {n} elements, "
+                f"so 0 <= start <= stop <= {n}"
             )
         self._settle(index)
-        base = SubGroupState._fields.index(field) * n
-        lo, hi = (base + start) * _F32, (base + stop) * _F32
+        size = torch.empty((), dtype=dtype).element_size()
+        lo, hi = base + start * size, base + stop * size
         first = lo - lo % ALIGN_BYTES
         buf = aligned_empty(align_up(hi) - first, torch.uint8)
         ext = self._extents[index]
         what = f"optimizer sub-group {index}"
         # A failed read changes nothing on disk: it does not mark the store failed.
         self.io.read(buf, ext.path, ext.offset + first, what=what, poison=False).wait()
-        return buf[lo - first : hi - first].view(torch.float32)
+        return buf[lo - first : hi - first].view(dtype)
 
-    def write(self, index: int, state: SubGroupState) -> None:
+    def write(self, index: int, state: SubGroupState | SubGroupState8) -> None:
         """Replace sub-group `index`'s state; durable once this returns."""
         self._check_usable("write")
         self._drop_ahead()
-        for name, src in zip(SubGroupState._fields, state, strict=True):
-            self._check(index, src, name)
+        check_format(self.format, state)
+        self._check(index, state.master, "master")
         self._settle(index)
         buf = self._free_buffer(index)
         for dst, src in zip(self._views(index, buf), state, strict=True):
@@ -432,10 +438,9 @@ class NvmeStateTier:
 
     # -- checks ----------------------------------------------------------------------------
 
-    def _views(self, index: int, buf: PoolBuffer) -> SubGroupState:
+    def _views(self, index: int, buf: PoolBuffer) -> SubGroupState | SubGroupState8:
         n = self.numels[index]
-        flat = buf.data[: align_up(state_nbytes(n))].view(torch.float32)
-        return SubGroupState(flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n])
+        return self.format.views(buf.data[: state_nbytes(n, self.format)], n)
 
     def _transition(self, index: int, sources: tuple[Residency, ...], to: Residency) -> None:
         now = self.residency[index]

@@ -30,7 +30,7 @@ from typing import Any
 from infinity.config.sections import OffloadOptimizerConfig
 from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.nvme_state import NvmeStateTier
-from infinity.swap.state_tier import HostStateTier, SubGroupState
+from infinity.swap.state_tier import HostStateTier, SubGroupState, SubGroupState8
 
 
 def ram_sub_groups(numels: Sequence[int], max_in_cpu: int) -> int:
@@ -77,8 +77,9 @@ class SplitStateTier:
                 "a split needs some in each tier (use HostStateTier or NvmeStateTier)"
             )
         self.in_ram = in_ram
-        self.host = HostStateTier(self.numels[:in_ram])
         self.nvme = make_nvme(self.numels[in_ram:])
+        self.format = self.nvme.format
+        self.host = HostStateTier(self.numels[:in_ram], self.format)
         self.stats = self.nvme.stats
 
     def _tier(self, index: int) -> tuple[HostStateTier | NvmeStateTier, int]:
@@ -92,7 +93,7 @@ class SplitStateTier:
         tier, i = self._tier(index)
         tier.initialize(i, master)
 
-    def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
+    def sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
         for i, state in self.host.sweep():
             yield i, state
         swept = self.nvme.sweep()
@@ -102,11 +103,11 @@ class SplitStateTier:
         finally:  # a sweep left early (an exception) unwinds the NVMe pipeline at once
             swept.close()
 
-    def read(self, index: int) -> SubGroupState:
+    def read(self, index: int) -> SubGroupState | SubGroupState8:
         tier, i = self._tier(index)
         return tier.read(i)
 
-    def write(self, index: int, state: SubGroupState) -> None:
+    def write(self, index: int, state: SubGroupState | SubGroupState8) -> None:
         tier, i = self._tier(index)
         tier.write(i, state)
 
@@ -121,7 +122,7 @@ class SplitStateTier:
         """The NVMe tier's figures, and the host sub-groups' state bytes."""
         return {
             **self.nvme.memory_stats(),
-            "optim_host_state_bytes": self.host.flat.master.nbytes * 3,
+            "optim_host_state_bytes": self.host.nbytes,
         }
 
 

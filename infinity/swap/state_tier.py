@@ -1,7 +1,8 @@
-"""Where the optimizer's fp32 state lives: the contract, and the host-memory tier.
+"""Where the optimizer's state lives: the contract, and the host-memory tier.
 
 A `StateTier` holds, for each optimizer sub-group, the fp32 master weights and the two Adam
-moments as three flat tensors. The optimizer (`infinity.zero`) never knows which tier it
+moments: three flat fp32 tensors, or with the 8-bit format the moments' codes and absmax
+(`infinity.swap.state_format`). The optimizer (`infinity.zero`) never knows which tier it
 talks to: it sweeps the sub-groups in order and updates each in place. The NVMe tier
 implements the same contract with reads of the next sub-group and write-back of the previous
 one overlapping the step of the current one.
@@ -10,26 +11,19 @@ one overlapping the step of the current one.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
 from infinity.swap.footprint import Footprint
+from infinity.swap.state_format import StateFormat, SubGroupState, SubGroupState8
 
-_F32 = 4
-
-
-def host_state_footprint(numels: Sequence[int]) -> Footprint:
-    """`HostStateTier`'s three flat fp32 fields (master, exp_avg, exp_avg_sq)."""
-    return Footprint(3 * _F32 * sum(numels))
+__all__ = ["HostStateTier", "StateTier", "SubGroupState", "SubGroupState8", "StateFormat"]
 
 
-class SubGroupState(NamedTuple):
-    """One sub-group's optimizer state: three flat fp32 tensors of the same numel."""
-
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+def host_state_footprint(numels: Sequence[int], fmt: StateFormat = StateFormat.ADAMW) -> Footprint:
+    """`HostStateTier`'s fields (master and moments in `fmt`)."""
+    return Footprint(sum(fmt.nbytes(n) for n in numels))
 
 
 class StateTier(Protocol):
@@ -45,6 +39,8 @@ class StateTier(Protocol):
 
     numels: Sequence[int]
     """Elements of each sub-group."""
+    format: StateFormat
+    """What a sub-group's state is made of (32-bit or 8-bit moments)."""
 
     def initialize(self, index: int, master: torch.Tensor) -> None:
         """Set sub-group `index`: master weights from `master` (any float dtype, flat, numel
@@ -65,7 +61,8 @@ class StateTier(Protocol):
 
     def read_range(self, index: int, field: str, start: int, stop: int) -> torch.Tensor:
         """A copy of elements [start, stop) of one field ("master", "exp_avg",
-        "exp_avg_sq") of sub-group `index` (checkpointing one parameter's share)."""
+        "exp_avg_sq", and with 8 bits the blocks' "exp_avg_absmax", "exp_avg_sq_absmax") of
+        sub-group `index`, in that field's elements (checkpointing one parameter's share)."""
         ...
 
     def close(self) -> None:
@@ -76,51 +73,79 @@ class StateTier(Protocol):
 class HostStateTier:
     """Every sub-group's state in (unpinned) host memory: the "cpu" offload tier."""
 
-    def __init__(self, numels: Sequence[int]) -> None:
+    def __init__(self, numels: Sequence[int], fmt: StateFormat = StateFormat.ADAMW) -> None:
         self.numels = list(numels)
-        total = host_state_footprint(self.numels).host // (3 * _F32)
-        self.flat = SubGroupState(*(torch.zeros(total, dtype=torch.float32) for _ in range(3)))
+        self.format = fmt
+        fields = [fmt.fields(n) for n in self.numels]
+        names = [name for name, _, _ in fmt.fields(0)]
+        dtypes = [dtype for _, dtype, _ in fmt.fields(0)]
+        totals = [sum(f[k][2] for f in fields) for k in range(len(names))]
+        storage = {
+            name: torch.zeros(total, dtype=dtype)
+            for name, dtype, total in zip(names, dtypes, totals, strict=True)
+        }
+        self.flat = fmt.state_type(**storage)
         """Each field of every sub-group back to back (sub-group i is a slice of it)."""
-        self._states, start = [], 0
-        for n in self.numels:
-            self._states.append(SubGroupState(*(t[start : start + n] for t in self.flat)))
-            start += n
+        self._states, starts = [], [0] * len(names)
+        for f in fields:
+            views = {}
+            for k, (name, _, n) in enumerate(f):
+                views[name] = storage[name][starts[k] : starts[k] + n]
+                starts[k] += n
+            state = fmt.state_type(**views)
+            fmt.reset_moments(state)
+            self._states.append(state)
 
     def _check(self, index: int, t: torch.Tensor, what: str) -> None:
         if not 0 <= index < len(self.numels):
             raise IndexError(f"sub-group {index} out of range (there are {len(self.numels)})")
-        if t.numel() != self.numels[index]:
+        want = getattr(self._states[index], what).numel()
+        if t.numel() != want:
             raise ValueError(
-                f"{what} for sub-group {index} has {t.numel()} elements, "
-                f"the sub-group has {self.numels[index]}"
+                f"{what} for sub-group {index} has {t.numel()} elements, the sub-group has {want}"
             )
 
     def initialize(self, index: int, master: torch.Tensor) -> None:
         self._check(index, master, "master")
         state = self._states[index]
         state.master.copy_(master.reshape(-1))
-        state.exp_avg.zero_()
-        state.exp_avg_sq.zero_()
+        self.format.reset_moments(state)
 
-    def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
+    def sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
         yield from enumerate(self._states)
 
-    def read(self, index: int) -> SubGroupState:
-        self._check(index, self._states[index].master, "state")
-        return SubGroupState(*(t.clone() for t in self._states[index]))
+    def read(self, index: int) -> SubGroupState | SubGroupState8:
+        self._check(index, self._states[index].master, "master")
+        return type(self._states[index])(*(t.clone() for t in self._states[index]))
 
-    def write(self, index: int, state: SubGroupState) -> None:
-        for name, src in zip(SubGroupState._fields, state, strict=True):
+    def write(self, index: int, state: SubGroupState | SubGroupState8) -> None:
+        check_format(self.format, state)
+        for name, src in zip(state._fields, state, strict=True):
             self._check(index, src, name)
             getattr(self._states[index], name).copy_(src.reshape(-1))
 
     def read_range(self, index: int, field: str, start: int, stop: int) -> torch.Tensor:
-        self._check(index, self._states[index].master, "state")
+        self._check(index, self._states[index].master, "master")
+        self.format.field_offset(field, 0)  # names the fields on a wrong one
         return getattr(self._states[index], field)[start:stop].clone()
 
-    def resident(self, index: int) -> SubGroupState:
+    def resident(self, index: int) -> SubGroupState | SubGroupState8:
         """The live tensors of sub-group `index` (host tier only: no copy)."""
         return self._states[index]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every sub-group's state."""
+        return sum(t.nbytes for t in self.flat)
+
     def close(self) -> None:
         pass
+
+
+def check_format(fmt: StateFormat, state: SubGroupState | SubGroupState8) -> None:
+    """Raises unless `state` is of format `fmt` (a 32-bit state into an 8-bit tier...)."""
+    if StateFormat.of(state) is not fmt:
+        raise ValueError(
+            f"a {StateFormat.of(state).value} state was given to a tier of {fmt.value} "
+            "state; convert it first (see docs/optimizer_8bit.md)"
+        )

@@ -30,7 +30,7 @@ from infinity.swap.split_state import (
     grad_split,
     state_in_ram,
 )
-from infinity.swap.state_tier import HostStateTier, StateTier
+from infinity.swap.state_tier import HostStateTier, StateFormat, StateTier
 from infinity.swap.store import SwapStore, default_run_id
 from infinity.utils.host_memory import physical_ram
 
@@ -78,19 +78,21 @@ def make_state_tier(
     aio: AioConfig | AioHandle,
     *,
     stores: SwapStores,
+    fmt: StateFormat = StateFormat.ADAMW,
 ) -> StateTier:
     """The optimizer-state tier for `offload.device`: host memory for "cpu"/"none", else an
     `NvmeStateTier` in the swap store of `offload.nvme_path`, or a `SplitStateTier` when
-    `offload.max_in_cpu` keeps the first sub-groups in host memory."""
+    `offload.max_in_cpu` keeps the first sub-groups in host memory; every one holds state
+    of format `fmt` (32-bit or 8-bit moments)."""
     in_ram = state_in_ram(numels, offload)
     if in_ram == len(numels):
-        return HostStateTier(numels)
+        return HostStateTier(numels, fmt)
     if not offload.nvme_path:
         raise ValueError(
             "offload_optimizer.nvme_path is required when offload_optimizer.device is 'nvme'"
         )
     on_nvme = list(numels[in_ram:])
-    state = nvme_state_footprint(on_nvme, offload.buffer_count)
+    state = nvme_state_footprint(on_nvme, offload.buffer_count, fmt)
     _, spill_from = grad_split(numels, offload)
     spilled = grad_footprint(numels[spill_from:], nvme=True).host if spill_from < len(numels) else 0
     check_host_buffers(state.host + spilled)  # the pipelines' buffers, not planned RAM
@@ -110,6 +112,7 @@ def make_state_tier(
             pin_memory=offload.pin_memory,
             pipeline_read=offload.pipeline_read,
             pipeline_write=offload.pipeline_write,
+            fmt=fmt,
         )
 
     return SplitStateTier(numels, in_ram, nvme) if in_ram else nvme(on_nvme)
@@ -155,7 +158,8 @@ def check_host_buffers(nbytes: int, ram_bytes: int | None = None) -> None:
     if ram and nbytes > ram // 2:
         raise ValueError(
             f"the NVMe optimizer pipeline needs {nbytes / 2**30:.1f} GiB of host buffers "
-            f"(offload_optimizer.buffer_count x 12 bytes + 3 gradient buffers x 4 bytes, per "
+            f"(offload_optimizer.buffer_count x 12 bytes (6 with 8-bit Adam) + 3 gradient "
+            f"buffers x 4 bytes, per "
             f"element of the largest sub-group) but the machine has {ram / 2**30:.1f} GiB of "
             f"RAM; lower zero_optimization.sub_group_size (e.g. to 2e7 elements) or "
             f"offload_optimizer.buffer_count (at least 3)"

@@ -39,12 +39,21 @@ from infinity.accelerator import profile_range
 from infinity.comm import Comm, SingleProcess
 from infinity.config import AUTO, OptimizerConfig, ZeroConfig
 from infinity.optim import AdamHyper, adam_step_flat
+from infinity.optim.adam8 import adam8_step_flat
 from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.grad_tier import HostGradTier
 from infinity.swap.split_state import SplitGradTier
-from infinity.swap.state_tier import HostStateTier, StateTier, SubGroupState
+from infinity.swap.state_tier import HostStateTier, StateFormat, StateTier
+from infinity.utils.quant_blocks import BLOCK, block_count
 from infinity.zero.build_files import release_build_pages
 from infinity.zero.optimizer_checks import check_no_decay, check_same_slots, check_step_args
+from infinity.zero.optimizer_state import (
+    check_format,
+    load_sub_groups,
+    read_slot,
+    saved_fields,
+    state_format,
+)
 from infinity.zero.sub_groups import (
     MODEL_DTYPES,
     FlatLayout,
@@ -60,7 +69,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PartitionedOptimizer", "Slot", "StepResult"]
 
-STATE_FIELDS = SubGroupState._fields  # ("master", "exp_avg", "exp_avg_sq")
 _KIND = "PartitionedOptimizer"
 _VERSION = 1
 
@@ -107,21 +115,16 @@ class PartitionedOptimizer:
         self.dtype = check_slots(slots) or torch.float32
         self.hyper = _hyperparameters(optimizer)
         self.backend = "torch" if optimizer.torch_adam else None  # None: env var, then auto
+        self.format = state_format(optimizer)
+        self.convert_state = optimizer.convert_state
+        self._saved_format = self.format  # of the checkpoint being loaded
         self.sub_group_size = resolve_sub_group_size(zero.sub_group_size)
         self._names = [s.name for s in slots]
         self._numels = [s.numel for s in slots]
         self.no_decay = frozenset(check_no_decay(no_decay, len(slots)))
         self.layout: FlatLayout = _layout(weights, self._numels, self.sub_group_size)
         numels = self.layout.sub_group_numels
-        if state_tier is None:
-            state_tier = HostStateTier(numels)
-        elif list(state_tier.numels) != numels:
-            raise ValueError(
-                f"the state store holds sub-groups of {list(state_tier.numels)} elements but "
-                f"these slots make {numels} (sub_group_size={self.sub_group_size}); build "
-                "the store with infinity.zero.sub_group_numels(...)"
-            )
-        self.store = state_tier
+        self.store = state_tier = _state_tier(state_tier, numels, self.format, self.sub_group_size)
         if grad_tier is None:
             grad_tier = HostGradTier(numels)
         elif list(grad_tier.numels) != numels:
@@ -178,6 +181,13 @@ class PartitionedOptimizer:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._names)
+
+    def slot_numel(self, i: int) -> int:
+        return self._numels[i]
+
+    def slot_span(self, i: int) -> tuple[int, int]:
+        """Slot i's [start, stop) in the flat space."""
+        return self._span(i)
 
     def _span(self, i: int) -> tuple[int, int]:
         if not 0 <= i < len(self._names):
@@ -294,17 +304,14 @@ class PartitionedOptimizer:
                 t0 = time.perf_counter()
                 with profile_range("infinity::zero::adam_sub_group"):
                     for a, b, decays in self._runs[index]:
-                        adam_step_flat(
-                            state.master[a:b],
-                            grad[a:b],
-                            state.exp_avg[a:b],
-                            state.exp_avg_sq[a:b],
+                        self._step_run(
+                            state, grad, a, b,
                             step=step,
                             hyper=decayed if decays else undecayed,
                             grad_scale=grad_scale,
                             half_out=half[a:b] if half is not None else None,
                             backend=self.backend,
-                        )
+                        )  # fmt: skip
                 self.last_compute_s += time.perf_counter() - t0
                 if out is not None and half is None:
                     out.copy_(state.master)
@@ -317,67 +324,37 @@ class PartitionedOptimizer:
             self.weights.finish()
         self.step_count = step
 
+    def _step_run(self, state, grad: torch.Tensor, a: int, b: int, **step) -> None:
+        """Adam over elements [a, b) of one sub-group's state, in the state's format (an
+        8-bit run starts on a block: it starts at a slot)."""
+        if not self.format.eight_bit:
+            args = (state.exp_avg[a:b], state.exp_avg_sq[a:b])
+            adam_step_flat(state.master[a:b], grad[a:b], *args, **step)
+            return
+        assert a % BLOCK == 0, (a, b)
+        blocks = slice(a // BLOCK, block_count(b))
+        moments = (state.exp_avg[a:b], state.exp_avg_sq[a:b])
+        absmax = (state.exp_avg_absmax[blocks], state.exp_avg_sq_absmax[blocks])
+        adam8_step_flat(state.master[a:b], grad[a:b], *moments, *absmax, **step)
+
     # -- checkpoints --------------------------------------------------------------------
     def state_tensors(self) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-        """("<slot>.master" / ".exp_avg" / ".exp_avg_sq", thunk) for every slot, in order.
+        """("<slot>.master" / ".exp_avg" / ".exp_avg_sq", and with 8-bit moments
+        ".exp_avg_absmax" / ".exp_avg_sq_absmax", thunk) for every slot, in order.
 
         A thunk reads just that slot's share of the field from the store (a slot may span
         sub-groups), so one slot's field is the most held at a time.
         """
         for slot, name in enumerate(self._names):
-            for field in STATE_FIELDS:
-                yield f"{name}.{field}", functools.partial(self._read_slot, slot, field)
-
-    def _read_slot(self, slot: int, field: str) -> torch.Tensor:
-        lo, hi = self._span(slot)
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        for g in self.layout.sub_groups_of(slot):
-            start, stop = self.layout.range(g)
-            a, b = max(lo, start), min(hi, stop)
-            out[a - lo : b - lo] = self.store.read_range(g, field, a - start, b - start)
-        return out
+            for field in saved_fields(self.format):
+                yield f"{name}.{field}", functools.partial(read_slot, self, slot, field)
 
     @torch.no_grad()
     def load_state_tensors(self, get: Callable[[str], torch.Tensor]) -> None:
-        """Every slot's state from `get(name)` (names as in `state_tensors`), written to the
-        store one sub-group at a time; the weights become the loaded masters."""
-        layout = self.layout
-        try:
-            for g in range(layout.num_sub_groups):
-                start, stop = layout.range(g)
-                state = SubGroupState(
-                    *(torch.zeros(stop - start, dtype=torch.float32) for _ in STATE_FIELDS)
-                )
-                for slot, a, b in layout.pieces(g):
-                    at = layout.offsets[slot] + a - start
-                    for field in STATE_FIELDS:
-                        src = self._get_state(get, slot, field)
-                        getattr(state, field)[at : at + b - a].copy_(src[a:b])
-                self.store.write(g, state)
-                if not self.aliased:
-                    out = self.weights.out(start, stop)
-                    out.copy_(state.master)
-                    self.weights.commit(start, out)
-        finally:
-            self.weights.finish()
-
-    def _get_state(self, get: Callable[[str], torch.Tensor], slot: int, field: str):
-        name = f"{self._names[slot]}.{field}"
-        try:
-            t = get(name)
-        except KeyError:
-            raise ValueError(
-                f"no optimizer state {name!r} (slot {slot}) to load; the checkpoint was saved "
-                "from another model or without optimizer state"
-            ) from None
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"optimizer state {name!r} must be a float tensor, got {t!r:.80}")
-        if t.numel() != self._numels[slot]:
-            raise ValueError(
-                f"optimizer state {name!r} has {t.numel()} elements but slot {slot} has "
-                f"{self._numels[slot]}; the checkpoint is from a different model or partitioning"
-            )
-        return t.reshape(-1)
+        """Every slot's state from `get(name)` (names as in `state_tensors` of the format
+        `load_state_dict` found), written to the store one sub-group at a time; the weights
+        become the loaded masters."""
+        load_sub_groups(self, get, self._saved_format)
 
     def state_dict(self) -> dict:
         """JSON-able: step count, hyperparameters and layout (the tensors are separate)."""
@@ -387,6 +364,7 @@ class PartitionedOptimizer:
             "step_count": self.step_count,
             "hyperparameters": self.hyper.constants(),
             "model_dtype": MODEL_DTYPES[self.dtype],
+            "state_format": self.format.value,
             "sub_group_size": self.sub_group_size,
             "slots": [[name, n] for name, n in zip(self._names, self._numels, strict=True)],
         }
@@ -400,6 +378,9 @@ class PartitionedOptimizer:
         if d.get("version", 0) > _VERSION:
             raise ValueError(f"state dict version {d['version']} is newer than {_VERSION}")
         check_same_slots(d["slots"], self._names, self._numels)
+        saved = StateFormat(d.get("state_format", StateFormat.ADAMW.value))
+        check_format(saved, self.format, self.convert_state)
+        self._saved_format = saved
         configured = self.hyper.constants()
         for key, saved in d.get("hyperparameters", {}).items():
             if configured.get(key) != saved:
@@ -419,7 +400,7 @@ class PartitionedOptimizer:
         part = 0 if self.aliased else self.weights.host_bytes
         store_stats = {}
         if isinstance(self.store, HostStateTier):
-            state = 3 * 4 * sum(self.store.numels)
+            state = self.store.nbytes
         else:
             if callable(getattr(self.store, "memory_stats", None)):
                 store_stats = dict(self.store.memory_stats())
@@ -435,6 +416,28 @@ class PartitionedOptimizer:
             "state_bytes": state,
             "host_bytes": grad + part + state,
         }
+
+
+def _state_tier(
+    tier: StateTier | None, numels: list[int], fmt: StateFormat, sub_group_size: int
+) -> StateTier:
+    """`tier` once checked against the sub-groups and the state format (a host tier when
+    None)."""
+    if tier is None:
+        return HostStateTier(numels, fmt)
+    if getattr(tier, "format", StateFormat.ADAMW) is not fmt:
+        raise ValueError(
+            f"the state tier holds {tier.format.value} state but the optimizer is "
+            f"{fmt.value}; build it with make_state_tier(..., fmt=...) of the same optimizer "
+            "config"
+        )
+    if list(tier.numels) != numels:
+        raise ValueError(
+            f"the state store holds sub-groups of {list(tier.numels)} elements but these "
+            f"slots make {numels} (sub_group_size={sub_group_size}); build the store with "
+            "infinity.zero.sub_group_numels(...)"
+        )
+    return tier
 
 
 def _layout(

@@ -1,0 +1,201 @@
+"""The 8-bit blockwise Adam: the scheme's tables, the torch twin, and the native kernel's
+parity with the twin (every SIMD level bit for bit with the scalar path).
+
+[Note: the 8-bit parity tolerance] From the same inputs the kernel's codes, absmax and
+half copy equal the twin's bit for bit: the new moments are computed with the same IEEE
+operations in the same order, before any square root, so their quantization sees the same
+numbers. The new fp32 parameter agrees to fp32 rounding of the update (1e-6 of the tensor's
+scale, as the 32-bit kernel's parity test): torch's vectorized sqrt and addcdiv are not
+correctly rounded for some inputs, the kernel's IEEE ones are (see [Note: operation order]
+in csrc/cpu_adam/adam_body.inc).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinity.optim import AdamHyper, adam_step_flat_reference, native_adam
+from infinity.optim.adam8 import adam8_step_flat, adam8_step_flat_reference, native_tables
+from infinity.optim.quant8 import (
+    BLOCK,
+    ZERO_CODE_SIGNED,
+    block_count,
+    dequantize,
+    dynamic_map,
+    quantize,
+    tables,
+)
+
+LEVELS = native_adam.simd_levels() if native_adam.available8() else []
+needs_native = pytest.mark.skipif(not LEVELS, reason="infinity._cpu_adam has no 8-bit step")
+HYPERS = {
+    "adamw-wd": AdamHyper(lr=1e-2, weight_decay=0.1),
+    "adam-l2": AdamHyper(lr=1e-2, weight_decay=0.05, adamw_mode=False),
+    "no-bias-correction": AdamHyper(lr=3e-3, beta1=0.5, beta2=0.9, bias_correction=False),
+}
+SIZES = [0, 1, 15, 255, 256, 257, 1000, 4096, (1 << 16) + 300]
+
+
+def _zero_state(n: int) -> list[torch.Tensor]:
+    nb = block_count(n)
+    return [
+        torch.full((n,), ZERO_CODE_SIGNED, dtype=torch.uint8),
+        torch.zeros(n, dtype=torch.uint8),
+        torch.zeros(nb),
+        torch.zeros(nb),
+    ]
+
+
+def _grad(n: int, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    # Magnitudes over many decades, so every part of the maps is used.
+    return (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4).to(dtype)
+
+
+def _run(backend, simd, n, hyper, *, grad_dtype=torch.float32, half_dtype=None, steps=4,
+         tile_numel=None):  # fmt: skip
+    gen = torch.Generator().manual_seed(n)
+    param, moments = torch.randn(n, generator=gen), _zero_state(n)
+    half = torch.empty(n, dtype=half_dtype) if half_dtype else None
+    for step in range(1, steps + 1):
+        grad = _grad(n, gen, grad_dtype)
+        kw = dict(step=step, hyper=hyper, grad_scale=0.5, half_out=half, simd=simd)
+        if tile_numel is None:
+            adam8_step_flat(param, grad, *moments, backend=backend, **kw)
+        else:
+            native_adam.adam8_step_native(param, grad, *moments, tables=native_tables(),
+                                          tile_numel=tile_numel, **kw)  # fmt: skip
+    return [param, *moments] + ([half] if half is not None else [])
+
+
+def test_maps_are_the_dynamic_maps():
+    signed, unsigned = dynamic_map(True), dynamic_map(False)
+    assert len(signed) == len(unsigned) == 256
+    assert signed[ZERO_CODE_SIGNED] == 0.0 and signed[-1] == 1.0 and -1.0 not in signed
+    assert signed[0] == pytest.approx(-0.99296875) and unsigned[0] == 0.0
+    assert sorted(set(unsigned)) == unsigned and min(v for v in unsigned if v > 0) < 1e-6
+    # Decade i holds 2**i signed (2**(i+1) unsigned) values between 1e(i-7) and 1e(i-6).
+    assert sum(1e-3 <= v < 1e-2 for v in signed) == 2**4
+    assert sum(1e-3 <= v < 1e-2 for v in unsigned) == 2**5
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_bucket_lookup_is_the_nearest_value(signed):
+    """The kernel's lookup (bucket table, one midpoint compare) counts the midpoints below
+    |y| exactly as a search does, on every midpoint, its neighbours and random values."""
+    t = tables(signed)
+    mids = t.mids[:-1]
+    near = torch.cat([mids, torch.nextafter(mids, torch.ones(1)),
+                      torch.nextafter(mids, torch.zeros(1))])  # fmt: skip
+    y = torch.cat([near, torch.rand(200_000) ** 6, torch.tensor([0.0, 1e-30, 1.0])])
+    bucket = ((y.view(torch.int32) >> 16) - ((127 - 24) << 7)).clamp(0, t.buckets.numel() - 1)
+    c = t.buckets[bucket].long()
+    looked_up = c + (t.mids[c] < y).long()
+    assert torch.equal(looked_up, torch.searchsorted(mids, y, side="left"))
+
+
+def test_quantize_round_trip():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=gen)
+    codes, absmax = quantize(x, signed=True)
+    assert codes.dtype == torch.uint8 and absmax.shape == (block_count(1000),)
+    blocks = [x[i : i + BLOCK].abs().max() for i in range(0, 1000, BLOCK)]
+    assert torch.equal(absmax, torch.stack(blocks))
+    back = dequantize(codes, absmax, signed=True)
+    # The largest gap of the signed map is 0.9 / 64 of the absmax (its top decade).
+    scale = absmax.repeat_interleave(BLOCK)[:1000]
+    assert ((back - x).abs() <= scale * 0.9 / 128 + 1e-7).all()
+    zeros_codes, zeros_absmax = quantize(torch.zeros(300), signed=True)
+    assert (zeros_codes == ZERO_CODE_SIGNED).all() and (zeros_absmax == 0).all()
+    v = torch.rand(600, generator=gen) ** 8
+    codes, absmax = quantize(v, signed=False)
+    assert (dequantize(codes, absmax, signed=False) - v).abs().max() < 0.01 * v.max()
+
+
+def test_twin_tracks_32_bit_adam():
+    """Dequantized, the twin's moments follow fp32 Adam's within the maps' resolution, and
+    the parameters within a small fraction of the distance they moved (elements whose v
+    rounds to a map value far from theirs move differently: the scheme's cost)."""
+    n, hyper = 4096, HYPERS["adamw-wd"]
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(n, generator=gen)
+    p8, moments = p0.clone(), _zero_state(n)
+    p32, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step in range(1, 21):
+        grad = _grad(n, gen) + 0.1
+        adam8_step_flat_reference(p8, grad, *moments, step=step, hyper=hyper)
+        adam_step_flat_reference(p32, grad, m, v, step=step, hyper=hyper)
+    m8 = dequantize(moments[0], moments[2], signed=True)
+    v8 = dequantize(moments[1], moments[3], signed=False)
+    assert (m8 - m).abs().max() < 0.05 * m.abs().max()
+    assert (v8 - v).abs().max() < 0.05 * v.abs().max()
+    moved = (p32 - p0).abs()
+    assert (p8 - p32).abs().max() < 0.1 * moved.max()
+    assert (p8 - p32).abs().mean() < 0.05 * moved.mean()
+
+
+@needs_native
+@pytest.mark.parametrize("hyper", list(HYPERS), ids=str)
+def test_kernel_equals_twin_from_the_same_inputs(hyper):
+    """One step from identical state, per [Note: the 8-bit parity tolerance]."""
+    h = HYPERS[hyper]
+    for n in SIZES:
+        start = _run("torch", "auto", n, h, steps=3)
+        grad = _grad(n, torch.Generator().manual_seed(9), torch.bfloat16)
+        native, twin = [t.clone() for t in start], [t.clone() for t in start]
+        halves = [torch.empty(n, dtype=torch.float16) for _ in range(2)]
+        adam8_step_flat(native[0], grad, *native[1:], step=4, hyper=h, grad_scale=0.25,
+                        half_out=halves[0], backend="native")  # fmt: skip
+        adam8_step_flat_reference(twin[0], grad, *twin[1:], step=4, hyper=h, grad_scale=0.25,
+                                  half_out=halves[1])  # fmt: skip
+        for a, b, name in zip(native[1:], twin[1:], ["codes m", "codes v", "absmax m", "absmax v"],
+                              strict=True):  # fmt: skip
+            assert torch.equal(a, b), f"{name} differ at numel={n}"
+        scale = twin[0].abs().max().item() if n else 0.0
+        torch.testing.assert_close(native[0], twin[0], rtol=1e-6, atol=1e-6 * scale)
+        assert torch.equal(halves[0], native[0].half())
+        if n:
+            assert not torch.equal(native[0], start[0])
+
+
+@needs_native
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("half_dtype", [None, torch.bfloat16], ids=str)
+def test_simd_paths_are_bit_identical_to_scalar(grad_dtype, half_dtype):
+    for n in SIZES:
+        for h in HYPERS.values():
+            kw = dict(grad_dtype=grad_dtype, half_dtype=half_dtype)
+            expected = _run("native", "scalar", n, h, **kw)
+            for level in LEVELS[:-1]:
+                got = _run("native", level, n, h, **kw)
+                for a, b in zip(got, expected, strict=True):
+                    assert torch.equal(a, b), f"{level} differs from scalar at numel={n}"
+
+
+@needs_native
+def test_tiles_and_threads_do_not_change_results():
+    h = HYPERS["adamw-wd"]
+    expected = _run("native", "auto", 70_000, h, tile_numel=1 << 20)
+    threads = native_adam.num_threads()
+    try:
+        for n in (1, 2, 3):
+            native_adam.set_num_threads(n)
+            for tile in (256, 4096):
+                got = _run("native", "auto", 70_000, h, tile_numel=tile)
+                assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+            got = _run("native", "auto", 70_000, h)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    finally:
+        native_adam.set_num_threads(threads)
+
+
+def test_bad_buffers_are_refused():
+    n = 1000
+    param, grad = torch.zeros(n), torch.zeros(n)
+    m, v, am, av = _zero_state(n)
+    with pytest.raises(TypeError, match="exp_avg has dtype torch.float32"):
+        adam8_step_flat(param, grad, torch.zeros(n), v, am, av, step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="exp_avg_absmax has 3 elements.*must have 4"):
+        adam8_step_flat(param, grad, m, v, torch.zeros(3), av, step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="exp_avg and exp_avg_sq share memory"):
+        adam8_step_flat(param, grad, m, m, am, av, step=1, lr=1e-3)
