@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.optimizer_pipeline_bench import sweep_pass
 from benchmarks.optimizer_swap_bench import machine, open_aio, state_groups
-from infinity.io import checksum
+from infinity.io import checksum, extent
 from infinity.io.aio import AioHandle, aligned_empty
 from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.store import SwapStore
@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         "sub_groups": groups,
         "state_bytes": state_bytes,
         "rounds": args.rounds,
+        "sum_threads": args.sum_threads,
         "variants": variants,
         "identical": result["identical"],
         "load_average": os.getloadavg(),
@@ -152,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--backend", default="auto")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--sum-threads", type=int, default=extent.SUM_THREADS,
+                   help="checksum threads per tier (default: the tiers' own)")  # fmt: skip
     p.add_argument("--json", default="swap_checksum_bench.json", help="output file")
     args = p.parse_args(argv)
+    extent.SUM_THREADS = args.sum_threads
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     record = run(args)
     print(
