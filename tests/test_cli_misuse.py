@@ -165,6 +165,7 @@ def _build(root: Path) -> World:
     w.config("cfg_grads_in_cpu_str.json",
              {"zero_optimization": {"offload_optimizer": {"gradients_in_cpu": "yes"}}})  # fmt: skip
     os.symlink("selfloop", w.add("selfloop", root / "selfloop"))  # a link to itself
+    (w.add("writing", root / "writing") / ".tmp.step1").mkdir(parents=True)  # a first save
     w.add("out", root / "exported")  # never created: every export case fails first
     run = w.add("run", root / "runs" / "done")
     assert main(_train(w, "--save-dir", str(run), "--steps", "2", "--save-every", "1")) == 0
@@ -392,6 +393,14 @@ CASES = [
     ("export-dtype", lambda w: ["export", w["dir"], "--out", "o", "--dtype", "int8"],
      2, "invalid choice"),
     ("export-no-out", lambda w: ["export", w["dir"]], 2, "--out"),
+    # -- generate
+    ("generate-prompt-past-positions",
+     lambda w: ["generate", w["run"], "--tokenizer", w["model"], "--prompt", "x" * 2100],
+     1, "takes 2048 positions (max_position_embeddings) for the prompt and the reply together; "
+        "shorten the prompt to at most 2047 tokens"),
+    ("generate-first-save-in-progress",
+     lambda w: ["generate", w["writing"], "--byte-tokens", "--prompt", "x"],
+     1, "has no complete checkpoint yet: one is being written"),
     # -- bench
     ("bench-aio-missing", lambda w: ["bench", "aio", "--path", w["nvme_missing"], "--size", "1M"],
      1, "nowhere"),
