@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -163,12 +164,15 @@ class Streamer:
         self._show(text)
 
     def finish(self) -> None:
-        self._show(self.tok.decode(self.ids, skip_special_tokens=True))
+        self._show(self.tok.decode(self.ids, skip_special_tokens=True), final=True)
         print(flush=True)
 
-    def _show(self, text: str) -> None:
-        if text.startswith(self.shown):
-            print(text[len(self.shown) :], end="", flush=True)
+    def _show(self, text: str, *, final: bool = False) -> None:
+        # A tokenizer may decode a longer reply to other text before the end (it cleans up
+        # spaces): what is printed stays, and the end prints what follows the common part.
+        common = len(os.path.commonprefix([self.shown, text]))
+        if common == len(self.shown) or final:
+            print(text[common:], end="", flush=True)
             self.shown = text
 
 
