@@ -5,13 +5,15 @@ is seeded; chat needs a template; bad flags are clear errors."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
 import torch
+from _hf_models import POSITIONS, write_model_dir
 from _train_inputs import train_args, write_inputs
 
-from infinity.cli.generate import ByteTokens, is_export, open_model, sample
+from infinity.cli.generate import ByteTokens, Streamer, is_export, open_model, sample
 from infinity.cli.main import main
 
 transformers = pytest.importorskip("transformers")
@@ -151,3 +153,110 @@ def test_a_lora_checkpoint_asks_for_a_merged_export(run, tmp_path, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "LoRA adapters" in err and f"infinity export {save}" in err, err
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """(GPT-2 export of POSITIONS learned positions with its tokenizer, a save dir of it)."""
+    root = tmp_path_factory.mktemp("gpt2")
+    export = write_model_dir(transformers, "gpt2", root)
+    _, data = write_inputs(root)
+    save = root / "run"
+    assert main(train_args(export, data, save, "--steps", 1)) == 0
+    return export, save
+
+
+def _generate(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["generate", *map(str, argv)])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return code, out, err
+
+
+@pytest.mark.parametrize("source", ["export", "save_dir"])
+def test_generate_stays_within_the_models_positions(gpt2, capsys, caplog, source):
+    """GPT-2's learned positions end at POSITIONS: a longer prompt is refused, naming the
+    limit; a reply that would run past it is capped there, saying so (it was an IndexError
+    from inside the model)."""
+    export, save = gpt2
+    where = export if source == "export" else save
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    code, _, err = _generate(capsys, where, "--tokenizer", export, "--prompt", "ab " * 150)
+    assert code == 1
+    assert f"takes {POSITIONS} positions" in err
+    assert f"shorten the prompt to at most {POSITIONS - 1} tokens" in err
+
+    prompt = "doc 7: abc"
+    n_prompt = len(tok(prompt)["input_ids"])
+    caplog.set_level(logging.WARNING)
+    code, out, err = _generate(
+        capsys, where, "--tokenizer", export, "--prompt", prompt, "--max-new-tokens", 100_000
+    )
+    assert code == 0, err
+    room = POSITIONS - n_prompt
+    assert f"--max-new-tokens 100000 capped at {room}" in caplog.text
+    assert out.startswith(prompt) and len(out.rstrip("\n")) > len(prompt)
+
+
+def test_a_rotary_models_reply_is_capped_at_its_positions(run, tmp_path, capsys, caplog):
+    """Rotary positions run on past the limit (ever slower, the hang of a huge
+    --max-new-tokens): the reply is capped at the configured positions too."""
+    _, _, export = run
+    short = tmp_path / "short"
+    shutil.copytree(export, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 24}))
+    caplog.set_level(logging.WARNING)
+    code, out, err = _generate(capsys, short, "--byte-tokens", "--prompt", "doc 7: abcdab",
+                               "--max-new-tokens", 100_000)  # fmt: skip
+    assert code == 0, err
+    n_prompt = len(ByteTokens()("doc 7: abcdab")["input_ids"])
+    assert f"capped at {24 - n_prompt}" in caplog.text
+
+
+def test_the_reply_is_printed_token_by_token(capsys):
+    """Each token is printed (flushed) before the next forward runs; a character whose
+    UTF-8 bytes come in two tokens is printed whole once both are there."""
+    reply = list("é!".encode())  # 0xC3 0xA9 0x21
+    seen: list[str] = []
+
+    def logits_of(ids):
+        seen.append(capsys.readouterr().out)
+        out = torch.zeros(1, ids.shape[1], 258)
+        out[0, -1, reply[len(seen) - 1] if len(seen) <= len(reply) else 257] = 1.0
+        return out
+
+    streamer = Streamer(ByteTokens(), "say: ")
+    got = sample(logits_of, [256], 10, eos_id=257, on_token=streamer.add)
+    streamer.finish()
+    assert got == [*reply, 257]
+    assert seen == ["say: ", "", "é", "!"]  # the half character waits for its second byte
+    assert capsys.readouterr().out == "\n"
+
+
+def test_a_live_runs_checkpoint_removed_mid_read_is_read_again(run, tmp_path, capsys, monkeypatch):
+    """Retention (--keep-last) removes the checkpoint being read under a live run: the
+    newest that is there then is read instead (it was a FileNotFoundError)."""
+    import infinity.models.hf_load as hf_load
+
+    model, _, _ = run
+    save = tmp_path / "run"
+    assert main(train_args(model, model.parent / "corpus.jsonl", save, "--steps", 2,
+                           "--save-every", 1)) == 0  # fmt: skip
+    argv = [save, "--tokenizer", model, "--prompt", PROMPT, "--max-new-tokens", 6]
+    step1 = tmp_path / "step1"
+    shutil.copytree(save / "step1", step1)
+    _, want, _ = _generate(capsys, step1, *argv[1:])  # what the older checkpoint says
+
+    real_sink, removed = hf_load.copying_sink, []
+
+    def removing_sink(model):
+        if not removed:  # the first read: its files go before the weights are read
+            removed.append(shutil.move(save / "step2", tmp_path / "gone"))
+        return real_sink(model)
+
+    monkeypatch.setattr(hf_load, "copying_sink", removing_sink)
+    code, out, err = _generate(capsys, *argv)
+    assert code == 0, err
+    assert removed and out == want

@@ -164,6 +164,8 @@ def _build(root: Path) -> World:
              {"zero_optimization": {"offload_optimizer": {"max_in_cpu": -1}}})  # fmt: skip
     w.config("cfg_grads_in_cpu_str.json",
              {"zero_optimization": {"offload_optimizer": {"gradients_in_cpu": "yes"}}})  # fmt: skip
+    os.symlink("selfloop", w.add("selfloop", root / "selfloop"))  # a link to itself
+    (w.add("writing", root / "writing") / ".tmp.step1").mkdir(parents=True)  # a first save
     w.add("out", root / "exported")  # never created: every export case fails first
     run = w.add("run", root / "runs" / "done")
     assert main(_train(w, "--save-dir", str(run), "--steps", "2", "--save-every", "1")) == 0
@@ -337,6 +339,8 @@ CASES = [
     ("config-grads-in-cpu-str", lambda w: _train(w, "--config", w["cfg_grads_in_cpu_str.json"]),
      1, "gradients_in_cpu"),
     ("save-dir-is-a-file", lambda w: _train(w, "--save-dir", w["data"]), 1, "jsonl is a file"),
+    ("save-dir-self-link", lambda w: _train(w, "--save-dir", w["selfloop"]), 1,
+     "(it is a symbolic link to selfloop, which leads nowhere)"),
     ("save-dir-proc", lambda w: _train(w, "--save-dir", "/proc/infinity-run"), 1,
      "--save-dir /proc/infinity-run cannot be created"),
     ("resume-other-seq-len",
@@ -389,6 +393,14 @@ CASES = [
     ("export-dtype", lambda w: ["export", w["dir"], "--out", "o", "--dtype", "int8"],
      2, "invalid choice"),
     ("export-no-out", lambda w: ["export", w["dir"]], 2, "--out"),
+    # -- generate
+    ("generate-prompt-past-positions",
+     lambda w: ["generate", w["run"], "--tokenizer", w["model"], "--prompt", "x" * 2100],
+     1, "takes 2048 positions (max_position_embeddings) for the prompt and the reply together; "
+        "shorten the prompt to at most 2047 tokens"),
+    ("generate-first-save-in-progress",
+     lambda w: ["generate", w["writing"], "--byte-tokens", "--prompt", "x"],
+     1, "has no complete checkpoint yet: one is being written"),
     # -- bench
     ("bench-aio-missing", lambda w: ["bench", "aio", "--path", w["nvme_missing"], "--size", "1M"],
      1, "nowhere"),

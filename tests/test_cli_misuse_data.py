@@ -50,6 +50,17 @@ def world(tmp_path_factory) -> World:
     w.file("tbs4.json", json.dumps({"train_batch_size": 4}))
     w.file("nvme_no_path.json", json.dumps(
         {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}))  # fmt: skip
+    good = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}\n"
+    w.file("good.jinja", good + "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    w.file("broken.jinja", "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}\n")
+    w.file("raising.jinja", "{% for m in messages %}\n{{ raise_exception('no tools here') }}"
+                            "\n{% endfor %}\n")  # fmt: skip
+    turn = [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "a!"}]
+    w.file("chat.jsonl", "".join(json.dumps({"messages": turn}) + "\n" for _ in range(8)))
+    w.file("assistant_first.jsonl", json.dumps({"messages": turn}) + "\n"
+           + json.dumps({"messages": turn[::-1]}) + "\n")  # fmt: skip
+    long_pair = {"prompt": "p" * 40, "completion": "c" * 40}
+    w.file("long_pairs.jsonl", "".join(json.dumps(long_pair) + "\n" for _ in range(5)))
     short = w.root / "short_positions"
     shutil.copytree(w.model, short)
     cfg = json.loads((short / "config.json").read_text())
@@ -111,6 +122,19 @@ CASES = [
      1, "is not a JSON array of records"),
     ("data-gzip-damaged", lambda w: _train(w, data="torn.txt.gz"),
      1, "is gzip-compressed and its data is damaged or cut short"),
+    # -- instruction data: the chat template, the records, what --overlong drop leaves
+    ("chat-template-syntax", lambda w: _train(w, "--chat-template", w["broken.jinja"],
+                                              data="chat.jsonl"),
+     1, "broken.jinja line 2 is not a valid Jinja template"),
+    ("chat-template-raises", lambda w: _train(w, "--chat-template", w["raising.jinja"],
+                                              data="chat.jsonl"),
+     1, "raising.jinja line 2 failed while rendering"),
+    ("chat-assistant-first", lambda w: _train(w, "--chat-template", w["good.jinja"],
+                                              data="assistant_first.jsonl"),
+     1, "assistant_first.jsonl line 2: the conversation starts with an assistant message"),
+    ("pack-drop-everything", lambda w: _train(w, "--pack", "--overlong", "drop",
+                                              data="long_pairs.jsonl"),
+     1, "all 5 examples were dropped (5 longer than --seq-len 16 + 1 tokens (--overlong drop"),
     # -- a config's batch with one of the flags; NVMe paths
     ("config-batch-with-micro-batch", lambda w: _train(w, "--config", w["tbs8.json"],
                                                        "--micro-batch", "3"),
@@ -208,3 +232,44 @@ def test_engine_progress_lines_go_above_the_progress_bar(world, tmp_path):
     for at in lines:
         assert err[at - 1] == "\r", repr(err[at - 200 : at + 80])  # the bar cleared first
         assert "%|" not in err[at : err.index("\n", at)]  # the line is whole
+
+
+def test_a_disk_full_while_appending_metrics_names_the_file_and_keeps_the_checkpoints(
+    world, tmp_path, capsys, monkeypatch
+):
+    """metrics.jsonl's third append lands on a full disk (/dev/full gives the kernel's
+    ENOSPC): the run stops naming the file, the fix and the intact checkpoint, whose bytes
+    it leaves as they were, and resumes from it to the losses of a run that never failed."""
+    import builtins
+
+    import infinity.checkpoint.metrics as metrics
+
+    save = tmp_path / "run"
+    opened, saved = [], {}
+
+    def third_is_full(path, mode="r", *args, **kw):
+        opened.append(path)
+        if len(opened) == 3:
+            saved.update(_digest(save))
+        return builtins.open("/dev/full" if len(opened) == 3 else path, mode, *args, **kw)
+
+    monkeypatch.setattr(metrics, "open", third_is_full, raising=False)
+    argv = _train(world, "--steps", "4", "--save-every", "1", "--save-dir", str(save))
+    code, _, err = _run(argv, capsys)
+    monkeypatch.undo()
+    assert code == 1 and "Traceback" not in err, err
+    assert f"cannot append step 3's record to {save / 'metrics.jsonl'}: No space left" in err
+    assert f"checkpoint {save / 'step2'} is intact: free space on that file system" in err
+    checkpoints = {k: v for k, v in saved.items() if k.startswith("step")}
+    assert checkpoints and {k: _digest(save)[k] for k in checkpoints} == checkpoints
+    assert load_checkpoint(save).step == 2
+    assert _run([*argv, "--resume"], capsys)[0] == 0
+    whole = tmp_path / "whole"
+    argv = _train(world, "--steps", "4", "--save-every", "1", "--save-dir", str(whole))
+    assert _run(argv, capsys)[0] == 0
+
+    def losses(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+    assert losses(save) == losses(whole)

@@ -375,3 +375,25 @@ def test_a_save_dir_made_again_under_a_run_is_named(tmp_path):
         (save / ".lock").touch()  # a second run's
         with pytest.raises(OSError, match="was removed and made again"):
             claim.check()
+
+
+def test_a_save_dir_replaced_by_a_link_to_itself_is_named(tmp_path, inputs):
+    """The live run's directory moved away and a symbolic link of its name made pointing at
+    itself: the run stops at its next check naming the loop, not another process."""
+    save = tmp_path / "run"
+    run = train_process(_args(inputs, save, "--steps", 100_000, "--save-every", 2))
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / "latest").exists():
+            assert run.poll() is None, run.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        save.rename(tmp_path / "moved")
+        save.symlink_to(save.name)
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 1, err
+    assert f"--save-dir {save} was replaced by a symbolic link that leads back to itself" in err
+    assert "Traceback" not in err and "in use by" not in err, err
+    assert list_checkpoints(tmp_path / "moved")  # what it saved is where it was moved to

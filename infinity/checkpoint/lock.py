@@ -33,7 +33,10 @@ _HELD: dict[Path, int] = {}
 
 def held_here(save_dir: str | os.PathLike) -> bool:
     """Whether this process holds `save_dir` through a `SaveDirLock`."""
-    return Path(save_dir).resolve() in _HELD
+    try:
+        return Path(save_dir).resolve() in _HELD
+    except (OSError, RuntimeError):  # a symlink loop where the directory was: not the one held
+        return False
 
 
 def describe_holder(save_dir: str | os.PathLike) -> str:
@@ -96,6 +99,8 @@ class SaveDirLock:
         self.save_dir = Path(save_dir)
         self.command = " ".join(command if command is not None else sys.argv)
         self._fd: int | None = None
+        self._key: Path | None = None
+        """`save_dir` resolved when acquired (it may not resolve later: replaced by a loop)."""
 
     def acquire(self) -> SaveDirLock:
         try:
@@ -119,7 +124,8 @@ class SaveDirLock:
                 "the file system of %s does not support locks (%s): a second run on the same "
                 "directory would not be detected", self.save_dir, exc.strerror,
             )  # fmt: skip
-            _HELD[self.save_dir.resolve()] = self._fd = _UNLOCKED
+            self._key = self.save_dir.resolve()
+            _HELD[self._key] = self._fd = _UNLOCKED
             return self
         if fd is None:
             raise plain_os_error(
@@ -129,13 +135,14 @@ class SaveDirLock:
             )
         record_holder(fd, self.command)
         self._fd = fd
-        _HELD[self.save_dir.resolve()] = fd
+        self._key = self.save_dir.resolve()
+        _HELD[self._key] = fd
         return self
 
     def release(self) -> None:
         if self._fd is None:
             return
-        _HELD.pop(self.save_dir.resolve(), None)
+        _HELD.pop(self._key, None)
         if self._fd != _UNLOCKED:
             unlock(self._fd)
         self._fd = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -256,8 +257,11 @@ def _create_save_dir(save_dir: Path) -> None:
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        why = exc.strerror
+        if save_dir.is_symlink() and not save_dir.exists():  # dangling, or a loop
+            why = f"it is a symbolic link to {os.readlink(save_dir)}, which leads nowhere"
         raise ValueError(
-            f"--save-dir {save_dir} cannot be created ({exc.strerror}); choose a directory on a "
+            f"--save-dir {save_dir} cannot be created ({why}); choose a directory on a "
             "disk you can write to"
         ) from None
 

@@ -98,7 +98,13 @@ class SaveDirClaim:
         if now == self._taken:
             return
         where, lock = now
-        if where is None:
+        if where == _LOOP or lock == _LOOP:
+            what, code = (
+                "was replaced by a symbolic link that leads back to itself (a loop: "
+                f"`ls -l {self.save_dir}` shows it)",
+                errno.ELOOP,
+            )
+        elif where is None:
             what, code = "was removed", errno.ENOENT
         elif where != self._taken[0]:
             what, code = "was removed and made again (another run may be using it)", errno.ESTALE
@@ -114,12 +120,21 @@ class SaveDirClaim:
         )
 
 
+_LOOP = (-1, -1)
+"""The identity of a path that is a symbolic link loop (ELOOP)."""
+
+
 def _identity(path: Path) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of `path`, or None when it does not exist."""
+    """(st_dev, st_ino) of `path`, None when it does not exist, `_LOOP` when it is a loop of
+    symbolic links."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return _LOOP
+        raise
     return st.st_dev, st.st_ino
 
 

@@ -74,6 +74,12 @@ def _check_messages(path: Path, where: str, messages) -> None:
                 f"{path} {where}: message {i}'s content is a JSON "
                 f"{type(msg['content']).__name__}, not a string"
             )
+    if messages[0]["role"] == "assistant":
+        raise ValueError(
+            f"{path} {where}: the conversation starts with an assistant message, which answers "
+            "nothing (a chat template renders a turn after the messages before it); put the "
+            "user's (or a system) message before it, or remove the record"
+        )
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(
             f"{path} {where}: the conversation has no assistant message, so nothing in it "
@@ -122,13 +128,20 @@ def render_messages(
             "chat 'messages' are rendered with a Hugging Face tokenizer's apply_chat_template; "
             "UTF-8 byte tokens (--byte-tokens) cannot render them: drop --byte-tokens"
         )
-    ids = tokenizer.render_chat(messages, template, generation=False)
+
+    def render(part: list[dict], generation: bool) -> list[int]:
+        try:
+            return tokenizer.render_chat(part, template, generation=generation)
+        except Exception as exc:  # the template is the user's code: any error is its
+            raise ChatTemplateError(where, exc) from None
+
+    ids = render(messages, False)
     mask = np.zeros(len(ids), dtype=np.uint8)
     for k, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        start = _prefix_len(tokenizer.render_chat(messages[:k], template, generation=True), ids)
-        end = _prefix_len(tokenizer.render_chat(messages[: k + 1], template, generation=False), ids)
+        start = _prefix_len(render(messages[:k], True), ids)
+        end = _prefix_len(render(messages[: k + 1], False), ids)
         if start is None or end is None or end < start:
             raise ValueError(
                 f"{where}: the chat template does not render the conversation up to message "
@@ -138,6 +151,44 @@ def render_messages(
             )
         mask[start:end] = 1
     return ids, mask
+
+
+class ChatTemplateError(ValueError):
+    """The chat template failed on a record: Jinja syntax (at `line` of the template) or an
+    error it raised while rendering (`raise_exception`, an undefined name, a type error).
+    `describe(source)` is the message, with the template's source named by the caller."""
+
+    def __init__(self, where: str, cause: Exception) -> None:
+        self.where = where
+        self.line = _template_line(cause)
+        self.syntax = type(cause).__name__ == "TemplateSyntaxError"
+        self.cause = getattr(cause, "message", None) or str(cause) or type(cause).__name__
+        super().__init__(self.describe("the chat template"))
+
+    def describe(self, source: str) -> str:
+        at = f" line {self.line}" if self.line else ""
+        if self.syntax:
+            return (
+                f"{source}{at} is not a valid Jinja template: {self.cause}; fix the template "
+                "(Jinja syntax: {% ... %}, {{ ... }})"
+            )
+        return (
+            f"{source}{at} failed while rendering {self.where}: {self.cause}; fix the template "
+            "or the record"
+        )
+
+
+def _template_line(exc: BaseException) -> int | None:
+    """The template line an error is at: a syntax error's own, else the last frame of the
+    compiled template in the traceback (Jinja maps those to template lines)."""
+    if getattr(exc, "lineno", None):
+        return int(exc.lineno)
+    line, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
 
 
 def _prefix_len(part: list[int], whole: list[int]) -> int | None:

@@ -92,7 +92,17 @@ def open_examples(
             "'messages' nor 'prompt' and 'completion'"
         )
     template = chat.chat_template_of(tokenizer, options.chat_template) if kind == "messages" else ""
-    cache = build_example_cache(data_path, tokenizer, kind, template, cache_dir=cache_dir, fmt=fmt)
+    try:
+        cache = build_example_cache(
+            data_path, tokenizer, kind, template, cache_dir=cache_dir, fmt=fmt
+        )
+    except chat.ChatTemplateError as exc:
+        source = (
+            f"--chat-template {options.chat_template}"
+            if options.chat_template is not None
+            else f"the chat template of the tokenizer ({getattr(tokenizer, 'name', tokenizer)})"
+        )
+        raise ValueError(exc.describe(source)) from None
     return ExampleDataset(
         *cache,
         seq_len=seq_len,
@@ -188,6 +198,8 @@ class ExampleDataset(PackedDataset):
         self.pad_id = pad_id
         spans, counts = _kept_spans(mask, starts, seq_len + 1, options)
         self._log_counts(counts, kw.get("source", "data"), seq_len)
+        if counts["total"] and not counts["kept"]:
+            raise ValueError(_none_kept(counts, kw.get("source", "data"), seq_len, starts))
         self.packed_starts: np.ndarray | None = None
         """Packed: where each kept example begins in `tokens` (see `positions`)."""
         if options.pack:
@@ -310,6 +322,24 @@ def _kept_spans(mask, starts, max_tokens: int, options: ExampleOptions):
         "untrained": untrained,
     }
     return np.stack([begin[keep], cut_end[keep]], axis=1), counts
+
+
+def _none_kept(counts: dict, source: str, seq_len: int, starts) -> str:
+    """Why no example is left, and the fix."""
+    longest = int(np.max(np.diff(starts)))
+    why = []
+    if counts["overlong"] and counts["overlong_action"] == "dropped":
+        why.append(
+            f"{counts['overlong']} longer than --seq-len {seq_len} + 1 tokens (--overlong drop;"
+            f" the longest has {longest} tokens)"
+        )
+    if counts["untrained"]:
+        why.append(f"{counts['untrained']} without a trained token within --seq-len {seq_len}")
+    return (
+        f"{source}: all {counts['total']} examples were dropped ({'; '.join(why)}), so there "
+        f"is nothing to train on; raise --seq-len (to {longest - 1} keeps every example whole) "
+        "or use --overlong truncate"
+    )
 
 
 def _laid_end_to_end(tokens, mask, spans, starts):

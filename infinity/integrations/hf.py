@@ -10,13 +10,15 @@ The Trainer's `loss.backward()` reaches the engine as a plain backward (see [Not
 backward] in infinity/engine.py): the Trainer divides its loss for accumulation, the engine
 applies the fp16 loss scale. The optimizer step, clipping and the loss scale are the
 engine's (weight decay skips the parameters the Trainer's own optimizer would not decay):
-the Trainer sees a stand-in optimizer whose `step()` runs the engine's step and
-whose one parameter group carries the lr. Without a `scheduler` in the Infinity config the
-Trainer's own scheduler (`lr_scheduler_type`, warmup) sets that lr, as with DeepSpeed; with
-one, the engine's schedule runs (its "auto" values filled from the Trainer). Either way the
-engine steps the schedule, so a step skipped on fp16 overflow leaves the lr where it was
-(the Trainer still counts it in `global_step`, as it does with DeepSpeed). The logged
-`grad_norm` is the engine's pre-clip global norm. `save_model` streams a Hugging Face
+the Trainer sees a stand-in optimizer whose `step()` runs the engine's step and whose one
+parameter group carries the lr, so `TrainingArguments.optim` must name an optimizer the
+engine runs (`hf_config.TRAINER_OPTIMS`; any other is refused, not dropped). Without a
+`scheduler` in the Infinity config the Trainer's own scheduler (`lr_scheduler_type`, warmup)
+sets that lr, as with DeepSpeed; with one, the engine's schedule runs (its "auto" values
+filled from the Trainer). Either way the engine steps the schedule, so a step skipped on
+fp16 overflow leaves the lr where it was (the Trainer still counts it in `global_step`, as
+it does with DeepSpeed). The logged `grad_norm` is the engine's pre-clip global norm.
+`save_model` streams a Hugging Face
 directory from the partitions (a peft model: its adapter, as peft saves it); checkpoints add
 the engine's state (`infinity/` in the checkpoint folder), which `resume_from_checkpoint`
 restores exactly, overwriting a later checkpoint it reaches again as the Trainer does.
