@@ -21,6 +21,7 @@ from infinity.optim.quant8 import (
     BLOCK,
     ZERO_CODE_SIGNED,
     block_count,
+    bucket_codes,
     dequantize,
     dynamic_map,
     quantize,
@@ -80,18 +81,21 @@ def test_maps_are_the_dynamic_maps():
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_bucket_lookup_is_the_nearest_value(signed):
-    """The kernel's lookup (bucket table, one midpoint compare) counts the midpoints below
-    |y| exactly as a search does, on every midpoint, its neighbours and random values."""
+def test_the_code_table_gives_the_nearest_value(signed):
+    """One lookup by |y|'s bucket gives the nearest map value, except within a bucket's
+    width (2^-10 of |y|) of a midpoint, where it may give the neighbour: checked on every
+    midpoint, its neighbours and random values over the whole range."""
     t = tables(signed)
-    mids = t.mids[:-1]
+    half = t.qmap[t.qmap >= 0]
+    mids = ((half[:-1].double() + half[1:].double()) / 2).float()
     near = torch.cat([mids, torch.nextafter(mids, torch.ones(1)),
                       torch.nextafter(mids, torch.zeros(1))])  # fmt: skip
     y = torch.cat([near, torch.rand(200_000) ** 6, torch.tensor([0.0, 1e-30, 1.0])])
-    bucket = ((y.view(torch.int32) >> 16) - ((127 - 24) << 7)).clamp(0, t.buckets.numel() - 1)
-    c = t.buckets[bucket].long()
-    looked_up = c + (t.mids[c] < y).long()
-    assert torch.equal(looked_up, torch.searchsorted(mids, y, side="left"))
+    got = half[bucket_codes(y, signed)]
+    nearest = half[torch.searchsorted(mids, y, side="left")]
+    assert ((got - y).abs() <= (nearest - y).abs() + y * 2.0**-10).all()
+    far = ((y[:, None] - mids[None, :]).abs() > y[:, None] * 2.0**-10).all(dim=1)
+    assert torch.equal(got[far], nearest[far]) and far.float().mean() > 0.5
 
 
 def test_quantize_round_trip():
@@ -102,9 +106,10 @@ def test_quantize_round_trip():
     blocks = [x[i : i + BLOCK].abs().max() for i in range(0, 1000, BLOCK)]
     assert torch.equal(absmax, torch.stack(blocks))
     back = dequantize(codes, absmax, signed=True)
-    # The largest gap of the signed map is 0.9 / 64 of the absmax (its top decade).
+    # Half the largest gap of the signed map (0.9 / 64 of the absmax, its top decade), and
+    # the lookup's bucket (2^-10 of the value).
     scale = absmax.repeat_interleave(BLOCK)[:1000]
-    assert ((back - x).abs() <= scale * 0.9 / 128 + 1e-7).all()
+    assert ((back - x).abs() <= scale * (0.9 / 128 + 2.0**-10) + 1e-7).all()
     zeros_codes, zeros_absmax = quantize(torch.zeros(300), signed=True)
     assert (zeros_codes == ZERO_CODE_SIGNED).all() and (zeros_absmax == 0).all()
     v = torch.rand(600, generator=gen) ** 8

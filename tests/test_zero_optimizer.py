@@ -240,7 +240,8 @@ def test_fp32_partitions_alias_the_host_masters(backend):
         assert torch.equal(opt.home(i), state[f"{slot.name}.master"])
     stats = opt.memory_stats()
     assert stats == {"numel": NUMEL, "grad_bytes": 4 * TOTAL, "partition_bytes": 0,
-                     "state_bytes": 12 * TOTAL, "host_bytes": 16 * TOTAL}  # fmt: skip
+                     "state_bytes": 12 * TOTAL, "host_bytes": 16 * TOTAL,
+                     "optim_state_bits": 32}  # fmt: skip
 
 
 def test_half_memory_stats():

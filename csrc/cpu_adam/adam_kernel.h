@@ -44,14 +44,14 @@ using KernelFn = void (*)(const AdamArgs& a, size_t begin, size_t end);
 // The tables of one dynamic quantization map (infinity/optim/quant8.py computes them; the
 // kernel only reads them, so both sides use the same fp32 numbers).
 struct QuantMap {
-    const float* qmap = nullptr;       // [256] the value of each code
-    const float* mids = nullptr;       // midpoints between the non-negative values, then +inf
-    const int32_t* buckets = nullptr;  // midpoints below each bucket of |y|'s top 16 bits
+    const float* qmap = nullptr;    // [256] the value of each code
+    const uint8_t* codes = nullptr;  // per bucket of |y| (bits >> kBucketShift): its code side
 };
 
-constexpr size_t kBlock = 256;          // elements per absmax
-constexpr int32_t kBucketBase = (127 - 24) << 7;  // bucket 0: |y| below 2^-24
-constexpr int32_t kBucketTop = 127 << 7;          // the bucket of 1.0
+constexpr size_t kBlock = 256;                     // elements per absmax
+constexpr int kBucketShift = 13;                   // exponent and 10 mantissa bits
+constexpr int32_t kBucketBase = (127 - 24) << 10;  // bucket 0: |y| below 2^-24
+constexpr int32_t kBucketTop = 127 << 10;          // the bucket of 1.0
 constexpr float kTiny = 1.17549435e-38f;          // divisor of an all-zero block
 
 // The 8-bit step: AdamArgs' fp32 exp_avg/exp_avg_sq are unused; the moments are uint8 codes

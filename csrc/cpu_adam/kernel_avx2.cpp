@@ -77,8 +77,9 @@ struct V {
         _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
     }
     static T gather(const float* t, I i) { return _mm256_i32gather_ps(t, i, 4); }
-    static I gather_i(const int32_t* t, I i) {
-        return _mm256_i32gather_epi32(reinterpret_cast<const int*>(t), i, 4);
+    static I gather_u8(const uint8_t* t, I i) {  // 4 bytes at each offset; the table is padded
+        const I x = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t), i, 1);
+        return _mm256_and_si256(x, _mm256_set1_epi32(0xff));
     }
     static T abs(T x) {
         return _mm256_castsi256_ps(
@@ -92,13 +93,10 @@ struct V {
         return _mm_cvtss_f32(m);
     }
     static I bucket(T yabs) {
-        const I b = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(yabs), 16),
+        const I b = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(yabs), kBucketShift),
                                      _mm256_set1_epi32(kBucketBase));
         return _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()),
                                 _mm256_set1_epi32(kBucketTop - kBucketBase));
-    }
-    static I add_if_less(I c, T mid, T y) {
-        return _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(mid, y, _CMP_LT_OQ)));
     }
     static I signed_code(I t, T y) {
         const I k = _mm256_set1_epi32(127);

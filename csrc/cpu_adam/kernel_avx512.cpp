@@ -74,19 +74,17 @@ struct V {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
     }
     static T gather(const float* t, I i) { return _mm512_i32gather_ps(i, t, 4); }
-    static I gather_i(const int32_t* t, I i) { return _mm512_i32gather_epi32(i, t, 4); }
+    static I gather_u8(const uint8_t* t, I i) {  // 4 bytes at each offset; the table is padded
+        return _mm512_and_si512(_mm512_i32gather_epi32(i, t, 1), _mm512_set1_epi32(0xff));
+    }
     static T abs(T x) { return _mm512_abs_ps(x); }
     static T max(T a, T b) { return _mm512_max_ps(a, b); }
     static float hmax(T x) { return _mm512_reduce_max_ps(x); }
     static I bucket(T yabs) {
-        const I b = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(yabs), 16),
+        const I b = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(yabs), kBucketShift),
                                      _mm512_set1_epi32(kBucketBase));
         return _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()),
                                 _mm512_set1_epi32(kBucketTop - kBucketBase));
-    }
-    static I add_if_less(I c, T mid, T y) {
-        return _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(mid, y, _CMP_LT_OQ), c,
-                                     _mm512_set1_epi32(1));
     }
     static I signed_code(I t, T y) {
         const I k = _mm512_set1_epi32(127);

@@ -100,15 +100,14 @@ struct V {
     static I load_u8(const uint8_t* p) { return *p; }
     static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
     static T gather(const float* t, I i) { return t[i]; }
-    static I gather_i(const int32_t* t, I i) { return t[i]; }
+    static I gather_u8(const uint8_t* t, I i) { return t[i]; }
     static T abs(T x) { return std::fabs(x); }
     static T max(T a, T b) { return b > a ? b : a; }
     static float hmax(T x) { return x; }
     static I bucket(T yabs) {
-        const int32_t b = static_cast<int32_t>(bits_of(yabs) >> 16) - kBucketBase;
+        const int32_t b = static_cast<int32_t>(bits_of(yabs) >> kBucketShift) - kBucketBase;
         return b < 0 ? 0 : (b > kBucketTop - kBucketBase ? kBucketTop - kBucketBase : b);
     }
-    static I add_if_less(I c, T mid, T y) { return c + (mid < y ? 1 : 0); }
     static I signed_code(I t, T y) { return y < 0.0f ? 127 - (t < 127 ? t : 127) : 127 + t; }
 };
 

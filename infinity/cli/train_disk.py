@@ -27,6 +27,7 @@ from infinity.config import Config
 
 _PAGE = 4096
 _OPTIM_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq
+_OPTIM_BYTES_8BIT = 7  # fp32 master, two uint8 codes, their absmax: 6 + 1/32, rounded up
 _GRAD_BYTES = 4  # fp32 gradient sums, spilled with the optimizer states
 
 
@@ -68,6 +69,7 @@ def plan(
     """What the run writes where: `shapes` are the base model's parameters, `trainable`
     the optimizer's elements (adapters included), `saves` how many checkpoints are kept."""
     itemsize = {"fp32": 4}.get(config.precision, 2)
+    optim_bytes = _OPTIM_BYTES_8BIT if config.optimizer.eight_bit else _OPTIM_BYTES
     zero = config.zero_optimization
     base_numel = sum(math.prod(s) for s in shapes.values())
     full = trainable == base_numel
@@ -89,12 +91,12 @@ def plan(
             DiskUse(
                 path=Path(zero.offload_optimizer.nvme_path),
                 parts={
-                    "optimizer states": on_disk * _OPTIM_BYTES,
+                    "optimizer states": on_disk * optim_bytes,
                     "gradients": trainable * _GRAD_BYTES,
                 },
             )
         )
-    per_ckpt = trainable * (itemsize + _OPTIM_BYTES)
+    per_ckpt = trainable * (itemsize + optim_bytes)
     uses.append(DiskUse(path=save_dir, parts={f"{saves} checkpoint(s)": saves * per_ckpt}))
     return uses
 

@@ -1,8 +1,9 @@
 """The NVMe tier of the optimizer state: `NvmeStateTier`.
 
 Owns each sub-group's fp32 master weights and Adam moments on disk (one extent per sub-group
-in the swap store, kind "optim": master, exp_avg and exp_avg_sq back to back), the ring of
-host buffers they pass through, and the read-ahead / write-back pipeline of `sweep()`. It
+in the swap store, kind "optim": master, exp_avg and exp_avg_sq back to back, or the 8-bit
+layout of state_format.py), the ring of host buffers they pass through, and the read-ahead /
+write-back pipeline of `sweep()`. It
 implements the `StateTier` contract ([Note: sweep semantics] in state_tier.py); it does
 not know what the optimizer computes.
 
@@ -111,7 +112,8 @@ class NvmeStateTier:
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
     owned). `buffer_count` >= 3: one sub-group stepped, one read ahead, one written back;
-    each buffer holds the largest sub-group (12 bytes per element), and fewer sub-groups
+    each buffer holds the largest sub-group (12 bytes per element; `fmt` 8-bit: 6 and 1/32,
+    see state_format.py), and fewer sub-groups
     than that get as many buffers (`pipeline_buffer_count`). `pin_memory` allocates
     them pinned where the accelerator can (`pool.pinned` says whether it did).
     `pipeline_read` / `pipeline_write` switch the read-ahead and the write-behind overlap (see

@@ -411,6 +411,7 @@ class PartitionedOptimizer:
             **store_stats,
             **grad_stats,
             "numel": sum(self._numels),
+            "optim_state_bits": 8 if self.format.eight_bit else 32,
             "grad_bytes": grad,
             "partition_bytes": part,
             "state_bytes": state,
