@@ -23,6 +23,7 @@ from torch import nn
 from infinity.config import Config
 from infinity.models.config import PRESETS, preset, read_config_json
 from infinity.models.hf_load import copying_sink, expected_shapes, stream_hf_weights
+from infinity.models.random_init import random_init
 from infinity.zero import init
 
 log = logging.getLogger(__name__)
@@ -177,18 +178,31 @@ def load_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
     return n
 
 
-def from_pretrained(model: str | os.PathLike, config) -> nn.Module:
+def from_pretrained(model: str | os.PathLike, config, *, seed: int | None = None) -> nn.Module:
     """Build a model directory's (or preset's) transformers class under `infinity.init(config)`
     and stream its weights into the partitions: the whole model never sits in RAM twice,
     unlike `from_pretrained`. Use it before `infinity.initialize` or `InfinityTrainer`;
-    `config` may keep "auto" values (only its precision and pinning matter here)."""
+    `config` may keep "auto" values (only its precision and pinning matter here). A preset's
+    random weights are drawn on every core from `seed` (default: `torch.initial_seed()`; see
+    [Note: reproducible parallel init] in infinity/models/random_init.py)."""
     spec = model if isinstance(model, CausalLMSpec) else describe(model)
     # init needs only the dtype and pinning: a schedule's "auto" run length may stay open.
     with init(Config.load(config).resolve(total_num_steps=1)):
-        built = build(spec.hf_config, init_weights=spec.model_dir is None)
+        built = build(spec.hf_config, init_weights=False)
     if spec.model_dir is not None:
         load_weights(built, spec.model_dir)
+    else:
+        _random_weights(built, torch.initial_seed() if seed is None else seed)
     return built
+
+
+def _random_weights(model: nn.Module, seed: int) -> None:
+    """A preset's weights: the parallel rule where it covers the model, else its own init."""
+    std = float(getattr(model.config, "initializer_range", None) or 0.02)
+    if not random_init(model, seed=seed, std=std):
+        log.info("%s: transformers' own (serial) init", type(model).__name__)
+        with torch.no_grad():
+            model.init_weights()
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

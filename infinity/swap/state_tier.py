@@ -14,6 +14,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from infinity.io.aio import zeroed
 from infinity.swap.footprint import Footprint
 
 _F32 = 4
@@ -79,7 +80,8 @@ class HostStateTier:
     def __init__(self, numels: Sequence[int]) -> None:
         self.numels = list(numels)
         total = host_state_footprint(self.numels).host // (3 * _F32)
-        self.flat = SubGroupState(*(torch.zeros(total, dtype=torch.float32) for _ in range(3)))
+        # Zero pages until touched: the moments' first reads are the step's (see `zeroed`).
+        self.flat = SubGroupState(*(zeroed(total) for _ in range(3)))
         """Each field of every sub-group back to back (sub-group i is a slice of it)."""
         self._states, start = [], 0
         for n in self.numels:
