@@ -187,7 +187,8 @@ def from_pretrained(model: str | os.PathLike, config, *, seed: int | None = None
     [Note: reproducible parallel init] in infinity/models/random_init.py)."""
     spec = model if isinstance(model, CausalLMSpec) else describe(model)
     # init needs only the dtype and pinning: a schedule's "auto" run length may stay open.
-    with init(Config.load(config).resolve(total_num_steps=1)):
+    # Built without init, nothing is copied: the loader or `random_init` writes every value.
+    with init(Config.load(config).resolve(total_num_steps=1), values=False):
         built = build(spec.hf_config, init_weights=False)
     if spec.model_dir is not None:
         load_weights(built, spec.model_dir)

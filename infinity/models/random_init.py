@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,9 +89,12 @@ def random_init(model: nn.Module, *, seed: int, std: float, threads: int | None 
                 jobs.append(_normal_job(piece, chunk_seed(seed, name, chunk), std))
         else:
             jobs.append(_constant_job(flat, 0.0 if kind == "zeros" else 1.0))
-    _run(jobs, threads or os.cpu_count() or 1)
+    _run(jobs, threads or os.cpu_count() or 1)  # the pool's threads (and scratch) end here
     _zero_padding_rows(model)
     return True
+
+
+_scratch = threading.local()
 
 
 def _normal_job(piece: torch.Tensor, seed: int, std: float) -> Callable[[], None]:
@@ -98,8 +102,13 @@ def _normal_job(piece: torch.Tensor, seed: int, std: float) -> Callable[[], None
         gen = torch.Generator().manual_seed(seed)
         if piece.dtype == torch.float32:
             piece.normal_(0.0, std, generator=gen)
-        else:  # drawn in fp32 and rounded once: bf16 weights are the fp32 ones, rounded
-            piece.copy_(torch.empty(piece.numel()).normal_(0.0, std, generator=gen))
+            return
+        # Drawn in fp32 and rounded once: bf16 weights are the fp32 ones, rounded. One
+        # scratch buffer per thread: a fresh 16 MiB each time would fault its pages in anew.
+        buf = getattr(_scratch, "buf", None)
+        if buf is None or buf.numel() < piece.numel():
+            buf = _scratch.buf = torch.empty(max(piece.numel(), CHUNK_NUMEL))
+        piece.copy_(buf[: piece.numel()].normal_(0.0, std, generator=gen))
 
     return job
 

@@ -83,6 +83,10 @@ class HostStateTier:
         # Zero pages until touched: the moments' first reads are the step's (see `zeroed`).
         self.flat = SubGroupState(*(zeroed(total) for _ in range(3)))
         """Each field of every sub-group back to back (sub-group i is a slice of it)."""
+        self._moments_zero = [True] * len(self.numels)
+        """Sub-groups whose moments were never lent out or written: still the mapping's
+        zero pages, which `initialize` need not (and should not: it would fault them in)
+        zero again."""
         self._states, start = [], 0
         for n in self.numels:
             self._states.append(SubGroupState(*(t[start : start + n] for t in self.flat)))
@@ -101,11 +105,14 @@ class HostStateTier:
         self._check(index, master, "master")
         state = self._states[index]
         state.master.copy_(master.reshape(-1))
-        state.exp_avg.zero_()
-        state.exp_avg_sq.zero_()
+        if not self._moments_zero[index]:
+            state.exp_avg.zero_()
+            state.exp_avg_sq.zero_()
 
     def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
-        yield from enumerate(self._states)
+        for i, state in enumerate(self._states):
+            self._moments_zero[i] = False
+            yield i, state
 
     def read(self, index: int) -> SubGroupState:
         self._check(index, self._states[index].master, "state")
@@ -115,6 +122,7 @@ class HostStateTier:
         for name, src in zip(SubGroupState._fields, state, strict=True):
             self._check(index, src, name)
             getattr(self._states[index], name).copy_(src.reshape(-1))
+        self._moments_zero[index] = False
 
     def read_range(self, index: int, field: str, start: int, stop: int) -> torch.Tensor:
         self._check(index, self._states[index].master, "state")
@@ -122,6 +130,7 @@ class HostStateTier:
 
     def resident(self, index: int) -> SubGroupState:
         """The live tensors of sub-group `index` (host tier only: no copy)."""
+        self._moments_zero[index] = False
         return self._states[index]
 
     def close(self) -> None:
