@@ -22,7 +22,7 @@ from torch import nn
 
 from infinity.config import Config
 from infinity.models.config import PRESETS, preset, read_config_json
-from infinity.models.hf_load import copying_sink, expected_shapes, stream_hf_weights
+from infinity.models.hf_load import expected_shapes, load_hf_into
 from infinity.models.random_init import random_init
 from infinity.zero import init
 
@@ -171,9 +171,7 @@ def aliases(model: nn.Module) -> set[str]:
 def load_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
     """Stream the safetensors of `model_dir` into `model`'s parameters in place (under
     `infinity.init`: into the partitions), after checking every name and shape."""
-    n = stream_hf_weights(
-        model_dir, expected_shapes(model), copying_sink(model), ignore=aliases(model)
-    )
+    n = load_hf_into(model_dir, dict(model.named_parameters()), ignore=aliases(model))
     log.info("loaded %d tensors from %s", n, model_dir)
     return n
 
