@@ -4,10 +4,14 @@ state after steps is bitwise the host tier's."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
 import torch
+from _engine_models import Zoo, batches, config, train_steps
+
+import infinity
 
 from infinity.config.sections import AioConfig
 from infinity.io.aio import AioHandle
@@ -104,3 +108,32 @@ def test_a_written_state_is_whole_again(swap):
         assert torch.equal(back.exp_avg, torch.full((200,), 2.0))
         assert torch.equal(s.read_range(1, "exp_avg_sq", 10, 20), torch.full((10,), 3.0))
         assert not s.read(0).exp_avg.any()
+
+
+@pytest.mark.parametrize("saved_at", [0, 2], ids=["before-any-step", "after-two-steps"])
+def test_resume_with_the_state_on_nvme_is_exact(tmp_path, saved_at):
+    """A checkpoint taken while the moments were never written (before any step) or after
+    steps, loaded into a fresh engine: the same losses and weights as going on."""
+    torch.manual_seed(0)
+    model = Zoo()
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
+    (tmp_path / "swap").mkdir()
+    cfg = config(offload_optimizer=nvme, sub_group_size=300)
+    data = batches(6, seed=21)
+    engine = infinity.initialize(copy.deepcopy(model), cfg)
+    train_steps(engine, data[:saved_at])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    expected = train_steps(engine, data[saved_at:])
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)  # everything must come from the checkpoint
+    resumed = infinity.initialize(fresh, cfg)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert train_steps(resumed, data[saved_at:]) == expected
+    for (n, a), (_, b) in zip(
+        engine.named_parameters_host(), resumed.named_parameters_host(), strict=True
+    ):
+        assert torch.equal(a, b), n
+    engine.close()
+    resumed.close()
