@@ -12,7 +12,6 @@ import torch
 from _engine_models import Zoo, batches, config, train_steps
 
 import infinity
-
 from infinity.config.sections import AioConfig
 from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import available_backends
