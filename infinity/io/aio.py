@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import threading
 import warnings
@@ -357,6 +358,17 @@ def aligned_empty(shape, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         start = -raw.data_ptr() % HUGE_PAGE
         _advise_huge_pages(raw.data_ptr() + start, span)
     return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def zeroed(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A flat CPU tensor of zeros that costs nothing until touched: an anonymous mapping, whose
+    pages are the kernel's zeros until first written (a promise of mmap(2), not of malloc).
+    A multi-GiB `torch.zeros` faults in and writes every page up front: about a second per
+    GiB on the development machine, several when it is loaded, for memory (Adam's moments,
+    gradient sums) that the first step would overwrite or read as zeros anyway. Unpinned:
+    pin what a device copies from."""
+    nbytes = numel * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes].view(dtype)
 
 
 def preallocate(path: str | os.PathLike, nbytes: int) -> None:

@@ -22,7 +22,8 @@ from torch import nn
 
 from infinity.config import Config
 from infinity.models.config import PRESETS, preset, read_config_json
-from infinity.models.hf_load import copying_sink, expected_shapes, stream_hf_weights
+from infinity.models.hf_load import expected_shapes, load_hf_into
+from infinity.models.random_init import random_init
 from infinity.zero import init
 
 log = logging.getLogger(__name__)
@@ -170,25 +171,37 @@ def aliases(model: nn.Module) -> set[str]:
 def load_weights(model: nn.Module, model_dir: str | os.PathLike) -> int:
     """Stream the safetensors of `model_dir` into `model`'s parameters in place (under
     `infinity.init`: into the partitions), after checking every name and shape."""
-    n = stream_hf_weights(
-        model_dir, expected_shapes(model), copying_sink(model), ignore=aliases(model)
-    )
+    n = load_hf_into(model_dir, dict(model.named_parameters()), ignore=aliases(model))
     log.info("loaded %d tensors from %s", n, model_dir)
     return n
 
 
-def from_pretrained(model: str | os.PathLike, config) -> nn.Module:
+def from_pretrained(model: str | os.PathLike, config, *, seed: int | None = None) -> nn.Module:
     """Build a model directory's (or preset's) transformers class under `infinity.init(config)`
     and stream its weights into the partitions: the whole model never sits in RAM twice,
     unlike `from_pretrained`. Use it before `infinity.initialize` or `InfinityTrainer`;
-    `config` may keep "auto" values (only its precision and pinning matter here)."""
+    `config` may keep "auto" values (only its precision and pinning matter here). A preset's
+    random weights are drawn on every core from `seed` (default: `torch.initial_seed()`; see
+    [Note: reproducible parallel init] in infinity/models/random_init.py)."""
     spec = model if isinstance(model, CausalLMSpec) else describe(model)
     # init needs only the dtype and pinning: a schedule's "auto" run length may stay open.
-    with init(Config.load(config).resolve(total_num_steps=1)):
-        built = build(spec.hf_config, init_weights=spec.model_dir is None)
+    # Built without init, nothing is copied: the loader or `random_init` writes every value.
+    with init(Config.load(config).resolve(total_num_steps=1), values=False):
+        built = build(spec.hf_config, init_weights=False)
     if spec.model_dir is not None:
         load_weights(built, spec.model_dir)
+    else:
+        _random_weights(built, torch.initial_seed() if seed is None else seed)
     return built
+
+
+def _random_weights(model: nn.Module, seed: int) -> None:
+    """A preset's weights: the parallel rule where it covers the model, else its own init."""
+    std = float(getattr(model.config, "initializer_range", None) or 0.02)
+    if not random_init(model, seed=seed, std=std):
+        log.info("%s: transformers' own (serial) init", type(model).__name__)
+        with torch.no_grad():
+            model.init_weights()
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

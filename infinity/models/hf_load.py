@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
+from infinity.io.aio import AioHandle
 from infinity.models.config import LlamaConfig, load_config
+from infinity.models.hf_read import Wanted, read_file_into
 from infinity.models.llama import LlamaForCausalLM
 from infinity.utils import tensor_digests
 from infinity.utils.safetensors_stream import SafetensorsReader
@@ -168,6 +170,53 @@ def stream_hf_weights(
         del tensor
         count += 1
     return count
+
+
+def load_hf_into(
+    model_dir: str | os.PathLike,
+    params: dict[str, torch.Tensor],
+    *,
+    ignore: Collection[str] = (),
+    aio: AioHandle | None = None,
+) -> int:
+    """Check names and shapes against `params`, then read every tensor into its parameter
+    at the disk's speed (see [Note: reading at the disk's speed] in hf_read.py): straight
+    into the parameter's memory where the dtypes agree, else through one tensor of the
+    file's dtype, cast. A build partition's pages are dropped once it is written (see
+    `copying_sink`). Returns the count of tensors read."""
+    model_dir = Path(model_dir)
+    files = weight_map(model_dir)
+    expected = {name: tuple(p.shape) for name, p in params.items()}
+    names = check_names_and_shapes(model_dir, files, expected, None, ignore)
+    pages = BuildPages(params.values())
+    handle = aio if aio is not None else AioHandle()
+    try:
+        for path in sorted({files[n] for n in names}):
+            with SafetensorsReader(path) as f:
+                wanted = [_wanted(f, name, params[name]) for name in names if files[name] == path]
+
+            def done(w: Wanted, path: Path = path) -> None:
+                param = params[w.name]
+                if w.dest.data_ptr() != param.data_ptr():  # read in the file's dtype: cast
+                    with torch.no_grad():
+                        param.copy_(w.dest.view(param.shape))
+                    w.dest = param  # the file-dtype tensor goes
+                tensor_digests.remember(path, w.name, 0, param.numel(), w.crc)
+                pages.release(param)
+
+            read_file_into(path, wanted, done, handle)
+    finally:
+        if aio is None:
+            handle.close()
+    return len(names)
+
+
+def _wanted(f: SafetensorsReader, name: str, param: torch.Tensor) -> Wanted:
+    start, stop = f.byte_range(name)
+    dtype, shape = f.dtype(name), f.shape(name)
+    if param.device.type == "cpu" and param.dtype == dtype and param.is_contiguous():
+        return Wanted(name, start, stop, param.detach())
+    return Wanted(name, start, stop, lambda: torch.empty(shape, dtype=dtype))
 
 
 def materializing_sink(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Sink:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from infinity.io.aio import aligned_empty
+from infinity.io.aio import aligned_empty, zeroed
 from infinity.io.extent import ExtentError, ExtentIO, Transfer
 from infinity.swap.grad_plan import F32 as _F32
 from infinity.swap.grad_plan import (
@@ -121,7 +121,7 @@ class HostGradTier:
     def flat(self) -> torch.Tensor:
         """All sub-groups back to back: [sum(numels)] fp32."""
         if self._flat is None:
-            self._flat = torch.zeros(self.footprint.host // _F32, dtype=torch.float32)
+            self._flat = zeroed(self.footprint.host // _F32)
         return self._flat
 
     def _view(self, index: int) -> torch.Tensor:

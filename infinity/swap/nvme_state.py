@@ -20,6 +20,15 @@ completed. A failed I/O, or a read that finds other bytes than were written (see
 extent checksums] in infinity/io/checksum.py), marks the store failed: every later call
 raises, so a torn or changed state is never presented as valid.
 
+[Note: moments never written] A sub-group's first state is its master and two moments of
+zeros. `initialize` writes the master's pages only; until the sub-group is next written
+whole (the first sweep's write-back, `write`), its reads take the master's pages only and
+zero the moments in the host buffer, and `read_range` of a moment returns zeros. So the
+moments' part of the extent is never written as zeros and never read while it holds nothing:
+the first state costs a third of the disk traffic, and no checksum is asked about bytes that
+were never written (what those bytes hold on disk, a hole or an old file's contents, is
+never seen).
+
 With `pipeline_read` off, a sub-group is read only when its turn comes (no read runs while
 the caller steps, none is issued for the next sweep); with `pipeline_write` off, every
 write-back is waited for before the next sub-group is read. Both off: strictly serial.
@@ -161,6 +170,9 @@ class NvmeStateTier:
         count, slot_bytes = state_buffers(self.numels, buffer_count, fmt)
         self.pool = PinnedBufferPool(count, slot_bytes, pin=pin_memory, name="optim")
         self.residency = [Residency.ON_NVME] * len(self.numels)
+        self._fresh = [False] * len(self.numels)
+        """Sub-groups whose moments were never written: zeros (see [Note: moments never
+        written])."""
         self.stats = self.io.stats
         self._writes: deque[_Transfer] = deque()
         self.prefetch_next_sweep = prefetch_next_sweep
@@ -177,17 +189,16 @@ class NvmeStateTier:
     # -- the StateTier contract -----------------------------------------------------------
 
     def initialize(self, index: int, master: torch.Tensor) -> None:
-        """Queue sub-group `index`'s first write (master from `master`, moments zero); it is
-        durable before the next sweep or read reaches it."""
+        """Queue sub-group `index`'s first write: the master from `master`, and nothing else
+        (see [Note: moments never written]); it is durable before the next sweep or read
+        reaches it."""
         self._check_usable("initialize")
         self._drop_ahead()
         self._check(index, master, "master")
         self._settle(index)
         buf = self._free_buffer(index)
-        state = self._views(index, buf)
-        state.master.copy_(master.reshape(-1))
-        self.format.reset_moments(state)
-        self._swap_out(index, buf)
+        self._views(index, buf).master.copy_(master.reshape(-1))
+        self._swap_out(index, buf, whole=False)
 
     def sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
         """Every sub-group in order, pipelined (see [Note: NVMe sweep pipeline])."""
@@ -270,6 +281,8 @@ class NvmeStateTier:
                 f"so 0 <= start <= stop <= {n}"
             )
         self._settle(index)
+        if self._fresh[index] and field != "master":
+            return self.format.zeros(field, stop - start)
         size = torch.empty((), dtype=dtype).element_size()
         lo, hi = base + start * size, base + stop * size
         first = lo - lo % ALIGN_BYTES
@@ -349,18 +362,25 @@ class NvmeStateTier:
         self._transition(index, (Residency.ON_NVME,), Residency.READING)
         return self._submit(_Transfer(index, buf, None, "read"))
 
-    def _swap_out(self, index: int, buf: PoolBuffer) -> None:
-        """Start writing `buf` back to sub-group `index` (released if the request is refused)."""
+    def _swap_out(self, index: int, buf: PoolBuffer, *, whole: bool = True) -> None:
+        """Start writing `buf` back to sub-group `index` (released if the request is
+        refused): all of it, or (`whole` False: `initialize`) the master only."""
         self._transition(index, (Residency.RESIDENT, Residency.ON_NVME), Residency.WRITING)
+        self._fresh[index] = not whole
         self._writes.append(self._submit(_Transfer(index, buf, None, "write")))
 
     def _submit(self, t: _Transfer) -> _Transfer:
-        """Start `t` (a failure marks the store failed and raises; see ExtentIO)."""
+        """Start `t` (a failure marks the store failed and raises; see ExtentIO): the whole
+        extent, or only the master's pages while the moments were never written."""
         ext = self._extents[t.index]
         start = self.io.write if t.op == "write" else self.io.read
         what = f"optimizer sub-group {t.index}"
+        nbytes = ext.padded_nbytes
+        if self._fresh[t.index]:
+            # The master leads every format's layout (StateFormat.fields).
+            nbytes = min(nbytes, align_up(self.numels[t.index] * torch.float32.itemsize))
         try:
-            t.future = start(t.buf.data[: ext.padded_nbytes], ext.path, ext.offset, what=what)
+            t.future = start(t.buf.data[:nbytes], ext.path, ext.offset, what=what)
         except ExtentError:  # refused before any I/O (a bad path, a short file...)
             self.pool.release(t.buf)
             torn = t.op == "write"
@@ -378,6 +398,8 @@ class NvmeStateTier:
             raise
         if t.op == "read":
             self._transition(t.index, (Residency.READING,), Residency.RESIDENT)
+            if self._fresh[t.index]:  # only the master was read: the moments are zeros
+                self.format.reset_moments(self._views(t.index, t.buf))
         else:
             self._transition(t.index, (Residency.WRITING,), Residency.ON_NVME)
 

@@ -111,13 +111,21 @@ class StateFormat(enum.Enum):
         state.master.zero_()
         return state
 
+    def zero_of(self, field: str) -> int:
+        """What each element of a zeroed moment `field` holds: 0, or in 8 bits the signed
+        map's code of 0 for exp_avg (the unsigned map's code 0 is 0; a zero absmax is 0)."""
+        return ZERO_CODE_SIGNED if field == "exp_avg" and self.eight_bit else 0
+
+    def zeros(self, field: str, numel: int) -> torch.Tensor:
+        """`numel` elements of the moment `field`, zeroed (see `zero_of`)."""
+        dtype = dict((name, dt) for name, dt, _ in self.fields(0))[field]
+        return torch.full((numel,), self.zero_of(field), dtype=dtype)
+
     def reset_moments(self, state: SubGroupState | SubGroupState8) -> None:
         """Both moments := 0 (codes of zero and zero absmax in 8 bits)."""
         for name, t in zip(state._fields, state, strict=True):
-            if name == "exp_avg" and self.eight_bit:
-                t.fill_(ZERO_CODE_SIGNED)
-            elif name != "master":
-                t.zero_()
+            if name != "master":
+                t.fill_(self.zero_of(name))
 
     @staticmethod
     def of(state: SubGroupState | SubGroupState8) -> StateFormat:

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from infinity.io.aio import zeroed
 from infinity.swap.footprint import Footprint
 from infinity.swap.state_format import StateFormat, SubGroupState, SubGroupState8
 
@@ -80,8 +81,9 @@ class HostStateTier:
         names = [name for name, _, _ in fmt.fields(0)]
         dtypes = [dtype for _, dtype, _ in fmt.fields(0)]
         totals = [sum(f[k][2] for f in fields) for k in range(len(names))]
+        # Zero pages until touched: the moments' first reads are the step's (see `zeroed`).
         storage = {
-            name: torch.zeros(total, dtype=dtype)
+            name: zeroed(total, dtype)
             for name, dtype, total in zip(names, dtypes, totals, strict=True)
         }
         self.flat = fmt.state_type(**storage)
@@ -93,8 +95,13 @@ class HostStateTier:
                 views[name] = storage[name][starts[k] : starts[k] + n]
                 starts[k] += n
             state = fmt.state_type(**views)
-            fmt.reset_moments(state)
+            if fmt.eight_bit:  # the signed map's code of 0 is not a zero byte
+                fmt.reset_moments(state)
             self._states.append(state)
+        self._moments_zero = [True] * len(self.numels)
+        """Sub-groups whose moments were never lent out or written: still zeros (for 32 bits,
+        the mapping's zero pages), which `initialize` need not (and should not: it would
+        fault them in) zero again."""
 
     def _check(self, index: int, t: torch.Tensor, what: str) -> None:
         if not 0 <= index < len(self.numels):
@@ -109,10 +116,13 @@ class HostStateTier:
         self._check(index, master, "master")
         state = self._states[index]
         state.master.copy_(master.reshape(-1))
-        self.format.reset_moments(state)
+        if not self._moments_zero[index]:
+            self.format.reset_moments(state)
 
     def sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
-        yield from enumerate(self._states)
+        for i, state in enumerate(self._states):
+            self._moments_zero[i] = False
+            yield i, state
 
     def read(self, index: int) -> SubGroupState | SubGroupState8:
         self._check(index, self._states[index].master, "master")
@@ -123,6 +133,7 @@ class HostStateTier:
         for name, src in zip(state._fields, state, strict=True):
             self._check(index, src, name)
             getattr(self._states[index], name).copy_(src.reshape(-1))
+        self._moments_zero[index] = False
 
     def read_range(self, index: int, field: str, start: int, stop: int) -> torch.Tensor:
         self._check(index, self._states[index].master, "master")
@@ -131,6 +142,7 @@ class HostStateTier:
 
     def resident(self, index: int) -> SubGroupState | SubGroupState8:
         """The live tensors of sub-group `index` (host tier only: no copy)."""
+        self._moments_zero[index] = False
         return self._states[index]
 
     @property

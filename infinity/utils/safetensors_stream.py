@@ -248,6 +248,11 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entry(name)["shape"])
 
+    def byte_range(self, name: str) -> tuple[int, int]:
+        """Where `name`'s bytes are in the file: [start, stop) from the file's first byte."""
+        start, stop = self._entry(name)["data_offsets"]
+        return self.data_start + start, self.data_start + stop
+
     def dtype(self, name: str) -> torch.dtype:
         return _NAME_DTYPES[self._entry(name)["dtype"]]
 

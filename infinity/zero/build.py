@@ -63,6 +63,7 @@ from torch import nn
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.comm import Comm
 from infinity.config import Config, ZeroConfig
+from infinity.io.aio import zeroed
 from infinity.zero.build_files import BuildFiles, BuildPages
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
 from infinity.zero.param import OffloadParam
@@ -128,9 +129,14 @@ def _new_partition(
     accel: Accelerator,
     pin: bool,
     shard: Shard | None = None,
+    *,
+    values: bool = True,
 ) -> torch.Tensor:
-    """A new flat partition holding `src` (or its `shard`'s span, zero-padded)."""
+    """A new flat partition holding `src` (or its `shard`'s span, zero-padded; `values` False:
+    zeros of its size, which cost nothing until written: see `zeroed`)."""
     numel = src.numel() if shard is None else shard.numel
+    if not values:
+        return zeroed(numel, dtype)
     if pin and accel.pin_supported():
         part = accel.empty_pinned((numel,), dtype)
     else:
@@ -160,9 +166,14 @@ def _adoptable(param: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin:
 
 
 @contextlib.contextmanager
-def init(config: Config | dict | str, *, comm: Comm | None = None) -> Iterator[None]:
+def init(
+    config: Config | dict | str, *, comm: Comm | None = None, values: bool = True
+) -> Iterator[None]:
     """Create every parameter registered inside this block directly as a host partition.
-    `comm` (default: $LOCAL_RANK) picks this rank's entry of a per-rank `nvme_path` list."""
+    `comm` (default: $LOCAL_RANK) picks this rank's entry of a per-rank `nvme_path` list.
+    `values` False: the parameters' values are not copied (a model built without init,
+    whose weights a loader or `random_init` writes next): the partitions start as zeros and
+    the memory the construction allocated is never touched."""
     local_rank = comm.local_rank if comm is not None else int(os.environ.get("LOCAL_RANK", 0))
     config = Config.load(config).resolve().for_local_rank(local_rank)
     dtype = model_dtype(config)
@@ -179,7 +190,7 @@ def init(config: Config | dict | str, *, comm: Comm | None = None) -> Iterator[N
             return None  # already a partition (a tied parameter registered again)
         if files is not None:
             try:
-                part = files.new_partition(param, dtype)
+                part = files.new_partition(param, dtype, values=values)
                 return nn.Parameter(part.view(param.shape), requires_grad=param.requires_grad)
             except OSError as e:
                 if must:
@@ -189,7 +200,7 @@ def init(config: Config | dict | str, *, comm: Comm | None = None) -> Iterator[N
                 files = None
         if _adoptable(param, dtype, accel, pin=False):
             return None  # already a partition (a tied parameter registered again)
-        part = _new_partition(param, dtype, accel, pin=False)
+        part = _new_partition(param, dtype, accel, pin=False, values=values)
         return nn.Parameter(part.view(param.shape), requires_grad=param.requires_grad)
 
     handle = nn.modules.module.register_module_parameter_registration_hook(on_register)

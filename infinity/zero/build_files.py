@@ -55,8 +55,11 @@ class BuildFiles:
         )
         self._dropper.start()
 
-    def new_partition(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A flat partition of `src`'s values in `dtype`, in a shared mapping of a new file."""
+    def new_partition(
+        self, src: torch.Tensor, dtype: torch.dtype, *, values: bool = True
+    ) -> torch.Tensor:
+        """A flat partition of `src`'s values in `dtype` (`values` False: of its shape only,
+        zeros), in a shared mapping of a new file."""
         path = os.path.join(self.directory, f"{_PREFIX}{os.getpid()}-{next(_counter)}")
         numel = max(src.numel(), 1)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -78,8 +81,9 @@ class BuildFiles:
             if os.path.exists(path):
                 os.unlink(path)  # the mapping keeps the file alive, nothing outlives it
         part = part[: src.numel()]
-        with torch.no_grad():
-            part.copy_(src.detach().reshape(-1))
+        if values:
+            with torch.no_grad():
+                part.copy_(src.detach().reshape(-1))
         with self._lock:
             self._parts.append(part)
             self._ptrs.add(part.data_ptr())

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from infinity.accelerator import Accelerator
-from infinity.io.aio import aligned_empty
+from infinity.io.aio import aligned_empty, zeroed
 from infinity.swap.footprint import Footprint
 from infinity.swap.state_tier import HostStateTier
 from infinity.swap.store import reserved_nbytes
@@ -204,7 +204,7 @@ def make_weights(
     if pin is not None and pin.pin_supported():
         flat = pin.empty_pinned((numel,), dtype).zero_()
     else:
-        flat = torch.zeros(numel, dtype=dtype)
+        flat = zeroed(numel, dtype)
     return HostWeights(flat, layout, names)
 
 
