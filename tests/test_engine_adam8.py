@@ -52,22 +52,26 @@ def test_every_tier_and_sub_group_size_gives_the_same_bits(tmp_path):
 
 
 def test_nvme_bytes_are_about_half_of_32_bit(tmp_path):
+    """A steady step's optimizer reads (the last step's: runs of 3 and 4 steps apart; the
+    first state's reads take the master alone, see [Note: moments never written])."""
     torch.manual_seed(0)
     model, data = tiny_gpt(checkpointing=False), batches(4, seed=1)
     read = {}
     for eight_bit in (False, True):
-        path = tmp_path / str(eight_bit)
-        path.mkdir()
-        cfg = _cfg(path, "nvme", eight_bit=eight_bit)
-        cfg["zero_optimization"]["sub_group_size"] = 32768  # pages of padding stay small
-        _, engine = run_engine(model, data, cfg)
-        stats = engine.memory_stats()
-        read[eight_bit] = stats["nvme_optim_bytes_read"]
-        numel = sum(r.numel for r in engine.records if r.trainable)
-        engine.close()
+        total = []
+        for steps in (3, 4):
+            path = tmp_path / f"{eight_bit}-{steps}"
+            path.mkdir()
+            cfg = _cfg(path, "nvme", eight_bit=eight_bit)
+            cfg["zero_optimization"]["sub_group_size"] = 32768  # pages of padding stay small
+            _, engine = run_engine(model, data[:steps], cfg)
+            total.append(engine.memory_stats()["nvme_optim_bytes_read"])
+            numel = sum(r.numel for r in engine.records if r.trainable)
+            engine.close()
+        read[eight_bit] = total[1] - total[0]
     assert read[True] <= 0.55 * read[False], read
-    # 6 bytes and 1/32 per element (padding included), read once per step but the first.
-    assert read[True] >= 3 * 6 * numel
+    # 6 bytes and 1/32 per element, padding included.
+    assert read[True] >= 6 * numel
 
 
 def test_checkpoint_resumes_exactly(tmp_path):
