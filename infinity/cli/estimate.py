@@ -20,6 +20,7 @@ from infinity.cli.train import check_lora_rank, check_seq_len, config_from_args
 from infinity.cli.train_flags import positive_int
 from infinity.cli.train_schedule import add_optim_flag
 from infinity.config import Config
+from infinity.estimate.hardware import PROCESS_FLOOR_BYTES
 from infinity.models import PRESETS
 
 _GIB = float(1 << 30)
@@ -236,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         activation_checkpointing=args.activation_checkpointing,
         world_size=args.world_size,
+        runtime_bytes=PROCESS_FLOOR_BYTES,  # as the plan counts it, not this process's RSS
     )
     zero = config.zero_optimization
     swap_dir = args.nvme or zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path

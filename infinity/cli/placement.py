@@ -17,6 +17,7 @@ import argparse
 
 from infinity.cli.sizes import parse_size
 from infinity.config import Config
+from infinity.estimate.hardware import PROCESS_FLOOR_BYTES, RSS_MARGIN_BYTES
 from infinity.estimate.placement import (
     Budget,
     Placement,
@@ -105,7 +106,7 @@ def ram_budget(args: argparse.Namespace, local_ranks: int = 1, here: bool = True
     when `local_ranks` processes share this machine. `here`: the run is on this machine (not
     an estimate for another), so a budget above its RAM is refused."""
     if args.ram_budget is not None:
-        total, source = args.ram_budget, f"--ram-budget {args.ram_budget / 2**30:.1f}G"
+        total, source = args.ram_budget, f"--ram-budget {_flag_size(args.ram_budget)}"
         machine = physical_ram()
         if here and machine and total > machine:
             raise ValueError(
@@ -121,7 +122,7 @@ def ram_budget(args: argparse.Namespace, local_ranks: int = 1, here: bool = True
             source += " on this machine: give --ram-budget for the one estimated"
     if local_ranks > 1:
         source += f", shared by {local_ranks} ranks"
-    return Budget(total // local_ranks, source)
+    return Budget(total // local_ranks, source, margin_bytes=RSS_MARGIN_BYTES)
 
 
 def plan_run(
@@ -139,14 +140,15 @@ def plan_run(
 ) -> Placement | None:
     """The plan for a run of `hf_config` under `config` (its nvme_path set by --nvme), or
     None where the planner does not decide (see [Note: when the planner decides]; a
-    --ram-budget is then checked against the run's peak RSS). `device_default`: the GPU
+    --ram-budget is then checked against the run's peak RSS). `runtime_bytes`: the process
+    before the model (default PROCESS_FLOOR_BYTES, a fixed figure: see [Note: a budget is a
+    bound] in infinity/estimate/placement.py). `device_default`: the GPU
     memory the run may use without --device-memory, where the figure came from, and the
     GPU's whole memory (a --device-memory above it is refused); `here`:
     the run is on this machine (see `ram_budget`)."""
     from dataclasses import replace
 
     from infinity.estimate import model_shape
-    from infinity.estimate.result import current_rss
 
     if getattr(args, "device_memory", None) is not None and not gpu:
         raise ValueError(
@@ -165,7 +167,7 @@ def plan_run(
     budget = ram_budget(args, local_ranks, here)
     shape = model_shape(hf_config, lora_r=lora_r)
     run = dict(gpu=gpu, seq_len=args.seq_len, checkpointing=bool(args.activation_checkpointing),
-               runtime_bytes=current_rss() if runtime_bytes is None else runtime_bytes,
+               runtime_bytes=PROCESS_FLOOR_BYTES if runtime_bytes is None else runtime_bytes,
                world_size=world_size)  # fmt: skip
     if not planned(args):
         check_budget(shape, config, budget, **run)
@@ -175,6 +177,11 @@ def plan_run(
     elif gpu and device_default is not None:
         budget = replace(budget, device_bytes=device_default[0], device_source=device_default[1])
     return plan_placement(shape, config, budget, tunable=tunable_buffers(args), **run)
+
+
+def _flag_size(nbytes: int) -> str:
+    """A size as --ram-budget takes it: 16.0G, 720M."""
+    return f"{nbytes / 2**30:.1f}G" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f}M"
 
 
 def _g(nbytes: int) -> str:

@@ -37,6 +37,18 @@ ASSUMED_NVME_WRITE_BPS = 2.0e9
 """A PCIe 4.0 SSD's sustained O_DIRECT rates, used when nothing was measured."""
 CUDA_RUNTIME_HOST_BYTES = 1 << 30
 """Host memory of the CUDA runtime and its libraries in a training process (about 1 GiB)."""
+PROCESS_FLOOR_BYTES = 360 << 20
+"""RSS of an `infinity train` process before its model: the interpreter, torch,
+transformers, the tokenizer and the data's index (349 MiB measured at the placement of a
+27M Llama, and 350 MiB in `infinity estimate`, with torch 2.13's CPU build on Linux x86-64;
+rounded up). The plan counts this fixed figure, not the RSS of the moment, so that
+`infinity estimate` and `infinity train` with the same flags make the same plan (see [Note:
+a budget is a bound] in infinity/estimate/placement.py)."""
+RSS_MARGIN_BYTES = 64 << 20
+"""RAM of a budget the planner leaves unplanned: what the estimate does not count (thread
+stacks and allocator arenas of the I/O and checkpoint threads, Python objects per
+parameter), measured at 17-38 MiB over the estimate's peak for models of 20K to 27M
+parameters; see [Note: a budget is a bound]."""
 
 
 @dataclass(frozen=True, slots=True)

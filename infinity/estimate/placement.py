@@ -19,7 +19,16 @@ accumulation a spilled gradient is read and written again at every micro batch, 
 held can save far more than the state's 12), and of the two homes it takes the one with the
 fewest NVMe bytes per step, then the smaller peak RSS. Peak RSS is the estimate's
 (`memory_of`), which counts the pipelines' buffers and, on the CPU device, the device memory.
-A budget below the all-NVMe plan's peak RSS is refused with that minimum.
+Keeping every sub-group in RAM drops the state pipeline's buffers, so that plan may fit where
+one that spills does not: it is tried on its own, and `--nvme` never refuses a run that fits
+in RAM. A budget below the leanest plan's peak RSS is refused with that minimum.
+
+[Note: a budget is a bound] A plan fits when its peak RSS plus `Budget.margin_bytes` (the
+CLI leaves RSS_MARGIN_BYTES: what the estimate does not count) is within the budget. The
+process before the model counts as PROCESS_FLOOR_BYTES, a fixed figure, not the RSS of the
+moment: the plan is a function of the flags and the budget, so `infinity estimate` and
+`infinity train` with the same flags make the same plan (`tests/test_placement_budget.py`
+checks both, and the measured peak against the budget at several sizes).
 
 The settings it tries besides the config's (lean buffers, the live set and gradient sums on
 the device) are `infinity.estimate.placement_rungs`'s, with their notes.
@@ -50,6 +59,11 @@ class Budget:
     """GPU memory the run may use (0: unbounded here, as on the CPU device, whose memory is
     host RAM and within `ram_bytes`)."""
     device_source: str = ""
+    margin_bytes: int = 0
+    """Of `ram_bytes`, what no plan may use (see [Note: a budget is a bound])."""
+
+    def fits(self, peak_rss_bytes: int) -> bool:
+        return peak_rss_bytes + self.margin_bytes <= self.ram_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +132,11 @@ class Placement:
             ("optimizer state (fp32)", self.state),
             ("gradients (fp32)", self.grads),
         ]
+        margin = self.budget.margin_bytes
+        kept = f", {_size(margin)} of it left as margin" if margin else ""
         out = [
-            f"placement within {_size(self.budget.ram_bytes)} of RAM ({self.budget.source}): "
-            f"peak RSS {_size(self.peak_rss_bytes)}"
+            f"placement within {_size(self.budget.ram_bytes)} of RAM ({self.budget.source}"
+            f"{kept}): peak RSS {_size(self.peak_rss_bytes)}"
         ]
         for name, t in rows:
             if t.ram_bytes or t.nvme_bytes or t.device_bytes:
@@ -147,6 +163,10 @@ class Placement:
                 "per step"
             )
         return out
+
+
+def _margin(budget: Budget) -> str:
+    return f" and a margin of {_size(budget.margin_bytes)}" if budget.margin_bytes else ""
 
 
 def _size(nbytes: int) -> str:
@@ -186,28 +206,46 @@ def plan_placement(
                 plans.append((_moved(p), on_device, p.host_device_bytes_per_step, rung,
                               p.peak_rss_bytes, p))  # fmt: skip
     if not plans:  # `evaluate` is the last rung's
-        floor = evaluate.plan("nvme", 0, 0)
-        if gpu and budget.device_bytes and floor.device_bytes > budget.device_bytes:
-            raise ValueError(
-                f"a device budget of {_size(budget.device_bytes)} ({budget.device_source}) is "
-                f"below the {_size(floor.device_bytes)} this run needs on the device (the live "
-                "parameters and the activations); lower stage3_max_live_parameters, "
-                "--micro-batch or --seq-len, or turn on --activation-checkpointing"
-            )
-        device = "" if gpu else f", the device's memory (host RAM here) {_size(floor.device_bytes)}"
-        process = runtime_bytes + (CUDA_RUNTIME_HOST_BYTES if gpu else 0)
-        raise ValueError(
-            f"a RAM budget of {_size(budget.ram_bytes)} ({budget.source}) is below the "
-            f"{_size(floor.peak_rss_bytes)} this run needs with everything on NVMe (the "
-            f"process before the model {_size(process)}{' with the CUDA runtime' if gpu else ''}"
-            f", its NVMe staging buffers {_size(floor.buffers_bytes)}{device}); raise "
-            "--ram-budget, "
-            "or shrink the buffers: offload_param.buffer_count (each holds the largest "
-            "parameter), zero_optimization.sub_group_size, stage3_max_live_parameters"
-        )
+        _refuse(evaluate, budget, gpu, runtime_bytes)
     # Fewest NVMe bytes, then no sums on the device (their copies at the step are not
     # overlapped), then host-to-device bytes, then the earliest rung, then less RSS.
     return min(plans, key=lambda t: t[:5])[5]
+
+
+def _refuse(evaluate: _Evaluator, budget: Budget, gpu: bool, runtime_bytes: int) -> None:
+    """The error of a budget no plan fits: the leanest plan's needs, and what would help."""
+    spilled = min((evaluate.plan("nvme", 0, 0, g) for g in (False, True)),
+                  key=lambda p: p.peak_rss_bytes)  # fmt: skip
+    in_ram = evaluate.plan("cpu", 0, evaluate.state_steps[-1])
+    floor = min(spilled, in_ram, key=lambda p: p.peak_rss_bytes)
+    if gpu and budget.device_bytes and floor.device_bytes > budget.device_bytes:
+        raise ValueError(
+            f"a device budget of {_size(budget.device_bytes)} ({budget.device_source}) is "
+            f"below the {_size(floor.device_bytes)} this run needs on the device (the live "
+            "parameters and the activations); lower stage3_max_live_parameters, "
+            "--micro-batch or --seq-len, or turn on --activation-checkpointing"
+        )
+    where = "everything in RAM" if floor is in_ram else "everything on NVMe"
+    device = "" if gpu else f", the device's memory (host RAM here) {_size(floor.device_bytes)}"
+    process = runtime_bytes + (CUDA_RUNTIME_HOST_BYTES if gpu else 0)
+    held = (
+        f"the optimizer state and gradients {_size(floor.state.ram_bytes + floor.grads.ram_bytes)}"
+        if floor is in_ram
+        else f"its NVMe staging buffers {_size(floor.buffers_bytes)}"
+    )
+    fix = (
+        "or lower --micro-batch or --seq-len"
+        if floor is in_ram
+        else "or shrink the buffers: offload_param.buffer_count (each holds the largest "
+        "parameter), zero_optimization.sub_group_size, stage3_max_live_parameters"
+    )
+    raise ValueError(
+        f"a RAM budget of {_size(budget.ram_bytes)} ({budget.source}) is below the "
+        f"{_size(floor.peak_rss_bytes + budget.margin_bytes)} this run needs with its "
+        f"leanest plan, {where}{_margin(budget)} (the process before the model "
+        f"{_size(process)}{' with the CUDA runtime' if gpu else ''}, {held}{device}); raise "
+        f"--ram-budget, {fix}"
+    )
 
 
 def _moved(p: Placement) -> int:
@@ -243,25 +281,30 @@ class _Evaluator:
         return replace(plan, buffers=self.buffers)
 
     def best(self, param: str) -> Placement | None:
-        """The frozen parameters, then the sub-groups, that fit, with `param`'s home."""
+        """The frozen parameters, then the sub-groups, that fit, with `param`'s home; and
+        the frozen parameters that fit beside every sub-group in RAM (see [Note: what the
+        planner keeps in RAM])."""
         frozen_steps = self.frozen_steps if param == "nvme" else [0]  # "cpu": all in RAM
-        fits = self._fits(lambda k: self.plan(param, frozen_steps[k], 0), frozen_steps)
-        if fits is None:
-            return None
-        frozen = frozen_steps[fits]
-        plans = []
         steps = self.state_steps
-        for grads in (False, True):  # the gradients spilled with the state, or all in RAM
-            fits = self._fits(lambda k, g=grads: self.plan(param, frozen, steps[k], g), steps)
-            if fits is not None:
-                plans.append(self.plan(param, frozen, steps[fits], grads))
-        return min(plans, key=lambda p: (_moved(p), p.host_device_bytes_per_step, p.peak_rss_bytes))
+        plans = []
+        fits = self._fits(lambda k: self.plan(param, frozen_steps[k], steps[-1]), frozen_steps)
+        if fits is not None:  # no state pipeline: it may fit where a spilled state does not
+            plans.append(self.plan(param, frozen_steps[fits], steps[-1]))
+        fits = self._fits(lambda k: self.plan(param, frozen_steps[k], 0), frozen_steps)
+        if fits is not None:
+            frozen = frozen_steps[fits]
+            for grads in (False, True):  # the gradients spilled with the state, or in RAM
+                k = self._fits(lambda k, g=grads: self.plan(param, frozen, steps[k], g), steps)
+                if k is not None:
+                    plans.append(self.plan(param, frozen, steps[k], grads))
+        key = lambda p: (_moved(p), p.host_device_bytes_per_step, p.peak_rss_bytes)  # noqa: E731
+        return min(plans, key=key, default=None)
 
     def fits(self, p: Placement) -> bool:
         """Within the RAM budget and, on a GPU, the device budget (when one is given)."""
         device = self.budget.device_bytes
         over_device = self.gpu and device and p.device_bytes > device
-        return p.peak_rss_bytes <= self.budget.ram_bytes and not over_device
+        return self.budget.fits(p.peak_rss_bytes) and not over_device
 
     def _fits(self, make: Callable[[int], Placement], steps: list[int]) -> int | None:
         """The largest k whose plan fits the budget (peak RSS grows with k; the last step,
@@ -311,15 +354,15 @@ def check_budget(
     config = resolve_config(config, shape, world_size)
     acts = _activations(shape, config, seq_len, checkpointing)
     _, _, peak = _memory(shape, config, gpu, acts, checkpointing, runtime_bytes, world_size)
-    if peak > budget.ram_bytes:
+    if not budget.fits(peak):
         zero = config.zero_optimization
         devices = (zero.offload_param.device, zero.offload_optimizer.device)
         raise ValueError(
-            f"this run needs {_size(peak)} of RAM at its peak, over the budget of "
-            f"{_size(budget.ram_bytes)} ({budget.source}); its config places the parameters "
-            f"on {devices[0]!r} and the optimizer state on {devices[1]!r}. Give --nvme DIR "
-            "(and no offload devices in the config) to let the planner keep in RAM what fits "
-            "and put the rest on the SSD, or raise --ram-budget"
+            f"this run needs {_size(peak)} of RAM at its peak{_margin(budget)}, over the "
+            f"budget of {_size(budget.ram_bytes)} ({budget.source}); its config places the "
+            f"parameters on {devices[0]!r} and the optimizer state on {devices[1]!r}. Give "
+            "--nvme DIR (and no offload devices in the config) to let the planner keep in RAM "
+            "what fits and put the rest on the SSD, or raise --ram-budget"
         )
     return peak
 
