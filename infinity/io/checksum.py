@@ -21,13 +21,14 @@ compared across processes, so without the extension a slower CRC (zlib's CRC-32)
 live swap file is found when it is read back, before anything uses it. The sums of a write
 and the check of a read run on checksum threads of the tier (extent.py), beside the disk
 and the caller's optimizer step, with the fastest CRC-32C kernel the CPU runs: carry-less
-multiplication folding 256 bytes a step (AVX-512 VPCLMULQDQ, 56-64 GB/s on one core of the
-development machine over cached data, 33 GB/s from DRAM), else the crc32 instruction three
-chunks at a time (SSE4.2 or the ARMv8 CRC extension, about half that), else tables. They
-are a pass over memory beside the optimizer's: +4-8% of the NVMe optimizer sweep on the
-loaded 2-core development machine (benchmarks/swap_checksum_bench.py, BENCHMARKS.md). `ExtentSums.sample_bytes` below `PAGE_BYTES` sums only the first bytes of
-each 4 KiB page, as releases before full sums did; it stays for that comparison only, since
-a change inside the rest of a page then goes unseen.
+multiplication folding 256 bytes a step (AVX-512 VPCLMULQDQ, 51-59 GB/s on one core of the
+development machine over cached data, 36-37 GB/s from DRAM), else the crc32 instruction
+three chunks at a time (SSE4.2 or the ARMv8 CRC extension, about half that), else tables.
+They are a pass over memory beside the optimizer's: +4-12% of the NVMe optimizer sweep on
+the loaded 2-core development machine (benchmarks/swap_checksum_bench.py, BENCHMARKS.md).
+`ExtentSums.sample_bytes` below `PAGE_BYTES` sums only the first bytes of each 4 KiB page,
+as releases before full sums did; it stays for that comparison only, since a change inside
+the rest of a page then goes unseen.
 """
 
 from __future__ import annotations
