@@ -166,6 +166,15 @@ def _build(root: Path) -> World:
              {"zero_optimization": {"offload_optimizer": {"gradients_in_cpu": "yes"}}})  # fmt: skip
     os.symlink("selfloop", w.add("selfloop", root / "selfloop"))  # a link to itself
     (w.add("writing", root / "writing") / ".tmp.step1").mkdir(parents=True)  # a first save
+    for name, section in (("param", "offload_param"), ("optim", "offload_optimizer")):
+        w.config(
+            f"cfg_{name}_cpu.json",
+            {"zero_optimization": {section: {"device": "cpu", "max_in_cpu": 1000}}},
+        )
+    w.config(
+        "cfg_grads_cpu.json",
+        {"zero_optimization": {"offload_optimizer": {"gradients_in_cpu": True}}},
+    )
     w.add("out", root / "exported")  # never created: every export case fails first
     run = w.add("run", root / "runs" / "done")
     assert main(_train(w, "--save-dir", str(run), "--steps", "2", "--save-every", "1")) == 0
@@ -334,6 +343,19 @@ CASES = [
      1, "--device-memory: on the CPU device"),
     ("placement-unknown", lambda w: _train(w, "--nvme", w["ssd"], "--placement", "ram"),
      2, "invalid choice"),
+    ("placement-nvme-without-nvme", lambda w: _train(w, "--placement", "nvme"),
+     1, "--placement nvme puts every class of tensors on NVMe, but no --nvme DIR"),
+    ("estimate-placement-nvme-without-nvme",
+     lambda w: ["estimate", "--model", "tiny", "--placement", "nvme"], 1, "no --nvme DIR"),
+    ("estimate-device-memory-below-the-run",
+     lambda w: ["estimate", "--model", "llama-1b", "--device", "h100", "--device-memory", "1M"],
+     1, "a device budget of 1.0 MiB (--device-memory 1M) is below the"),
+    ("config-param-in-cpu-on-cpu", lambda w: _train(w, "--config", w["cfg_param_cpu.json"]),
+     1, "offload_param.max_in_cpu: keep part of an NVMe tier in RAM"),
+    ("config-optim-in-cpu-on-cpu", lambda w: _train(w, "--config", w["cfg_optim_cpu.json"]),
+     1, "offload_optimizer.max_in_cpu: keep part of an NVMe tier in RAM"),
+    ("config-grads-in-cpu-on-cpu", lambda w: _train(w, "--config", w["cfg_grads_cpu.json"]),
+     1, "is 'cpu', which keeps everything in RAM already"),
     ("config-optim-in-cpu-neg", lambda w: _train(w, "--config", w["cfg_optim_in_cpu_neg.json"]),
      1, "max_in_cpu"),
     ("config-grads-in-cpu-str", lambda w: _train(w, "--config", w["cfg_grads_in_cpu_str.json"]),

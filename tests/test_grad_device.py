@@ -116,6 +116,17 @@ def test_sums_on_the_device_train_bitwise_as_host_and_nvme(tmp_path, dtype, accu
     assert 0 < runs["device-then-nvme"][3]["nvme_grad_bytes_written"] < spilled
 
 
+@pytest.mark.skipif(get_accelerator().device.type != "cpu", reason="the CPU device's case")
+def test_sums_on_the_cpu_device_say_they_stay_in_ram(tmp_path, caplog):
+    """On the CPU device the key is honoured (the sums live in the device's memory, host
+    RAM) and the run says so, rather than keeping quiet about a GPU setting."""
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="infinity.swap.tiers"):
+        _, engine = run_engine(Zoo(), batches(1), _cfg(tmp_path, on_device=SUB_GROUP))
+    engine.close()
+    assert "on the CPU device the device's memory is host RAM" in caplog.text
+
+
 def test_an_fp16_overflow_on_the_device_skips_the_step_and_forgets_the_sums(tmp_path):
     """An inf gradient summed on the device: the norm is inf, the step is skipped and the
     sums read as zeros after it, so the next steps train as on the host tier, bit for bit."""

@@ -22,6 +22,7 @@ from infinity.estimate.placement import (
     Budget,
     Placement,
     check_budget,
+    check_device,
     plan_placement,
 )
 from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, LEAN_BUFFERS
@@ -150,6 +151,30 @@ def plan_run(
 
     from infinity.estimate import model_shape
 
+    limit = _checked_flags(args, gpu, device_default)
+    if not planned(args) and args.ram_budget is None and limit is None:
+        return None
+    shape = model_shape(hf_config, lora_r=lora_r)
+    run = dict(gpu=gpu, seq_len=args.seq_len, checkpointing=bool(args.activation_checkpointing),
+               runtime_bytes=PROCESS_FLOOR_BYTES if runtime_bytes is None else runtime_bytes,
+               world_size=world_size)  # fmt: skip
+    if not planned(args):  # the config places it: its needs are only checked
+        if limit is not None:
+            check_device(shape, config, limit, f"--device-memory {_flag_size(limit)}", **run)
+        if args.ram_budget is not None:
+            check_budget(shape, config, ram_budget(args, local_ranks, here), **run)
+        return None
+    budget = ram_budget(args, local_ranks, here)
+    if limit is not None:
+        source = f"--device-memory {_flag_size(limit)}"
+        budget = replace(budget, device_bytes=limit, device_source=source)
+    elif gpu and device_default is not None:
+        budget = replace(budget, device_bytes=device_default[0], device_source=device_default[1])
+    return plan_placement(shape, config, budget, tunable=tunable_buffers(args), **run)
+
+
+def _checked_flags(args: argparse.Namespace, gpu: bool, device_default) -> int | None:
+    """--device-memory (returned) and --placement checked against the device and --nvme."""
     if getattr(args, "device_memory", None) is not None and not gpu:
         raise ValueError(
             "--device-memory: on the CPU device the device memory is host RAM; give "
@@ -162,21 +187,13 @@ def plan_run(
             f"{device_default[2] / 2**30:.1f} GiB; give at most that (without it the budget "
             f"is {device_default[1]})"
         )
-    if not planned(args) and args.ram_budget is None:
-        return None
-    budget = ram_budget(args, local_ranks, here)
-    shape = model_shape(hf_config, lora_r=lora_r)
-    run = dict(gpu=gpu, seq_len=args.seq_len, checkpointing=bool(args.activation_checkpointing),
-               runtime_bytes=PROCESS_FLOOR_BYTES if runtime_bytes is None else runtime_bytes,
-               world_size=world_size)  # fmt: skip
-    if not planned(args):
-        check_budget(shape, config, budget, **run)
-        return None
-    if limit is not None:
-        budget = replace(budget, device_bytes=limit, device_source=f"--device-memory {_g(limit)}")
-    elif gpu and device_default is not None:
-        budget = replace(budget, device_bytes=device_default[0], device_source=device_default[1])
-    return plan_placement(shape, config, budget, tunable=tunable_buffers(args), **run)
+    if getattr(args, "placement", "auto") == "nvme" and not getattr(args, "nvme", None):
+        raise ValueError(
+            "--placement nvme puts every class of tensors on NVMe, but no --nvme DIR was "
+            "given; give --nvme DIR, or leave --placement out (without --nvme everything is "
+            "in RAM)"
+        )
+    return limit
 
 
 def _flag_size(nbytes: int) -> str:

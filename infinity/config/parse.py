@@ -232,12 +232,31 @@ def _after_offload(offload: OffloadParamConfig | OffloadOptimizerConfig, path: s
             f"{_join(path, 'nvme_path')}: required when {_join(path, 'device')} is 'nvme'; "
             f"set it to a directory on a fast local SSD"
         )
+    _in_cpu_needs_nvme(offload, path)
     if isinstance(offload, OffloadOptimizerConfig) and offload.fast_init:
         raise ValueError(
             f"{_join(path, 'fast_init')}: true is not supported by Infinity: there is no "
             f"separate optimizer-state initialization pass to skip (each sub-group's master "
             f"weights and zero moments are written once, pipelined, as the engine starts); "
             f"set it to false or remove it"
+        )
+
+
+def _in_cpu_needs_nvme(offload: OffloadParamConfig | OffloadOptimizerConfig, path: str) -> None:
+    """`max_in_cpu` and `gradients_in_cpu` say what of an NVMe tier stays in RAM: with any
+    other device everything is in RAM already, so a value that asks for it is a mistake."""
+    if offload.device == "nvme":
+        return
+    keys = ["max_in_cpu"] if offload.max_in_cpu else []
+    if isinstance(offload, OffloadOptimizerConfig) and offload.gradients_in_cpu:
+        keys.append("gradients_in_cpu")
+    if keys:
+        named = " and ".join(_join(path, k) for k in keys)
+        raise ValueError(
+            f"{named}: keep part of an NVMe tier in RAM, but {_join(path, 'device')} is "
+            f"{offload.device!r}, which keeps everything in RAM already; remove "
+            f"{'them' if len(keys) > 1 else 'it'}, or set the device to 'nvme' (with "
+            "nvme_path) to split between RAM and NVMe"
         )
 
 

@@ -219,12 +219,7 @@ def _refuse(evaluate: _Evaluator, budget: Budget, gpu: bool, runtime_bytes: int)
     in_ram = evaluate.plan("cpu", 0, evaluate.state_steps[-1])
     floor = min(spilled, in_ram, key=lambda p: p.peak_rss_bytes)
     if gpu and budget.device_bytes and floor.device_bytes > budget.device_bytes:
-        raise ValueError(
-            f"a device budget of {_size(budget.device_bytes)} ({budget.device_source}) is "
-            f"below the {_size(floor.device_bytes)} this run needs on the device (the live "
-            "parameters and the activations); lower stage3_max_live_parameters, "
-            "--micro-batch or --seq-len, or turn on --activation-checkpointing"
-        )
+        raise _device_error(budget.device_bytes, budget.device_source, floor.device_bytes)
     where = "everything in RAM" if floor is in_ram else "everything on NVMe"
     device = "" if gpu else f", the device's memory (host RAM here) {_size(floor.device_bytes)}"
     process = runtime_bytes + (CUDA_RUNTIME_HOST_BYTES if gpu else 0)
@@ -246,6 +241,29 @@ def _refuse(evaluate: _Evaluator, budget: Budget, gpu: bool, runtime_bytes: int)
         f"{_size(process)}{' with the CUDA runtime' if gpu else ''}, {held}{device}); raise "
         f"--ram-budget, {fix}"
     )
+
+
+def _device_error(limit: int, source: str, needed: int) -> ValueError:
+    return ValueError(
+        f"a device budget of {_size(limit)} ({source}) is below the {_size(needed)} this run "
+        "needs on the device (the live parameters and the activations); lower "
+        "stage3_max_live_parameters, --micro-batch or --seq-len, or turn on "
+        "--activation-checkpointing"
+    )
+
+
+def check_device(
+    shape: ModelShape, config: Config, limit: int, source: str, *, gpu: bool, seq_len: int,
+    checkpointing: bool = False, runtime_bytes: int, world_size: int = 1,
+) -> int:  # fmt: skip
+    """A run whose placement the config fixes: its device memory, or ValueError when that
+    is over `limit` bytes (from `source`, e.g. "--device-memory 1.0G")."""
+    config = resolve_config(config, shape, world_size)
+    acts = _activations(shape, config, seq_len, checkpointing)
+    _, device, _ = _memory(shape, config, gpu, acts, checkpointing, runtime_bytes, world_size)
+    if device > limit:
+        raise _device_error(limit, source, device)
+    return device
 
 
 def _moved(p: Placement) -> int:

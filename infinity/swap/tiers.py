@@ -140,6 +140,13 @@ def make_grad_tier(
                 "offload_optimizer.gradients_on_device is set but no accelerator was given "
                 "to keep them on"
             )
+        if accelerator.device.type == "cpu":
+            logger.warning(
+                "offload_optimizer.gradients_on_device %d: on the CPU device the device's "
+                "memory is host RAM, so the first %d sub-groups' gradient sums stay in RAM "
+                "(as gradients_in_cpu keeps them); the key saves host copies only on a GPU",
+                offload.gradients_on_device, on_device,
+            )  # fmt: skip
         parts.append((on_device, DeviceGradTier(numels[:on_device], accelerator)))
     if spill_from > on_device:
         parts.append((spill_from - on_device, HostGradTier(numels[on_device:spill_from])))
