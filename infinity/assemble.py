@@ -180,7 +180,10 @@ class PartitionedModel:
         try:
             if self.optimizer is not None:
                 try:
-                    self.optimizer.store.close()
+                    try:
+                        self.optimizer.cancel_ahead()  # no step follows
+                    finally:
+                        self.optimizer.store.close()
                 finally:
                     self.optimizer.grads.close()
         finally:
@@ -364,6 +367,7 @@ def _runtime(
     coord = parts.coordinator = Coordinator(parts.records, zero, accelerator=accel)
     trainable = [r for r in parts.records if r.trainable]
     optimizer.on_new_weights = GatheredRefresh(trainable, optimizer.layout, coord)
+    optimizer.range = accel.range
     parts.entry = BackwardEntry(coord, loss_scale=loss_scale, timer=timer)
     by_param = {rec.param: rec for rec in parts.records}
     parts.hooks = ModelHooks(parts.module, units, by_param, coord, enter_backward=parts.entry.enter)

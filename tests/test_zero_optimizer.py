@@ -50,8 +50,8 @@ class CopyingStateStore:
             master.reshape(-1).to(torch.float32, copy=True), torch.zeros(n), torch.zeros(n)
         )
 
-    def sweep(self):
-        for i in range(len(self.numels)):
+    def sweep(self, order=None):
+        for i in range(len(self.numels)) if order is None else order:
             state = self.read(i)
             yield i, state
             self.write(i, state)
