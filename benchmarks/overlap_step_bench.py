@@ -1,7 +1,8 @@
 """Claim: with `offload_optimizer.overlap_step` the CPU-Adam of the sub-groups whose gradients
-are final runs during the last micro batch's backward, so the optimizer step after backward
-(`engine.step()` at the boundary) is shorter than the serial one, with bitwise the same
-losses; the state in RAM and on NVMe.
+are final runs during the last micro batch's backward (and with `half_gradients` at
+accumulation 1 it reads the 16-bit gradients, with no fp32 sums), so the optimizer step after
+backward (`engine.step()` at the boundary) is shorter than the serial one, with bitwise the
+same losses; the state in RAM and on NVMe.
 
 Four engines on copies of one model (a small Llama preset shape, bf16): state in RAM or on
 NVMe (gradient sums in RAM), overlap off or on. Each round runs one optimizer step (forward,
@@ -41,7 +42,9 @@ def _name(tier: str, overlap: bool) -> str:
 
 
 def engine_config(args, tier: str, overlap: bool, path: str) -> dict:
-    offload = {"device": tier, "overlap_step": overlap, "overlap_numel": 10**10}
+    # Off: today's serial step (fp32 gradient sums); on: overlapped, 16-bit gradients.
+    offload = {"device": tier, "overlap_step": overlap, "half_gradients": overlap}
+    offload["overlap_numel"] = 10**10
     if tier == "nvme":
         offload |= {"nvme_path": path, "gradients_in_cpu": True}
     return {

@@ -20,7 +20,9 @@ def overlap_config(
     *, dtype: str, clip: str, accum: int, tier: str, nvme_dir: str, overlap: bool
 ) -> dict:
     cfg = config(sub_group_size=2048)  # a sub-group per slot or two: many to step early
-    offload = {"device": tier, "overlap_step": overlap}
+    # Off: today's serial step, fp32 gradient sums included; on: overlapped, and at
+    # accumulation 1 in fp16/bf16 the gradients kept in 16 bits.
+    offload = {"device": tier, "overlap_step": overlap, "half_gradients": overlap}
     if tier == "nvme":  # the gradient sums in RAM: only those are stepped early
         offload |= {"nvme_path": nvme_dir, "gradients_in_cpu": True}
     cfg["zero_optimization"]["offload_optimizer"] = offload

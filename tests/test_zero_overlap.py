@@ -3,9 +3,15 @@ bitwise the serial step's results in every case, and really stepping sub-groups 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 from _dist import rank_results, run_ranks
-from _overlap import overlap_config, same_bits, train
+from _engine_models import batches, tiny_gpt
+from _overlap import digest, overlap_config, same_bits, train
+
+import infinity
 
 
 def _pair(tmp_path, **case) -> tuple[dict, dict]:
@@ -52,3 +58,50 @@ def test_two_ranks_overlapped_are_bitwise_serial(tmp_path, dtype, clip, accum, t
         same_bits(runs["True"], runs["False"])
         assert min(a for a, _ in runs["True"]["ahead"]) > 0
     assert results[0]["True"]["losses"] != results[1]["True"]["losses"]  # each its own batch
+
+
+def _loop(overlap: bool, tmp_path, script) -> dict:
+    """`script(engine, batches)` on the tiny GPT; weights and state digests after it."""
+    cfg = overlap_config(
+        dtype="bf16", clip="off", accum=1, tier="cpu", nvme_dir=str(tmp_path), overlap=overlap
+    )
+    torch.manual_seed(0)
+    engine = infinity.initialize(copy.deepcopy(tiny_gpt(checkpointing=False)), cfg)
+    try:
+        ahead = script(engine, batches(6, seed=5))
+        weights = {n: digest(w) for n, w in engine.named_parameters_host()}
+        state = {n: digest(read()) for n, read in engine.optimizer.state_tensors()}
+    finally:
+        engine.close()
+    return {"weights": weights, "state": state, "ahead": ahead}
+
+
+def test_a_second_backward_into_stepped_sub_groups_is_redone(tmp_path):
+    def script(engine, data):
+        ahead = []
+        for i in range(0, 6, 2):  # two backwards at the boundary, one step
+            for ids in data[i : i + 2]:
+                engine.backward(engine(ids, ids))
+                assert engine.optimizer.wait_ahead()
+            engine.step()
+            t = engine.optimizer.last_timings
+            ahead.append((t.get("ahead_sub_groups", 0), t.get("ahead_confirmed", 0)))
+        return ahead
+
+    serial, overlapped = _loop(False, tmp_path, script), _loop(True, tmp_path, script)
+    assert overlapped["weights"] == serial["weights"] and overlapped["state"] == serial["state"]
+    # Stepped early after the first backward, spoiled by the second: none kept.
+    assert all(stepped > 0 and kept == 0 for stepped, kept in overlapped["ahead"])
+
+
+def test_a_window_the_loop_extends_undoes_what_began(tmp_path):
+    def script(engine, data):
+        for k, ids in enumerate(data):
+            engine.backward(engine(ids, ids))
+            assert engine.optimizer.wait_ahead()
+            engine.step(boundary=k % 3 == 2)  # the HF Trainer's own windows of 3
+        return engine.global_steps
+
+    serial, overlapped = _loop(False, tmp_path, script), _loop(True, tmp_path, script)
+    assert serial["ahead"] == overlapped["ahead"] == 2
+    assert overlapped["weights"] == serial["weights"] and overlapped["state"] == serial["state"]

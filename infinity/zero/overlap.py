@@ -49,12 +49,16 @@ from typing import Any
 import torch
 
 from infinity.config import ZeroConfig
+from infinity.swap.grad_half import HalfGradTier
 from infinity.swap.grad_tier import HostGradTier
 from infinity.swap.split_state import SplitGradTier
 from infinity.swap.state_tier import StateTier, SubGroupState
 from infinity.zero.sub_groups import FlatLayout
 
 __all__ = ["Ahead", "OverlapStep", "overlap_limit", "overlap_plan"]
+
+_HOST = (HostGradTier, HalfGradTier)
+"""Gradient tiers whose `take` is a view of host memory, safe beside backward's adds."""
 
 
 @dataclass(slots=True)
@@ -243,8 +247,8 @@ def overlap_plan(zero: ZeroConfig, layout: FlatLayout, grads: Any) -> tuple[list
         return None
     numels = layout.sub_group_numels
     order = list(range(len(numels)))[::-1]  # backward finishes the last slots first
-    on_host = [isinstance(grads, HostGradTier)] * len(numels)
+    on_host = [isinstance(grads, _HOST)] * len(numels)
     if isinstance(grads, SplitGradTier):
-        on_host = [isinstance(grads.tier_of(g), HostGradTier) for g in range(len(numels))]
+        on_host = [isinstance(grads.tier_of(g), _HOST) for g in range(len(numels))]
     limit = overlap_limit(order, numels, on_host, offload.overlap_numel)
     return (order, limit) if limit else None
