@@ -350,6 +350,8 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
             # ... and those from NVMe land in recycled buffers: how many were handed out again
             # (see infinity/accelerator/recycled.py)
             "recycled_buffers_reused": engine.accelerator.buffers.reused,
+            # The gradients were kept in 16 bits (swap/grad_half.py), not as fp32 sums.
+            "half_gradients": type(engine.optimizer.grads).__name__ == "HalfGradTier",
         }
     finally:
         engine.close()

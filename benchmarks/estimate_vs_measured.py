@@ -81,6 +81,13 @@ def estimate_record(record: dict, probed: dict) -> Estimate:
         if param.get("buffer_size", "auto") == "auto":
             param["buffer_size"] = max(p.numel for p in shape.params)
         config["zero_optimization"] = {**zero, "offload_param": param}
+    # Runs recorded before the gradients could be kept in 16 bits summed them in fp32.
+    zero = config.setdefault("zero_optimization", {})
+    optim = {
+        **(zero.get("offload_optimizer") or {}),
+        "half_gradients": bool(record.get("half_gradients")),
+    }
+    config["zero_optimization"] = {**zero, "offload_optimizer": optim}
     return estimate(
         shape,
         Config.load(config),

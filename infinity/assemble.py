@@ -49,6 +49,7 @@ from infinity.swap import (
     make_param_tier,
     make_state_tier,
 )
+from infinity.swap.grad_half import keeps_half
 from infinity.utils.phase_clock import PhaseClock
 from infinity.utils.step_timer import StepTimer
 from infinity.zero import (
@@ -72,7 +73,7 @@ from infinity.zero.grad_offload import GradOffload
 from infinity.zero.grad_reduce import GradReducer
 from infinity.zero.optimizer_state import state_format
 from infinity.zero.shard import check_same_weights, shard_of
-from infinity.zero.sub_groups import FlatLayout
+from infinity.zero.sub_groups import FlatLayout, check_slots
 from infinity.zero.weights import lay_out_flat
 
 __all__ = ["GatheredRefresh", "PartitionedModel", "assemble", "resolve_config"]
@@ -136,7 +137,7 @@ class PartitionedModel:
         host = sum(r.home.host_bytes for r in self.records if not r.trainable)
         optim = self.optimizer.memory_stats()
         stats["host_bytes"] = host + optim["host_bytes"]
-        prefixes = ("nvme_", "optim_host_buffer", "grad_")
+        prefixes = ("nvme_", "optim_host_buffer", "optim_overlap", "grad_")
         stats.update({k: v for k, v in optim.items() if k.startswith(prefixes)})
         # Pinned: the host homes (offload_param.pin_memory; the trainable ones are the
         # optimizer's weight buffer) and the NVMe pipelines' buffers.
@@ -181,7 +182,10 @@ class PartitionedModel:
         try:
             if self.optimizer is not None:
                 try:
-                    self.optimizer.store.close()
+                    try:
+                        self.optimizer.cancel_ahead()  # no step follows
+                    finally:
+                        self.optimizer.store.close()
                 finally:
                     self.optimizer.grads.close()
         finally:
@@ -336,6 +340,7 @@ def _optimizer(
         config.aio,
         stores=parts.swap_stores,
         accelerator=parts.accelerator,
+        half_dtype=_half_gradients(parts, slots),
     )
     try:
         parts.optimizer = PartitionedOptimizer(
@@ -369,6 +374,7 @@ def _runtime(
     coord = parts.coordinator = Coordinator(parts.records, zero, accelerator=accel)
     trainable = [r for r in parts.records if r.trainable]
     optimizer.on_new_weights = GatheredRefresh(trainable, optimizer.layout, coord)
+    optimizer.range = accel.range
     parts.entry = BackwardEntry(coord, loss_scale=loss_scale, timer=timer)
     by_param = {rec.param: rec for rec in parts.records}
     parts.hooks = ModelHooks(parts.module, units, by_param, coord, enter_backward=parts.entry.enter)
@@ -388,3 +394,11 @@ def _runtime(
     parts.grad_handles = install_grad_hooks(
         parts.records, parts.grad_offload.add, parts.hooks, accel, parts.grad_reducer
     )
+
+
+def _half_gradients(parts: PartitionedModel, slots: list[Slot]) -> torch.dtype | None:
+    """The 16-bit dtype the gradients are kept in, if they are (`keeps_half`)."""
+    config, dtype = parts.config, check_slots(slots)
+    half = config.zero_optimization.offload_optimizer.half_gradients
+    accum = int(config.gradient_accumulation_steps)
+    return dtype if keeps_half(half, accum, dtype, parts.comm.world_size) else None

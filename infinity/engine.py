@@ -175,6 +175,8 @@ class Engine:
         # An evaluation forward belongs to no optimizer step's telemetry.
         before = None if grad else self._counters()
         start = self._timer.start() if grad else 0.0
+        if grad and self.is_gradient_accumulation_boundary():  # see PartitionedOptimizer
+            self.optimizer.step_ahead(lr=self.lr_schedule.lr, loss_scale=self.loss_scaler.scale)
         with (
             self.coordinator.forward((self.module.training, grad), backward=grad),
             self.accelerator.range("infinity::engine::forward"),
@@ -242,6 +244,7 @@ class Engine:
             self._optimizer_step()
             self.micro_steps = (self.micro_steps // ga + 1) * ga
         else:
+            self.optimizer.cancel_ahead()  # the loop's window goes on: no step yet
             self.micro_steps += 1
 
     def _optimizer_step(self) -> None:

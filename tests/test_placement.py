@@ -97,7 +97,9 @@ def _engine_bytes(cfg: dict, lora_r: int, steps: int = 3) -> tuple[int, int]:
     return read, written
 
 
-@pytest.mark.parametrize(("lora_r", "extra"), [(0, 30), (0, 38), (0, 50), (4, 30), (4, 32)])
+# Budgets that leave some bytes on NVMe (16-bit gradients at accumulation 1 need less RAM
+# than fp32 sums did: 50 and 32 now fit every tensor in RAM).
+@pytest.mark.parametrize(("lora_r", "extra"), [(0, 30), (0, 38), (0, 46), (4, 30), (4, 31)])
 def test_the_engine_moves_exactly_the_planned_bytes(tmp_path, lora_r, extra):
     plan = _plan(tmp_path, RUNTIME + extra * (1 << 16), lora_r=lora_r)
     assert _moved(plan) > 0  # the budget leaves something on NVMe

@@ -88,6 +88,7 @@ MINIMUM: dict[tuple[type, str], tuple[float, bool]] = {
     (OffloadOptimizerConfig, "buffer_count"): (3, False),
     (OffloadOptimizerConfig, "max_in_cpu"): (0, False),
     (OffloadOptimizerConfig, "gradients_on_device"): (0, False),
+    (OffloadOptimizerConfig, "overlap_numel"): (0, False),
     (ZeroConfig, "max_live_parameters"): (1, False),
     (ZeroConfig, "prefetch_bucket_size"): (0, False),
     (ZeroConfig, "max_reuse_distance"): (0, False),

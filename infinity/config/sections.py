@@ -79,6 +79,26 @@ class OffloadOptimizerConfig:
     there, never copied to the host in backward, and read to the host once per step; the
     others stay where `device`, `max_in_cpu` and `gradients_in_cpu` put them. Infinity's key,
     set by the placement planner on a GPU. Results are the same wherever each sum lives."""
+    half_gradients: bool = True
+    """With gradient_accumulation_steps 1 and fp16/bf16, keep each gradient as backward made
+    it (2 bytes per element) for CPU-Adam to read, instead of adding it into a zeroed fp32
+    sum (4 bytes, an add and a zeroing pass per step); the results are bitwise the same (see
+    [Note: 16-bit gradient sums] in infinity/swap/grad_half.py). Applies when every
+    gradient sum is in host memory. Infinity's key."""
+    overlap_step: bool = True
+    """Step each sub-group during the last micro batch's backward, as soon as its gradients
+    are final, on a worker thread, assuming no clipping and no overflow; the step confirms
+    it (or redoes it) once the global norm is known, so the results are bitwise those of a
+    serial step (see [Note: the overlapped step] in infinity/zero/overlap.py). Infinity's
+    key; false steps every sub-group after backward. Only sub-groups whose gradient sums
+    are in host memory are stepped early."""
+    overlap_numel: int = 50_000_000
+    """Elements of optimizer state the overlapped step may step ahead of the norm: each
+    holds a copy of its state from before the step until the step confirms it (12 bytes per
+    element, plus the new weights in the model dtype). A sub-group larger than this is
+    never stepped early; with `zero_optimization.sub_group_size` at its default (1e9) a
+    model below 1B elements is one sub-group, final only when backward ends, so set
+    sub_group_size well below the model's size for any overlap."""
 
 
 @dataclass(kw_only=True, slots=True)

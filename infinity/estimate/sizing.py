@@ -21,6 +21,7 @@ from infinity.estimate.param_traffic import param_fetches, replayed
 from infinity.estimate.shapes import ModelShape
 from infinity.swap.footprint import Footprint
 from infinity.swap.grad_device import device_grad_bytes
+from infinity.swap.grad_half import keeps_half
 from infinity.swap.grad_plan import grad_footprint
 from infinity.swap.nvme_state import nvme_state_footprint, state_buffers, state_nbytes
 from infinity.swap.pool import param_pool_nbytes
@@ -163,7 +164,7 @@ def sizes(
     param_nvme = zero.offload_param.device == "nvme"
     keep = zero.offload_optimizer.gradients_in_cpu  # else they spill with the state
     spill = (optim_nvme and not keep) if grads_spill is None else grads_spill
-    grad, grads, grad_device = _grads(shape, layout, config, spill)
+    grad, grads, grad_device = _grads(shape, layout, config, spill, world_size)
     weights = weights_footprint(layout, dtype, nvme=param_nvme, state_on_host=not optim_nvme)
     on_nvme = home_on_nvme(shape, zero)
     frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
@@ -199,18 +200,23 @@ def sizes(
 
 
 def _grads(
-    shape: ModelShape, layout: FlatLayout, config: Config, spill: bool
+    shape: ModelShape, layout: FlatLayout, config: Config, spill: bool, world_size: int = 1
 ) -> tuple[Footprint, GradTraffic, int]:
     """The gradient tier's host and disk footprint, its NVMe traffic and the device bytes of
     the sums kept there: by `grad_split`, the first sub-groups on the device (with one host
     buffer the step reads them into), the next in host memory, the rest spilled through the
-    NVMe tier when `spill`."""
+    NVMe tier when `spill`; all in host memory, in 16 bits when the engine keeps them so
+    (`keeps_half`)."""
     numels = layout.sub_group_numels
     on_device, first = grad_split(numels, config.zero_optimization.offload_optimizer)
     first = first if spill else len(numels)
     device, host = device_grad_bytes(numels[:on_device]) if on_device else (0, 0)
     host += grad_footprint(numels[on_device:first], nvme=False).host
     if first == len(numels):
+        half = config.zero_optimization.offload_optimizer.half_gradients
+        accum = int(config.gradient_accumulation_steps)
+        if not on_device and keeps_half(half, accum, model_dtype(config), world_size):
+            host //= 2
         return Footprint(host), GradTraffic(0, 0, 0), device
     nvme = grad_footprint(numels[first:], nvme=True)
     accum = int(config.gradient_accumulation_steps)

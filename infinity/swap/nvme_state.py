@@ -50,7 +50,13 @@ from infinity.io.aio import aligned_empty
 from infinity.io.extent import ExtentError, ExtentIO, Transfer
 from infinity.swap.footprint import Footprint
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
-from infinity.swap.state_tier import StateFormat, SubGroupState, SubGroupState8, check_format
+from infinity.swap.state_tier import (
+    StateFormat,
+    SubGroupState,
+    SubGroupState8,
+    check_format,
+    sweep_order,
+)
 from infinity.swap.store import ALIGN_BYTES, SwapStore, align_up, reserved_nbytes
 
 logger = logging.getLogger(__name__)
@@ -178,6 +184,7 @@ class NvmeStateTier:
         self.prefetch_next_sweep = prefetch_next_sweep
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         self._ahead: deque[_Transfer] = deque()  # reads issued for the next sweep
+        self._ahead_order: list[int] = []  # ...whose order starts with theirs
         self._active: weakref.ref | None = None  # the last sweep iterator
         self._sweeping = False
         self._closed = False
@@ -200,14 +207,20 @@ class NvmeStateTier:
         self._views(index, buf).master.copy_(master.reshape(-1))
         self._swap_out(index, buf, whole=False)
 
-    def sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
-        """Every sub-group in order, pipelined (see [Note: NVMe sweep pipeline])."""
-        gen = self._sweep()
+    def sweep(
+        self, order: Sequence[int] | None = None
+    ) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
+        """Every sub-group in `order` (default ascending), pipelined (see [Note: NVMe sweep
+        pipeline]; reads run ahead along `order`, and the next sweep's first reads assume it
+        keeps the same order: another order drops them)."""
+        gen = self._sweep(sweep_order(order, len(self.numels)))
         self._active = weakref.ref(gen)
         return gen
 
-    def _sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
+    def _sweep(self, order: list[int]) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
         self._check_usable("sweep")
+        if self._ahead_order != order:
+            self._drop_ahead()  # read for a sweep in another order
         self._sweeping = True
         reads, self._ahead = self._ahead, deque()
         current: tuple[int, PoolBuffer] | None = None
@@ -215,26 +228,27 @@ class NvmeStateTier:
             ahead = self.pipeline_read
             if not self.pipeline_write:  # no write-back of `initialize` or `write` either
                 self._drain()
-            for i in range(len(self.numels)):
+            for pos, i in enumerate(order):
                 if not reads:
-                    self._read_ahead(reads, i, minimum=1, most=None if ahead else 1)
+                    self._read_ahead(reads, order, pos, minimum=1, most=None if ahead else 1)
                 t = reads.popleft()
                 assert t.index == i, (t.index, i)
                 current = (i, t.buf)
                 self._wait(t)
                 if ahead:
-                    self._read_ahead(reads, i + 1, minimum=1)
+                    self._read_ahead(reads, order, pos + 1, minimum=1)
                 yield i, self._views(i, t.buf)
                 # Reads go ahead of this write-back in the queue: the caller waits on reads.
                 if ahead:
-                    self._read_ahead(reads, i + 1, minimum=0)
+                    self._read_ahead(reads, order, pos + 1, minimum=0)
                 current = None
                 self._swap_out(i, t.buf)
                 if not self.pipeline_write:
                     self._drain()
             self._drain()
             if self.prefetch_next_sweep and ahead:  # lands during forward and backward
-                self._read_ahead(self._ahead, 0, minimum=0)
+                self._read_ahead(self._ahead, order, 0, minimum=0)
+                self._ahead_order = order
         except GeneratorExit:
             self._unwind(current, reads)
             current = None
@@ -338,13 +352,20 @@ class NvmeStateTier:
     # -- the pipeline ----------------------------------------------------------------------
 
     def _read_ahead(
-        self, reads: deque[_Transfer], first: int, *, minimum: int, most: int | None = None
+        self,
+        reads: deque[_Transfer],
+        order: list[int],
+        first: int,
+        *,
+        minimum: int,
+        most: int | None = None,
     ) -> None:
-        """Issue reads from `first` on: at least `minimum` ahead (waiting for write-backs to
-        free buffers if needed), more (up to `most`) while buffers are free or their
-        write-back is done."""
-        nxt = reads[-1].index + 1 if reads else first
-        while nxt < len(self.numels) and (most is None or len(reads) < most):
+        """Issue reads of `order[first:]` (`reads` holds those issued from `first` on): at
+        least `minimum` ahead (waiting for write-backs to free buffers if needed), more (up
+        to `most`) while buffers are free or their write-back is done."""
+        pos = first + len(reads)
+        while pos < len(order) and (most is None or len(reads) < most):
+            nxt = order[pos]
             buf = self.pool.try_acquire(self._extents[nxt].padded_nbytes, self._key(nxt))
             if buf is None:
                 if not self._writes:
@@ -355,7 +376,7 @@ class NvmeStateTier:
                 continue
             self._settle(nxt)
             reads.append(self._swap_in(nxt, buf))
-            nxt += 1
+            pos += 1
 
     def _swap_in(self, index: int, buf: PoolBuffer) -> _Transfer:
         """Start reading sub-group `index` into `buf` (released if the request is refused)."""

@@ -30,7 +30,7 @@ from typing import Any
 from infinity.config.sections import OffloadOptimizerConfig
 from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.nvme_state import NvmeStateTier
-from infinity.swap.state_tier import HostStateTier, SubGroupState, SubGroupState8
+from infinity.swap.state_tier import HostStateTier, SubGroupState, SubGroupState8, sweep_order
 
 
 def ram_sub_groups(numels: Sequence[int], max_in_cpu: int) -> int:
@@ -93,13 +93,23 @@ class SplitStateTier:
         tier, i = self._tier(index)
         tier.initialize(i, master)
 
-    def sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
-        for i, state in self.host.sweep():
-            yield i, state
-        swept = self.nvme.sweep()
+    def sweep(
+        self, order: Sequence[int] | None = None
+    ) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
+        """In `order` (default: the host sub-groups, then the NVMe ones): the NVMe ones go
+        through one pipelined sweep of the NVMe tier, in their relative order."""
+        order = sweep_order(order, len(self.numels))
+        k = self.in_ram
+        swept = self.nvme.sweep([i - k for i in order if i >= k])
         try:
-            for i, state in swept:
-                yield self.in_ram + i, state
+            for i in order:
+                if i < k:
+                    yield i, self.host.resident(i)
+                else:
+                    j, state = next(swept)
+                    yield k + j, state
+            for _ in swept:  # exhausted: the NVMe tier's last write-backs are waited for
+                pass
         finally:  # a sweep left early (an exception) unwinds the NVMe pipeline at once
             swept.close()
 
@@ -160,6 +170,10 @@ class SplitGradTier:
             raise IndexError(f"sub-group {index} out of range (there are {len(self.numels)})")
         k = bisect.bisect_right(self._first, index) - 1
         return self.parts[k], index - self._first[k]
+
+    def tier_of(self, index: int) -> Any:
+        """The tier that holds sub-group `index`'s sums."""
+        return self._tier(index)[0]
 
     def add(self, index: int, start: int, src) -> None:
         tier, i = self._tier(index)

@@ -27,13 +27,28 @@ def host_state_footprint(numels: Sequence[int], fmt: StateFormat = StateFormat.A
     return Footprint(sum(fmt.nbytes(n) for n in numels))
 
 
+def sweep_order(order: Sequence[int] | None, count: int) -> list[int]:
+    """`order` checked to be a permutation of range(count) (None: ascending)."""
+    if order is None:
+        return list(range(count))
+    order = [int(i) for i in order]
+    if sorted(order) != list(range(count)):
+        raise ValueError(
+            f"a sweep order must name each of the {count} sub-groups once, got {order[:8]}"
+            f"{'...' if len(order) > 8 else ''}"
+        )
+    return order
+
+
 class StateTier(Protocol):
     """The fp32 state of every sub-group, wherever it lives.
 
-    [Note: sweep semantics] `sweep()` yields `(index, SubGroupState)` for every sub-group in
-    order. The tensors are resident in host memory and may be modified in place until the
-    caller asks for the next item; every change made by then is kept (the host tier updates in
-    place; the NVMe tier writes the sub-group back while the next one is stepped). Exhausting
+    [Note: sweep semantics] `sweep(order)` yields `(index, SubGroupState)` for every
+    sub-group, in `order` (a permutation of the indices; default ascending). The tensors are
+    resident in host memory and may be modified in place until the caller asks for the next
+    item; every change made by then is kept (the host tier updates in place; the NVMe tier
+    writes the sub-group back while the next one is stepped). A sweep may be driven from
+    one thread, then another, never from two at once. Exhausting
     or closing the iterator waits for all outstanding writes and raises any I/O error, so
     after the loop the state is durable in its tier.
     """
@@ -48,8 +63,8 @@ class StateTier(Protocol):
         of the sub-group), both moments zero."""
         ...
 
-    def sweep(self) -> Iterator[tuple[int, SubGroupState]]:
-        """Each sub-group's state, in order (see the note above)."""
+    def sweep(self, order: Sequence[int] | None = None) -> Iterator[tuple[int, SubGroupState]]:
+        """Each sub-group's state, in `order` (see the note above)."""
         ...
 
     def read(self, index: int) -> SubGroupState:
@@ -119,10 +134,12 @@ class HostStateTier:
         if not self._moments_zero[index]:
             self.format.reset_moments(state)
 
-    def sweep(self) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
-        for i, state in enumerate(self._states):
+    def sweep(
+        self, order: Sequence[int] | None = None
+    ) -> Iterator[tuple[int, SubGroupState | SubGroupState8]]:
+        for i in sweep_order(order, len(self.numels)):
             self._moments_zero[i] = False
-            yield i, state
+            yield i, self._states[i]
 
     def read(self, index: int) -> SubGroupState | SubGroupState8:
         self._check(index, self._states[index].master, "master")

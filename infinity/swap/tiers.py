@@ -19,6 +19,7 @@ from infinity.accelerator import Accelerator
 from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.io.aio import AioHandle
 from infinity.swap.grad_device import DeviceGradTier
+from infinity.swap.grad_half import HalfGradTier
 from infinity.swap.grad_plan import grad_footprint
 from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateTier, nvme_state_footprint
@@ -125,14 +126,19 @@ def make_grad_tier(
     *,
     stores: SwapStores,
     accelerator: Accelerator | None = None,
-) -> HostGradTier | NvmeGradTier | DeviceGradTier | SplitGradTier:
+    half_dtype: torch.dtype | None = None,
+) -> HostGradTier | HalfGradTier | NvmeGradTier | DeviceGradTier | SplitGradTier:
     """The gradient tier follows the optimizer state's (`gradients_spill`): with state on
     NVMe the host keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same
     swap store (see [Note: spilled gradients] in grad_tier.py), except those of the
     sub-groups whose state is kept in RAM; with all of the state in RAM, or
     `gradients_in_cpu`, one flat host buffer. The first sub-groups `gradients_on_device`
-    holds stay on `accelerator`'s device (`DeviceGradTier`). Which is where: `grad_split`."""
+    holds stay on `accelerator`'s device (`DeviceGradTier`). Which is where: `grad_split`.
+    `half_dtype` (fp16/bf16, one micro batch a step): all in host memory, the gradients are
+    kept as they come (`HalfGradTier`)."""
     on_device, spill_from = grad_split(numels, offload)
+    if on_device == 0 and spill_from == len(numels):  # every sum in host memory
+        return HalfGradTier(numels, half_dtype) if half_dtype else HostGradTier(numels)
     parts: list[tuple[int, object]] = []
     if on_device:
         if accelerator is None:

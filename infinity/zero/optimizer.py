@@ -37,30 +37,36 @@ import torch
 
 from infinity.accelerator import profile_range
 from infinity.comm import Comm, SingleProcess
-from infinity.config import AUTO, OptimizerConfig, ZeroConfig
-from infinity.optim import AdamHyper, adam_step_flat
-from infinity.optim.adam8 import adam8_step_flat
+from infinity.config import OptimizerConfig, ZeroConfig
+from infinity.optim import AdamHyper
 from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.grad_tier import HostGradTier
 from infinity.swap.split_state import SplitGradTier
-from infinity.swap.state_tier import HostStateTier, StateFormat, StateTier
-from infinity.utils.quant_blocks import BLOCK, block_count
-from infinity.zero.build_files import release_build_pages
-from infinity.zero.optimizer_checks import check_no_decay, check_same_slots, check_step_args
+from infinity.swap.state_tier import StateFormat, StateTier, SubGroupState
+from infinity.zero.optimizer_checks import (
+    check_layout,
+    check_no_decay,
+    check_state_dict,
+    check_state_tier,
+    check_step_args,
+    hyperparameters,
+)
+from infinity.zero.optimizer_io import load_initial, memory_stats
 from infinity.zero.optimizer_state import (
     check_format,
     load_sub_groups,
     read_slot,
     saved_fields,
     state_format,
+    step_run,
 )
+from infinity.zero.overlap import Ahead, OverlapStep, overlap_plan
 from infinity.zero.sub_groups import (
     MODEL_DTYPES,
     FlatLayout,
     Slot,
     check_slots,
     decay_runs,
-    flat_layout,
     resolve_sub_group_size,
 )
 from infinity.zero.weights import HostWeights, NvmeWeights, aliases_masters, make_weights
@@ -113,7 +119,7 @@ class PartitionedOptimizer:
     ) -> None:
         self.comm = comm or SingleProcess()
         self.dtype = check_slots(slots) or torch.float32
-        self.hyper = _hyperparameters(optimizer)
+        self.hyper = hyperparameters(optimizer)
         self.backend = "torch" if optimizer.torch_adam else None  # None: env var, then auto
         self.format = state_format(optimizer)
         self.convert_state = optimizer.convert_state
@@ -122,9 +128,11 @@ class PartitionedOptimizer:
         self._names = [s.name for s in slots]
         self._numels = [s.numel for s in slots]
         self.no_decay = frozenset(check_no_decay(no_decay, len(slots)))
-        self.layout: FlatLayout = _layout(weights, self._numels, self.sub_group_size)
+        self.layout: FlatLayout = check_layout(weights, self._numels, self.sub_group_size)
         numels = self.layout.sub_group_numels
-        self.store = state_tier = _state_tier(state_tier, numels, self.format, self.sub_group_size)
+        self.store = state_tier = check_state_tier(
+            state_tier, numels, self.format, self.sub_group_size
+        )
         if grad_tier is None:
             grad_tier = HostGradTier(numels)
         elif list(grad_tier.numels) != numels:
@@ -140,38 +148,20 @@ class PartitionedOptimizer:
         self._runs = [
             decay_runs(self.layout, g, self.no_decay) for g in range(self.layout.num_sub_groups)
         ]
-        self._load_initial(slots)
+        load_initial(self, slots)
         self.on_new_weights: Callable[[int, torch.Tensor], None] | None = None
         """Called during the step with (flat start, new weights) of each sub-group, before
         they are written to their homes (`infinity.assemble` wires it to the gathered
         parameters' refresh: see [Note: gathered weights after a step] in assemble.py)."""
+        self.range = profile_range  # `infinity.assemble` wires the accelerator's ranges
+        self._overlap = overlap_plan(zero, self.layout, grad_tier)
+        self._order = self._overlap[0] if self._overlap else None  # the sweeps' order
+        self._ahead: OverlapStep | None = None
+        self.overlap_peak_bytes = 0
         self.step_count = 0
         self.last_timings: dict[str, float] = {}
         self.last_compute_s = 0.0
         """Seconds the last step spent in the Adam kernels (its sweep also waits for I/O)."""
-
-    @torch.no_grad()  # a partition may be a leaf that requires grad; the buffers never do
-    def _load_initial(self, slots: Sequence[Slot]) -> None:
-        """Weights and masters from the slots' partitions, one sub-group at a time."""
-        layout = self.layout
-        for g in range(layout.num_sub_groups):
-            start, stop = layout.range(g)
-            out = self.weights.out(start, stop)
-            pieces = layout.pieces(g)
-            done = 0  # out[:done] is written: the pieces cover it, the padding between is zero
-            for slot, a, b in pieces:
-                at = layout.offsets[slot] + a - start
-                if not self.aliased:
-                    out[done:at].zero_()
-                out[at : at + b - a].copy_(slots[slot].partition[a:b])
-                done = at + b - a
-            if not self.aliased:
-                out[done:].zero_()
-            release_build_pages(slots[slot].partition for slot, _, _ in pieces)
-            if not self.aliased:
-                self.store.initialize(g, out)
-            self.weights.commit(start, out)
-        self.weights.finish()
 
     # -- the engine's views -------------------------------------------------------------
     @property
@@ -229,6 +219,8 @@ class PartitionedOptimizer:
             start, stop = self.layout.range(g)
             a, b = max(lo, start), min(hi, stop)
             self.grads.add(g, a - start, grad[a - lo : b - lo])
+        if self._ahead is not None:
+            self._ahead.added(i)
 
     def device_slots(self) -> frozenset[int]:
         """The slots whose every sub-group sums its gradients on the device
@@ -246,6 +238,7 @@ class PartitionedOptimizer:
         """Master weights := the homes, moments kept: call after writing new weights
         into `home(i)` (e.g. loading model weights without optimizer state), else the
         next step would overwrite them from the old masters. A no-op when they alias."""
+        self.cancel_ahead()
         if self.aliased:
             return
         for g in range(self.layout.num_sub_groups):
@@ -254,16 +247,60 @@ class PartitionedOptimizer:
             self.store.write(g, state)
 
     # -- the step -----------------------------------------------------------------------
+    def step_ahead(self, *, lr: float, loss_scale: float = 1.0) -> None:
+        """Begin this step during the last micro batch: each sub-group is stepped on a
+        worker thread once its gradients are final, assuming no clipping and no overflow, and
+        `step` confirms or redoes it (see [Note: the overlapped step] in overlap.py). A no-op
+        when `offload_optimizer.overlap_step` is off, nothing can be stepped early, or it has
+        begun already."""
+        if self._ahead is not None or not self._overlap:
+            return
+        check_step_args(lr, loss_scale, 0.0)
+        order, limit = self._overlap
+        step = self.step_count + 1
+        kernel = functools.partial(self._update, hypers=self._hypers(lr), step=step)
+        update = functools.partial(self._update_ahead, kernel=kernel, grad_scale=1.0 / loss_scale)
+        self._ahead = OverlapStep(
+            self.store.sweep(order), order, limit=limit,
+            slots_in=[len(self.layout.pieces(g)) for g in range(self.layout.num_sub_groups)],
+            groups_of=self.layout.sub_groups_of, update=update,
+            key=(lr, loss_scale, self.step_count), range=self.range,
+        )  # fmt: skip
+
+    def wait_ahead(self, timeout_s: float = 60.0) -> bool:
+        """Wait until what `step_ahead` began has stepped every sub-group it can so far
+        (tests and benchmarks); False on timeout. True when nothing was begun."""
+        return self._ahead is None or self._ahead.wait_idle(timeout_s)
+
+    def cancel_ahead(self) -> None:
+        """Undo what `step_ahead` began (no step follows): the state is as before it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            try:
+                ahead.stop()
+            finally:
+                ahead.restore(self.store)
+
     def step(self, *, lr: float, loss_scale: float = 1.0, max_grad_norm: float = 0.0) -> StepResult:
         """Clip, one Adam pass per sub-group, new weights into the partitions, zero the grads.
 
         The gradients hold the loss-scaled sum of the micro-batches; `loss_scale` divides it
-        out inside the same pass. On inf/NaN nothing is updated (see `StepResult`).
+        out inside the same pass. On inf/NaN nothing is updated (see `StepResult`). What
+        `step_ahead` began is settled here, with the same bits as a serial step.
         """
         check_step_args(lr, loss_scale, max_grad_norm)
         self.last_compute_s = 0.0
+        ahead, self._ahead = self._ahead, None
         with profile_range("infinity::zero::step"):
             t0 = time.perf_counter()
+            if ahead is not None:
+                try:
+                    ahead.stop()  # the norm's sums are final; the worker finishes its sub-group
+                except BaseException:
+                    ahead.restore(self.store)
+                    raise
+                self.last_compute_s += ahead.compute_s
+                self.overlap_peak_bytes = max(self.overlap_peak_bytes, ahead.peak_bytes)
             norm = self._scaled_norm() / loss_scale
             t1 = time.perf_counter()
             overflow = not math.isfinite(norm)
@@ -271,12 +308,19 @@ class PartitionedOptimizer:
                 clip = 1.0
                 if max_grad_norm > 0.0:  # torch.nn.utils.clip_grad_norm_'s coefficient
                     clip = min(1.0, max_grad_norm / (norm + 1e-6))
-                self._adam(lr, clip / loss_scale)  # zeroes each sub-group's gradient
+                confirm = clip == 1.0 and ahead is not None
+                confirm = confirm and ahead.key == (lr, loss_scale, self.step_count)
+                self._adam(lr, clip / loss_scale, ahead, confirm)  # zeroes each gradient
+            elif ahead is not None:
+                ahead.restore(self.store)
             t2 = time.perf_counter()
             if overflow:
                 self.zero_grad()
             t3 = time.perf_counter()
         self.last_timings = {"norm_s": t1 - t0, "adam_s": t2 - t1, "zero_grad_s": t3 - t2}
+        if ahead is not None:
+            self.last_timings["ahead_sub_groups"] = ahead.stepped
+            self.last_timings["ahead_confirmed"] = ahead.confirmed
         if overflow:
             logger.info("gradient overflow (norm %s): step skipped", norm)
         return StepResult(overflow, norm)
@@ -291,51 +335,112 @@ class PartitionedOptimizer:
             total = float(self.comm.all_reduce_(torch.tensor([total], dtype=torch.float64)))
         return math.sqrt(total)
 
-    def _adam(self, lr: float, grad_scale: float) -> None:
-        step = self.step_count + 1
+    def _hypers(self, lr: float) -> tuple[AdamHyper, AdamHyper]:
+        """(with weight decay, without) at `lr`."""
         decayed = self.hyper.with_lr(lr)
-        undecayed = decayed.without_decay()
+        return decayed, decayed.without_decay()
+
+    def _update(
+        self,
+        index: int,
+        state: SubGroupState,
+        half: torch.Tensor | None,
+        *,
+        hypers: tuple[AdamHyper, AdamHyper],
+        step: int,
+        grad_scale: float,
+    ) -> float:
+        """The optimizer's pass over sub-group `index`: `state` in place, the new weights
+        into `half` when given (fp16/bf16). Returns its seconds. The one per-sub-group
+        call of every path (serial, early, redone)."""
+        grad = self.grads.take(index)
+        t0 = time.perf_counter()
+        with self.range("infinity::zero::adam_sub_group"):
+            for a, b, decays in self._runs[index]:
+                step_run(
+                    self.format, state, grad, a, b,
+                    step=step,
+                    hyper=hypers[0] if decays else hypers[1],
+                    grad_scale=grad_scale,
+                    half_out=half[a:b] if half is not None else None,
+                    backend=self.backend,
+                )  # fmt: skip
+        return time.perf_counter() - t0
+
+    def _update_ahead(
+        self, index: int, state: SubGroupState, *, kernel: Callable, grad_scale: float
+    ) -> tuple[Ahead, float]:
+        """`_update` ahead of the norm, nothing the model reads changed: (what the step
+        settles, seconds). See [Note: the overlapped step]."""
+        copy = type(state)(*(t.clone() for t in state))
+        if self.aliased:  # the live master is the weights: step a copy
+            return Ahead(copy.master, after=copy), kernel(index, copy, None, grad_scale=grad_scale)
+        new, seconds = self._update_into_new(index, state, kernel=kernel, grad_scale=grad_scale)
+        return Ahead(new, before=copy), seconds
+
+    def _update_into_new(
+        self, index: int, state: SubGroupState, *, kernel: Callable, grad_scale: float
+    ) -> tuple[torch.Tensor, float]:
+        """`_update` in place, the new weights into a buffer of their own (not aliased):
+        (new weights, seconds)."""
+        new = torch.empty(state.master.numel(), dtype=self.dtype)
+        half = new if self.dtype != torch.float32 else None
+        seconds = kernel(index, state, half, grad_scale=grad_scale)
+        if half is None:
+            new.copy_(state.master)
+        return new, seconds
+
+    def _publish(self, index: int, new: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """Sub-group `index`'s new weights `new` to the gathered copies and the homes (`out`:
+        the weight output they are in already, if so); its gradient sums zeroed."""
+        start, stop = self.layout.range(index)
+        if out is None and not self.aliased:
+            out = self.weights.out(start, stop)
+            out.copy_(new)
+        if self.on_new_weights is not None:
+            self.on_new_weights(start, new if out is None else out)
+        if out is not None:
+            self.weights.commit(start, out)
+        self.grads.release(index)  # zeroed while the disk is busy with this sweep
+
+    def _adam(self, lr: float, grad_scale: float, ahead: OverlapStep | None, confirm: bool) -> None:
+        step = self.step_count + 1
+        base = functools.partial(self._update, hypers=self._hypers(lr), step=step)
+        kernel = functools.partial(base, grad_scale=grad_scale)
+
+        def run(index: int, state: SubGroupState) -> None:
+            start, stop = self.layout.range(index)
+            out = None if self.aliased else self.weights.out(start, stop)
+            half = out if self.dtype != torch.float32 else None
+            self.last_compute_s += kernel(index, state, half)
+            if out is not None and half is None:
+                out.copy_(state.master)
+            self._publish(index, state.master if out is None else out, out)
+
+        def confirm_ahead(index: int, ahead: Ahead) -> None:
+            if ahead.after is not None:
+                self.store.write(index, ahead.after)
+            self._publish(index, ahead.new)
+
+        def redo(index: int, ahead: Ahead) -> None:
+            if ahead.before is None:  # stepped on a copy: the live state is as it was
+                return run(index, self.store.resident(index))
+            new, seconds = self._update_into_new(
+                index, ahead.before, kernel=base, grad_scale=grad_scale
+            )
+            self.last_compute_s += seconds
+            self.store.write(index, ahead.before)
+            self._publish(index, new)
+
         try:
-            for index, state in self.store.sweep():
-                start, stop = self.layout.range(index)
-                out = None if self.aliased else self.weights.out(start, stop)
-                half = out if self.dtype != torch.float32 else None
-                grad = self.grads.take(index)
-                t0 = time.perf_counter()
-                with profile_range("infinity::zero::adam_sub_group"):
-                    for a, b, decays in self._runs[index]:
-                        self._step_run(
-                            state, grad, a, b,
-                            step=step,
-                            hyper=decayed if decays else undecayed,
-                            grad_scale=grad_scale,
-                            half_out=half[a:b] if half is not None else None,
-                            backend=self.backend,
-                        )  # fmt: skip
-                self.last_compute_s += time.perf_counter() - t0
-                if out is not None and half is None:
-                    out.copy_(state.master)
-                if self.on_new_weights is not None:
-                    self.on_new_weights(start, state.master if out is None else out)
-                if out is not None:
-                    self.weights.commit(start, out)
-                self.grads.release(index)  # zeroed while the disk is busy with this sweep
+            if ahead is None:
+                for index, state in self.store.sweep(self._order):
+                    run(index, state)
+            else:
+                ahead.settle(confirm=confirm, run=run, publish=confirm_ahead, redo=redo)
         finally:
             self.weights.finish()
         self.step_count = step
-
-    def _step_run(self, state, grad: torch.Tensor, a: int, b: int, **step) -> None:
-        """Adam over elements [a, b) of one sub-group's state, in the state's format (an
-        8-bit run starts on a block: it starts at a slot)."""
-        if not self.format.eight_bit:
-            args = (state.exp_avg[a:b], state.exp_avg_sq[a:b])
-            adam_step_flat(state.master[a:b], grad[a:b], *args, **step)
-            return
-        assert a % BLOCK == 0, (a, b)
-        blocks = slice(a // BLOCK, block_count(b))
-        moments = (state.exp_avg[a:b], state.exp_avg_sq[a:b])
-        absmax = (state.exp_avg_absmax[blocks], state.exp_avg_sq_absmax[blocks])
-        adam8_step_flat(state.master[a:b], grad[a:b], *moments, *absmax, **step)
 
     # -- checkpoints --------------------------------------------------------------------
     def state_tensors(self) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
@@ -345,6 +450,7 @@ class PartitionedOptimizer:
         A thunk reads just that slot's share of the field from the store (a slot may span
         sub-groups), so one slot's field is the most held at a time.
         """
+        self.cancel_ahead()
         for slot, name in enumerate(self._names):
             for field in saved_fields(self.format):
                 yield f"{name}.{field}", functools.partial(read_slot, self, slot, field)
@@ -354,6 +460,7 @@ class PartitionedOptimizer:
         """Every slot's state from `get(name)` (names as in `state_tensors` of the format
         `load_state_dict` found), written to the store one sub-group at a time; the weights
         become the loaded masters."""
+        self.cancel_ahead()
         load_sub_groups(self, get, self._saved_format)
 
     def state_dict(self) -> dict:
@@ -373,100 +480,13 @@ class PartitionedOptimizer:
         """Restores the step count after checking the slots match (sub-group size, tier and
         model dtype may differ: state is stored per slot). The configured hyperparameters
         stay in force; differences from the saved ones are logged."""
-        if not isinstance(d, dict) or d.get("kind") != _KIND:
-            raise ValueError(f"not a {_KIND} state dict: {str(d)[:120]}")
-        if d.get("version", 0) > _VERSION:
-            raise ValueError(f"state dict version {d['version']} is newer than {_VERSION}")
-        check_same_slots(d["slots"], self._names, self._numels)
+        self.cancel_ahead()
+        check_state_dict(d, _KIND, _VERSION, self._names, self._numels, self.hyper.constants())
         saved = StateFormat(d.get("state_format", StateFormat.ADAMW.value))
         check_format(saved, self.format, self.convert_state)
         self._saved_format = saved
-        configured = self.hyper.constants()
-        for key, saved in d.get("hyperparameters", {}).items():
-            if configured.get(key) != saved:
-                logger.warning(
-                    "optimizer %s was %r in the checkpoint and is %r now; using %r",
-                    key, saved, configured.get(key), configured.get(key),
-                )  # fmt: skip
         self.step_count = int(d["step_count"])
 
     def memory_stats(self) -> dict[str, int]:
-        """Host bytes the optimizer holds: fp32 grads, weights (0 when they alias the
-        masters; the staging ring with the NVMe weight home) and state: all of it with the
-        host tier; with another tier, its host buffers ("optim_host_buffer_bytes" of the
-        store's own `memory_stats()`, whose entries are merged in)."""
-        grad_stats = dict(self.grads.memory_stats())
-        grad = grad_stats.pop("grad_host_bytes")
-        part = 0 if self.aliased else self.weights.host_bytes
-        store_stats = {}
-        if isinstance(self.store, HostStateTier):
-            state = self.store.nbytes
-        else:
-            if callable(getattr(self.store, "memory_stats", None)):
-                store_stats = dict(self.store.memory_stats())
-            # The NVMe pipeline's buffers, and the sub-groups a split keeps in RAM.
-            state = int(store_stats.get("optim_host_buffer_bytes", 0))
-            state += int(store_stats.pop("optim_host_state_bytes", 0))
-        return {
-            **store_stats,
-            **grad_stats,
-            "numel": sum(self._numels),
-            "optim_state_bits": 8 if self.format.eight_bit else 32,
-            "grad_bytes": grad,
-            "partition_bytes": part,
-            "state_bytes": state,
-            "host_bytes": grad + part + state,
-        }
-
-
-def _state_tier(
-    tier: StateTier | None, numels: list[int], fmt: StateFormat, sub_group_size: int
-) -> StateTier:
-    """`tier` once checked against the sub-groups and the state format (a host tier when
-    None)."""
-    if tier is None:
-        return HostStateTier(numels, fmt)
-    if getattr(tier, "format", StateFormat.ADAMW) is not fmt:
-        raise ValueError(
-            f"the state tier holds {tier.format.value} state but the optimizer is "
-            f"{fmt.value}; build it with make_state_tier(..., fmt=...) of the same optimizer "
-            "config"
-        )
-    if list(tier.numels) != numels:
-        raise ValueError(
-            f"the state store holds sub-groups of {list(tier.numels)} elements but these "
-            f"slots make {numels} (sub_group_size={sub_group_size}); build the store with "
-            "infinity.zero.sub_group_numels(...)"
-        )
-    return tier
-
-
-def _layout(
-    weights: HostWeights | NvmeWeights | None, numels: list[int], sub_group_size: int
-) -> FlatLayout:
-    """The flat layout of slots of `numels`: the one `weights` (and so the homes) were made
-    with, computed once by whoever built them, or a new one without weights."""
-    if weights is None:
-        return flat_layout(numels, sub_group_size)
-    layout = weights.layout
-    if list(layout.numels) != numels or layout.sub_group_size != sub_group_size:
-        raise ValueError(
-            "the weights were made for another flat layout than these slots'; build them "
-            "with make_weights(optimizer_layout(...), ...) from the same slots and config"
-        )
-    return layout
-
-
-def _hyperparameters(cfg: OptimizerConfig) -> AdamHyper:
-    """The config's hyperparameters, at lr 0: `step` puts in the scheduled lr (with_lr)."""
-    values = {"betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
-    for key, value in values.items():
-        if value == AUTO:
-            raise ValueError(
-                f"optimizer.params.{key} is 'auto'; resolve the config first (Config.resolve())"
-            )
-    try:
-        modes = {"adamw_mode": cfg.adamw_mode, "bias_correction": cfg.bias_correction}
-        return AdamHyper.of(lr=0.0, **values, **modes)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"optimizer.params.{e}") from None
+        """Host bytes the optimizer holds (see `optimizer_io.memory_stats`)."""
+        return memory_stats(self)

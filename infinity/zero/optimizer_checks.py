@@ -1,12 +1,26 @@
 """Argument checks of `PartitionedOptimizer` (`infinity.zero.optimizer`): the slots that
-skip weight decay, a step's scalars, and a checkpoint's slots against the optimizer's. Each
-error names the value and what to give instead."""
+skip weight decay, a step's scalars, a checkpoint's slots against the optimizer's, the
+weights' layout against the slots', the state tier against the sub-groups and the config's
+hyperparameters. Each error names the
+value and what to give instead."""
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
+
+from infinity.config import AUTO, OptimizerConfig
+from infinity.optim import AdamHyper
+from infinity.swap.state_tier import HostStateTier, StateFormat, StateTier
+from infinity.zero.sub_groups import FlatLayout, flat_layout
+
+if TYPE_CHECKING:
+    from infinity.zero.weights import HostWeights, NvmeWeights
+
+logger = logging.getLogger("infinity.zero.optimizer")
 
 
 def check_no_decay(no_decay: Collection[int], num_slots: int) -> set[int]:
@@ -45,3 +59,74 @@ def check_same_slots(saved: list, names: list[str], numels: list[int]) -> None:
             "first difference is at slot "
             f"{min(len(saved), len(names))}: load it into the same trainable parameters"
         )
+
+
+def check_layout(
+    weights: HostWeights | NvmeWeights | None, numels: list[int], sub_group_size: int
+) -> FlatLayout:
+    """The flat layout of slots of `numels`: the one `weights` (and so the homes) were made
+    with, computed once by whoever built them, or a new one without weights."""
+    if weights is None:
+        return flat_layout(numels, sub_group_size)
+    layout = weights.layout
+    if list(layout.numels) != numels or layout.sub_group_size != sub_group_size:
+        raise ValueError(
+            "the weights were made for another flat layout than these slots'; build them "
+            "with make_weights(optimizer_layout(...), ...) from the same slots and config"
+        )
+    return layout
+
+
+def hyperparameters(cfg: OptimizerConfig) -> AdamHyper:
+    """The config's hyperparameters, at lr 0: `step` puts in the scheduled lr (with_lr)."""
+    values = {"betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+    for key, value in values.items():
+        if value == AUTO:
+            raise ValueError(
+                f"optimizer.params.{key} is 'auto'; resolve the config first (Config.resolve())"
+            )
+    try:
+        modes = {"adamw_mode": cfg.adamw_mode, "bias_correction": cfg.bias_correction}
+        return AdamHyper.of(lr=0.0, **values, **modes)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"optimizer.params.{e}") from None
+
+
+def check_state_dict(
+    d: dict, kind: str, version: int, names: Sequence[str], numels: Sequence[int], hyper: dict
+) -> None:
+    """A saved optimizer state dict against this optimizer: its kind, version and slots;
+    hyperparameters that differ from the configured `hyper` (which stay) are logged."""
+    if not isinstance(d, dict) or d.get("kind") != kind:
+        raise ValueError(f"not a {kind} state dict: {str(d)[:120]}")
+    if d.get("version", 0) > version:
+        raise ValueError(f"state dict version {d['version']} is newer than {version}")
+    check_same_slots(d["slots"], names, numels)
+    for key, saved in d.get("hyperparameters", {}).items():
+        if hyper.get(key) != saved:
+            logger.warning(
+                "optimizer %s was %r in the checkpoint and is %r now; using %r",
+                key, saved, hyper.get(key), hyper.get(key),
+            )  # fmt: skip
+
+
+def check_state_tier(
+    tier: StateTier | None, numels: list[int], fmt: StateFormat, sub_group_size: int
+) -> StateTier:
+    """`tier` once checked against the sub-groups and the state format (a host tier when
+    None)."""
+    if tier is None:
+        return HostStateTier(numels, fmt)
+    if getattr(tier, "format", StateFormat.ADAMW) is not fmt:
+        raise ValueError(
+            f"the state tier holds {tier.format.value} state but the optimizer is "
+            f"{fmt.value}; build it with make_state_tier(..., fmt=...) of the same optimizer "
+            "config"
+        )
+    if list(tier.numels) != numels:
+        raise ValueError(
+            f"the state tier holds sub-groups of {list(tier.numels)} elements but these "
+            f"slots make {numels} (sub_group_size={sub_group_size}); build the tier with "
+            "infinity.zero.sub_group_numels(...)"
+        )
+    return tier

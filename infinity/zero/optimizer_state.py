@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from infinity.config import OptimizerConfig
+from infinity.optim import adam_step_flat
+from infinity.optim.adam8 import adam8_step_flat
 from infinity.optim.quant8 import dequantize, quantize
 from infinity.swap.state_format import StateFormat
 from infinity.utils.quant_blocks import BLOCK, block_count
@@ -175,3 +177,17 @@ def get_slot(
             "checkpoint is from a different model or partitioning"
         )
     return t.reshape(-1)
+
+
+def step_run(fmt: StateFormat, state, grad: torch.Tensor, a: int, b: int, **step) -> None:
+    """Adam over elements [a, b) of one sub-group's state, in format `fmt` (an 8-bit run
+    starts on a block: it starts at a slot)."""
+    if not fmt.eight_bit:
+        args = (state.exp_avg[a:b], state.exp_avg_sq[a:b])
+        adam_step_flat(state.master[a:b], grad[a:b], *args, **step)
+        return
+    assert a % BLOCK == 0, (a, b)
+    blocks = slice(a // BLOCK, block_count(b))
+    moments = (state.exp_avg[a:b], state.exp_avg_sq[a:b])
+    absmax = (state.exp_avg_absmax[blocks], state.exp_avg_sq_absmax[blocks])
+    adam8_step_flat(state.master[a:b], grad[a:b], *moments, *absmax, **step)

@@ -1,0 +1,68 @@
+"""The partitioned optimizer's first state (weights and masters from the slots' build
+partitions; a checkpoint's state goes through `infinity.zero.optimizer_state`) and the
+host bytes it holds.
+The optimizer (`infinity.zero.optimizer`) owns the state; this only moves it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from infinity.swap.state_tier import HostStateTier
+from infinity.zero.build_files import release_build_pages
+
+
+@torch.no_grad()  # a partition may be a leaf that requires grad; the buffers never do
+def load_initial(opt: Any, slots: Sequence[Any]) -> None:
+    """Weights and masters from the slots' partitions, one sub-group at a time."""
+    layout = opt.layout
+    for g in range(layout.num_sub_groups):
+        start, stop = layout.range(g)
+        out = opt.weights.out(start, stop)
+        pieces = layout.pieces(g)
+        done = 0  # out[:done] is written: the pieces cover it, the padding between is zero
+        for slot, a, b in pieces:
+            at = layout.offsets[slot] + a - start
+            if not opt.aliased:
+                out[done:at].zero_()
+            out[at : at + b - a].copy_(slots[slot].partition[a:b])
+            done = at + b - a
+        if not opt.aliased:
+            out[done:].zero_()
+        release_build_pages(slots[slot].partition for slot, _, _ in pieces)
+        if not opt.aliased:
+            opt.store.initialize(g, out)
+        opt.weights.commit(start, out)
+    opt.weights.finish()
+
+
+def memory_stats(opt: Any) -> dict[str, int]:
+    """Host bytes the optimizer `opt` holds: fp32 grads, weights (0 when they alias the
+    masters; the staging ring with the NVMe weight home) and state: all of it with the
+    host tier; with another tier, its host buffers ("optim_host_buffer_bytes" of the
+    store's own `memory_stats()`, whose entries are merged in)."""
+    grad_stats = dict(opt.grads.memory_stats())
+    grad = grad_stats.pop("grad_host_bytes")
+    part = 0 if opt.aliased else opt.weights.host_bytes
+    store_stats = {}
+    if isinstance(opt.store, HostStateTier):
+        state = opt.store.nbytes
+    else:
+        if callable(getattr(opt.store, "memory_stats", None)):
+            store_stats = dict(opt.store.memory_stats())
+        # The NVMe pipeline's buffers, and the sub-groups a split keeps in RAM.
+        state = int(store_stats.get("optim_host_buffer_bytes", 0))
+        state += int(store_stats.pop("optim_host_state_bytes", 0))
+    return {
+        **store_stats,
+        **grad_stats,
+        "numel": sum(opt._numels),
+        "optim_state_bits": 8 if opt.format.eight_bit else 32,
+        "grad_bytes": grad,
+        "partition_bytes": part,
+        "state_bytes": state,
+        "host_bytes": grad + part + state,
+        "optim_overlap_peak_bytes": opt.overlap_peak_bytes,
+    }

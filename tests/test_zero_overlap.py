@@ -1,0 +1,107 @@
+"""The overlapped optimizer step (see [Note: the overlapped step] in infinity/zero/overlap.py):
+bitwise the serial step's results in every case, and really stepping sub-groups early."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _dist import rank_results, run_ranks
+from _engine_models import batches, tiny_gpt
+from _overlap import digest, overlap_config, same_bits, train
+
+import infinity
+
+
+def _pair(tmp_path, **case) -> tuple[dict, dict]:
+    serial = train(overlap_config(**case, nvme_dir=str(tmp_path / "a"), overlap=False))
+    overlapped = train(overlap_config(**case, nvme_dir=str(tmp_path / "b"), overlap=True))
+    return serial, overlapped
+
+
+@pytest.fixture(autouse=True)
+def _dirs(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("clip", ["off", "loose", "biting"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_the_overlapped_step_is_bitwise_the_serial_one(tmp_path, dtype, clip, accum, tier):
+    serial, overlapped = _pair(tmp_path, dtype=dtype, clip=clip, accum=accum, tier=tier)
+    same_bits(overlapped, serial)
+    assert all(a == [0, 0] for a in serial["ahead"])  # switched off: nothing early
+    stepped = [a for a, _ in overlapped["ahead"]]
+    assert min(stepped) > 0, overlapped["ahead"]  # every step began during backward
+    pairs = zip(overlapped["ahead"], serial["skipped"], strict=True)
+    confirmed = [c for (_, c), skip in pairs if not skip]
+    if clip == "biting":
+        assert max(confirmed) == 0  # every early step redone with the real coefficient
+    elif confirmed:
+        assert min(confirmed) > 0  # kept as computed
+    if dtype == "fp16":
+        assert any(serial["skipped"]) and not all(serial["skipped"])
+        assert len(set(serial["scales"])) > 1  # the loss scale moved
+
+
+@pytest.mark.parametrize(
+    "dtype, clip, accum, tier",
+    [("fp32", "loose", 4, "cpu"), ("bf16", "biting", 1, "nvme"), ("fp16", "off", 1, "cpu")],
+)
+def test_two_ranks_overlapped_are_bitwise_serial(tmp_path, dtype, clip, accum, tier):
+    args = [dtype, clip, str(accum), tier, str(tmp_path)]
+    results = rank_results(run_ranks("_overlap_child.py", args, timeout_s=300))
+    for runs in results:
+        same_bits(runs["True"], runs["False"])
+        assert min(a for a, _ in runs["True"]["ahead"]) > 0
+    assert results[0]["True"]["losses"] != results[1]["True"]["losses"]  # each its own batch
+
+
+def _loop(overlap: bool, tmp_path, script) -> dict:
+    """`script(engine, batches)` on the tiny GPT; weights and state digests after it."""
+    cfg = overlap_config(
+        dtype="bf16", clip="off", accum=1, tier="cpu", nvme_dir=str(tmp_path), overlap=overlap
+    )
+    torch.manual_seed(0)
+    engine = infinity.initialize(copy.deepcopy(tiny_gpt(checkpointing=False)), cfg)
+    try:
+        ahead = script(engine, batches(6, seed=5))
+        weights = {n: digest(w) for n, w in engine.named_parameters_host()}
+        state = {n: digest(read()) for n, read in engine.optimizer.state_tensors()}
+    finally:
+        engine.close()
+    return {"weights": weights, "state": state, "ahead": ahead}
+
+
+def test_a_second_backward_into_stepped_sub_groups_is_redone(tmp_path):
+    def script(engine, data):
+        ahead = []
+        for i in range(0, 6, 2):  # two backwards at the boundary, one step
+            for ids in data[i : i + 2]:
+                engine.backward(engine(ids, ids))
+                assert engine.optimizer.wait_ahead()
+            engine.step()
+            t = engine.optimizer.last_timings
+            ahead.append((t.get("ahead_sub_groups", 0), t.get("ahead_confirmed", 0)))
+        return ahead
+
+    serial, overlapped = _loop(False, tmp_path, script), _loop(True, tmp_path, script)
+    assert overlapped["weights"] == serial["weights"] and overlapped["state"] == serial["state"]
+    # Stepped early after the first backward, spoiled by the second: none kept.
+    assert all(stepped > 0 and kept == 0 for stepped, kept in overlapped["ahead"])
+
+
+def test_a_window_the_loop_extends_undoes_what_began(tmp_path):
+    def script(engine, data):
+        for k, ids in enumerate(data):
+            engine.backward(engine(ids, ids))
+            assert engine.optimizer.wait_ahead()
+            engine.step(boundary=k % 3 == 2)  # the HF Trainer's own windows of 3
+        return engine.global_steps
+
+    serial, overlapped = _loop(False, tmp_path, script), _loop(True, tmp_path, script)
+    assert serial["ahead"] == overlapped["ahead"] == 2
+    assert overlapped["weights"] == serial["weights"] and overlapped["state"] == serial["state"]
