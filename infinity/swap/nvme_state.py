@@ -48,8 +48,13 @@ import torch
 
 from infinity.io.aio import aligned_empty
 from infinity.io.extent import ExtentError, ExtentIO, Transfer
-from infinity.swap.footprint import Footprint
 from infinity.swap.pool import PinnedBufferPool, PoolBuffer
+from infinity.swap.state_sizes import (
+    nvme_state_footprint,
+    pipeline_buffer_count,
+    state_buffers,
+    state_nbytes,
+)
 from infinity.swap.state_tier import (
     StateFormat,
     SubGroupState,
@@ -57,41 +62,21 @@ from infinity.swap.state_tier import (
     check_format,
     sweep_order,
 )
-from infinity.swap.store import ALIGN_BYTES, SwapStore, align_up, reserved_nbytes
+from infinity.swap.store import ALIGN_BYTES, SwapStore, align_up
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "NvmeStateError",
+    "NvmeStateTier",
+    "Residency",
+    "nvme_state_footprint",
+    "pipeline_buffer_count",
+    "state_buffers",
+    "state_nbytes",
+]
+
 KIND = "optim"
-
-
-def state_nbytes(numel: int, fmt: StateFormat = StateFormat.ADAMW) -> int:
-    """Bytes of one sub-group's state on disk: master, exp_avg and exp_avg_sq in fp32, or
-    the 8-bit layout ([Note: the 8-bit state layout] in state_format.py)."""
-    return fmt.nbytes(numel)
-
-
-def pipeline_buffer_count(buffer_count: int, num_sub_groups: int) -> int:
-    """Host buffers the sweep allocates: `buffer_count`, but no more than there are
-    sub-groups, since a sub-group sits in one buffer at a time and the rest would never be
-    used (LoRA adapters in one sub-group need one buffer, not four)."""
-    return max(1, min(buffer_count, num_sub_groups))
-
-
-def state_buffers(
-    numels: Sequence[int], buffer_count: int, fmt: StateFormat = StateFormat.ADAMW
-) -> tuple[int, int]:
-    """`NvmeStateTier`'s pipeline buffers: (count, bytes of each: the largest sub-group's
-    extent, page-aligned)."""
-    slot = max((reserved_nbytes(state_nbytes(n, fmt)) for n in numels), default=4096)
-    return pipeline_buffer_count(buffer_count, len(numels)), align_up(slot)
-
-
-def nvme_state_footprint(
-    numels: Sequence[int], buffer_count: int, fmt: StateFormat = StateFormat.ADAMW
-) -> Footprint:
-    """`NvmeStateTier`'s pipeline buffers and its extents (one sub-group's state each)."""
-    count, nbytes = state_buffers(numels, buffer_count, fmt)
-    return Footprint(count * nbytes, sum(reserved_nbytes(state_nbytes(n, fmt)) for n in numels))
 
 
 class Residency(enum.Enum):
