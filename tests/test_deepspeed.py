@@ -159,8 +159,64 @@ def test_zero_init_and_gathered_parameters_set_a_weight_the_next_forward_uses():
     x, y = batches(1)[0]
     with torch.no_grad():
         assert engine(x, y).item() == pytest.approx(((0.5 - y) ** 2).mean().item())
-    with pytest.raises(NotImplementedError, match="before initialize"):
-        deepspeed.zero.GatheredParameters(model.b.weight, modifier_rank=0)
+
+
+def _modify(model) -> None:
+    with torch.no_grad():
+        model.b.weight.zero_()
+        model.a.weight.mul_(0.5)
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [
+        {"stage": 3},
+        {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        {"stage": 3, "offload_optimizer": {"device": "nvme"}},
+    ],
+    ids=["stage3", "stage2-offload", "stage3-nvme-state"],
+)
+def test_gathered_parameters_after_initialize_read_and_write_reach_forward_and_step(zero, tmp_path):
+    data = batches(5)
+    if zero.get("offload_optimizer", {}).get("device") == "nvme":
+        zero["offload_optimizer"]["nvme_path"] = str(tmp_path)
+    model = net(wide=4096)
+    engine, *_ = deepspeed.initialize(model=model, config=adamw_config(zero_optimization=zero))
+    ref = net(wide=4096)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    losses, ref_losses = train(engine, data[:2]), []
+    for x, y in data[:2]:
+        ref_losses.append(ref(x, y).item())
+        ref(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    host = dict(engine.named_parameters_host())
+    before = [p.data_ptr() for p in model.parameters()]
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):  # read only
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach().cpu(), host[name]), name
+        model.b.bias.data.fill_(7.0)  # no modifier_rank: discarded
+    with deepspeed.zero.GatheredParameters([model.a.weight, model.b.weight], modifier_rank=0):
+        _modify(model)
+    _modify(ref)
+    assert [p.data_ptr() for p in model.parameters()] == before  # stubs / live buffers back
+    x, y = data[2]
+    with torch.no_grad():  # the next forward uses the new weights
+        assert engine(x, y).item() == pytest.approx(ref(x, y).item(), abs=1e-6)
+    losses += train(engine, data[2:])
+    for x, y in data[2:]:  # AdamW continued from the modified weights, moments kept
+        ref_losses.append(ref(x, y).item())
+        ref(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    host = dict(engine.named_parameters_host())
+    for name, p in ref.named_parameters():
+        assert torch.allclose(host[name], p.detach(), atol=1e-5), name
+    bad = deepspeed.zero.GatheredParameters(model.b.weight, modifier_rank=1)
+    with pytest.raises(ValueError, match="modifier_rank=1 is not a rank of 1"):
+        bad.__enter__()
+    engine.close()
 
 
 def test_client_lambda_lr_sets_the_lr_get_lr_returns_and_torch_reaches():

@@ -97,7 +97,7 @@ def initialize(
         if name in plan.frozen:
             param.requires_grad_(False)
     engine = infinity.initialize(model, raw, no_decay=plan.no_decay, comm=comm.shared())
-    zero.mark_partitioned(model)
+    zero.mark_partitioned(model, engine)
     holder, schedule = _client_schedule(engine, optimizer, lr_scheduler, raw)
     facade = EngineOptimizer(engine, holder)
     loader = _loader(engine, training_data, collate_fn, loader_keys)

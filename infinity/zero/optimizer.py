@@ -246,6 +246,21 @@ class PartitionedOptimizer:
             state.master.copy_(self.weights.view(*self.layout.range(g)))
             self.store.write(g, state)
 
+    @torch.no_grad()
+    def set_masters(self, i: int, values: torch.Tensor) -> None:
+        """Slot i's fp32 master weights := `values` (its numel), moments kept, in whichever
+        tier holds the state (the caller writes the slot's 16-bit home, which the model reads:
+        with fp32 weights aliasing the masters, this writes both)."""
+        lo, hi = self._span(i)
+        if values.numel() != hi - lo:
+            raise ValueError(f"set_masters: slot {i} has {hi - lo} elements, got {values.numel()}")
+        for g in self.layout.sub_groups_of(i):
+            start, stop = self.layout.range(g)
+            a, b = max(lo, start), min(hi, stop)
+            state = self.store.read(g)
+            state.master[a - start : b - start].copy_(values[a - lo : b - lo])
+            self.store.write(g, state)
+
     # -- the step -----------------------------------------------------------------------
     def step_ahead(self, *, lr: float, loss_scale: float = 1.0) -> None:
         """Begin this step during the last micro batch: each sub-group is stepped on a
