@@ -233,7 +233,6 @@ CASES = [
     ("seed-negative", lambda w: _train(w, "--seed", "-1"), 1, "--seed is -1, out of range"),
     ("seed-huge", lambda w: _train(w, "--seed", str(2**64)), 1, f"--seed is {2**64}, out of"),
     ("no-model", lambda w: ["train", "--data", w["data"]], 2, "--model"),
-    ("no-data", lambda w: ["train", "--model", w["model"]], 2, "--data"),
     ("unknown-flag", lambda w: _train(w, "--epochs", "3"), 2, "unrecognized arguments"),
     ("no-command", lambda w: ["trian"], 2, "invalid choice: 'trian'"),
     # -- train: the model

@@ -153,7 +153,8 @@ def _trainer_with_optim(optim: str):
         (
             lambda: _trainer_with_optim("adafactor"),
             ValueError,
-            "optim='adafactor': the optimizer step is the engine's, which runs 'adamw_torch'",
+            "optim='adafactor' is not an optimizer InfinityTrainer runs: the optimizer step is "
+            "the engine's CPU-Adam; use one of 'adamw_torch'",
         ),
         (
             lambda: infinity.initialize(

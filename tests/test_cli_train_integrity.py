@@ -29,7 +29,7 @@ def test_a_zeroed_optimizer_swap_file_stops_the_run(tmp_path, capsys, monkeypatc
     zeroed = []
     real_sweep = NvmeStateTier.sweep
 
-    def sweep(self):
+    def sweep(self, order=None):
         if not zeroed and _latest(save) == 2:
             # Between steps 2 and 3: zero the second half of the live optimizer swap file.
             (path,) = self.store.files("optim")
@@ -38,7 +38,7 @@ def test_a_zeroed_optimizer_swap_file_stops_the_run(tmp_path, capsys, monkeypatc
                 f.seek(size // 2)
                 f.write(bytes(size - size // 2))
             zeroed.append(path)
-        return real_sweep(self)
+        return real_sweep(self, order)
 
     monkeypatch.setattr(NvmeStateTier, "sweep", sweep)
     args = train_args(model, data, save, "--config", config, "--save-every", 1, steps=4,

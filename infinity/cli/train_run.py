@@ -27,6 +27,7 @@ from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.cli import train_disk
 from infinity.cli.estimate import write_json
 from infinity.cli.placement import plan_run
+from infinity.cli.run_tokenizer import record_tokenizer
 from infinity.cli.train import tokenizer_dir
 from infinity.cli.train_eval import due, evaluate
 from infinity.cli.train_failures import (
@@ -307,10 +308,8 @@ class TrainRun:
         return {**self.lora.to_dict(), "alpha": alpha, "resolved_targets": self._lora_targets}
 
     # -- running -------------------------------------------------------------------------
-
     def run(self, signals: StopSignals) -> int:
-        """Train; returns the exit code. `signals` is in its STARTING phase (see [Note:
-        stopping on a signal] in train_stop.py)."""
+        """Train; the exit code. `signals`: STARTING (see [Note: stopping on a signal])."""
         try:
             return self._run(signals)
         except CommError as exc:
@@ -344,6 +343,8 @@ class TrainRun:
         config = self._placed(config)
         clock.lap("placement")
         self.ranks.decide(lambda: self._check_disk(config, steps))  # one disk check
+        if self.ranks.is_main and resume is None:  # once the run is accepted, for generate
+            record_tokenizer(self.save_dir, tokenizer_dir(self.args))
         clock.lap("disk_check")
         model = self._model(config)
         clock.lap("model")
@@ -403,8 +404,7 @@ class TrainRun:
         return 0
 
     def _save(self, engine, data: PackedDataset) -> str:
-        """Checkpoint the state after the last step. A failed save (a full disk...) stops the
-        run; the writer's error already says that the previous checkpoint is intact."""
+        """Checkpoint the state after the last step; a failed save (a full disk...) stops it."""
         self._check_claim()
         try:
             tag = engine.save_checkpoint(self.save_dir, client_state=self._client_state(data))

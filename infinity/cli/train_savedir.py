@@ -141,12 +141,8 @@ def _identity(path: Path) -> tuple[int, int] | None:
 def prepare_fresh(save_dir: Path, args: argparse.Namespace) -> None:
     """A run without --resume: refuse a directory with checkpoints (or, with --overwrite,
     empty it); an earlier metrics.jsonl without any checkpoint is set aside, not appended to.
-    Then the run's tokenizer is kept there (`infinity.cli.run_tokenizer`)."""
-    from infinity.cli.run_tokenizer import record_tokenizer
-    from infinity.cli.train import tokenizer_dir
-
+    (The run's tokenizer is kept there once the run is accepted: `TrainRun._run`.)"""
     _empty_or_refuse(save_dir, overwrite=args.overwrite)
-    record_tokenizer(save_dir, tokenizer_dir(args))
 
 
 def _empty_or_refuse(save_dir: Path, *, overwrite: bool) -> None:

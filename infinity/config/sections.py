@@ -85,13 +85,16 @@ class OffloadOptimizerConfig:
     sum (4 bytes, an add and a zeroing pass per step); the results are bitwise the same (see
     [Note: 16-bit gradient sums] in infinity/swap/grad_half.py). Applies when every
     gradient sum is in host memory. Infinity's key."""
-    overlap_step: bool = True
+    overlap_step: bool = False
     """Step each sub-group during the last micro batch's backward, as soon as its gradients
     are final, on a worker thread, assuming no clipping and no overflow; the step confirms
     it (or redoes it) once the global norm is known, so the results are bitwise those of a
     serial step (see [Note: the overlapped step] in infinity/zero/overlap.py). Infinity's
-    key; false steps every sub-group after backward. Only sub-groups whose gradient sums
-    are in host memory are stepped early."""
+    key; false (the default) steps every sub-group after backward. Only sub-groups whose
+    gradient sums are in host memory are stepped early. Off by default: its copies of the
+    state (see `overlap_numel`) are host memory the placement planner does not yet count,
+    so a planned run could pass its --ram-budget; and on the CPU device backward leaves no
+    idle core to step beside it. Turn it on for a GPU run with RAM to spare."""
     overlap_numel: int = 50_000_000
     """Elements of optimizer state the overlapped step may step ahead of the norm: each
     holds a copy of its state from before the step until the step confirms it (12 bytes per

@@ -27,9 +27,11 @@ def check_fp16_inputs(obj: Any, where: str = "input") -> None:
     """Refuse a floating-point tensor other than fp16 in a batch for an fp16 model without
     `fp16.auto_cast`: its first layer would stop with a dtype mismatch deep inside the
     forward. DeepSpeed's engine passes such inputs through unchanged (and fails the same
-    way); its `fp16.auto_cast` key casts them, as here."""
+    way); its `fp16.auto_cast` key casts them, as here. A 0-dim tensor passes (the
+    Trainer's `num_items_in_batch`): in torch's type promotion a 0-dim tensor never widens
+    an fp16 operand, so it cannot cause that mismatch."""
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.dtype != torch.float16:
+        if obj.is_floating_point() and obj.dtype != torch.float16 and obj.dim() > 0:
             raise TypeError(
                 f"forward: {where} is a {str(obj.dtype).removeprefix('torch.')} tensor of "
                 f"shape {tuple(obj.shape)} but the model runs in fp16 (fp16.enabled): set "

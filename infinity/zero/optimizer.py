@@ -51,7 +51,7 @@ from infinity.zero.optimizer_checks import (
     check_step_args,
     hyperparameters,
 )
-from infinity.zero.optimizer_io import load_initial, memory_stats
+from infinity.zero.optimizer_io import load_initial, memory_stats, write_masters
 from infinity.zero.optimizer_state import (
     check_format,
     load_sub_groups,
@@ -248,18 +248,9 @@ class PartitionedOptimizer:
 
     @torch.no_grad()
     def set_masters(self, i: int, values: torch.Tensor) -> None:
-        """Slot i's fp32 master weights := `values` (its numel), moments kept, in whichever
-        tier holds the state (the caller writes the slot's 16-bit home, which the model reads:
-        with fp32 weights aliasing the masters, this writes both)."""
-        lo, hi = self._span(i)
-        if values.numel() != hi - lo:
-            raise ValueError(f"set_masters: slot {i} has {hi - lo} elements, got {values.numel()}")
-        for g in self.layout.sub_groups_of(i):
-            start, stop = self.layout.range(g)
-            a, b = max(lo, start), min(hi, stop)
-            state = self.store.read(g)
-            state.master[a - start : b - start].copy_(values[a - lo : b - lo])
-            self.store.write(g, state)
+        """Slot i's fp32 master weights := `values`, moments kept (see `write_masters`)."""
+        self.cancel_ahead()
+        write_masters(self, i, values)
 
     # -- the step -----------------------------------------------------------------------
     def step_ahead(self, *, lr: float, loss_scale: float = 1.0) -> None:

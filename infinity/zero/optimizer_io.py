@@ -1,6 +1,6 @@
 """The partitioned optimizer's first state (weights and masters from the slots' build
 partitions; a checkpoint's state goes through `infinity.zero.optimizer_state`) and the
-host bytes it holds.
+host bytes it holds, and master weights set from outside a step.
 The optimizer (`infinity.zero.optimizer`) owns the state; this only moves it."""
 
 from __future__ import annotations
@@ -66,3 +66,18 @@ def memory_stats(opt: Any) -> dict[str, int]:
         "host_bytes": grad + part + state,
         "optim_overlap_peak_bytes": opt.overlap_peak_bytes,
     }
+
+
+def write_masters(opt: Any, i: int, values: torch.Tensor) -> None:
+    """Slot i's fp32 master weights := `values` (its numel), moments kept, in whichever
+    tier holds the state (the caller writes the slot's 16-bit home, which the model reads:
+    with fp32 weights aliasing the masters, this writes both)."""
+    lo, hi = opt.slot_span(i)
+    if values.numel() != hi - lo:
+        raise ValueError(f"set_masters: slot {i} has {hi - lo} elements, got {values.numel()}")
+    for g in opt.layout.sub_groups_of(i):
+        start, stop = opt.layout.range(g)
+        a, b = max(lo, start), min(hi, stop)
+        state = opt.store.read(g)
+        state.master[a - start : b - start].copy_(values[a - lo : b - lo])
+        opt.store.write(g, state)
