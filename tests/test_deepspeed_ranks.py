@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._dist import rank_results, run_ranks
+from _dist import rank_results, run_ranks
 
 
 def test_stages_give_equal_losses_on_two_ranks_and_the_data_is_split():
