@@ -6,7 +6,6 @@ the fp32 masters of every rank's shard, as torch AdamW continues)."""
 from __future__ import annotations
 
 import pytest
-
 from _dist import rank_results, run_ranks
 
 

@@ -194,7 +194,17 @@ def _sum_tiers(counters: Mapping[str, float], suffix: str) -> float:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far (getrusage; Linux counts KiB)."""
+    """The process's peak resident set size so far: Linux's VmHWM, the high-water mark of
+    this process's own memory since its exec. getrusage's ru_maxrss is the fallback only: on
+    Linux it survives exec, so a run started from a large process (a test runner, a
+    notebook) would report that process's peak as its own."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
