@@ -401,6 +401,10 @@ class _SignalInWait:
                 if outer.armed and not outer.fired and name.startswith(outer.prefix):
                     outer.fired = True
                     os.kill(os.getpid(), signal.SIGTERM)
+                    if threading.current_thread() is not threading.main_thread():
+                        # Sent from an I/O or checksum thread, two signals in a row reach
+                        # the main thread's handler as one: give it the first one alone.
+                        time.sleep(0.3)
                     os.kill(os.getpid(), signal.SIGTERM)
                 return result
 
