@@ -397,11 +397,10 @@ def _placement(
     state_ram = sz.state_host_bytes - sz.state_buffer_bytes
     accum = int(cfg.gradient_accumulation_steps)
     read = sz.optim_read_bytes_per_step + sz.grad_read_bytes_per_step
-    read += sz.param_read_bytes_per_micro_step * accum
+    read += sz.param_read_bytes_per_step(accum)
     write = sz.optim_write_bytes_per_step + sz.grad_write_bytes_per_step
     write += sz.param_write_bytes_per_step
-    micro = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
-    host_device = accum * micro + sz.refresh_bytes_per_step + sz.grad_step_copy_bytes
+    host_device = sz.host_device_bytes_per_step(accum)
     return Placement(
         param_device=param, param_max_in_cpu=kept[0], optim_device="nvme",
         optim_max_in_cpu=kept[1], gradients_in_cpu=kept[2],
