@@ -46,8 +46,8 @@ def test_a_budget_keeps_the_first_weights_and_gathers_the_rest(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_kept_weights_under_the_overlapped_step_are_bitwise(tmp_path, dtype):
-    """The overlapped step writes new weights while the last micro batch's backward runs:
-    the kept copies it refreshes are not read again before the step releases them."""
+    """The overlapped step computes new weights while the last micro batch's backward runs
+    (into buffers of their own, published by the step after the kept copies are released)."""
     case = dict(dtype=dtype, accum=4, tier="cpu", overlap=True)
     plain, kept = _pair(tmp_path, 10**9, **case)
     same_bits(kept, plain)
