@@ -141,6 +141,16 @@ for _accum, _sgs, _param, _dtype in (
     CASES[f"grads-accum{_accum}-sg{_sgs}-params-{_param}-{_dtype}"] = dict(
         accum=_accum, sub_group_size=_sgs, param=_param, dtype=_dtype
     )
+# Trainable weights kept on the device across the micro batches of a step: all of them, or
+# the first that fit a budget (the rest gathered at every micro batch as before).
+for _accum, _keep, _param in ((3, 10**9, "nvme"), (4, 60000, "nvme"), (2, 60000, "cpu")):
+    CASES[f"keep-{_keep}-accum{_accum}-params-{_param}"] = dict(
+        accum=_accum, param=_param, keep_weights_numel=_keep, stage3_max_live_parameters=30000
+    )
+CASES["keep-lora-accum3"] = dict(
+    accum=3, lora_r=4, sub_group_size=1000, keep_weights_numel=4000,
+    stage3_param_persistence_threshold=100,  # the adapters are not persistent
+)  # fmt: skip
 # LoRA: the adapters train, the base is frozen in its tier (on NVMe it fits the budget here,
 # so it stays gathered after the first step and is read no more).
 for _accum, _param, _optim in ((1, "cpu", "nvme"), (3, "nvme", "nvme"), (2, "nvme", "cpu")):
@@ -186,12 +196,15 @@ def test_bytes_equal_the_engine_counters(tmp_path, case):
     assert _delta(stats, "nvme_optim_bytes_read") == sz.optim_read_bytes_per_step
     assert _delta(stats, "nvme_optim_bytes_written") == sz.optim_write_bytes_per_step
     assert _delta(stats, "nvme_param_bytes_written") == sz.param_write_bytes_per_step
-    assert _delta(stats, "nvme_param_bytes_read") == accum * sz.param_read_bytes_per_micro_step
+    assert _delta(stats, "nvme_param_bytes_read") == sz.param_read_bytes_per_step(accum)
     assert _delta(stats, "nvme_grad_bytes_read") == sz.grad_read_bytes_per_step
     assert _delta(stats, "nvme_grad_bytes_written") == sz.grad_write_bytes_per_step
-    moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
-    step = sz.refresh_bytes_per_step + sz.grad_step_copy_bytes
-    assert _delta(stats, "host_device_bytes") == accum * moved + step
+    assert _delta(stats, "host_device_bytes") == sz.host_device_bytes_per_step(accum)
+    # Kept weights: held on the device as planned, read and copied once a step.
+    assert stats[-1]["peak_kept_param_numel"] * sz.itemsize == sz.kept_device_bytes
+    assert (sz.kept_device_bytes > 0) == case.startswith("keep")
+    if case.startswith("keep") and "params-nvme" in case:
+        assert 0 < sz.kept_read_bytes_per_step <= sz.kept_gather_bytes_per_step
     assert stats[-1]["grad_bytes"] == sz.grad_host_bytes
     assert stats[-1].get("grad_device_bytes", 0) == sz.grad_device_bytes
     assert (sz.grad_device_bytes > 0) == ("on-device" in case)

@@ -17,12 +17,15 @@ from infinity.models import LlamaConfig
 
 
 @pytest.mark.parametrize(
-    ("param", "optim"),
-    [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu")],
-    ids=["both-nvme", "params-cpu-optim-nvme", "params-nvme-optim-cpu"],
+    ("param", "optim", "keep"),
+    [("nvme", "nvme", 0), ("cpu", "nvme", 0), ("nvme", "cpu", 0), ("nvme", "nvme", 60000)],
+    ids=["both-nvme", "params-cpu-optim-nvme", "params-nvme-optim-cpu", "both-nvme-keep"],
 )
-def test_two_ranks_hold_and_move_what_the_estimate_says(tmp_path, param, optim):
-    cfg = _config(tmp_path, param=param, optim=optim, stage3_max_live_parameters=50000)
+def test_two_ranks_hold_and_move_what_the_estimate_says(tmp_path, param, optim, keep):
+    """`keep`: elements of trainable weights kept across the micro batches of a step (two
+    micro batches a step, so what is kept is read once where the rest is read twice)."""
+    cfg = _config(tmp_path, param=param, optim=optim, stage3_max_live_parameters=50000,
+                  accum=2 if keep else 1, keep_weights_numel=keep)  # fmt: skip
     args = [str(tmp_path), json.dumps(cfg), "2"]
     ranks = rank_results(run_ranks("_estimate_ranks_child.py", args, timeout_s=240))
     shape = model_shape(LlamaConfig(**SHAPE))
@@ -38,6 +41,9 @@ def test_two_ranks_hold_and_move_what_the_estimate_says(tmp_path, param, optim):
         assert _delta(stats, "nvme_optim_bytes_read") == sz.optim_read_bytes_per_step
         assert _delta(stats, "nvme_optim_bytes_written") == sz.optim_write_bytes_per_step
         assert _delta(stats, "nvme_param_bytes_written") == sz.param_write_bytes_per_step
-        assert _delta(stats, "nvme_param_bytes_read") == sz.param_read_bytes_per_micro_step
+        accum = cfg["gradient_accumulation_steps"]
+        assert _delta(stats, "nvme_param_bytes_read") == sz.param_read_bytes_per_step(accum)
+        assert stats[-1]["peak_kept_param_numel"] * sz.itemsize == sz.kept_device_bytes
+        assert (sz.kept_read_bytes_per_step > 0) == bool(keep)
         assert _delta(stats, "nvme_grad_bytes_read") == sz.grad_read_bytes_per_step
         assert _delta(stats, "nvme_grad_bytes_written") == sz.grad_write_bytes_per_step

@@ -19,7 +19,7 @@ from infinity.config import Config
 from infinity.estimate import model_shape
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
 from infinity.estimate.placement import Budget, plan_placement
-from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, LEAN_BUFFERS
+from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, LEAN_BUFFERS
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.lora import LoraSpec, apply_lora
 
@@ -155,7 +155,7 @@ def test_the_planner_lowers_only_the_buffers_the_config_leaves_unset(tmp_path):
         path.write_text(json.dumps({"zero_optimization": zero}))
         return tunable_buffers(argparse.Namespace(config=str(path)))
 
-    everything = {*LEAN_BUFFERS, GRADS_ON_DEVICE}
+    everything = {*LEAN_BUFFERS, GRADS_ON_DEVICE, KEEP}
     assert tunable_buffers(argparse.Namespace(config=None)) == everything
     for spelling in ("stage3_max_live_parameters", "max_live_parameters"):  # either name
         assert tunable({spelling: 10**8}) == everything - {"stage3_max_live_parameters"}
@@ -327,6 +327,38 @@ def test_on_a_gpu_gradient_sums_stay_on_the_device_with_accumulation(tmp_path):
     assert GRADS_ON_DEVICE not in plan(ram, device=without.device_bytes + 4096).buffers
 
 
+def test_on_a_gpu_the_weights_that_fit_are_kept_across_micro_batches(tmp_path):
+    """With accumulation and the kept weights the planner's to choose, the trainable weights
+    the device has room for stay gathered across a step's micro batches: read from NVMe and
+    copied to the device once a step, so fewer bytes of both than without, within the device
+    budget; the engine (on the CPU device here) moves exactly the plan's NVMe bytes. A device
+    with room for less keeps less."""
+    shape = model_shape(LlamaConfig(**SHAPE))
+    cfg = Config.load(_config(tmp_path, accum=4))
+
+    def plan(device: int, tunable=(KEEP,)):
+        budget = Budget(RUNTIME << 4, "test", device, "test device")
+        return plan_placement(shape, cfg, budget, gpu=True, seq_len=SEQ,
+                              runtime_bytes=RUNTIME, tunable=tunable)  # fmt: skip
+
+    kept, without = plan(64 << 20), plan(64 << 20, tunable=())
+    assert kept.buffers[KEEP] == shape.trainable_numel and KEEP not in without.buffers
+    assert kept.host_device_bytes_per_step < without.host_device_bytes_per_step / 2
+    assert _moved(kept) <= _moved(without)
+    assert kept.device_bytes <= 64 << 20
+    assert "kept across micro batches" in "\n".join(kept.lines())
+    applied = kept.apply(cfg).to_dict()
+    assert applied["zero_optimization"][KEEP] == kept.buffers[KEEP]
+    got = _engine_bytes(applied, 0)
+    assert got == (kept.nvme_read_bytes_per_step, kept.nvme_write_bytes_per_step)
+    # Less room, fewer kept (DEVICE_HEADROOM of the budget stays free): none, then part.
+    assert KEEP not in plan(without.device_bytes * 11 // 10).buffers
+    part = plan(without.device_bytes * 18 // 10)
+    assert 0 < part.buffers[KEEP] < shape.trainable_numel
+    assert part.device_bytes <= without.device_bytes * 18 // 10
+    assert kept.host_device_bytes_per_step < part.host_device_bytes_per_step
+
+
 def test_the_13b_headline_is_compute_bound_with_its_gradient_sums_on_the_gpu(tmp_path, capsys):
     """The issue's headline run: 13B full fine-tuning, bf16, 2048 x 4 x accumulation 32, on
     an H100 with 128 GiB of RAM and one (assumed) SSD. With the gradient sums on the GPU the
@@ -347,6 +379,10 @@ def test_the_13b_headline_is_compute_bound_with_its_gradient_sums_on_the_gpu(tmp
     assert est["terms"]["grad_write_bytes_per_step"] == 0
     assert plan["state"]["ram_bytes"] > plan["state"]["nvme_bytes"] > 0
     assert plan["device_bytes"] <= 80 * 2**30 and plan["peak_rss_bytes"] <= 120 * 2**30
+    # The device's room left beside the sums keeps some weights across micro batches: fewer
+    # copies than the 1,739 GB a step of gathering every weight at every micro batch.
+    assert plan["buffers"][KEEP] > 5 * 10**8
+    assert est["host_device_bytes_per_step"] < 1700e9
     text = capsys.readouterr().out
     assert "gradient sums" in text  # the device line says what it holds
     # The optimizer step (its NVMe transfers) still runs after forward and backward: said.

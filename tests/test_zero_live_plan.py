@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from infinity.zero.live_plan import LivePlan, LiveTrace
+from infinity.zero.live_plan import LivePlan, LiveTrace, kept_mask
 
 
 class Checked:
@@ -26,7 +26,7 @@ class Checked:
         assert i not in self.live, f"fetch of {i}, already live"
         self.live.add(i)
         self.log.append(("fetch", i, needed))
-        live = sum(self.plan.numel[k] for k in self.live)
+        live = sum(self.plan.numel[k] for k in self.live if not self.plan.kept[k])
         assert live <= self.limit, f"{live} elements live, limit {self.limit}"
 
     def release(self, i: int) -> None:
@@ -58,10 +58,10 @@ def drive(plan: LivePlan, units: list[tuple[int, ...]], sink: Checked, iteration
         assert {i for i in sink.live if not (plan.frozen[i] or plan.persistent[i])} == set()
 
 
-def make(numel, budget, window, reuse, *, frozen=(), persistent=()) -> LivePlan:
+def make(numel, budget, window, reuse, *, frozen=(), persistent=(), kept=()) -> LivePlan:
     plan = LivePlan(budget=budget, window=window, reuse=reuse)
     for i, n in enumerate(numel):
-        plan.add(n, persistent=i in persistent, frozen=i in frozen)
+        plan.add(n, persistent=i in persistent, frozen=i in frozen, kept=i in kept)
     return plan
 
 
@@ -190,3 +190,75 @@ def test_pinned_parameters_are_not_evicted():
     assert plan.live_numel == 6 and plan.overruns == 0  # over by the unit: allowed
     plan.gather_one(0, sink)  # held already
     assert plan.live_numel == 6
+
+
+# -- weights kept across micro batches ------------------------------------------------------
+
+
+def _micro_batches(plan: LivePlan, units, sink: Checked, count: int) -> list[list]:
+    """`count` micro batches of one step (the kept parameters stay from one to the next),
+    then the step's release; the events of each micro batch."""
+    order = LiveTrace(units, plan.numel)
+    events = []
+    for _ in range(count):
+        start = len(sink.log)
+        plan.begin(order)
+        plan.prefetch((), sink)
+        for pos, unit in enumerate(units):
+            plan.advance(pos)
+            plan.gather(unit, sink)
+            assert all(i in sink.live for i in unit)
+            plan.prefetch(set(unit), sink)
+            for i in unit:
+                plan.settle(i, pos, sink)
+        plan.release_all(sink, keep_frozen=True, keep_kept=True)
+        plan.end()
+        events.append(sink.log[start:])
+    plan.release_all(sink, keep_frozen=True)  # the step
+    assert not sink.live and plan.kept_numel == 0 and plan.live_numel == 0
+    return events
+
+
+@pytest.mark.parametrize("kept", [(0,), (2,), (0, 1), (0, 1, 2)])
+def test_kept_parameters_are_fetched_once_a_step_and_change_nothing_else(kept):
+    """Over every small trace, budget, window and reuse distance: a kept parameter is fetched
+    once in a step of three micro batches and released only by the step, the budget holds
+    without them, and every other decision is the same in each micro batch (whether the
+    kept ones are held yet or not)."""
+    numel = [1, 2, 3]
+    for length in (2, 3):
+        for units in _traces(len(numel), length):
+            for budget, window, reuse in itertools.product((1, 3, 6), (0, 2, 99), (0, 3)):
+                plan = make(numel, budget, window, reuse, kept=kept)
+                sink = Checked(plan)
+                sink.limit = budget + sum(numel)  # the running unit may exceed the budget
+                events = _micro_batches(plan, units, sink, 3)
+                used = {i for u in units for i in u}
+                for i in kept:
+                    fetches = [e for e in sink.log if e[:2] == ("fetch", i)]
+                    assert len(fetches) == (i in used)
+                    assert not [e for ev in events for e in ev if e[:2] == ("release", i)]
+                others = [[e for e in ev if e[1] not in kept] for ev in events]
+                assert others[0] == others[1] == others[2]
+                assert plan.overruns == 0
+
+
+def test_kept_mask_takes_trainable_weights_in_model_order_within_the_budget():
+    numels = [4, 1, 3, 5, 2, 2]
+    trainable = [True, True, False, True, True, True]
+    persistent = [False, True, False, False, False, False]
+    assert kept_mask(numels, trainable, persistent, 0) == [False] * 6
+    # 4 fits, 1 is persistent, 3 is frozen, 5 does not fit what is left (3): 2 and 2 do not
+    # both fit either; the first does.
+    assert kept_mask(numels, trainable, persistent, 7) == [
+        True, False, False, False, True, False,
+    ]  # fmt: skip
+    assert kept_mask(numels, trainable, persistent, 10**9) == [
+        True, False, False, True, True, True,
+    ]  # fmt: skip
+
+
+def test_a_kept_parameter_must_be_trainable_and_not_persistent():
+    plan = LivePlan(budget=4, window=0, reuse=0)
+    with pytest.raises(ValueError, match="kept_mask"):
+        plan.add(2, persistent=False, frozen=True, kept=True)

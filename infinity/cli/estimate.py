@@ -387,6 +387,11 @@ def _memory_lines(est) -> list[str]:
                 f", gradient sums {s.grad_device_bytes / _GIB:.1f} GiB"
                 if s.grad_device_bytes
                 else ""
+            )
+            + (
+                f", weights kept across micro batches {s.kept_device_bytes / _GIB:.1f} GiB"
+                if s.kept_device_bytes
+                else ""
             ),
         ),
         _row(

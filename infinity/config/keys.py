@@ -92,6 +92,7 @@ MINIMUM: dict[tuple[type, str], tuple[float, bool]] = {
     (ZeroConfig, "max_live_parameters"): (1, False),
     (ZeroConfig, "prefetch_bucket_size"): (0, False),
     (ZeroConfig, "max_reuse_distance"): (0, False),
+    (ZeroConfig, "keep_weights_numel"): (0, False),
     (ZeroConfig, "param_persistence_threshold"): (0, False),
     (ZeroConfig, "sub_group_size"): (1, False),
     (ZeroConfig, "reduce_bucket_size"): (1, False),

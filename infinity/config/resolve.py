@@ -83,6 +83,7 @@ STAGE3_ONLY = (
     "prefetch_bucket_size",
     "max_reuse_distance",
     "param_persistence_threshold",
+    "keep_weights_numel",
 )
 """ZeroConfig fields that tune the gathers of partitioned parameters (stage 3 only)."""
 

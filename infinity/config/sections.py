@@ -117,6 +117,11 @@ class ZeroConfig:
     """Hard bound on gathered elements on the device at any moment (plus the largest module)."""
     prefetch_bucket_size: int | str = 50_000_000
     """Elements fetched ahead of use along the traced execution order."""
+    keep_weights_numel: int = 0
+    """Elements of trainable weights kept gathered on the device across the micro batches
+    of one optimizer step, beyond `max_live_parameters` (the first trainable parameters in
+    model order that fit; 0 keeps none). The placement planner sets it where the device has
+    room ([Note: weights kept across micro batches] in infinity/zero/live_plan.py)."""
     max_reuse_distance: int | str = 1_000_000_000
     """A parameter reused within this many elements of later gathers is kept, not released."""
     param_persistence_threshold: int | str = 100_000

@@ -79,7 +79,7 @@ def _nvme_advice(est: Estimate) -> str:
     every micro step (more accumulation multiplies them), the optimizer's state moves once
     per step whatever the batch."""
     s, accum = est.sizes, est.inputs["gradient_accumulation_steps"]
-    param_reads = accum * s.param_read_bytes_per_micro_step
+    param_reads = s.param_read_bytes_per_step(accum)
     if param_reads > est.nvme_read_bytes_per_step + est.nvme_write_bytes_per_step - param_reads:
         return (
             f"parameter reads in forward and backward are most of the disk traffic "

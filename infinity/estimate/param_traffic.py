@@ -5,9 +5,12 @@ gathers the model's shapes give, counting its fetches instead of moving data.
 Owns the order of one training iteration's gathers (`training_trace`) and the loop that
 drives the planner along it as the engine's hooks do: at each gather the unit is fetched
 (making room if needed) and prefetch runs ahead, then the unit ends and what is not kept is
-released; the iteration's end releases every trainable parameter. Frozen parameters (a LoRA
-base) carry over from one iteration to the next, so iterations are driven until the steady
-state.
+released; the iteration's end releases every trainable parameter but the kept ones. Frozen
+parameters (a LoRA base) carry over from one iteration to the next, so iterations are driven
+until the steady state. Kept parameters (`zero_optimization.keep_weights_numel`: see [Note:
+weights kept across micro batches] in infinity/zero/live_plan.py) carry over too, until the
+optimizer step releases them: the steady iteration is a step's every micro batch but the
+first, which also fetches each kept parameter once (`Replay.kept`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 from infinity.config import Config
 from infinity.estimate.shapes import ModelShape
-from infinity.zero.live_plan import LivePlan, LiveTrace
+from infinity.zero.live_plan import LivePlan, LiveTrace, kept_mask
 
 _MAX_ITERATIONS = 6  # replayed until two in a row fetch the same (the steady state)
 
@@ -105,6 +108,9 @@ class Replay:
     peak_live_numel: int
     """The most elements gathered at once over the replayed iterations (the coordinator's
     `peak_live_param_numel`)."""
+    kept: tuple[int, ...]
+    """The kept parameters the trace uses (indices into `ModelShape.params`): fetched once
+    a step, by its first micro batch, and held on the device until the step."""
 
 
 _REPLAYS: dict[tuple, tuple[ModelShape, Replay]] = {}
@@ -129,7 +135,7 @@ def replayed(shape: ModelShape, config: Config, *, checkpointing: bool) -> Repla
     zero = config.zero_optimization
     key = (id(shape), checkpointing, int(zero.max_live_parameters),
            int(zero.prefetch_bucket_size), int(zero.max_reuse_distance),
-           tuple(shape.persistent(zero)))  # fmt: skip
+           int(zero.keep_weights_numel), tuple(shape.persistent(zero)))  # fmt: skip
     kept = _REPLAYS.get(key)
     if kept is not None and kept[0] is shape:
         return kept[1]
@@ -149,8 +155,9 @@ def _replay(shape: ModelShape, config: Config, checkpointing: bool) -> Replay:
         reuse=int(zero.max_reuse_distance),
     )
     persistent = shape.persistent(zero)
-    for p, keep in zip(shape.params, persistent, strict=True):
-        plan.add(p.numel, persistent=keep, frozen=not p.trainable)
+    kept = kept_of(shape, config)
+    for p, keep, k in zip(shape.params, persistent, kept, strict=True):
+        plan.add(p.numel, persistent=keep, frozen=not p.trainable, kept=k)
     for i, keep in enumerate(persistent):
         if keep:  # gathered since the first iteration: they count against the budget
             plan.hold(i)
@@ -164,7 +171,17 @@ def _replay(shape: ModelShape, config: Config, checkpointing: bool) -> Replay:
         if sink.fetches == previous:
             break
         previous = sink.fetches
-    return Replay(trace, sink.fetches, plan.peak_live_numel)
+    used = {i for pos in trace for i in pos.params}
+    held = tuple(i for i, k in enumerate(kept) if k and i in used)
+    return Replay(trace, sink.fetches, plan.peak_live_numel, held)
+
+
+def kept_of(shape: ModelShape, config: Config) -> list[bool]:
+    """Per parameter, whether it is kept across the micro batches of a step (`kept_mask`,
+    the coordinator's rule, over the same sizes)."""
+    zero = config.zero_optimization
+    return kept_mask([p.numel for p in shape.params], [p.trainable for p in shape.params],
+                     shape.persistent(zero), int(zero.keep_weights_numel))  # fmt: skip
 
 
 class _LiveSink:
@@ -200,5 +217,5 @@ def _iteration(plan: LivePlan, order: LiveTrace, sink: _LiveSink, traced: bool =
         plan.prefetch(running, sink)
         for i in unit:
             plan.settle(i, pos if traced else None, sink)
-    plan.release_all(sink, keep_frozen=True)
+    plan.release_all(sink, keep_frozen=True, keep_kept=True)
     plan.end()

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from infinity.config import Config
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
-from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, candidates, set_buffers
+from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, candidates, set_buffers
 from infinity.estimate.result import activation_bytes, memory_of
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, layout_of, resolve_config, sizes
@@ -145,7 +145,7 @@ class Placement:
                     f"  {name:<26} RAM {_size(t.ram_bytes):>10}   NVMe {_size(t.nvme_bytes):>10}"
                     + device
                 )
-        shown = {k: v for k, v in self.buffers.items() if k != GRADS_ON_DEVICE}
+        shown = {k: v for k, v in self.buffers.items() if k not in (GRADS_ON_DEVICE, KEEP)}
         chosen = ", ".join(f"{k} {v:,}" for k, v in shown.items())
         out.append(
             f"  {'NVMe staging buffers':<26} RAM {_size(self.buffers_bytes):>10}"
@@ -159,10 +159,14 @@ class Placement:
             out.append(
                 f"  device: {_size(self.device_bytes)} of {_size(self.budget.device_bytes)} "
                 f"({self.budget.device_source}), up to {self.live_parameters:,} parameter "
-                f"elements gathered; host to device {_size(self.host_device_bytes_per_step)} "
-                "per step"
+                f"elements gathered{self._kept()}; host to device "
+                f"{_size(self.host_device_bytes_per_step)} per step"
             )
         return out
+
+    def _kept(self) -> str:
+        keep = self.buffers.get(KEEP, 0)
+        return f" and {keep:,} trainable elements kept across micro batches" if keep else ""
 
 
 def _margin(budget: Budget) -> str:
@@ -397,11 +401,10 @@ def _placement(
     state_ram = sz.state_host_bytes - sz.state_buffer_bytes
     accum = int(cfg.gradient_accumulation_steps)
     read = sz.optim_read_bytes_per_step + sz.grad_read_bytes_per_step
-    read += sz.param_read_bytes_per_micro_step * accum
+    read += sz.param_read_bytes_per_step(accum)
     write = sz.optim_write_bytes_per_step + sz.grad_write_bytes_per_step
     write += sz.param_write_bytes_per_step
-    micro = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step
-    host_device = accum * micro + sz.refresh_bytes_per_step + sz.grad_step_copy_bytes
+    host_device = sz.host_device_bytes_per_step(accum)
     return Placement(
         param_device=param, param_max_in_cpu=kept[0], optim_device="nvme",
         optim_max_in_cpu=kept[1], gradients_in_cpu=kept[2],

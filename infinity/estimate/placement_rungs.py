@@ -30,6 +30,19 @@ copies none of their gradients to the host; the step copies each sum to the host
 norm, CPU-Adam). The planner keeps them only when they move fewer NVMe bytes: the copies
 backward saves overlap its compute on a GPU, the step's copies do not (a 13B run whose state
 all fits in RAM steps in 24.6 s with them and 20.0 s without, by the estimate).
+
+[Note: weights kept on the device] Where the config leaves `keep_weights_numel` unset and a
+device budget is given, every rung above is also tried with the trainable weights that fit
+the device room it leaves (beside its live set, gradient sums and the activations, less
+DEVICE_HEADROOM) kept gathered across the micro batches of a step (`_kept_weights`; see
+[Note: weights kept across micro batches] in infinity/zero/live_plan.py): each element kept
+is copied to the device once a step instead of two or three times a micro batch. Held byte
+for byte, a kept weight saves more copies than a gradient sum on the device (2 bytes held
+save about 4 per micro batch; 4 bytes of sum save 2 per micro batch and cost 8 at the
+step), but the sums also free RAM for optimizer state, which saves NVMe bytes: so the
+weights-first split (every trainable weight that fits kept, the sums in what is left) is a
+rung of its own, and the planner's order (NVMe bytes first, then host-to-device bytes)
+chooses between them.
 """
 
 from __future__ import annotations
@@ -62,6 +75,9 @@ LIVE = "stage3_max_live_parameters"
 GRADS_ON_DEVICE = "offload_optimizer.gradients_on_device"
 """The device's gradient sums (see [Note: gradient sums on the device]), keyed as
 LEAN_BUFFERS; a config that sets it keeps it."""
+KEEP = "keep_weights_numel"
+"""Trainable weights kept on the device across micro batches (see [Note: weights kept on
+the device]), keyed as LEAN_BUFFERS; a config that sets it keeps it."""
 
 
 def candidates(
@@ -77,7 +93,8 @@ def candidates(
     `tunable` lets (see [Note: lean buffers]); on a GPU with a device budget, the host
     buffers lowered or not, each with the live set the device holds (see [Note: resident on
     the device]), with gradient sums on the device, and with both (see [Note: gradient sums
-    on the device])."""
+    on the device]); each of those also with the weights its room holds kept, and the
+    weights kept first (see [Note: weights kept on the device])."""
     zero = config.to_dict()["zero_optimization"]
     lean = {k: v for k, v in LEAN_BUFFERS.items() if k in tunable and v < _get(zero, k)}
     if gpu:  # the live set is device memory there: lowering it frees no RAM
@@ -96,15 +113,52 @@ def candidates(
         live = _resident_live(shape, config, device_bytes, acts, reserved=4 * grads)
         if LIVE in tunable and live > _get(zero, LIVE):
             out += [{**r, GRADS_ON_DEVICE: grads, LIVE: live} for r in base]
+    if KEEP in tunable:
+        out += _with_kept(shape, config, out, device_bytes, acts, world, GRADS_ON_DEVICE in tunable)
     return out
 
 
+def _with_kept(shape, config, rungs, device_bytes, acts, world, grads_tunable) -> list[dict]:
+    """Each of `rungs` with the weights its room holds kept, then every trainable weight that
+    fits kept with the gradient sums in what is left (see [Note: weights kept on the
+    device])."""
+    out = []
+    for r in rungs:
+        keep = _kept_weights(shape, config, device_bytes, acts, r)
+        if keep:
+            out.append({**r, KEEP: keep})
+    first = _kept_weights(shape, config, device_bytes, acts, {GRADS_ON_DEVICE: 0})
+    if first:
+        itemsize = model_dtype(config).itemsize
+        grads = _device_grads(shape, config, device_bytes, acts, world, first * itemsize)
+        out.append(
+            {KEEP: first, GRADS_ON_DEVICE: grads} if grads and grads_tunable else {KEEP: first}
+        )
+    return out
+
+
+def _kept_weights(
+    shape: ModelShape, config: Config, device_bytes: int, acts: int, rung: dict[str, int]
+) -> int:
+    """Elements of trainable weights the device keeps beside the live set and gradient sums
+    of `rung` (the config's where it sets none): at most every trainable element."""
+    itemsize = model_dtype(config).itemsize
+    zero = config.to_dict()["zero_optimization"]
+    live = min(rung.get(LIVE, _get(zero, LIVE)), shape.numel) * itemsize
+    grads = 4 * rung.get(GRADS_ON_DEVICE, _get(zero, GRADS_ON_DEVICE))
+    room = _free_device_bytes(shape, config, device_bytes, acts) - live - grads
+    return max(0, min(room // itemsize, shape.trainable_numel))
+
+
 def _free_device_bytes(shape: ModelShape, config: Config, device_bytes: int, acts: int) -> int:
-    """The device budget less DEVICE_HEADROOM, the activations, the largest gradient and
-    the one unit a gather may exceed the live budget by (see `memory_of`)."""
+    """The device budget less DEVICE_HEADROOM, the activations, the largest gradient, the
+    one unit a gather may exceed the live budget by (see `memory_of`) and the weights the
+    config keeps there."""
     itemsize = model_dtype(config).itemsize
     largest = max((p.numel for p in shape.params), default=0)
-    return int(device_bytes * (1 - DEVICE_HEADROOM)) - acts - 2 * largest * itemsize
+    kept = min(int(config.zero_optimization.keep_weights_numel), shape.trainable_numel)
+    free = int(device_bytes * (1 - DEVICE_HEADROOM)) - acts - 2 * largest * itemsize
+    return free - kept * itemsize
 
 
 def _resident_live(
@@ -118,13 +172,14 @@ def _resident_live(
 
 
 def _device_grads(
-    shape: ModelShape, config: Config, device_bytes: int, acts: int, world: int
+    shape: ModelShape, config: Config, device_bytes: int, acts: int, world: int, kept: int = 0
 ) -> int:
-    """Elements of fp32 gradient sums the device holds beside the configured live set: the
-    first whole sub-groups that fit (see [Note: gradient sums on the device])."""
+    """Elements of fp32 gradient sums the device holds beside the configured live set (and
+    `kept` bytes of weights kept there): the first whole sub-groups that fit (see [Note:
+    gradient sums on the device])."""
     itemsize = model_dtype(config).itemsize
     live = min(int(config.zero_optimization.max_live_parameters), shape.numel) * itemsize
-    room = (_free_device_bytes(shape, config, device_bytes, acts) - live) // 4
+    room = (_free_device_bytes(shape, config, device_bytes, acts) - live - kept) // 4
     numels = layout_of(shape, config, world).sub_group_numels
     return sum(numels[: ram_sub_groups(numels, room)])
 

@@ -136,7 +136,7 @@ class Estimate:
         return (
             s.optim_read_bytes_per_step
             + s.grad_read_bytes_per_step
-            + accum * s.param_read_bytes_per_micro_step
+            + s.param_read_bytes_per_step(accum)
         )
 
     @property
@@ -150,9 +150,7 @@ class Estimate:
 
     @property
     def host_device_bytes_per_step(self) -> int:
-        s, accum = self.sizes, self.inputs["gradient_accumulation_steps"]
-        per_micro_step = s.gather_bytes_per_micro_step + s.grad_offload_bytes_per_micro_step
-        return accum * per_micro_step + s.refresh_bytes_per_step + s.grad_step_copy_bytes
+        return self.sizes.host_device_bytes_per_step(self.inputs["gradient_accumulation_steps"])
 
 
 def estimate(
@@ -231,15 +229,16 @@ def memory_of(
     (`gpu` False) that memory is host RAM, less what gathers alias of host homes."""
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
-    device += sz.grad_device_bytes
-    if recycled and sz.gather_bytes_per_micro_step:
+    device += sz.grad_device_bytes + sz.kept_device_bytes
+    if recycled and (sz.gather_bytes_per_micro_step or sz.kept_gather_bytes_per_step):
         device += recycled_slack_bytes(shape, sz.itemsize)
     runtime = current_rss() if runtime_bytes is None else runtime_bytes
     if gpu:
         runtime += CUDA_RUNTIME_HOST_BYTES
     # The CPU device's memory is host RAM; gathers from host homes alias them (no RAM).
     host_homes = config.zero_optimization.offload_param.device != "nvme"
-    aliased = sz.peak_live_numel * sz.itemsize if not gpu and host_homes and alias else 0
+    gathered = sz.peak_live_numel * sz.itemsize + sz.kept_device_bytes
+    aliased = gathered if not gpu and host_homes and alias else 0
     steady = runtime + sz.host_bytes + (0 if gpu else device - aliased)
     peak = max(
         steady + grad_transient_bytes(shape),
@@ -288,6 +287,7 @@ def step_times(
     read, write = rates.nvme_read_bps, rates.nvme_write_bps
     compute = rates.compute_s
     copies = micro_step_copies_s(sz, rates, recycled=recycled)
+    kept = kept_copies_s(sz, rates, recycled=recycled)  # once a step
     hooks = modules * rates.module_overhead_s if rates.gpu is None else 0.0
     window_io, grad_wait = _window_disk_s(sz, read, write, accum)
     cores = compute + copies + hooks
@@ -304,16 +304,16 @@ def step_times(
             disk_busy_s=ahead,
         )
     if rates.gpu is None:  # the CPU device: copies run on the cores that compute
-        window = max(accum * micro + grad_wait, window_io)
+        window = max(accum * micro + kept + grad_wait, window_io)
     else:
-        window = max(accum * compute + grad_wait, accum * copies, window_io)
+        window = max(accum * compute + grad_wait, accum * copies + kept, window_io)
     state_io, adam, norm = _optimizer_parts_s(sz, rates)
     optimizer = (max(adam, state_io) if pipelined else adam + state_io) + norm
     return StepTimes(
         compute_s=accum * compute,
         nvme_s=window_io + state_io,
         cpu_adam_s=adam + norm,
-        copies_s=accum * copies,
+        copies_s=accum * copies + kept,
         hooks_s=accum * hooks,
         read_wait_s=accum * (micro - cores),
         grad_wait_s=grad_wait,
@@ -328,7 +328,7 @@ def _window_disk_s(sz: Sizes, read: float, write: float, accum: int) -> tuple[fl
     parameter reads, the spilled gradients written and read back, and the optimizer state
     the last sweep read ahead; backward's adds wait on the host thread, whatever the device."""
     window_io = (
-        (accum * sz.param_read_bytes_per_micro_step
+        (sz.param_read_bytes_per_step(accum)
          + sz.grad_read_bytes_per_step - sz.grad_step_read_bytes
          + sz.optim_ahead_read_bytes) / read
         + sz.grad_write_bytes_per_step / write
@@ -373,6 +373,16 @@ def micro_step_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> fl
     grads = sz.trainable_numel * sz.itemsize / fresh
     grad_add = sz.trainable_numel * (sz.itemsize + 8) / (2 * rates.copy_bytes_per_s)
     return gathers + grads + grad_add
+
+
+def kept_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> float:
+    """The kept weights' copies to the device, once a step (see `micro_step_copies_s` for
+    the rates)."""
+    if rates.gpu is not None:
+        return sz.kept_gather_bytes_per_step / rates.copy_bytes_per_s
+    fresh = rates.fresh_copy_bytes_per_s or rates.copy_bytes_per_s
+    gather = rates.gather_copy_bytes_per_s or rates.copy_bytes_per_s
+    return sz.kept_gather_bytes_per_step / (gather if recycled else fresh)
 
 
 def recycled_slack_bytes(shape: ModelShape, itemsize: int) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from infinity.config import Config, ZeroConfig, resolve_stage3
 from infinity.estimate.grad_traffic import GradTraffic, grad_traffic
-from infinity.estimate.param_traffic import param_fetches, replayed
+from infinity.estimate.param_traffic import Replay, replayed
 from infinity.estimate.shapes import ModelShape
 from infinity.swap.footprint import Footprint
 from infinity.swap.grad_device import device_grad_bytes
@@ -99,16 +99,35 @@ class Sizes:
     optimizer step (none where those alias their host homes: the CPU device)."""
     peak_live_numel: int
     """Gathered parameter elements at most (non-persistent within the budget, plus every
-    persistent one)."""
+    persistent one), the kept ones apart."""
     trainable_numel: int
     flat_numel: int
     """Elements of the optimizer's flat space (alignment padding included)."""
     num_sub_groups: int
     itemsize: int
+    kept_device_bytes: int = 0
+    """Trainable weights kept gathered on the device across the micro batches of a step
+    (`zero_optimization.keep_weights_numel`; the coordinator's `peak_kept_param_numel`)."""
+    kept_read_bytes_per_step: int = 0
+    """NVMe reads of the kept weights: once a step, by its first micro batch (not in
+    `param_read_bytes_per_micro_step`, which is every other micro batch's)."""
+    kept_gather_bytes_per_step: int = 0
+    """Home -> device copies of the kept weights, once a step (likewise)."""
 
     @property
     def nvme_bytes(self) -> int:
         return self.optim_nvme_bytes + self.param_nvme_bytes + self.grad_nvme_bytes
+
+    def param_read_bytes_per_step(self, accum: int) -> int:
+        """Parameter reads from NVMe in one optimizer step of `accum` micro batches."""
+        return accum * self.param_read_bytes_per_micro_step + self.kept_read_bytes_per_step
+
+    def host_device_bytes_per_step(self, accum: int) -> int:
+        """Host <-> device copies in one optimizer step of `accum` micro batches: gathers
+        and gradients at every micro batch, the kept weights once, the step's copies."""
+        micro = self.gather_bytes_per_micro_step + self.grad_offload_bytes_per_micro_step
+        step = self.refresh_bytes_per_step + self.grad_step_copy_bytes
+        return accum * micro + self.kept_gather_bytes_per_step + step
 
 
 def resolve_config(config: Config, shape: ModelShape, world_size: int = 1) -> Config:
@@ -172,7 +191,8 @@ def sizes(
     pinned = _pinned(zero, pins, pool, buffers, weights.host + frozen.host)
     # Where gathers alias host homes, only NVMe reads copy ([Note: gathered means resident])
     copies = not (not pins if aliases is None else aliases)
-    read, gathered = _fetched_numels(shape, config, homes, on_nvme, copies, checkpointing)
+    replay = replayed(shape, config, checkpointing=checkpointing)
+    fetched = _fetched_bytes(shape, replay, homes, on_nvme, copies, itemsize)
     host = grad.host + weights.host + state.host + frozen.host + pool
     # The CPU device (it never pins) adds gradients straight into their fp32 sums.
     offloaded = _offloaded_numel(shape, layout, config) * itemsize if pins else 0
@@ -188,12 +208,10 @@ def sizes(
         optim_read_bytes_per_step=state.disk, optim_ahead_read_bytes=ahead,
         optim_write_bytes_per_step=state.disk,
         param_write_bytes_per_step=layout.total * itemsize if param_nvme else 0,
-        param_read_bytes_per_micro_step=read * itemsize,
-        gather_bytes_per_micro_step=gathered * itemsize,
         grad_offload_bytes_per_micro_step=offloaded,
         grad_device_bytes=grad_device, grad_step_copy_bytes=2 * grad_device,
         refresh_bytes_per_step=_refreshed(shape, zero) * itemsize if (param_nvme or copies) else 0,
-        peak_live_numel=replayed(shape, config, checkpointing=checkpointing).peak_live_numel,
+        peak_live_numel=replay.peak_live_numel, **fetched,
         trainable_numel=shape.trainable_numel,
         flat_numel=layout.total, num_sub_groups=layout.num_sub_groups, itemsize=itemsize,
     )  # fmt: skip
@@ -254,20 +272,36 @@ def _pinned(zero: ZeroConfig, pins: bool, pool: int, buffers: int, homes: int) -
     return pinned
 
 
-def _fetched_numels(
+def _fetched_bytes(
     shape: ModelShape,
-    config: Config,
+    replay: Replay,
     homes: Sequence[int],
     on_nvme: Sequence[bool],
     copies: bool,
-    checkpointing: bool,
-) -> tuple[int, int]:
-    """(elements read from NVMe, elements copied to the device) in one micro step, by the
-    live-set planner over the model's trace."""
-    _, fetches = param_fetches(shape, config, checkpointing=checkpointing)
-    read = sum(homes[f.param] for f in fetches if on_nvme[f.param])
-    gathered = sum(f.numel for f in fetches if copies or on_nvme[f.param])
-    return read, gathered
+    itemsize: int,
+) -> dict[str, int]:
+    """The parameter reads from NVMe and copies to the device the live-set planner decides
+    over the model's trace: those of a micro batch, and the kept weights' once a step (as
+    any fetch, but by the step's first micro batch only); with the kept weights' bytes on
+    the device. Keyed as `Sizes`' fields."""
+    numel = [p.numel for p in shape.params]
+    # (parameter, elements gathered) of a micro batch's fetches, then of the kept weights
+    micro = [(f.param, f.numel) for f in replay.fetches]
+    kept = [(i, numel[i]) for i in replay.kept]
+
+    def read(fetched: list[tuple[int, int]]) -> int:
+        return sum(homes[i] for i, _ in fetched if on_nvme[i]) * itemsize
+
+    def copied(fetched: list[tuple[int, int]]) -> int:
+        return sum(n for i, n in fetched if copies or on_nvme[i]) * itemsize
+
+    return {
+        "param_read_bytes_per_micro_step": read(micro),
+        "gather_bytes_per_micro_step": copied(micro),
+        "kept_device_bytes": sum(n for _, n in kept) * itemsize,
+        "kept_read_bytes_per_step": read(kept),
+        "kept_gather_bytes_per_step": copied(kept),
+    }
 
 
 def _state(

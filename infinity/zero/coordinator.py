@@ -42,7 +42,7 @@ from infinity.config import ZeroConfig
 from infinity.zero.gathered import GatheredIndex
 from infinity.zero.home import HomeTier
 from infinity.zero.iteration import HINTS, Phase
-from infinity.zero.live_plan import LivePlan
+from infinity.zero.live_plan import LivePlan, kept_mask
 from infinity.zero.param import OffloadParam, ParamState
 from infinity.zero.reads import ReadQueue
 from infinity.zero.trace import Trace
@@ -88,8 +88,11 @@ class Coordinator:
         """The live-set policy; a record's index in it is `self.index(rec)`."""
         self._index: dict[OffloadParam, int] = {}
         self._by_index: list[OffloadParam] = []
-        for rec in self.records:
-            self.index(rec)
+        recs = self.records
+        kept = kept_mask([r.numel for r in recs], [r.trainable for r in recs],
+                         [r.persistent for r in recs], int(zero.keep_weights_numel))  # fmt: skip
+        for rec, keep in zip(recs, kept, strict=True):
+            self.index(rec, kept=keep)
         self._apply = _ApplyLive(self)
         self.phase = Phase.IDLE
         self.observers: list[Observer] = []
@@ -240,7 +243,8 @@ class Coordinator:
         self._notify_end()
         for rec in self.records:
             rec.pins = 0  # every running call has ended with the iteration
-        self.release_all(keep_frozen=True)
+        # Trainable weights change only at the step: kept ones stay for the next micro batch
+        self.release_all(keep_frozen=True, keep_kept=True)
 
     # ---- gather / done ----------------------------------------------------------------
 
@@ -315,10 +319,13 @@ class Coordinator:
         if rec.pins == 0:
             self.plan.settle(self.index(rec), pos, self._apply)
 
-    def release_all(self, *, keep_frozen: bool = False) -> None:
+    def release_all(self, *, keep_frozen: bool = False, keep_kept: bool = False) -> None:
         """Release every unpinned, non-persistent parameter; with `keep_frozen`, frozen ones
-        stay gathered (see [Note: frozen parameters stay gathered])."""
-        self.plan.release_all(self._apply, self._pinned, keep_frozen=keep_frozen)
+        stay gathered (see [Note: frozen parameters stay gathered]), with `keep_kept` the
+        kept trainable ones (see [Note: weights kept across micro batches])."""
+        self.plan.release_all(
+            self._apply, self._pinned, keep_frozen=keep_frozen, keep_kept=keep_kept
+        )
 
     def refresh(
         self, rec: OffloadParam, values: torch.Tensor | None = None, *, start: int = 0
@@ -337,8 +344,9 @@ class Coordinator:
 
     def quiesce(self) -> None:
         """Before the trainable weights change: release every unpinned non-persistent
-        trainable parameter and land every read in flight (its copy would predate the
-        change). Frozen parameters never change here: they stay gathered."""
+        trainable parameter, kept ones included, and land every read in flight (its copy
+        would predate the change). Frozen parameters never change here: they stay
+        gathered."""
         self.release_all(keep_frozen=True)
         for rec in self.records:
             if rec in self._pending:
@@ -346,11 +354,13 @@ class Coordinator:
 
     # ---- internals --------------------------------------------------------------------
 
-    def index(self, rec: OffloadParam) -> int:
-        """`rec`'s index in the planner (registered at first sight)."""
+    def index(self, rec: OffloadParam, *, kept: bool = False) -> int:
+        """`rec`'s index in the planner (registered at first sight, `kept` across the micro
+        batches of a step or not)."""
         i = self._index.get(rec)
         if i is None:
-            i = self.plan.add(rec.numel, persistent=rec.persistent, frozen=not rec.trainable)
+            frozen = not rec.trainable
+            i = self.plan.add(rec.numel, persistent=rec.persistent, frozen=frozen, kept=kept)
             self._index[rec] = i
             self._by_index.append(rec)
         return i
@@ -460,6 +470,7 @@ class Coordinator:
         return {
             "live_param_numel": self.live_numel,
             "peak_live_param_numel": self.peak_live_numel,
+            "peak_kept_param_numel": self.plan.peak_kept_numel,
             "device_bytes": self.live_bytes,
             "peak_device_bytes": self.peak_live_bytes,
             "prefetch_hits": self.hits,

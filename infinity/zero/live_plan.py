@@ -30,6 +30,19 @@ the optimizer step releases it; it counts against the live budget like any other
 evicted (furthest next use first) only when a gather needs the room. A frozen base that fits
 the budget is read from its home once, not at every micro-step; one that does not is read
 as before. `abort` (after an error, or on close) still releases everything.
+
+[Note: weights kept across micro batches] Trainable weights do not change between the
+micro batches of one optimizer step, so a copy gathered in the first stays valid until the
+step. The parameters `kept_mask` marks (the first trainable ones in model order, within
+`zero_optimization.keep_weights_numel`: the earliest in forward are used again last in
+backward, so the live set cannot keep them between their uses and they are copied most)
+stay gathered from their first use to the step: neither the end of their unit nor of the
+iteration releases them, eviction passes them over, and the step's quiesce releases them
+before the optimizer writes new weights (the next step gathers afresh). They are counted
+apart (`kept_numel`), outside the live budget, so every other decision (what is fetched,
+evicted, prefetched) is the same whether they are held or not: the estimate counts each
+kept parameter once a step and the rest as before. The values gathered are the home's, so
+nothing computed changes, only how often the same bytes are copied.
 """
 
 from __future__ import annotations
@@ -105,12 +118,19 @@ class LivePlan:
         self.numel: list[int] = []
         self.persistent: list[bool] = []
         self.frozen: list[bool] = []
+        self.kept: list[bool] = []
+        """Kept across the micro batches of a step (see [Note: weights kept across micro
+        batches])."""
         self.held: dict[int, None] = {}
         """Parameters whose fetch was decided and not released (persistent ones included)."""
         self.resident: dict[int, None] = {}
         """The non-persistent ones of `held`, in the order fetched (eviction ties keep it)."""
         self.live_numel = 0
+        """Elements held under the budget (persistent ones included, kept ones not)."""
         self.peak_live_numel = 0
+        self.kept_numel = 0
+        """Elements of the kept parameters held (outside the budget)."""
+        self.peak_kept_numel = 0
         self.largest_unit = 0
         """Elements of the largest unit gathered so far: the allowance over the budget."""
         self.overruns = 0
@@ -121,12 +141,19 @@ class LivePlan:
         """The position prefetch has fetched up to (exclusive)."""
         self.on_track = False
 
-    def add(self, numel: int, *, persistent: bool, frozen: bool) -> int:
+    def add(self, numel: int, *, persistent: bool, frozen: bool, kept: bool = False) -> int:
         """Register a parameter; returns its index."""
+        if kept and (persistent or frozen):
+            raise ValueError("a kept parameter is trainable and not persistent (kept_mask)")
         self.numel.append(int(numel))
         self.persistent.append(bool(persistent))
         self.frozen.append(bool(frozen))
+        self.kept.append(bool(kept))
         return len(self.numel) - 1
+
+    def _budgeted(self, ids: Collection[int]) -> int:
+        """Elements of `ids` that count against the budget (all but the kept ones)."""
+        return sum(self.numel[i] for i in ids if not self.kept[i])
 
     # -- the trace -------------------------------------------------------------------------
 
@@ -163,7 +190,7 @@ class LivePlan:
         if total > self.largest_unit:
             self.largest_unit = total
         want = [i for i in unit if i not in self.held]
-        need = sum(self.numel[i] for i in want)
+        need = self._budgeted(want)
         if need:
             self.make_room(need, set(unit), sink, pinned)
         here = self.cursor - 1 if self.following else None
@@ -176,7 +203,7 @@ class LivePlan:
         """Parameter `i` fetched outside its unit; False when it was held already."""
         if i in self.held:
             return False
-        self.make_room(self.numel[i], (), sink, pinned)
+        self.make_room(self._budgeted((i,)), (), sink, pinned)
         self.fetch(i, sink, None)
         return True
 
@@ -192,7 +219,7 @@ class LivePlan:
 
     def keep(self, i: int, pos: int | None) -> bool:
         """Whether `i` stays gathered after the unit at trace position `pos` ends."""
-        if self.persistent[i] or self.frozen[i]:
+        if self.persistent[i] or self.frozen[i] or self.kept[i]:
             return True
         trace = self.trace
         if trace is None or pos is None or not self.on_track:
@@ -209,12 +236,18 @@ class LivePlan:
             self.release(i, sink)
 
     def release_all(
-        self, sink: Sink, pinned: Pinned = _unpinned, *, keep_frozen: bool = False
+        self,
+        sink: Sink,
+        pinned: Pinned = _unpinned,
+        *,
+        keep_frozen: bool = False,
+        keep_kept: bool = False,
     ) -> None:
         """Release every unpinned non-persistent parameter (frozen ones stay with
-        `keep_frozen`)."""
+        `keep_frozen`, kept ones with `keep_kept`: the end of a micro batch, not the step)."""
         for i in list(self.resident):
-            if not pinned(i) and not (keep_frozen and self.frozen[i]):
+            stays = (keep_frozen and self.frozen[i]) or (keep_kept and self.kept[i])
+            if not pinned(i) and not stays:
                 self.release(i, sink)
 
     def prefetch(self, running: Collection[int], sink: Sink, pinned: Pinned = _unpinned) -> bool:
@@ -228,7 +261,7 @@ class LivePlan:
             if trace.distance(self.cursor, pos) >= self.window:
                 break
             want = [i for i in trace.units[pos] if i not in self.held]
-            need = sum(self.numel[i] for i in want)
+            need = self._budgeted(want)
             if self.live_numel + need > self.budget:
                 self._evict(need, running, sink, pinned, before=pos)
                 if self.live_numel + need > self.budget:
@@ -253,6 +286,10 @@ class LivePlan:
         self.held[i] = None
         if not self.persistent[i]:
             self.resident[i] = None
+        if self.kept[i]:
+            self.kept_numel += self.numel[i]
+            self.peak_kept_numel = max(self.peak_kept_numel, self.kept_numel)
+            return
         self.live_numel += self.numel[i]
         if self.live_numel > self.peak_live_numel:
             self.peak_live_numel = self.live_numel
@@ -270,7 +307,10 @@ class LivePlan:
         if i in self.held:
             del self.held[i]
             self.resident.pop(i, None)
-            self.live_numel -= self.numel[i]
+            if self.kept[i]:
+                self.kept_numel -= self.numel[i]
+            else:
+                self.live_numel -= self.numel[i]
 
     def _evict(
         self,
@@ -290,7 +330,11 @@ class LivePlan:
             nxt = trace.next_use(i, here - 1) if trace is not None else None
             return FAR if nxt is None else nxt
 
-        victims = [(next_use(i), i) for i in self.resident if not pinned(i) and i not in running]
+        victims = [
+            (next_use(i), i)
+            for i in self.resident
+            if not (pinned(i) or self.kept[i] or i in running)
+        ]
         victims.sort(key=lambda v: v[0], reverse=True)
         for nxt, i in victims:
             if self.live_numel + need <= self.budget:
@@ -298,3 +342,19 @@ class LivePlan:
             if before is not None and nxt <= before:
                 break
             self.release(i, sink)
+
+
+def kept_mask(
+    numels: Sequence[int], trainable: Sequence[bool], persistent: Sequence[bool], budget: int
+) -> list[bool]:
+    """Which parameters stay gathered across the micro batches of a step (see [Note: weights
+    kept across micro batches]): trainable, non-persistent ones in model order while their
+    elements fit `budget` (one that does not fit is passed over for smaller ones after it).
+    A function of the sizes only, so every rank and the estimate choose the same."""
+    left = int(budget)
+    mask = []
+    for n, train, persists in zip(numels, trainable, persistent, strict=True):
+        keep = train and not persists and 0 < n <= left
+        left -= n if keep else 0
+        mask.append(keep)
+    return mask
