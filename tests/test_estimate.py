@@ -306,7 +306,7 @@ def test_recorded_runs_replay_within_20_percent():
     where `bench aio` measures 3.1-3.2 GB/s read, 3.9-4.2 write and 3.4-3.8 both at once):
     part of it runs outside the step's timer, and the model does not place it. LoRA steps
     are timed where the run's engine probe had its block sizes (see [Note: probing at the
-    run's sizes] in infinity/cli/estimate_probe.py); the earlier LoRA runs probed a tiny
+    run's sizes] in infinity/run/engine_costs.py); the earlier LoRA runs probed a tiny
     model, which costs the engine less than half as much per module, and replay at
     0.60-0.96 (BENCHMARKS.md lists every ratio and where that step's time goes)."""
     evm, replays = _replays()

@@ -29,6 +29,7 @@ RANKS = {
     "engine_checkpoint": 3.5,  # the engine's checkpoint contents: under the engine, over checkpoint
     "data": 4,
     "estimate": 4,
+    "run": 4.5,  # one training run as a library: over the engine, data and estimate
     "cli": 5,
     "integrations": 5,
     "deepspeed": 5,  # DeepSpeed's API over the engine
@@ -133,3 +134,4 @@ def test_imports_point_down(path, parts):
             f"{path.relative_to(PKG.parent)} imports infinity.{target}: imports must point down "
             f"(rank {RANKS[top]} -> {RANKS[target]})"
         )
+

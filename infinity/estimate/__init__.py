@@ -53,7 +53,7 @@ def measure_rates(
     file), else a probe of `nvme_path` when the tiers use NVMe, else an assumed SSD.
     `module_overhead_s` and `gather_copy_bytes_per_s`: the engine's cost per module on this
     CPU and the rate its gathers copied at, which a caller that may run the engine probes
-    (`infinity.cli.estimate_probe`; 0: not probed)."""
+    (`infinity.run.engine_costs`; 0: not probed)."""
     if device not in DEVICES:
         raise ValueError(f"--device {device!r} is not known; choose one of {', '.join(DEVICES)}")
     config = resolve_config(config, shape)

@@ -5,7 +5,7 @@ plain PyTorch. What the engine adds per module with parameters (its gather and r
 hooks, prefetch bookkeeping, the gradient hooks, and what re-gathered weights cost the
 compute around them), less its copies and its waits for the disk, which the estimate
 models apart; and the rate at which its gathers from NVMe copied their staging buffers. It
-lives with the command line because it runs the engine, which the estimate package below it
+lives with the training run because it runs the engine, which the estimate package below it
 may not import.
 
 [Note: probing at the run's sizes] A tiny model (64 wide) measures the bookkeeping alone,

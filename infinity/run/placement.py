@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 
-from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate.hardware import PROCESS_FLOOR_BYTES, RSS_MARGIN_BYTES
 from infinity.estimate.placement import (
@@ -27,6 +26,7 @@ from infinity.estimate.placement import (
 )
 from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, LEAN_BUFFERS
 from infinity.utils.host_memory import available_ram, physical_ram
+from infinity.utils.sizes import parse_size
 
 DEFAULT_RAM_SHARE = 0.8
 """Of the RAM available when a run starts (MemAvailable), the share the planner may use by

@@ -1,12 +1,11 @@
-"""One `infinity train` run: model, data, engine, the loop, checkpoints and clean stops.
+"""One training run: model, data, engine, the loop, checkpoints and clean stops.
 
 Owns the order of things (model under `infinity.init`, weights streamed into partitions,
 data, engine, resume), the per-step record in `metrics.jsonl`, the progress bar and the
 stop on a signal or a failed step, which never leaves a torn checkpoint or the swap directory
-behind. What each signal means is in `infinity.cli.train_stop`, what a stopped or failed run
-says in `train_failures`, a step's loss and record in `train_step`, the --eval-data
-evaluations in `train_eval`; the flags and input checks are in `infinity.cli.train` and
-`train_flags`.
+behind. What each signal means is in `infinity.run.stop`, what a stopped or failed run
+says in `failures`, a step's loss and record in `step`, the --eval-data evaluations in
+`evaluation`; the input checks are in `inputs`, the flags over the config in `options`.
 """
 
 from __future__ import annotations
@@ -24,13 +23,15 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import infinity
 from infinity.accelerator import get_accelerator
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
-from infinity.cli import train_disk
-from infinity.cli.estimate import write_json
-from infinity.cli.placement import plan_run
-from infinity.cli.run_tokenizer import record_tokenizer
-from infinity.cli.train import tokenizer_dir
-from infinity.cli.train_eval import due, evaluate
-from infinity.cli.train_failures import (
+from infinity.comm import CommError
+from infinity.config import Config
+from infinity.data import PackedDataset, open_dataset
+from infinity.data.tokenizer import tokenizer_files
+from infinity.models import hf_auto
+from infinity.models.lora import apply_lora, lora_targets
+from infinity.run import disk as train_disk
+from infinity.run.evaluation import due, evaluate
+from infinity.run.failures import (
     close_quietly,
     error,
     first_errno,
@@ -39,10 +40,12 @@ from infinity.cli.train_failures import (
     step_failed,
     stopped_at_once,
 )
-from infinity.cli.train_flags import example_options, lora_spec
-from infinity.cli.train_ranks import Ranks
-from infinity.cli.train_report import metrics_log
-from infinity.cli.train_savedir import (
+from infinity.run.inputs import tokenizer_dir
+from infinity.run.options import example_options, lora_spec
+from infinity.run.placement import plan_run
+from infinity.run.ranks import Ranks
+from infinity.run.report import metrics_log
+from infinity.run.savedir import (
     RunShape,
     SaveDirClaim,
     check_resume,
@@ -50,7 +53,7 @@ from infinity.cli.train_savedir import (
     find_resume,
     prepare_fresh,
 )
-from infinity.cli.train_step import (
+from infinity.run.step import (
     causal_lm_loss,
     end_profile,
     model_inputs,
@@ -58,13 +61,9 @@ from infinity.cli.train_step import (
     start_profile,
     step_record,
 )
-from infinity.cli.train_stop import RunPhase, StopSignals, stop_in_chain
-from infinity.comm import CommError
-from infinity.config import Config
-from infinity.data import PackedDataset, open_dataset
-from infinity.data.tokenizer import tokenizer_files
-from infinity.models import hf_auto
-from infinity.models.lora import apply_lora, lora_targets
+from infinity.run.stop import RunPhase, StopSignals, stop_in_chain
+from infinity.run.tokenizer import record_tokenizer
+from infinity.utils.fsio import write_json
 from infinity.utils.phase_clock import PhaseClock
 
 log = logging.getLogger(__name__)
@@ -84,7 +83,7 @@ class TrainRun:
     ) -> None:
         self.args = args
         self.ranks = ranks
-        """This rank's place in the run (one rank without torchrun): see train_ranks."""
+        """This rank's place in the run (one rank without torchrun): see ranks."""
         self.claim = claim
         """Rank 0's hold on the save directory, checked before each record and save."""
         self.save_dir = Path(args.save_dir).expanduser()
@@ -102,7 +101,7 @@ class TrainRun:
         self._lora_targets: list[str] = []
         """The layer names the adapters went on (resolved from --lora-targets or all)."""
         self.eval_data: PackedDataset | None = None
-        """The --eval-data sequences, read in file order (see train_eval)."""
+        """The --eval-data sequences, read in file order (see evaluation)."""
         self._eval_loss: float | None = None
         """The latest validation loss, for the progress bar."""
         self.startup_s: dict[str, float] = {}
@@ -189,7 +188,7 @@ class TrainRun:
 
     def _placed(self, config: Config) -> Config:
         """`config` with the planner's placement when it decides (see [Note: when the
-        planner decides] in infinity/cli/placement.py): planned on rank 0, the same on all."""
+        planner decides] in infinity/run/placement.py): planned on rank 0, the same on all."""
         accel = get_accelerator()
         gpu = accel.device.type != "cpu"
         free, total = accel.memory_free() if gpu else (0, 0)
@@ -225,7 +224,7 @@ class TrainRun:
         return model
 
     def _check_disk(self, config: Config, steps: int) -> None:
-        """Print the disk space the run needs; refuse to start without it (train_disk)."""
+        """Print the disk space the run needs; refuse to start without it (disk)."""
         targets = None
         if self.lora is not None:
             with torch.device("meta"):
@@ -279,7 +278,7 @@ class TrainRun:
     def _prepare_save_dir(self) -> Checkpoint | None:
         """Before anything is built: the checkpoint to resume from, checked against this
         run's settings; or, for a fresh run, a save dir without checkpoints (see
-        infinity.cli.train_savedir). Decided on rank 0; the others open the same one."""
+        infinity.run.savedir). Decided on rank 0; the others open the same one."""
         mine: list[Checkpoint | None] = []
 
         def check() -> str | None:
@@ -442,7 +441,7 @@ class TrainRun:
         )
         profiler = start_profile(engine, self.args.profile, steps, self.save_dir)
         with bar, logging_redirect_tqdm():  # the engine's progress lines go above the bar
-            # The ranks agree on a stop before each step (see train_ranks).
+            # The ranks agree on a stop before each step (see ranks).
             while engine.global_steps < steps and not self.ranks.any_stop(signals.requested):
                 lr = engine.get_lr()[0]  # the rate this step uses
                 start = time.perf_counter()

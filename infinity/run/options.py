@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from infinity.cli.train_schedule import apply_schedule_flags
 from infinity.config import Config
 from infinity.config.resolve import check_batch
+from infinity.run.schedule import apply_schedule_flags
 
 log = logging.getLogger(__name__)
 
@@ -147,3 +147,38 @@ def check_seed(seed: int, where: str = "--seed") -> None:
         raise ValueError(
             f"{where} is {seed}, out of range: give a whole number from 0 to 2**64 - 1 ({SEED_MAX})"
         )
+
+
+def lora_spec(args: argparse.Namespace):
+    """The run's LoRA adapters, or None without --lora-r (the other LoRA flags need it)."""
+    from infinity.models.lora import LoraSpec
+
+    if args.lora_r is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--lora-alpha", args.lora_alpha),
+                ("--lora-targets", args.lora_targets),
+            )
+            if value is not None
+        ] + (["--lora-dropout"] if args.lora_dropout else [])
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} need --lora-r R (the adapter rank) to enable LoRA"
+            )
+        return None
+    return LoraSpec(
+        r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, targets=args.lora_targets
+    )
+
+
+def example_options(args: argparse.Namespace):
+    """The run's `ExampleOptions` from the instruction-data flags."""
+    from infinity.data import ExampleOptions
+
+    return ExampleOptions(
+        chat_template=args.chat_template,
+        train_on_prompt=args.train_on_prompt,
+        pack=args.pack,
+        overlong=args.overlong,
+    )
