@@ -32,11 +32,11 @@ side (`grad_wait_s`).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import asdict, dataclass, field
 
 from infinity.accelerator.recycled import MIN_BYTES
 from infinity.config import Config
+from infinity.estimate.bound import Bound
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
 from infinity.estimate.pipeline import Prefetch, micro_step_s, prefetch_of
 from infinity.estimate.shapes import ModelShape
@@ -45,15 +45,6 @@ from infinity.utils.host_memory import physical_ram
 from infinity.zero.build import builds_in_files
 
 _GIB = float(1 << 30)
-
-
-class Bound(enum.StrEnum):
-    """What limits the step (the largest of the step's time components)."""
-
-    COMPUTE = "compute"
-    NVME = "nvme"
-    CPU_ADAM = "cpu_adam"
-    COPIES = "copies"
 
 
 @dataclass(slots=True)
