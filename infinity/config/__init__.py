@@ -5,6 +5,7 @@ mapped onto these dataclasses; nothing below this package sees raw dicts. `AUTO`
 that are derived later from the model or the world size (see `Config.resolve`).
 """
 
+from infinity.config.config import Config
 from infinity.config.resolve import resolve_stage3
 from infinity.config.scheduler_params import (
     SCHEDULER_PARAMS,
@@ -15,7 +16,6 @@ from infinity.config.scheduler_params import (
 from infinity.config.sections import (
     AioConfig,
     BF16Config,
-    Config,
     FP16Config,
     OffloadDevice,
     OffloadOptimizerConfig,

@@ -8,21 +8,21 @@ from typing import Any
 
 from infinity.config.keys import KEYS
 from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
-from infinity.config.sections import Config, ZeroConfig
+from infinity.config.sections import ConfigFields, ZeroConfig
 from infinity.config.values import AUTO
 
 logger = logging.getLogger(__name__)
 
 
 def resolve(
-    cfg: Config,
+    cfg: ConfigFields,
     *,
     world_size: int,
     hidden_size: int | None,
     total_num_steps: int | None,
     warmup_num_steps: int | None,
     param_numels: Sequence[int] | None,
-) -> Config:
+) -> ConfigFields:
     """See `Config.resolve`."""
     given = dict(
         world_size=world_size,
@@ -36,8 +36,8 @@ def resolve(
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
             raise ValueError(f"Config.resolve: {name} must be a positive integer, got {value!r}")
-    out = Config.from_dict(cfg.to_dict())  # a validated deep copy
-    default = Config()
+    out = type(cfg).from_dict(cfg.to_dict())  # a validated deep copy
+    default = type(cfg)()
     _resolve_batch(out, world_size)
     _fill(out, default, ("gradient_clipping",))
     _fill(out.fp16, default.fp16, ("enabled",))
@@ -50,12 +50,12 @@ def resolve(
 
 
 def resolve_stage3(
-    cfg: Config,
+    cfg: ConfigFields,
     *,
     param_numels: Sequence[int],
     world_size: int = 1,
     hidden_size: int | None = None,
-) -> Config:
+) -> ConfigFields:
     """`cfg` resolved for a model whose parameters have `param_numels` elements, as the
     engine runs it and the estimate models it: as stage 3, with every parameter resident at
     stages 0-2 (see [Note: stages 0-2])."""
@@ -99,10 +99,10 @@ def _warn_stage3_only(zero: ZeroConfig) -> None:
             )
 
 
-def resident(cfg: Config, param_numels: Sequence[int]) -> Config:
+def resident(cfg: ConfigFields, param_numels: Sequence[int]) -> ConfigFields:
     """A copy of `cfg` whose live budget and persistence threshold keep every parameter of
     `param_numels` elements gathered between iterations (`infinity.zero.build.persistent_flags`)."""
-    out = Config.from_dict(cfg.to_dict())
+    out = type(cfg).from_dict(cfg.to_dict())
     zero = out.zero_optimization
     zero.max_live_parameters = max(1, sum(param_numels))
     zero.param_persistence_threshold = max(param_numels, default=0) + 1
@@ -133,13 +133,15 @@ def staging_numel(numels: Sequence[int]) -> int:
     return max(ordinary)
 
 
-def check_batch(cfg: Config, world_size: int = 1) -> None:
+def check_batch(cfg: ConfigFields, world_size: int = 1) -> None:
     """Raise the ValueError `resolve` would raise for an inconsistent train_batch_size,
     train_micro_batch_size_per_gpu and gradient_accumulation_steps, without resolving."""
-    _resolve_batch(Config.from_dict(cfg.to_dict()), world_size)
+    _resolve_batch(type(cfg).from_dict(cfg.to_dict()), world_size)
 
 
-def _resolve_zero(cfg: Config, hidden: int | None, param_numels: Sequence[int] | None) -> None:
+def _resolve_zero(
+    cfg: ConfigFields, hidden: int | None, param_numels: Sequence[int] | None
+) -> None:
     zero = cfg.zero_optimization
     if hidden is not None:  # the Hugging Face integration's sizes
         if zero.prefetch_bucket_size == AUTO:
@@ -151,7 +153,7 @@ def _resolve_zero(cfg: Config, hidden: int | None, param_numels: Sequence[int] |
     names = ("max_live_parameters", "prefetch_bucket_size", "max_reuse_distance")
     _fill(
         zero,
-        Config().zero_optimization,
+        type(cfg)().zero_optimization,
         (*names, "param_persistence_threshold", "sub_group_size", "reduce_bucket_size"),
     )
     if zero.offload_param.buffer_size == AUTO:
@@ -165,7 +167,7 @@ def _fill(section: Any, default: Any, names: tuple[str, ...]) -> None:
             setattr(section, name, getattr(default, name))
 
 
-def _resolve_batch(cfg: Config, world: int) -> None:
+def _resolve_batch(cfg: ConfigFields, world: int) -> None:
     train, micro, accum = (
         None if v == AUTO else v
         for v in (
@@ -206,7 +208,7 @@ def _resolve_batch(cfg: Config, world: int) -> None:
     cfg.gradient_accumulation_steps = accum
 
 
-def _resolve_scheduler(cfg: Config, total: int | None, warmup: int | None) -> None:
+def _resolve_scheduler(cfg: ConfigFields, total: int | None, warmup: int | None) -> None:
     sched = cfg.scheduler
     if sched.type is None:
         return
