@@ -134,4 +134,3 @@ def test_imports_point_down(path, parts):
             f"{path.relative_to(PKG.parent)} imports infinity.{target}: imports must point down "
             f"(rank {RANKS[top]} -> {RANKS[target]})"
         )
-
