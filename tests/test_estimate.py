@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from _resolve import resolve_config
 from torch import nn
 
 import infinity
@@ -21,7 +22,7 @@ from infinity.estimate import GPUS, Rates, estimate, model_shape, sizes
 from infinity.estimate.hardware import probe_nvme, rates_from_bench_aio
 from infinity.estimate.param_traffic import Pass, training_trace
 from infinity.estimate.shapes import lora_numel
-from infinity.estimate.sizing import layout_of, resolve_config
+from infinity.estimate.sizing import layout_of
 from infinity.models import LlamaConfig, LlamaForCausalLM, preset
 from infinity.models.lora import LoraSpec, apply_lora
 from infinity.swap.nvme_state import state_nbytes

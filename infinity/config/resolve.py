@@ -1,9 +1,11 @@
-"""`Config.resolve`: every "auto" replaced by a number, as DeepSpeed and its HF integration do."""
+"""`Config.resolve`: every "auto" replaced by a number, as DeepSpeed and its HF integration do;
+and `resolve_run`, the one place a run's config is resolved for its facts (`RunFacts`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from infinity.config.keys import KEYS
@@ -47,6 +49,37 @@ def resolve(
     _resolve_scheduler(out, total_num_steps, warmup_num_steps)
     out.validate()
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class RunFacts:
+    """What a run knows that its config does not, and that its "auto" values follow."""
+
+    world_size: int = 1
+    """Ranks in the run: train_batch_size counts every rank's micro batches."""
+    param_numels: tuple[int, ...] = ()
+    """Elements of each of the model's parameters, as the engine builds them (LoRA adapters
+    included): the staging buffers' size, and the residency of stages 0-2."""
+    hidden_size: int | None = None
+    """Sizes zero's buckets as the Hugging Face integration does; None: DeepSpeed's defaults
+    (the engine, which is handed a module, knows no hidden size)."""
+    local_rank: int | None = None
+    """This process's entry of a per-rank nvme_path list; None leaves a list whole."""
+
+
+def resolve_run(config: ConfigFields, facts: RunFacts) -> ConfigFields:
+    """`config` resolved for a run with these facts, as the engine runs it and the estimate
+    and the placement planner model it (stages 0-2 with every parameter resident: see
+    [Note: stages 0-2]); `config` is unchanged. The engine, the estimate and the planner
+    resolve through this function only, so what the estimate prints is what the engine
+    does."""
+    resolved = resolve_stage3(
+        config,
+        param_numels=facts.param_numels,
+        world_size=facts.world_size,
+        hidden_size=facts.hidden_size,
+    )
+    return resolved if facts.local_rank is None else resolved.for_local_rank(facts.local_rank)
 
 
 def resolve_stage3(

@@ -35,12 +35,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from infinity.accelerator.recycled import MIN_BYTES
-from infinity.config import Config
+from infinity.config import Config, resolve_run
 from infinity.estimate.bound import Bound
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
 from infinity.estimate.pipeline import Prefetch, micro_step_s, prefetch_of
 from infinity.estimate.shapes import ModelShape
-from infinity.estimate.sizing import Sizes, resolve_config, sizes
+from infinity.estimate.sizing import Sizes, sizes
 from infinity.utils.host_memory import physical_ram
 from infinity.zero.build import builds_in_files
 
@@ -169,7 +169,7 @@ def estimate(
     parameters (the bytes are one rank's, see `sizes`)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    config = resolve_config(config, shape)
+    config = resolve_run(config, shape.run_facts())
     gpu = rates.gpu
     alias = gpu is None and aliases is not False  # only the CPU device shares host memory
     sz = sizes(

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from infinity.config import Config
+from infinity.config import Config, resolve_run
 from infinity.zero import model_dtype
 
 # [Note: capped probes] The compute probe runs one micro batch of at most PROBE_TOKENS tokens
@@ -53,9 +53,8 @@ _REPEATS = 7
 
 def probe_batch(shape, config: Config, seq_len: int) -> tuple[Config, int]:
     """The config and sequence length the probes run at ([Note: capped probes])."""
-    from infinity.estimate.sizing import resolve_config
 
-    micro = int(resolve_config(config, shape).train_micro_batch_size_per_gpu)
+    micro = int(resolve_run(config, shape.run_facts()).train_micro_batch_size_per_gpu)
     probe_seq = min(seq_len, PROBE_SEQ_LEN)
     probe_micro = min(micro, max(1, PROBE_TOKENS // probe_seq))
     if (probe_micro, probe_seq) == (micro, seq_len):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from infinity.config import Config
 from infinity.run.agree import check_nvme_entries, check_same_run, describe_run
 from infinity.run.inputs import check_inputs
-from infinity.run.options import config_from_args
+from infinity.run.options import config_from_args, read_config_file
 from infinity.run.ranks import FollowedRankZero, InputsRefused, join
 from infinity.run.savedir import SaveDirClaim
 from infinity.run.stop import StopNow, StopSignals
@@ -37,13 +37,13 @@ def train(args: argparse.Namespace) -> int:
             ranks = held.enter_context(join(Path(args.save_dir).expanduser(), args.comm_timeout))
             signals.rank = ranks.rank if ranks.many else None
             # Checked on every rank (a path one node lacks fails there only), said once.
-            model, config = ranks.check_inputs(lambda: _inputs(args, ranks))
+            model, config, raw = ranks.check_inputs(lambda: _inputs(args, ranks))
             if ranks.many:  # the same run on every rank, before any work is shared
                 mine = ranks.check_inputs(
                     lambda: describe_run(args, config, model, world_size=ranks.world_size)
                 )
                 ranks.check_inputs(lambda: check_same_run(ranks.comm, mine))
-            return _run(args, config, ranks, signals, held, model)
+            return _run(args, config, ranks, signals, held, model, raw)
         except (FollowedRankZero, InputsRefused):
             return 1  # rank 0 says why
         except Exception as exc:
@@ -52,17 +52,25 @@ def train(args: argparse.Namespace) -> int:
             return ranks.failed(exc)
 
 
-def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config]:
-    """The checked inputs: the model's description and this rank's config."""
+def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config, dict]:
+    """The checked inputs: the model's description, this rank's config and the config file
+    as the user wrote it (read here, once for the run)."""
     model = check_inputs(args)
     check_nvme_entries(args, getattr(ranks.comm, "local_world_size", ranks.world_size))
+    raw = read_config_file(args)
     # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
-    config = config_from_args(args, ranks.world_size).for_local_rank(ranks.local_rank)
-    return model, config
+    config = config_from_args(args, ranks.world_size, raw=raw).for_local_rank(ranks.local_rank)
+    return model, config, raw
 
 
 def _run(
-    args, config: Config, ranks, signals, held: contextlib.ExitStack, model: CausalLMSpec
+    args,
+    config: Config,
+    ranks,
+    signals,
+    held: contextlib.ExitStack,
+    model: CausalLMSpec,
+    raw: dict,
 ) -> int:
     try:
         # Held by rank 0 until the run ends or the process dies: a second run there is refused.
@@ -71,7 +79,8 @@ def _run(
         ranks.decide(lambda: claims.append(held.enter_context(SaveDirClaim(save_dir))))
         ranks.start()
         signals.gone_ranks = ranks.gone_ranks
-        run = TrainRun(args, config, ranks, model=model, claim=claims[0] if claims else None)
+        claim = claims[0] if claims else None
+        run = TrainRun(args, config, ranks, model=model, claim=claim, config_file=raw)
     except StopNow as stop:
         ranks.say(f"stopped by {stop.name} before training started", err=True)
         return stop.exit_code

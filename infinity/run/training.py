@@ -85,6 +85,7 @@ class TrainRun:
         *,
         model: hf_auto.CausalLMSpec,
         claim: SaveDirClaim | None = None,
+        config_file: dict | None = None,
     ) -> None:
         self.args = args
         self.ranks = ranks
@@ -97,6 +98,8 @@ class TrainRun:
         `train.check_inputs` described and checked them."""
         self.model_dir = self.model.model_dir
         self.config = config
+        self.config_file = config_file
+        """The --config file as the user wrote it (None: read again where needed)."""
         self.metrics = metrics_log(args, self.save_dir)  # and TensorBoard (--report-to)
         self.param_shapes = self.model.param_shapes
         """HF names and shapes of the model's unique parameters (from a meta model, once)."""
@@ -154,11 +157,14 @@ class TrainRun:
         accel = get_accelerator()
         gpu = accel.device.type != "cpu"
         free, total = accel.memory_free() if gpu else (0, 0)
+        file = self.config_file  # what the user set, which the planner leaves alone
+        given = None if file is None else file.get("zero_optimization") or {}
         plan = self.ranks.decide(
             lambda: plan_run(
                 self.args, config, self.model.hf_config, gpu=gpu,
                 lora_r=self.lora.r if self.lora else 0, world_size=self.ranks.world_size,
                 local_ranks=getattr(self.ranks.comm, "local_world_size", 1),
+                given_zero=given,
                 device_default=(free, "free on the GPU at the start", total) if free else None,
             )
         )  # fmt: skip
