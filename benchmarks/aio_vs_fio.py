@@ -32,8 +32,8 @@ import torch
 from bench_record import machine, write_json
 
 from infinity.cli.bench_aio import BENCH_FILE, human
-from infinity.cli.sizes import parse_size
 from infinity.io import AioHandle, aligned_empty, available_backends
+from infinity.utils.sizes import parse_size
 
 
 def ensure_fio() -> str | None:

@@ -152,7 +152,7 @@ def _estimate_probe_child(args: argparse.Namespace) -> dict:
     compute = hardware.probe_compute_s(
         mcfg, 1, args.seq_len, torch.bfloat16, lora_r=args.lora_r, checkpointing=True
     )
-    from infinity.cli.estimate_probe import probe_engine_costs
+    from infinity.run.engine_costs import probe_engine_costs
 
     costs = probe_engine_costs(
         torch.bfloat16,

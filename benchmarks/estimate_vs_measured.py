@@ -170,8 +170,8 @@ def recorded_probe(record: dict, earlier: dict | None = None) -> dict | None:
 
 def _module_overhead_s(record: dict) -> float:
     """The tiny model's figure, as the runs recorded before the probe had the run's sizes
-    measured it (see [Note: probing at the run's sizes] in infinity/cli/estimate_probe.py)."""
-    from infinity.cli.estimate_probe import probe_engine_costs
+    measured it (see [Note: probing at the run's sizes] in infinity/run/engine_costs.py)."""
+    from infinity.run.engine_costs import probe_engine_costs
 
     return probe_engine_costs(
         _dtype(record),

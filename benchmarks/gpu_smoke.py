@@ -182,8 +182,8 @@ def _torch_losses(case: Case, model_dir: str, corpus: Path, cache: Path) -> list
     `infinity train` draws (same data pipeline and seed), AdamW with its settings."""
     from transformers import AutoModelForCausalLM
 
-    from infinity.cli.train_step import causal_lm_loss
     from infinity.data import open_dataset
+    from infinity.run.step import causal_lm_loss
 
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

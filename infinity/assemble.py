@@ -1,8 +1,9 @@
 """One place that assembles an engine's partitioned model, top-down in an explicit order.
 
 Owns the construction order and the wiring between the parts, not any part's behaviour nor
-the training loop (the engine's). `resolve_config` settles the config for the
-model and the ranks; `assemble` then builds each step from the ones before it only:
+the training loop (the engine's). `run_facts` gives `infinity.config.resolve_run` what it
+settles the config for (the model's sizes and the ranks); `assemble` then builds each step
+from the ones before it only:
 
 0. the model checked: something to train, `no_decay` names that exist, and with several
    ranks the same weights on every rank;
@@ -41,7 +42,7 @@ from torch import nn
 
 from infinity.accelerator import Accelerator
 from infinity.comm import Comm
-from infinity.config import Config, resolve_stage3
+from infinity.config import Config, RunFacts
 from infinity.swap import (
     NvmeParamTier,
     SwapStores,
@@ -76,15 +77,14 @@ from infinity.zero.shard import check_same_weights, shard_of
 from infinity.zero.sub_groups import FlatLayout, check_slots
 from infinity.zero.weights import lay_out_flat
 
-__all__ = ["GatheredRefresh", "PartitionedModel", "assemble", "resolve_config"]
+__all__ = ["GatheredRefresh", "PartitionedModel", "assemble", "run_facts"]
 
 
-def resolve_config(model: nn.Module, config: Config, comm: Comm) -> Config:
-    """`config` with its "auto" values settled for `model` on `comm`'s ranks, as this local
-    rank runs it (`resolve_stage3`, the estimate's rule too)."""
-    numels = [p.numel() for p in model.parameters()]
-    resolved = resolve_stage3(config, param_numels=numels, world_size=comm.world_size)
-    return resolved.for_local_rank(comm.local_rank)
+def run_facts(model: nn.Module, comm: Comm) -> RunFacts:
+    """What `config.resolve_run` needs to settle the "auto" values for `model` on `comm`'s
+    ranks, as this local rank runs it (the estimate resolves through the same function)."""
+    numels = tuple(p.numel() for p in model.parameters())
+    return RunFacts(world_size=comm.world_size, param_numels=numels, local_rank=comm.local_rank)
 
 
 class GatheredRefresh:

@@ -44,10 +44,10 @@ from torch import nn
 
 from infinity import checkpoint, engine_checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
-from infinity.assemble import assemble, resolve_config
+from infinity.assemble import assemble, run_facts
 from infinity.checkpoint.base_model import describe_base
 from infinity.comm import Comm, from_env
-from infinity.config import Config
+from infinity.config import Config, resolve_run
 from infinity.optim import Schedule, build_loss_scaler, build_schedule
 from infinity.utils.batch import check_fp16_inputs, to_device
 from infinity.utils.profiler import StepProfiler
@@ -117,7 +117,7 @@ class Engine:
         self.accelerator = accelerator or get_accelerator()
         self._owns_comm = comm is None
         self.comm: Comm = comm if comm is not None else from_env(device=self.accelerator.device)
-        self.config = resolve_config(model, config, self.comm)
+        self.config = resolve_run(config, run_facts(model, self.comm))
         self.module = model
         self._base_source = base_model
         self._base_record: dict | None = None

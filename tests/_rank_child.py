@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-import infinity.cli.train_run as train_run
+import infinity.run.training as train_run
 from infinity.cli.main import main
 
 rank, at, kind, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]

@@ -14,8 +14,8 @@ import pytest
 
 from infinity.cli.bench_aio import AioBenchConfig, best, parse_bool, parse_list
 from infinity.cli.main import main
-from infinity.cli.sizes import parse_size
 from infinity.io import available_backends
+from infinity.utils.sizes import parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"op", "backend", "block_size", "queue_depth", "threads", "gbps"}

@@ -255,8 +255,8 @@ def test_engine_probe_runs_on_the_runs_tier_at_its_sizes_and_leaves_nothing(tmp_
     probing at the run's sizes])."""
     import torch
 
-    from infinity.cli.estimate_probe import probe_engine_costs
     from infinity.models import LlamaConfig
+    from infinity.run.engine_costs import probe_engine_costs
 
     like = LlamaConfig(
         vocab_size=512,

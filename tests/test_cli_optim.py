@@ -10,7 +10,7 @@ import pytest
 from _train_inputs import train_args, write_inputs
 
 from infinity.cli.main import build_parser, main
-from infinity.cli.train import config_from_args
+from infinity.run.options import config_from_args
 
 
 @pytest.fixture(scope="module")

@@ -172,7 +172,7 @@ def test_corrupted_shard_is_detected_and_checkpoints_untouched(tmp_path, capsys,
 
 
 def test_flags_override_the_config_file(tmp_path):
-    from infinity.cli.train import config_from_args
+    from infinity.run.options import config_from_args
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({

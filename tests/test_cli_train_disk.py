@@ -10,8 +10,8 @@ import pytest
 from _train_inputs import train_args, write_inputs
 
 from infinity.checkpoint import load_checkpoint
-from infinity.cli import train_disk
 from infinity.cli.main import main
+from infinity.run import disk as train_disk
 
 
 @pytest.fixture(scope="module")

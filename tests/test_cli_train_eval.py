@@ -15,9 +15,9 @@ import torch
 from _train_inputs import train_args, write_inputs
 
 from infinity.cli.main import main
-from infinity.cli.train_step import causal_lm_loss
 from infinity.data import PackedDataset, build_token_cache, load_tokenizer
 from infinity.data.sequential import sequential_batches
+from infinity.run.step import causal_lm_loss
 
 SEQ_LEN = 16  # train_args' --seq-len
 
@@ -70,7 +70,7 @@ def test_eval_loss_matches_the_exported_model(tmp_path, inputs, tier, caplog):
     model, data, val = inputs
     save = tmp_path / "run"
     extra = ["--nvme", tmp_path / "ssd", "--placement", "nvme"] if tier == "nvme" else []
-    caplog.set_level("INFO", logger="infinity.cli.train_run")
+    caplog.set_level("INFO", logger="infinity.run.training")
     assert main(train_args(model, data, save, "--steps", 3, "--eval-data", val, *extra)) == 0
     (last,) = _evals(save)  # only after the last step without --eval-every
     assert last["step"] == 3

@@ -19,8 +19,8 @@ from _train_inputs import train_args, write_inputs
 
 from infinity.checkpoint import list_checkpoints, load_checkpoint
 from infinity.cli.main import main
-from infinity.cli.train_ranks import FollowedRankZero, InputsRefused, Ranks
 from infinity.comm import SingleProcess
+from infinity.run.ranks import FollowedRankZero, InputsRefused, Ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("_rank_child.py")
@@ -308,7 +308,7 @@ def test_killing_rank_zero_lets_the_next_rank_name_it_once(inputs, tmp_path):
 
 
 def test_a_signal_after_rank_zero_ended_does_not_promise_a_checkpoint(capsys):
-    from infinity.cli.train_stop import StopSignals
+    from infinity.run.stop import StopSignals
 
     signals = StopSignals()
     signals.rank, signals.gone_ranks = 1, lambda: [0]

@@ -296,7 +296,7 @@ def test_keep_last_removes_older_checkpoints_after_each_save(tmp_path, inputs):
 def test_a_stop_right_after_resuming_keeps_the_resumed_checkpoint(
     tmp_path, inputs, monkeypatch, capsys
 ):
-    from infinity.cli.train_stop import StopSignals
+    from infinity.run.stop import StopSignals
 
     save = tmp_path / "run"
     assert main(_args(inputs, save, "--steps", 2)) == 0
@@ -362,7 +362,7 @@ def _rm_rf(path):
 
 
 def test_a_save_dir_made_again_under_a_run_is_named(tmp_path):
-    from infinity.cli.train_savedir import SaveDirClaim
+    from infinity.run.savedir import SaveDirClaim
 
     save = tmp_path / "run"
     with SaveDirClaim(save) as claim:

@@ -12,7 +12,7 @@ from _train_inputs import train_args, write_inputs
 from test_schedules_steps import transformers_lrs
 
 from infinity.cli.main import build_parser, main
-from infinity.cli.train_report import TAGS, tensorboard_values
+from infinity.run.report import TAGS, tensorboard_values
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,7 +76,7 @@ def test_cosine_run_uses_transformers_rates_and_reports_to_tensorboard(tmp_path,
 def test_an_eval_record_becomes_the_eval_loss_tag(tmp_path):
     """[Note: validation loss] in train_report: the hook an evaluation writes through."""
     pytest.importorskip("tensorboard")
-    from infinity.cli.train_report import ReportedMetrics
+    from infinity.run.report import ReportedMetrics
 
     log = ReportedMetrics(tmp_path)
     log.append({"step": 1, "loss": 2.5, "lr": 1e-3, "nvme_grad_wait_seconds": 0.25})
@@ -93,7 +93,7 @@ def test_an_eval_record_becomes_the_eval_loss_tag(tmp_path):
 def test_without_tensorboard_the_error_says_what_to_install(tmp_path, monkeypatch):
     import sys
 
-    from infinity.cli.train_report import metrics_log
+    from infinity.run.report import metrics_log
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     args = build_parser().parse_args(
@@ -150,7 +150,7 @@ def test_conflicts_are_one_error_and_leave_the_save_dir(
 
 
 def test_flags_map_onto_the_config_sections(tmp_path):
-    from infinity.cli.train import config_from_args
+    from infinity.run.options import config_from_args
 
     args = build_parser().parse_args([
         "train", "--model", "tiny", "--data", "x", "--lr", "2e-3", "--lr-schedule", "linear",
@@ -173,7 +173,7 @@ def test_a_resumed_run_replaces_the_events_past_its_checkpoint(tmp_path):
     """A stopped run wrote steps 1-4, its checkpoint was at step 2: the resumed run's steps
     3-4 are the ones read back, as metrics.jsonl keeps them."""
     pytest.importorskip("tensorboard")
-    from infinity.cli.train_report import ReportedMetrics
+    from infinity.run.report import ReportedMetrics
 
     first = ReportedMetrics(tmp_path)
     for step in range(1, 5):

@@ -21,9 +21,9 @@ import pytest
 from _fake_aio import FakeAio
 from _train_inputs import train_args, write_inputs
 
-import infinity.cli.train_ranks as train_ranks
-import infinity.cli.train_run as train_run
 import infinity.io.aio as aio_module
+import infinity.run.ranks as train_ranks
+import infinity.run.training as train_run
 from infinity.checkpoint import MetricsLog, list_checkpoints, load_checkpoint
 from infinity.cli.main import main
 from infinity.io import AioHandle
@@ -346,7 +346,7 @@ def _nbytes(path: Path) -> int:
 def test_checkpoint_disk_full_keeps_the_previous_one(tmp_path, inputs, reference, small_tmpfs,
                                                      capsys, monkeypatch):  # fmt: skip
     # The disk fills while the run goes on (another writer): the check at the start passes.
-    from infinity.cli import train_disk
+    from infinity.run import disk as train_disk
 
     monkeypatch.setattr(train_disk, "check", lambda uses, **kw: "disk: enough at the start")
     steps = 6

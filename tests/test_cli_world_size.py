@@ -8,7 +8,7 @@ import json
 import pytest
 
 from infinity.cli.main import build_parser, main
-from infinity.cli.train import config_from_args
+from infinity.run.options import config_from_args
 
 
 def _ds(tmp_path, **batch):

@@ -827,3 +827,34 @@ def test_nvme_path_per_local_rank():
         Config.from_dict({"zero_optimization": {"offload_param": {"nvme_path": []}}})
     with pytest.raises(TypeError, match=r"nvme_path\[1\]: expected a string"):
         Config.from_dict({"zero_optimization": {"offload_param": {"nvme_path": ["/a", 3]}}})
+
+
+def test_resolve_run_is_the_engines_and_the_estimates_one_function():
+    """`resolve_run`: the batch triple for the ranks, staging buffers from the parameter
+    sizes, zero's buckets from the hidden size when given, stages 0-2 resident, and this
+    local rank's nvme_path; the config it was given stays as it was."""
+    from infinity.config import RunFacts, resolve_run
+
+    raw = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_prefetch_bucket_size": "auto",
+            "offload_param": {"device": "nvme", "nvme_path": ["/a", "/b"]},
+        },
+    }
+    config = Config.load(raw)
+    facts = RunFacts(world_size=2, param_numels=(10, 1 << 23, 30), hidden_size=64, local_rank=1)
+    out = resolve_run(config, facts)
+    assert out.train_batch_size == 4 and out.gradient_accumulation_steps == 1
+    assert out.zero_optimization.offload_param.buffer_size == 30  # the outlier goes alone
+    assert out.zero_optimization.prefetch_bucket_size == int(0.9 * 64 * 64)
+    assert out.zero_optimization.offload_param.nvme_path == "/b"
+    assert config.zero_optimization.offload_param.nvme_path == ["/a", "/b"]
+    assert config.train_batch_size == "auto"
+    plain = resolve_run(config, RunFacts(world_size=2, param_numels=(10, 20)))
+    assert plain.zero_optimization.prefetch_bucket_size != int(0.9 * 64 * 64)  # DeepSpeed's
+    assert plain.zero_optimization.offload_param.nvme_path == ["/a", "/b"]  # no rank: whole
+    stage2 = Config.load({**raw, "zero_optimization": {"stage": 2}})
+    resident = resolve_run(stage2, RunFacts(param_numels=(10, 20))).zero_optimization
+    assert resident.max_live_parameters == 30 and resident.param_persistence_threshold == 21

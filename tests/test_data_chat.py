@@ -14,8 +14,8 @@ import torch
 from _train_inputs import train_args, write_inputs
 
 from infinity.cli.main import main
-from infinity.cli.train_step import causal_lm_loss
 from infinity.data import ExampleDataset, ExampleOptions, PackedDataset, open_dataset
+from infinity.run.step import causal_lm_loss
 
 # Each message "<s>{role}: {content}</s>"; the generation prompt opens an assistant turn.
 TEMPLATE = (

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from _resolve import resolve_config
 from torch import nn
 
 import infinity
@@ -21,7 +22,7 @@ from infinity.estimate import GPUS, Rates, estimate, model_shape, sizes
 from infinity.estimate.hardware import probe_nvme, rates_from_bench_aio
 from infinity.estimate.param_traffic import Pass, training_trace
 from infinity.estimate.shapes import lora_numel
-from infinity.estimate.sizing import layout_of, resolve_config
+from infinity.estimate.sizing import layout_of
 from infinity.models import LlamaConfig, LlamaForCausalLM, preset
 from infinity.models.lora import LoraSpec, apply_lora
 from infinity.swap.nvme_state import state_nbytes
@@ -319,7 +320,7 @@ def test_recorded_runs_replay_within_20_percent():
     where `bench aio` measures 3.1-3.2 GB/s read, 3.9-4.2 write and 3.4-3.8 both at once):
     part of it runs outside the step's timer, and the model does not place it. LoRA steps
     are timed where the run's engine probe had its block sizes (see [Note: probing at the
-    run's sizes] in infinity/cli/estimate_probe.py); the earlier LoRA runs probed a tiny
+    run's sizes] in infinity/run/engine_costs.py); the earlier LoRA runs probed a tiny
     model, which costs the engine less than half as much per module, and replay at
     0.60-0.96 (BENCHMARKS.md lists every ratio and where that step's time goes)."""
     evm, replays = _replays()

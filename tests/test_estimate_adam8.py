@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from _resolve import resolve_config
 from test_estimate import SHAPE, _config, _delta, _train
 
 from infinity.cli.main import main
 from infinity.config import Config
 from infinity.estimate import model_shape, sizes
-from infinity.estimate.sizing import resolve_config
 from infinity.models import LlamaConfig
 
 

@@ -9,13 +9,13 @@ import pathlib
 import pytest
 import torch
 from _hf_models import hf_config
+from _resolve import resolve_config
 from test_estimate import _config, _delta, _swap_file_bytes
 
 import infinity
 from infinity.config import Config
 from infinity.estimate import model_shape, sizes
 from infinity.estimate.dims import model_dims
-from infinity.estimate.sizing import resolve_config
 from infinity.models import LlamaConfig, hf_auto
 from infinity.models.lora import LoraSpec, apply_lora
 

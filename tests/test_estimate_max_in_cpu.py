@@ -5,11 +5,11 @@ and its NVMe reads equal the engine's counters with the prefix in RAM too."""
 from __future__ import annotations
 
 import pytest
+from _resolve import resolve_config
 from test_estimate import SHAPE, _config, _delta, _train
 
 from infinity.config import Config
 from infinity.estimate import model_shape, sizes
-from infinity.estimate.sizing import resolve_config
 from infinity.models import LlamaConfig
 
 

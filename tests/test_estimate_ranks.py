@@ -8,11 +8,11 @@ import json
 
 import pytest
 from _dist import rank_results, run_ranks
+from _resolve import resolve_config
 from test_estimate import SHAPE, _config, _delta
 
 from infinity.config import Config
 from infinity.estimate import model_shape, sizes
-from infinity.estimate.sizing import resolve_config
 from infinity.models import LlamaConfig
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from _engine_models import Zoo, config
+from _resolve import resolve_config
 
 import infinity
 from infinity.accelerator import CpuAccelerator
 from infinity.config import Config
 from infinity.estimate.shapes import model_shape
-from infinity.estimate.sizing import resolve_config, sizes
+from infinity.estimate.sizing import sizes
 from infinity.swap.state_tier import HostStateTier
 from infinity.zero.sub_groups import flat_layout
 from infinity.zero.weights import make_weights

@@ -13,8 +13,6 @@ import torch
 from test_estimate import _config as estimate_config
 
 import infinity
-from infinity.cli.placement import planned, tunable_buffers
-from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate import model_shape
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
@@ -22,6 +20,8 @@ from infinity.estimate.placement import Budget, plan_placement
 from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, LEAN_BUFFERS
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.lora import LoraSpec, apply_lora
+from infinity.run.placement import planned, tunable_buffers
+from infinity.utils.sizes import parse_size
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip

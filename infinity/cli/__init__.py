@@ -1,6 +1,6 @@
 """The `infinity` command: one module (or a few `train_*` ones) per subcommand, parsing its
-flags, checking its inputs, driving the library and printing. The training loop of `infinity
-train` (data, steps, checkpoints, stops) is here; the engine and everything under it is not.
+flags, checking its inputs, driving the library and printing. The training run of `infinity
+train` (data, steps, checkpoints, stops) is not here but in the library, `infinity.run`.
 
 [Note: passive OpenMP waits] The command sets OMP_WAIT_POLICY=PASSIVE unless the environment
 sets it, here, before anything imports torch (its OpenMP runtime reads it once, when loaded).

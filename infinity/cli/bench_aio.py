@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from infinity.cli.sizes import parse_size
 from infinity.io import AioFallbackWarning, AioHandle, aligned_empty, available_backends
+from infinity.utils.sizes import parse_size
 
 BENCH_FILE = "infinity_aio_bench.bin"
 MAX_BUFFER = 1 << 30

@@ -8,20 +8,20 @@ is `infinity.estimate`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from infinity.cli.placement import add_placement_flags, plan_run
-from infinity.cli.train import check_lora_rank, check_seq_len, config_from_args
 from infinity.cli.train_flags import positive_int
-from infinity.cli.train_schedule import add_optim_flag
-from infinity.config import Config
+from infinity.config import Config, resolve_run
 from infinity.estimate.hardware import PROCESS_FLOOR_BYTES
 from infinity.models import PRESETS
+from infinity.run.inputs import check_lora_rank, check_seq_len
+from infinity.run.options import config_from_args, read_config_file
+from infinity.run.placement import add_placement_flags, plan_run
+from infinity.run.schedule import add_optim_flag
+from infinity.utils.fsio import write_json
 
 _GIB = float(1 << 30)
 _GB = 1e9
@@ -179,28 +179,10 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / _GIB:.1f} GiB" if nbytes >= _GIB / 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def write_json(out: dict, dest: str) -> None:
-    """`out` to `dest` ('-': stdout), through a temporary file renamed into place so an
-    interrupted write never leaves half a file under the name."""
-    text = json.dumps(out, indent=2) + "\n"
-    if dest == "-":
-        sys.stdout.write(text)
-        return
-    path = Path(dest).expanduser()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def run(args: argparse.Namespace) -> int:
-    from infinity.cli.estimate_probe import probe_batch, scale_compute
-    from infinity.estimate import estimate, model_shape
+    from infinity.estimate import GPUS, estimate, model_shape
     from infinity.models.lora import LoraSpec
+    from infinity.run.engine_costs import probe_batch, scale_compute
 
     check_paths(args)
     spec = model_spec(args.model)
@@ -208,19 +190,19 @@ def run(args: argparse.Namespace) -> int:
     check_seq_len(args.seq_len, spec)
     check_lora_rank(LoraSpec(r=args.lora_r) if args.lora_r else None, spec)
     shape = model_shape(spec.hf_config, lora_r=args.lora_r or 0)
+    raw = read_config_file(args)  # once: the config and what the user set in it
     config = config_from_args(
-        argparse.Namespace(**{**vars(args), "lr": None, "seed": None}), args.world_size
+        argparse.Namespace(**{**vars(args), "lr": None, "seed": None}), args.world_size, raw=raw
     )
     # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
     config = Config.load({**config.to_dict(), "train_batch_size": "auto"}).for_local_rank(0)
     check_fits(shape, config, args)
-    from infinity.estimate import GPUS
-
-    gpu = GPUS.get(args.device)  # placed as `infinity train` places it (cli/placement.py)
+    gpu = GPUS.get(args.device)  # placed as `infinity train` places it (run/placement.py)
     memory = (gpu.memory_bytes, f"the {gpu.name}'s memory", gpu.memory_bytes) if gpu else None
     plan = plan_run(args, config, spec.hf_config, gpu=gpu is not None,
                     lora_r=args.lora_r or 0, world_size=args.world_size,
-                    device_default=memory, here=gpu is None)  # fmt: skip
+                    device_default=memory, here=gpu is None,
+                    given_zero=raw.get("zero_optimization") or {})  # fmt: skip
     if plan is not None:
         config = plan.apply(config)
     # The CPU probes run at a capped batch, scaled to the run's by the FLOPs formula; a GPU's
@@ -266,7 +248,7 @@ def _rates(args: argparse.Namespace, shape, config: Config, probe_config: Config
 
     costs = None
     if args.device == "cpu":
-        from infinity.cli.estimate_probe import probe_engine_costs
+        from infinity.run.engine_costs import probe_engine_costs
         from infinity.zero import model_dtype
 
         offload = config.zero_optimization.offload_param
@@ -298,7 +280,6 @@ def check_fits(shape, config: Config, args: argparse.Namespace) -> None:
     that fits with checkpointing gets the report and its advice."""
     from infinity.estimate import GPUS
     from infinity.estimate.result import activation_bytes
-    from infinity.estimate.sizing import resolve_config
     from infinity.zero import model_dtype
 
     gpu = GPUS.get(args.device)
@@ -309,7 +290,7 @@ def check_fits(shape, config: Config, args: argparse.Namespace) -> None:
 
         limit = physical_ram()
         where = f"this machine's {_size(limit)} of RAM"
-    micro = int(resolve_config(config, shape).train_micro_batch_size_per_gpu)
+    micro = int(resolve_run(config, shape.run_facts()).train_micro_batch_size_per_gpu)
     itemsize = model_dtype(config).itemsize
     acts = activation_bytes(shape, micro * args.seq_len, args.seq_len, itemsize, True)
     if acts > limit:

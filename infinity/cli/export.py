@@ -15,9 +15,9 @@ import torch
 
 from infinity.checkpoint import CheckpointNotFoundError, layout, load_checkpoint
 from infinity.cli import export_lora
-from infinity.cli.sizes import parse_size
 from infinity.cli.train_flags import add_accept_flag
 from infinity.models import export_hf
+from infinity.utils.sizes import parse_size
 
 
 def open_checkpoint(path: Path, tag: str | None, *, accept_unverified: bool = False):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from infinity.cli.run_tokenizer import is_bytes, recorded_tokenizer
 from infinity.cli.train_flags import add_accept_flag, positive_int
+from infinity.run.tokenizer import is_bytes, recorded_tokenizer
 
 log = logging.getLogger(__name__)
 

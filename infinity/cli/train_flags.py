@@ -1,7 +1,8 @@
 """The flags of `infinity train`: their value types and their registration, by group.
 
-Owns what the command line accepts; `infinity.cli.train` owns what the flags mean (how they
-override the JSON config, the checks of the inputs) and registers the command.
+Owns what the command line accepts; the training-run library owns what the flags mean
+(`infinity.run.options`: how they override the JSON config; `infinity.run.inputs`: the
+checks of the inputs), and `infinity.cli.train` registers the command.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from infinity.cli.train_schedule import add_optim_flag
 from infinity.models import PRESETS
+from infinity.run.schedule import add_optim_flag
 
 
 def _parsed(text: str, convert, ok, rule: str):
@@ -50,29 +51,6 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def lora_spec(args: argparse.Namespace):
-    """The run's LoRA adapters, or None without --lora-r (the other LoRA flags need it)."""
-    from infinity.models.lora import LoraSpec
-
-    if args.lora_r is None:
-        given = [
-            flag
-            for flag, value in (
-                ("--lora-alpha", args.lora_alpha),
-                ("--lora-targets", args.lora_targets),
-            )
-            if value is not None
-        ] + (["--lora-dropout"] if args.lora_dropout else [])
-        if given:
-            raise ValueError(
-                f"{', '.join(given)} need --lora-r R (the adapter rank) to enable LoRA"
-            )
-        return None
-    return LoraSpec(
-        r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, targets=args.lora_targets
-    )
-
-
 def _add_example_flags(parser: argparse.ArgumentParser) -> None:
     """How instruction and chat records (`messages`, or `prompt` and `completion`) train."""
     parser.add_argument(
@@ -100,18 +78,6 @@ def _add_example_flags(parser: argparse.ArgumentParser) -> None:
         default="truncate",
         help="instruction data: an example longer than --seq-len is truncated (default) or "
         "dropped; the log counts them",
-    )
-
-
-def example_options(args: argparse.Namespace):
-    """The run's `ExampleOptions` from the instruction-data flags."""
-    from infinity.data import ExampleOptions
-
-    return ExampleOptions(
-        chat_template=args.chat_template,
-        train_on_prompt=args.train_on_prompt,
-        pack=args.pack,
-        overlong=args.overlong,
     )
 
 
@@ -299,7 +265,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     """The validation set and when it is evaluated (one argument group); what an
-    evaluation computes is in `infinity.cli.train_eval`."""
+    evaluation computes is in `infinity.run.evaluation`."""
     group = parser.add_argument_group(
         "validation", "the loss and perplexity on held-out data as the model trains"
     )
@@ -334,7 +300,7 @@ def _non_negative_float(text: str) -> float:
 
 def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
     """The learning-rate schedule and the weight decay (one argument group); their meaning
-    is in `infinity.cli.train_schedule`."""
+    is in `infinity.run.schedule`."""
     group = parser.add_argument_group(
         "schedule",
         "the learning rate over the run, as transformers' get_scheduler gives it "

@@ -5,7 +5,8 @@ mapped onto these dataclasses; nothing below this package sees raw dicts. `AUTO`
 that are derived later from the model or the world size (see `Config.resolve`).
 """
 
-from infinity.config.resolve import resolve_stage3
+from infinity.config.config import Config
+from infinity.config.resolve import RunFacts, resolve_run
 from infinity.config.scheduler_params import (
     SCHEDULER_PARAMS,
     STEP_SCHEDULES,
@@ -15,7 +16,6 @@ from infinity.config.scheduler_params import (
 from infinity.config.sections import (
     AioConfig,
     BF16Config,
-    Config,
     FP16Config,
     OffloadDevice,
     OffloadOptimizerConfig,
@@ -39,8 +39,9 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
+    "RunFacts",
     "SchedulerConfig",
     "ZeroConfig",
     "check_scheduler_params",
-    "resolve_stage3",
+    "resolve_run",
 ]

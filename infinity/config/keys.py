@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from infinity.config.sections import (
     AioConfig,
-    Config,
+    ConfigFields,
     FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -33,11 +33,11 @@ KEYS: dict[type, dict[str, tuple[str, ...]]] = {
         ),
     },
     AioConfig: {"thread_count": ("intra_op_parallelism", "thread_count")},
-    Config: {"bf16": ("bf16", "bfloat16")},
+    ConfigFields: {"bf16": ("bf16", "bfloat16")},
 }
 
 IGNORED: dict[type, frozenset[str]] = {
-    Config: frozenset(
+    ConfigFields: frozenset(
         {
             "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer",
@@ -62,18 +62,18 @@ IGNORED: dict[type, frozenset[str]] = {
 }
 
 UNSUPPORTED: dict[type, dict[str, Unsupported]] = {
-    Config: TOP_LEVEL,
+    ConfigFields: TOP_LEVEL,
     ZeroConfig: ZERO,
     OffloadOptimizerConfig: OFFLOAD_OPTIMIZER,
 }
 
 # (class, field) -> (bound, strict): values must be >= bound (> bound when strict).
 MINIMUM: dict[tuple[type, str], tuple[float, bool]] = {
-    (Config, "train_batch_size"): (1, False),
-    (Config, "train_micro_batch_size_per_gpu"): (1, False),
-    (Config, "gradient_accumulation_steps"): (1, False),
-    (Config, "gradient_clipping"): (0, False),
-    (Config, "steps_per_print"): (1, False),
+    (ConfigFields, "train_batch_size"): (1, False),
+    (ConfigFields, "train_micro_batch_size_per_gpu"): (1, False),
+    (ConfigFields, "gradient_accumulation_steps"): (1, False),
+    (ConfigFields, "gradient_clipping"): (0, False),
+    (ConfigFields, "steps_per_print"): (1, False),
     (FP16Config, "loss_scale"): (0, False),
     (FP16Config, "initial_scale_power"): (0, False),
     (FP16Config, "loss_scale_window"): (1, False),

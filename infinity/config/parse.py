@@ -24,7 +24,7 @@ from infinity.config.keys import BOUND_REASON, IGNORED, KEYS, MINIMUM, UNSUPPORT
 from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
 from infinity.config.sections import (
     AioConfig,
-    Config,
+    ConfigFields,
     OffloadOptimizerConfig,
     OffloadParamConfig,
     OptimizerConfig,
@@ -36,9 +36,15 @@ from infinity.config.values import AUTO, suggest, to_float, to_int
 logger = logging.getLogger(__name__)
 
 
+def _table(cls: type) -> type:
+    """The class the key tables name for `cls`: the fields of the whole config for
+    `Config`, which adds only verbs to them."""
+    return ConfigFields if issubclass(cls, ConfigFields) else cls
+
+
 def _keys_of(cls: type) -> dict[str, str]:
     """JSON key -> field name, for every accepted key of `cls`."""
-    names = KEYS.get(cls, {})
+    names = KEYS.get(_table(cls), {})
     return {key: f.name for f in fields(cls) for key in names.get(f.name, (f.name,))}
 
 
@@ -55,8 +61,8 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
     """Field values of `cls` from mapping `data`; every key and value is checked."""
     if not isinstance(data, Mapping):
         raise TypeError(f"{path or 'config'}: expected an object, got {data!r}")
-    keys, ignored = _keys_of(cls), IGNORED.get(cls, frozenset())
-    unsupported = UNSUPPORTED.get(cls, {})
+    keys, ignored = _keys_of(cls), IGNORED.get(_table(cls), frozenset())
+    unsupported = UNSUPPORTED.get(_table(cls), {})
     values: dict[str, Any] = {}
     seen: dict[str, str] = {}
     for key, raw in data.items():
@@ -87,9 +93,9 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
 
 def parse(cls: type, data: Any, path: str) -> Any:
     """An instance of section `cls` from DeepSpeed-style `data` found at key path `path`."""
-    special = _PARSERS.get(cls)
+    special = _PARSERS.get(_table(cls))
     obj = special(data, path) if special else cls(**_parse_fields(cls, data, path))
-    after = _AFTER.get(cls)
+    after = _AFTER.get(_table(cls))
     if after:
         after(obj, path)
     return obj
@@ -154,13 +160,13 @@ def _convert(raw: Any, hint: Any, path: str, auto: bool = False) -> Any:
 
 
 def _check_minimum(cls: type, name: str, value: Any, path: str) -> None:
-    bound = MINIMUM.get((cls, name))
+    bound = MINIMUM.get((_table(cls), name))
     if bound is None or value is None or value == AUTO:
         return
     low, strict = bound
     if value < low or (strict and value == low):
         need = f"> {low}" if strict else f">= {low}"
-        why = BOUND_REASON.get((cls, name))
+        why = BOUND_REASON.get((_table(cls), name))
         raise ValueError(
             f"{path}: {value!r} is out of range; it must be {need}" + (f": {why}" if why else "")
         )
@@ -260,7 +266,7 @@ def _in_cpu_needs_nvme(offload: OffloadParamConfig | OffloadOptimizerConfig, pat
         )
 
 
-def _after_config(cfg: Config, path: str) -> None:
+def _after_config(cfg: ConfigFields, path: str) -> None:
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
 
@@ -283,7 +289,7 @@ _AFTER = {
     ZeroConfig: _after_zero,
     OffloadParamConfig: _after_offload,
     OffloadOptimizerConfig: _after_offload,
-    Config: _after_config,
+    ConfigFields: _after_config,
 }
 
 
@@ -299,11 +305,11 @@ def _plain(value: Any) -> Any:
 
 def emit(obj: Any) -> dict[str, Any]:
     """A section as DeepSpeed-style, JSON-serializable data (the inverse of `parse`)."""
-    names = KEYS.get(type(obj), {})
+    names = KEYS.get(_table(type(obj)), {})
     out = {names.get(f.name, (f.name,))[0]: _plain(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, OptimizerConfig):
         return {"type": out.pop("type"), "params": out}
-    if isinstance(obj, Config) and obj.scheduler.type is None and not obj.scheduler.params:
+    if isinstance(obj, ConfigFields) and obj.scheduler.type is None and not obj.scheduler.params:
         del out["scheduler"]
     return out
 

@@ -1,28 +1,30 @@
-"""`Config.resolve`: every "auto" replaced by a number, as DeepSpeed and its HF integration do."""
+"""`Config.resolve`: every "auto" replaced by a number, as DeepSpeed and its HF integration do;
+and `resolve_run`, the one place a run's config is resolved for its facts (`RunFacts`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from infinity.config.keys import KEYS
 from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
-from infinity.config.sections import Config, ZeroConfig
+from infinity.config.sections import ConfigFields, ZeroConfig
 from infinity.config.values import AUTO
 
 logger = logging.getLogger(__name__)
 
 
 def resolve(
-    cfg: Config,
+    cfg: ConfigFields,
     *,
     world_size: int,
     hidden_size: int | None,
     total_num_steps: int | None,
     warmup_num_steps: int | None,
     param_numels: Sequence[int] | None,
-) -> Config:
+) -> ConfigFields:
     """See `Config.resolve`."""
     given = dict(
         world_size=world_size,
@@ -36,8 +38,8 @@ def resolve(
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
             raise ValueError(f"Config.resolve: {name} must be a positive integer, got {value!r}")
-    out = Config.from_dict(cfg.to_dict())  # a validated deep copy
-    default = Config()
+    out = type(cfg).from_dict(cfg.to_dict())  # a validated deep copy
+    default = type(cfg)()
     _resolve_batch(out, world_size)
     _fill(out, default, ("gradient_clipping",))
     _fill(out.fp16, default.fp16, ("enabled",))
@@ -49,13 +51,44 @@ def resolve(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class RunFacts:
+    """What a run knows that its config does not, and that its "auto" values follow."""
+
+    world_size: int = 1
+    """Ranks in the run: train_batch_size counts every rank's micro batches."""
+    param_numels: tuple[int, ...] = ()
+    """Elements of each of the model's parameters, as the engine builds them (LoRA adapters
+    included): the staging buffers' size, and the residency of stages 0-2."""
+    hidden_size: int | None = None
+    """Sizes zero's buckets as the Hugging Face integration does; None: DeepSpeed's defaults
+    (the engine, which is handed a module, knows no hidden size)."""
+    local_rank: int | None = None
+    """This process's entry of a per-rank nvme_path list; None leaves a list whole."""
+
+
+def resolve_run(config: ConfigFields, facts: RunFacts) -> ConfigFields:
+    """`config` resolved for a run with these facts, as the engine runs it and the estimate
+    and the placement planner model it (stages 0-2 with every parameter resident: see
+    [Note: stages 0-2]); `config` is unchanged. The engine, the estimate and the planner
+    resolve through this function only, so what the estimate prints is what the engine
+    does."""
+    resolved = resolve_stage3(
+        config,
+        param_numels=facts.param_numels,
+        world_size=facts.world_size,
+        hidden_size=facts.hidden_size,
+    )
+    return resolved if facts.local_rank is None else resolved.for_local_rank(facts.local_rank)
+
+
 def resolve_stage3(
-    cfg: Config,
+    cfg: ConfigFields,
     *,
     param_numels: Sequence[int],
     world_size: int = 1,
     hidden_size: int | None = None,
-) -> Config:
+) -> ConfigFields:
     """`cfg` resolved for a model whose parameters have `param_numels` elements, as the
     engine runs it and the estimate models it: as stage 3, with every parameter resident at
     stages 0-2 (see [Note: stages 0-2])."""
@@ -100,10 +133,10 @@ def _warn_stage3_only(zero: ZeroConfig) -> None:
             )
 
 
-def resident(cfg: Config, param_numels: Sequence[int]) -> Config:
+def resident(cfg: ConfigFields, param_numels: Sequence[int]) -> ConfigFields:
     """A copy of `cfg` whose live budget and persistence threshold keep every parameter of
     `param_numels` elements gathered between iterations (`infinity.zero.build.persistent_flags`)."""
-    out = Config.from_dict(cfg.to_dict())
+    out = type(cfg).from_dict(cfg.to_dict())
     zero = out.zero_optimization
     zero.max_live_parameters = max(1, sum(param_numels))
     zero.param_persistence_threshold = max(param_numels, default=0) + 1
@@ -134,13 +167,15 @@ def staging_numel(numels: Sequence[int]) -> int:
     return max(ordinary)
 
 
-def check_batch(cfg: Config, world_size: int = 1) -> None:
+def check_batch(cfg: ConfigFields, world_size: int = 1) -> None:
     """Raise the ValueError `resolve` would raise for an inconsistent train_batch_size,
     train_micro_batch_size_per_gpu and gradient_accumulation_steps, without resolving."""
-    _resolve_batch(Config.from_dict(cfg.to_dict()), world_size)
+    _resolve_batch(type(cfg).from_dict(cfg.to_dict()), world_size)
 
 
-def _resolve_zero(cfg: Config, hidden: int | None, param_numels: Sequence[int] | None) -> None:
+def _resolve_zero(
+    cfg: ConfigFields, hidden: int | None, param_numels: Sequence[int] | None
+) -> None:
     zero = cfg.zero_optimization
     if hidden is not None:  # the Hugging Face integration's sizes
         if zero.prefetch_bucket_size == AUTO:
@@ -152,7 +187,7 @@ def _resolve_zero(cfg: Config, hidden: int | None, param_numels: Sequence[int] |
     names = ("max_live_parameters", "prefetch_bucket_size", "max_reuse_distance")
     _fill(
         zero,
-        Config().zero_optimization,
+        type(cfg)().zero_optimization,
         (*names, "param_persistence_threshold", "sub_group_size", "reduce_bucket_size"),
     )
     if zero.offload_param.buffer_size == AUTO:
@@ -166,7 +201,7 @@ def _fill(section: Any, default: Any, names: tuple[str, ...]) -> None:
             setattr(section, name, getattr(default, name))
 
 
-def _resolve_batch(cfg: Config, world: int) -> None:
+def _resolve_batch(cfg: ConfigFields, world: int) -> None:
     train, micro, accum = (
         None if v == AUTO else v
         for v in (
@@ -207,7 +242,7 @@ def _resolve_batch(cfg: Config, world: int) -> None:
     cfg.gradient_accumulation_steps = accum
 
 
-def _resolve_scheduler(cfg: Config, total: int | None, warmup: int | None) -> None:
+def _resolve_scheduler(cfg: ConfigFields, total: int | None, warmup: int | None) -> None:
     sched = cfg.scheduler
     if sched.type is None:
         return

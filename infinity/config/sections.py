@@ -1,13 +1,12 @@
 """The typed sections: the contract every component codes against.
 
 Each component receives only its own section. Values may be `AUTO` until `Config.resolve`
-derives them; parsing, emitting and resolving live in the sibling modules.
+derives them; parsing, emitting and resolving live in the sibling modules, and the verbs of
+the whole (`Config`) in `infinity.config.config`, over them all.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -242,8 +241,9 @@ class AioConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class Config:
-    """The whole run configuration. Build it with `Config.load(path_or_dict)`."""
+class ConfigFields:
+    """The whole run configuration's fields; `infinity.config.Config` adds its verbs (load,
+    to_dict, resolve, ...), built over the parsing and resolving modules that read these."""
 
     train_batch_size: int | str = AUTO
     """Samples per optimizer step over all ranks: micro batch * accumulation * world size."""
@@ -276,93 +276,3 @@ class Config:
                 "fp16/bf16.enabled: 'auto' must be resolved first; call Config.resolve()"
             )
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
-
-    @classmethod
-    def load(cls, source: str | os.PathLike | Mapping[str, Any] | Config) -> Config:
-        """Read a DeepSpeed-style JSON file, a dict, or copy a Config; validate everything."""
-        if isinstance(source, Config):
-            return cls.from_dict(source.to_dict())
-        if isinstance(source, Mapping):
-            return cls.from_dict(source)
-        if isinstance(source, (str, os.PathLike)):
-            from infinity.config.parse import read_json
-
-            return cls.from_dict(read_json(os.fspath(source)))
-        raise TypeError(
-            f"Config.load: expected a path to a JSON file, a dict or a Config, "
-            f"got {type(source).__name__}"
-        )
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Config:
-        """Build from DeepSpeed keys. ValueError/TypeError name the key path and what is allowed."""
-        from infinity.config.parse import parse
-
-        return parse(cls, data, "")
-
-    def to_dict(self) -> dict[str, Any]:
-        """DeepSpeed-style keys, JSON-serializable; `Config.from_dict` reads it back unchanged."""
-        from infinity.config.parse import emit
-
-        return emit(self)
-
-    def validate(self) -> None:
-        """Check a Config built in code (load/from_dict already validate)."""
-        from infinity.config.parse import parse
-
-        parse(Config, self.to_dict(), "")
-
-    def for_local_rank(self, local_rank: int) -> Config:
-        """A copy in which each `nvme_path` given as a list (one directory per local rank)
-        is this local rank's entry; `self` is unchanged. A single path serves every rank
-        (each rank has its own directory under it)."""
-        out = Config.from_dict(self.to_dict())
-        zero = out.zero_optimization
-        for name, section in (
-            ("offload_param", zero.offload_param),
-            ("offload_optimizer", zero.offload_optimizer),
-        ):
-            paths = section.nvme_path
-            if not isinstance(paths, list):
-                continue
-            if not 0 <= local_rank < len(paths):
-                raise ValueError(
-                    f"zero_optimization.{name}.nvme_path lists {len(paths)} director"
-                    f"{'y' if len(paths) == 1 else 'ies'} ({paths}) but this is local rank "
-                    f"{local_rank}: give one per process on the node, or a single path that "
-                    "all ranks share"
-                )
-            section.nvme_path = paths[local_rank]
-        return out
-
-    def resolve(
-        self,
-        *,
-        world_size: int = 1,
-        hidden_size: int | None = None,
-        total_num_steps: int | None = None,
-        warmup_num_steps: int | None = None,
-        param_numels: Sequence[int] | None = None,
-    ) -> Config:
-        """A new Config with every "auto" replaced; `self` is unchanged.
-
-        The batch triple is made consistent (train = micro * accumulation * world_size; any two
-        determine the third; one alone: accumulation 1; none: micro 1 and accumulation 1).
-        With `hidden_size`, zero sizes follow the Hugging Face integration (prefetch
-        0.9*h*h, persistence threshold 10*h). Scheduler "auto"s: warmup_min_lr 0,
-        warmup_max_lr the optimizer's lr, warmup_num_steps `warmup_num_steps` (else 1000,
-        capped at the total), total_num_steps `total_num_steps` (required if "auto").
-        `param_numels` (the model's parameter sizes) size offload_param.buffer_size (see
-        `infinity.config.resolve.staging_numel`; else 1e8, DeepSpeed's default).
-        Everything else takes its default.
-        """
-        from infinity.config.resolve import resolve
-
-        return resolve(
-            self,
-            world_size=world_size,
-            hidden_size=hidden_size,
-            total_num_steps=total_num_steps,
-            warmup_num_steps=warmup_num_steps,
-            param_numels=param_numels,
-        )

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 
-from infinity.config import Config
+from infinity.config import Config, resolve_run
 from infinity.estimate import hardware
 from infinity.estimate.hardware import DEVICES, GPUS, Rates
 from infinity.estimate.result import Bound, Estimate, StepTimes, estimate
 from infinity.estimate.shapes import ModelShape, model_shape
-from infinity.estimate.sizing import Sizes, resolve_config, sizes
+from infinity.estimate.sizing import Sizes, sizes
 from infinity.zero import model_dtype
 
 __all__ = [
@@ -53,10 +53,10 @@ def measure_rates(
     file), else a probe of `nvme_path` when the tiers use NVMe, else an assumed SSD.
     `module_overhead_s` and `gather_copy_bytes_per_s`: the engine's cost per module on this
     CPU and the rate its gathers copied at, which a caller that may run the engine probes
-    (`infinity.cli.estimate_probe`; 0: not probed)."""
+    (`infinity.run.engine_costs`; 0: not probed)."""
     if device not in DEVICES:
         raise ValueError(f"--device {device!r} is not known; choose one of {', '.join(DEVICES)}")
-    config = resolve_config(config, shape)
+    config = resolve_run(config, shape.run_facts())
     dtype = model_dtype(config)
     micro = int(config.train_micro_batch_size_per_gpu)
     sources: dict[str, str] = {}

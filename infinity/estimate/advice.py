@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from infinity.config import Config
-from infinity.estimate.result import Bound
+from infinity.estimate.bound import Bound
 
 if TYPE_CHECKING:
     from infinity.estimate.result import Estimate

@@ -97,11 +97,11 @@ class Rates:
     0: as `copy_bytes_per_s`."""
     module_overhead_s: float = 0.0
     """What the engine adds per module with parameters in one micro step on the CPU device
-    (its gather, release and gradient hooks; `infinity.cli.estimate_probe`); 0: not
+    (its gather, release and gradient hooks; `infinity.run.engine_costs`); 0: not
     probed. On a GPU the hooks run while the device computes."""
     gather_copy_bytes_per_s: float = 0.0
     """The CPU device's gathers from NVMe as the engine copied them (staging buffer into a
-    recycled buffer while the other core computes; `infinity.cli.estimate_probe`); 0: at
+    recycled buffer while the other core computes; `infinity.run.engine_costs`); 0: at
     `copy_bytes_per_s`."""
 
 

@@ -39,12 +39,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
-from infinity.config import Config
+from infinity.config import Config, resolve_run
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
 from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, candidates, set_buffers
 from infinity.estimate.result import activation_bytes, memory_of
 from infinity.estimate.shapes import ModelShape
-from infinity.estimate.sizing import Sizes, layout_of, resolve_config, sizes
+from infinity.estimate.sizing import Sizes, layout_of, sizes
 from infinity.zero import model_dtype
 
 
@@ -195,7 +195,7 @@ def plan_placement(
     device memory is host RAM); `runtime_bytes`: the process's RSS before the model;
     `tunable`: the keys of LEAN_BUFFERS (and GRADS_ON_DEVICE) the config leaves unset (see
     placement_rungs.py)."""
-    config = resolve_config(config, shape, world_size)
+    config = resolve_run(config, shape.run_facts(world_size))
     acts = _activations(shape, config, seq_len, checkpointing)
     plans, evaluate = [], None
     rungs = candidates(shape, config, tunable, gpu, budget.device_bytes, acts, world_size)
@@ -262,7 +262,7 @@ def check_device(
 ) -> int:  # fmt: skip
     """A run whose placement the config fixes: its device memory, or ValueError when that
     is over `limit` bytes (from `source`, e.g. "--device-memory 1.0G")."""
-    config = resolve_config(config, shape, world_size)
+    config = resolve_run(config, shape.run_facts(world_size))
     acts = _activations(shape, config, seq_len, checkpointing)
     _, device, _ = _memory(shape, config, gpu, acts, checkpointing, runtime_bytes, world_size)
     if device > limit:
@@ -373,7 +373,7 @@ def check_budget(
 ) -> int:
     """A run whose placement the config fixes (no planning): its peak RSS, or ValueError
     when that is over `budget` (naming both and what would help)."""
-    config = resolve_config(config, shape, world_size)
+    config = resolve_run(config, shape.run_facts(world_size))
     acts = _activations(shape, config, seq_len, checkpointing)
     _, _, peak = _memory(shape, config, gpu, acts, checkpointing, runtime_bytes, world_size)
     if not budget.fits(peak):

@@ -32,28 +32,19 @@ side (`grad_wait_s`).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import asdict, dataclass, field
 
 from infinity.accelerator.recycled import MIN_BYTES
-from infinity.config import Config
+from infinity.config import Config, resolve_run
+from infinity.estimate.bound import Bound
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
 from infinity.estimate.pipeline import Prefetch, micro_step_s, prefetch_of
 from infinity.estimate.shapes import ModelShape
-from infinity.estimate.sizing import Sizes, resolve_config, sizes
+from infinity.estimate.sizing import Sizes, sizes
 from infinity.utils.host_memory import physical_ram
 from infinity.zero.build import builds_in_files
 
 _GIB = float(1 << 30)
-
-
-class Bound(enum.StrEnum):
-    """What limits the step (the largest of the step's time components)."""
-
-    COMPUTE = "compute"
-    NVME = "nvme"
-    CPU_ADAM = "cpu_adam"
-    COPIES = "copies"
 
 
 @dataclass(slots=True)
@@ -176,7 +167,7 @@ def estimate(
     parameters (the bytes are one rank's, see `sizes`)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    config = resolve_config(config, shape)
+    config = resolve_run(config, shape.run_facts())
     gpu = rates.gpu
     alias = gpu is None and aliases is not False  # only the CPU device shares host memory
     sz = sizes(

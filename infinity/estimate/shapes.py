@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.config import ZeroConfig
+from infinity.config import RunFacts, ZeroConfig
 from infinity.estimate.dims import ModelDims, model_dims
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.lora import block_linear_names
@@ -89,6 +89,14 @@ class ModelShape:
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+    def run_facts(self, world_size: int = 1) -> RunFacts:
+        """What the config resolves for (`infinity.config.resolve_run`, the engine's
+        function): this model's parameter sizes and hidden size, on `world_size` ranks."""
+        numels = tuple(p.numel for p in self.params)
+        return RunFacts(
+            world_size=world_size, param_numels=numels, hidden_size=self.dims.hidden_size
+        )
 
     @property
     def modules(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infinity.config import Config, ZeroConfig, resolve_stage3
+from infinity.config import Config, ZeroConfig
 from infinity.estimate.grad_traffic import GradTraffic, grad_traffic
 from infinity.estimate.param_traffic import Replay, replayed
 from infinity.estimate.shapes import ModelShape
@@ -128,16 +128,6 @@ class Sizes:
         micro = self.gather_bytes_per_micro_step + self.grad_offload_bytes_per_micro_step
         step = self.refresh_bytes_per_step + self.grad_step_copy_bytes
         return accum * micro + self.kept_gather_bytes_per_step + step
-
-
-def resolve_config(config: Config, shape: ModelShape, world_size: int = 1) -> Config:
-    """The config as `infinity train` and the engine resolve it for this model on one of
-    `world_size` ranks (`resolve_stage3`, the engine's rule, with the Hugging Face
-    integration's sizes): a global batch counts every rank's micro batches."""
-    numels = [p.numel for p in shape.params]
-    return resolve_stage3(
-        config, param_numels=numels, world_size=world_size, hidden_size=shape.dims.hidden_size
-    )
 
 
 def home_numels(shape: ModelShape, world_size: int = 1) -> list[int]:

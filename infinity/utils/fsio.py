@@ -10,8 +10,12 @@ itself (`INFINITY_FAULT_LOG=PATH` appends each point's name to PATH first, to co
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
+import tempfile
+from pathlib import Path
 
 _FAULT_COUNT = 0
 
@@ -66,3 +70,21 @@ def write_file_atomic(path: str | os.PathLike, data: bytes) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(parent)
+
+
+def write_json(out: dict, dest: str) -> None:
+    """`out` to `dest` ('-': stdout), through a temporary file renamed into place so an
+    interrupted write never leaves half a file under the name."""
+    text = json.dumps(out, indent=2) + "\n"
+    if dest == "-":
+        sys.stdout.write(text)
+        return
+    path = Path(dest).expanduser()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -2,7 +2,7 @@
 --profile window around the steps.
 
 Owns what a step computes and records; the loop that runs the steps, saves and stops is
-`infinity.cli.train_run`'s.
+`infinity.run.training`'s.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from infinity.cli.train import PROFILE_WARMUP_STEPS
 from infinity.utils.profiler import StepProfiler
+
+# The step before a profile's: it traces the execution order and fills caches.
+PROFILE_WARMUP_STEPS = 1
 
 
 def model_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict:

@@ -2,7 +2,7 @@
 `--report-to tensorboard` TensorBoard event files under SAVE_DIR/tensorboard too.
 
 Owns the tags the records become (`TAGS`) and the event writer; a record's fields are
-`infinity.cli.train_step.step_record`'s. [Note: validation loss] An evaluation appends a
+`infinity.run.step.step_record`'s. [Note: validation loss] An evaluation appends a
 record {"step": N, "eval_loss": x, ...} through the same `append`, and it is written under
 the tag "eval/loss" (and "eval/perplexity" when the record has `eval_perplexity`).
 """

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from infinity.cli.train_schedule import apply_schedule_flags
 from infinity.config import Config
 from infinity.config.resolve import check_batch
+from infinity.run.schedule import apply_schedule_flags
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +30,30 @@ log = logging.getLogger(__name__)
 NVME_SUB_GROUP_SIZE = 20_000_000
 
 
-def config_from_args(args: argparse.Namespace, world_size: int = 1) -> Config:
-    """The JSON config (if any) with the flags laid over it, validated; its batch triple
-    checked for `world_size` ranks (train_batch_size counts all of them)."""
-    raw: dict[str, Any] = {}
-    if args.config:
-        from infinity.config.parse import read_json
+def read_config_file(args: argparse.Namespace) -> dict[str, Any]:
+    """The --config file as the user wrote it ({} without one), read once for the run: the
+    config is built from it, and its keys say what the user set (which the placement planner
+    leaves alone: `infinity.run.placement`)."""
+    if not args.config:
+        return {}
+    from infinity.config.parse import read_json
 
-        raw = read_json(args.config)
-        if not isinstance(raw, dict):
-            raise ValueError(
-                f"config file {args.config!r} holds a JSON {type(raw).__name__}; a config is "
-                'one JSON object such as {"train_micro_batch_size_per_gpu": 1}'
-            )
+    raw = read_json(args.config)
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"config file {args.config!r} holds a JSON {type(raw).__name__}; a config is "
+            'one JSON object such as {"train_micro_batch_size_per_gpu": 1}'
+        )
+    return raw
+
+
+def config_from_args(
+    args: argparse.Namespace, world_size: int = 1, *, raw: dict[str, Any] | None = None
+) -> Config:
+    """The JSON config (if any) with the flags laid over it, validated; its batch triple
+    checked for `world_size` ranks (train_batch_size counts all of them). `raw`: the config
+    file as `read_config_file` read it (read here when not given)."""
+    raw = read_config_file(args) if raw is None else raw
     nvme = _nvme_paths(args.nvme)
     if nvme is not None:
         raw = _with_nvme_path(raw, nvme)
@@ -147,3 +158,38 @@ def check_seed(seed: int, where: str = "--seed") -> None:
         raise ValueError(
             f"{where} is {seed}, out of range: give a whole number from 0 to 2**64 - 1 ({SEED_MAX})"
         )
+
+
+def lora_spec(args: argparse.Namespace):
+    """The run's LoRA adapters, or None without --lora-r (the other LoRA flags need it)."""
+    from infinity.models.lora import LoraSpec
+
+    if args.lora_r is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--lora-alpha", args.lora_alpha),
+                ("--lora-targets", args.lora_targets),
+            )
+            if value is not None
+        ] + (["--lora-dropout"] if args.lora_dropout else [])
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} need --lora-r R (the adapter rank) to enable LoRA"
+            )
+        return None
+    return LoraSpec(
+        r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, targets=args.lora_targets
+    )
+
+
+def example_options(args: argparse.Namespace):
+    """The run's `ExampleOptions` from the instruction-data flags."""
+    from infinity.data import ExampleOptions
+
+    return ExampleOptions(
+        chat_template=args.chat_template,
+        train_on_prompt=args.train_on_prompt,
+        pack=args.pack,
+        overlong=args.overlong,
+    )

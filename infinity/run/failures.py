@@ -1,7 +1,7 @@
 """What an `infinity train` run says when it stops early or fails, and the errors it raises.
 
 Owns the messages (what failed, the fix, which checkpoint a later run starts from) and the
-errno they carry. When a run stops is `infinity.cli.train_stop`'s and `train_run`'s business.
+errno they carry. When a run stops is `infinity.run.stop`'s and `training`'s business.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from infinity.checkpoint import latest_tag
-from infinity.cli.train_stop import RunPhase, StopNow
+from infinity.run.stop import RunPhase, StopNow
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def resume_hint(save_dir: Path, once: str = "") -> str:
 
 def other_rank_failed(ranks, save_dir: Path) -> OSError:
     """Rank 0, when a collective broke: the rank that failed and why, and where to go on from
-    (see [Note: one run, several ranks] in train_ranks.py). `ranks` is the run's `Ranks`."""
+    (see [Note: one run, several ranks] in ranks.py). `ranks` is the run's `Ranks`."""
     why = ranks.explain(ranks.comm.timeout_s)
     if "--resume" in why:  # the failed rank's own message says where to go on from
         return error(None, f"the run stopped: {why}")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.cli.train_step import causal_lm_loss, model_inputs
 from infinity.data import PackedDataset
 from infinity.data.sequential import sequential_batches
+from infinity.run.step import causal_lm_loss, model_inputs
 
 IGNORE_INDEX = -100
 
@@ -35,7 +35,7 @@ class EvalResult:
         return math.exp(self.loss) if self.loss < 700 else math.inf  # exp overflows past ~709
 
     def record(self) -> dict:
-        """The line in metrics.jsonl (train_report turns eval_loss into eval/loss)."""
+        """The line in metrics.jsonl (`report` turns eval_loss into eval/loss)."""
         return {
             "step": self.step,
             "eval_loss": self.loss,

@@ -5,7 +5,7 @@ removes them and metrics.jsonl first); --resume finds the checkpoint to continue
 way `infinity export` does (`infinity.checkpoint.find_checkpoint`), and refuses settings that
 differ from the saved run's, saying which in the user's terms. Holding the directory for the
 run's life is `SaveDirClaim`: the lock (`infinity.checkpoint.SaveDirLock`), taken by
-`infinity.cli.train.run`, and the check before each step and save that the directory and its
+`infinity.run.launch.train`, and the check before each step and save that the directory and its
 lock file are still the ones the run took.
 """
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 
-from infinity.cli.sizes import parse_size
 from infinity.config import Config
 from infinity.estimate.hardware import PROCESS_FLOOR_BYTES, RSS_MARGIN_BYTES
 from infinity.estimate.placement import (
@@ -26,7 +25,9 @@ from infinity.estimate.placement import (
     plan_placement,
 )
 from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, LEAN_BUFFERS
+from infinity.run.options import read_config_file
 from infinity.utils.host_memory import available_ram, physical_ram
+from infinity.utils.sizes import parse_size
 
 DEFAULT_RAM_SHARE = 0.8
 """Of the RAM available when a run starts (MemAvailable), the share the planner may use by
@@ -61,12 +62,12 @@ def add_placement_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def planned(args: argparse.Namespace) -> bool:
+def planned(args: argparse.Namespace, zero: dict | None = None) -> bool:
     """Whether the planner decides this run's placement (see [Note: when the planner
     decides])."""
     if not getattr(args, "nvme", None) or getattr(args, "placement", "auto") != "auto":
         return False
-    zero = _user_zero(args)
+    zero = _user_zero(args) if zero is None else zero
     if zero.get("stage", 3) != 3:  # parameters resident: --nvme holds the optimizer state
         return False
     named = [(zero.get(k) or {}).get("device") for k in ("offload_param", "offload_optimizer")]
@@ -74,21 +75,17 @@ def planned(args: argparse.Namespace) -> bool:
 
 
 def _user_zero(args: argparse.Namespace) -> dict:
-    if not args.config:
-        return {}
-    from infinity.config.parse import read_json
-
-    return read_json(args.config).get("zero_optimization") or {}
+    return read_config_file(args).get("zero_optimization") or {}
 
 
-def tunable_buffers(args: argparse.Namespace) -> set[str]:
+def tunable_buffers(args: argparse.Namespace, zero: dict | None = None) -> set[str]:
     """The keys of LEAN_BUFFERS, GRADS_ON_DEVICE and KEEP the run's config leaves unset: the
     planner may set them (see [Note: lean buffers], [Note: gradient sums on the device] and
     [Note: weights kept on the device] in infinity/estimate/placement_rungs.py)."""
     from infinity.config.keys import KEYS
     from infinity.config.sections import ZeroConfig
 
-    zero = _user_zero(args)
+    zero = _user_zero(args) if zero is None else zero
     # Every spelling a config may use, by the name LEAN_BUFFERS gives (DeepSpeed's first).
     spelled = {names[0]: names for names in KEYS[ZeroConfig].values()}
     unset = set()
@@ -138,6 +135,7 @@ def plan_run(
     runtime_bytes: int | None = None,
     device_default: tuple[int, str, int] | None = None,
     here: bool = True,
+    given_zero: dict | None = None,
 ) -> Placement | None:
     """The plan for a run of `hf_config` under `config` (its nvme_path set by --nvme), or
     None where the planner does not decide (see [Note: when the planner decides]; a
@@ -146,19 +144,22 @@ def plan_run(
     bound] in infinity/estimate/placement.py). `device_default`: the GPU
     memory the run may use without --device-memory, where the figure came from, and the
     GPU's whole memory (a --device-memory above it is refused); `here`:
-    the run is on this machine (see `ram_budget`)."""
+    the run is on this machine (see `ram_budget`). `given_zero`: the zero_optimization
+    section of the config file as the user wrote it (`options.read_config_file`; read from
+    --config when not given), whose keys the planner leaves alone."""
     from dataclasses import replace
 
     from infinity.estimate import model_shape
 
     limit = _checked_flags(args, gpu, device_default)
-    if not planned(args) and args.ram_budget is None and limit is None:
+    zero = _user_zero(args) if given_zero is None else given_zero
+    if not planned(args, zero) and args.ram_budget is None and limit is None:
         return None
     shape = model_shape(hf_config, lora_r=lora_r)
     run = dict(gpu=gpu, seq_len=args.seq_len, checkpointing=bool(args.activation_checkpointing),
                runtime_bytes=PROCESS_FLOOR_BYTES if runtime_bytes is None else runtime_bytes,
                world_size=world_size)  # fmt: skip
-    if not planned(args):  # the config places it: its needs are only checked
+    if not planned(args, zero):  # the config places it: its needs are only checked
         if limit is not None:
             check_device(shape, config, limit, f"--device-memory {_flag_size(limit)}", **run)
         if args.ram_budget is not None:
@@ -170,7 +171,7 @@ def plan_run(
         budget = replace(budget, device_bytes=limit, device_source=source)
     elif gpu and device_default is not None:
         budget = replace(budget, device_bytes=device_default[0], device_source=device_default[1])
-    return plan_placement(shape, config, budget, tunable=tunable_buffers(args), **run)
+    return plan_placement(shape, config, budget, tunable=tunable_buffers(args, zero), **run)
 
 
 def _checked_flags(args: argparse.Namespace, gpu: bool, device_default) -> int | None:

@@ -1,12 +1,11 @@
-"""One `infinity train` run: model, data, engine, the loop, checkpoints and clean stops.
+"""One training run: model, data, engine, the loop, checkpoints and clean stops.
 
 Owns the order of things (model under `infinity.init`, weights streamed into partitions,
 data, engine, resume), the per-step record in `metrics.jsonl`, the progress bar and the
 stop on a signal or a failed step, which never leaves a torn checkpoint or the swap directory
-behind. What each signal means is in `infinity.cli.train_stop`, what a stopped or failed run
-says in `train_failures`, a step's loss and record in `train_step`, the --eval-data
-evaluations in `train_eval`; the flags and input checks are in `infinity.cli.train` and
-`train_flags`.
+behind. What each signal means is in `infinity.run.stop`, what a stopped or failed run
+says in `failures`, a step's loss and record in `step`, the --eval-data evaluations in
+`evaluation`; the input checks are in `inputs`, the flags over the config in `options`.
 """
 
 from __future__ import annotations
@@ -24,13 +23,15 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import infinity
 from infinity.accelerator import get_accelerator
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
-from infinity.cli import train_disk
-from infinity.cli.estimate import write_json
-from infinity.cli.placement import plan_run
-from infinity.cli.run_tokenizer import record_tokenizer
-from infinity.cli.train import tokenizer_dir
-from infinity.cli.train_eval import due, evaluate
-from infinity.cli.train_failures import (
+from infinity.comm import CommError
+from infinity.config import Config
+from infinity.data import PackedDataset
+from infinity.models import hf_auto
+from infinity.models.lora import apply_lora, lora_targets
+from infinity.run import disk as train_disk
+from infinity.run.data import eval_data, train_data
+from infinity.run.evaluation import EvalResult, due, evaluate
+from infinity.run.failures import (
     close_quietly,
     error,
     first_errno,
@@ -39,10 +40,12 @@ from infinity.cli.train_failures import (
     step_failed,
     stopped_at_once,
 )
-from infinity.cli.train_flags import example_options, lora_spec
-from infinity.cli.train_ranks import Ranks
-from infinity.cli.train_report import metrics_log
-from infinity.cli.train_savedir import (
+from infinity.run.inputs import tokenizer_dir
+from infinity.run.options import lora_spec
+from infinity.run.placement import plan_run
+from infinity.run.ranks import Ranks
+from infinity.run.report import metrics_log
+from infinity.run.savedir import (
     RunShape,
     SaveDirClaim,
     check_resume,
@@ -50,7 +53,7 @@ from infinity.cli.train_savedir import (
     find_resume,
     prepare_fresh,
 )
-from infinity.cli.train_step import (
+from infinity.run.step import (
     causal_lm_loss,
     end_profile,
     model_inputs,
@@ -58,20 +61,21 @@ from infinity.cli.train_step import (
     start_profile,
     step_record,
 )
-from infinity.cli.train_stop import RunPhase, StopSignals, stop_in_chain
-from infinity.comm import CommError
-from infinity.config import Config
-from infinity.data import PackedDataset, open_dataset
-from infinity.data.tokenizer import tokenizer_files
-from infinity.models import hf_auto
-from infinity.models.lora import apply_lora, lora_targets
+from infinity.run.stop import RunPhase, StopSignals, stop_in_chain
+from infinity.run.tokenizer import record_tokenizer
+from infinity.utils.fsio import write_json
 from infinity.utils.phase_clock import PhaseClock
 
 log = logging.getLogger(__name__)
 
 
 class TrainRun:
-    """Builds everything from the parsed flags and the config, then trains."""
+    """One training run behind a small interface: `setup` builds it (its steps ordered and
+    commented there), `train` runs the steps to the end or to a stop, `step` runs one,
+    `evaluate` measures the validation loss, `save` checkpoints, `close` lets go of the
+    engine and its swap directory. `run` does all of it for `infinity train` and turns
+    stops and failures into the exit code and the message.
+    """
 
     def __init__(
         self,
@@ -81,10 +85,11 @@ class TrainRun:
         *,
         model: hf_auto.CausalLMSpec,
         claim: SaveDirClaim | None = None,
+        config_file: dict | None = None,
     ) -> None:
         self.args = args
         self.ranks = ranks
-        """This rank's place in the run (one rank without torchrun): see train_ranks."""
+        """This rank's place in the run (one rank without torchrun): see ranks."""
         self.claim = claim
         """Rank 0's hold on the save directory, checked before each record and save."""
         self.save_dir = Path(args.save_dir).expanduser()
@@ -93,6 +98,8 @@ class TrainRun:
         `train.check_inputs` described and checked them."""
         self.model_dir = self.model.model_dir
         self.config = config
+        self.config_file = config_file
+        """The --config file as the user wrote it (None: read again where needed)."""
         self.metrics = metrics_log(args, self.save_dir)  # and TensorBoard (--report-to)
         self.param_shapes = self.model.param_shapes
         """HF names and shapes of the model's unique parameters (from a meta model, once)."""
@@ -102,66 +109,23 @@ class TrainRun:
         self._lora_targets: list[str] = []
         """The layer names the adapters went on (resolved from --lora-targets or all)."""
         self.eval_data: PackedDataset | None = None
-        """The --eval-data sequences, read in file order (see train_eval)."""
+        """The --eval-data sequences, read in file order (see evaluation)."""
         self._eval_loss: float | None = None
         """The latest validation loss, for the progress bar."""
         self.startup_s: dict[str, float] = {}
         """Seconds of each phase before the first step (data, placement, disk_check, model,
         engine)."""
+        self.engine = None
+        """The engine, once `setup` has built it."""
+        self.data: PackedDataset | None = None
+        self.steps = 0
+        """The optimizer steps the run ends at (--steps, or one pass over the data)."""
+        self.resolved: Config | None = None
+        """The config resolved for this model and these ranks, with the placement applied."""
+        self.resume: Checkpoint | None = None
+        """The checkpoint `train` continues from (--resume), else None."""
 
     # -- building ------------------------------------------------------------------------
-
-    def _data(self) -> PackedDataset:
-        data = self.ranks.main_first(  # rank 0 fills the token cache the others read
-            lambda: open_dataset(
-                self.args.data,
-                seq_len=self.args.seq_len,
-                seed=self.config.seed,
-                tokenizer_dir=tokenizer_dir(self.args),
-                cache_dir=self.save_dir / "tokens",
-                field=self.args.data_field,
-                examples=example_options(self.args),
-                rank=self.ranks.rank,
-                world_size=self.ranks.world_size,
-            )
-        )
-        tok = data.tokenizer
-        log.info("tokens: %s", tok.describe())
-        own = tokenizer_files(self.model_dir) if self.model_dir is not None else []
-        if self.args.byte_tokens and own:
-            log.warning(
-                "--byte-tokens: the model's own tokenizer (%s in %s) is not used; a pretrained "
-                "model learns little from byte ids it was not trained on",
-                ", ".join(own),
-                self.model_dir,
-            )
-        if tok.vocab_size > self.model.vocab_size:
-            raise ValueError(
-                f"the tokenizer ({tok.describe()}) has {tok.vocab_size} token ids but the "
-                f"model's embedding has {self.model.vocab_size} rows; use the model's "
-                "own tokenizer or a model with a larger vocab_size"
-            )
-        return data
-
-    def _eval_data(self) -> PackedDataset | None:
-        """--eval-data tokenized as the training data (its own token cache), before any
-        training: a file with too few tokens fails here."""
-        if self.args.eval_data is None:
-            return None
-        try:
-            return self.ranks.main_first(
-                lambda: open_dataset(
-                    self.args.eval_data,
-                    seq_len=self.args.seq_len,
-                    seed=0,  # never shuffled: evaluation reads it in order
-                    tokenizer_dir=tokenizer_dir(self.args),
-                    cache_dir=self.save_dir / "tokens",
-                    field=self.args.data_field,
-                    examples=example_options(self.args),
-                )
-            )
-        except ValueError as exc:
-            raise ValueError(f"--eval-data {self.args.eval_data}: {exc}") from None
 
     def _resolved(self, data: PackedDataset) -> tuple[Config, int]:
         world = self.ranks.world_size
@@ -189,15 +153,18 @@ class TrainRun:
 
     def _placed(self, config: Config) -> Config:
         """`config` with the planner's placement when it decides (see [Note: when the
-        planner decides] in infinity/cli/placement.py): planned on rank 0, the same on all."""
+        planner decides] in infinity/run/placement.py): planned on rank 0, the same on all."""
         accel = get_accelerator()
         gpu = accel.device.type != "cpu"
         free, total = accel.memory_free() if gpu else (0, 0)
+        file = self.config_file  # what the user set, which the planner leaves alone
+        given = None if file is None else file.get("zero_optimization") or {}
         plan = self.ranks.decide(
             lambda: plan_run(
                 self.args, config, self.model.hf_config, gpu=gpu,
                 lora_r=self.lora.r if self.lora else 0, world_size=self.ranks.world_size,
                 local_ranks=getattr(self.ranks.comm, "local_world_size", 1),
+                given_zero=given,
                 device_default=(free, "free on the GPU at the start", total) if free else None,
             )
         )  # fmt: skip
@@ -225,7 +192,7 @@ class TrainRun:
         return model
 
     def _check_disk(self, config: Config, steps: int) -> None:
-        """Print the disk space the run needs; refuse to start without it (train_disk)."""
+        """Print the disk space the run needs; refuse to start without it (disk)."""
         targets = None
         if self.lora is not None:
             with torch.device("meta"):
@@ -279,7 +246,7 @@ class TrainRun:
     def _prepare_save_dir(self) -> Checkpoint | None:
         """Before anything is built: the checkpoint to resume from, checked against this
         run's settings; or, for a fresh run, a save dir without checkpoints (see
-        infinity.cli.train_savedir). Decided on rank 0; the others open the same one."""
+        infinity.run.savedir). Decided on rank 0; the others open the same one."""
         mine: list[Checkpoint | None] = []
 
         def check() -> str | None:
@@ -333,47 +300,63 @@ class TrainRun:
             self.ranks.say(stopped_at_once(self.save_dir, stop), err=True)
             return stop.exit_code
 
-    def _run(self, signals: StopSignals) -> int:
+    def setup(self) -> None:
+        """Build the run, each step from the ones before it only."""
         clock = PhaseClock()
-        resume = self._prepare_save_dir()
-        data = self._data()
-        self.eval_data = self._eval_data()
-        config, steps = self._resolved(data)
+        # 1. The save dir: the checkpoint to resume from, checked against this run's
+        #    settings, or a fresh directory (decided on rank 0, before anything is built).
+        self.resume = self._prepare_save_dir()
+        # 2. The data, tokenized once into the save dir's token cache, and the validation set.
+        self.data = train_data(
+            self.args, self.ranks, self.save_dir, self.model, seed=self.config.seed
+        )
+        self.eval_data = eval_data(self.args, self.ranks, self.save_dir)
+        # 3. The config resolved for this model, these ranks and the run's length.
+        config, self.steps = self._resolved(self.data)
         clock.lap("data")
-        config = self._placed(config)
+        # 4. The placement plan, made on rank 0 and applied to the config as its keys.
+        self.resolved = config = self._placed(config)
         clock.lap("placement")
-        self.ranks.decide(lambda: self._check_disk(config, steps))  # one disk check
-        if self.ranks.is_main and resume is None:  # once the run is accepted, for generate
+        # 5. The disk space the placed run needs, checked once; the tokenizer kept for
+        #    `infinity generate` once the run is accepted.
+        self.ranks.decide(lambda: self._check_disk(config, self.steps))
+        if self.ranks.is_main and self.resume is None:
             record_tokenizer(self.save_dir, tokenizer_dir(self.args))
         clock.lap("disk_check")
+        # 6. The model, built under `infinity.init` with its weights streamed in, and LoRA.
         model = self._model(config)
         clock.lap("model")
-        engine = infinity.initialize(
+        # 7. The engine over it: tiers, homes, optimizer, coordinator and hooks.
+        self.engine = infinity.initialize(
             model, config, base_model=self._base_source(config), comm=self.ranks.comm
         )
         clock.lap("engine")
         self.startup_s = clock.seconds
-        inner = ", ".join(f"{k} {v:.2f} s" for k, v in engine.parts.startup_s.items())
+        inner = ", ".join(f"{k} {v:.2f} s" for k, v in self.engine.parts.startup_s.items())
         log.info("ready to train in %s; engine: %s", clock.describe(), inner)
+
+    def _run(self, signals: StopSignals) -> int:
+        self.setup()
         try:
-            code = self._train(engine, data, config, steps, signals, resume)
+            code = self.train(signals)
         except BaseException:
             signals.start_closing()
-            close_quietly(engine)  # the error in flight is the one to report
+            close_quietly(self.engine)  # the error in flight is the one to report
             raise
         signals.start_closing()
-        engine.close()  # removes the swap directory under --nvme
+        self.close()
         return code
 
-    def _train(
-        self,
-        engine,
-        data,
-        config: Config,
-        steps: int,
-        signals: StopSignals,
-        resume: Checkpoint | None,
-    ) -> int:
+    def close(self) -> None:
+        """Close the engine (which removes the swap directory under --nvme)."""
+        if self.engine is not None:
+            self.engine.close()
+
+    def train(self, signals: StopSignals) -> int:
+        """From the resumed step (or 0) to `steps`, or to a stop; then a checkpoint."""
+        engine, data, config, steps, resume = (
+            self.engine, self.data, self.resolved, self.steps, self.resume
+        )  # fmt: skip
         if resume is not None:
             now = self._lora_state() if self.lora is not None else None
             check_same_adapters(resume.state.get("lora"), now, self.save_dir)
@@ -442,12 +425,12 @@ class TrainRun:
         )
         profiler = start_profile(engine, self.args.profile, steps, self.save_dir)
         with bar, logging_redirect_tqdm():  # the engine's progress lines go above the bar
-            # The ranks agree on a stop before each step (see train_ranks).
+            # The ranks agree on a stop before each step (see ranks).
             while engine.global_steps < steps and not self.ranks.any_stop(signals.requested):
                 lr = engine.get_lr()[0]  # the rate this step uses
                 start = time.perf_counter()
                 try:
-                    loss = self._one_step(engine, data, micro, accum)
+                    loss = self.step()
                 except OSError as exc:
                     raise step_failed(self.save_dir, engine.global_steps + 1, exc) from exc
                 self._saved = None
@@ -461,7 +444,7 @@ class TrainRun:
                 if self.eval_data is not None and due(
                     engine.global_steps, self.args.eval_every, steps
                 ):
-                    self._evaluate(engine, micro)
+                    self.evaluate()
                 bar.update(1)
                 shown = "" if self._eval_loss is None else f", eval_loss={self._eval_loss:.4f}"
                 bar.set_postfix_str(
@@ -477,14 +460,26 @@ class TrainRun:
         if profiler is not None:  # the run ended before the profile did
             end_profile(profiler)
 
-    def _evaluate(self, engine, micro: int) -> None:
+    def evaluate(self) -> EvalResult:
         """The validation loss now: a record in metrics.jsonl and a log line (every rank runs
         the same forwards, which gather the parameters together; rank 0 writes)."""
-        result = evaluate(engine, self.eval_data, micro)
+        micro = self.resolved.train_micro_batch_size_per_gpu
+        result = evaluate(self.engine, self.eval_data, micro)
         self._eval_loss = result.loss
         if self.ranks.is_main:
             self.metrics.append(result.record())
             log.info("%s", result.describe())
+        return result
+
+    def step(self) -> float:
+        """One optimizer step (its accumulation window); the mean micro-batch loss."""
+        config = self.resolved
+        micro, accum = config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps
+        return self._one_step(self.engine, self.data, micro, accum)
+
+    def save(self) -> str:
+        """A checkpoint of the state after the last step; its tag."""
+        return self._save(self.engine, self.data)
 
     @staticmethod
     def _one_step(engine, data: PackedDataset, micro: int, accum: int) -> float:

@@ -5,7 +5,7 @@ plain PyTorch. What the engine adds per module with parameters (its gather and r
 hooks, prefetch bookkeeping, the gradient hooks, and what re-gathered weights cost the
 compute around them), less its copies and its waits for the disk, which the estimate
 models apart; and the rate at which its gathers from NVMe copied their staging buffers. It
-lives with the command line because it runs the engine, which the estimate package below it
+lives with the training run because it runs the engine, which the estimate package below it
 may not import.
 
 [Note: probing at the run's sizes] A tiny model (64 wide) measures the bookkeeping alone,
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from infinity.config import Config
+from infinity.config import Config, resolve_run
 from infinity.zero import model_dtype
 
 # [Note: capped probes] The compute probe runs one micro batch of at most PROBE_TOKENS tokens
@@ -53,9 +53,8 @@ _REPEATS = 7
 
 def probe_batch(shape, config: Config, seq_len: int) -> tuple[Config, int]:
     """The config and sequence length the probes run at ([Note: capped probes])."""
-    from infinity.estimate.sizing import resolve_config
 
-    micro = int(resolve_config(config, shape).train_micro_batch_size_per_gpu)
+    micro = int(resolve_run(config, shape.run_facts()).train_micro_batch_size_per_gpu)
     probe_seq = min(seq_len, PROBE_SEQ_LEN)
     probe_micro = min(micro, max(1, PROBE_TOKENS // probe_seq))
     if (probe_micro, probe_seq) == (micro, seq_len):

@@ -58,7 +58,7 @@ def describe_run(
     args: argparse.Namespace, config: Config, model: CausalLMSpec, *, world_size: int
 ) -> dict:
     """This rank's run, as {what (a flag or config key): value} (JSON values)."""
-    from infinity.cli.train import tokenizer_dir
+    from infinity.run.inputs import tokenizer_dir
 
     run: dict[str, Any] = {
         "--model": _model_digest(model),

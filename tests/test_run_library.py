@@ -1,0 +1,76 @@
+"""The training run as a library (`infinity.run`): what `infinity train` does, driven from
+Python through `TrainRun`'s small interface, gives the command's numbers; and one run reads
+its config file once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from _train_inputs import train_args, write_inputs
+
+from infinity.cli.main import build_parser, main
+from infinity.run.inputs import check_inputs
+from infinity.run.options import config_from_args, read_config_file
+from infinity.run.ranks import join
+from infinity.run.training import TrainRun
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lib")
+    model, data = write_inputs(root)
+    val = root / "val.jsonl"
+    val.write_text("".join(json.dumps({"text": f"val {i}: " + "ab" * i}) + "\n" for i in range(5)))
+    return model, data, val
+
+
+def _records(save_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_setup_step_evaluate_save_close_give_the_commands_numbers(tmp_path, inputs):
+    pytest.importorskip("transformers")
+    model, data, val = inputs
+    flags = ("--steps", 1, "--eval-data", val)
+    assert main(train_args(model, data, tmp_path / "cli", *flags)) == 0
+    (step,) = [r for r in _records(tmp_path / "cli") if "loss" in r]
+    (evaluated,) = [r for r in _records(tmp_path / "cli") if "eval_loss" in r]
+
+    save_dir = tmp_path / "lib"
+    args = build_parser().parse_args(train_args(model, data, save_dir, *flags))
+    spec = check_inputs(args)
+    with join(save_dir, None) as ranks:
+        run = TrainRun(args, config_from_args(args, ranks.world_size), ranks, model=spec)
+        run.setup()
+        try:
+            assert run.steps == 1 and run.engine.global_steps == 0
+            assert run.step() == step["loss"]  # bit for bit: the same step
+            assert run.evaluate().loss == evaluated["eval_loss"]
+            tag = run.save()
+        finally:
+            run.close()
+    assert (save_dir / tag).is_dir()
+    assert _records(save_dir)[-1]["eval_loss"] == evaluated["eval_loss"]
+
+
+def test_a_run_reads_its_config_file_once(tmp_path, inputs, monkeypatch):
+    """The planner's view of what the user set comes from the one read (it used to read the
+    file again, up to three times)."""
+    import infinity.config.parse as parse
+
+    model, data, _ = inputs
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    reads: list[str] = []
+    real = parse.read_json
+    monkeypatch.setattr(parse, "read_json", lambda path: reads.append(path) or real(path))
+    flags = dict(nvme=tmp_path / "ssd", placement="auto", config=config, steps=1)
+    assert main(train_args(model, data, tmp_path / "run", **flags)) == 0
+    assert (tmp_path / "run" / "placement.json").is_file()  # the planner decided
+    assert reads == [str(config)]
+    written = json.loads(config.read_text())
+    assert read_config_file(argparse.Namespace(config=str(config))) == written
+    assert read_config_file(argparse.Namespace(config=None)) == {}
