@@ -12,7 +12,11 @@ sub-group, in an order that rotates so the shared disk's swings hit each alike. 
 the next sweep is off (`prefetch_next_sweep=False`): it would overlap the other stores'
 sweeps. A variant's cost is the median over rounds of (its sweep / the sweep without
 checksums in the same round) - 1. The states are compared bitwise at the end, and each
-variant's summing rate on one core is measured on a sub-group's buffer.
+variant's summing rate on one core is measured on a sub-group's buffer. Each variant also
+prints the median of its sweeps split into `STAGES` (read wait, Adam, write wait, the rest,
+and the checksum threads' CPU seconds): where the sums' cost goes. The quiet rerun:
+
+    python -m benchmarks.swap_checksum_bench --path DIR --state-gib 1 --rounds 7
 
     flock /work/bench.lock python -m benchmarks.swap_checksum_bench --path /tmp \\
         --state-gib 2 --rounds 9 --json benchmarks/results/swap_checksum.json
@@ -26,14 +30,15 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
 
-from benchmarks.optimizer_pipeline_bench import sweep_pass
 from benchmarks.optimizer_swap_bench import machine, open_aio, state_groups
 from infinity.io import checksum, extent
 from infinity.io.aio import AioHandle, aligned_empty
+from infinity.optim import adam_step_flat
 from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.store import SwapStore
 
@@ -47,13 +52,48 @@ VARIANTS = {
     "full": (checksum.PAGE_BYTES, "auto"),
 }
 """Name -> (bytes of each page the sums cover (None: no checksums), CRC-32C kernel)."""
+STAGES = ("read_wait_s", "adam_s", "write_wait_s", "other_s", "sum_cpu_s")
+"""Where a sweep's time goes: the caller waiting for reads (and, with sums, their checks),
+its Adam steps, waiting for write-backs (and their sums), the rest; and the CPU seconds the
+checksum threads spent summing (`time.thread_time`, whatever the load)."""
+_SUM_CPU = [0.0]
+_SUM_LOCK = threading.Lock()
+
+
+def _timed_chunk_sums(fn):
+    def timed(buf, *a, **kw):
+        start = time.thread_time()
+        out = fn(buf, *a, **kw)
+        with _SUM_LOCK:
+            _SUM_CPU[0] += time.thread_time() - start
+        return out
+
+    return timed
+
+
+def sweep_stages(state: NvmeStateTier, grad: torch.Tensor, step: int) -> dict[str, float]:
+    """One sweep with an Adam step on each sub-group, split into `STAGES`."""
+    stats, adam = state.io.stats, 0.0
+    waits = (stats.read_wait_s, stats.write_wait_s, _SUM_CPU[0])
+    start = time.perf_counter()
+    for _, s in state.sweep():
+        t = time.perf_counter()
+        adam_step_flat(
+            s.master, grad, s.exp_avg, s.exp_avg_sq, step=step, lr=1e-3, weight_decay=0.01
+        )
+        adam += time.perf_counter() - t
+    total = time.perf_counter() - start
+    read, write = stats.read_wait_s - waits[0], stats.write_wait_s - waits[1]
+    other = total - read - write - adam
+    return {"sweep_s": total, "read_wait_s": read, "adam_s": adam, "write_wait_s": write,
+            "other_s": other, "sum_cpu_s": _SUM_CPU[0] - waits[2]}  # fmt: skip
 
 
 def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -> dict:
     g = torch.Generator().manual_seed(0)
     grad = torch.randn(numel, generator=g)
     master = torch.randn(numel, generator=g)
-    rows: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     with SwapStore(args.path, run_id=f"bench{os.getpid()}") as store:
         states = {}
         for name, (sample, kernel) in VARIANTS.items():
@@ -72,11 +112,11 @@ def measure(args: argparse.Namespace, aio: AioHandle, numel: int, groups: int) -
         for state in states.values():
             for i in range(groups):
                 state.initialize(i, master)
-            sweep_pass(state, grad, step=1)  # warm-up; also settles the initial writes
+            sweep_stages(state, grad, step=1)  # warm-up; also settles the initial writes
         names = list(states)
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                rows[name].append(sweep_pass(states[name], grad, step=r + 2))
+                rows[name].append(sweep_stages(states[name], grad, step=r + 2))
         off = [states["off"].read(i) for i in range(groups)]
         identical = all(
             torch.equal(a, b)
@@ -105,7 +145,8 @@ def run(args: argparse.Namespace) -> dict:
     numel, groups, state_bytes = state_groups(args)
     with open_aio(args) as aio:
         result = measure(args, aio, numel, groups)
-    rows = result["sweep_s"]
+    stages = result["sweep_s"]
+    rows = {name: [r["sweep_s"] for r in runs] for name, runs in stages.items()}
     variants = []
     for name, (sample, kernel) in VARIANTS.items():
         ratios = [t / off for t, off in zip(rows[name], rows["off"], strict=True)]
@@ -119,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
             "sweep_gbps": 2 * state_bytes / median / _GB,
             "paired_ratios": ratios,
             "cost": statistics.median(ratios) - 1,
+            "median_stage_s": {k: statistics.median(r[k] for r in stages[name]) for k in STAGES},
         }
         if sample is not None:
             v["sum_gbps_one_core"] = sum_gbps(12 * numel, sample, kernel)
@@ -158,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="swap_checksum_bench.json", help="output file")
     args = p.parse_args(argv)
     extent.SUM_THREADS = args.sum_threads
+    checksum.chunk_sums = _timed_chunk_sums(checksum.chunk_sums)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     record = run(args)
     print(
@@ -171,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  {v['name']:16} sweep {v['median_sweep_s']:.3f} s ({v['sweep_gbps']:.2f} GB/s "
             f"read+write), cost {v['cost'] * 100:+.1f}% (median of paired rounds){rate}"
         )
+        st = v["median_stage_s"]
+        print("    " + ", ".join(f"{k} {st[k] * 1e3:.1f} ms" for k in STAGES))
     with open(args.json, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {args.json}")

@@ -25,7 +25,14 @@ multiplication folding 256 bytes a step (AVX-512 VPCLMULQDQ, 51-59 GB/s on one c
 development machine over cached data, 36-37 GB/s from DRAM), else the crc32 instruction
 three chunks at a time (SSE4.2 or the ARMv8 CRC extension, about half that), else tables.
 They are a pass over memory beside the optimizer's: +4-12% of the NVMe optimizer sweep on
-the loaded 2-core development machine (benchmarks/swap_checksum_bench.py, BENCHMARKS.md).
+the loaded 2-core development machine (benchmarks/swap_checksum_bench.py, BENCHMARKS.md),
+over the 3% they are allowed. The bench's stage split says where: the sweep waits on its
+reads, and a read's wait includes its check (5-8 ms per 96 MiB sub-group on one thread), run
+after the bytes land and before the caller may step them, so it adds to the critical path
+whole; Adam sharing the cores with the checksum threads adds the rest, the write sums
+almost nothing. What removes it: check each page inside the Adam pass that reads it (before
+anything computed from the page is stored) and record the written pages' sums from the same
+pass, so a read's wait is the disk's alone and no second pass over DRAM runs.
 `ExtentSums.sample_bytes` below `PAGE_BYTES` sums only the first bytes of each 4 KiB page,
 as releases before full sums did; it stays for that comparison only, since a change inside
 the rest of a page then goes unseen.
