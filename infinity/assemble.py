@@ -42,6 +42,7 @@ from torch import nn
 from infinity.accelerator import Accelerator
 from infinity.comm import Comm
 from infinity.config import Config, resolve_stage3
+from infinity.optim.groups import ParamGroup
 from infinity.swap import (
     NvmeParamTier,
     SwapStores,
@@ -203,6 +204,7 @@ def assemble(
     comm: Comm,
     accelerator: Accelerator,
     no_decay: Collection[str],
+    groups: Sequence[ParamGroup] = (),
     timer: StepTimer,
     loss_scale: Callable[[], float] | None,
 ) -> PartitionedModel:
@@ -214,7 +216,7 @@ def assemble(
         check_same_weights(model.named_parameters(), comm)
     named = list(model.named_parameters())
     trainable = [(n, _shard_numel(p.numel(), comm)) for n, p in named if p.requires_grad]
-    _check_names(named, trainable, no_decay)
+    _check_names(named, trainable, set(no_decay).union(*(g.names for g in groups)))
     parts = PartitionedModel(
         model, config, comm, accelerator, SwapStores(rank=comm.rank), param_tier=None
     )
@@ -225,7 +227,7 @@ def assemble(
         clock.lap("tiers")
         parts.records, units, sources = partition_model(model, config, accelerator, plan)
         clock.lap("partition")
-        _optimizer(parts, plan, state_tier, trainable, sources, no_decay)
+        _optimizer(parts, plan, state_tier, trainable, sources, no_decay, groups)
         del sources  # the optimizer has written them into their homes
         clock.lap("optimizer")
         _runtime(parts, units, timer, loss_scale)
@@ -248,7 +250,7 @@ def _check_names(
     unknown = sorted(set(no_decay) - {n for n, _ in named})
     if unknown:
         raise ValueError(
-            f"initialize: no_decay names {unknown[:5]}, which are not parameters of the "
+            f"initialize: no_decay or group names {unknown[:5]}, which are not parameters of the "
             "model; use names from model.named_parameters()"
         )
 
@@ -327,6 +329,7 @@ def _optimizer(
     trainable: list[tuple[str, int]],
     sources: list[torch.Tensor],
     no_decay: Collection[str],
+    groups: Sequence[ParamGroup],
 ) -> None:
     """Step 4: the gradient tier and the optimizer, over the layout the homes were made with."""
     config = parts.config
@@ -350,6 +353,7 @@ def _optimizer(
             state_tier=state_tier,
             weights=plan.weights,
             no_decay=[i for i, n in enumerate(names) if n in no_decay],
+            groups=groups,
             grad_tier=grads,
             comm=parts.comm,
         )
