@@ -18,11 +18,16 @@ from infinity.models import LlamaConfig
 
 @pytest.mark.parametrize(
     ("param", "optim"),
-    [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu")],
-    ids=["both-nvme", "params-cpu-optim-nvme", "params-nvme-optim-cpu"],
+    [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("cpu", "nvme-8bit")],
+    ids=["both-nvme", "params-cpu-optim-nvme", "params-nvme-optim-cpu", "8-bit-aligned-shards"],
 )
 def test_two_ranks_hold_and_move_what_the_estimate_says(tmp_path, param, optim):
+    """The 8-bit case: shards rounded up to 256 elements, in the estimate as in the engine."""
+    eight_bit = optim.endswith("-8bit")
+    optim = optim.removesuffix("-8bit")
     cfg = _config(tmp_path, param=param, optim=optim, stage3_max_live_parameters=50000)
+    if eight_bit:
+        cfg["optimizer"]["type"] = "AdamW8bit"
     args = [str(tmp_path), json.dumps(cfg), "2"]
     ranks = rank_results(run_ranks("_estimate_ranks_child.py", args, timeout_s=240))
     shape = model_shape(LlamaConfig(**SHAPE))
