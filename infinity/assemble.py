@@ -43,6 +43,7 @@ from torch import nn
 from infinity.accelerator import Accelerator
 from infinity.comm import Comm
 from infinity.config import Config, RunFacts
+from infinity.optim.groups import ParamGroup
 from infinity.swap import (
     NvmeParamTier,
     SwapStores,
@@ -73,7 +74,7 @@ from infinity.zero import (
 from infinity.zero.grad_offload import GradOffload
 from infinity.zero.grad_reduce import GradReducer
 from infinity.zero.optimizer_state import state_format
-from infinity.zero.shard import check_same_weights, shard_of
+from infinity.zero.shard import check_same_weights, shard_align, shard_of
 from infinity.zero.sub_groups import FlatLayout, check_slots
 from infinity.zero.weights import lay_out_flat
 
@@ -203,6 +204,7 @@ def assemble(
     comm: Comm,
     accelerator: Accelerator,
     no_decay: Collection[str],
+    groups: Sequence[ParamGroup] = (),
     timer: StepTimer,
     loss_scale: Callable[[], float] | None,
 ) -> PartitionedModel:
@@ -213,8 +215,9 @@ def assemble(
     if comm.world_size > 1:
         check_same_weights(model.named_parameters(), comm)
     named = list(model.named_parameters())
-    trainable = [(n, _shard_numel(p.numel(), comm)) for n, p in named if p.requires_grad]
-    _check_names(named, trainable, no_decay)
+    align = shard_align(config.optimizer.eight_bit)
+    trainable = [(n, _shard_numel(p.numel(), comm, align)) for n, p in named if p.requires_grad]
+    _check_names(named, trainable, set(no_decay).union(*(g.names for g in groups)))
     parts = PartitionedModel(
         model, config, comm, accelerator, SwapStores(rank=comm.rank), param_tier=None
     )
@@ -225,7 +228,7 @@ def assemble(
         clock.lap("tiers")
         parts.records, units, sources = partition_model(model, config, accelerator, plan)
         clock.lap("partition")
-        _optimizer(parts, plan, state_tier, trainable, sources, no_decay)
+        _optimizer(parts, plan, state_tier, trainable, sources, no_decay, groups)
         del sources  # the optimizer has written them into their homes
         clock.lap("optimizer")
         _runtime(parts, units, timer, loss_scale)
@@ -248,14 +251,14 @@ def _check_names(
     unknown = sorted(set(no_decay) - {n for n, _ in named})
     if unknown:
         raise ValueError(
-            f"initialize: no_decay names {unknown[:5]}, which are not parameters of the "
+            f"initialize: no_decay or group names {unknown[:5]}, which are not parameters of the "
             "model; use names from model.named_parameters()"
         )
 
 
-def _shard_numel(numel: int, comm: Comm) -> int:
+def _shard_numel(numel: int, comm: Comm, align: int) -> int:
     """Elements of this rank's shard of a parameter (all of them with one rank)."""
-    return shard_of(numel, comm.world_size, comm.rank).numel
+    return shard_of(numel, comm.world_size, comm.rank, align).numel
 
 
 def _tiers(
@@ -293,6 +296,7 @@ def _tiers(
         parts.param_tier,
         frozenset(on_nvme),
         comm=comm if comm.world_size > 1 else None,
+        align=shard_align(parts.config.optimizer.eight_bit),
     )
     return plan, state_tier
 
@@ -306,7 +310,8 @@ def _param_tier(
     """The NVMe parameter tier: frozen parameters laid out one extent each (the trainable
     ones are laid out in the flat extent by `lay_out_flat`); this rank's shards of them."""
     zero = parts.config.zero_optimization
-    numels = [_shard_numel(p.numel(), parts.comm) for _, p in named]
+    align = shard_align(parts.config.optimizer.eight_bit)
+    numels = [_shard_numel(p.numel(), parts.comm, align) for _, p in named]
     return make_param_tier(
         {n: (k, dtype) for (n, _), k in zip(named, numels, strict=True) if n in on_nvme},
         zero.offload_param,
@@ -327,6 +332,7 @@ def _optimizer(
     trainable: list[tuple[str, int]],
     sources: list[torch.Tensor],
     no_decay: Collection[str],
+    groups: Sequence[ParamGroup],
 ) -> None:
     """Step 4: the gradient tier and the optimizer, over the layout the homes were made with."""
     config = parts.config
@@ -350,6 +356,7 @@ def _optimizer(
             state_tier=state_tier,
             weights=plan.weights,
             no_decay=[i for i, n in enumerate(names) if n in no_decay],
+            groups=groups,
             grad_tier=grads,
             comm=parts.comm,
         )
@@ -388,6 +395,7 @@ def _runtime(
             overlap=zero.overlap_comm,
             contiguous=zero.contiguous_gradients,
             total_shard_numel=optimizer.layout.total,
+            align=shard_align(parts.config.optimizer.eight_bit),
             on_device=on_device,
         )
     parts.grad_offload = GradOffload(optimizer.accumulate_grad, accel, on_device=on_device)

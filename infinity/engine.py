@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ from infinity.assemble import assemble, run_facts
 from infinity.checkpoint.base_model import describe_base
 from infinity.comm import Comm, from_env
 from infinity.config import Config, resolve_run
-from infinity.optim import Schedule, build_loss_scaler, build_schedule
+from infinity.optim import ParamGroup, Schedule, build_loss_scaler, build_schedule, step_lrs
 from infinity.utils.batch import check_fp16_inputs, to_device
 from infinity.utils.profiler import StepProfiler
 from infinity.utils.step_timer import StepTimer
@@ -104,15 +104,17 @@ class Engine:
         *,
         accelerator: Accelerator | None = None,
         no_decay: Collection[str] = (),
+        groups: Sequence[ParamGroup] = (),
         base_model: str | os.PathLike | dict | None = None,
         comm: Comm | None = None,
     ) -> None:
         """`no_decay`: names of parameters the optimizer's weight decay skips (the HF
-        Trainer's biases and norms). `base_model` says where the frozen weights came from (a
-        Hugging Face directory, or a JSON-able description such as {"preset": ..., "seed":
-        ...}): checkpoints, which leave them out, record it and refuse to resume on another
-        base. `comm` connects the ranks (default: `infinity.comm.from_env()`, one process
-        unless launched by torchrun); the engine closes it only if it made it."""
+        Trainer's biases and norms); or `groups`, torch.optim's parameter groups (each its
+        betas, eps, weight decay; the schedule may give one lr per group). `base_model`
+        says where the frozen weights came from (an HF directory, or a JSON-able record such
+        as {"preset": ..., "seed": ...}): checkpoints, which leave them out, record it and
+        refuse to resume on another base. `comm` connects the ranks (default:
+        `infinity.comm.from_env()`); the engine closes it only if it made it."""
         config = Config.load(config)
         self.accelerator = accelerator or get_accelerator()
         self._owns_comm = comm is None
@@ -127,7 +129,7 @@ class Engine:
         self._timer = StepTimer(synchronize=sync)
         self.parts = parts = assemble(
             model, self.config, comm=self.comm, accelerator=self.accelerator,
-            no_decay=set(no_decay), timer=self._timer,
+            no_decay=set(no_decay), groups=tuple(groups), timer=self._timer,
             loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
         )  # fmt: skip
         self.records, self.optimizer = parts.records, parts.optimizer
@@ -139,8 +141,9 @@ class Engine:
             self.config.scheduler, float(self.config.optimizer.lr)
         )
         """The lr of each step. An integration may replace it between steps with anything
-        that has `lr` (the next step's rate), `step()` and `state_dict`/`load_state_dict`
-        (`infinity.integrations.hf` puts the HF Trainer's own scheduler here)."""
+        that has `lr` (the next step's rate; maybe `lrs`, one per parameter group), `step()`
+        and `state_dict`/`load_state_dict` (`infinity.integrations.hf` puts the HF Trainer's
+        own scheduler here)."""
         self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
         self.micro_steps = 0
         self._backwards = 0
@@ -176,7 +179,8 @@ class Engine:
         before = None if grad else self._counters()
         start = self._timer.start() if grad else 0.0
         if grad and self.is_gradient_accumulation_boundary():  # see PartitionedOptimizer
-            self.optimizer.step_ahead(lr=self.lr_schedule.lr, loss_scale=self.loss_scaler.scale)
+            lrs, scale = step_lrs(self.lr_schedule), self.loss_scaler.scale
+            self.optimizer.step_ahead(lr=lrs, loss_scale=scale)
         with (
             self.coordinator.forward((self.module.training, grad), backward=grad),
             self.accelerator.range("infinity::engine::forward"),
@@ -249,20 +253,20 @@ class Engine:
 
     def _optimizer_step(self) -> None:
         with self.accelerator.range("infinity::engine::step"):
-            lr = self._run_optimizer()
+            lr = self._run_optimizer()[0]
         self._telemetry = self._measure_step()
         self._log_progress(lr, self._telemetry)
         if self._profiler is not None and self._profiler.step(self.global_steps):
             self._profiler = None  # its trace is written
 
-    def _run_optimizer(self) -> float:
-        """The optimizer step proper; returns the lr it used."""
+    def _run_optimizer(self) -> tuple[float, ...]:
+        """The optimizer step proper; returns the lrs it used (one per parameter group)."""
         start = self._timer.start()
         if self.grad_reducer is not None:  # normally done at the end of each backward
             self.grad_reducer.flush()
         self.grad_offload.flush()  # likewise
         self.coordinator.quiesce()
-        lr = self.lr_schedule.lr
+        lr = step_lrs(self.lr_schedule)
         result = self.optimizer.step(
             lr=lr,
             loss_scale=self.loss_scaler.scale,
@@ -331,8 +335,8 @@ class Engine:
         return self.module.training
 
     def get_lr(self) -> list[float]:
-        """The learning rate of the next optimizer step (one entry: one parameter group)."""
-        return [self.lr_schedule.lr]
+        """The learning rate of the next optimizer step, one entry per parameter group."""
+        return list(step_lrs(self.lr_schedule))
 
     def get_global_grad_norm(self) -> float | None:
         """The unscaled global gradient norm of the last optimizer step (before clipping)."""

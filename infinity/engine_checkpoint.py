@@ -23,9 +23,10 @@ from infinity import checkpoint
 from infinity.checkpoint import model16
 from infinity.checkpoint.base_model import BASE_MODEL_KEY, check_base
 from infinity.checkpoint.collective import save_on_all_ranks
-from infinity.checkpoint.spans import SpanReader, rank_span, shard_numel
+from infinity.checkpoint.spans import SpanReader, shard_numel
 from infinity.swap.state_format import ZERO_CODE_SIGNED
-from infinity.utils.quant_blocks import block_count
+from infinity.utils.quant_blocks import BLOCK, block_count
+from infinity.zero.shard import shard_align
 
 if TYPE_CHECKING:
     from torch import nn
@@ -85,9 +86,13 @@ ABSMAX = "_absmax"
 [Note: 8-bit state in checkpoints] 8-bit moments are saved per slot like 32-bit ones: the
 master and the codes (uint8) as this rank's span of the parameter, so they join across
 ranks; an absmax has one entry per block of 256 of the rank's padded shard, so each rank
-saves its shard's blocks whole (the saved "tensor" is W times as long), and it resumes
-under the world size that saved it. The padding's exp_avg codes are the code of zero, as
-the step leaves them."""
+saves its shard's blocks whole (the saved "tensor" is W times as long). With several ranks
+the shards are aligned to the block (`infinity.zero.shard`, recorded as the engine state's
+"shard_align"), so block k of a parameter holds the same elements under any world size and
+the saved absmax is the parameter's blocks in order, then all-padding blocks (absmax 0):
+any world size reads its blocks from it. A multi-rank checkpoint saved before the
+alignment resumes under its own world size only. The padding's exp_avg codes are the code
+of zero, as the step leaves them."""
 
 
 def _full_numel(rec: OffloadParam) -> int:
@@ -95,7 +100,7 @@ def _full_numel(rec: OffloadParam) -> int:
 
 
 def _span(rec: OffloadParam, comm: Any) -> tuple[int, int]:
-    return rank_span(_full_numel(rec), comm.world_size, comm.rank)
+    return rec.shard.span
 
 
 def _weights(rec: OffloadParam, comm: Any):
@@ -151,6 +156,7 @@ def save(
     }
     if comm.world_size > 1:  # the files hold flat spans: the shapes, for joining them
         state["engine"]["shapes"] = {r.name: list(r.shape) for r in saved}
+        state["engine"]["shard_align"] = _align(engine)
     if frozen and not include_frozen:
         state[BASE_MODEL_KEY] = engine.base_record()
     save_on_all_ranks(
@@ -184,13 +190,15 @@ def load(
     by_name = {r.name: r for r in engine.records}
     # No transfer may still read a home the load writes (an async copy or all-gather).
     engine.coordinator.quiesce()
+    saved = _Saved(ckpt.world_size, int(ckpt.state["engine"].get("shard_align", 1)))
     engine.optimizer.load_state_dict(
-        _resharded(ckpt.state["optimizer"], by_name, ckpt.world_size, comm.world_size)
+        _resharded(ckpt.state["optimizer"], by_name, saved, comm.world_size, _align(engine))
     )
+    align = _align(engine)
     with ckpt.span_reader() as spans:
         engine.optimizer.load_state_tensors(
             lambda name: _read_optim(
-                spans, name, by_name[name.rsplit(".", 1)[0]], comm, ckpt.world_size
+                spans, name, by_name[name.rsplit(".", 1)[0]], comm, saved, align
             )
         )
         if with_frozen:
@@ -213,11 +221,30 @@ def _read_own(spans: SpanReader, key: str, rec: OffloadParam, comm: Any) -> torc
     """This rank's padded shard of saved tensor `key` (the whole tensor with one rank)."""
     lo, hi = _span(rec, comm)
     n = _full_numel(rec)
-    return spans.read(key, n, lo, hi, pad_to=shard_numel(n, comm.world_size))
+    return spans.read(key, n, lo, hi, pad_to=rec.shard.numel)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """How the checkpoint's shards were cut."""
+
+    world_size: int
+    align: int
+    """The shards' alignment (1: saved by one rank, by a 32-bit run, or before 8-bit shards
+    were aligned)."""
+
+    @property
+    def blocks_in_order(self) -> bool:
+        """An absmax saved so is the parameter's blocks in order ([Note: 8-bit state...])."""
+        return self.world_size == 1 or self.align % BLOCK == 0
+
+
+def _align(engine: CheckpointedEngine) -> int:
+    return shard_align(engine.config.optimizer.eight_bit)
 
 
 def _read_optim(
-    spans: SpanReader, name: str, rec: OffloadParam, comm: Any, saved_world: int
+    spans: SpanReader, name: str, rec: OffloadParam, comm: Any, saved: _Saved, align: int
 ) -> torch.Tensor:
     """This rank's padded share of the saved optimizer tensor `name` (see [Note: 8-bit
     state in checkpoints])."""
@@ -227,31 +254,39 @@ def _read_optim(
             lo, hi = _span(rec, comm)
             t[hi - lo :] = ZERO_CODE_SIGNED  # the padding's moment is zero
         return t
-    if saved_world != comm.world_size:
+    blocks = block_count(rec.shard.numel)
+    if not saved.blocks_in_order:  # its blocks follow its own shards
+        w, r = comm.world_size, comm.rank
+        if (saved.world_size, saved.align) == (w, align):
+            return spans.read(OPTIM + name, blocks * w, r * blocks, (r + 1) * blocks)
         raise ValueError(
-            f"the checkpoint's 8-bit optimizer state was saved by {saved_world} rank(s) and "
-            f"is loaded by {comm.world_size}: its quantization blocks follow each rank's "
-            f"shard, so it resumes under {saved_world} rank(s) only; resume with that many, "
-            "or with --optim adamw and --convert-optim-state under the saved world size, "
-            "then save a 32-bit checkpoint (which loads under any world size)"
+            f"the checkpoint's 8-bit optimizer state was saved by {saved.world_size} ranks "
+            f"before 8-bit shards were aligned to {BLOCK} elements: its quantization blocks "
+            f"follow each old shard, so it loads under {saved.world_size} ranks into 32-bit "
+            "state only; resume with that many ranks and --optim adamw --convert-optim-state, "
+            "then save (a 32-bit checkpoint loads under any world size)"
         )
-    blocks = block_count(shard_numel(_full_numel(rec), comm.world_size))
-    w, r = comm.world_size, comm.rank
-    return spans.read(OPTIM + name, blocks * w, r * blocks, (r + 1) * blocks)
+    first = comm.rank * rec.shard.numel // BLOCK if comm.world_size > 1 else 0
+    total = spans.saved_numel(OPTIM + name)
+    lo, hi = min(first, total), min(first + blocks, total)  # past the end: padding, 0
+    return spans.read(OPTIM + name, total, lo, hi, pad_to=blocks)
 
 
-def _resharded(state: dict, by_name: dict, saved_world: int, world: int) -> dict:
+def _resharded(state: dict, by_name: dict, saved: _Saved, world: int, align: int) -> dict:
     """The optimizer's JSON state with its slot sizes as this world size has them: a slot
-    holds a padded shard, whose size depends on the world size. A slot whose saved size is not
-    its parameter's shard under `saved_world` is left as saved (the optimizer then names it)."""
-    if saved_world == world or not isinstance(state, dict) or "slots" not in state:
+    holds a padded shard, whose size depends on the world size (and the alignment). A slot
+    whose saved size is not its parameter's shard as saved is left so (the optimizer then
+    names it)."""
+    same = (saved.world_size, saved.align) == (world, align)
+    if same or not isinstance(state, dict) or "slots" not in state:
         return state
     slots = []
     for entry in state["slots"]:
         name, numel = entry
         rec = by_name.get(name)
-        if rec is not None and numel == shard_numel(_full_numel(rec), saved_world):
-            numel = shard_numel(_full_numel(rec), world)
+        full = _full_numel(rec) if rec is not None else -1
+        if rec is not None and numel == shard_numel(full, saved.world_size, saved.align):
+            numel = shard_numel(full, world, align)
         slots.append([name, numel])
     return {**state, "slots": slots}
 

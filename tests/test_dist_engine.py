@@ -49,16 +49,12 @@ def _assert_same_training(one: dict, two: list[dict]) -> None:
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_two_ranks_train_as_one_with_8_bit_moments(tmp_path, tier):
-    """Two ranks agree with each other bitwise and with one rank to 1e-3 relative (3 steps;
-    measured 1.1e-4): besides the 32-bit tolerance's gradient sums, a parameter whose shard is
-    not a multiple of 256 elements (the Zoo's biases, split 64 + 64) is quantized in other
-    blocks than on one rank, and a last-bit difference can move a code."""
+    """Within the 32-bit tolerance: 8-bit shards are aligned to the 256-element block, so
+    every block holds the same elements as on one rank (before, a bias split 64 + 64 was
+    quantized in other blocks: 1.1e-4 relative loss, 1.7e-3 in the weights)."""
     one = _one_rank(tmp_path, tier, "8bit")
     two = _two_ranks(tmp_path, tier, "8bit")
-    assert two[0]["losses"] == two[1]["losses"]
-    assert two[0]["weight_sums"] == two[1]["weight_sums"]
-    for a, b in zip(two[0]["losses"], one["losses"], strict=True):
-        assert _rel(a, b) < 1e-3, (two[0]["losses"], one["losses"])
+    _assert_same_training(one, two)
     assert two[0]["stats"]["nvme_optim_bytes_written" if tier == "nvme" else "host_bytes"] > 0
 
 

@@ -18,14 +18,31 @@ from infinity.models import LlamaConfig
 
 @pytest.mark.parametrize(
     ("param", "optim", "keep"),
-    [("nvme", "nvme", 0), ("cpu", "nvme", 0), ("nvme", "cpu", 0), ("nvme", "nvme", 60000)],
-    ids=["both-nvme", "params-cpu-optim-nvme", "params-nvme-optim-cpu", "both-nvme-keep"],
+    [
+        ("nvme", "nvme", 0),
+        ("cpu", "nvme", 0),
+        ("nvme", "cpu", 0),
+        ("nvme", "nvme", 60000),
+        ("cpu", "nvme-8bit", 0),
+    ],
+    ids=[
+        "both-nvme",
+        "params-cpu-optim-nvme",
+        "params-nvme-optim-cpu",
+        "both-nvme-keep",
+        "8-bit-aligned-shards",
+    ],
 )
 def test_two_ranks_hold_and_move_what_the_estimate_says(tmp_path, param, optim, keep):
     """`keep`: elements of trainable weights kept across the micro batches of a step (two
-    micro batches a step, so what is kept is read once where the rest is read twice)."""
+    micro batches a step, so what is kept is read once where the rest is read twice). The
+    8-bit case: shards rounded up to 256 elements, in the estimate as in the engine."""
+    eight_bit = optim.endswith("-8bit")
+    optim = optim.removesuffix("-8bit")
     cfg = _config(tmp_path, param=param, optim=optim, stage3_max_live_parameters=50000,
                   accum=2 if keep else 1, keep_weights_numel=keep)  # fmt: skip
+    if eight_bit:
+        cfg["optimizer"]["type"] = "AdamW8bit"
     args = [str(tmp_path), json.dumps(cfg), "2"]
     ranks = rank_results(run_ranks("_estimate_ranks_child.py", args, timeout_s=240))
     shape = model_shape(LlamaConfig(**SHAPE))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infinity.comm import SingleProcess
-from infinity.zero.shard import check_same_weights, fingerprint, shard_of, take_shard
+from infinity.zero.shard import check_same_weights, fingerprint, shard_align, shard_of, take_shard
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,18 @@ def test_fingerprint_sees_a_changed_element_and_same_weights_pass():
     w2[0] += 1
     assert fingerprint(w2) != fingerprint(w)
     check_same_weights([("w", torch.nn.Parameter(w))], SingleProcess())  # one rank: agrees
+
+
+@pytest.mark.parametrize("numel", [0, 1, 255, 700, 4096, 10_001])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_8_bit_shards_start_on_a_block_of_the_whole_parameter(numel, world):
+    align = shard_align(eight_bit=True)
+    assert align == 256 and shard_align(eight_bit=False) == 1
+    shards = [shard_of(numel, world, r, align) for r in range(world)]
+    if world == 1:  # one rank: the parameter itself, as 32-bit runs have it
+        assert shards[0] == shard_of(numel, 1, 0)
+    else:
+        assert shards[0].numel % 256 == 0 and shards[0].numel >= -(-numel // world)
+        assert shards[0].numel < -(-numel // world) + 256
+    assert [s.start for s in shards] == [min(r * shards[0].numel, numel) for r in range(world)]
+    assert sum(s.stop - s.start for s in shards) == numel

@@ -11,7 +11,9 @@ r, a tensor of N elements: the shard size is S = ceil(N / W) and rank r owns ele
 (min(r*S, N), min((r+1)*S, N)), empty for tiny tensors on high ranks. A rank's checkpoint
 shard holds exactly its unpadded span of each tensor (flat; with W == 1 the tensor keeps its
 shape, as single-process checkpoints always have), so the spans of ranks 0..W-1 laid end to
-end are the whole tensor.
+end are the whole tensor. A reader takes each saved rank's span from the lengths its file
+holds, laid end to end, not from the rule: a checkpoint loads whatever alignment its shards
+had (8-bit runs align shards to 256 elements, see `infinity.zero.shard`).
 """
 
 from __future__ import annotations
@@ -25,20 +27,21 @@ from infinity.utils.safetensors_stream import SafetensorsReader
 from infinity.zero.shard import shard_of
 
 
-def shard_numel(numel: int, world_size: int) -> int:
-    """S = ceil(N / W): the elements each rank's padded shard holds ([Note: spans])."""
+def shard_numel(numel: int, world_size: int, align: int = 1) -> int:
+    """S = ceil(N / W) (rounded up to `align` with several ranks): the elements each rank's
+    padded shard holds ([Note: spans])."""
     _check_world(world_size)
     if numel < 0:
         raise ValueError(f"a tensor cannot have {numel} elements")
-    return shard_of(numel, world_size, 0).numel
+    return shard_of(numel, world_size, 0, align).numel
 
 
-def rank_span(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+def rank_span(numel: int, world_size: int, rank: int, align: int = 1) -> tuple[int, int]:
     """Rank `rank`'s unpadded span (lo, hi) of a tensor of `numel` elements."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     shard_numel(numel, world_size)  # the same checks of numel and world size
-    return shard_of(numel, world_size, rank).span
+    return shard_of(numel, world_size, rank, align).span
 
 
 def _check_world(world_size: int) -> None:
@@ -99,12 +102,19 @@ class SpanReader:
             raise ValueError(f"span [{lo}, {hi}) is outside {key!r} ({numel} elements)")
         if pad_to is not None and pad_to < hi - lo:
             raise ValueError(f"pad_to {pad_to} is shorter than the span [{lo}, {hi})")
+        saved = self.saved_numel(key)
+        if saved != numel:
+            raise ValueError(
+                f"checkpoint {self.path}: its {self.world_size} rank(s) saved {saved} "
+                f"elements of {key!r} in all, but the tensor has {numel}; it was saved from "
+                "a different model"
+            )
         pieces = []
         dtype = None
-        for rank in range(self.world_size):
-            a, b = rank_span(numel, self.world_size, rank)
+        b = 0
+        for rank in range(self.world_size):  # the spans lie end to end ([Note: spans])
             reader = self._reader(rank)
-            self._check_saved(reader, key, numel, rank, b - a)
+            a, b = b, b + int(torch.Size(reader.shape(key)).numel())
             dtype = reader.dtype(key)
             start, stop = max(a, lo), min(b, hi)
             if start < stop:
@@ -117,25 +127,6 @@ class SpanReader:
             out[at : at + piece.numel()] = piece
             at += piece.numel()
         return out
-
-    def _check_saved(
-        self, reader: SafetensorsReader, key: str, numel: int, rank: int, span: int
-    ) -> None:
-        """The saved rank holds `key` with exactly its span's elements; else the model (or
-        world-size record) does not match the checkpoint."""
-        try:
-            saved = int(torch.Size(reader.shape(key)).numel())
-        except KeyError:
-            raise ValueError(
-                f"checkpoint {self.path}: rank {rank}'s shard has no {key!r}; it was saved "
-                "from a different model"
-            ) from None
-        if saved != span:
-            raise ValueError(
-                f"checkpoint {self.path}: rank {rank} of {self.world_size} saved {saved} "
-                f"elements of {key!r}, but a tensor of {numel} elements split over "
-                f"{self.world_size} ranks gives it {span}; it was saved from a different model"
-            )
 
 
 __all__ = ["SpanReader", "rank_span", "shard_numel"]

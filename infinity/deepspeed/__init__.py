@@ -96,7 +96,9 @@ def initialize(
     for name, param in model.named_parameters():
         if name in plan.frozen:
             param.requires_grad_(False)
-    engine = infinity.initialize(model, raw, no_decay=plan.no_decay, comm=comm.shared())
+    engine = infinity.initialize(
+        model, raw, no_decay=plan.no_decay, groups=plan.groups, comm=comm.shared()
+    )
     zero.mark_partitioned(model, engine)
     holder, schedule = _client_schedule(engine, optimizer, lr_scheduler, raw)
     facade = EngineOptimizer(engine, holder)
@@ -143,7 +145,11 @@ def _client_schedule(
     """(the torch optimizer whose param groups carry the lr, the scheduler to return)."""
     holder = optimizer
     if lr_scheduler is None:
-        return holder, engine.lr_schedule if raw.get("scheduler") else None
+        if raw.get("scheduler"):
+            return holder, engine.lr_schedule
+        if holder is not None:  # each group's lr, as the client optimizer would step them
+            engine.lr_schedule = ClientSchedule(None, holder)
+        return holder, None
     if raw.get("scheduler"):
         raise ValueError(
             "initialize: an lr_scheduler is given both to initialize() and in the config's "

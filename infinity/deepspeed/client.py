@@ -2,11 +2,12 @@
 `model_parameters`), its lr scheduler, and what the engine makes of them.
 
 A client `torch.optim.Adam`/`AdamW` becomes the engine's CPU-Adam with the same
-hyperparameters (its parameter groups: one lr, betas and eps; weight decay per group, 0 or
-one shared value); parameters in no group are frozen. A client `torch.optim.lr_scheduler`
-(or a callable that builds one from the optimizer) sets each step's lr through its
-optimizer's param groups (`ClientSchedule`). `EngineOptimizer` is what `initialize` returns
-in the optimizer's place.
+hyperparameters: each parameter group its own lr, betas, eps and weight decay
+(`ParamGroup`s); parameters in no group are frozen. A client `torch.optim.lr_scheduler`
+(or a callable that builds one from the optimizer) sets each step's lrs, one per group,
+through its optimizer's param groups (`ClientSchedule`). `model_parameters` groups share
+one lr, betas and eps (their schedule is the config's). `EngineOptimizer` is what
+`initialize` returns in the optimizer's place.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity.optim import ParamGroup
+
 logger = logging.getLogger(__name__)
 
 CLIENT_OPTIMIZERS: dict[type, tuple[str, bool]] = {
@@ -31,6 +34,8 @@ CLIENT_OPTIMIZERS: dict[type, tuple[str, bool]] = {
 
 _SHARED = ("lr", "betas", "eps")
 _REFUSED_FLAGS = ("amsgrad", "maximize")
+_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}
+"""The config optimizer's defaults, which a group that leaves a key out takes."""
 
 
 @dataclass
@@ -43,6 +48,8 @@ class ClientPlan:
     """Parameters in a group with weight_decay 0 while another group decays."""
     frozen: list[str] = field(default_factory=list)
     """Trainable parameters in no group: set requires_grad=False (nothing would update them)."""
+    groups: list[ParamGroup] = field(default_factory=list)
+    """A client optimizer's parameter groups, each with its betas, eps and weight decay."""
 
 
 def plan_client(
@@ -60,18 +67,14 @@ def plan_client(
                 "torch.optim.Adam or AdamW only; pass one of those, or leave optimizer out and "
                 'set {"optimizer": {"type": "AdamW", "params": {...}}} in the config'
             )
-        groups = optimizer.param_groups
-        hyper = _shared_hyper(groups, kind[1])
-        plan = _groups_plan(model, groups, default_decay=0.0)
-        hyper["weight_decay"] = plan.decay
-        return ClientPlan({"type": kind[0], "params": hyper}, plan.no_decay, plan.frozen)
+        return _client_optimizer_plan(model, optimizer.param_groups, kind[0], kind[1])
     if model_parameters is None:
         return ClientPlan()
     groups = _as_groups(model_parameters)
     base = dict((config_optimizer or {}).get("params", {}))
     for key in _SHARED:
         if any(key in g for g in groups):
-            _shared_hyper([{**base, **g} for g in groups], None, only=(key,))
+            _shared_hyper([{**_DEFAULTS, **base, **g} for g in groups], None, only=(key,))
     given = base.get("weight_decay", 0.0)
     decay = 0.0 if given == "auto" else float(given)  # "auto" resolves to 0, the default
     plan = _groups_plan(model, groups, default_decay=decay)
@@ -81,6 +84,29 @@ def plan_client(
         params["weight_decay"] = plan.decay
         section = {"type": (config_optimizer or {}).get("type", "AdamW"), "params": params}
     return ClientPlan(section, plan.no_decay, plan.frozen)
+
+
+def _client_optimizer_plan(
+    model: nn.Module, groups: list[dict], kind: str, decoupled: bool
+) -> ClientPlan:
+    """A torch optimizer's groups (torch fills every key) as the config's optimizer (the
+    first group's values) and one `ParamGroup` per group."""
+    hyper = _shared_hyper(groups, decoupled, only=())
+    first = groups[0]
+    hyper.update(lr=float(first["lr"]), betas=list(first["betas"]), eps=float(first["eps"]))
+    hyper["weight_decay"] = float(first["weight_decay"])
+    names = {p: n for n, p in model.named_parameters()}
+    _groups_plan(model, groups, default_decay=0.0, any_decay=True)  # the names checked
+    seen = {p for g in groups for p in g["params"]}
+    frozen = [n for p, n in names.items() if p.requires_grad and p not in seen]
+    out = [
+        ParamGroup.of(
+            [names[p] for p in g["params"] if p.requires_grad],
+            betas=g["betas"], eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
+        )
+        for g in groups
+    ]  # fmt: skip
+    return ClientPlan({"type": kind, "params": hyper}, frozen=frozen, groups=out)
 
 
 def _as_groups(model_parameters: Any) -> list[dict]:
@@ -100,15 +126,17 @@ def _as_groups(model_parameters: Any) -> list[dict]:
 
 
 def _shared_hyper(groups: list, decoupled: bool | None, only=_SHARED) -> dict[str, Any]:
-    """lr, betas and eps, which every group must share (the CPU-Adam step has one of each)."""
+    """lr, betas and eps, which `model_parameters` groups must share (the config's
+    optimizer has one of each); the client optimizer's refused flags and decay mode."""
     out: dict[str, Any] = {}
     for key in only:
         values = [tuple(g[key]) if key == "betas" else g[key] for g in groups if key in g]
         if len(set(values)) > 1:
             raise ValueError(
-                f"initialize: the parameter groups have different {key} ({values}): the "
-                f"engine's CPU-Adam steps every parameter with one {key}; give the groups one "
-                f"value (weight_decay may differ: 0 for some groups, one value for the rest)"
+                f"initialize: the model_parameters groups have different {key} ({values}): "
+                f"with the config's optimizer every parameter steps with one {key}; give the "
+                f"groups one value, or pass a client torch.optim.AdamW/Adam built on these "
+                f"groups, which steps each group with its own values"
             )
         if values:
             out[key] = list(values[0]) if key == "betas" else float(values[0])
@@ -133,7 +161,9 @@ class _GroupsPlan:
     """The weight decay of the decaying groups (0 when none decays)."""
 
 
-def _groups_plan(model: nn.Module, groups: list, *, default_decay: float) -> _GroupsPlan:
+def _groups_plan(
+    model: nn.Module, groups: list, *, default_decay: float, any_decay: bool = False
+) -> _GroupsPlan:
     names = {p: n for n, p in model.named_parameters()}
     decays: dict[float, list[str]] = {}
     seen: set[nn.Parameter] = set()
@@ -148,11 +178,11 @@ def _groups_plan(model: nn.Module, groups: list, *, default_decay: float) -> _Gr
             wd = float(group.get("weight_decay", default_decay))
             decays.setdefault(wd, []).append(names[p])
     nonzero = sorted(d for d in decays if d != 0.0)
-    if len(nonzero) > 1:
+    if len(nonzero) > 1 and not any_decay:
         raise ValueError(
-            f"initialize: the parameter groups have weight decays {nonzero}: the engine's "
-            "CPU-Adam decays with one value, skipping the parameters of groups with 0; give "
-            "the decaying groups one value"
+            f"initialize: the model_parameters groups have weight decays {nonzero}: with the "
+            "config's optimizer one value decays, skipping the groups with 0; give the "
+            "decaying groups one value, or pass a client torch.optim.AdamW on these groups"
         )
     frozen = [n for p, n in names.items() if p.requires_grad and p not in seen]
     if frozen:
@@ -167,38 +197,39 @@ def _groups_plan(model: nn.Module, groups: list, *, default_decay: float) -> _Gr
 
 
 class ClientSchedule:
-    """A torch lr scheduler as the engine's schedule: the lr of the next step is its
-    optimizer's (every group's, which must agree), and each applied step steps it. Its
-    state travels in the engine's checkpoints, the groups' lr with it (torch's
-    `load_state_dict` leaves them as they were)."""
+    """A torch lr scheduler as the engine's schedule: the lrs of the next step are its
+    optimizer's, one per parameter group, and each applied step steps it (no scheduler: the
+    groups' lrs stay). Its state travels in the engine's checkpoints, the groups' lrs with it
+    (torch's `load_state_dict` leaves them as they were)."""
 
     def __init__(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         self.scheduler = scheduler
         self.optimizer = optimizer
 
     @property
+    def lrs(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @property
     def lr(self) -> float:
-        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        if len(set(lrs)) > 1:
-            raise ValueError(
-                f"the client lr scheduler set different lrs per parameter group ({lrs}); the "
-                "engine's CPU-Adam steps every parameter with one lr: give every group the "
-                "same schedule"
-            )
-        return lrs[0]
+        """The first group's lr (the one a progress line shows)."""
+        return self.lrs[0]
 
     def step(self) -> None:
+        if self.scheduler is None:
+            return
         with warnings.catch_warnings():
             # torch's warning when its optimizer's own step never ran: here the engine's does.
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
 
     def state_dict(self) -> dict:
-        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        return {"scheduler": self.scheduler.state_dict(), "lrs": lrs}
+        saved = self.scheduler.state_dict() if self.scheduler is not None else None
+        return {"scheduler": saved, "lrs": self.lrs}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, state["lrs"], strict=True):
             group["lr"] = lr
 

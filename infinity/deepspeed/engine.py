@@ -123,7 +123,7 @@ class DeepSpeedEngine:
 
     def get_lr(self) -> list[float]:
         """The lr of the next optimizer step, one entry per parameter group."""
-        return [self.engine.lr_schedule.lr] * len(self.optimizer.param_groups)
+        return self.engine.get_lr()
 
     def get_global_grad_norm(self) -> float | None:
         return self.engine.get_global_grad_norm()

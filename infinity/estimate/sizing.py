@@ -31,7 +31,7 @@ from infinity.swap.store import reserved_nbytes
 from infinity.zero import model_dtype
 from infinity.zero.optimizer_state import state_format
 from infinity.zero.param import frozen_nvme_mask
-from infinity.zero.shard import shard_of
+from infinity.zero.shard import shard_align, shard_of
 from infinity.zero.sub_groups import FlatLayout, optimizer_layout
 from infinity.zero.weights import weights_footprint
 
@@ -130,18 +130,19 @@ class Sizes:
         return accum * micro + self.kept_gather_bytes_per_step + step
 
 
-def home_numels(shape: ModelShape, world_size: int = 1) -> list[int]:
+def home_numels(shape: ModelShape, world_size: int = 1, align: int = 1) -> list[int]:
     """Elements of each parameter's home on one rank: its shard (`shard_of`, the engine's
-    rule; every rank's shard has the same size, padding included)."""
+    rule, `align` its `shard_align`; every rank's shard has the same size, padding
+    included)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return [shard_of(p.numel, world_size, 0).numel for p in shape.params]
+    return [shard_of(p.numel, world_size, 0, align).numel for p in shape.params]
 
 
 def layout_of(shape: ModelShape, config: Config, world_size: int = 1) -> FlatLayout:
     """One rank's optimizer flat space over its shards of the trainable parameters, in
     record order (`optimizer_layout`, as the engine builds it)."""
-    homes = home_numels(shape, world_size)
+    homes = home_numels(shape, world_size, shard_align(config.optimizer.eight_bit))
     numels = [n for n, p in zip(homes, shape.params, strict=True) if p.trainable]
     return optimizer_layout(numels, config.zero_optimization)
 
@@ -166,7 +167,7 @@ def sizes(
     one rank's (its shards; the live budget counts gathered, whole parameters)."""
     zero, dtype = config.zero_optimization, model_dtype(config)
     itemsize = dtype.itemsize
-    homes = home_numels(shape, world_size)
+    homes = home_numels(shape, world_size, shard_align(config.optimizer.eight_bit))
     layout = layout_of(shape, config, world_size)
     state, ahead, buffers = _state(zero, layout.sub_group_numels, state_format(config.optimizer))
     optim_nvme = state.disk > 0  # some state on NVMe
@@ -350,7 +351,9 @@ def param_pool_bytes(shape: ModelShape, config: Config, world_size: int = 1) -> 
     element_size = model_dtype(config).itemsize
     param = config.zero_optimization.offload_param
     return param_pool_nbytes(
-        param, element_size=element_size, numels=home_numels(shape, world_size)
+        param,
+        element_size=element_size,
+        numels=home_numels(shape, world_size, shard_align(config.optimizer.eight_bit)),
     )
 
 

@@ -8,6 +8,7 @@ code outside the engine; the engine does not use it.
 
 from infinity.optim.cpu_adam import CPUAdam
 from infinity.optim.functional import adam_step_flat, adam_step_flat_reference
+from infinity.optim.groups import ParamGroup
 from infinity.optim.hyper import AdamHyper
 from infinity.optim.loss_scaler import (
     DynamicLossScaler,
@@ -17,11 +18,12 @@ from infinity.optim.loss_scaler import (
     build_loss_scaler,
     has_overflow,
 )
-from infinity.optim.schedules import Schedule, build_schedule
+from infinity.optim.schedules import Schedule, build_schedule, step_lrs
 
 __all__ = [
     # The step the engine runs, and its hyperparameters.
     "AdamHyper",
+    "ParamGroup",
     "adam_step_flat",
     "adam_step_flat_reference",
     # Loss scaling and learning-rate schedules.
@@ -33,6 +35,7 @@ __all__ = [
     "has_overflow",
     "Schedule",
     "build_schedule",
+    "step_lrs",
     # Standalone, outside the engine.
     "CPUAdam",
 ]

@@ -221,3 +221,10 @@ def build_schedule(cfg: SchedulerConfig, base_lr: float) -> Schedule:
             f"of optimizer steps of the run"
         )
     return Schedule(cfg.type, params, base_lr)
+
+
+def step_lrs(schedule: Any) -> tuple[float, ...]:
+    """The lrs of the next step: the schedule's `lrs` (one per parameter group) when it has
+    them, else its one `lr`."""
+    lrs = getattr(schedule, "lrs", None)
+    return tuple(float(x) for x in lrs) if lrs is not None else (float(schedule.lr),)

@@ -228,11 +228,17 @@ class HomePlan:
     their partition in host memory)."""
     comm: Comm | None = None
     """With several ranks, every home holds this rank's shard (see `infinity.zero.shard`)."""
+    align: int = 1
+    """The shards' alignment (`infinity.zero.shard.shard_align`)."""
 
     def shard(self, numel: int) -> Shard:
         """This rank's shard of a parameter of `numel` elements."""
         c = self.comm
-        return shard_of(numel, 1, 0) if c is None else shard_of(numel, c.world_size, c.rank)
+        return (
+            shard_of(numel, 1, 0)
+            if c is None
+            else shard_of(numel, c.world_size, c.rank, self.align)
+        )
 
     def home(self, name: str, partition: torch.Tensor) -> ParamHome:
         """The home of parameter `name` whose build partition is `partition`. A trainable
@@ -308,6 +314,7 @@ def partition_model(
             device=accel.device,
             persistent=keep,
             comm=plan.comm,
+            align=plan.align,
         )
         rec.slot = plan.slots.get(name)
         if rec.slot is not None:

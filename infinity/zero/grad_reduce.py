@@ -79,11 +79,13 @@ class GradReducer:
         contiguous: bool,
         total_shard_numel: int,
         on_device: Collection[int] = (),
+        align: int = 1,
     ) -> None:
         if bucket_numel < 1:
             raise ValueError(f"reduce_bucket_size must be >= 1 element, got {bucket_numel}")
         self.comm = comm
         self.world_size = comm.world_size
+        self.align = align  # the shards' (infinity.zero.shard.shard_align)
         self.accumulate = accumulate
         self.on_device = frozenset(on_device)
         """Slots whose sums are on the device: a bucket of only those is added there."""
@@ -106,7 +108,7 @@ class GradReducer:
         the bucket when full."""
         self._at_end.arm()  # the end of this backward flushes the rest
         n = grad.numel()
-        s = shard_of(n, self.world_size, 0).numel
+        s = shard_of(n, self.world_size, 0, self.align).numel
         bucket = self._open
         if bucket is not None and (
             bucket.row_numel + s > bucket.capacity or bucket.dtype != grad.dtype

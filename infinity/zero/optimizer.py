@@ -38,12 +38,13 @@ import torch
 from infinity.accelerator import profile_range
 from infinity.comm import Comm, SingleProcess
 from infinity.config import OptimizerConfig, ZeroConfig
-from infinity.optim import AdamHyper
+from infinity.optim.groups import ParamGroup
 from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.grad_tier import HostGradTier
 from infinity.swap.split_state import SplitGradTier
 from infinity.swap.state_tier import StateFormat, StateTier, SubGroupState
 from infinity.zero.optimizer_checks import (
+    check_groups,
     check_layout,
     check_no_decay,
     check_state_dict,
@@ -51,7 +52,7 @@ from infinity.zero.optimizer_checks import (
     check_step_args,
     hyperparameters,
 )
-from infinity.zero.optimizer_io import load_initial, memory_stats, write_masters
+from infinity.zero.optimizer_io import load_initial, memory_stats, scaled_norm, write_masters
 from infinity.zero.optimizer_state import (
     check_format,
     load_sub_groups,
@@ -61,12 +62,12 @@ from infinity.zero.optimizer_state import (
     step_run,
 )
 from infinity.zero.overlap import Ahead, OverlapStep, overlap_plan
+from infinity.zero.param_groups import check_lrs, group_runs, step_groups
 from infinity.zero.sub_groups import (
     MODEL_DTYPES,
     FlatLayout,
     Slot,
     check_slots,
-    decay_runs,
     resolve_sub_group_size,
 )
 from infinity.zero.weights import HostWeights, NvmeWeights, aliases_masters, make_weights
@@ -101,8 +102,10 @@ class PartitionedOptimizer:
     drop its own copies of the partitions before the first gradient (the host gradient
     buffer is allocated then). `grad_tier` (an `NvmeGradTier` of the same sub-groups)
     keeps most of the gradients on NVMe. Weight decay applies to every slot except the
-    indices in `no_decay`. `comm` (default: one process) sums the squared gradient norm over
-    the ranks, so every rank clips by the global norm and skips the same overflowing steps.
+    indices in `no_decay`; or `groups` (torch.optim's parameter groups) give each slot its
+    group's betas, eps and weight decay, and a step may give one lr per group. `comm`
+    (default: one process) sums the squared gradient norm over the ranks, so every rank
+    clips by the global norm and skips the same overflowing steps.
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class PartitionedOptimizer:
         zero: ZeroConfig,
         state_tier: StateTier | None = None,
         no_decay: Collection[int] = (),
+        groups: Sequence[ParamGroup] = (),
         weights: HostWeights | NvmeWeights | None = None,
         grad_tier: Any = None,
         comm: Comm | None = None,
@@ -127,7 +131,8 @@ class PartitionedOptimizer:
         self.sub_group_size = resolve_sub_group_size(zero.sub_group_size)
         self._names = [s.name for s in slots]
         self._numels = [s.numel for s in slots]
-        self.no_decay = frozenset(check_no_decay(no_decay, len(slots)))
+        no_decay = frozenset(check_no_decay(no_decay, len(slots)))
+        self.groups = step_groups(self.hyper, self._names, no_decay, groups)
         self.layout: FlatLayout = check_layout(weights, self._numels, self.sub_group_size)
         numels = self.layout.sub_group_numels
         self.store = state_tier = check_state_tier(
@@ -146,7 +151,8 @@ class PartitionedOptimizer:
         self.weights = weights
         self.aliased = aliases_masters(weights, state_tier)  # [Note: where the weights live]
         self._runs = [
-            decay_runs(self.layout, g, self.no_decay) for g in range(self.layout.num_sub_groups)
+            group_runs(self.layout, g, self.groups.of_slot)
+            for g in range(self.layout.num_sub_groups)
         ]
         load_initial(self, slots)
         self.on_new_weights: Callable[[int, torch.Tensor], None] | None = None
@@ -253,7 +259,7 @@ class PartitionedOptimizer:
         write_masters(self, i, values)
 
     # -- the step -----------------------------------------------------------------------
-    def step_ahead(self, *, lr: float, loss_scale: float = 1.0) -> None:
+    def step_ahead(self, *, lr: float | Sequence[float], loss_scale: float = 1.0) -> None:
         """Begin this step during the last micro batch: each sub-group is stepped on a
         worker thread once its gradients are final, assuming no clipping and no overflow, and
         `step` confirms or redoes it (see [Note: the overlapped step] in overlap.py). A no-op
@@ -261,10 +267,11 @@ class PartitionedOptimizer:
         begun already."""
         if self._ahead is not None or not self._overlap:
             return
-        check_step_args(lr, loss_scale, 0.0)
+        lr = check_lrs(lr, self.groups.num_lrs)
+        check_step_args(lr[0], loss_scale, 0.0)
         order, limit = self._overlap
         step = self.step_count + 1
-        kernel = functools.partial(self._update, hypers=self._hypers(lr), step=step)
+        kernel = functools.partial(self._update, hypers=self.groups.at(lr), step=step)
         update = functools.partial(self._update_ahead, kernel=kernel, grad_scale=1.0 / loss_scale)
         self._ahead = OverlapStep(
             self.store.sweep(order), order, limit=limit,
@@ -287,14 +294,17 @@ class PartitionedOptimizer:
             finally:
                 ahead.restore(self.store)
 
-    def step(self, *, lr: float, loss_scale: float = 1.0, max_grad_norm: float = 0.0) -> StepResult:
+    def step(
+        self, *, lr: float | Sequence[float], loss_scale: float = 1.0, max_grad_norm: float = 0.0
+    ) -> StepResult:
         """Clip, one Adam pass per sub-group, new weights into the partitions, zero the grads.
 
         The gradients hold the loss-scaled sum of the micro-batches; `loss_scale` divides it
         out inside the same pass. On inf/NaN nothing is updated (see `StepResult`). What
         `step_ahead` began is settled here, with the same bits as a serial step.
         """
-        check_step_args(lr, loss_scale, max_grad_norm)
+        lr = check_lrs(lr, self.groups.num_lrs)  # one per parameter group
+        check_step_args(lr[0], loss_scale, max_grad_norm)
         self.last_compute_s = 0.0
         ahead, self._ahead = self._ahead, None
         with profile_range("infinity::zero::step"):
@@ -307,7 +317,7 @@ class PartitionedOptimizer:
                     raise
                 self.last_compute_s += ahead.compute_s
                 self.overlap_peak_bytes = max(self.overlap_peak_bytes, ahead.peak_bytes)
-            norm = self._scaled_norm() / loss_scale
+            norm = scaled_norm(self.grads, self.comm) / loss_scale
             t1 = time.perf_counter()
             overflow = not math.isfinite(norm)
             if not overflow:
@@ -331,28 +341,13 @@ class PartitionedOptimizer:
             logger.info("gradient overflow (norm %s): step skipped", norm)
         return StepResult(overflow, norm)
 
-    def _scaled_norm(self) -> float:
-        # In sub-group order on every grad store, so host and NVMe give the same bits (see
-        # [Note: spilled gradients]); inf/NaN anywhere propagates into the norm.
-        total = 0.0
-        for s in self.grads.sums_of_squares():
-            total += s
-        if self.comm.world_size > 1:  # the shards' padding is zero: it adds nothing
-            total = float(self.comm.all_reduce_(torch.tensor([total], dtype=torch.float64)))
-        return math.sqrt(total)
-
-    def _hypers(self, lr: float) -> tuple[AdamHyper, AdamHyper]:
-        """(with weight decay, without) at `lr`."""
-        decayed = self.hyper.with_lr(lr)
-        return decayed, decayed.without_decay()
-
     def _update(
         self,
         index: int,
         state: SubGroupState,
         half: torch.Tensor | None,
         *,
-        hypers: tuple[AdamHyper, AdamHyper],
+        hypers: tuple,
         step: int,
         grad_scale: float,
     ) -> float:
@@ -362,11 +357,11 @@ class PartitionedOptimizer:
         grad = self.grads.take(index)
         t0 = time.perf_counter()
         with self.range("infinity::zero::adam_sub_group"):
-            for a, b, decays in self._runs[index]:
+            for a, b, k in self._runs[index]:
                 step_run(
                     self.format, state, grad, a, b,
                     step=step,
-                    hyper=hypers[0] if decays else hypers[1],
+                    hyper=hypers[k],
                     grad_scale=grad_scale,
                     half_out=half[a:b] if half is not None else None,
                     backend=self.backend,
@@ -409,9 +404,9 @@ class PartitionedOptimizer:
             self.weights.commit(start, out)
         self.grads.release(index)  # zeroed while the disk is busy with this sweep
 
-    def _adam(self, lr: float, grad_scale: float, ahead: OverlapStep | None, confirm: bool) -> None:
+    def _adam(self, lr: tuple, grad_scale: float, ahead: OverlapStep | None, confirm: bool) -> None:
         step = self.step_count + 1
-        base = functools.partial(self._update, hypers=self._hypers(lr), step=step)
+        base = functools.partial(self._update, hypers=self.groups.at(lr), step=step)
         kernel = functools.partial(base, grad_scale=grad_scale)
 
         def run(index: int, state: SubGroupState) -> None:
@@ -476,6 +471,7 @@ class PartitionedOptimizer:
             "version": _VERSION,
             "step_count": self.step_count,
             "hyperparameters": self.hyper.constants(),
+            "groups": self.groups.constants(),
             "model_dtype": MODEL_DTYPES[self.dtype],
             "state_format": self.format.value,
             "sub_group_size": self.sub_group_size,
@@ -488,6 +484,7 @@ class PartitionedOptimizer:
         stay in force; differences from the saved ones are logged."""
         self.cancel_ahead()
         check_state_dict(d, _KIND, _VERSION, self._names, self._numels, self.hyper.constants())
+        check_groups(d.get("groups"), self.groups.constants())
         saved = StateFormat(d.get("state_format", StateFormat.ADAMW.value))
         check_format(saved, self.format, self.convert_state)
         self._saved_format = saved

@@ -45,6 +45,17 @@ def check_step_args(lr: float, loss_scale: float, max_grad_norm: float) -> None:
         raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}")
 
 
+def check_groups(saved: list | None, groups: list | None) -> None:
+    """Refuses a checkpoint whose parameter groups' hyperparameters differ from these: the
+    moments were made under them, and a group is known by its place only."""
+    if saved != groups:
+        raise ValueError(
+            f"the checkpoint's optimizer parameter groups are {saved} but this optimizer's are "
+            f"{groups}; resume with the same parameter groups (betas, eps, weight_decay per "
+            "group, in the same order)"
+        )
+
+
 def check_same_slots(saved: list, names: list[str], numels: list[int]) -> None:
     for i, (entry, name, numel) in enumerate(zip(saved, names, numels, strict=False)):
         if list(entry) != [name, numel]:

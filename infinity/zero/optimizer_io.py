@@ -5,6 +5,7 @@ The optimizer (`infinity.zero.optimizer`) owns the state; this only moves it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,3 +82,15 @@ def write_masters(opt: Any, i: int, values: torch.Tensor) -> None:
         state = opt.store.read(g)
         state.master[a - start : b - start].copy_(values[a - lo : b - lo])
         opt.store.write(g, state)
+
+
+def scaled_norm(grads: Any, comm: Any) -> float:
+    """The global L2 norm of the (loss-scaled) gradient sums over every rank."""
+    # In sub-group order on every grad store, so host and NVMe give the same bits (see
+    # [Note: spilled gradients]); inf/NaN anywhere propagates into the norm.
+    total = 0.0
+    for s in grads.sums_of_squares():
+        total += s
+    if comm.world_size > 1:  # the shards' padding is zero: it adds nothing
+        total = float(comm.all_reduce_(torch.tensor([total], dtype=torch.float64)))
+    return math.sqrt(total)

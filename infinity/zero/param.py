@@ -131,9 +131,10 @@ class OffloadParam:
         device: torch.device,
         persistent: bool = False,
         comm: Comm | None = None,
+        align: int = 1,
     ) -> None:
         world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
-        shard = shard_of(param.numel(), world, rank)
+        shard = shard_of(param.numel(), world, rank, align)
         if home.numel != shard.numel:
             what = "the parameter has" if world == 1 else f"rank {rank} of {world} keeps"
             raise ValueError(
@@ -143,6 +144,8 @@ class OffloadParam:
             )
         self.name = name
         self.param = param
+        self.shard = shard
+        """This rank's shard of the parameter (see `infinity.zero.shard`)."""
         self.shape = tuple(param.shape)
         self.dtype = home.dtype
         self.itemsize = home.dtype.itemsize

@@ -3,8 +3,13 @@
 World size W, rank r, a parameter of N elements: the shard size is S = ceil(N / W), and
 rank r keeps elements [r*S, (r+1)*S) of the parameter flattened and zero-padded to W*S. Its
 unpadded span is (min(r*S, N), min((r+1)*S, N)), empty for a tiny parameter on a high rank.
-With W == 1, S == N and the span is the whole parameter. The padding is never trained: its
-gradient is zero (so its Adam update is too, without weight decay) and all-gathers drop it.
+With W == 1, S == N and the span is the whole parameter. With several ranks and the 8-bit
+optimizer state, S is rounded up to a multiple of `align` (256, the quantization block), so
+every rank's shard starts on a block of the whole parameter: block k holds elements
+[256k, 256k + 256) at any world size, and the blocks' absmax are the same (the runs are
+bitwise one rank's, and the state reshards). 32-bit runs keep align 1. The padding is
+never trained: its gradient is zero (so its Adam update is too, without weight decay) and
+all-gathers drop it.
 Each rank keeps its shard of the weights it built itself, so every rank must build the same
 weights: `check_same_weights` compares a fingerprint of them across ranks before sharding.
 """
@@ -19,6 +24,7 @@ import torch
 from torch import nn
 
 from infinity.comm import Comm
+from infinity.utils.quant_blocks import BLOCK
 
 _SAMPLES = 256
 """Elements of each parameter that its fingerprint hashes (evenly spaced)."""
@@ -39,11 +45,19 @@ class Shard(NamedTuple):
         return self.start, self.stop
 
 
-def shard_of(numel: int, world_size: int, rank: int) -> Shard:
-    """Rank `rank`'s shard of a parameter of `numel` elements over `world_size` ranks."""
+def shard_align(eight_bit: bool) -> int:
+    """The shards' alignment in elements: the 8-bit state's block, else 1 (see above)."""
+    return BLOCK if eight_bit else 1
+
+
+def shard_of(numel: int, world_size: int, rank: int, align: int = 1) -> Shard:
+    """Rank `rank`'s shard of a parameter of `numel` elements over `world_size` ranks, its
+    size a multiple of `align` when world_size > 1."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not a rank of world_size {world_size}")
     s = -(-numel // world_size)
+    if world_size > 1:
+        s = -(-s // align) * align
     return Shard(s, min(rank * s, numel), min((rank + 1) * s, numel))
 
 

@@ -9,7 +9,7 @@ buffers: `infinity.zero.optimizer` allocates them from the `FlatLayout` made her
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,25 +181,6 @@ def flat_layout(numels: Sequence[int], sub_group_size: int) -> FlatLayout:
         offsets.append(total)
         total += _align(n)
     return FlatLayout(tuple(offsets), tuple(numels), total, sub_group_size)
-
-
-def decay_runs(
-    layout: FlatLayout, g: int, no_decay: Collection[int]
-) -> list[tuple[int, int, bool]]:
-    """(start, stop, decays) ranges of sub-group g in sub-group-local elements, adjacent
-    slots with the same weight-decay setting merged (with the zero padding between them,
-    which stays zero under any Adam step), so the step runs one pass per run (one in the
-    common case)."""
-    base = layout.range(g)[0]
-    runs: list[tuple[int, int, bool]] = []
-    for slot, a, b in layout.pieces(g):
-        start, stop = layout.offsets[slot] + a - base, layout.offsets[slot] + b - base
-        decays = slot not in no_decay
-        if runs and runs[-1][2] == decays:
-            runs[-1] = (runs[-1][0], stop, decays)
-        else:
-            runs.append((start, stop, decays))
-    return runs
 
 
 def optimizer_layout(slot_numels: Sequence[int], zero: ZeroConfig) -> FlatLayout:
