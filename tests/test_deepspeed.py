@@ -142,7 +142,12 @@ def test_zero_offload_stage2_fp16_with_client_adamw_and_warmup_lr_learns():
         engine.step()
         losses.append(loss.item())
         lrs.append(engine.get_lr()[0])
-    assert sched is engine.engine.lr_schedule  # the config's WarmupLR
+    # The config's WarmupLR, answering as DeepSpeed's does (benchmarks/deepspeed_api_compare.py)
+    assert sched.get_last_lr() == sched.get_lr() == engine.get_lr()
+    applied = engine.global_steps - engine.skipped_steps
+    assert applied > 10 and sched.last_batch_iteration == applied - 1
+    sched.step()  # the engine's to take: changes nothing
+    assert sched.last_batch_iteration == applied - 1 and sched.get_lr() == engine.get_lr()
     assert lrs[-1] == pytest.approx(0.02) and lrs[0] < 0.02
     assert losses[-1] < 0.5 * losses[0]
 

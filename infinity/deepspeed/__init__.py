@@ -25,6 +25,7 @@ from infinity.config.parse import read_json
 from infinity.deepspeed import comm, zero
 from infinity.deepspeed.client import (
     ClientSchedule,
+    ConfigScheduler,
     EngineOptimizer,
     lr_holder,
     plan_client,
@@ -146,7 +147,7 @@ def _client_schedule(
     holder = optimizer
     if lr_scheduler is None:
         if raw.get("scheduler"):
-            return holder, engine.lr_schedule
+            return holder, ConfigScheduler(engine)
         if holder is not None:  # each group's lr, as the client optimizer would step them
             engine.lr_schedule = ClientSchedule(None, holder)
         return holder, None

@@ -234,6 +234,43 @@ class ClientSchedule:
             group["lr"] = lr
 
 
+class ConfigScheduler:
+    """The config's `scheduler` as `initialize` returns it: the calls DeepSpeed's
+    schedulers answer (`get_lr()` and `get_last_lr()`: the lr of the step the engine runs
+    next, per parameter group, as DeepSpeed's WarmupLR answers after its own step;
+    `last_batch_iteration`), over the engine's schedule, which the engine steps at each
+    applied optimizer step. `step()` here does nothing but say so once: a second step per
+    optimizer step would run the schedule twice as fast."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._warned = False
+
+    def get_lr(self) -> list[float]:
+        return self._engine.get_lr()
+
+    def get_last_lr(self) -> list[float]:
+        return self._engine.get_lr()
+
+    @property
+    def last_batch_iteration(self) -> int:
+        return self._engine.lr_schedule.iteration
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "lr_scheduler.step(): the engine steps the config's scheduler at each "
+                "applied optimizer step (engine.step()); this call changes nothing"
+            )
+
+    def state_dict(self) -> dict:
+        return self._engine.lr_schedule.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._engine.lr_schedule.load_state_dict(state)
+
+
 def lr_holder(lr: float) -> torch.optim.Optimizer:
     """A torch optimizer over no model parameter, for a scheduler built by a callable when
     the optimizer is the config's: its one param group carries the lr."""

@@ -97,6 +97,14 @@ class Schedule:
         """Count one applied optimizer step (do not call for steps skipped on overflow)."""
         self.steps += 1
 
+    @property
+    def iteration(self) -> int:
+        """DeepSpeed's `last_batch_iteration`: applied steps plus the schedule's
+        `last_batch_iteration` parameter (-1 by default), or applied steps - 1 for the
+        schedules DeepSpeed does not have."""
+        offset = getattr(self, "_offset", -1)
+        return offset + self.steps
+
     def _init_step_schedule(self) -> None:
         p = self.params
         total = int(p["total_num_steps"])
