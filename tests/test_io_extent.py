@@ -11,7 +11,7 @@ import pytest
 import torch
 from _fake_aio import FakeAio
 
-from infinity.io import AioHandle, extent
+from infinity.io import AioHandle
 from infinity.io.checksum import CHUNK_BYTES
 from infinity.io.extent import ExtentError, ExtentIO
 from infinity.swap.grad_tier import NvmeGradError, NvmeGradTier
@@ -67,36 +67,6 @@ def test_a_changed_extent_raises_naming_file_offset_and_the_fix(tmp_path, aio, s
     assert "resume from the last checkpoint" in text
     with pytest.raises(NvmeStateError, match="earlier transfer failed"):
         io.check_usable("sweep")
-    io.close()
-
-
-@pytest.mark.parametrize("where", [0, 4095, 40_960 + 17, (1 << 20) - 1], ids=str)
-def test_a_read_in_pieces_checks_every_piece_as_it_lands(tmp_path, aio, monkeypatch, where):
-    """Full sums issue a read in READ_PIECE_BYTES pieces, each checked as it lands: a
-    change in any piece (first byte, a page edge, mid-read, the last byte) is found, a clean
-    read passes, and a read starting inside a recorded chunk still checks that chunk whole."""
-    monkeypatch.setattr(extent, "READ_PIECE_BYTES", 12 * 4096)  # 1 MiB in 22 pieces
-    path = str(tmp_path / "x.swp")
-    io = ExtentIO(aio, tier="optim", error=NvmeStateError)
-    data = torch.arange(1 << 18, dtype=torch.float32)
-    io.write(data, path, 0, what="optimizer sub-group 1").wait()
-    back = torch.empty_like(data)
-    t = io.read(back, path, 0, what="optimizer sub-group 1")
-    assert isinstance(t._future, extent._Pieces) and len(t._future.pieces) == 22
-    t.wait()
-    assert torch.equal(back, data)
-    tail = torch.empty(((1 << 20) - 2048) // 4, dtype=torch.float32)  # from mid-chunk 0
-    io.read(tail, path, 2048, what="optimizer sub-group 1").wait()
-    assert torch.equal(tail, data[512:])
-    with open(path, "r+b") as f:
-        f.seek(where)
-        byte = f.read(1)
-        f.seek(where)
-        f.write(bytes([byte[0] ^ 0x01]))
-    with pytest.raises(NvmeStateError, match="read back other bytes") as e:
-        io.read(back, path, 0, what="optimizer sub-group 1").wait()
-    first = where // CHUNK_BYTES * CHUNK_BYTES
-    assert f"file bytes [{first}, {first + CHUNK_BYTES})" in str(e.value)
     io.close()
 
 

@@ -108,7 +108,7 @@ def chunk_sums(
         _native.crc32c_chunks(span.address, span.nbytes, chunk_bytes, out.ctypes.data, kernel,
                               sample_bytes if sampled else 0, PAGE_BYTES)  # fmt: skip
         return out
-    flat = flat_bytes(buf)
+    flat = _flat_bytes(buf)
     data = flat if isinstance(flat, np.ndarray) else flat.numpy()
     for k, piece in enumerate(_sampled(data, chunk_bytes, sample_bytes if sampled else 0)):
         out[k] = zlib.crc32(piece)
@@ -237,7 +237,7 @@ class ExtentSums:
         """The first changed chunk of `buf` (read from file offset `offset`), or None. A chunk
         the read covers in part is checked with its other bytes from `outside(at, nbytes)`
         (file bytes at file offset `at`); without `outside` it is left unchecked."""
-        flat = flat_bytes(buf)
+        flat = _flat_bytes(buf)
         end = offset + flat.shape[0]
         for e in expected:
             lo, hi = e.offset - offset, e.offset + e.nbytes - offset
@@ -271,7 +271,7 @@ class ExtentSums:
             lo = r.offset + first * self.chunk_bytes - offset
             hi = min(r.offset + stop * self.chunk_bytes, r.end) - offset
             r.sums[first:stop] = chunk_sums(
-                flat_bytes(buf)[lo:hi], self.chunk_bytes, self.sample_bytes, self.kernel
+                _flat_bytes(buf)[lo:hi], self.chunk_bytes, self.sample_bytes, self.kernel
             )
             r.known[first:stop] = True
         touched_first, touched_stop = self._touched(r, offset, offset + nbytes)
@@ -307,7 +307,7 @@ class ExtentSums:
         return out
 
 
-def flat_bytes(buf):
+def _flat_bytes(buf):
     """A flat uint8 view of a contiguous torch tensor or numpy array (no copy)."""
     if isinstance(buf, np.ndarray):
         return buf.reshape(-1).view(np.uint8)

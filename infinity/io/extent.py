@@ -32,7 +32,7 @@ from infinity.accelerator import profile_range
 from infinity.config.sections import AioConfig
 from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import buffer_span
-from infinity.io.checksum import NAME, PAGE_BYTES, Expected, ExtentSums, Mismatch, flat_bytes
+from infinity.io.checksum import NAME, PAGE_BYTES, Expected, ExtentSums, Mismatch
 
 SUM_THREADS = 4
 """Checksum threads per tier: each read being checked waits on one until it lands."""
@@ -179,42 +179,6 @@ def _pread(path: str, offset: int, nbytes: int) -> bytes:
         os.close(fd)
 
 
-READ_PIECE_BYTES = 8 << 20
-"""A read checked by full sums is issued in pieces of this size, each checked as it lands,
-so that only the last piece's check waits after the disk (1 of 12 pieces of a 96 MiB
-sub-group's state)."""
-
-
-def _pieces(buf, offset: int) -> list[tuple[int, Any]]:
-    """(file offset, byte view) of each READ_PIECE_BYTES piece of `buf`, in file order."""
-    flat = flat_bytes(buf)
-    n = flat.shape[0]
-    return [(offset + lo, flat[lo : lo + READ_PIECE_BYTES]) for lo in range(0, n, READ_PIECE_BYTES)]
-
-
-class _Pieces:
-    """The futures of a read issued in pieces, as one: done when all are, and `wait`
-    waits for every piece (none may still be filling the buffer), then raises the first
-    piece's error."""
-
-    def __init__(self, pieces: list, ends: list[int]) -> None:
-        self.pieces, self.ends = pieces, ends
-        """The futures, in file order, and the file offset each piece ends at."""
-
-    def done(self) -> bool:
-        return all(p.done() for p in self.pieces)
-
-    def wait(self) -> None:
-        errors = []
-        for p in self.pieces:
-            try:
-                p.wait()
-            except BaseException as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
-
-
 class _Deferred:
     """A read's check run by its first waiter, on the waiting thread."""
 
@@ -313,12 +277,7 @@ class ExtentIO:
         if self.sums is not None and not write:
             expected = self.sums.expected(path, offset, nbytes)  # before the read is issued
         try:
-            if write or not expected or self._pool() is None:
-                future = (self.aio.pwrite if write else self.aio.pread)(buf, path, offset)
-            else:
-                pieces = _pieces(buf, offset)
-                futures = [self.aio.pread(b, path, at) for at, b in pieces]
-                future = _Pieces(futures, [at + b.shape[0] for at, b in pieces])
+            future = (self.aio.pwrite if write else self.aio.pread)(buf, path, offset)
         except BaseException as e:  # refused before any I/O (a bad path, a short file...)
             if write and self.sums is not None:
                 self.sums.forget(path, offset, nbytes)
@@ -355,23 +314,9 @@ class ExtentIO:
 
     def _land(self, future, expected, path, offset: int, buf) -> Mismatch | None:
         """On a checksum thread: wait for a read, then check what it brought (a chunk it
-        covers in part with the rest of that chunk read here: at most a chunk each end). A
-        read issued in pieces is checked piece by piece as each lands, beside the disk
-        reading the next (see [Note: full sums] in checksum.py)."""
-        outside = lambda at, n: _pread(path, at, n)  # noqa: E731
-        if not isinstance(future, _Pieces):
-            future.wait()
-            return self.sums.verify(expected, offset, buf, outside)
-        pending = sorted(expected, key=lambda e: e.offset + e.nbytes)
-        for piece, end in zip(future.pieces, future.ends, strict=True):
-            piece.wait()
-            landed = [e for e in pending if e.offset + e.nbytes <= end]
-            pending = pending[len(landed) :]
-            bad = self.sums.verify(landed, offset, buf, outside) if landed else None
-            if bad is not None:
-                future.wait()  # nothing may still be reading into the buffer
-                return bad
-        return self.sums.verify(pending, offset, buf, outside) if pending else None
+        covers in part with the rest of that chunk read here: at most a chunk each end)."""
+        future.wait()
+        return self.sums.verify(expected, offset, buf, lambda at, n: _pread(path, at, n))
 
     def error_for(self, t: Transfer, problem: str, cause, *, code=None, advice=True):
         if code is None and isinstance(cause, OSError):
