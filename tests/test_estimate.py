@@ -53,12 +53,14 @@ def _config(
                 "max_in_cpu": optim_in_cpu,
                 "gradients_in_cpu": grads_in_cpu,
                 "gradients_on_device": grads_on_device,
-                "overlap_step": overlap_numel > 0,
-                "overlap_numel": max(overlap_numel, 1),
             },
             **zero,
         },
     }
+    if overlap_numel:  # else unset: the placement planner's to choose
+        cfg["zero_optimization"]["offload_optimizer"] |= dict(
+            overlap_step=True, overlap_numel=overlap_numel
+        )
     if dtype != "fp32":
         cfg[dtype] = {"enabled": True}
     return cfg

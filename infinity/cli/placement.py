@@ -25,7 +25,7 @@ from infinity.estimate.placement import (
     check_device,
     plan_placement,
 )
-from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, LEAN_BUFFERS
+from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, LEAN_BUFFERS, OVERLAP
 from infinity.utils.host_memory import available_ram, physical_ram
 
 DEFAULT_RAM_SHARE = 0.8
@@ -82,7 +82,7 @@ def _user_zero(args: argparse.Namespace) -> dict:
 
 
 def tunable_buffers(args: argparse.Namespace) -> set[str]:
-    """The keys of LEAN_BUFFERS, and GRADS_ON_DEVICE, the run's config leaves unset: the
+    """The keys of LEAN_BUFFERS, GRADS_ON_DEVICE and OVERLAP the run's config leaves unset: the
     planner may set them (see [Note: lean buffers] and [Note: gradient sums on the device] in
     infinity/estimate/placement_rungs.py)."""
     from infinity.config.keys import KEYS
@@ -92,7 +92,7 @@ def tunable_buffers(args: argparse.Namespace) -> set[str]:
     # Every spelling a config may use, by the name LEAN_BUFFERS gives (DeepSpeed's first).
     spelled = {names[0]: names for names in KEYS[ZeroConfig].values()}
     unset = set()
-    for key in (*LEAN_BUFFERS, GRADS_ON_DEVICE):
+    for key in (*LEAN_BUFFERS, GRADS_ON_DEVICE, OVERLAP):
         *path, name = key.split(".")
         section = zero
         for part in path:

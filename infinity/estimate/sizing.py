@@ -159,8 +159,8 @@ def sizes(
     gradients go to NVMe per sub-group (default: as the engine decides, `gradients_spill`;
     False replays older runs). `checkpointing`: activation checkpointing, which changes
     the order backward gathers in. `aliases`: gathers from host homes alias them instead of
-    copying (default: on the CPU device, as the engine does; False: older runs). `world_size`: the ranks sharing the parameters; every byte is
-    one rank's (its shards; the live budget counts gathered, whole parameters)."""
+    copying (default: on the CPU device, as the engine does; False: older runs).
+    `world_size`: the ranks sharing the parameters (every byte is one rank's)."""
     zero, dtype = config.zero_optimization, model_dtype(config)
     itemsize, homes = dtype.itemsize, home_numels(shape, world_size)
     layout = layout_of(shape, config, world_size)
