@@ -305,19 +305,14 @@ def step_times(
         # The last sweep's reads ahead were queued before the first parameter read (spread
         # over the window's micro steps, which the replay takes alike).
         ahead = sz.optim_ahead_read_bytes / read / accum
-        micro = micro_step_s(
-            prefetch,
-            cpu_s=(compute, copies, hooks),
-            read_bps=read,
-            itemsize=sz.itemsize,
-            disk_busy_s=ahead,
-        )
-    if rates.gpu is None:  # the CPU device: copies run on the cores that compute
+        micro = micro_step_s(prefetch, cpu_s=(compute, copies, hooks), read_bps=read,
+                             itemsize=sz.itemsize, disk_busy_s=ahead)  # fmt: skip
+    gpu = rates.gpu is not None
+    if not gpu:  # the CPU device: copies run on the cores that compute
         window = max(accum * micro + grad_wait, window_io)
     else:
         window = max(accum * compute + grad_wait, accum * copies, window_io)
     state_io, adam, norm = _optimizer_parts_s(sz, rates)
-    gpu = rates.gpu is not None
     side = Window(accum * (compute if gpu else micro) + grad_wait, accum * copies if gpu else 0.0,
                   window_io, window, window / accum * backward_share,
                   "device" if gpu else "cores")  # fmt: skip
