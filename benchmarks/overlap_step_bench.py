@@ -43,7 +43,9 @@ def _name(tier: str, overlap: bool) -> str:
 
 def engine_config(args, tier: str, overlap: bool, path: str) -> dict:
     # Off: today's serial step (fp32 gradient sums); on: overlapped, 16-bit gradients.
-    offload = {"device": tier, "overlap_step": overlap, "half_gradients": overlap}
+    # `--same-gradients`: 16-bit gradients on both sides, so only the overlap differs.
+    offload = {"device": tier, "overlap_step": overlap,
+               "half_gradients": overlap or args.same_gradients}  # fmt: skip
     offload["overlap_numel"] = 10**10
     if tier == "nvme":
         offload |= {"nvme_path": path, "gradients_in_cpu": True}
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sub-group-size", type=float, default=2e6)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
+    same = "16-bit gradients in the serial engines too: only the overlap differs"
+    parser.add_argument("--same-gradients", action="store_true", help=same)
     parser.add_argument("--path", default=None, help="NVMe directory (default: a temp dir)")
     parser.add_argument("--json", default="overlap_step.json", help="output file")
     args = parser.parse_args(argv)
@@ -148,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"preset": args.preset, **shape, "params": numel, "sub_groups": sub_groups},
         "batch": args.batch, "seq": args.seq, "accum": args.accum,
         "sub_group_size": int(args.sub_group_size), "warmup": args.warmup, "rounds": args.rounds,
+        "same_gradients": args.same_gradients,
         "iteration_s": iteration, "step_s": step, "median": med, "losses": losses,
         "ahead_sub_groups": ahead, "bitwise_equal_losses": bitwise,
         "overlap_peak_bytes": {n: s.get("optim_overlap_peak_bytes", 0) for n, s in stats.items()},

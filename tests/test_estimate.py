@@ -36,7 +36,7 @@ SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_l
 
 def _config(
     path, *, param="nvme", optim="nvme", dtype="bf16", accum=1, optim_in_cpu=0,
-    grads_in_cpu=False, grads_on_device=0, **zero,
+    grads_in_cpu=False, grads_on_device=0, overlap_numel=0, **zero,
 ) -> dict:  # fmt: skip
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
@@ -58,6 +58,10 @@ def _config(
             **zero,
         },
     }
+    if overlap_numel:  # else unset: the placement planner's to choose
+        cfg["zero_optimization"]["offload_optimizer"] |= dict(
+            overlap_step=True, overlap_numel=overlap_numel
+        )
     if dtype != "fp32":
         cfg[dtype] = {"enabled": True}
     return cfg
@@ -129,6 +133,19 @@ CASES = {
     ),  # fmt: skip
     "grads-on-device-state-in-ram": dict(param="cpu", optim="cpu", grads_on_device=41000),
 }
+# The overlapped step's state copies, for the sub-groups it may step early (see [Note: the
+# overlapped step's copies]): every tier of the gradients and the state, fp32 aliasing.
+for _name, _spec in {
+    "state-in-ram-bf16": dict(param="cpu", optim="cpu"),
+    "state-in-ram-fp32-aliased": dict(param="cpu", optim="cpu", dtype="fp32"),
+    "params-nvme-state-in-ram-fp16": dict(optim="cpu", dtype="fp16"),
+    "grads-in-ram-state-nvme-accum2": dict(accum=2, grads_in_cpu=True),
+    # The last sub-groups' sums spilled: backward finishes those first, none is early.
+    "none-state-split-grads-spilled": dict(param="cpu", optim_in_cpu=41000),
+    "grads-on-device-first": dict(optim="cpu", grads_on_device=41000),
+}.items():
+    CASES[f"overlap-{_name}"] = dict(overlap_numel=10**9, **_spec)
+CASES["overlap-numel-limit"] = dict(param="cpu", optim="cpu", overlap_numel=50000)
 # Spilled gradients over accumulation windows: which sub-groups backward finds in a buffer,
 # reads back whole, or adds to on disk row by row depends on the window and the sub-groups.
 for _accum, _sgs, _param, _dtype in (
@@ -211,6 +228,9 @@ def test_bytes_equal_the_engine_counters(tmp_path, case):
     assert (sz.grad_device_bytes > 0) == ("on-device" in case)
     assert disk == sz.nvme_bytes
     assert stats[-1]["host_bytes"] == sz.host_bytes
+    assert stats[-1]["optim_overlap_bytes"] == sz.overlap_host_bytes
+    assert (sz.overlap_host_bytes > 0) == ("overlap" in case and "none" not in case)
+    assert stats[-1]["optim_overlap_peak_bytes"] <= sz.overlap_host_bytes
     assert stats[-1]["pinned_bytes"] == sz.pinned_bytes
     in_ram = sum(sz_numels[: state_in_ram(sz_numels, resolved.zero_optimization.offload_optimizer)])
     assert stats[-1].get("optim_host_buffer_bytes", 0) == sz.state_host_bytes - 12 * in_ram

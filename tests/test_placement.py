@@ -17,7 +17,7 @@ from infinity.config import Config
 from infinity.estimate import model_shape
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
 from infinity.estimate.placement import Budget, plan_placement
-from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, LEAN_BUFFERS
+from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, LEAN_BUFFERS, OVERLAP
 from infinity.models import LlamaConfig, LlamaForCausalLM
 from infinity.models.lora import LoraSpec, apply_lora
 from infinity.run.placement import planned, tunable_buffers
@@ -155,7 +155,7 @@ def test_the_planner_lowers_only_the_buffers_the_config_leaves_unset(tmp_path):
         path.write_text(json.dumps({"zero_optimization": zero}))
         return tunable_buffers(argparse.Namespace(config=str(path)))
 
-    everything = {*LEAN_BUFFERS, GRADS_ON_DEVICE, KEEP}
+    everything = {*LEAN_BUFFERS, GRADS_ON_DEVICE, KEEP, OVERLAP}
     assert tunable_buffers(argparse.Namespace(config=None)) == everything
     for spelling in ("stage3_max_live_parameters", "max_live_parameters"):  # either name
         assert tunable({spelling: 10**8}) == everything - {"stage3_max_live_parameters"}
@@ -357,6 +357,31 @@ def test_on_a_gpu_the_weights_that_fit_are_kept_across_micro_batches(tmp_path):
     assert 0 < part.buffers[KEEP] < shape.trainable_numel
     assert part.device_bytes <= without.device_bytes * 18 // 10
     assert kept.host_device_bytes_per_step < part.host_device_bytes_per_step
+
+
+def test_on_a_gpu_the_planner_overlaps_the_step_where_its_copies_fit(tmp_path):
+    """[Note: the overlapped step in the plan]: on a GPU with the key unset, the chosen plan
+    gets the overlapped step when its copies fit beside it, the same placement otherwise and
+    a peak RSS higher by exactly the copies; a budget that holds the plan but not the copies,
+    a config that sets the key, or the CPU device: no overlap."""
+    shape = model_shape(LlamaConfig(**SHAPE))
+    cfg = Config.load(_config(tmp_path))
+
+    def plan(ram: int, tunable=(OVERLAP,), gpu=True):
+        return plan_placement(shape, cfg, Budget(ram, "test"), gpu=gpu, seq_len=SEQ,
+                              runtime_bytes=RUNTIME, tunable=tunable)  # fmt: skip
+
+    roomy, without = plan(1 << 40), plan(1 << 40, tunable=())
+    assert roomy.overlap_bytes > 0 and roomy.buffers[OVERLAP] and not without.overlap_bytes
+    kept = lambda p: (p.param_device, p.param_max_in_cpu, p.optim_max_in_cpu, p.gradients_in_cpu)  # noqa: E731
+    assert kept(roomy) == kept(without)
+    assert roomy.peak_rss_bytes == without.peak_rss_bytes + roomy.overlap_bytes
+    assert roomy.apply(cfg).zero_optimization.offload_optimizer.overlap_step
+    assert not without.apply(cfg).zero_optimization.offload_optimizer.overlap_step
+    assert any("overlapped step" in line for line in roomy.lines())
+    tight = plan(without.peak_rss_bytes)
+    assert tight.overlap_bytes == 0 and OVERLAP not in tight.buffers
+    assert plan(1 << 40, gpu=False).overlap_bytes == 0
 
 
 def test_the_13b_headline_is_compute_bound_with_its_gradient_sums_on_the_gpu(tmp_path, capsys):

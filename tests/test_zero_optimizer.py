@@ -246,6 +246,7 @@ def test_fp32_partitions_alias_the_host_masters(backend):
         "state_bytes": 12 * TOTAL,
         "host_bytes": 16 * TOTAL,
         "optim_state_bits": 32,
+        "optim_overlap_bytes": 0,
         "optim_overlap_peak_bytes": 0,
     }  # fmt: skip  (no step began in a backward)
 

@@ -408,6 +408,7 @@ def _time_lines(est, world_size: int) -> list[str]:
         f"  {'CPU-Adam (+ norm)':<28}{t.cpu_adam_s:9.2f} s",
         f"  {'host-device copies':<28}{t.copies_s:9.2f} s",
         *(f"  {label:<28}{value:9.2f} s" for label, value, shown in waits if shown),
+        *(["", *t.timeline.lines()] if t.timeline else []),
     ]
 
 

@@ -90,10 +90,11 @@ class OffloadOptimizerConfig:
     it (or redoes it) once the global norm is known, so the results are bitwise those of a
     serial step (see [Note: the overlapped step] in infinity/zero/overlap.py). Infinity's
     key; false (the default) steps every sub-group after backward. Only sub-groups whose
-    gradient sums are in host memory are stepped early. Off by default: its copies of the
-    state (see `overlap_numel`) are host memory the placement planner does not yet count,
-    so a planned run could pass its --ram-budget; and on the CPU device backward leaves no
-    idle core to step beside it. Turn it on for a GPU run with RAM to spare."""
+    gradient sums are in host memory are stepped early. Its copies of the state (see
+    `overlap_numel`) are allocated once and held for the run; the estimate and the
+    placement planner count them in the host bytes. Off by default: on the CPU device
+    backward leaves no idle core to step beside it; on a GPU the planner turns it on where
+    the RAM its plan leaves holds the copies (when the config does not set it)."""
     overlap_numel: int = 50_000_000
     """Elements of optimizer state the overlapped step may step ahead of the norm: each
     holds a copy of its state from before the step until the step confirms it (12 bytes per

@@ -41,7 +41,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 from infinity.config import Config, resolve_run
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
-from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, candidates, set_buffers
+from infinity.estimate.placement_rungs import (
+    GRADS_ON_DEVICE,
+    KEEP,
+    OVERLAP,
+    candidates,
+    set_buffers,
+)
 from infinity.estimate.result import activation_bytes, memory_of
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, layout_of, sizes
@@ -95,6 +101,8 @@ class Placement:
     grads: Tiers
     buffers_bytes: int
     """Host staging of the NVMe tiers (parameter pool, state pipeline)."""
+    overlap_bytes: int
+    """The overlapped step's state copies (see [Note: the overlapped step in the plan])."""
     nvme_read_bytes_per_step: int
     nvme_write_bytes_per_step: int
     host_device_bytes_per_step: int
@@ -145,7 +153,10 @@ class Placement:
                     f"  {name:<26} RAM {_size(t.ram_bytes):>10}   NVMe {_size(t.nvme_bytes):>10}"
                     + device
                 )
-        shown = {k: v for k, v in self.buffers.items() if k not in (GRADS_ON_DEVICE, KEEP)}
+        if self.overlap_bytes:
+            out.append(f"  {'overlapped step copies':<26} RAM {_size(self.overlap_bytes):>10}")
+        hidden = (GRADS_ON_DEVICE, KEEP, OVERLAP)
+        shown = {k: v for k, v in self.buffers.items() if k not in hidden}
         chosen = ", ".join(f"{k} {v:,}" for k, v in shown.items())
         out.append(
             f"  {'NVMe staging buffers':<26} RAM {_size(self.buffers_bytes):>10}"
@@ -213,7 +224,23 @@ def plan_placement(
         _refuse(evaluate, budget, gpu, runtime_bytes)
     # Fewest NVMe bytes, then no sums on the device (their copies at the step are not
     # overlapped), then host-to-device bytes, then the earliest rung, then less RSS.
-    return min(plans, key=lambda t: t[:5])[5]
+    best = min(plans, key=lambda t: t[:5])[5]
+    if gpu and OVERLAP in tunable:  # [Note: the overlapped step in the plan]
+        return _with_overlap(best, shape, config, budget, acts, checkpointing, runtime_bytes,
+                             world_size)  # fmt: skip
+    return best
+
+
+def _with_overlap(best, shape, config, budget, acts, checkpointing, runtime, world) -> Placement:
+    """`best` with the overlapped step where its copies fit the budget beside it."""
+    changed = {**best.buffers, OVERLAP: True}
+    raw = config.to_dict()
+    set_buffers(raw["zero_optimization"], changed)
+    evaluate = _Evaluator(shape, Config.load(raw), budget, True, acts, checkpointing, runtime,
+                          world, changed)  # fmt: skip
+    kept = (best.param_max_in_cpu, best.optim_max_in_cpu, best.gradients_in_cpu)
+    plan = evaluate.plan(best.param_device, *kept)
+    return plan if evaluate.fits(plan) and plan.overlap_bytes else best
 
 
 def _refuse(evaluate: _Evaluator, budget: Budget, gpu: bool, runtime_bytes: int) -> None:
@@ -413,6 +440,7 @@ def _placement(
         state=Tiers(state_ram, sz.optim_nvme_bytes),
         grads=Tiers(sz.grad_host_bytes, sz.grad_nvme_bytes, sz.grad_device_bytes),
         buffers_bytes=sz.param_pool_bytes + sz.state_buffer_bytes,
+        overlap_bytes=sz.overlap_host_bytes,
         nvme_read_bytes_per_step=read, nvme_write_bytes_per_step=write,
         host_device_bytes_per_step=host_device,
         live_parameters=int(cfg.zero_optimization.max_live_parameters),

@@ -80,6 +80,18 @@ KEEP = "keep_weights_numel"
 the device]), keyed as LEAN_BUFFERS; a config that sets it keeps it."""
 
 
+OVERLAP = "offload_optimizer.overlap_step"
+"""The overlapped optimizer step (see [Note: the overlapped step in the plan]), keyed as
+LEAN_BUFFERS; a config that sets it keeps it.
+
+[Note: the overlapped step in the plan] On a GPU, where the config leaves
+`offload_optimizer.overlap_step` unset, the planner turns it on for the plan it chose when
+the copies it holds (`Sizes.overlap_host_bytes`) fit in the RAM that plan leaves: it never
+moves state or gradients to NVMe to make room, since those cost disk bytes at every step
+and the overlap saves at most the last backward's length of CPU-Adam. On the CPU device
+backward takes the cores the early steps would run on, so it stays off."""
+
+
 def candidates(
     shape: ModelShape,
     config: Config,

@@ -37,10 +37,11 @@ from dataclasses import asdict, dataclass, field
 from infinity.accelerator.recycled import MIN_BYTES
 from infinity.config import Config, resolve_run
 from infinity.estimate.bound import Bound
-from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates
+from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates, passes
 from infinity.estimate.pipeline import Prefetch, micro_step_s, prefetch_of
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import Sizes, sizes
+from infinity.estimate.timeline import Timeline, Window, step_timeline
 from infinity.utils.host_memory import physical_ram
 from infinity.zero.build import builds_in_files
 
@@ -74,7 +75,12 @@ class StepTimes:
     """Forward + backward of one micro step: its share of the accumulation window, which
     costs the slower of the compute (with the copies, on the CPU device) and the disk."""
     optimizer_step_s: float
+    """From the end of backward to the end of the step."""
     step_s: float
+    """The critical path of the step's timeline (see [Note: the step's timeline])."""
+    ahead_s: float = 0.0
+    """CPU-Adam run beside the last backward by the overlapped step (a GPU only)."""
+    timeline: Timeline | None = None
 
 
 @dataclass(slots=True)
@@ -183,9 +189,10 @@ def estimate(
     if gpu is None and sz.param_read_bytes_per_micro_step:
         reads = prefetch_of(shape, config, checkpointing=activation_checkpointing)
     recycled = gpu is None and recycles
+    n = passes(frozen=shape.lora_r > 0, checkpointing=activation_checkpointing)
     times = step_times(
         sz, rates, accum=accum, pipelined=pipelined, modules=shape.modules, prefetch=reads,
-        recycled=recycled,
+        recycled=recycled, backward_share=(n - 1) / n,
     )  # fmt: skip
     acts = activation_bytes(shape, tokens, seq_len, sz.itemsize, activation_checkpointing)
     memory = dict(acts=acts, alias=alias, recycled=recycled, runtime_bytes=runtime_bytes)
@@ -268,8 +275,10 @@ def step_times(
     modules: int = 0,
     prefetch: Prefetch | None = None,
     recycled: bool = True,
+    backward_share: float = 2 / 3,
 ) -> StepTimes:
-    """See [Note: the step model]; without `pipelined` (offload_optimizer.pipeline_read and
+    """See [Note: the step model] and [Note: the step's timeline] (`backward_share`: of a
+    micro step, its backward's); without `pipelined` (offload_optimizer.pipeline_read and
     pipeline_write) the state's transfers and CPU-Adam take turns. `modules`: the model's
     modules with parameters (the engine's hooks cost `rates.module_overhead_s` each).
     `prefetch`: the gathers of a micro step whose parameter reads the CPU device's cores
@@ -287,19 +296,21 @@ def step_times(
         # The last sweep's reads ahead were queued before the first parameter read (spread
         # over the window's micro steps, which the replay takes alike).
         ahead = sz.optim_ahead_read_bytes / read / accum
-        micro = micro_step_s(
-            prefetch,
-            cpu_s=(compute, copies, hooks),
-            read_bps=read,
-            itemsize=sz.itemsize,
-            disk_busy_s=ahead,
-        )
-    if rates.gpu is None:  # the CPU device: copies run on the cores that compute
+        micro = micro_step_s(prefetch, cpu_s=(compute, copies, hooks), read_bps=read,
+                             itemsize=sz.itemsize, disk_busy_s=ahead)  # fmt: skip
+    gpu = rates.gpu is not None
+    if not gpu:  # the CPU device: copies run on the cores that compute
         window = max(accum * micro + kept + grad_wait, window_io)
     else:
         window = max(accum * compute + grad_wait, accum * copies + kept, window_io)
     state_io, adam, norm = _optimizer_parts_s(sz, rates)
-    optimizer = (max(adam, state_io) if pipelined else adam + state_io) + norm
+    side = Window(accum * (compute if gpu else micro) + grad_wait, accum * copies if gpu else 0.0,
+                  window_io, window, window / accum * backward_share,
+                  "device" if gpu else "cores")  # fmt: skip
+    timeline = step_timeline(
+        side, adam_s=adam, state_io_s=state_io, norm_s=norm, flat_numel=sz.flat_numel,
+        ahead_numels=sz.ahead_numels if gpu else (), pipelined=pipelined,
+    )  # fmt: skip
     return StepTimes(
         compute_s=accum * compute,
         nvme_s=window_io + state_io,
@@ -309,8 +320,10 @@ def step_times(
         read_wait_s=accum * (micro - cores),
         grad_wait_s=grad_wait,
         micro_step_s=window / accum,
-        optimizer_step_s=optimizer,
-        step_s=window + optimizer,
+        optimizer_step_s=timeline.step_s - window,
+        step_s=timeline.step_s,
+        ahead_s=timeline.ahead_s,
+        timeline=timeline,
     )
 
 

@@ -30,10 +30,11 @@ from infinity.swap.state_tier import StateFormat, host_state_footprint
 from infinity.swap.store import reserved_nbytes
 from infinity.zero import model_dtype
 from infinity.zero.optimizer_state import state_format
+from infinity.zero.overlap import ahead_nbytes, overlap_sub_groups
 from infinity.zero.param import frozen_nvme_mask
 from infinity.zero.shard import shard_align, shard_of
 from infinity.zero.sub_groups import FlatLayout, optimizer_layout
-from infinity.zero.weights import weights_footprint
+from infinity.zero.weights import aliases_state, weights_footprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,9 @@ class Sizes:
     frozen_host_bytes: int
     param_pool_bytes: int
     """The parameter staging pool (NVMe parameter tier only)."""
+    overlap_host_bytes: int
+    """The overlapped step's state copies and new-weight buffers (`offload_optimizer.
+    overlap_step`; see [Note: the overlapped step's copies] in infinity/zero/overlap.py)."""
     host_bytes: int
     """The sum above: `memory_stats()["host_bytes"]`."""
     pinned_bytes: int
@@ -113,6 +117,9 @@ class Sizes:
     `param_read_bytes_per_micro_step`, which is every other micro batch's)."""
     kept_gather_bytes_per_step: int = 0
     """Home -> device copies of the kept weights, once a step (likewise)."""
+    ahead_numels: tuple[int, ...] = ()
+    """Elements of each sub-group the overlapped step may step during the last backward, in
+    the order it would (the first ones backward finishes)."""
 
     @property
     def nvme_bytes(self) -> int:
@@ -160,22 +167,21 @@ def sizes(
     """Every byte term for `shape` under a resolved `config`; `pins`: the device's host
     memory can be pinned (a GPU; the CPU device never pins). `grads_spill`: the fp32
     gradients go to NVMe per sub-group (default: as the engine decides, `gradients_spill`;
-    False replays runs made before they could). `checkpointing`: activation checkpointing,
-    which changes the order backward gathers in. `aliases`: gathers from host homes alias
-    them instead of copying (default: on the CPU device, as the engine does; False replays
-    runs made before they did). `world_size`: the ranks sharing the parameters; every byte is
-    one rank's (its shards; the live budget counts gathered, whole parameters)."""
+    False replays older runs). `checkpointing`: activation checkpointing, which changes
+    the order backward gathers in. `aliases`: gathers from host homes alias them instead of
+    copying (default: on the CPU device, as the engine does; False: older runs).
+    `world_size`: the ranks sharing the parameters (every byte is one rank's)."""
     zero, dtype = config.zero_optimization, model_dtype(config)
     itemsize = dtype.itemsize
     homes = home_numels(shape, world_size, shard_align(config.optimizer.eight_bit))
     layout = layout_of(shape, config, world_size)
     state, ahead, buffers = _state(zero, layout.sub_group_numels, state_format(config.optimizer))
-    optim_nvme = state.disk > 0  # some state on NVMe
-    param_nvme = zero.offload_param.device == "nvme"
+    optim_nvme, param_nvme = state.disk > 0, zero.offload_param.device == "nvme"
     keep = zero.offload_optimizer.gradients_in_cpu  # else they spill with the state
     spill = (optim_nvme and not keep) if grads_spill is None else grads_spill
     grad, grads, grad_device = _grads(shape, layout, config, spill, world_size)
     weights = weights_footprint(layout, dtype, nvme=param_nvme, state_on_host=not optim_nvme)
+    early, overlap = _ahead(layout, config, spill, param_nvme=param_nvme, optim_nvme=optim_nvme)
     on_nvme = home_on_nvme(shape, zero)
     frozen = frozen_footprint(shape, on_nvme, itemsize, homes)
     pool = param_pool_bytes(shape, config, world_size) if param_nvme else 0
@@ -184,13 +190,14 @@ def sizes(
     copies = not (not pins if aliases is None else aliases)
     replay = replayed(shape, config, checkpointing=checkpointing)
     fetched = _fetched_bytes(shape, replay, homes, on_nvme, copies, itemsize)
-    host = grad.host + weights.host + state.host + frozen.host + pool
+    host = grad.host + weights.host + state.host + frozen.host + pool + overlap
     # The CPU device (it never pins) adds gradients straight into their fp32 sums.
     offloaded = _offloaded_numel(shape, layout, config) * itemsize if pins else 0
     return Sizes(
         grad_host_bytes=grad.host, weights_host_bytes=weights.host, state_host_bytes=state.host,
         state_buffer_bytes=buffers, frozen_host_bytes=frozen.host, param_pool_bytes=pool,
-        host_bytes=host, pinned_bytes=pinned, optim_nvme_bytes=state.disk,
+        overlap_host_bytes=overlap, host_bytes=host, pinned_bytes=pinned,
+        optim_nvme_bytes=state.disk,
         param_nvme_bytes=weights.disk + frozen.disk, frozen_nvme_bytes=frozen.disk,
         grad_nvme_bytes=grad.disk, grad_read_bytes_per_step=grads.read,
         grad_write_bytes_per_step=grads.written, grad_step_read_bytes=grads.step_read,
@@ -205,7 +212,26 @@ def sizes(
         peak_live_numel=replay.peak_live_numel, **fetched,
         trainable_numel=shape.trainable_numel,
         flat_numel=layout.total, num_sub_groups=layout.num_sub_groups, itemsize=itemsize,
+        ahead_numels=tuple(early),  # the overlapped step's
     )  # fmt: skip
+
+
+def _ahead(
+    layout: FlatLayout, config: Config, spill: bool, *, param_nvme: bool, optim_nvme: bool
+) -> tuple[list[int], int]:
+    """(elements of each sub-group the overlapped step may step early, the host bytes of
+    their copies): `overlap_sub_groups` and `ahead_nbytes`, the engine's rules, with the
+    gradient sums in host memory by `grad_split` and the weights aliasing the masters by
+    `aliases_state`."""
+    numels = layout.sub_group_numels
+    on_device, first = grad_split(numels, config.zero_optimization.offload_optimizer)
+    first = first if spill else len(numels)
+    on_host = [on_device <= g < first for g in range(len(numels))]
+    plan = overlap_sub_groups(config.zero_optimization, numels, on_host)
+    early = [numels[g] for g in plan[0][: plan[1]]] if plan else []
+    dtype = model_dtype(config)
+    aliased = not param_nvme and aliases_state(dtype, state_on_host=not optim_nvme)
+    return early, ahead_nbytes(early, state_format(config.optimizer), dtype.itemsize, aliased)
 
 
 def _grads(

@@ -24,7 +24,7 @@ from infinity.estimate.placement import (
     check_device,
     plan_placement,
 )
-from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, LEAN_BUFFERS
+from infinity.estimate.placement_rungs import GRADS_ON_DEVICE, KEEP, LEAN_BUFFERS, OVERLAP
 from infinity.run.options import read_config_file
 from infinity.utils.host_memory import available_ram, physical_ram
 from infinity.utils.sizes import parse_size
@@ -79,9 +79,9 @@ def _user_zero(args: argparse.Namespace) -> dict:
 
 
 def tunable_buffers(args: argparse.Namespace, zero: dict | None = None) -> set[str]:
-    """The keys of LEAN_BUFFERS, GRADS_ON_DEVICE and KEEP the run's config leaves unset: the
-    planner may set them (see [Note: lean buffers], [Note: gradient sums on the device] and
-    [Note: weights kept on the device] in infinity/estimate/placement_rungs.py)."""
+    """The keys of LEAN_BUFFERS, GRADS_ON_DEVICE, KEEP and OVERLAP the run's config leaves
+    unset: the planner may set them (see [Note: lean buffers], [Note: gradient sums on the
+    device] and [Note: weights kept on the device] in infinity/estimate/placement_rungs.py)."""
     from infinity.config.keys import KEYS
     from infinity.config.sections import ZeroConfig
 
@@ -89,7 +89,7 @@ def tunable_buffers(args: argparse.Namespace, zero: dict | None = None) -> set[s
     # Every spelling a config may use, by the name LEAN_BUFFERS gives (DeepSpeed's first).
     spelled = {names[0]: names for names in KEYS[ZeroConfig].values()}
     unset = set()
-    for key in (*LEAN_BUFFERS, GRADS_ON_DEVICE, KEEP):
+    for key in (*LEAN_BUFFERS, GRADS_ON_DEVICE, KEEP, OVERLAP):
         *path, name = key.split(".")
         section = zero
         for part in path:

@@ -7,9 +7,9 @@ engine's hooks accumulate into live behind a grad store (`infinity.swap.grad_tie
 host buffer, or a few host buffers and NVMe); the fp32 master weights and moments behind a
 `StateTier` (host or NVMe); the weights in the model dtype in a weight output
 (`infinity.zero.weights`: host memory, or NVMe through the parameter store) whose ranges are
-the trainable parameters' homes. It does not own
-the loss scale (the engine drives the scaler and passes `loss_scale`), the learning-rate
-schedule (`lr` is passed to `step`), nor gathering parameters to the device. With several
+the trainable parameters' homes. It does not own the loss scale (the engine drives the
+scaler and passes `loss_scale`), the learning-rate schedule (`lr` is passed to `step`), nor
+gathering parameters to the device. With several
 ranks each rank's optimizer steps its own shards (slots of S elements, see
 `infinity.zero.shard`) and agrees with the others on the global norm and overflow through
 the comm it is given.
@@ -61,7 +61,7 @@ from infinity.zero.optimizer_state import (
     state_format,
     step_run,
 )
-from infinity.zero.overlap import Ahead, OverlapStep, overlap_plan
+from infinity.zero.overlap import Ahead, AheadCopies, OverlapStep, overlap_plan
 from infinity.zero.param_groups import check_lrs, group_runs, step_groups
 from infinity.zero.sub_groups import (
     MODEL_DTYPES,
@@ -162,6 +162,8 @@ class PartitionedOptimizer:
         self.range = profile_range  # `infinity.assemble` wires the accelerator's ranges
         self._overlap = overlap_plan(zero, self.layout, grad_tier)
         self._order = self._overlap[0] if self._overlap else None  # the sweeps' order
+        sizes, fmt = self.layout.sub_group_numels, self.format
+        self.ahead_copies = AheadCopies.of(self._overlap, sizes, fmt, self.dtype, self.aliased)
         self._ahead: OverlapStep | None = None
         self.overlap_peak_bytes = 0
         self.step_count = 0
@@ -373,23 +375,24 @@ class PartitionedOptimizer:
     ) -> tuple[Ahead, float]:
         """`_update` ahead of the norm, nothing the model reads changed: (what the step
         settles, seconds). See [Note: the overlapped step]."""
-        copy = type(state)(*(t.clone() for t in state))
+        copy = self.ahead_copies.copy_of(index, state)  # [Note: the overlapped step's copies]
         if self.aliased:  # the live master is the weights: step a copy
             return Ahead(copy.master, after=copy), kernel(index, copy, None, grad_scale=grad_scale)
-        new, seconds = self._update_into_new(index, state, kernel=kernel, grad_scale=grad_scale)
+        new = self.ahead_copies.new(index)
+        seconds = self._update_into(new, index, state, kernel=kernel, grad_scale=grad_scale)
         return Ahead(new, before=copy), seconds
 
-    def _update_into_new(
-        self, index: int, state: SubGroupState, *, kernel: Callable, grad_scale: float
-    ) -> tuple[torch.Tensor, float]:
-        """`_update` in place, the new weights into a buffer of their own (not aliased):
-        (new weights, seconds)."""
-        new = torch.empty(state.master.numel(), dtype=self.dtype)
+    def _update_into(
+        self, new: torch.Tensor, index: int, state: SubGroupState, *, kernel: Callable,
+        grad_scale: float,
+    ) -> float:  # fmt: skip
+        """`_update` in place, the new weights into `new`, a buffer of their own (not
+        aliased): its seconds."""
         half = new if self.dtype != torch.float32 else None
         seconds = kernel(index, state, half, grad_scale=grad_scale)
         if half is None:
             new.copy_(state.master)
-        return new, seconds
+        return seconds
 
     def _publish(self, index: int, new: torch.Tensor, out: torch.Tensor | None = None) -> None:
         """Sub-group `index`'s new weights `new` to the gathered copies and the homes (`out`:
@@ -426,10 +429,10 @@ class PartitionedOptimizer:
         def redo(index: int, ahead: Ahead) -> None:
             if ahead.before is None:  # stepped on a copy: the live state is as it was
                 return run(index, self.store.resident(index))
-            new, seconds = self._update_into_new(
-                index, ahead.before, kernel=base, grad_scale=grad_scale
+            new = ahead.new  # its speculated weights, never published: overwritten
+            self.last_compute_s += self._update_into(
+                new, index, ahead.before, kernel=base, grad_scale=grad_scale
             )
-            self.last_compute_s += seconds
             self.store.write(index, ahead.before)
             self._publish(index, new)
 
@@ -467,16 +470,12 @@ class PartitionedOptimizer:
     def state_dict(self) -> dict:
         """JSON-able: step count, hyperparameters and layout (the tensors are separate)."""
         return {
-            "kind": _KIND,
-            "version": _VERSION,
-            "step_count": self.step_count,
-            "hyperparameters": self.hyper.constants(),
-            "groups": self.groups.constants(),
+            "kind": _KIND, "version": _VERSION, "step_count": self.step_count,
+            "hyperparameters": self.hyper.constants(), "groups": self.groups.constants(),
             "model_dtype": MODEL_DTYPES[self.dtype],
-            "state_format": self.format.value,
-            "sub_group_size": self.sub_group_size,
+            "state_format": self.format.value, "sub_group_size": self.sub_group_size,
             "slots": [[name, n] for name, n in zip(self._names, self._numels, strict=True)],
-        }
+        }  # fmt: skip
 
     def load_state_dict(self, d: dict) -> None:
         """Restores the step count after checking the slots match (sub-group size, tier and

@@ -64,7 +64,8 @@ def memory_stats(opt: Any) -> dict[str, int]:
         "grad_bytes": grad,
         "partition_bytes": part,
         "state_bytes": state,
-        "host_bytes": grad + part + state,
+        "host_bytes": grad + part + state + opt.ahead_copies.nbytes,
+        "optim_overlap_bytes": opt.ahead_copies.nbytes,
         "optim_overlap_peak_bytes": opt.overlap_peak_bytes,
     }
 

@@ -52,10 +52,14 @@ from infinity.config import ZeroConfig
 from infinity.swap.grad_half import HalfGradTier
 from infinity.swap.grad_tier import HostGradTier
 from infinity.swap.split_state import SplitGradTier
+from infinity.swap.state_format import StateFormat
 from infinity.swap.state_tier import StateTier, SubGroupState
 from infinity.zero.sub_groups import FlatLayout
 
-__all__ = ["Ahead", "OverlapStep", "overlap_limit", "overlap_plan"]
+__all__ = [
+    "Ahead", "AheadCopies", "OverlapStep", "ahead_nbytes", "overlap_limit", "overlap_plan",
+    "overlap_sub_groups",
+]  # fmt: skip
 
 _HOST = (HostGradTier, HalfGradTier)
 """Gradient tiers whose `take` is a view of host memory, safe beside backward's adds."""
@@ -75,7 +79,8 @@ class Ahead:
     @property
     def nbytes(self) -> int:
         held = (t for state in (self.before, self.after) if state is not None for t in state)
-        return self.new.nbytes + sum(t.nbytes for t in held)
+        new = 0 if self.after is not None else self.new.nbytes  # else `after`'s master
+        return new + sum(t.nbytes for t in held)
 
 
 def overlap_limit(
@@ -89,6 +94,51 @@ def overlap_limit(
         if not on_host[g] or total > max_numel:
             return pos
     return len(order)
+
+
+def ahead_nbytes(numels: Sequence[int], fmt: StateFormat, itemsize: int, aliased: bool) -> int:
+    """Host bytes of `AheadCopies` for sub-groups of `numels` elements: a copy of each one's
+    state, and its new weights (`itemsize` bytes an element) unless the weights alias the
+    masters (then the copy's master is the new weights)."""
+    return sum(fmt.nbytes(n) + (0 if aliased else n * itemsize) for n in numels)
+
+
+class AheadCopies:
+    """[Note: the overlapped step's copies] The state copies and new-weight buffers of the
+    sub-groups that may be stepped early, allocated once and reused at every step: a
+    sub-group's copy is free again once its step is settled (`settle` publishes or redoes
+    it, `restore` writes it back, and both a tier's `write` and the weights' commit copy
+    out of it before they return). Held for the run, so the engine counts them in its
+    host bytes and the estimate (`ahead_nbytes`) and the placement planner count the same
+    bytes. Pages are touched only by the first step that uses them."""
+
+    def __init__(
+        self, numels: dict[int, int], fmt: StateFormat, dtype: torch.dtype, aliased: bool
+    ) -> None:
+        self._states = {g: fmt.views(torch.empty(fmt.nbytes(n), dtype=torch.uint8), n)
+                        for g, n in numels.items()}  # fmt: skip
+        self._new = {} if aliased else {g: torch.empty(n, dtype=dtype) for g, n in numels.items()}
+        self.nbytes = ahead_nbytes(list(numels.values()), fmt, dtype.itemsize, aliased)
+
+    @classmethod
+    def of(
+        cls, plan: tuple[list[int], int] | None, numels: Sequence[int], fmt: StateFormat,
+        dtype: torch.dtype, aliased: bool,
+    ) -> AheadCopies:  # fmt: skip
+        """The copies of the sub-groups `plan` (`overlap_plan`'s) may step early."""
+        early = {g: numels[g] for g in plan[0][: plan[1]]} if plan else {}
+        return cls(early, fmt, dtype, aliased)
+
+    def copy_of(self, g: int, state: SubGroupState) -> SubGroupState:
+        """Sub-group g's copy, holding `state` (bitwise)."""
+        copy = self._states[g]
+        for dst, src in zip(copy, state, strict=True):
+            dst.copy_(src.reshape(-1))
+        return copy
+
+    def new(self, g: int) -> torch.Tensor:
+        """Sub-group g's buffer for its new weights (not aliased)."""
+        return self._new[g]
 
 
 class OverlapStep:
@@ -239,16 +289,26 @@ class OverlapStep:
             return not self._stop and g not in self.spoiled
 
 
-def overlap_plan(zero: ZeroConfig, layout: FlatLayout, grads: Any) -> tuple[list[int], int] | None:
-    """(the sweeps' order, how many of its first sub-groups may be stepped early) with
-    `offload_optimizer.overlap_step`, else None (see [Note: the overlapped step])."""
+def overlap_sub_groups(
+    zero: ZeroConfig, numels: Sequence[int], on_host: Sequence[bool]
+) -> tuple[list[int], int] | None:
+    """(the sweeps' order, how many of its first sub-groups may be stepped early) for
+    sub-groups of `numels` elements whose gradient sums are in host memory where `on_host`,
+    with `offload_optimizer.overlap_step`, else None (the engine's rule, which the estimate
+    replays)."""
     offload = zero.offload_optimizer
     if not offload.overlap_step:
         return None
-    numels = layout.sub_group_numels
     order = list(range(len(numels)))[::-1]  # backward finishes the last slots first
+    limit = overlap_limit(order, numels, on_host, offload.overlap_numel)
+    return (order, limit) if limit else None
+
+
+def overlap_plan(zero: ZeroConfig, layout: FlatLayout, grads: Any) -> tuple[list[int], int] | None:
+    """`overlap_sub_groups` for the gradient tier `grads` (see [Note: the overlapped
+    step])."""
+    numels = layout.sub_group_numels
     on_host = [isinstance(grads, _HOST)] * len(numels)
     if isinstance(grads, SplitGradTier):
         on_host = [isinstance(grads.tier_of(g), _HOST) for g in range(len(numels))]
-    limit = overlap_limit(order, numels, on_host, offload.overlap_numel)
-    return (order, limit) if limit else None
+    return overlap_sub_groups(zero, numels, on_host)
