@@ -44,6 +44,7 @@ from infinity.swap.grad_tier import HostGradTier
 from infinity.swap.split_state import SplitGradTier
 from infinity.swap.state_tier import StateFormat, StateTier, SubGroupState
 from infinity.zero.optimizer_checks import (
+    check_grad_tier,
     check_groups,
     check_layout,
     check_no_decay,
@@ -138,14 +139,7 @@ class PartitionedOptimizer:
         self.store = state_tier = check_state_tier(
             state_tier, numels, self.format, self.sub_group_size
         )
-        if grad_tier is None:
-            grad_tier = HostGradTier(numels)
-        elif list(grad_tier.numels) != numels:
-            raise ValueError(
-                f"the grad store holds sub-groups of {list(grad_tier.numels)} elements but "
-                f"these slots make {numels}; build it with infinity.zero.sub_group_numels(...)"
-            )
-        self.grads = grad_tier
+        self.grads = grad_tier = check_grad_tier(grad_tier, numels)
         if weights is None:
             weights = make_weights(self.layout, self._names, self.dtype, state_tier=state_tier)
         self.weights = weights

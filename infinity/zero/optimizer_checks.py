@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from infinity.config import AUTO, OptimizerConfig
 from infinity.optim import AdamHyper
+from infinity.swap.grad_tier import HostGradTier
 from infinity.swap.state_tier import HostStateTier, StateFormat, StateTier
 from infinity.zero.sub_groups import FlatLayout, flat_layout
 
@@ -141,3 +142,15 @@ def check_state_tier(
             "infinity.zero.sub_group_numels(...)"
         )
     return tier
+
+
+def check_grad_tier(grad_tier, numels: list[int]):
+    """`grad_tier`, or a host tier of `numels` when None; refused when its sub-groups differ."""
+    if grad_tier is None:
+        return HostGradTier(numels)
+    if list(grad_tier.numels) != numels:
+        raise ValueError(
+            f"the gradient tier holds sub-groups of {list(grad_tier.numels)} elements but "
+            f"these slots make {numels}; build it with infinity.zero.sub_group_numels(...)"
+        )
+    return grad_tier
