@@ -178,6 +178,26 @@ def test_simd_paths_are_bit_identical_to_scalar(grad_dtype, half_dtype):
 
 
 @needs_native
+def test_every_code_dequantizes_alike_on_every_level():
+    """A state holding each of the 256 codes of both maps, in every position of a block
+    (the VBMI path reorders codes inside 64-byte groups), steps the same on every level."""
+    n = 4 * BLOCK
+    codes = (torch.arange(n) * 37 % 256).to(torch.uint8)  # a permutation within each block
+    absmax = torch.linspace(0.5, 2.0, block_count(n))
+    results = []
+    for level in LEVELS:
+        param = torch.linspace(-1, 1, n)
+        moments = [codes.clone(), codes.flip(0).clone(), absmax.clone(), absmax.clone() ** 2]
+        grad = torch.linspace(-0.1, 0.1, n)
+        adam8_step_flat(param, grad, *moments, step=3, hyper=HYPERS["adamw-wd"], simd=level)
+        results.append([param, *moments])
+    assert all(c.unique().numel() == 256 for c in (codes, codes.flip(0)))
+    for level, got in zip(LEVELS, results, strict=True):
+        for a, b in zip(got, results[-1], strict=True):
+            assert torch.equal(a, b), f"{level} differs from scalar"
+
+
+@needs_native
 def test_tiles_and_threads_do_not_change_results():
     h = HYPERS["adamw-wd"]
     expected = _run("native", "auto", 70_000, h, tile_numel=1 << 20)

@@ -46,6 +46,7 @@ using KernelFn = void (*)(const AdamArgs& a, size_t begin, size_t end);
 struct QuantMap {
     const float* qmap = nullptr;    // [256] the value of each code
     const uint8_t* codes = nullptr;  // per bucket of |y| (bits >> kBucketShift): its code side
+    const uint8_t* planes = nullptr;  // [4][256] byte b of each qmap value: the VBMI lookup
 };
 
 constexpr size_t kBlock = 256;                     // elements per absmax

@@ -30,6 +30,15 @@ bool cpu_has_avx512() {
 #endif
 }
 
+// AVX-512 with VBMI's byte permutes: the 8-bit step's table lookup ([Note: byte-plane lookup]).
+bool cpu_has_avx512vbmi() {
+#if defined(__x86_64__) || defined(_M_X64)
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi");
+#else
+    return false;
+#endif
+}
+
 bool cpu_has_avx2() {
 #if defined(__x86_64__) || defined(_M_X64)
     __builtin_cpu_init();
@@ -43,6 +52,7 @@ bool cpu_has_avx2() {
 // The levels this CPU can run, fastest first; "scalar" is always last.
 std::vector<std::string> simd_levels() {
     std::vector<std::string> out;
+    if (cpu_has_avx512vbmi()) out.push_back("avx512vbmi");
     if (cpu_has_avx512()) out.push_back("avx512");
     if (cpu_has_avx2()) out.push_back("avx2");
 #if defined(__aarch64__)
@@ -64,13 +74,19 @@ KernelFn kernel_for(const std::string& requested) {
                                     "it supports: " + have + "); pass one of those or 'auto'");
     }
 #if defined(__x86_64__) || defined(_M_X64)
-    if (level == "avx512") return adam_avx512;
+    if (level == "avx512" || level == "avx512vbmi") return adam_avx512;  // same 32-bit path
     if (level == "avx2") return adam_avx2;
 #endif
 #if defined(__aarch64__)
     if (level == "neon") return adam_neon;
 #endif
     return adam_scalar;
+}
+
+// Whether a request runs the 8-bit step's VBMI lookup (kernel_for has validated it).
+bool uses_vbmi(const std::string& requested) {
+    static const std::vector<std::string> levels = simd_levels();
+    return requested == "avx512vbmi" || (requested == "auto" && levels.front() == "avx512vbmi");
 }
 
 // The 8-bit step's path for a level: NEON has none yet, so aarch64 runs the scalar one.
@@ -207,6 +223,17 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     for (int k = 0; k < 2; ++k) {
         maps[k]->qmap = static_cast<const float*>(as_ptr(tables[2 * k]));
         maps[k]->codes = static_cast<const uint8_t*>(as_ptr(tables[2 * k + 1]));
+    }
+    alignas(64) uint8_t planes[2][4 * 256];  // byte b of each map value, for the VBMI lookup
+    if (uses_vbmi(simd)) {
+        for (int k = 0; k < 2; ++k) {
+            for (int c = 0; c < 256; ++c) {
+                uint32_t bits;
+                std::memcpy(&bits, maps[k]->qmap + c, 4);
+                for (int b = 0; b < 4; ++b) planes[k][256 * b + c] = (bits >> (8 * b)) & 0xff;
+            }
+            maps[k]->planes = planes[k];
+        }
     }
 
     py::gil_scoped_release no_gil;

@@ -81,6 +81,7 @@ struct V {
         const I x = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t), i, 1);
         return _mm256_and_si256(x, _mm256_set1_epi32(0xff));
     }
+    static bool lookup_block(const QuantMap&, const uint8_t*, float*) { return false; }
     static T abs(T x) {
         return _mm256_castsi256_ps(
             _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff)));

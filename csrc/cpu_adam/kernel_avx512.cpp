@@ -22,6 +22,41 @@
 namespace infinity_adam {
 namespace {
 
+// [Note: byte-plane lookup] Dequantizing by a memory gather costs a load per lane, and on
+// the CPUs measured it was most of the 8-bit step. With AVX-512 VBMI, 64 codes are looked
+// up at once: the 256 fp32 map values are cut into four planes of 256 bytes (byte b of each
+// value), each plane is read with two 128-entry byte permutes picked by the code's top bit,
+// and the four planes are interleaved back into fp32 lanes. The codes are first permuted
+// so that the in-lane interleave leaves the values in order. A pure selection: exact.
+// Only called on a CPU that reports VBMI (the "avx512vbmi" level), hence its own target.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c"))) void
+lookup_vbmi(const uint8_t* planes, const uint8_t* codes, float* out) {
+    alignas(64) uint8_t order[64];  // lane L, quarter k of the result <- codes 16k + 4L + j
+    for (int lane = 0; lane < 4; ++lane)
+        for (int k = 0; k < 4; ++k)
+            for (int j = 0; j < 4; ++j) order[16 * lane + 4 * k + j] = 16 * k + 4 * lane + j;
+    const __m512i ov = _mm512_load_si512(order);
+    for (size_t q = 0; q < kBlock; q += 64) {
+        const __m512i c = _mm512_permutexvar_epi8(ov, _mm512_loadu_si512(codes + q));
+        const __mmask64 upper = _mm512_movepi8_mask(c);
+        __m512i b[4];
+        for (int p = 0; p < 4; ++p) {
+            const uint8_t* t = planes + 256 * p;
+            const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), c,
+                                                        _mm512_loadu_si512(t + 64));
+            const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), c,
+                                                        _mm512_loadu_si512(t + 192));
+            b[p] = _mm512_mask_blend_epi8(upper, lo, hi);
+        }
+        const __m512i w0 = _mm512_unpacklo_epi8(b[0], b[1]), w1 = _mm512_unpackhi_epi8(b[0], b[1]);
+        const __m512i w2 = _mm512_unpacklo_epi8(b[2], b[3]), w3 = _mm512_unpackhi_epi8(b[2], b[3]);
+        _mm512_storeu_si512(out + q, _mm512_unpacklo_epi16(w0, w2));
+        _mm512_storeu_si512(out + q + 16, _mm512_unpackhi_epi16(w0, w2));
+        _mm512_storeu_si512(out + q + 32, _mm512_unpacklo_epi16(w1, w3));
+        _mm512_storeu_si512(out + q + 48, _mm512_unpackhi_epi16(w1, w3));
+    }
+}
+
 struct V {
     using T = __m512;
     static constexpr size_t W = 16;
@@ -76,6 +111,12 @@ struct V {
     static T gather(const float* t, I i) { return _mm512_i32gather_ps(i, t, 4); }
     static I gather_u8(const uint8_t* t, I i) {  // 4 bytes at each offset; the table is padded
         return _mm512_and_si512(_mm512_i32gather_epi32(i, t, 1), _mm512_set1_epi32(0xff));
+    }
+    // A block's map values by the byte planes when the caller set them (VBMI), else false.
+    static bool lookup_block(const QuantMap& map, const uint8_t* codes, float* out) {
+        if (map.planes == nullptr) return false;
+        lookup_vbmi(map.planes, codes, out);
+        return true;
     }
     static T abs(T x) { return _mm512_abs_ps(x); }
     static T max(T a, T b) { return _mm512_max_ps(a, b); }

@@ -101,6 +101,7 @@ struct V {
     static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
     static T gather(const float* t, I i) { return t[i]; }
     static I gather_u8(const uint8_t* t, I i) { return t[i]; }
+    static bool lookup_block(const QuantMap&, const uint8_t*, float*) { return false; }
     static T abs(T x) { return std::fabs(x); }
     static T max(T a, T b) { return b > a ? b : a; }
     static float hmax(T x) { return x; }
