@@ -368,7 +368,11 @@ def zeroed(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     gradient sums) that the first step would overwrite or read as zeros anyway. Unpinned:
     pin what a device copies from."""
     nbytes = numel * dtype.itemsize
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes].view(dtype)
+    # Private, not mmap's default MAP_SHARED: a shared anonymous mapping is shmem, whose first
+    # touch went 1.0-1.3 GB/s against 1.3-2.0 private on the development machine (alternating
+    # in one run, benchmarks/first_touch.py), and which a forked child would share.
+    raw = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(raw, dtype=torch.uint8)[:nbytes].view(dtype)
 
 
 def preallocate(path: str | os.PathLike, nbytes: int) -> None:
