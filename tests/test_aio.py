@@ -189,14 +189,22 @@ def _mapping_of(address: int) -> str:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
-def test_zeroed_is_private_anonymous_memory_of_zeros():
-    for numel, dtype in [(0, torch.float32), (5, torch.bfloat16), ((1 << 20) + 3, torch.float32)]:
-        t = zeroed(numel, dtype)
-        assert t.numel() == numel and t.dtype == dtype and not t.any()
-    t[-1] = 3.0  # writable
-    # Private anonymous mappings have no path; shared ones are shmem ("/dev/zero (deleted)").
-    fields = _mapping_of(t.data_ptr()).split()
-    assert fields[1][3] == "p" and len(fields) == 5, fields
+def test_zeroed_is_anonymous_memory_of_zeros_private_when_written_first():
+    for written_first in (False, True):
+        for numel, dtype in [
+            (0, torch.float32),
+            (5, torch.bfloat16),
+            ((1 << 20) + 3, torch.float32),
+        ]:
+            t = zeroed(numel, dtype, written_first=written_first)
+            assert t.numel() == numel and t.dtype == dtype and not t.any()
+        t[-1] = 3.0  # writable
+        # A private anonymous mapping has no path; a shared one is shmem ("/dev/zero (deleted)").
+        fields = _mapping_of(t.data_ptr()).split()
+        if written_first:
+            assert fields[1][3] == "p" and len(fields) == 5, fields
+        else:
+            assert fields[1][3] == "s", fields
 
 
 def test_plan_cuts_aligned_middle():
