@@ -19,7 +19,6 @@ the disk, and the warm one shows what the read path itself does.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from infinity.cli.bench_aio import AioBenchConfig, run  # noqa: E402
+from infinity.io.aio import zeroed  # noqa: E402
 from infinity.models import hf_auto  # noqa: E402
 from infinity.models.hf_load import weight_map  # noqa: E402
 from infinity.zero import init  # noqa: E402
@@ -107,8 +107,9 @@ def _drop_cache(files: list[Path]) -> None:
 
 
 def _first_touch_gbps(nbytes: int = 1 << 30) -> float:
-    """GB/s at which this process writes memory it never touched before."""
-    fresh = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    """GB/s at which this process writes memory it never touched before, of the kind the
+    partitions are (`zeroed`: private anonymous)."""
+    fresh = zeroed(nbytes, torch.uint8)
     t0 = time.perf_counter()
     fresh.fill_(1)
     return nbytes / (time.perf_counter() - t0) / 1e9

@@ -138,6 +138,8 @@ def _run(args, save: Path, corpus: Path, last: bool) -> dict:
                 os.killpg(proc.pid, sig)
                 time.sleep(0.5)
         proc.wait()
+    if args.nvme:  # a killed run leaves its swap store behind: gigabytes per run
+        shutil.rmtree(Path(args.nvme) / f"infinity-pid{proc.pid}", ignore_errors=True)
     text = log.read_text(errors="replace")
     ready = _READY.search(text)
     done = _records(metrics)

@@ -15,7 +15,7 @@ import torch
 from infinity.accelerator import get_accelerator
 from infinity.config.sections import AioConfig
 from infinity.io import AioHandle, aligned_empty, available_backends
-from infinity.io.aio import plan
+from infinity.io.aio import plan, zeroed
 
 ALL = ["io_uring", "aio", "posix"]
 
@@ -176,6 +176,35 @@ def test_aligned_empty():
         assert big.data_ptr() % (2 << 20) == 0
     big.fill_(7)  # the whole span is usable
     assert int(big[-1]) == 7
+
+
+def _mapping_of(address: int) -> str:
+    """The /proc/self/maps line of the mapping holding `address`."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
+def test_zeroed_is_anonymous_memory_of_zeros_private_when_written_first():
+    for written_first in (False, True):
+        for numel, dtype in [
+            (0, torch.float32),
+            (5, torch.bfloat16),
+            ((1 << 20) + 3, torch.float32),
+        ]:
+            t = zeroed(numel, dtype, written_first=written_first)
+            assert t.numel() == numel and t.dtype == dtype and not t.any()
+        t[-1] = 3.0  # writable
+        # A private anonymous mapping has no path; a shared one is shmem ("/dev/zero (deleted)").
+        fields = _mapping_of(t.data_ptr()).split()
+        if written_first:
+            assert fields[1][3] == "p" and len(fields) == 5, fields
+        else:
+            assert fields[1][3] == "s", fields
 
 
 def test_plan_cuts_aligned_middle():

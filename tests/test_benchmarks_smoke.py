@@ -195,3 +195,15 @@ def test_startup_tiny(tmp_path):
     assert 0 < run["ready_s"] <= run["before_step1_s"]
     assert run["step1_s"] > 0 and run["num_params"] > 0
     assert not any(tmp_path.glob("startup-*"))  # its work folder is removed
+
+
+def test_first_touch_tiny(tmp_path):
+    out = tmp_path / "t.json"
+    _bench("first_touch.py", "--gib", "0.01", "--repeats", "2", "--json", out, timeout=120)
+    rec = json.loads(out.read_text())
+    assert len(rec["rounds"]) == 2 and rec["nbytes"] == 10 << 20  # whole huge pages
+    kinds = {"shared", "private", "private_huge", "private_populate", "torch_empty"}
+    assert set(rec["median_first_gbps"]) == kinds
+    assert all(
+        r[k]["first_gbps"] > 0 and r[k]["again_gbps"] > 0 for r in rec["rounds"] for k in kinds
+    )

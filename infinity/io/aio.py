@@ -360,15 +360,28 @@ def aligned_empty(shape, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
-def zeroed(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def zeroed(
+    numel: int, dtype: torch.dtype = torch.float32, *, written_first: bool = False
+) -> torch.Tensor:
     """A flat CPU tensor of zeros that costs nothing until touched: an anonymous mapping, whose
     pages are the kernel's zeros until first written (a promise of mmap(2), not of malloc).
     A multi-GiB `torch.zeros` faults in and writes every page up front: about a second per
     GiB on the development machine, several when it is loaded, for memory (Adam's moments,
     gradient sums) that the first step would overwrite or read as zeros anyway. Unpinned:
-    pin what a device copies from."""
+    pin what a device copies from.
+
+    `written_first`: every page is written before it is read (the weights and masters a
+    start copies in, a checkpoint's partitions), so the mapping is private: its first touch
+    went 1.3-2.8 GB/s against 1.0-1.8 for mmap's default shared one (shmem) on the
+    development machine (benchmarks/first_touch.py). Memory read before it is written (the
+    moments, the gradient sums: Adam and the accumulation read the zeros first) stays
+    shared: a private page read first maps the zero page and faults again, copy on write,
+    when written; and with all of it private the first step took 26-45 s against 14-15
+    (llama-1b --nvme, load 2, alternating)."""
     nbytes = numel * dtype.itemsize
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes].view(dtype)
+    flags = (mmap.MAP_PRIVATE if written_first else mmap.MAP_SHARED) | mmap.MAP_ANONYMOUS
+    raw = mmap.mmap(-1, max(nbytes, 1), flags=flags)
+    return torch.frombuffer(raw, dtype=torch.uint8)[:nbytes].view(dtype)
 
 
 def preallocate(path: str | os.PathLike, nbytes: int) -> None:

@@ -96,9 +96,10 @@ class HostStateTier:
         names = [name for name, _, _ in fmt.fields(0)]
         dtypes = [dtype for _, dtype, _ in fmt.fields(0)]
         totals = [sum(f[k][2] for f in fields) for k in range(len(names))]
-        # Zero pages until touched: the moments' first reads are the step's (see `zeroed`).
+        # Zero pages until touched: the moments' first reads are the step's; the master is
+        # written first, by `initialize` or a checkpoint's load (see `zeroed`).
         storage = {
-            name: zeroed(total, dtype)
+            name: zeroed(total, dtype, written_first=name == "master")
             for name, dtype, total in zip(names, dtypes, totals, strict=True)
         }
         self.flat = fmt.state_type(**storage)

@@ -136,7 +136,7 @@ def _new_partition(
     zeros of its size, which cost nothing until written: see `zeroed`)."""
     numel = src.numel() if shard is None else shard.numel
     if not values:
-        return zeroed(numel, dtype)
+        return zeroed(numel, dtype, written_first=True)  # a loader writes every byte
     if pin and accel.pin_supported():
         part = accel.empty_pinned((numel,), dtype)
     else:

@@ -204,7 +204,7 @@ def make_weights(
     if pin is not None and pin.pin_supported():
         flat = pin.empty_pinned((numel,), dtype).zero_()
     else:
-        flat = zeroed(numel, dtype)
+        flat = zeroed(numel, dtype, written_first=True)  # the optimizer's first copy
     return HostWeights(flat, layout, names)
 
 
