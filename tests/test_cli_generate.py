@@ -1,6 +1,6 @@
-"""`infinity generate`: a save dir (through the engine) and its export (through
-transformers) give the same greedy tokens, equal to transformers' own `generate`; sampling
-is seeded; chat needs a template; bad flags are clear errors."""
+"""`infinity generate`: an export gives exactly transformers' own `generate()` tokens,
+greedy and seeded sampling; a save dir (through the engine, with the model's KV cache)
+gives the same; sampling is seeded; chat needs a template; bad flags are clear errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from _hf_models import POSITIONS, write_model_dir
 from _train_inputs import train_args, write_inputs
 
-from infinity.cli.generate import ByteTokens, Streamer, is_export, open_model, sample
+from infinity.cli.generate import ByteTokens, Streamer
+from infinity.cli.generate_model import Sampling, decode, is_export, open_model
 from infinity.cli.main import main
 
 transformers = pytest.importorskip("transformers")
@@ -42,30 +43,61 @@ def _gen(capsys, *argv) -> str:
     return capsys.readouterr().out.rstrip("\n")
 
 
-def test_save_dir_export_and_transformers_generate_the_same_tokens(run, capsys):
+def _hf_generate(export, ids, n, sampling: Sampling) -> list[int]:
+    """transformers' own `generate()` on the export, seeded as `infinity generate` says."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    options = {"do_sample": False}
+    if not sampling.greedy:
+        options = dict(do_sample=True, temperature=sampling.temperature,
+                       top_k=sampling.top_k or 0, top_p=sampling.top_p or 1.0)  # fmt: skip
+    torch.manual_seed(sampling.seed)
+    seq = torch.tensor([ids])
+    out = hf.generate(seq, max_new_tokens=n, attention_mask=torch.ones_like(seq), **options)
+    return out[0, len(ids) :].tolist()
+
+
+SAMPLINGS = [
+    Sampling(),
+    Sampling(temperature=1.3, seed=3),
+    Sampling(temperature=1.5, top_k=20, top_p=0.95, seed=1),
+]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled", "top-k-top-p"])
+def test_export_and_save_dir_give_transformers_generate_tokens(run, sampling):
+    """Greedy and seeded sampling: the export's tokens are transformers' `generate()`'s,
+    and the save dir's (the engine's forward with its KV cache) the same."""
+    _, save, export = run
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    ids = tok(PROMPT)["input_ids"]
+    n = 12
+    want = _hf_generate(export, ids, n, sampling)
+    assert len(want) == n
+    streamed: list[int] = []
+    with open_model(export) as model:
+        assert model.generate(ids, n, sampling, on_token=streamed.append) == want
+    assert streamed == want
+    with open_model(save) as model:
+        assert model.generate(ids, n, sampling) == want
+        assert model.cached  # the prompt once, then one token at a time
+    if not sampling.greedy:  # the seed is what makes it so
+        with open_model(export) as model:
+            other = model.generate(ids, n, Sampling(**{**vars(sampling), "seed": 99}))
+        assert other != want
+
+
+def test_save_dir_export_and_transformers_generate_the_same_text(run, capsys):
     model, save, export = run
     assert is_export(export) and not is_export(save)
     tok = transformers.AutoTokenizer.from_pretrained(export)
     ids = tok(PROMPT)["input_ids"]
     n = 12
-    with open_model(export) as logits_of:
-        from_export = sample(logits_of, ids, n)
-    with open_model(save) as logits_of:
-        from_save = sample(logits_of, ids, n)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
-    out = hf.generate(
-        torch.tensor([ids]),
-        max_new_tokens=n,
-        do_sample=False,
-        attention_mask=torch.ones(1, len(ids)),
-    )
-    want = out[0, len(ids) :].tolist()
-    assert from_export == from_save == want
-    assert len(want) == n
+    want = _hf_generate(export, ids, n, Sampling())
     # Beyond the argmax: the engine's logits over the whole prompt are transformers'.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     seq = torch.tensor([ids])
-    with torch.no_grad(), open_model(save) as logits_of:
-        engine_logits = logits_of(seq)
+    with torch.no_grad(), open_model(save) as loaded:
+        engine_logits, _ = loaded.forward(seq, None)
         torch.testing.assert_close(engine_logits, hf(input_ids=seq).logits, rtol=1e-5, atol=1e-5)
 
     text = tok.decode(want, skip_special_tokens=True)
@@ -73,25 +105,59 @@ def test_save_dir_export_and_transformers_generate_the_same_tokens(run, capsys):
     assert printed == PROMPT + text
     printed = _gen(capsys, save, "--prompt", PROMPT, "--max-new-tokens", n, "--tokenizer", model)
     assert printed == PROMPT + text
+    flags = ("--max-new-tokens", n, "--temperature", 1.5, "--top-k", 20, "--top-p", 0.95,
+             "--seed", 1)  # fmt: skip
+    sampled = tok.decode(_hf_generate(export, ids, n, SAMPLINGS[2]), skip_special_tokens=True)
+    assert _gen(capsys, export, "--prompt", PROMPT, *flags) == PROMPT + sampled
+
+
+def _bigram(table):
+    """A fixed bigram model as a `Forward` that keeps no cache: [1, t] -> [1, t, vocab]."""
+
+    def forward(ids, cache):
+        return table[ids], None
+
+    return forward
 
 
 def test_sampling_is_seeded_and_top_p_one_token_is_greedy():
     torch.manual_seed(0)
-    table = torch.randn(40, 40)
+    forward = _bigram(torch.randn(40, 40))
 
-    def logits_of(ids):  # a fixed bigram model: [1, T] -> [1, T, 40]
-        return table[ids]
+    def sample(n, **kw):
+        eos = kw.pop("eos_id", None)
+        return decode(forward, [1, 2], n, Sampling(**kw), eos_id=eos)
 
-    a = sample(logits_of, [1, 2], 30, temperature=1.0, seed=4)
-    assert a == sample(logits_of, [1, 2], 30, temperature=1.0, seed=4)
-    assert a != sample(logits_of, [1, 2], 30, temperature=1.0, seed=5)
-    greedy = sample(logits_of, [1, 2], 30)
+    a = sample(30, temperature=1.0, seed=4)
+    assert a == sample(30, temperature=1.0, seed=4)
+    assert a != sample(30, temperature=1.0, seed=5)
+    greedy = sample(30)
     assert a != greedy
-    # A nucleus smaller than the top token's probability holds that token alone: greedy.
-    assert sample(logits_of, [1, 2], 30, temperature=1.0, top_p=1e-6, seed=9) == greedy
+    # A nucleus smaller than the top token's probability holds that token alone: greedy;
+    # so does a top-k of 1.
+    assert sample(30, temperature=1.0, top_p=1e-6, seed=9) == greedy
+    assert sample(30, temperature=2.0, top_k=1, seed=9) == greedy
     # eos ends the sample, and is its last id.
     stop = greedy[3]
-    assert sample(logits_of, [1, 2], 30, eos_id=stop)[-1] == stop
+    assert sample(30, eos_id=stop)[-1] == stop
+
+
+def test_decode_feeds_one_token_at_a_time_where_the_model_keeps_a_cache():
+    """With a cache the prompt is fed once, then each new token alone; without one, the
+    whole sequence each time. The tokens are the same."""
+    table = torch.randn(40, 40, generator=torch.Generator().manual_seed(1))
+    fed: dict[bool, list[int]] = {True: [], False: []}
+
+    def forward_with(keeps):
+        def forward(ids, cache):
+            fed[keeps].append(ids.shape[1])
+            return table[ids], ("cache" if keeps else None)
+
+        return forward
+
+    got = [decode(forward_with(k), [1, 2, 3], 5, Sampling(temperature=1.0)) for k in (True, False)]
+    assert got[0] == got[1]
+    assert fed == {True: [3, 1, 1, 1, 1], False: [3, 4, 5, 6, 7]}
 
 
 def test_chat_uses_the_template(run, tmp_path, capsys):
@@ -102,8 +168,8 @@ def test_chat_uses_the_template(run, tmp_path, capsys):
     (chatty / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     tok = transformers.AutoTokenizer.from_pretrained(chatty)
     ids = tok("<user>hi<assistant>")["input_ids"]
-    with open_model(chatty) as logits_of:
-        want = tok.decode(sample(logits_of, ids, 5), skip_special_tokens=True)
+    with open_model(chatty) as model:
+        want = tok.decode(model.generate(ids, 5, Sampling()), skip_special_tokens=True)
     assert _gen(capsys, chatty, "--chat", "hi", "--max-new-tokens", 5) == want
 
 
@@ -114,6 +180,7 @@ def test_chat_uses_the_template(run, tmp_path, capsys):
         (["--prompt", "x", "--top-p", "0.9"], "--temperature"),
         (["--prompt", "x", "--temperature", "1", "--top-p", "1.5"], "not in (0, 1]"),
         (["--prompt", "x", "--temperature", "-1"], "--temperature -1"),
+        (["--prompt", "x", "--top-k", "5"], "--temperature"),
     ],
 )
 def test_bad_flags_are_one_error(run, capsys, flags, needle):
@@ -221,14 +288,14 @@ def test_the_reply_is_printed_token_by_token(capsys):
     reply = list("é!".encode())  # 0xC3 0xA9 0x21
     seen: list[str] = []
 
-    def logits_of(ids):
+    def forward(ids, cache):
         seen.append(capsys.readouterr().out)
         out = torch.zeros(1, ids.shape[1], 258)
         out[0, -1, reply[len(seen) - 1] if len(seen) <= len(reply) else 257] = 1.0
-        return out
+        return out, None
 
     streamer = Streamer(ByteTokens(), "say: ")
-    got = sample(logits_of, [256], 10, eos_id=257, on_token=streamer.add)
+    got = decode(forward, [256], 10, Sampling(), eos_id=257, on_token=streamer.add)
     streamer.finish()
     assert got == [*reply, 257]
     assert seen == ["say: ", "", "é", "!"]  # the half character waits for its second byte

@@ -125,10 +125,6 @@ class ModelShape:
         """Which parameters stay gathered: the engine's rule (`persistent_flags`)."""
         return persistent_flags([p.numel for p in self.params], zero)
 
-    def unit_numel(self, unit: UnitShape, *, persistent: Sequence[bool]) -> int:
-        """Elements of the unit's non-persistent parameters (what a gather moves)."""
-        return sum(self.params[i].numel for i in unit.params if not persistent[i])
-
 
 def model_shape(config: LlamaConfig | Any, *, lora_r: int = 0) -> ModelShape:
     """The parameters, units and linear layers of the model `config` describes: Infinity's

@@ -381,12 +381,3 @@ def param_pool_bytes(shape: ModelShape, config: Config, world_size: int = 1) -> 
         element_size=element_size,
         numels=home_numels(shape, world_size, shard_align(config.optimizer.eight_bit)),
     )
-
-
-def non_persistent_numel(shape: ModelShape, config: Config, *, trainable_only=False) -> int:
-    persistent = shape.persistent(config.zero_optimization)
-    return sum(
-        p.numel
-        for p, keep in zip(shape.params, persistent, strict=True)
-        if not keep and (p.trainable or not trainable_only)
-    )

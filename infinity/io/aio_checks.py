@@ -121,11 +121,6 @@ def open_file(path: str, write: bool, direct: bool, op: str) -> int:
         raise AioError(code, op, path, 0, 0, detail) from None
 
 
-def native_available() -> bool:
-    """True when the extension infinity._aio is importable."""
-    return _native is not None
-
-
 def probe(backend: str) -> str:
     """'' if `backend` can run here, else why not."""
     if backend == "posix":

@@ -63,11 +63,6 @@ class PoolBuffer:
         return self.data[:nbytes].view(dtype)
 
 
-def default_buffer_bytes(largest_nbytes: int) -> int:
-    """A buffer size that holds the largest tensor swapped through the pool."""
-    return align_up(max(largest_nbytes, 1))
-
-
 def aligned_host_bytes(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
     """A page-aligned uint8 host buffer of `nbytes`, and whether it is pinned (allocated
     pinned by the accelerator when `pin` and it can, never pinned by copying).

@@ -1,26 +1,26 @@
 """A batch on its way into the model: tensors (in tuples, lists, dicts) moved to the device,
 and the fp16 input rule (cast with `fp16.auto_cast`, else a float32 input is refused before
-the model sees it)."""
+the model sees it). The containers are walked by `torch.utils._pytree` (named tuples and
+transformers' ModelOutputs keep their types)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 def to_device(obj: Any, device: torch.device, *, half: bool) -> Any:
     """`obj` with every tensor (in tuples, lists, dicts) on `device`, as a batch from a CPU
     data loader must be for the gathered parameters there; floating-point ones cast to fp16
     when `half` (fp16.auto_cast)."""
-    if isinstance(obj, torch.Tensor):
-        obj = obj.to(device, non_blocking=obj.is_pinned())
-        return obj.half() if half and obj.is_floating_point() else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(x, device, half=half) for x in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device, half=half) for k, v in obj.items()}
-    return obj
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device, non_blocking=t.is_pinned())
+        return t.half() if half and t.is_floating_point() else t
+
+    return pytree.tree_map_only(torch.Tensor, move, obj)
 
 
 def check_fp16_inputs(obj: Any, where: str = "input") -> None:
@@ -30,17 +30,14 @@ def check_fp16_inputs(obj: Any, where: str = "input") -> None:
     way); its `fp16.auto_cast` key casts them, as here. A 0-dim tensor passes (the
     Trainer's `num_items_in_batch`): in torch's type promotion a 0-dim tensor never widens
     an fp16 operand, so it cannot cause that mismatch."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.dtype != torch.float16 and obj.dim() > 0:
+    for path, t in pytree.tree_flatten_with_path(obj)[0]:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            continue
+        if t.is_floating_point() and t.dtype != torch.float16:
             raise TypeError(
-                f"forward: {where} is a {str(obj.dtype).removeprefix('torch.')} tensor of "
-                f"shape {tuple(obj.shape)} but the model runs in fp16 (fp16.enabled): set "
+                f"forward: {where}{pytree.keystr(path)} is a "
+                f"{str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)} "
+                "but the model runs in fp16 (fp16.enabled): set "
                 '"fp16": {"enabled": true, "auto_cast": true} in the config to cast '
                 "floating-point inputs to fp16, or pass .half() tensors"
             )
-    elif isinstance(obj, (tuple, list)):
-        for i, x in enumerate(obj):
-            check_fp16_inputs(x, f"{where}[{i}]")
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            check_fp16_inputs(v, f"{where}[{k!r}]")

@@ -72,6 +72,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils import _pytree as pytree
 
 from infinity.accelerator import Accelerator
 from infinity.zero.coordinator import Coordinator
@@ -145,19 +146,13 @@ def _own_work(method):
     return run
 
 
-def _grad_tensors(obj, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
-    """Tensors requiring grad in `obj` (tensors, and tuples/lists/dicts of them). Parameters
-    are left out: a hook on one would outlive the iteration."""
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad and not isinstance(obj, nn.Parameter):
-            out.append(obj)
-    elif depth < 3:
-        if isinstance(obj, (tuple, list)):
-            for x in obj:
-                _grad_tensors(x, out, depth + 1)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                _grad_tensors(x, out, depth + 1)
+def _grad_tensors(obj, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors requiring grad in `obj` (tensors, and tuples/lists/dicts of them, walked by
+    `torch.utils._pytree`), appended to `out`. Parameters are left out: a hook on one would
+    outlive the iteration."""
+    for t in pytree.tree_leaves(obj):
+        if isinstance(t, torch.Tensor) and t.requires_grad and not isinstance(t, nn.Parameter):
+            out.append(t)
     return out
 
 
