@@ -58,6 +58,7 @@ class Schedule:
         self.params = dict(params)
         self.base_lr = float(base_lr)
         self.steps = 0
+        self._offset = -1  # DeepSpeed's last_batch_iteration before the first step
         p = self.params
         if kind is None:
             return
@@ -102,8 +103,7 @@ class Schedule:
         """DeepSpeed's `last_batch_iteration`: applied steps plus the schedule's
         `last_batch_iteration` parameter (-1 by default), or applied steps - 1 for the
         schedules DeepSpeed does not have."""
-        offset = getattr(self, "_offset", -1)
-        return offset + self.steps
+        return self._offset + self.steps
 
     def _init_step_schedule(self) -> None:
         p = self.params
