@@ -1,4 +1,4 @@
-"""benchmarks/split_sweep_bench.py runs end to end at a tiny size."""
+"""benchmarks/split_sweep_bench.py and estimate_fixed_probes.py run end to end at a tiny size."""
 
 from __future__ import annotations
 
@@ -30,3 +30,21 @@ def test_split_sweep_bench_tiny(tmp_path):
     for name in ("interleaved", "ram_first", "nvme_alone"):
         assert len(rec["sweep_s"][name]) == 2 and rec["median_s"][name] > 0
     assert list(swap.iterdir()) == []  # the swap store cleaned up
+
+
+def test_estimate_fixed_probes_sets_the_cpu_rates(tmp_path):
+    out = tmp_path / "e.json"
+    rates = ["--adam-numel-per-s", "1e9", "--norm-bytes-per-s", "2e10"]
+    est = ["--model", "llama-1b", "--device", "h100", "--seq-len", "256", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/estimate_fixed_probes.py", *rates, "--", *est],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(out.read_text())
+    assert rec["rates"]["adam_numel_per_s"] == 1e9
+    assert rec["rates"]["norm_bytes_per_s"] == 2e10
