@@ -49,7 +49,7 @@ def test_the_split_rule_device_then_host_then_nvme():
 
 
 def test_the_tier_sums_and_measures_as_the_host_tier():
-    numels = [5000, 3000]
+    numels = [5000, 3000, 4000]
     device, host = DeviceGradTier(numels, get_accelerator()), HostGradTier(numels)
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
@@ -58,13 +58,40 @@ def test_the_tier_sums_and_measures_as_the_host_tier():
             device.add(index, 50, src)
             host.add(index, 50, src)
     assert device.sums_of_squares() == host.sums_of_squares()
-    for index in range(2):
+    for index in range(3):
         assert torch.equal(device.take(index), host.take(index))
         assert sum_of_squares(device.take(index)) > 0
         device.release(index)
         assert not device.take(index).any()  # released: zeros
     stats = device.memory_stats()
-    assert stats == {"grad_device_bytes": 4 * 8000, "grad_host_bytes": 4 * 5000}
+    # Two halves of the largest sub-group: the norm copies the next while it measures one.
+    assert stats == {"grad_device_bytes": 4 * 12000, "grad_host_bytes": 2 * 4 * 5000}
+    device.close()
+
+
+def test_the_norm_copies_the_next_sub_group_while_it_measures_one(monkeypatch):
+    import infinity.swap.grad_device as grad_device
+
+    device, events = DeviceGradTier([300, 200, 100], get_accelerator()), []
+    for index, n in enumerate(device.numels):
+        device.add(index, 0, torch.full((n,), float(index + 1)))
+    to_host, measure = device.accel.to_host, grad_device.sum_of_squares
+
+    def copy(dev, out, stream=None):
+        events.append(("copy", dev.numel()))
+        return to_host(dev, out=out, stream=stream)
+
+    def measured(flat):
+        events.append(("measure", flat.numel()))
+        return measure(flat)
+
+    monkeypatch.setattr(device.accel, "to_host", copy)
+    monkeypatch.setattr(grad_device, "sum_of_squares", measured)
+    values = device.sums_of_squares()
+    assert events == [("copy", 300), ("copy", 200), ("measure", 300), ("copy", 100),
+                      ("measure", 200), ("measure", 100)]  # fmt: skip
+    want = [measure(torch.full((n,), float(i + 1))) for i, n in enumerate(device.numels)]
+    assert values == want  # the same bits as measuring each sub-group alone
     device.close()
 
 

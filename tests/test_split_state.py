@@ -16,6 +16,7 @@ from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
 from infinity.swap.split_state import (
     SplitGradTier,
     SplitStateTier,
+    interleaved_order,
     ram_sub_groups,
     state_in_ram,
 )
@@ -50,6 +51,33 @@ def test_the_first_sub_groups_that_fit_whole_stay_in_ram():
     nvme = OffloadOptimizerConfig(device="nvme", nvme_path="/x", max_in_cpu=20)
     assert state_in_ram([10, 10, 5], nvme) == 2
     assert state_in_ram([10, 10, 5], OffloadOptimizerConfig(device="cpu")) == 3
+
+
+def test_the_sweep_steps_host_sub_groups_between_nvme_ones():
+    # An NVMe one first, then each tier in proportion, each in ascending order.
+    assert interleaved_order(4, 6) == [4, 0, 1, 5, 2, 3]
+    assert interleaved_order(1, 3) == [1, 0, 2]
+    assert interleaved_order(0, 3) == [0, 1, 2] and interleaved_order(3, 3) == [0, 1, 2]
+    for k, n in ((5, 7), (1, 9), (8, 9), (13, 20)):
+        order = interleaved_order(k, n)
+        assert sorted(order) == list(range(n))
+        assert [i for i in order if i < k] == list(range(k))
+        host_run = max(len(run) for run in "".join("h" if i < k else "n" for i in order).split("n"))
+        assert host_run <= -(-k // (n - k))  # never more host ones in a row than their share
+
+
+def test_a_split_sweep_keeps_the_disk_busy_between_host_sub_groups(tmp_path):
+    torch.manual_seed(0)
+    cfg = _cfg(tmp_path, 2 * SUB_GROUP)
+    losses, engine = run_engine(Zoo(), batches(2), cfg)
+    try:
+        store = engine.optimizer.store
+        assert isinstance(store, SplitStateTier) and store.in_ram == 2
+        visited = [i for i, _ in store.sweep()]
+        assert visited == interleaved_order(2, len(store.numels))
+        assert visited[0] >= store.in_ram  # the disk's sub-group goes first
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize(("dtype", "accum"), [("bf16", 1), ("fp32", 2), ("bf16", 4)])

@@ -350,10 +350,13 @@ def _optimizer_parts_s(sz: Sizes, rates: Rates) -> tuple[float, float, float]:
     ) / rates.nvme_read_bps + (
         sz.optim_write_bytes_per_step + sz.param_write_bytes_per_step
     ) / rates.nvme_write_bps
-    adam = sz.flat_numel / rates.adam_numel_per_s
-    # Sums kept on the device are copied to the host for the norm and again for CPU-Adam.
-    norm = (sz.grad_host_bytes + sz.grad_device_bytes) / rates.norm_bytes_per_s
-    norm += sz.grad_step_copy_bytes / rates.copy_bytes_per_s
+    # Sums kept on the device are copied to the host for the norm and again for CPU-Adam:
+    # the norm's copies run beside its pass ([Note: the norm's copies run ahead] in
+    # infinity/swap/grad_device.py), CPU-Adam's take the sweep's thread, beside the disk.
+    copy = sz.grad_step_copy_bytes / 2 / rates.copy_bytes_per_s
+    adam = sz.flat_numel / rates.adam_numel_per_s + copy
+    norm = sz.grad_host_bytes / rates.norm_bytes_per_s
+    norm += max(sz.grad_device_bytes / rates.norm_bytes_per_s, copy)
     return state_io, adam, norm
 
 

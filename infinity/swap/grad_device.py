@@ -3,17 +3,25 @@
 Holds the sums of some sub-groups in one flat fp32 buffer on the accelerator's device, so a
 gradient whose sub-groups are all here is added where backward made it: no copy to the host
 in backward, and no disk traffic at any micro batch. The step reads each sub-group to the
-host, into one host buffer (pinned where the device pins), for the norm and again for
-CPU-Adam. It owns that buffer and the device buffer; it does not decide which sub-groups
-are here (`offload_optimizer.gradients_on_device`, the placement planner's key) nor route
-the gradients to it (the optimizer's `device_slots` tells the hooks which slots to add on
-the device).
+host for the norm and again for CPU-Adam, into a host buffer of two sub-groups (pinned where
+the device pins): the norm's pass copies the next sub-group into one half while it measures
+the other (see [Note: the norm's copies run ahead]). It owns that buffer and the device
+buffer; it does not decide which sub-groups are here (`offload_optimizer.
+gradients_on_device`, the placement planner's key) nor route the gradients to it (the
+optimizer's `device_slots` tells the hooks which slots to add on the device).
 
 [Note: the same bits on the device] An fp32 add of a 16-bit or fp32 gradient is exact
 elementwise rounding on every device, so the sums equal the host tier's bit for bit. The
 norm is not computed on the device (a reduction's order differs from the host's): each
 sub-group is copied to the host and measured there by rows, exactly as `HostGradTier` does,
 so the global norm, the clip and every update are the same wherever the sums live.
+
+[Note: the norm's copies run ahead] `sums_of_squares` issues the copy of sub-group g + 1 to
+one half of the host buffer before it measures sub-group g in the other, and waits for a
+copy's event only before measuring it: on a GPU the copy engine and the host's norm pass
+run side by side, so the pass costs the slower of the two rather than their sum (the
+estimate counts it so). The values are the same bits: each sub-group is measured by the same
+function from the same copied sums, and the list is in index order.
 """
 
 from __future__ import annotations
@@ -29,8 +37,9 @@ F32 = 4
 
 
 def device_grad_bytes(numels: Sequence[int]) -> tuple[int, int]:
-    """`DeviceGradTier`'s bytes over sub-groups of `numels`: (device, host)."""
-    return F32 * sum(numels), F32 * max(numels, default=0)
+    """`DeviceGradTier`'s bytes over sub-groups of `numels`: (device, host: two of the
+    largest sub-group, see [Note: the norm's copies run ahead])."""
+    return F32 * sum(numels), 2 * F32 * max(numels, default=0)
 
 
 class DeviceGradTier:
@@ -65,19 +74,42 @@ class DeviceGradTier:
             dst.add_(src)
 
     def sums_of_squares(self) -> list[float]:
-        """One value per sub-group, in order, measured on the host."""
-        return [sum_of_squares(self.take(g)) for g in range(len(self.numels))]
+        """One value per sub-group, in order, measured on the host (see [Note: the norm's
+        copies run ahead])."""
+        count, out = len(self.numels), []
+        if count:
+            landed = self._copy_ahead(0)
+        for g in range(count):
+            nxt = self._copy_ahead(g + 1) if g + 1 < count else None
+            landed.synchronize()
+            out.append(sum_of_squares(self._half(g)))
+            landed = nxt
+        return out
 
-    def take(self, index: int) -> torch.Tensor:
-        """Sub-group `index`'s sum, copied into the host buffer: valid until the next
-        `take` or `sums_of_squares`."""
+    def _half(self, index: int) -> torch.Tensor:
+        """The half of the host buffer that sub-group `index`'s copy goes to."""
         if self._host is None:
             numel = self.host_bytes // F32
             if self.accel.pin_supported():
                 self._host = self.accel.empty_pinned((numel,), torch.float32)
             else:
                 self._host = torch.empty(numel, dtype=torch.float32)
-        out = self._host[: self.numels[index]]
+        half = self._host.numel() // 2
+        start = (index % 2) * half
+        return self._host[start : start + self.numels[index]]
+
+    def _copy_ahead(self, index: int):
+        """Start copying sub-group `index` to its half; the event to wait for before
+        reading it."""
+        self.accel.to_host(self._view(index), out=self._half(index))
+        event = self.accel.new_event()
+        event.record(self.accel.current_stream())
+        return event
+
+    def take(self, index: int) -> torch.Tensor:
+        """Sub-group `index`'s sum, copied into the host buffer: valid until the next
+        `take` or `sums_of_squares`."""
+        out = self._half(0)[: self.numels[index]]
         self.accel.to_host(self._view(index), out=out)
         if out.is_pinned():  # an asynchronous copy: the host reads it next
             self.accel.current_stream().synchronize()
