@@ -340,7 +340,7 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
         out = {
             "build_s": t1 - t0,
             "initialize_s": t2 - t1,
-            "sub_group_numels": [int(n) for n in engine.optimizer.store.numels],
+            "sub_group_numels": [int(n) for n in engine.optimizer.state_tier.numels],
             "steps": steps,
             "memory_stats": engine.memory_stats(),
             # The estimate's replay: gathers from host homes alias them (no copy, no RAM).

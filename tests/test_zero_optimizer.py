@@ -216,14 +216,14 @@ def test_a_non_resident_store_works_through_the_protocol(case, dtype, backend):
 def test_sub_groups_cut_the_flat_space_and_may_split_a_slot():
     opt = make_opt(make_slots())
     assert opt.layout.offsets == (0, 2048, 4096, 6144, 12288, 14336, 16384)
-    assert opt.store.numels == [4096] * 4
+    assert opt.state_tier.numels == [4096] * 4
     assert opt.layout.pieces(1) == [(2, 0, 105), (3, 0, 2048)]
     assert opt.layout.pieces(2) == [(3, 2048, 5000)]
     assert list(opt.layout.sub_groups_of(3)) == [1, 2]
-    assert make_opt(make_slots(), sub_group_size="auto").store.numels == [TOTAL]
+    assert make_opt(make_slots(), sub_group_size="auto").state_tier.numels == [TOTAL]
     # rounded up to a multiple of 2048 elements
-    assert make_opt(make_slots(), sub_group_size=1).store.numels == [2048] * 8
-    assert make_opt(make_slots(), sub_group_size=5000).store.numels == [6144, 6144, 4096]
+    assert make_opt(make_slots(), sub_group_size=1).state_tier.numels == [2048] * 8
+    assert make_opt(make_slots(), sub_group_size=5000).state_tier.numels == [6144, 6144, 4096]
 
 
 def test_fp32_partitions_alias_the_host_masters(backend):

@@ -357,30 +357,30 @@ class NvmeGradTier:
 
 
 class _Apply:
-    """Carries out the plan's decisions with the store's buffers and transfers (a
+    """Carries out the plan's decisions with the tier's buffers and transfers (a
     `GradSink`)."""
 
-    __slots__ = ("store",)
+    __slots__ = ("tier",)
 
-    def __init__(self, store: NvmeGradTier) -> None:
-        self.store = store
+    def __init__(self, tier: NvmeGradTier) -> None:
+        self.tier = tier
 
     def zero(self, g: int, b: int) -> None:
-        buf = self.store._buffers[b]
-        self.store._settle_buffer(buf)
-        self.store._grads(buf, g).zero_()
+        buf = self.tier._buffers[b]
+        self.tier._settle_buffer(buf)
+        self.tier._grads(buf, g).zero_()
 
     def load(self, g: int, b: int) -> None:
-        self.store._start_read(g, self.store._buffers[b], wait=True)
+        self.tier._start_read(g, self.tier._buffers[b], wait=True)
 
     def landed(self, g: int, b: int) -> None:
-        self.store._settle_buffer(self.store._buffers[b])
+        self.tier._settle_buffer(self.tier._buffers[b])
 
     def write(self, g: int, b: int) -> None:
-        self.store._start_write(g, self.store._buffers[b])
+        self.tier._start_write(g, self.tier._buffers[b])
 
     def read(self, g: int, b: int) -> None:
-        self.store._start_read(g, self.store._buffers[b])
+        self.tier._start_read(g, self.tier._buffers[b])
 
     def free(self, g: int, b: int) -> None:
-        self.store._settle_buffer(self.store._buffers[b])
+        self.tier._settle_buffer(self.tier._buffers[b])

@@ -185,11 +185,12 @@ class NvmeHome:
 
     tier = HomeTier.NVME
     host_bytes = pinned_bytes = 0
-    __slots__ = ("store", "key", "numel", "dtype")
+    __slots__ = ("param_tier", "key", "numel", "dtype")
 
-    def __init__(self, store: NvmeParamTier, key: str) -> None:
-        layout = store.layout(key)  # KeyError naming the key when it was never reserved
-        self.store, self.key, self.numel, self.dtype = store, key, layout.numel, layout.dtype
+    def __init__(self, param_tier: NvmeParamTier, key: str) -> None:
+        layout = param_tier.layout(key)  # KeyError naming the key when it was never reserved
+        self.param_tier, self.key = param_tier, key
+        self.numel, self.dtype = layout.numel, layout.dtype
 
     def __repr__(self) -> str:
         return f"NvmeHome({self.key!r}, {self.numel} x {self.dtype})"
@@ -197,33 +198,33 @@ class NvmeHome:
     def read(self) -> torch.Tensor:
         nbytes = self.numel * self.dtype.itemsize
         raw, _ = aligned_host_bytes(max(nbytes, 1), pin=False)  # page-aligned: O_DIRECT
-        return self.store.swap_in(self.key, raw[:nbytes].view(self.dtype)).wait()
+        return self.param_tier.swap_in(self.key, raw[:nbytes].view(self.dtype)).wait()
 
     def write(self, src: torch.Tensor) -> None:
         flat = _check_write(self, src, repr(self.key)).to(device="cpu", dtype=self.dtype)
-        self.store.swap_out(self.key, flat.contiguous()).wait()
+        self.param_tier.swap_out(self.key, flat.contiguous()).wait()
 
     def fetch(self, accel, stream, *, block=True, out=None) -> _NvmeFetch | None:
-        read = self.store.swap_in(self.key, block=block)
+        read = self.param_tier.swap_in(self.key, block=block)
         if read is None:
             return None
-        return _NvmeFetch(self.store, self.key, read, stream, out)
+        return _NvmeFetch(self.param_tier, self.key, read, stream, out)
 
 
 class _NvmeFetch:
     reading = True
     aliases_home = False  # the pool buffer goes back to the pool: always copied
-    __slots__ = ("_store", "_key", "_read", "_stream", "_out")
+    __slots__ = ("_param_tier", "_key", "_read", "_stream", "_out")
 
     def __init__(
         self,
-        store: NvmeParamTier,
+        param_tier: NvmeParamTier,
         key: str,
         read: SwapFuture,
         stream: Stream,
         out: torch.Tensor | None,
     ) -> None:
-        self._store, self._key, self._read = store, key, read
+        self._param_tier, self._key, self._read = param_tier, key, read
         self._stream, self._out = stream, out
 
     def done(self) -> bool:
@@ -238,7 +239,7 @@ class _NvmeFetch:
             copied.record(self._stream)
             copied.synchronize()
         finally:
-            self._store.release(self._read)
+            self._param_tier.release(self._read)
         event = accel.new_event()
         event.record(self._stream)
         return dev, event
@@ -249,4 +250,4 @@ class _NvmeFetch:
         except NvmeParamError as e:  # its data is no longer wanted
             logger.warning("dropped NVMe read of %s failed: %s", self._key, e)
         finally:
-            self._store.release(self._read)
+            self._param_tier.release(self._read)

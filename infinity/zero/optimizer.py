@@ -136,7 +136,7 @@ class PartitionedOptimizer:
         self.groups = step_groups(self.hyper, self._names, no_decay, groups)
         self.layout: FlatLayout = check_layout(weights, self._numels, self.sub_group_size)
         numels = self.layout.sub_group_numels
-        self.store = state_tier = check_state_tier(
+        self.state_tier = state_tier = check_state_tier(
             state_tier, numels, self.format, self.sub_group_size
         )
         self.grads = grad_tier = check_grad_tier(grad_tier, numels)
@@ -244,9 +244,9 @@ class PartitionedOptimizer:
         if self.aliased:
             return
         for g in range(self.layout.num_sub_groups):
-            state = self.store.read(g)
+            state = self.state_tier.read(g)
             state.master.copy_(self.weights.view(*self.layout.range(g)))
-            self.store.write(g, state)
+            self.state_tier.write(g, state)
 
     @torch.no_grad()
     def set_masters(self, i: int, values: torch.Tensor) -> None:
@@ -270,7 +270,7 @@ class PartitionedOptimizer:
         kernel = functools.partial(self._update, hypers=self.groups.at(lr), step=step)
         update = functools.partial(self._update_ahead, kernel=kernel, grad_scale=1.0 / loss_scale)
         self._ahead = OverlapStep(
-            self.store.sweep(order), order, limit=limit,
+            self.state_tier.sweep(order), order, limit=limit,
             slots_in=[len(self.layout.pieces(g)) for g in range(self.layout.num_sub_groups)],
             groups_of=self.layout.sub_groups_of, update=update,
             key=(lr, loss_scale, self.step_count), range=self.range,
@@ -288,7 +288,7 @@ class PartitionedOptimizer:
             try:
                 ahead.stop()
             finally:
-                ahead.restore(self.store)
+                ahead.restore(self.state_tier)
 
     def step(
         self, *, lr: float | Sequence[float], loss_scale: float = 1.0, max_grad_norm: float = 0.0
@@ -309,7 +309,7 @@ class PartitionedOptimizer:
                 try:
                     ahead.stop()  # the norm's sums are final; the worker finishes its sub-group
                 except BaseException:
-                    ahead.restore(self.store)
+                    ahead.restore(self.state_tier)
                     raise
                 self.last_compute_s += ahead.compute_s
                 self.overlap_peak_bytes = max(self.overlap_peak_bytes, ahead.peak_bytes)
@@ -324,7 +324,7 @@ class PartitionedOptimizer:
                 confirm = confirm and ahead.key == (lr, loss_scale, self.step_count)
                 self._adam(lr, clip / loss_scale, ahead, confirm)  # zeroes each gradient
             elif ahead is not None:
-                ahead.restore(self.store)
+                ahead.restore(self.state_tier)
             t2 = time.perf_counter()
             if overflow:
                 self.zero_grad()
@@ -417,22 +417,22 @@ class PartitionedOptimizer:
 
         def confirm_ahead(index: int, ahead: Ahead) -> None:
             if ahead.after is not None:
-                self.store.write(index, ahead.after)
+                self.state_tier.write(index, ahead.after)
             self._publish(index, ahead.new)
 
         def redo(index: int, ahead: Ahead) -> None:
             if ahead.before is None:  # stepped on a copy: the live state is as it was
-                return run(index, self.store.resident(index))
+                return run(index, self.state_tier.resident(index))
             new = ahead.new  # its speculated weights, never published: overwritten
             self.last_compute_s += self._update_into(
                 new, index, ahead.before, kernel=base, grad_scale=grad_scale
             )
-            self.store.write(index, ahead.before)
+            self.state_tier.write(index, ahead.before)
             self._publish(index, new)
 
         try:
             if ahead is None:
-                for index, state in self.store.sweep(self._order):
+                for index, state in self.state_tier.sweep(self._order):
                     run(index, state)
             else:
                 ahead.settle(confirm=confirm, run=run, publish=confirm_ahead, redo=redo)

@@ -114,19 +114,19 @@ class NvmeWeights:
 
     def __init__(
         self,
-        store: Any,
+        param_tier: Any,
         layout: FlatLayout,
         names: Sequence[str],
         dtype: torch.dtype,
     ) -> None:
-        flat = store.flat
+        flat = param_tier.flat
         if flat is None or flat.total != layout.total or flat.dtype != dtype:
             raise ValueError(
                 f"NvmeWeights: the parameter store's flat extent is {flat} but these weights "
                 f"need {layout.total} elements of {dtype}; lay it out first with "
                 "lay_out_flat(store, layout, names, dtype)"
             )
-        self.store = store
+        self.param_tier = param_tier
         self.layout = layout
         self.names = tuple(names)
         self._ring = [aligned_empty(staging_numel(layout), dtype) for _ in range(_RING)]
@@ -135,7 +135,7 @@ class NvmeWeights:
 
     def home(self, slot: int) -> NvmeHome:
         """Slot `slot`'s home: its range of the flat extent."""
-        return NvmeHome(self.store, self.names[slot])
+        return NvmeHome(self.param_tier, self.names[slot])
 
     def view(self, start: int, stop: int) -> torch.Tensor:
         raise RuntimeError(
@@ -153,7 +153,7 @@ class NvmeWeights:
         """Start writing `out` (from `out()`) to flat element `start` of the home."""
         k = self._next
         assert out.data_ptr() == self._ring[k].data_ptr(), "commit the buffer out() returned"
-        self._pending[k] = self.store.write_flat(start, out)
+        self._pending[k] = self.param_tier.write_flat(start, out)
         self._next = (k + 1) % _RING
 
     def finish(self) -> None:
