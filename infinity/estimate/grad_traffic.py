@@ -1,8 +1,8 @@
-"""The NVMe gradient store's bytes for one optimizer step, replayed without tensors.
+"""The NVMe gradient tier's bytes for one optimizer step, replayed without tensors.
 
 `NvmeGradTier` (infinity/swap/grad_tier.py) decides what to write, read back and add on
 disk from the order backward adds the gradients in (see [Note: spilled gradients] there).
-`grad_traffic` runs that policy (`infinity.swap.grad_plan`, the plan the store applies)
+`grad_traffic` runs that policy (`infinity.swap.grad_plan`, the plan the tier applies)
 on the sizes alone, counting bytes: backward reaches the gathering units
 in reverse forward order (a unit's parameters last to first), each parameter's gradient is
 added one sub-group piece at a time, `accum` micro-steps, then the step takes and releases
@@ -47,7 +47,7 @@ def backward_slots(shape: ModelShape) -> list[int]:
 
 
 class _GradSink:
-    """A sink for the store's plan that counts bytes instead of moving them; a write is in
+    """A sink for the tier's plan that counts bytes instead of moving them; a write is in
     flight during the add that started it (see the module's note)."""
 
     def __init__(self, numels: Sequence[int]) -> None:
@@ -99,7 +99,7 @@ class _GradSink:
 
 
 class GradTraffic(NamedTuple):
-    """Bytes the NVMe gradient store moves in one optimizer step."""
+    """Bytes the NVMe gradient tier moves in one optimizer step."""
 
     read: int
     written: int
@@ -112,9 +112,9 @@ class GradTraffic(NamedTuple):
 
 
 def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int, first: int = 0) -> GradTraffic:
-    """The NVMe gradient store's bytes in one optimizer step of `accum` micro-steps: its
+    """The NVMe gradient tier's bytes in one optimizer step of `accum` micro-steps: its
     plan (`GradPlan`) driven by backward's adds, then the step's takes and releases. The
-    store holds the sub-groups from `first` on (those before stay in RAM: `SplitGradTier`),
+    tier holds the sub-groups from `first` on (those before stay in RAM: `SplitGradTier`),
     numbered from 0 in it."""
     numels = layout.sub_group_numels[first:]
     plan = GradPlan(numels)

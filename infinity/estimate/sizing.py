@@ -5,7 +5,7 @@ layout over one rank's shards (`optimizer_layout`, `shard_of`), each tier's `Foo
 (`grad_footprint`, `nvme_state_footprint`, `host_state_footprint`, `weights_footprint`,
 `param_pool_nbytes`), which frozen homes stay in RAM (`frozen_nvme_mask`) and the
 persistence rule (`persistent_flags`); parameter reads run the coordinator's planner
-(`infinity.estimate.param_traffic`), gradient transfers the NVMe gradient store's
+(`infinity.estimate.param_traffic`), gradient transfers the NVMe gradient tier's
 (`infinity.estimate.grad_traffic`). The byte counts match `engine.memory_stats()` exactly;
 nothing here allocates or measures.
 """
@@ -43,7 +43,7 @@ class Sizes:
 
     grad_host_bytes: int
     """fp32 gradient sums in host memory: one flat buffer, or with the optimizer on
-    NVMe the grad store's `GRAD_BUFFERS` sub-group buffers."""
+    NVMe the gradient tier's `GRAD_BUFFERS` sub-group buffers."""
     weights_host_bytes: int
     """The trainable weights' host copy (0 when they alias the fp32 masters; the staging
     ring with parameters on NVMe)."""

@@ -1,4 +1,4 @@
-"""The NVMe gradient store's buffer policy: which sub-group sits in which host buffer, which
+"""The NVMe gradient tier's buffer policy: which sub-group sits in which host buffer, which
 is written out, read back, read ahead or added to on disk.
 
 Owns the decisions only, over plain integers (a sub-group and a buffer are indices): where
@@ -98,7 +98,7 @@ class GradPlan:
     def __init__(self, numels: Sequence[int], buffer_count: int = GRAD_BUFFERS) -> None:
         if buffer_count < 2:
             raise ValueError(
-                f"the NVMe gradient store needs at least 2 host buffers (one filled while "
+                f"the NVMe gradient tier needs at least 2 host buffers (one filled while "
                 f"another is written), got {buffer_count}"
             )
         self.numels = list(numels)

@@ -1,6 +1,6 @@
 """Where the fp32 gradient sums live between backward and the optimizer step.
 
-A grad store holds, for each optimizer sub-group, the fp32 sum of the gradients since the
+A gradient tier holds, for each optimizer sub-group, the fp32 sum of the gradients since the
 last step. `HostGradTier` keeps all of them in one flat host buffer (4 bytes per trainable
 element). `NvmeGradTier` keeps a few sub-groups in host buffers and the rest on disk, so its
 RAM is `GRAD_BUFFERS` x the sub-group size whatever the model size. It owns the buffers, the
@@ -13,7 +13,7 @@ it drops out of them (read back and added to at the next micro-step of an accumu
 window, the read of the sub-group below starting while backward fills the current one).
 Every write records the norms of what it wrote by rows of 4096 elements, so at the step the
 global norm is the in-order sum of one value per sub-group made from them, without reading
-the gradients: the host store computes the same rows the same way, and the two give bitwise
+the gradients: the host tier computes the same rows the same way, and the two give bitwise
 the same norm. A small gradient (at most 1/`PARTIAL_FRACTION` of its sub-group, e.g. a
 layer's norm weights, reached in backward after the rest of its layer) added to a sub-group
 on disk is added there: only the rows it touches are read, added to, re-measured and written
@@ -155,7 +155,7 @@ class HostGradTier:
 
 
 class NvmeGradError(ExtentError):
-    """A gradient transfer to or from NVMe failed; the store refuses further use."""
+    """A gradient transfer to or from NVMe failed; the tier refuses further use."""
 
 
 ADVICE = (
@@ -177,7 +177,7 @@ class _Buffer:
 class NvmeGradTier:
     """Gradient sums on NVMe with `buffer_count` host buffers (see [Note: spilled gradients]):
     which sub-group is where is the plan's (`infinity.swap.grad_plan.GradPlan`), the
-    transfers and the sums are the store's.
+    transfers and the sums are the tier's.
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
     owned). `checksums` checks every read against what was written (see [Note: extent
@@ -342,7 +342,7 @@ class NvmeGradTier:
         """Wait for the buffer's transfer in flight, if any."""
         fut, buf.future, buf.written = buf.future, None, None
         if fut is not None:
-            fut.wait()  # a failure marks the store failed (ExtentIO) and raises NvmeGradError
+            fut.wait()  # a failure marks the tier failed (ExtentIO) and raises NvmeGradError
 
     def _submit(self, op: str, buf: _Buffer, index: int) -> Transfer:
         ext = self._extents[index]
@@ -352,7 +352,7 @@ class NvmeGradTier:
 
     def _check_usable(self, op: str) -> None:
         if self._closed:
-            raise NvmeGradError(f"{op}: the NVMe gradient store at {self.store.dir} is closed")
+            raise NvmeGradError(f"{op}: the NVMe gradient tier at {self.store.dir} is closed")
         self.io.check_usable(op)
 
 

@@ -156,7 +156,7 @@ class NvmeParamTier:
         checksums: bool = True,
     ) -> None:
         self.store = store
-        # A failed transfer does not fail the store: see [Note: transfer order].
+        # A failed transfer does not fail the tier: see [Note: transfer order].
         self.io = ExtentIO(aio, tier="param", error=NvmeParamError, checksums=checksums)
         self.aio = self.io.aio
         self.pool = pool
@@ -187,7 +187,7 @@ class NvmeParamTier:
         name -> (offset in elements, numel) as a parameter inside it (offsets 4 KiB-aligned
         in bytes, ranges disjoint and inside `total`). See [Note: the flat extent]."""
         if self.flat is not None:
-            raise ValueError("reserve_flat: the flat extent is already reserved (once per store)")
+            raise ValueError("reserve_flat: the flat extent is already reserved (once per tier)")
         self._check_new(entries)
         itemsize = dtype.itemsize
         spans = sorted((off, off + n, name) for name, (off, n) in entries.items())

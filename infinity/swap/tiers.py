@@ -1,5 +1,5 @@
 """Building the storage tiers from the config: the one place that turns `offload_optimizer`,
-`offload_param` and `aio` sections into a state store and a parameter store.
+`offload_param` and `aio` sections into a state tier and a parameter tier.
 
 Owns the choice between the host and NVMe tiers and the sizing of their buffers; it does not
 own the tiers themselves. Everything that can fail on a bad path or a small disk fails here,

@@ -2,7 +2,7 @@
 
 Owns the `ParamHome` contract and its two tiers: `HostHome` (a flat host tensor: the
 parameter's own partition, or a range of the optimizer's flat weight buffer) and `NvmeHome`
-(an extent of the NVMe parameter store: the parameter's own, or a range of the optimizer's
+(an extent of the NVMe parameter tier: the parameter's own, or a range of the optimizer's
 flat extent). It does not decide which tier a parameter gets (`infinity.zero.build` does,
 once, before the optimizer exists), nor when to gather (the coordinator), nor the device
 buffer (the record, `infinity.zero.param`).
@@ -14,7 +14,7 @@ gives the buffer and the event recorded after its copy on `stream` (`out=` copie
 existing buffer instead). Host homes copy at once (asynchronously where the memory is
 pinned), or, on an accelerator whose device memory is host memory, hand out the home itself
 (`aliases_home`, no bytes copied: see [Note: gathered means resident] in param.py); NVMe
-homes first read into a buffer of the store's pinned pool (`block=False` returns None
+homes first read into a buffer of the tier's pinned pool (`block=False` returns None
 instead of waiting for a free one) and copy when landed, giving the buffer back once the
 copy has read it. A fetch that is no longer wanted is `cancel()`ed: it lands and gives its
 buffer back; a failed read is only logged then.
@@ -49,7 +49,7 @@ class HomeTier(enum.Enum):
     HOST = "host"
     """Host memory (pinned when the accelerator supports it and the config asks)."""
     NVME = "nvme"
-    """The NVMe parameter store."""
+    """The NVMe parameter tier."""
 
 
 class Fetch(Protocol):
@@ -180,7 +180,7 @@ class _HostFetch:
 
 
 class NvmeHome:
-    """Weights in the NVMe parameter store under `key` (its own extent, or a range of the
+    """Weights in the NVMe parameter tier under `key` (its own extent, or a range of the
     optimizer's flat extent: see [Note: the flat extent] in param_tier.py)."""
 
     tier = HomeTier.NVME

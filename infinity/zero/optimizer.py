@@ -3,10 +3,10 @@
 Owns, for the trainable slots of one rank: the flat space they are laid out in and its
 sub-groups (see [Note: the flat space] in sub_groups.py), the Adam/AdamW step over the
 sub-groups, the global-norm clipping and the overflow check. The fp32 gradient sums that the
-engine's hooks accumulate into live behind a grad store (`infinity.swap.grad_tier`: one flat
+engine's hooks accumulate into live behind a gradient tier (`infinity.swap.grad_tier`: one flat
 host buffer, or a few host buffers and NVMe); the fp32 master weights and moments behind a
 `StateTier` (host or NVMe); the weights in the model dtype in a weight output
-(`infinity.zero.weights`: host memory, or NVMe through the parameter store) whose ranges are
+(`infinity.zero.weights`: host memory, or NVMe through the parameter tier) whose ranges are
 the trainable parameters' homes. It does not own the loss scale (the engine drives the
 scaler and passes `loss_scale`), the learning-rate schedule (`lr` is passed to `step`), nor
 gathering parameters to the device. With several
@@ -99,7 +99,7 @@ class PartitionedOptimizer:
     start from the slots' (build) partitions and the weights are written to `weights` (built
     with `make_weights` before the optimizer: its `home(i)` is slot i's home from then on; by
     default a host buffer, which `home(i)` returns). The engine adds gradients with
-    `accumulate_grad(i, grad)` (`grad(i)` is the host grad store's view of them) and must
+    `accumulate_grad(i, grad)` (`grad(i)` is the host gradient tier's view of them) and must
     drop its own copies of the partitions before the first gradient (the host gradient
     buffer is allocated then). `grad_tier` (an `NvmeGradTier` of the same sub-groups)
     keeps most of the gradients on NVMe. Weight decay applies to every slot except the
@@ -193,13 +193,13 @@ class PartitionedOptimizer:
         return self.weights.view(*self._span(i))
 
     def grad(self, i: int) -> torch.Tensor:
-        """Slot i's gradient sum: [numel] fp32 (host grad store only)."""
+        """Slot i's gradient sum: [numel] fp32 (host gradient tier only)."""
         start, stop = self._span(i)
         return self.flat_grad[start:stop]
 
     @property
     def flat_grad(self) -> torch.Tensor:
-        """Every slot's gradient in the flat space (padding stays zero; host grad store
+        """Every slot's gradient in the flat space (padding stays zero; host gradient tier
         only: the sub-groups of the flat space are back to back in its buffer)."""
         if not isinstance(self.grads, HostGradTier):
             raise RuntimeError(
@@ -445,7 +445,7 @@ class PartitionedOptimizer:
         """("<slot>.master" / ".exp_avg" / ".exp_avg_sq", and with 8-bit moments
         ".exp_avg_absmax" / ".exp_avg_sq_absmax", thunk) for every slot, in order.
 
-        A thunk reads just that slot's share of the field from the store (a slot may span
+        A thunk reads just that slot's share of the field from the state tier (a slot may span
         sub-groups), so one slot's field is the most held at a time.
         """
         self.cancel_ahead()
@@ -456,7 +456,7 @@ class PartitionedOptimizer:
     @torch.no_grad()
     def load_state_tensors(self, get: Callable[[str], torch.Tensor]) -> None:
         """Every slot's state from `get(name)` (names as in `state_tensors` of the format
-        `load_state_dict` found), written to the store one sub-group at a time; the weights
+        `load_state_dict` found), written to the state tier one sub-group at a time; the weights
         become the loaded masters."""
         self.cancel_ahead()
         load_sub_groups(self, get, self._saved_format)

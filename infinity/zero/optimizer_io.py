@@ -87,7 +87,7 @@ def write_masters(opt: Any, i: int, values: torch.Tensor) -> None:
 
 def scaled_norm(grads: Any, comm: Any) -> float:
     """The global L2 norm of the (loss-scaled) gradient sums over every rank."""
-    # In sub-group order on every grad store, so host and NVMe give the same bits (see
+    # In sub-group order on every gradient tier, so host and NVMe give the same bits (see
     # [Note: spilled gradients]); inf/NaN anywhere propagates into the norm.
     total = 0.0
     for s in grads.sums_of_squares():
