@@ -62,7 +62,7 @@ def memory_stats(opt: Any) -> dict[str, int]:
         "numel": sum(opt._numels),
         "optim_state_bits": 8 if opt.format.eight_bit else 32,
         "grad_bytes": grad,
-        "partition_bytes": part,
+        "weights_bytes": part,
         "state_bytes": state,
         "host_bytes": grad + part + state + opt.ahead_copies.nbytes,
         "optim_overlap_bytes": opt.ahead_copies.nbytes,
