@@ -18,7 +18,7 @@ One run, in this order, on the `--path` directory:
 
 Definitions (from the steps after the first):
 - state = 16-bit weights + fp32 master + exp_avg + exp_avg_sq = 14 bytes per parameter (the
-  fp32 gradient partitions, 4 more bytes per parameter, stay in RAM and are reported apart).
+  fp32 gradient sums, 4 more bytes per parameter, stay in RAM and are reported apart).
 - optimizer step time = the wall time of `engine.step()` at the accumulation boundary.
 - NVMe I/O time = bytes read / best read rate + bytes written / best write rate, with the
   bytes the `nvme_*_bytes_read` / `nvme_*_bytes_written` keys of `engine.memory_stats()`

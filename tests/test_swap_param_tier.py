@@ -1,4 +1,4 @@
-"""NvmeParamTier: partitions round-trip exactly, reads wait for their writes, errors."""
+"""NvmeParamTier: homes round-trip exactly, reads wait for their writes, errors."""
 
 from __future__ import annotations
 

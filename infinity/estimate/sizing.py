@@ -277,7 +277,7 @@ def _refreshed(shape: ModelShape, zero: ZeroConfig) -> int:
 
 def _pinned(zero: ZeroConfig, pins: bool, pool: int, buffers: int, homes: int) -> int:
     """Pinned host bytes: the parameter homes in host memory (`homes`: the 16-bit weight
-    buffer and frozen partitions; fp32 masters that are also the weights stay pageable) or
+    buffer and frozen homes; fp32 masters that are also the weights stay pageable) or
     the NVMe parameter pool, and the NVMe state pipeline's `buffers` when asked."""
     if not pins:
         return 0
@@ -360,7 +360,7 @@ def home_on_nvme(shape: ModelShape, zero: ZeroConfig) -> list[bool]:
 def frozen_footprint(
     shape: ModelShape, on_nvme: Sequence[bool], itemsize: int, homes: Sequence[int]
 ) -> Footprint:
-    """Frozen parameters' homes (`homes` elements each): a host partition each, or an
+    """Frozen parameters' homes (`homes` elements each): a host buffer each, or an
     extent each on NVMe."""
     pairs = zip(shape.params, on_nvme, homes, strict=True)
     frozen = [(n * itemsize, on) for p, on, n in pairs if not p.trainable]

@@ -189,9 +189,9 @@ def make_param_tier(
     element_size: int = 0,
     prefetch_numel: int = 0,
 ) -> NvmeParamTier:
-    """The NVMe parameter tier (`offload.device == "nvme"`): every partition in `params`
+    """The NVMe parameter tier (`offload.device == "nvme"`): every home in `params`
     (stable name -> (numel, dtype)) laid out under `offload.nvme_path` (more can be laid out
-    later with `reserve_flat`), with a staging pool sized from `offload` and the partitions
+    later with `reserve_flat`), with a staging pool sized from `offload` and the homes
     of the model (`numels`, of `element_size` bytes, with those in `params`)."""
     if offload.device != "nvme" or not offload.nvme_path:
         raise ValueError(

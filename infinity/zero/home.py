@@ -1,7 +1,7 @@
 """Where one parameter's weights live between uses: its home (host memory or NVMe).
 
 Owns the `ParamHome` contract and its two tiers: `HostHome` (a flat host tensor: the
-parameter's own partition, or a range of the optimizer's flat weight buffer) and `NvmeHome`
+parameter's own host buffer, or a range of the optimizer's flat weight buffer) and `NvmeHome`
 (an extent of the NVMe parameter tier: the parameter's own, or a range of the optimizer's
 flat extent). It does not decide which tier a parameter gets (`infinity.zero.build` does,
 once, before the optimizer exists), nor when to gather (the coordinator), nor the device

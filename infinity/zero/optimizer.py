@@ -293,7 +293,7 @@ class PartitionedOptimizer:
     def step(
         self, *, lr: float | Sequence[float], loss_scale: float = 1.0, max_grad_norm: float = 0.0
     ) -> StepResult:
-        """Clip, one Adam pass per sub-group, new weights into the partitions, zero the grads.
+        """Clip, one Adam pass per sub-group, new weights into the homes, zero the grads.
 
         The gradients hold the loss-scaled sum of the micro-batches; `loss_scale` divides it
         out inside the same pass. On inf/NaN nothing is updated (see `StepResult`). What

@@ -140,7 +140,7 @@ class NvmeWeights:
     def view(self, start: int, stop: int) -> torch.Tensor:
         raise RuntimeError(
             "the trainable weights live on NVMe (offload_param.device 'nvme'): there is no host "
-            "partition to view; read a parameter with its record's home.read()"
+            "buffer to view; read a parameter with its record's home.read()"
         )
 
     def out(self, start: int, stop: int) -> torch.Tensor:
