@@ -1,5 +1,5 @@
-"""One word per concept (docs/architecture.md, "Words"; STYLE.md, "Words") as a test: the
-retired phrases appear nowhere in the package, its docs or its tests, and the attribute
+"""One word per concept (docs/architecture.md, "Words"; STYLE.md, Conventions 3) as a test:
+the retired phrases appear nowhere in the package, its docs or its tests, and the attribute
 `.store` is only ever a tier's swap directory.
 
 The scan joins each file's lines first, so a phrase broken across two lines is found too."""
