@@ -24,6 +24,7 @@ def machine(path: str | None = None) -> dict:
     import torch
 
     from infinity.cli.bench_adam import cpu_model
+    from infinity.utils.host_memory import physical_ram
 
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -32,7 +33,7 @@ def machine(path: str | None = None) -> dict:
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cores": len(os.sched_getaffinity(0)),  # the ones this process may run on
-        "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "ram_bytes": physical_ram(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

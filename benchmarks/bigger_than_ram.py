@@ -18,7 +18,7 @@ One run, in this order, on the `--path` directory:
 
 Definitions (from the steps after the first):
 - state = 16-bit weights + fp32 master + exp_avg + exp_avg_sq = 14 bytes per parameter (the
-  fp32 gradient partitions, 4 more bytes per parameter, stay in RAM and are reported apart).
+  fp32 gradient sums, 4 more bytes per parameter, stay in RAM and are reported apart).
 - optimizer step time = the wall time of `engine.step()` at the accumulation boundary.
 - NVMe I/O time = bytes read / best read rate + bytes written / best write rate, with the
   bytes the `nvme_*_bytes_read` / `nvme_*_bytes_written` keys of `engine.memory_stats()`
@@ -239,7 +239,9 @@ def engine_config(args: argparse.Namespace, mcfg, aio: dict) -> dict:
 
 
 def _proc_status(key: str) -> int:
-    """A /proc/self/status entry in bytes (VmHWM: peak RSS, VmRSS: current)."""
+    """A /proc/self/status entry in bytes (`RssAnon`, which the package does not read; the
+    peak and current RSS come from `infinity.utils.telemetry.peak_rss_bytes` and
+    `infinity.estimate.result.current_rss`)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -264,6 +266,8 @@ def train(engine, args: argparse.Namespace, vocab: int, *, probes: bool = True) 
     """`--steps` steps of batch 1 x seq_len random tokens; per step: times and the NVMe
     counters' growth during forward+backward and during the optimizer step (and, with
     `probes`, the estimate's rate probes taken just before it)."""
+    from infinity.utils.telemetry import peak_rss_bytes
+
     g = torch.Generator().manual_seed(1)
     steps = []
     for n in range(args.steps):
@@ -292,7 +296,7 @@ def train(engine, args: argparse.Namespace, vocab: int, *, probes: bool = True) 
             "step_bytes_written": _bytes(step_nvme, "bytes_written"),
             "step_nvme": step_nvme,
             "fwd_bwd_nvme": _delta(s0, s1),
-            "peak_rss_bytes": _proc_status("VmHWM"),
+            "peak_rss_bytes": peak_rss_bytes(),
             "estimate_probe": probe,
             # where forward and backward went (gather waits, copies, NVMe waits), to set
             # against the estimate's components
@@ -313,9 +317,11 @@ def train(engine, args: argparse.Namespace, vocab: int, *, probes: bool = True) 
 def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
     """Build, initialize, train and close; RSS at each stage."""
     import infinity
+    from infinity.estimate.result import current_rss
     from infinity.models import LlamaForCausalLM
+    from infinity.utils.telemetry import peak_rss_bytes
 
-    rss = {"baseline_peak": _proc_status("VmHWM")}
+    rss = {"baseline_peak": peak_rss_bytes()}
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with infinity.init(config):
@@ -325,11 +331,11 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
 
             model = apply_lora(model, LoraSpec(r=args.lora_r))
     model.set_gradient_checkpointing(True)
-    rss["after_model_peak"] = _proc_status("VmHWM")
+    rss["after_model_peak"] = peak_rss_bytes()
     t1 = time.perf_counter()
     engine = infinity.initialize(model, config)
     try:
-        rss["after_init_peak"] = _proc_status("VmHWM")
+        rss["after_init_peak"] = peak_rss_bytes()
         t2 = time.perf_counter()
         print(
             f"model built in {t1 - t0:.1f} s, engine initialized in {t2 - t1:.1f} s; peak RSS "
@@ -340,7 +346,7 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
         out = {
             "build_s": t1 - t0,
             "initialize_s": t2 - t1,
-            "sub_group_numels": [int(n) for n in engine.optimizer.store.numels],
+            "sub_group_numels": [int(n) for n in engine.optimizer.state_tier.numels],
             "steps": steps,
             "memory_stats": engine.memory_stats(),
             # The estimate's replay: gathers from host homes alias them (no copy, no RAM).
@@ -355,8 +361,8 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
         }
     finally:
         engine.close()
-    rss["end_peak"] = _proc_status("VmHWM")
-    rss["end_current"] = _proc_status("VmRSS")
+    rss["end_peak"] = peak_rss_bytes()
+    rss["end_current"] = current_rss()
     out["rss_bytes"] = rss
     return out
 

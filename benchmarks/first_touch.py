@@ -1,7 +1,7 @@
 """Claim: how memory is asked for decides what its first touch costs.
 
 A start writes gigabytes into memory it has never touched (the weights' buffer, the fp32
-masters, a loaded checkpoint's partitions); on a virtual machine each first touch of a page
+masters, a loaded checkpoint's homes); on a virtual machine each first touch of a page
 is slow, and that bounds the start. This copies `--gib` GiB of fp32 into fresh memory of
 each kind, alternating the kinds in one run (`--repeats` rounds), and records GB/s for the
 first copy and for a second one into the same (now touched) memory:

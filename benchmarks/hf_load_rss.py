@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -38,21 +37,9 @@ from infinity.models import (  # noqa: E402
     preset,
     stream_hf_weights,
 )
+from infinity.utils.telemetry import peak_rss_bytes  # noqa: E402
 
 MiB = 1 << 20
-
-
-def _peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM), in bytes.
-
-    VmHWM rather than getrusage's ru_maxrss: Linux carries the parent's high-water mark into a
-    forked-then-exec'd child's ru_maxrss, which would charge the parent's memory to the child.
-    """
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB
 
 
 def _stored_dtype(config) -> torch.dtype:
@@ -94,7 +81,7 @@ def make_model_dir(args, model_dir: Path) -> None:
 def child_load(model_dir: Path, home: Path) -> dict:
     config = load_config(model_dir)
     shapes = expected_shapes(_meta_model(config))
-    baseline = _peak_rss_bytes()
+    baseline = peak_rss_bytes()
     dtype = _stored_dtype(config)
     layout = _layout(shapes, dtype)
     fd = os.open(home, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -121,7 +108,7 @@ def child_init_load(model_dir: Path) -> dict:
     config = load_config(model_dir)
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     dtype = precision[_stored_dtype(config)]
-    baseline = _peak_rss_bytes()
+    baseline = peak_rss_bytes()
     t0 = time.perf_counter()
     ds = {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
     with infinity.init(ds):
@@ -135,7 +122,7 @@ def child_export(model_dir: Path, home: Path, out_dir: Path, max_shard_bytes: in
     shapes = expected_shapes(_meta_model(config))
     dtype = _stored_dtype(config)
     layout = _layout(shapes, dtype)
-    baseline = _peak_rss_bytes()
+    baseline = peak_rss_bytes()
     fd = os.open(home, os.O_RDONLY)
     t0 = time.perf_counter()
     export_hf(
@@ -169,7 +156,7 @@ def child_ckpt(model_dir: Path, home: Path, save_dir: Path) -> dict:
     shapes = expected_shapes(_meta_model(config))
     dtype = _stored_dtype(config)
     layout = _layout(shapes, dtype)
-    baseline = _peak_rss_bytes()
+    baseline = peak_rss_bytes()
     fd = os.open(home, os.O_RDWR)
     t0 = time.perf_counter()
     save_checkpoint(save_dir, _home_entries(fd, layout, dtype), step=1, state={"step": 1})
@@ -190,7 +177,7 @@ def child_ckpt(model_dir: Path, home: Path, save_dir: Path) -> dict:
 def child_peer(model_dir: Path) -> dict:
     from safetensors.torch import load_file
 
-    baseline = _peak_rss_bytes()
+    baseline = peak_rss_bytes()
     t0 = time.perf_counter()
     state = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
@@ -253,7 +240,7 @@ def main() -> None:
             rec = child_export(model_dir, work / "home.bin", work / "export", args.max_shard_bytes)
         else:
             rec = child_peer(model_dir)
-        rec["peak_rss_bytes"] = _peak_rss_bytes()
+        rec["peak_rss_bytes"] = peak_rss_bytes()
         print(json.dumps(rec))
         return
 

@@ -66,23 +66,24 @@ def one_size(args: argparse.Namespace) -> dict:
 
     import infinity
     from infinity.models import LlamaForCausalLM
+    from infinity.utils.telemetry import peak_rss_bytes
 
     mcfg = btr.model_config(args.one, args.vocab)
     aio = json.loads(args.aio_section)
     args.param_tier, args.param_buffer_count = "nvme", 0
     config = btr.engine_config(args, mcfg, aio)
-    rss = {"baseline_peak": btr._proc_status("VmHWM"), "baseline_anon": btr._proc_status("RssAnon")}
+    rss = {"baseline_peak": peak_rss_bytes(), "baseline_anon": btr._proc_status("RssAnon")}
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with infinity.init(config):
         model = LlamaForCausalLM(mcfg)
     model.set_gradient_checkpointing(True)
-    rss["build_peak"] = btr._proc_status("VmHWM")
+    rss["build_peak"] = peak_rss_bytes()
     rss["build_anon"] = btr._proc_status("RssAnon")
     t1 = time.perf_counter()
     engine = infinity.initialize(model, config)
     try:
-        rss["init_peak"] = btr._proc_status("VmHWM")
+        rss["init_peak"] = peak_rss_bytes()
         t2 = time.perf_counter()
         disk = _disk_bytes(args.path)
         print(
@@ -95,7 +96,7 @@ def one_size(args: argparse.Namespace) -> dict:
         stats = engine.memory_stats()
     finally:
         engine.close()
-    rss["end_peak"] = btr._proc_status("VmHWM")
+    rss["end_peak"] = peak_rss_bytes()
     return {
         "params": mcfg.num_params,
         "model": {k: getattr(mcfg, k) for k in ("vocab_size", "hidden_size",

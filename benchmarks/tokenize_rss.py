@@ -28,6 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from infinity.utils.sizes import parse_size  # noqa: E402  (SIZE as every command reads it)
+
 MiB = 1 << 20
 _WORDS = " ".join(
     [
@@ -40,20 +44,14 @@ _WORDS = " ".join(
 _CHILD = """
 import json, sys, time
 from infinity.data import build_token_cache, load_tokenizer
+from infinity.utils.telemetry import peak_rss_bytes
 data, tok_dir, cache = sys.argv[1:4]
 tok = load_tokenizer(None if tok_dir == "-" else tok_dir)
 start = time.perf_counter()
 tokens = build_token_cache(data, tok, cache_dir=cache)
 seconds = time.perf_counter() - start
-hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print(json.dumps({"n_tokens": len(tokens), "seconds": seconds, "peak_rss_bytes": hwm}))
+print(json.dumps({"n_tokens": len(tokens), "seconds": seconds, "peak_rss_bytes": peak_rss_bytes()}))
 """
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def write_text(path: Path, size: int, seed: int = 0) -> None:

@@ -1,5 +1,5 @@
 """Claim: PartitionedOptimizer's whole step (grad norm, clipping, CPU-Adam over the sub-groups,
-new weights into the partitions, zeroing the gradients) costs about what
+new weights into the homes, zeroing the gradients) costs about what
 `torch.optim.AdamW(fused=True)` costs for the step alone, and much less than AdamW(foreach).
 
 Parameters are split into GPT-like slots (4x768x768, 2x768x3072, 2x768 repeated) up to

@@ -186,7 +186,7 @@ class PartitionedModel:
                     try:
                         self.optimizer.cancel_ahead()  # no step follows
                     finally:
-                        self.optimizer.store.close()
+                        self.optimizer.state_tier.close()
                 finally:
                     self.optimizer.grads.close()
         finally:

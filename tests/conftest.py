@@ -1,5 +1,6 @@
 """Shared fixtures: the `accel` fixture runs one test body on every available device, and on
-the CPU both ways: gathers aliasing host homes (the default) and copying them, as on a GPU."""
+the CPU both ways: gathers aliasing host homes (the default) and copying them, as on a GPU;
+`swap` is a swap store in the test's own directory, closed (and removed) after it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from infinity.accelerator import CpuAccelerator
+from infinity.swap.store import SwapStore
 
 _KINDS = ["cpu", "cpu_copy", "cuda"]
 
@@ -33,3 +35,9 @@ def quiet_root_logger():
     root.handlers = [logging.NullHandler()]
     yield
     root.handlers = saved
+
+
+@pytest.fixture
+def swap(tmp_path):
+    with SwapStore(tmp_path, run_id="t") as store:
+        yield store

@@ -27,7 +27,7 @@ def _both_on_nvme(tmp_path) -> dict:
 
 def test_nvme_weights_need_the_disk_laid_out_first():
     layout = flat_layout([10, 20], 4096)
-    store = types.SimpleNamespace(flat=None)  # a parameter store whose extent was never laid out
+    store = types.SimpleNamespace(flat=None)  # a parameter tier whose extent was never laid out
     with pytest.raises(ValueError, match=r"lay_out_flat\(store, layout, names, dtype\)"):
         NvmeWeights(store, layout, ["a", "b"], torch.float16)
 

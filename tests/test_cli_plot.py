@@ -104,3 +104,21 @@ def test_without_matplotlib_the_error_says_what_to_install(tmp_path, capsys, mon
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["plot", str(save)]) == 1
     assert "pip install 'infinity-trainer[plot]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["partition_bytes", "weights_bytes"])
+def test_a_record_with_the_optimizer_weights_key_old_or_new_still_plots(tmp_path, key):
+    """The optimizer's host weight bytes were reported as `partition_bytes` before they were
+    `weights_bytes` (docs/telemetry.md); a metrics file carrying either key draws as one
+    without it."""
+    plain = _records(6)
+    save = tmp_path / "run"
+    _write(save, [{**r, key: 4096} if "loss" in r else r for r in plain])
+    assert main(["plot", str(save)]) == 0
+    assert (save / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with_key = draw([{**r, key: 4096} if "loss" in r else r for r in plain]).get_axes()
+    for ours, theirs in zip(with_key, draw(plain).get_axes(), strict=True):
+        assert [list(line.get_ydata()) for line in ours.get_lines()] == [
+            list(line.get_ydata()) for line in theirs.get_lines()
+        ]
+        assert [p.get_height() for p in ours.patches] == [p.get_height() for p in theirs.patches]

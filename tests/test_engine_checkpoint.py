@@ -16,7 +16,7 @@ import infinity
 def test_save_then_resume_is_exact(tmp_path, precision, include_frozen):
     torch.manual_seed(0)
     model = Zoo(lora=True)
-    model.proj.base.requires_grad_(False)  # frozen weights are saved from their partitions
+    model.proj.base.requires_grad_(False)  # frozen weights are saved from their homes
     cfg = config(stage3_param_persistence_threshold=20)
     cfg["gradient_accumulation_steps"] = 2
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}

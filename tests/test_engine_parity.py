@@ -29,7 +29,7 @@ def test_gpt_tied_checkpointed_accumulation_clipping_50_steps():
     assert len(got) == 50
     assert max_rel_diff(got, ref) < REL
     assert engine.global_steps == 50 and engine.micro_steps == 100
-    # The weights themselves agree too (partitions hold the model's values).
+    # The weights themselves agree too (the homes hold the model's values).
     ref_params = dict(ref_model.named_parameters())
     for name, value in engine.named_parameters_host():
         torch.testing.assert_close(value, ref_params[name].detach(), rtol=1e-4, atol=1e-5)

@@ -18,19 +18,12 @@ from infinity.swap.grad_tier import NvmeGradError, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateTier
 from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
-from infinity.swap.store import SwapStore
 
 
 @pytest.fixture
 def aio():
     with AioHandle(backend="posix") as handle:
         yield handle
-
-
-@pytest.fixture
-def swap(tmp_path):
-    with SwapStore(tmp_path, run_id="t") as store:
-        yield store
 
 
 def _zero(path: str, offset: int, nbytes: int) -> None:

@@ -153,7 +153,7 @@ def test_sink_receives_each_tensor_once_and_mismatches_are_named(tmp_path):
     ref = dict(model.named_parameters())
     assert all(torch.allclose(seen[k], ref[k].sum()) for k in seen)
 
-    # a rank's partition: the second third of every flattened tensor, nothing else read
+    # a rank's shard: the second third of every flattened tensor, nothing else read
     def third(name, shape):
         n = torch.Size(shape).numel()
         size = -(-n // 3)

@@ -18,15 +18,8 @@ from infinity.io.aio_checks import available_backends
 from infinity.optim.functional import adam_step_flat
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateTier, Residency
 from infinity.swap.state_tier import HostStateTier, SubGroupState
-from infinity.swap.store import SwapStore
 
 NUMELS = [1000, 1, 3000, 0, 777, 4096, 513]
-
-
-@pytest.fixture
-def swap(tmp_path):
-    with SwapStore(tmp_path, run_id="t") as store:
-        yield store
 
 
 def _masters(numels, seed=0):

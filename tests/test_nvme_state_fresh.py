@@ -18,15 +18,9 @@ from infinity.io.aio_checks import available_backends
 from infinity.optim.functional import adam_step_flat
 from infinity.swap.nvme_state import NvmeStateTier, state_nbytes
 from infinity.swap.state_tier import HostStateTier
-from infinity.swap.store import SwapStore, align_up
+from infinity.swap.store import align_up
 
 NUMELS = [1000, 1, 3000, 0, 4096, 513]
-
-
-@pytest.fixture
-def swap(tmp_path):
-    with SwapStore(tmp_path, run_id="t") as store:
-        yield store
 
 
 def _masters(numels, seed=0):

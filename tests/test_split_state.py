@@ -91,7 +91,7 @@ def test_every_split_trains_bitwise_as_all_ram_and_all_nvme(tmp_path, dtype, acc
     for name, in_ram, grads in placements:
         cfg = _cfg(tmp_path / name, in_ram, dtype=dtype, accum=accum, grads=grads)
         losses, engine = run_engine(model, data, cfg)
-        store = engine.optimizer.store
+        store = engine.optimizer.state_tier
         if name == "split":
             assert isinstance(store, SplitStateTier) and store.in_ram == 2
             assert store.stats.bytes_read > 0  # the NVMe part was really swept
@@ -120,7 +120,7 @@ def test_all_of_the_state_fitting_is_the_host_tier(tmp_path):
     torch.manual_seed(0)
     engine = infinity.initialize(Zoo(), _cfg(tmp_path, 10**9))
     try:
-        assert isinstance(engine.optimizer.store, HostStateTier)
+        assert isinstance(engine.optimizer.state_tier, HostStateTier)
         assert engine.memory_stats().get("nvme_grad_bytes_written", 0) == 0
     finally:
         engine.close()

@@ -1,4 +1,4 @@
-"""`infinity.swap.grad_plan`: the NVMe gradient store's buffer policy on its own.
+"""`infinity.swap.grad_plan`: the NVMe gradient tier's buffer policy on its own.
 
 A sink that simulates the buffers and the disk with integers checks, over every short
 sequence of adds, every buffer count and every answer the disk's timing can give, that

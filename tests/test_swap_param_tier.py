@@ -1,4 +1,4 @@
-"""NvmeParamTier: partitions round-trip exactly, reads wait for their writes, errors."""
+"""NvmeParamTier: homes round-trip exactly, reads wait for their writes, errors."""
 
 from __future__ import annotations
 
@@ -10,16 +10,9 @@ from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import available_backends
 from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
-from infinity.swap.store import SwapStore
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8]
 NUMELS = [0, 1, 3, 2047, 2048, 4097, 10_001]
-
-
-@pytest.fixture
-def swap(tmp_path):
-    with SwapStore(tmp_path, run_id="t") as store:
-        yield store
 
 
 def _tensor(numel, dtype, seed):

@@ -11,16 +11,10 @@ from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import available_backends
 from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
-from infinity.swap.store import SwapStore, align_up
+from infinity.swap.store import align_up
 
 ALIGN = 2048  # elements: the optimizer's SLOT_ALIGN
 NUMELS = [1, 3, 2047, 0, 2048, 2049, 5000, 7]
-
-
-@pytest.fixture
-def swap(tmp_path):
-    with SwapStore(tmp_path, run_id="t") as store:
-        yield store
 
 
 def _layout(numels, align=ALIGN):

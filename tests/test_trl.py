@@ -131,7 +131,7 @@ def test_sft_matches_the_plain_sft_trainer(tmp_path, kind):
     assert _rel(_logs(ours, "loss"), _logs(plain, "loss")) < 1e-5
     assert _rel(_logs(ours, "grad_norm"), _logs(plain, "grad_norm")) < 1e-5
     assert _logs(ours, "mean_token_accuracy")  # SFTTrainer's own metrics, from the fused head
-    # The head was trained through the engine (its weights live in the engine's partitions).
+    # The head was trained through the engine (its weights live in the engine's homes).
     trained = dict(engine.named_parameters_host())
     reference = dict(plain.model.named_parameters())
     assert trained.keys() == reference.keys()

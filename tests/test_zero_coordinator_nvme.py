@@ -33,12 +33,6 @@ DT = torch.float16
 HOST = "l0.p1"  # the one parameter whose home stays in host memory
 
 
-@pytest.fixture
-def swap(tmp_path):
-    with SwapStore(tmp_path, run_id="t") as store:
-        yield store
-
-
 class Model:
     """Records with NVMe homes: trainable ones in the flat space (written with write_flat
     as the optimizer does), the last layer frozen in its own extents; one HOST parameter

@@ -208,7 +208,7 @@ def test_a_non_resident_store_works_through_the_protocol(case, dtype, backend):
     ours = run_parity(case, backend, dtype=DTYPES[dtype], store_cls=CopyingStateStore)
     assert not ours.aliased
     stats = ours.memory_stats()
-    assert stats["partition_bytes"] == TOTAL * DTYPES[dtype].itemsize
+    assert stats["weights_bytes"] == TOTAL * DTYPES[dtype].itemsize
     assert stats["state_bytes"] == 12 * 4096  # the tier's own host buffers
     assert stats["store_reads"] > 0  # the tier's figures are passed on
 
@@ -216,14 +216,14 @@ def test_a_non_resident_store_works_through_the_protocol(case, dtype, backend):
 def test_sub_groups_cut_the_flat_space_and_may_split_a_slot():
     opt = make_opt(make_slots())
     assert opt.layout.offsets == (0, 2048, 4096, 6144, 12288, 14336, 16384)
-    assert opt.store.numels == [4096] * 4
+    assert opt.state_tier.numels == [4096] * 4
     assert opt.layout.pieces(1) == [(2, 0, 105), (3, 0, 2048)]
     assert opt.layout.pieces(2) == [(3, 2048, 5000)]
     assert list(opt.layout.sub_groups_of(3)) == [1, 2]
-    assert make_opt(make_slots(), sub_group_size="auto").store.numels == [TOTAL]
+    assert make_opt(make_slots(), sub_group_size="auto").state_tier.numels == [TOTAL]
     # rounded up to a multiple of 2048 elements
-    assert make_opt(make_slots(), sub_group_size=1).store.numels == [2048] * 8
-    assert make_opt(make_slots(), sub_group_size=5000).store.numels == [6144, 6144, 4096]
+    assert make_opt(make_slots(), sub_group_size=1).state_tier.numels == [2048] * 8
+    assert make_opt(make_slots(), sub_group_size=5000).state_tier.numels == [6144, 6144, 4096]
 
 
 def test_fp32_partitions_alias_the_host_masters(backend):
@@ -242,7 +242,7 @@ def test_fp32_partitions_alias_the_host_masters(backend):
     assert stats == {
         "numel": NUMEL,
         "grad_bytes": 4 * TOTAL,
-        "partition_bytes": 0,
+        "weights_bytes": 0,
         "state_bytes": 12 * TOTAL,
         "host_bytes": 16 * TOTAL,
         "optim_state_bits": 32,
@@ -256,7 +256,7 @@ def test_half_memory_stats():
     assert opt.memory_stats()["grad_bytes"] == 0  # allocated at first use, see the class doc
     opt.grad(0)
     stats = opt.memory_stats()
-    assert stats["partition_bytes"] == 2 * TOTAL
+    assert stats["weights_bytes"] == 2 * TOTAL
     assert stats["host_bytes"] == (4 + 2 + 12) * TOTAL
 
 
@@ -482,7 +482,7 @@ def test_benchmark_runs_at_tiny_size(tmp_path):
     ours = rec["results"]["infinity-bf16"]
     assert ours["ratio_to_torch-fused"] > 0
     padding = 2048 * rec["slots"]  # each slot starts on a 2048-element boundary
-    assert 2 * 300_000 <= ours["memory"]["partition_bytes"] < 2 * (300_000 + padding)
+    assert 2 * 300_000 <= ours["memory"]["weights_bytes"] < 2 * (300_000 + padding)
     assert set(ours["breakdown_median_s"]) == {"norm_s", "adam_s", "zero_grad_s"}
 
 

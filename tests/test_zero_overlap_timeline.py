@@ -35,7 +35,7 @@ class RecordingAccelerator(CpuAccelerator):
     def _log(self, name: str, what: str) -> None:
         read = 0
         if self.engine is not None:
-            read = self.engine.optimizer.store.memory_stats()["nvme_optim_bytes_read"]
+            read = self.engine.optimizer.state_tier.memory_stats()["nvme_optim_bytes_read"]
         with self._cond:
             self.events.append((name, what, time.perf_counter(), threading.get_ident(), read))
             self._stepped += name == AHEAD and what == "exit"

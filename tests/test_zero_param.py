@@ -48,7 +48,7 @@ def test_gathered_is_a_copy_when_the_device_does_not_alias():
     assert rec.param.data_ptr() != rec.home.flat.data_ptr()
     torch.testing.assert_close(rec.param.detach().reshape(-1), rec.home.flat)
     with torch.no_grad():
-        rec.param.add_(1.0)  # the device copy changes, the partition does not
+        rec.param.add_(1.0)  # the device copy changes, the home does not
     assert not torch.equal(rec.param.detach().reshape(-1), rec.home.flat)
     rec.home.flat.fill_(7.0)
     rec.refresh(accel)

@@ -16,17 +16,10 @@ from infinity.io.aio import AioHandle
 from infinity.io.aio_checks import available_backends
 from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
-from infinity.swap.store import SwapStore
 from infinity.zero import HomeTier, NvmeHome, OffloadParam, ParamState
 
 SHAPE = (3, 700)  # 2100 elements: not a whole number of pages
 NUMEL = 2100
-
-
-@pytest.fixture
-def swap(tmp_path):
-    with SwapStore(tmp_path, run_id="t") as store:
-        yield store
 
 
 def _store(swap, aio, buffers=2):

@@ -17,7 +17,7 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 @dataclass(kw_only=True, slots=True)
 class OffloadParamConfig:
-    """Where the half-precision parameter partitions live between uses."""
+    """Where the half-precision parameter homes live between uses."""
 
     device: OffloadDevice = "cpu"
     """"cpu" (pinned host RAM when CUDA is present), "nvme", or "none" (stay on the device)."""

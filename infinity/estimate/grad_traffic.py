@@ -1,8 +1,8 @@
-"""The NVMe gradient store's bytes for one optimizer step, replayed without tensors.
+"""The NVMe gradient tier's bytes for one optimizer step, replayed without tensors.
 
 `NvmeGradTier` (infinity/swap/grad_tier.py) decides what to write, read back and add on
 disk from the order backward adds the gradients in (see [Note: spilled gradients] there).
-`grad_traffic` runs that policy (`infinity.swap.grad_plan`, the plan the store applies)
+`grad_traffic` runs that policy (`infinity.swap.grad_plan`, the plan the tier applies)
 on the sizes alone, counting bytes: backward reaches the gathering units
 in reverse forward order (a unit's parameters last to first), each parameter's gradient is
 added one sub-group piece at a time, `accum` micro-steps, then the step takes and releases
@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from infinity.estimate.shapes import ModelShape
-from infinity.swap.grad_plan import F32, GradPlan, disk_rows
+from infinity.swap.grad_plan import GradPlan, disk_rows
 from infinity.swap.store import align_up, reserved_nbytes
+from infinity.utils.sizes import FP32_BYTES
 from infinity.zero.sub_groups import FlatLayout
 
 
@@ -47,11 +48,11 @@ def backward_slots(shape: ModelShape) -> list[int]:
 
 
 class _GradSink:
-    """A sink for the store's plan that counts bytes instead of moving them; a write is in
+    """A sink for the tier's plan that counts bytes instead of moving them; a write is in
     flight during the add that started it (see the module's note)."""
 
     def __init__(self, numels: Sequence[int]) -> None:
-        self.padded = [reserved_nbytes(n * F32) for n in numels]
+        self.padded = [reserved_nbytes(n * FP32_BYTES) for n in numels]
         self.writing: set[int] = set()
         """Buffers a write started from in this add."""
         self.backward = True
@@ -91,7 +92,7 @@ class _GradSink:
         """An add of [start, stop) to `g` on disk: the norm rows it touches, read, added to
         and written back while the add waits."""
         lo, hi = disk_rows(start, stop - start, numel)
-        nbytes = align_up((hi - lo) * F32)
+        nbytes = align_up((hi - lo) * FP32_BYTES)
         self.nbytes_read += nbytes
         self.nbytes_written += nbytes
         self.waited_read += nbytes
@@ -99,7 +100,7 @@ class _GradSink:
 
 
 class GradTraffic(NamedTuple):
-    """Bytes the NVMe gradient store moves in one optimizer step."""
+    """Bytes the NVMe gradient tier moves in one optimizer step."""
 
     read: int
     written: int
@@ -112,9 +113,9 @@ class GradTraffic(NamedTuple):
 
 
 def grad_traffic(shape: ModelShape, layout: FlatLayout, accum: int, first: int = 0) -> GradTraffic:
-    """The NVMe gradient store's bytes in one optimizer step of `accum` micro-steps: its
+    """The NVMe gradient tier's bytes in one optimizer step of `accum` micro-steps: its
     plan (`GradPlan`) driven by backward's adds, then the step's takes and releases. The
-    store holds the sub-groups from `first` on (those before stay in RAM: `SplitGradTier`),
+    tier holds the sub-groups from `first` on (those before stay in RAM: `SplitGradTier`),
     numbered from 0 in it."""
     numels = layout.sub_group_numels[first:]
     plan = GradPlan(numels)

@@ -229,7 +229,7 @@ def probe_norm_bytes_per_s(numel: int = 1 << 24) -> float:
 
 def probe_copy_bytes_per_s(numel: int = 1 << 24) -> float:
     """Bytes per second of a host copy the size of a large parameter (bytes copied) between
-    buffers already in memory (a gradient's add into its partition)."""
+    buffers already in memory (a gradient's add into its fp32 sum)."""
     src = torch.randn(numel)
     dst = torch.empty_like(src)
     return src.nbytes / _median_s(lambda: dst.copy_(src), repeats=5)

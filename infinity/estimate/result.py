@@ -368,8 +368,8 @@ def micro_step_copies_s(sz: Sizes, rates: Rates, *, recycled: bool = True) -> fl
     in infinity/accelerator/recycled.py; a gather from host memory aliases its home: no
     copy), and autograd writes each gradient into newly allocated memory (at the fresh-copy
     rate); the gradient is then added straight into its fp32 sum (in pieces: see
-    `infinity.swap.grad_tier.add_into`), reading the gradient and the partition and
-    writing the partition (itemsize + 8 bytes per element, against a copy's 2 bytes of
+    `infinity.swap.grad_tier.add_into`), reading the gradient and the sum and
+    writing the sum (itemsize + 8 bytes per element, against a copy's 2 bytes of
     memory traffic per byte copied)."""
     if rates.gpu is not None:
         moved = sz.gather_bytes_per_micro_step + sz.grad_offload_bytes_per_micro_step

@@ -5,7 +5,7 @@ layout over one rank's shards (`optimizer_layout`, `shard_of`), each tier's `Foo
 (`grad_footprint`, `nvme_state_footprint`, `host_state_footprint`, `weights_footprint`,
 `param_pool_nbytes`), which frozen homes stay in RAM (`frozen_nvme_mask`) and the
 persistence rule (`persistent_flags`); parameter reads run the coordinator's planner
-(`infinity.estimate.param_traffic`), gradient transfers the NVMe gradient store's
+(`infinity.estimate.param_traffic`), gradient transfers the NVMe gradient tier's
 (`infinity.estimate.grad_traffic`). The byte counts match `engine.memory_stats()` exactly;
 nothing here allocates or measures.
 """
@@ -43,7 +43,7 @@ class Sizes:
 
     grad_host_bytes: int
     """fp32 gradient sums in host memory: one flat buffer, or with the optimizer on
-    NVMe the grad store's `GRAD_BUFFERS` sub-group buffers."""
+    NVMe the gradient tier's `GRAD_BUFFERS` sub-group buffers."""
     weights_host_bytes: int
     """The trainable weights' host copy (0 when they alias the fp32 masters; the staging
     ring with parameters on NVMe)."""
@@ -277,7 +277,7 @@ def _refreshed(shape: ModelShape, zero: ZeroConfig) -> int:
 
 def _pinned(zero: ZeroConfig, pins: bool, pool: int, buffers: int, homes: int) -> int:
     """Pinned host bytes: the parameter homes in host memory (`homes`: the 16-bit weight
-    buffer and frozen partitions; fp32 masters that are also the weights stay pageable) or
+    buffer and frozen homes; fp32 masters that are also the weights stay pageable) or
     the NVMe parameter pool, and the NVMe state pipeline's `buffers` when asked."""
     if not pins:
         return 0
@@ -360,7 +360,7 @@ def home_on_nvme(shape: ModelShape, zero: ZeroConfig) -> list[bool]:
 def frozen_footprint(
     shape: ModelShape, on_nvme: Sequence[bool], itemsize: int, homes: Sequence[int]
 ) -> Footprint:
-    """Frozen parameters' homes (`homes` elements each): a host partition each, or an
+    """Frozen parameters' homes (`homes` elements each): a host buffer each, or an
     extent each on NVMe."""
     pairs = zip(shape.params, on_nvme, homes, strict=True)
     frozen = [(n * itemsize, on) for p, on, n in pairs if not p.trainable]

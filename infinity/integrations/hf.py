@@ -19,7 +19,7 @@ filled from the Trainer). Either way the engine steps the schedule, so a step sk
 fp16 overflow leaves the lr where it was (the Trainer still counts it in `global_step`, as
 it does with DeepSpeed). The logged `grad_norm` is the engine's pre-clip global norm.
 `save_model` streams a Hugging Face
-directory from the partitions (a peft model: its adapter, as peft saves it); checkpoints add
+directory from the homes (a peft model: its adapter, as peft saves it); checkpoints add
 the engine's state (`infinity/` in the checkpoint folder), which `resume_from_checkpoint`
 restores exactly, overwriting a later checkpoint it reaches again as the Trainer does.
 """
@@ -256,7 +256,7 @@ class InfinityTrainer(transformers.Trainer):
 
     def end(self) -> None:
         """The Trainer's end, then the engine's: its swap files under NVMe are removed (the
-        weights stay in the partitions and can still be saved)."""
+        weights stay in their homes and can still be saved)."""
         super().end()
         if self.engine is not None:
             self.engine.close()
@@ -264,7 +264,7 @@ class InfinityTrainer(transformers.Trainer):
     # ---- saving and resuming -----------------------------------------------------------
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """A Hugging Face directory streamed from the partitions (one tensor in memory at a
+        """A Hugging Face directory streamed from the homes (one tensor in memory at a
         time), with the tokenizer and the training arguments, as the Trainer saves them."""
         if self.engine is None:
             return super()._save(output_dir, state_dict)
@@ -327,7 +327,7 @@ def _is_peft(model: torch.nn.Module) -> bool:
 def save_peft_adapter(engine: Engine, model: torch.nn.Module, output_dir: Path) -> None:
     """Write `model`'s (a `peft.PeftModel`) adapter as peft saves it (adapter_config.json
     and adapter_model.safetensors, which `PeftModel.from_pretrained` and
-    `AutoPeftModelForCausalLM` load), its weights the trainable ones in `engine`'s partitions:
+    `AutoPeftModelForCausalLM` load), its weights the trainable ones in `engine`'s homes:
     the frozen base is not written."""
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     # Only the adapter's parameters are read from their homes (the base can be far larger).
@@ -336,7 +336,7 @@ def save_peft_adapter(engine: Engine, model: torch.nn.Module, output_dir: Path) 
 
 
 def save_hf_weights(engine: Engine, model: torch.nn.Module, output_dir: Path) -> None:
-    """Write `model`'s config.json and weights from `engine`'s partitions into the existing
+    """Write `model`'s config.json and weights from `engine`'s homes into the existing
     `output_dir`: exported next to it, then moved in file by file, and weight files of an
     earlier save that the new one does not have are removed last."""
     config = model.config.to_dict()

@@ -371,7 +371,7 @@ def zeroed(
     pin what a device copies from.
 
     `written_first`: every page is written before it is read (the weights and masters a
-    start copies in, a checkpoint's partitions), so the mapping is private: its first touch
+    start copies in, a checkpoint's homes), so the mapping is private: its first touch
     went 1.3-2.8 GB/s against 1.0-1.8 for mmap's default shared one (shmem) on the
     development machine (benchmarks/first_touch.py). Memory read before it is written (the
     moments, the gradient sums: Adam and the accumulation read the zeros first) stays

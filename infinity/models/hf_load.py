@@ -159,7 +159,7 @@ def stream_hf_weights(
     """Check names/shapes against `expected`, then `sink(name, tensor)` for each. Returns count.
 
     `part(name, shape) -> (start, numel) | None` makes the sink receive only that 1-D slice of
-    each flattened tensor (a rank's ZeRO partition), reading only its bytes from disk.
+    each flattened tensor (a rank's shard), reading only its bytes from disk.
     """
     model_dir = Path(model_dir)
     files = weight_map(model_dir)

@@ -32,14 +32,13 @@ import torch
 
 from infinity.accelerator import Accelerator
 from infinity.swap.grad_tier import add_into, sum_of_squares
-
-F32 = 4
+from infinity.utils.sizes import FP32_BYTES
 
 
 def device_grad_bytes(numels: Sequence[int]) -> tuple[int, int]:
     """`DeviceGradTier`'s bytes over sub-groups of `numels`: (device, host: two of the
     largest sub-group, see [Note: the norm's copies run ahead])."""
-    return F32 * sum(numels), 2 * F32 * max(numels, default=0)
+    return FP32_BYTES * sum(numels), 2 * FP32_BYTES * max(numels, default=0)
 
 
 class DeviceGradTier:
@@ -89,7 +88,7 @@ class DeviceGradTier:
     def _half(self, index: int) -> torch.Tensor:
         """The half of the host buffer that sub-group `index`'s copy goes to."""
         if self._host is None:
-            numel = self.host_bytes // F32
+            numel = self.host_bytes // FP32_BYTES
             if self.accel.pin_supported():
                 self._host = self.accel.empty_pinned((numel,), torch.float32)
             else:

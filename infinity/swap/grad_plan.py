@@ -1,4 +1,4 @@
-"""The NVMe gradient store's buffer policy: which sub-group sits in which host buffer, which
+"""The NVMe gradient tier's buffer policy: which sub-group sits in which host buffer, which
 is written out, read back, read ahead or added to on disk.
 
 Owns the decisions only, over plain integers (a sub-group and a buffer are indices): where
@@ -19,6 +19,7 @@ from typing import Protocol
 
 from infinity.swap.footprint import Footprint
 from infinity.swap.store import align_up, reserved_nbytes
+from infinity.utils.sizes import FP32_BYTES
 
 GRAD_BUFFERS = 3
 """Host buffers of `NvmeGradTier` by default: two sub-groups being filled by backward (the
@@ -27,7 +28,6 @@ PARTIAL_FRACTION = 16
 """A gradient of at most 1/this of its sub-group, added while the sub-group is on disk, is
 added there (its rows read, added to and written back) instead of loading the sub-group: a
 layer's norm weights, reached in backward after the layer's other sub-groups were written."""
-F32 = 4
 NORM_ROW_NUMEL = 4096
 """Elements per row of the norms a write records (see [Note: accurate norms] in
 grad_tier.py): an add on disk reads and writes back whole rows."""
@@ -42,7 +42,7 @@ def disk_rows(start: int, numel: int, total: int) -> tuple[int, int]:
 
 def grad_buffers(numels: Sequence[int], buffer_count: int = GRAD_BUFFERS) -> tuple[int, int]:
     """`NvmeGradTier`'s host buffers for sub-groups of `numels`: (count, bytes of each)."""
-    return min(buffer_count, max(len(numels), 1) + 1), align_up(max(numels, default=1) * F32)
+    return min(buffer_count, max(len(numels), 1) + 1), align_up(max(numels, default=1) * FP32_BYTES)
 
 
 def grad_footprint(
@@ -51,9 +51,9 @@ def grad_footprint(
     """The gradient tier over sub-groups of `numels`: `HostGradTier`'s flat fp32 buffer,
     or `NvmeGradTier`'s `grad_buffers` and its extents (one fp32 sub-group each)."""
     if not nvme:
-        return Footprint(F32 * sum(numels))
+        return Footprint(FP32_BYTES * sum(numels))
     count, nbytes = grad_buffers(numels, buffer_count)
-    return Footprint(count * nbytes, sum(reserved_nbytes(n * F32) for n in numels))
+    return Footprint(count * nbytes, sum(reserved_nbytes(n * FP32_BYTES) for n in numels))
 
 
 class GradResidency(enum.Enum):
@@ -98,7 +98,7 @@ class GradPlan:
     def __init__(self, numels: Sequence[int], buffer_count: int = GRAD_BUFFERS) -> None:
         if buffer_count < 2:
             raise ValueError(
-                f"the NVMe gradient store needs at least 2 host buffers (one filled while "
+                f"the NVMe gradient tier needs at least 2 host buffers (one filled while "
                 f"another is written), got {buffer_count}"
             )
         self.numels = list(numels)

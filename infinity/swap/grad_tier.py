@@ -1,6 +1,6 @@
 """Where the fp32 gradient sums live between backward and the optimizer step.
 
-A grad store holds, for each optimizer sub-group, the fp32 sum of the gradients since the
+A gradient tier holds, for each optimizer sub-group, the fp32 sum of the gradients since the
 last step. `HostGradTier` keeps all of them in one flat host buffer (4 bytes per trainable
 element). `NvmeGradTier` keeps a few sub-groups in host buffers and the rest on disk, so its
 RAM is `GRAD_BUFFERS` x the sub-group size whatever the model size. It owns the buffers, the
@@ -13,7 +13,7 @@ it drops out of them (read back and added to at the next micro-step of an accumu
 window, the read of the sub-group below starting while backward fills the current one).
 Every write records the norms of what it wrote by rows of 4096 elements, so at the step the
 global norm is the in-order sum of one value per sub-group made from them, without reading
-the gradients: the host store computes the same rows the same way, and the two give bitwise
+the gradients: the host tier computes the same rows the same way, and the two give bitwise
 the same norm. A small gradient (at most 1/`PARTIAL_FRACTION` of its sub-group, e.g. a
 layer's norm weights, reached in backward after the rest of its layer) added to a sub-group
 on disk is added there: only the rows it touches are read, added to, re-measured and written
@@ -33,7 +33,6 @@ import torch
 
 from infinity.io.aio import aligned_empty, zeroed
 from infinity.io.extent import ExtentError, ExtentIO, Transfer
-from infinity.swap.grad_plan import F32 as _F32
 from infinity.swap.grad_plan import (
     GRAD_BUFFERS,
     GradPlan,
@@ -44,6 +43,7 @@ from infinity.swap.grad_plan import (
 )
 from infinity.swap.grad_plan import NORM_ROW_NUMEL as _NORM_ROW_NUMEL
 from infinity.swap.store import SwapStore, align_up
+from infinity.utils.sizes import FP32_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class HostGradTier:
     def flat(self) -> torch.Tensor:
         """All sub-groups back to back: [sum(numels)] fp32."""
         if self._flat is None:
-            self._flat = zeroed(self.footprint.host // _F32)
+            self._flat = zeroed(self.footprint.host // FP32_BYTES)
         return self._flat
 
     def _view(self, index: int) -> torch.Tensor:
@@ -155,7 +155,7 @@ class HostGradTier:
 
 
 class NvmeGradError(ExtentError):
-    """A gradient transfer to or from NVMe failed; the store refuses further use."""
+    """A gradient transfer to or from NVMe failed; the tier refuses further use."""
 
 
 ADVICE = (
@@ -177,7 +177,7 @@ class _Buffer:
 class NvmeGradTier:
     """Gradient sums on NVMe with `buffer_count` host buffers (see [Note: spilled gradients]):
     which sub-group is where is the plan's (`infinity.swap.grad_plan.GradPlan`), the
-    transfers and the sums are the store's.
+    transfers and the sums are the tier's.
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (a handle is made and
     owned). `checksums` checks every read against what was written (see [Note: extent
@@ -202,7 +202,7 @@ class NvmeGradTier:
             aio, tier="grad", error=NvmeGradError, advice=ADVICE, checksums=checksums
         )
         self.aio = self.io.aio
-        sizes = {f"subgroup.{g}": n * _F32 for g, n in enumerate(self.numels)}
+        sizes = {f"subgroup.{g}": n * FP32_BYTES for g, n in enumerate(self.numels)}
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
         count, nbytes = grad_buffers(self.numels, buffer_count)
         self._buffers = [_Buffer(aligned_empty(nbytes, torch.uint8)) for _ in range(count)]
@@ -285,7 +285,7 @@ class NvmeGradTier:
     # -- buffers ---------------------------------------------------------------------------
 
     def _grads(self, buf: _Buffer, index: int) -> torch.Tensor:
-        return buf.data[: self.numels[index] * _F32].view(torch.float32)
+        return buf.data[: self.numels[index] * FP32_BYTES].view(torch.float32)
 
     def _idle(self, b: int) -> bool:
         """Whether buffer `b`'s last transfer has finished (never blocks)."""
@@ -297,14 +297,14 @@ class NvmeGradTier:
         only, and those rows' norms updated (see [Note: spilled gradients])."""
         lo, hi = disk_rows(start, src.numel(), self.numels[index])
         ext = self._extents[index]
-        data = aligned_empty(align_up((hi - lo) * _F32), torch.uint8)
-        grads = data[: (hi - lo) * _F32].view(torch.float32)
+        data = aligned_empty(align_up((hi - lo) * FP32_BYTES), torch.uint8)
+        grads = data[: (hi - lo) * FP32_BYTES].view(torch.float32)
         self._settle_write_of(index)
         what = f"gradients of sub-group {index}"
-        self.io.read(data, ext.path, ext.offset + lo * _F32, what=what).wait()
+        self.io.read(data, ext.path, ext.offset + lo * FP32_BYTES, what=what).wait()
         add_into(grads[start - lo : start - lo + src.numel()], src)
         self._update_norms(index, lo, grads)
-        self.io.write(data, ext.path, ext.offset + lo * _F32, what=what).wait()
+        self.io.write(data, ext.path, ext.offset + lo * FP32_BYTES, what=what).wait()
 
     def _update_norms(self, index: int, lo: int, grads: torch.Tensor) -> None:
         norms, row = self._norms[index], _NORM_ROW_NUMEL
@@ -342,7 +342,7 @@ class NvmeGradTier:
         """Wait for the buffer's transfer in flight, if any."""
         fut, buf.future, buf.written = buf.future, None, None
         if fut is not None:
-            fut.wait()  # a failure marks the store failed (ExtentIO) and raises NvmeGradError
+            fut.wait()  # a failure marks the tier failed (ExtentIO) and raises NvmeGradError
 
     def _submit(self, op: str, buf: _Buffer, index: int) -> Transfer:
         ext = self._extents[index]
@@ -352,35 +352,35 @@ class NvmeGradTier:
 
     def _check_usable(self, op: str) -> None:
         if self._closed:
-            raise NvmeGradError(f"{op}: the NVMe gradient store at {self.store.dir} is closed")
+            raise NvmeGradError(f"{op}: the NVMe gradient tier at {self.store.dir} is closed")
         self.io.check_usable(op)
 
 
 class _Apply:
-    """Carries out the plan's decisions with the store's buffers and transfers (a
+    """Carries out the plan's decisions with the tier's buffers and transfers (a
     `GradSink`)."""
 
-    __slots__ = ("store",)
+    __slots__ = ("tier",)
 
-    def __init__(self, store: NvmeGradTier) -> None:
-        self.store = store
+    def __init__(self, tier: NvmeGradTier) -> None:
+        self.tier = tier
 
     def zero(self, g: int, b: int) -> None:
-        buf = self.store._buffers[b]
-        self.store._settle_buffer(buf)
-        self.store._grads(buf, g).zero_()
+        buf = self.tier._buffers[b]
+        self.tier._settle_buffer(buf)
+        self.tier._grads(buf, g).zero_()
 
     def load(self, g: int, b: int) -> None:
-        self.store._start_read(g, self.store._buffers[b], wait=True)
+        self.tier._start_read(g, self.tier._buffers[b], wait=True)
 
     def landed(self, g: int, b: int) -> None:
-        self.store._settle_buffer(self.store._buffers[b])
+        self.tier._settle_buffer(self.tier._buffers[b])
 
     def write(self, g: int, b: int) -> None:
-        self.store._start_write(g, self.store._buffers[b])
+        self.tier._start_write(g, self.tier._buffers[b])
 
     def read(self, g: int, b: int) -> None:
-        self.store._start_read(g, self.store._buffers[b])
+        self.tier._start_read(g, self.tier._buffers[b])
 
     def free(self, g: int, b: int) -> None:
-        self.store._settle_buffer(self.store._buffers[b])
+        self.tier._settle_buffer(self.tier._buffers[b])

@@ -17,7 +17,7 @@ When the sweep ends, every write has completed, and the first sub-groups of the 
 start reading into the free buffers (`prefetch_next_sweep`; dropped by any other call, which
 may change the state). A sub-group's disk extent is only read after its last write
 completed. A failed I/O, or a read that finds other bytes than were written (see [Note:
-extent checksums] in infinity/io/checksum.py), marks the store failed: every later call
+extent checksums] in infinity/io/checksum.py), marks the tier failed: every later call
 raises, so a torn or changed state is never presented as valid.
 
 [Note: moments never written] A sub-group's first state is its master and two moments of
@@ -90,7 +90,7 @@ class Residency(enum.Enum):
 
 
 class NvmeStateError(ExtentError):
-    """An NVMe transfer of optimizer state failed; the store refuses further use."""
+    """An NVMe transfer of optimizer state failed; the tier refuses further use."""
 
 
 ADVICE = (
@@ -121,7 +121,7 @@ class NvmeStateTier:
     `prefetch_next_sweep` (and `pipeline_read`), the end of a sweep starts reading the first
     sub-groups of the next one into the free buffers, so the read at the start of a step
     overlaps the forward and backward passes; any other call drops those reads first. `kind`
-    names the store's extents in the swap store (two state stores in one swap store need
+    names the tier's extents in the swap store (two state tiers in one swap store need
     different kinds). `checksums` checks every read against what was written (see [Note:
     extent checksums] in infinity/io/checksum.py). `stats` counts the read and written
     bytes and the waits (read waits: read-ahead that was not early enough; write waits: for
@@ -288,7 +288,7 @@ class NvmeStateTier:
         buf = aligned_empty(align_up(hi) - first, torch.uint8)
         ext = self._extents[index]
         what = f"optimizer sub-group {index}"
-        # A failed read changes nothing on disk: it does not mark the store failed.
+        # A failed read changes nothing on disk: it does not mark the tier failed.
         self.io.read(buf, ext.path, ext.offset + first, what=what, poison=False).wait()
         return buf[lo - first : hi - first].view(dtype)
 
@@ -376,7 +376,7 @@ class NvmeStateTier:
         self._writes.append(self._submit(_Transfer(index, buf, None, "write")))
 
     def _submit(self, t: _Transfer) -> _Transfer:
-        """Start `t` (a failure marks the store failed and raises; see ExtentIO): the whole
+        """Start `t` (a failure marks the tier failed and raises; see ExtentIO): the whole
         extent, or only the master's pages while the moments were never written."""
         ext = self._extents[t.index]
         start = self.io.write if t.op == "write" else self.io.read
@@ -395,7 +395,7 @@ class NvmeStateTier:
         return t
 
     def _wait(self, t: _Transfer) -> None:
-        """Wait for one transfer; on failure (the store is then failed) raise."""
+        """Wait for one transfer; on failure (the tier is then failed) raise."""
         try:
             t.future.wait()
         except ExtentError:
@@ -434,12 +434,12 @@ class NvmeStateTier:
 
     def _unwind(self, current: tuple[int, PoolBuffer] | None, reads: deque[_Transfer]) -> None:
         """A sweep stops early: keep the caller's changes to the sub-group it holds (unless
-        the store failed: then only free its buffer) and drop the reads ahead."""
+        the tier failed: then only free its buffer) and drop the reads ahead."""
         try:
             if current is not None:
                 if self.io.failed is None:
                     self._swap_out(*current)
-                else:  # dropped unchanged on disk: the store refuses all use from now on
+                else:  # dropped unchanged on disk: the tier refuses all use from now on
                     self.residency[current[0]] = Residency.ON_NVME
                     self.pool.release(current[1])
         finally:
@@ -479,7 +479,7 @@ class NvmeStateTier:
 
     def _check_usable(self, op: str) -> None:
         if self._closed:
-            raise NvmeStateError(f"{op}: the NVMe state store at {self.store.dir} is closed")
+            raise NvmeStateError(f"{op}: the NVMe state tier at {self.store.dir} is closed")
         self.io.check_usable(op)
         if self._sweeping:
             raise RuntimeError(f"{op} during a sweep: finish or close the sweep iterator first")

@@ -1,6 +1,6 @@
-"""The NVMe tier of parameter partitions: `NvmeParamTier`.
+"""The NVMe tier of parameter homes: `NvmeParamTier`.
 
-Owns where each half-precision partition lives on disk (one extent per parameter in the swap
+Owns where each half-precision home lives on disk (one extent per parameter in the swap
 store, kind "param", keyed by the parameter's stable name; or a sub-range of the optimizer's
 flat extent, see [Note: the flat extent]) and the transfers to and from it: `swap_out(key,
 src)`, `swap_in(key, dst)` and `write_flat(start, src)` return futures. Transfers keep their
@@ -46,7 +46,7 @@ FLAT_KEY = "flat"
 
 @dataclass(frozen=True, slots=True)
 class ParamLayout:
-    """One parameter partition on disk."""
+    """One parameter home on disk."""
 
     key: str
     numel: int
@@ -103,7 +103,7 @@ class SwapFuture:
 
 
 class NvmeParamError(ExtentError):
-    """An NVMe transfer of a parameter partition failed."""
+    """An NVMe transfer of a parameter home failed."""
 
 
 class _Coverage:
@@ -139,7 +139,7 @@ def _overlap(a: Extent, b: Extent) -> bool:
 
 
 class NvmeParamTier:
-    """Parameter partitions on NVMe, keyed by stable parameter names.
+    """Parameter homes on NVMe, keyed by stable parameter names.
 
     `aio` is an `AioHandle` (shared, not closed here) or an `AioConfig` (made and owned).
     `checksums` checks every read against what was written. `pool` supplies destination
@@ -156,7 +156,7 @@ class NvmeParamTier:
         checksums: bool = True,
     ) -> None:
         self.store = store
-        # A failed transfer does not fail the store: see [Note: transfer order].
+        # A failed transfer does not fail the tier: see [Note: transfer order].
         self.io = ExtentIO(aio, tier="param", error=NvmeParamError, checksums=checksums)
         self.aio = self.io.aio
         self.pool = pool
@@ -173,7 +173,7 @@ class NvmeParamTier:
         self._closed = False
 
     def reserve(self, params: Mapping[str, tuple[int, torch.dtype]]) -> None:
-        """Lay out partitions (name -> (numel, dtype)); checks free space for all of them."""
+        """Lay out homes (name -> (numel, dtype)); checks free space for all of them."""
         self._check_new(params)
         sizes = {k: numel * dtype.itemsize for k, (numel, dtype) in params.items()}
         extents = self.store.reserve(KIND, sizes)
@@ -187,7 +187,7 @@ class NvmeParamTier:
         name -> (offset in elements, numel) as a parameter inside it (offsets 4 KiB-aligned
         in bytes, ranges disjoint and inside `total`). See [Note: the flat extent]."""
         if self.flat is not None:
-            raise ValueError("reserve_flat: the flat extent is already reserved (once per store)")
+            raise ValueError("reserve_flat: the flat extent is already reserved (once per tier)")
         self._check_new(entries)
         itemsize = dtype.itemsize
         spans = sorted((off, off + n, name) for name, (off, n) in entries.items())
@@ -234,7 +234,7 @@ class NvmeParamTier:
             ) from None
 
     def swap_out(self, key: str, src: torch.Tensor) -> SwapFuture:
-        """Start writing `src` (the partition's numel and dtype, any shape) to `key`'s home.
+        """Start writing `src` (the home's numel and dtype, any shape) to `key`'s home.
         `src` must not change until the future is waited."""
         layout = self.layout(key)
         self._check(layout, src, "swap_out source")
@@ -289,7 +289,7 @@ class NvmeParamTier:
     ) -> SwapFuture | None:
         """Start reading `key` into `dst`, or into a pool buffer (waiting while the pool is
         full; with `block=False` returning None at once instead, issuing nothing). `wait()`
-        returns the flat partition tensor."""
+        returns the home's flat tensor."""
         layout = self.layout(key)
         if not self._has_data(key):
             raise ValueError(f"swap_in of {key!r}: it was never swapped out, so NVMe holds no data")

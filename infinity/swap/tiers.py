@@ -1,5 +1,5 @@
 """Building the storage tiers from the config: the one place that turns `offload_optimizer`,
-`offload_param` and `aio` sections into a state store and a parameter store.
+`offload_param` and `aio` sections into a state tier and a parameter tier.
 
 Owns the choice between the host and NVMe tiers and the sizing of their buffers; it does not
 own the tiers themselves. Everything that can fail on a bad path or a small disk fails here,
@@ -189,9 +189,9 @@ def make_param_tier(
     element_size: int = 0,
     prefetch_numel: int = 0,
 ) -> NvmeParamTier:
-    """The NVMe parameter tier (`offload.device == "nvme"`): every partition in `params`
+    """The NVMe parameter tier (`offload.device == "nvme"`): every home in `params`
     (stable name -> (numel, dtype)) laid out under `offload.nvme_path` (more can be laid out
-    later with `reserve_flat`), with a staging pool sized from `offload` and the partitions
+    later with `reserve_flat`), with a staging pool sized from `offload` and the homes
     of the model (`numels`, of `element_size` bytes, with those in `params`)."""
     if offload.device != "nvme" or not offload.nvme_path:
         raise ValueError(

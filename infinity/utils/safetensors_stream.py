@@ -265,7 +265,7 @@ class SafetensorsReader:
     def get_flat_slice(self, name: str, start: int, numel: int) -> torch.Tensor:
         """Elements [start, start + numel) of the flattened tensor, reading only those bytes.
 
-        A rank loading its partition of a weight reads just its part, never the whole tensor.
+        A rank loading its shard of a weight reads just its part, never the whole tensor.
         """
         e = self._entry(name)
         total = int(torch.Size(e["shape"]).numel())

@@ -13,6 +13,10 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }  # fmt: skip
 
+FP32_BYTES = 4
+"""Bytes of one fp32 element: the gradient sums, the masters and moments. The one copy of this
+number, here at the bottom of the layers so every tier, planner and estimate can import it."""
+
 
 def parse_size(text: str) -> int:
     """Bytes of a SIZE (see above); argparse.ArgumentTypeError naming the text otherwise."""

@@ -1,11 +1,11 @@
 """ZeRO stage 3: partitioned parameters, their gather/release hooks, the coordinator, and the
-partitioned optimizer over sub-groups of parameter partitions.
+partitioned optimizer over sub-groups of the trainable slots.
 
 Owns one record per parameter (`OffloadParam`) with its home (`infinity.zero.home`),
 building partitioned models (`init`, `partition_model`), the hooks that gather a module's
 parameters around its forward and backward, the coordinator that prefetches along the
 traced order under the live budget, and the CPU-Adam step over fp32 masters and gradient
-partitions (`PartitionedOptimizer`). With several ranks each keeps its shard of every
+sums (`PartitionedOptimizer`). With several ranks each keeps its shard of every
 parameter (`shard`), gathers the others' on use (`gather`) and reduce-scatters gradients
 into its slots (`grad_reduce`).
 """

@@ -3,7 +3,7 @@
 Owns the shared mappings `init` creates partitions in when `offload_param.device` is "nvme"
 (see [Note: building on NVMe] in build.py): one unlinked file per partition in
 `offload_param.nvme_path`, and dropping their pages from the process between parameters. It
-does not decide where the weights live after the build (the engine's parameter store does).
+does not decide where the weights live after the build (the engine's parameter tier does).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Where one parameter's weights live between uses: its home (host memory or NVMe).
 
 Owns the `ParamHome` contract and its two tiers: `HostHome` (a flat host tensor: the
-parameter's own partition, or a range of the optimizer's flat weight buffer) and `NvmeHome`
-(an extent of the NVMe parameter store: the parameter's own, or a range of the optimizer's
+parameter's own host buffer, or a range of the optimizer's flat weight buffer) and `NvmeHome`
+(an extent of the NVMe parameter tier: the parameter's own, or a range of the optimizer's
 flat extent). It does not decide which tier a parameter gets (`infinity.zero.build` does,
 once, before the optimizer exists), nor when to gather (the coordinator), nor the device
 buffer (the record, `infinity.zero.param`).
@@ -14,7 +14,7 @@ gives the buffer and the event recorded after its copy on `stream` (`out=` copie
 existing buffer instead). Host homes copy at once (asynchronously where the memory is
 pinned), or, on an accelerator whose device memory is host memory, hand out the home itself
 (`aliases_home`, no bytes copied: see [Note: gathered means resident] in param.py); NVMe
-homes first read into a buffer of the store's pinned pool (`block=False` returns None
+homes first read into a buffer of the tier's pinned pool (`block=False` returns None
 instead of waiting for a free one) and copy when landed, giving the buffer back once the
 copy has read it. A fetch that is no longer wanted is `cancel()`ed: it lands and gives its
 buffer back; a failed read is only logged then.
@@ -49,7 +49,7 @@ class HomeTier(enum.Enum):
     HOST = "host"
     """Host memory (pinned when the accelerator supports it and the config asks)."""
     NVME = "nvme"
-    """The NVMe parameter store."""
+    """The NVMe parameter tier."""
 
 
 class Fetch(Protocol):
@@ -180,16 +180,17 @@ class _HostFetch:
 
 
 class NvmeHome:
-    """Weights in the NVMe parameter store under `key` (its own extent, or a range of the
+    """Weights in the NVMe parameter tier under `key` (its own extent, or a range of the
     optimizer's flat extent: see [Note: the flat extent] in param_tier.py)."""
 
     tier = HomeTier.NVME
     host_bytes = pinned_bytes = 0
-    __slots__ = ("store", "key", "numel", "dtype")
+    __slots__ = ("param_tier", "key", "numel", "dtype")
 
-    def __init__(self, store: NvmeParamTier, key: str) -> None:
-        layout = store.layout(key)  # KeyError naming the key when it was never reserved
-        self.store, self.key, self.numel, self.dtype = store, key, layout.numel, layout.dtype
+    def __init__(self, param_tier: NvmeParamTier, key: str) -> None:
+        layout = param_tier.layout(key)  # KeyError naming the key when it was never reserved
+        self.param_tier, self.key = param_tier, key
+        self.numel, self.dtype = layout.numel, layout.dtype
 
     def __repr__(self) -> str:
         return f"NvmeHome({self.key!r}, {self.numel} x {self.dtype})"
@@ -197,33 +198,33 @@ class NvmeHome:
     def read(self) -> torch.Tensor:
         nbytes = self.numel * self.dtype.itemsize
         raw, _ = aligned_host_bytes(max(nbytes, 1), pin=False)  # page-aligned: O_DIRECT
-        return self.store.swap_in(self.key, raw[:nbytes].view(self.dtype)).wait()
+        return self.param_tier.swap_in(self.key, raw[:nbytes].view(self.dtype)).wait()
 
     def write(self, src: torch.Tensor) -> None:
         flat = _check_write(self, src, repr(self.key)).to(device="cpu", dtype=self.dtype)
-        self.store.swap_out(self.key, flat.contiguous()).wait()
+        self.param_tier.swap_out(self.key, flat.contiguous()).wait()
 
     def fetch(self, accel, stream, *, block=True, out=None) -> _NvmeFetch | None:
-        read = self.store.swap_in(self.key, block=block)
+        read = self.param_tier.swap_in(self.key, block=block)
         if read is None:
             return None
-        return _NvmeFetch(self.store, self.key, read, stream, out)
+        return _NvmeFetch(self.param_tier, self.key, read, stream, out)
 
 
 class _NvmeFetch:
     reading = True
     aliases_home = False  # the pool buffer goes back to the pool: always copied
-    __slots__ = ("_store", "_key", "_read", "_stream", "_out")
+    __slots__ = ("_param_tier", "_key", "_read", "_stream", "_out")
 
     def __init__(
         self,
-        store: NvmeParamTier,
+        param_tier: NvmeParamTier,
         key: str,
         read: SwapFuture,
         stream: Stream,
         out: torch.Tensor | None,
     ) -> None:
-        self._store, self._key, self._read = store, key, read
+        self._param_tier, self._key, self._read = param_tier, key, read
         self._stream, self._out = stream, out
 
     def done(self) -> bool:
@@ -238,7 +239,7 @@ class _NvmeFetch:
             copied.record(self._stream)
             copied.synchronize()
         finally:
-            self._store.release(self._read)
+            self._param_tier.release(self._read)
         event = accel.new_event()
         event.record(self._stream)
         return dev, event
@@ -249,4 +250,4 @@ class _NvmeFetch:
         except NvmeParamError as e:  # its data is no longer wanted
             logger.warning("dropped NVMe read of %s failed: %s", self._key, e)
         finally:
-            self._store.release(self._read)
+            self._param_tier.release(self._read)

@@ -3,10 +3,10 @@
 Owns, for the trainable slots of one rank: the flat space they are laid out in and its
 sub-groups (see [Note: the flat space] in sub_groups.py), the Adam/AdamW step over the
 sub-groups, the global-norm clipping and the overflow check. The fp32 gradient sums that the
-engine's hooks accumulate into live behind a grad store (`infinity.swap.grad_tier`: one flat
+engine's hooks accumulate into live behind a gradient tier (`infinity.swap.grad_tier`: one flat
 host buffer, or a few host buffers and NVMe); the fp32 master weights and moments behind a
 `StateTier` (host or NVMe); the weights in the model dtype in a weight output
-(`infinity.zero.weights`: host memory, or NVMe through the parameter store) whose ranges are
+(`infinity.zero.weights`: host memory, or NVMe through the parameter tier) whose ranges are
 the trainable parameters' homes. It does not own the loss scale (the engine drives the
 scaler and passes `loss_scale`), the learning-rate schedule (`lr` is passed to `step`), nor
 gathering parameters to the device. With several
@@ -99,7 +99,7 @@ class PartitionedOptimizer:
     start from the slots' (build) partitions and the weights are written to `weights` (built
     with `make_weights` before the optimizer: its `home(i)` is slot i's home from then on; by
     default a host buffer, which `home(i)` returns). The engine adds gradients with
-    `accumulate_grad(i, grad)` (`grad(i)` is the host grad store's view of them) and must
+    `accumulate_grad(i, grad)` (`grad(i)` is the host gradient tier's view of them) and must
     drop its own copies of the partitions before the first gradient (the host gradient
     buffer is allocated then). `grad_tier` (an `NvmeGradTier` of the same sub-groups)
     keeps most of the gradients on NVMe. Weight decay applies to every slot except the
@@ -136,7 +136,7 @@ class PartitionedOptimizer:
         self.groups = step_groups(self.hyper, self._names, no_decay, groups)
         self.layout: FlatLayout = check_layout(weights, self._numels, self.sub_group_size)
         numels = self.layout.sub_group_numels
-        self.store = state_tier = check_state_tier(
+        self.state_tier = state_tier = check_state_tier(
             state_tier, numels, self.format, self.sub_group_size
         )
         self.grads = grad_tier = check_grad_tier(grad_tier, numels)
@@ -193,13 +193,13 @@ class PartitionedOptimizer:
         return self.weights.view(*self._span(i))
 
     def grad(self, i: int) -> torch.Tensor:
-        """Slot i's gradient sum: [numel] fp32 (host grad store only)."""
+        """Slot i's gradient sum: [numel] fp32 (host gradient tier only)."""
         start, stop = self._span(i)
         return self.flat_grad[start:stop]
 
     @property
     def flat_grad(self) -> torch.Tensor:
-        """Every slot's gradient in the flat space (padding stays zero; host grad store
+        """Every slot's gradient in the flat space (padding stays zero; host gradient tier
         only: the sub-groups of the flat space are back to back in its buffer)."""
         if not isinstance(self.grads, HostGradTier):
             raise RuntimeError(
@@ -244,9 +244,9 @@ class PartitionedOptimizer:
         if self.aliased:
             return
         for g in range(self.layout.num_sub_groups):
-            state = self.store.read(g)
+            state = self.state_tier.read(g)
             state.master.copy_(self.weights.view(*self.layout.range(g)))
-            self.store.write(g, state)
+            self.state_tier.write(g, state)
 
     @torch.no_grad()
     def set_masters(self, i: int, values: torch.Tensor) -> None:
@@ -270,7 +270,7 @@ class PartitionedOptimizer:
         kernel = functools.partial(self._update, hypers=self.groups.at(lr), step=step)
         update = functools.partial(self._update_ahead, kernel=kernel, grad_scale=1.0 / loss_scale)
         self._ahead = OverlapStep(
-            self.store.sweep(order), order, limit=limit,
+            self.state_tier.sweep(order), order, limit=limit,
             slots_in=[len(self.layout.pieces(g)) for g in range(self.layout.num_sub_groups)],
             groups_of=self.layout.sub_groups_of, update=update,
             key=(lr, loss_scale, self.step_count), range=self.range,
@@ -288,12 +288,12 @@ class PartitionedOptimizer:
             try:
                 ahead.stop()
             finally:
-                ahead.restore(self.store)
+                ahead.restore(self.state_tier)
 
     def step(
         self, *, lr: float | Sequence[float], loss_scale: float = 1.0, max_grad_norm: float = 0.0
     ) -> StepResult:
-        """Clip, one Adam pass per sub-group, new weights into the partitions, zero the grads.
+        """Clip, one Adam pass per sub-group, new weights into the homes, zero the grads.
 
         The gradients hold the loss-scaled sum of the micro-batches; `loss_scale` divides it
         out inside the same pass. On inf/NaN nothing is updated (see `StepResult`). What
@@ -309,7 +309,7 @@ class PartitionedOptimizer:
                 try:
                     ahead.stop()  # the norm's sums are final; the worker finishes its sub-group
                 except BaseException:
-                    ahead.restore(self.store)
+                    ahead.restore(self.state_tier)
                     raise
                 self.last_compute_s += ahead.compute_s
                 self.overlap_peak_bytes = max(self.overlap_peak_bytes, ahead.peak_bytes)
@@ -324,7 +324,7 @@ class PartitionedOptimizer:
                 confirm = confirm and ahead.key == (lr, loss_scale, self.step_count)
                 self._adam(lr, clip / loss_scale, ahead, confirm)  # zeroes each gradient
             elif ahead is not None:
-                ahead.restore(self.store)
+                ahead.restore(self.state_tier)
             t2 = time.perf_counter()
             if overflow:
                 self.zero_grad()
@@ -417,22 +417,22 @@ class PartitionedOptimizer:
 
         def confirm_ahead(index: int, ahead: Ahead) -> None:
             if ahead.after is not None:
-                self.store.write(index, ahead.after)
+                self.state_tier.write(index, ahead.after)
             self._publish(index, ahead.new)
 
         def redo(index: int, ahead: Ahead) -> None:
             if ahead.before is None:  # stepped on a copy: the live state is as it was
-                return run(index, self.store.resident(index))
+                return run(index, self.state_tier.resident(index))
             new = ahead.new  # its speculated weights, never published: overwritten
             self.last_compute_s += self._update_into(
                 new, index, ahead.before, kernel=base, grad_scale=grad_scale
             )
-            self.store.write(index, ahead.before)
+            self.state_tier.write(index, ahead.before)
             self._publish(index, new)
 
         try:
             if ahead is None:
-                for index, state in self.store.sweep(self._order):
+                for index, state in self.state_tier.sweep(self._order):
                     run(index, state)
             else:
                 ahead.settle(confirm=confirm, run=run, publish=confirm_ahead, redo=redo)
@@ -445,7 +445,7 @@ class PartitionedOptimizer:
         """("<slot>.master" / ".exp_avg" / ".exp_avg_sq", and with 8-bit moments
         ".exp_avg_absmax" / ".exp_avg_sq_absmax", thunk) for every slot, in order.
 
-        A thunk reads just that slot's share of the field from the store (a slot may span
+        A thunk reads just that slot's share of the field from the state tier (a slot may span
         sub-groups), so one slot's field is the most held at a time.
         """
         self.cancel_ahead()
@@ -456,7 +456,7 @@ class PartitionedOptimizer:
     @torch.no_grad()
     def load_state_tensors(self, get: Callable[[str], torch.Tensor]) -> None:
         """Every slot's state from `get(name)` (names as in `state_tensors` of the format
-        `load_state_dict` found), written to the store one sub-group at a time; the weights
+        `load_state_dict` found), written to the state tier one sub-group at a time; the weights
         become the loaded masters."""
         self.cancel_ahead()
         load_sub_groups(self, get, self._saved_format)

@@ -34,7 +34,7 @@ def load_initial(opt: Any, slots: Sequence[Any]) -> None:
             out[done:].zero_()
         release_build_pages(slots[slot].partition for slot, _, _ in pieces)
         if not opt.aliased:
-            opt.store.initialize(g, out)
+            opt.state_tier.initialize(g, out)
         opt.weights.commit(start, out)
     opt.weights.finish()
 
@@ -43,26 +43,26 @@ def memory_stats(opt: Any) -> dict[str, int]:
     """Host bytes the optimizer `opt` holds: fp32 grads, weights (0 when they alias the
     masters; the staging ring with the NVMe weight home) and state: all of it with the
     host tier; with another tier, its host buffers ("optim_host_buffer_bytes" of the
-    store's own `memory_stats()`, whose entries are merged in)."""
+    tier's own `memory_stats()`, whose entries are merged in)."""
     grad_stats = dict(opt.grads.memory_stats())
     grad = grad_stats.pop("grad_host_bytes")
     part = 0 if opt.aliased else opt.weights.host_bytes
-    store_stats = {}
-    if isinstance(opt.store, HostStateTier):
-        state = opt.store.nbytes
+    tier_stats = {}
+    if isinstance(opt.state_tier, HostStateTier):
+        state = opt.state_tier.nbytes
     else:
-        if callable(getattr(opt.store, "memory_stats", None)):
-            store_stats = dict(opt.store.memory_stats())
+        if callable(getattr(opt.state_tier, "memory_stats", None)):
+            tier_stats = dict(opt.state_tier.memory_stats())
         # The NVMe pipeline's buffers, and the sub-groups a split keeps in RAM.
-        state = int(store_stats.get("optim_host_buffer_bytes", 0))
-        state += int(store_stats.pop("optim_host_state_bytes", 0))
+        state = int(tier_stats.get("optim_host_buffer_bytes", 0))
+        state += int(tier_stats.pop("optim_host_state_bytes", 0))
     return {
-        **store_stats,
+        **tier_stats,
         **grad_stats,
         "numel": sum(opt._numels),
         "optim_state_bits": 8 if opt.format.eight_bit else 32,
         "grad_bytes": grad,
-        "partition_bytes": part,
+        "weights_bytes": part,
         "state_bytes": state,
         "host_bytes": grad + part + state + opt.ahead_copies.nbytes,
         "optim_overlap_bytes": opt.ahead_copies.nbytes,
@@ -80,14 +80,14 @@ def write_masters(opt: Any, i: int, values: torch.Tensor) -> None:
     for g in opt.layout.sub_groups_of(i):
         start, stop = opt.layout.range(g)
         a, b = max(lo, start), min(hi, stop)
-        state = opt.store.read(g)
+        state = opt.state_tier.read(g)
         state.master[a - start : b - start].copy_(values[a - lo : b - lo])
-        opt.store.write(g, state)
+        opt.state_tier.write(g, state)
 
 
 def scaled_norm(grads: Any, comm: Any) -> float:
     """The global L2 norm of the (loss-scaled) gradient sums over every rank."""
-    # In sub-group order on every grad store, so host and NVMe give the same bits (see
+    # In sub-group order on every gradient tier, so host and NVMe give the same bits (see
     # [Note: spilled gradients]); inf/NaN anywhere propagates into the norm.
     total = 0.0
     for s in grads.sums_of_squares():

@@ -70,7 +70,7 @@ def read_slot(opt: PartitionedOptimizer, slot: int, field: str) -> torch.Tensor:
         a, b = max(lo, start), min(hi, stop)
         fa, fb = field_span(field, a - start, b - start)
         oa = field_span(field, a - lo, b - lo)[0]
-        out[oa : oa + fb - fa] = opt.store.read_range(g, field, fa, fb)
+        out[oa : oa + fb - fa] = opt.state_tier.read_range(g, field, fa, fb)
     return out
 
 
@@ -106,7 +106,7 @@ def load_sub_groups(
                     _copy_piece(opt, get, slot, a, b, layout.offsets[slot] + a - start, state)
             else:
                 _convert_sub_group(opt, get, g, saved, state)
-            opt.store.write(g, state)
+            opt.state_tier.write(g, state)
             if not opt.aliased:
                 out = opt.weights.out(start, stop)
                 out.copy_(state.master)

@@ -219,14 +219,14 @@ class OverlapStep:
         if self.error is not None:
             raise self.error
 
-    def restore(self, store: StateTier) -> None:
+    def restore(self, state_tier: StateTier) -> None:
         """Nothing of this step happens: close the sweep and write each sub-group stepped in
         place back as it was (the gradients are untouched)."""
         self.current = None
         self._sweep.close()
         for g, ahead in self.ahead.items():
             if ahead.before is not None:
-                store.write(g, ahead.before)
+                state_tier.write(g, ahead.before)
         self.ahead.clear()
 
     def settle(

@@ -23,7 +23,7 @@ all-gather's input and the gathered buffer its output, a buffer of its own.
 tested) on a machine without one.
 
 [Note: fetching from NVMe] With an NVMe home, `fetch` issues a read of the home into a
-buffer of the store's pinned pool (INFLIGHT, no device buffer yet); `wait` waits for the read,
+buffer of the tier's pinned pool (INFLIGHT, no device buffer yet); `wait` waits for the read,
 copies the buffer into a new device buffer on the copy stream, makes the compute stream wait
 for that copy, and gives the pool buffer back only once the copy has read it (the host waits
 for the copy's event; on the CPU the copy is synchronous). `finish_read` does the first part

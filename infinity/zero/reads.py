@@ -6,8 +6,8 @@ rank] in coordinator.py): when a decided read is issued and when a finished one 
 to its device buffer, freeing its pool buffer for the next. Nothing here makes a parameter
 LIVE or releases one; the coordinator decides both.
 
-[Note: the NVMe pool] A parameter whose home is on NVMe is read into a buffer of the param
-store's fixed pool before it is copied to the device. A fetch decided for such a parameter
+[Note: the NVMe pool] A parameter whose home is on NVMe is read into a buffer of the parameter
+tier's fixed pool before it is copied to the device. A fetch decided for such a parameter
 is queued until a buffer is free (`infinity.zero.reads.ReadQueue`); reads are issued in the
 order decided, and whenever the coordinator runs (each gather) the reads that have finished
 are copied to their device buffers, which frees their pool buffers for the next ones,

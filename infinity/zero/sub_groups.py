@@ -185,7 +185,7 @@ def flat_layout(numels: Sequence[int], sub_group_size: int) -> FlatLayout:
 
 def optimizer_layout(slot_numels: Sequence[int], zero: ZeroConfig) -> FlatLayout:
     """The flat layout the optimizer will make of slots of `slot_numels`: to build its state
-    store (`sub_group_numels`) and weights (`make_weights`) before constructing it."""
+    tier (`sub_group_numels`) and weights (`make_weights`) before constructing it."""
     return flat_layout(slot_numels, resolve_sub_group_size(zero.sub_group_size))
 
 

@@ -4,12 +4,12 @@ The partitioned optimizer produces, for each sub-group (a range of its flat spac
 [Note: the flat space] in sub_groups.py), new weights in the model dtype. The weight output
 says where they go: `HostWeights` keeps every slot's weights in one flat host buffer that the
 step writes in place; `NvmeWeights` keeps none in memory: each sub-group's weights are
-written into a small ring of staging buffers and from there to the parameter store's flat
+written into a small ring of staging buffers and from there to the parameter tier's flat
 extent on NVMe, while the next sub-group is stepped. Either is built before the optimizer
 (`make_weights`) and gives each trainable parameter its home (`home(slot)`: a range of the
 same flat buffer or extent), so the records and the optimizer share one copy. It owns those
 buffers, not the decision of what to write (the optimizer's) nor the files (the parameter
-store's): the disk's flat extent is laid out by an explicit call (`lay_out_flat`) before
+tier's): the disk's flat extent is laid out by an explicit call (`lay_out_flat`) before
 `NvmeWeights` is made over it.
 """
 
@@ -53,7 +53,7 @@ def weights_footprint(
     layout: FlatLayout, dtype: torch.dtype, *, nvme: bool, state_on_host: bool
 ) -> Footprint:
     """The weight output over `layout`: `NvmeWeights`' staging ring and the parameter
-    store's flat extent, or `HostWeights`' flat buffer (none of its own when it aliases the
+    tier's flat extent, or `HostWeights`' flat buffer (none of its own when it aliases the
     masters)."""
     if nvme:
         disk = reserved_nbytes(layout.total * dtype.itemsize)
@@ -101,7 +101,7 @@ class HostWeights:
 
 
 def lay_out_flat(store: Any, layout: FlatLayout, names: Sequence[str], dtype: torch.dtype) -> None:
-    """Lay out `layout`'s flat space in the parameter store `store` as one extent, each
+    """Lay out `layout`'s flat space in the parameter tier `store` as one extent, each
     slot `names[i]` at its offset (`NvmeParamTier.reserve_flat`): once, before
     `NvmeWeights` is made over it."""
     spans = zip(names, layout.offsets, layout.numels, strict=True)
@@ -109,24 +109,24 @@ def lay_out_flat(store: Any, layout: FlatLayout, names: Sequence[str], dtype: to
 
 
 class NvmeWeights:
-    """The slots' weights on NVMe in the parameter store's flat extent (laid out before by
+    """The slots' weights on NVMe in the parameter tier's flat extent (laid out before by
     `lay_out_flat`), written one sub-group at a time through a ring of staging buffers."""
 
     def __init__(
         self,
-        store: Any,
+        param_tier: Any,
         layout: FlatLayout,
         names: Sequence[str],
         dtype: torch.dtype,
     ) -> None:
-        flat = store.flat
+        flat = param_tier.flat
         if flat is None or flat.total != layout.total or flat.dtype != dtype:
             raise ValueError(
-                f"NvmeWeights: the parameter store's flat extent is {flat} but these weights "
+                f"NvmeWeights: the parameter tier's flat extent is {flat} but these weights "
                 f"need {layout.total} elements of {dtype}; lay it out first with "
                 "lay_out_flat(store, layout, names, dtype)"
             )
-        self.store = store
+        self.param_tier = param_tier
         self.layout = layout
         self.names = tuple(names)
         self._ring = [aligned_empty(staging_numel(layout), dtype) for _ in range(_RING)]
@@ -135,12 +135,12 @@ class NvmeWeights:
 
     def home(self, slot: int) -> NvmeHome:
         """Slot `slot`'s home: its range of the flat extent."""
-        return NvmeHome(self.store, self.names[slot])
+        return NvmeHome(self.param_tier, self.names[slot])
 
     def view(self, start: int, stop: int) -> torch.Tensor:
         raise RuntimeError(
             "the trainable weights live on NVMe (offload_param.device 'nvme'): there is no host "
-            "partition to view; read a parameter with its record's home.read()"
+            "buffer to view; read a parameter with its record's home.read()"
         )
 
     def out(self, start: int, stop: int) -> torch.Tensor:
@@ -153,7 +153,7 @@ class NvmeWeights:
         """Start writing `out` (from `out()`) to flat element `start` of the home."""
         k = self._next
         assert out.data_ptr() == self._ring[k].data_ptr(), "commit the buffer out() returned"
-        self._pending[k] = self.store.write_flat(start, out)
+        self._pending[k] = self.param_tier.write_flat(start, out)
         self._next = (k + 1) % _RING
 
     def finish(self) -> None:
