@@ -71,7 +71,7 @@ def test_a_split_sweep_keeps_the_disk_busy_between_host_sub_groups(tmp_path):
     cfg = _cfg(tmp_path, 2 * SUB_GROUP)
     losses, engine = run_engine(Zoo(), batches(2), cfg)
     try:
-        store = engine.optimizer.store
+        store = engine.optimizer.state_tier
         assert isinstance(store, SplitStateTier) and store.in_ram == 2
         visited = [i for i, _ in store.sweep()]
         assert visited == interleaved_order(2, len(store.numels))
