@@ -1,7 +1,10 @@
 """Loading a Hugging Face checkpoint through `load_hf_into` (O_DIRECT blocks, tensors copied
-out as they land): the same bits and digests as the tensor-by-tensor stream."""
+out as they land): the same bits as the tensor-by-tensor stream and transformers'
+from_pretrained, and digests that find a changed byte."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +113,23 @@ def test_the_same_bits_as_transformers_from_pretrained(tmp_path, block, stored, 
         bits = torch.int16 if into.itemsize == 2 else torch.int32  # NaNs, signed zeros too
         assert torch.equal(got.view(bits), want[name].view(bits)), name
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+
+
+def test_a_base_record_of_either_checksum_is_checked(monkeypatch, caplog):
+    tensor = torch.arange(1000, dtype=torch.float32)
+    changed = tensor.clone()
+    changed[500] = -1.0
+    crc32 = tensor_digests.tensor_crc32(tensor)  # records written before CRC-32C: no kind
+    for digest in ([0, 1000, crc32], [0, 1000, checksum.crc32c(tensor), tensor_digests.CRC32C]):
+        if len(digest) == 4 and not checksum.FAST_CRC32C:
+            continue
+        source = {"tensors": {"model.safetensors": {"w": digest}}}
+        check_tensor(source, Path("model.safetensors"), "w", tensor)
+        with pytest.raises(ValueError, match="changed since the run loaded it"):
+            check_tensor(source, Path("model.safetensors"), "w", changed)
+    # without the native kernel a CRC-32C record is not summed (hours in Python), but said so
+    monkeypatch.setattr(checksum, "FAST_CRC32C", False)
+    source = {"tensors": {"model.safetensors": {"w": [0, 1000, 0, tensor_digests.CRC32C]}}}
+    with caplog.at_level("WARNING"):
+        check_tensor(source, Path("model.safetensors"), "w", changed)
+    assert "is not checked" in caplog.text
