@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from infinity.cli.bench_aio import AioBenchConfig, run  # noqa: E402
+from infinity.io import checksum  # noqa: E402
 from infinity.io.aio import zeroed  # noqa: E402
 from infinity.models import hf_auto, hf_read  # noqa: E402
 from infinity.models.hf_load import weight_map  # noqa: E402
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paths", nargs="+", default=["new", "old"], choices=PATHS,
                    help="the loader's variants to compare, alternating (see PATHS)")  # fmt: skip
     args = p.parse_args(argv)
+    slow = [v for v in args.paths if PATHS[v][0] == CRC32C and not checksum.FAST_CRC32C]
+    if slow:
+        p.error(f"--paths {' '.join(slow)} need the native CRC-32C of infinity._aio, which is "
+                "not built here (the Python twin would take hours); build it with "
+                "`python setup.py build_ext --inplace` or pass --paths old")  # fmt: skip
     model_dir = Path(args.dir)
     if not (model_dir / "config.json").is_file():
         _make_checkpoint(args.preset, model_dir)
