@@ -3,8 +3,8 @@
 Owns one pass over a safetensors file's data with the swap path's async I/O (`AioHandle`:
 O_DIRECT, many requests in flight) through a few page-aligned blocks that are reused, each
 tensor's bytes copied from the blocks straight into where it goes (a parameter's partition
-when the dtypes agree) with its checksum (`DIGEST`) computed on the way. It does not check names or
-shapes (`hf_load.check_names_and_shapes` does, before) nor decide where tensors go.
+when the dtypes agree) with its checksum (`DIGEST`) computed on the way. It does not check
+names or shapes (`hf_load.check_names_and_shapes` does, before) nor decide where tensors go.
 
 [Note: reading at the disk's speed] Reading tensor by tensor with `pread` into a fresh
 buffer and copying that into the partition paid for the memory three times: the page cache,
@@ -36,8 +36,10 @@ BLOCK_BYTES = 32 << 20
 DEPTH = 3
 _ALIGN = 4096
 SPLIT_COPIES = True
-"""Copy each piece in two halves, one on a worker thread: the first touch of the fresh
-partitions (the cost of a cold load on a virtual machine) spreads over two cores."""
+"""Copy each piece of 1 MiB or more in two halves, one on a worker thread, so the copy and
+the first touch of fresh partitions use two cores where one is idle. On the loaded 2-core
+development machine it measured neither faster nor slower (BENCHMARKS.md, "The load's
+checksums")."""
 _SPLIT_MIN_BYTES = 1 << 20
 DIGEST = tensor_digests.CRC32C if checksum.FAST_CRC32C else ""
 """The kind of checksum `Wanted.crc` holds (see infinity/utils/tensor_digests.py)."""

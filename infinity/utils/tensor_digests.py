@@ -2,8 +2,8 @@
 
 [Note: base digests] A checkpoint of a LoRA run names its frozen base by path and a cheap
 fingerprint of each shard (its header and 64 KiB at each end), which an edit in the middle
-of a shard leaves unchanged. So the loader takes a CRC-32 of each tensor's bytes as it reads
-them (they are in memory already; CRC-32 runs at several GB/s) and remembers it here, keyed
+of a shard leaves unchanged. So the loader takes a checksum of each tensor's bytes as it reads
+them (they are in memory already: one more pass over them) and remembers it here, keyed
 by the file with its size and modification time; the base record takes them
 (`checkpoint.base_model.describe_dir`) and an export checks each tensor it reads against
 them. CRC-32 finds any accidental change (and any edit not crafted to keep it); it is not a
@@ -20,7 +20,7 @@ import zlib
 
 import torch
 
-_REMEMBERED: dict[str, tuple[tuple[int, int], dict[str, list[int]]]] = {}
+_REMEMBERED: dict[str, tuple[tuple[int, int], dict[str, list[int | str]]]] = {}
 """Real path -> ((size, mtime_ns) when read, {tensor name: digest (see the module note)})."""
 
 
@@ -55,7 +55,7 @@ def remember(
     held[1][name] = [start, numel, crc, kind] if kind else [start, numel, crc]
 
 
-def remembered(path: str | os.PathLike) -> dict[str, list[int]] | None:
+def remembered(path: str | os.PathLike) -> dict[str, list[int | str]] | None:
     """The digests read from `path` in this process, if it has not changed since."""
     real = os.path.realpath(path)
     held = _REMEMBERED.get(real)
