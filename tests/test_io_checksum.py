@@ -194,3 +194,17 @@ def test_a_read_covering_part_of_a_chunk_checks_it_with_the_rest_read_from_the_f
     read[4096 + 3] ^= 1
     bad = sums.verify(sums.expected("f", 0, 4096 + 10), 0, read, outside)
     assert bad is not None and bad.offset == 4096
+
+
+@pytest.mark.parametrize("native_path", [True, False], ids=["native", "twin"])
+def test_crc32c_of_a_buffer_continues_and_equals_the_twin(monkeypatch, native_path):
+    if native_path and not checksum.FAST_CRC32C:
+        pytest.skip("infinity._aio is built without crc32c")
+    monkeypatch.setattr(checksum, "_NATIVE", native_path and checksum.FAST_CRC32C)
+    data = _buf(5001, 7)  # odd size: the kernels' tails
+    whole = crc32c_reference(data.numpy().tobytes())
+    assert checksum.crc32c(data) == whole
+    assert checksum.crc32c(data[1234:], checksum.crc32c(data[:1234])) == whole
+    assert checksum.crc32c(data.view(-1)[:0]) == 0
+    check = torch.tensor(list(b"123456789"), dtype=torch.uint8)
+    assert checksum.crc32c(check) == 0xE3069283  # CRC-32C's standard check value

@@ -201,7 +201,7 @@ def load_hf_into(
                     with torch.no_grad():
                         param.copy_(w.dest.view(param.shape))
                     w.dest = param  # the file-dtype tensor goes
-                tensor_digests.remember(path, w.name, 0, param.numel(), w.crc)
+                tensor_digests.remember(path, w.name, 0, param.numel(), w.crc, w.digest)
                 pages.release(param)
 
             read_file_into(path, wanted, done, handle)

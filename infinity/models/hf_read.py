@@ -3,8 +3,8 @@
 Owns one pass over a safetensors file's data with the swap path's async I/O (`AioHandle`:
 O_DIRECT, many requests in flight) through a few page-aligned blocks that are reused, each
 tensor's bytes copied from the blocks straight into where it goes (a parameter's partition
-when the dtypes agree) with its CRC-32 computed on the way. It does not check names or
-shapes (`hf_load.check_names_and_shapes` does, before) nor decide where tensors go.
+when the dtypes agree) with its checksum (`DIGEST`) computed on the way. It does not check
+names or shapes (`hf_load.check_names_and_shapes` does, before) nor decide where tensors go.
 
 [Note: reading at the disk's speed] Reading tensor by tensor with `pread` into a fresh
 buffer and copying that into the partition paid for the memory three times: the page cache,
@@ -12,7 +12,9 @@ a new buffer faulted in per tensor, and the partition; on the development machin
 at 4% of what the disk reads (benchmarks/hf_load_speed.py). Here the file is read in
 `BLOCK_BYTES` blocks, `DEPTH` of them in flight while the landed one is copied out, into
 buffers allocated once and never through the page cache: the only memory touched once per
-byte is the destination.
+byte is the destination. The checksums are CRC-32C by the native kernel where the extension
+is built (tens of GB/s): zlib's CRC-32, 1.5-2.3 GB/s on one core there, was slower than the
+disk (3.5 GB/s) and took one of the machine's two cores for the whole load.
 """
 
 from __future__ import annotations
@@ -26,11 +28,21 @@ from dataclasses import dataclass
 
 import torch
 
+from infinity.io import checksum
 from infinity.io.aio import AioHandle, aligned_empty
+from infinity.utils import tensor_digests
 
 BLOCK_BYTES = 32 << 20
 DEPTH = 3
 _ALIGN = 4096
+SPLIT_COPIES = True
+"""Copy each piece of 1 MiB or more in two halves, one on a worker thread, so the copy and
+the first touch of fresh partitions use two cores where one is idle. On the loaded 2-core
+development machine it measured neither faster nor slower (BENCHMARKS.md, "The load's
+checksums")."""
+_SPLIT_MIN_BYTES = 1 << 20
+DIGEST = tensor_digests.CRC32C if checksum.FAST_CRC32C else ""
+"""The kind of checksum `Wanted.crc` holds (see infinity/utils/tensor_digests.py)."""
 
 
 @dataclass(slots=True)
@@ -44,6 +56,8 @@ class Wanted:
     """A contiguous CPU tensor of exactly stop - start bytes, or a function making one
     (called when the first of its bytes lands, so a pass holds one such tensor at a time)."""
     crc: int = 0
+    digest: str = ""
+    """The kind of `crc`: `DIGEST` when the read began (see infinity/utils/tensor_digests.py)."""
 
 
 def read_file_into(
@@ -53,7 +67,9 @@ def read_file_into(
     aio: AioHandle,
 ) -> None:
     """Read the bytes of every `wanted` tensor of `path` into its `dest`, in one pass over
-    the file, and call `done(w)` (its `crc` set) as each one is complete."""
+    the file, and call `done(w)` (its `crc` and `digest` set) as each one is complete."""
+    for w in wanted:
+        w.digest = DIGEST
     for w in wanted:
         if w.stop == w.start:  # nothing to read: complete already
             done(w)
@@ -70,8 +86,11 @@ def read_file_into(
     # (2 threads: 5.3 s for a warm 1B load, 1 thread: 1.7 s on the development machine).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # The CRCs run on a thread of their own, in order, beside the copies (zlib drops the GIL).
-    sums = ThreadPoolExecutor(1, thread_name_prefix="infinity-hf-crc")
+    # The CRCs (and, with SPLIT_COPIES, the second half of each copy) run on threads of their
+    # own beside the copies: the CRC kernels and torch's copy drop the GIL. A tensor's pieces
+    # lie in successive blocks and a block's work ends before the next starts, so its CRC
+    # still runs in file order.
+    sums = ThreadPoolExecutor(2 if SPLIT_COPIES else 1, thread_name_prefix="infinity-hf-crc")
     try:
         nxt = 0  # the first tensor not yet complete (they end in file order)
         for k, (offset, nbytes) in enumerate(blocks):
@@ -108,8 +127,13 @@ def _copy_out(
         piece = block[lo - offset : hi - offset]
         if callable(w.dest):
             w.dest = w.dest()
-        w.dest.view(-1).view(torch.uint8)[lo - w.start : hi - w.start].copy_(piece)
+        dest = w.dest.view(-1).view(torch.uint8)[lo - w.start : hi - w.start]
+        cut = piece.numel()  # bytes copied here; the rest on a worker
+        if SPLIT_COPIES and cut >= _SPLIT_MIN_BYTES:
+            cut //= 2
+            pending.append(sums.submit(dest[cut:].copy_, piece[cut:]))
         pending.append(sums.submit(_add_crc, w, piece))
+        dest[:cut].copy_(piece[:cut])
         if w.stop > end:
             break
         complete.append(w)
@@ -122,4 +146,7 @@ def _copy_out(
 
 
 def _add_crc(w: Wanted, piece: torch.Tensor) -> None:
-    w.crc = zlib.crc32(memoryview(piece.numpy()), w.crc)
+    if w.digest == tensor_digests.CRC32C:
+        w.crc = checksum.crc32c(piece, w.crc)
+    else:
+        w.crc = zlib.crc32(memoryview(piece.numpy()), w.crc)
