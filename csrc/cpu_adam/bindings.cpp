@@ -185,30 +185,8 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
     });
 }
 
-// The code table's staircase as the implicit search tree of [Note: quantizing by a search
-// tree] (kernel_avx512.cpp): step k (1..255) is the first bucket whose code is >= k (0x7fff
-// where none is), node i at depth d holds step (2 (i - 2^d) + 1) 2^(7 - d). The table must be
-// non-decreasing (quant8.py builds it so); checked, since the tree would silently differ.
-void build_tree(const uint8_t* codes, int16_t* tree) {
-    int16_t steps[256];
-    for (int k = 0; k < 256; ++k) steps[k] = 0x7fff;
-    constexpr int kBuckets = kBucketTop - kBucketBase + 1;
-    for (int b = kBuckets - 1; b >= 0; --b) {
-        if (b > 0 && codes[b] < codes[b - 1])
-            throw std::invalid_argument("quantization code table is not non-decreasing at bucket " +
-                                        std::to_string(b));
-        for (int k = codes[b]; k > (b > 0 ? codes[b - 1] : 0); --k) steps[k] = int16_t(b);
-    }
-    tree[0] = 0;
-    for (int i = 1; i < 256; ++i) {
-        int depth = 0;
-        while ((2 << depth) <= i) ++depth;
-        tree[i] = steps[(2 * (i - (1 << depth)) + 1) << (7 - depth)];
-    }
-}
-
 // The 8-bit step: the same checks and constants as adam_step, the moments as codes and
-// absmax, and the four quantization tables (quant8.py) as addresses.
+// absmax, and the six quantization tables (quant8.py) as addresses.
 void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_codes,
                 uintptr_t m_absmax, uintptr_t v_absmax, size_t numel,
                 const std::string& grad_dtype, uintptr_t half_out, const std::string& half_dtype,
@@ -224,8 +202,8 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, after this update)");
     if (tile_numel == 0 || tile_numel % kBlock)
         throw std::invalid_argument("tile_numel must be a positive multiple of 256");
-    if (tables.size() != 4)
-        throw std::invalid_argument("tables must be four addresses (qmap, codes) x 2");
+    if (tables.size() != 6)
+        throw std::invalid_argument("tables must be six addresses (qmap, codes, tree) x 2");
     for (uintptr_t t : tables)
         if (!t) throw std::invalid_argument("null quantization table address");
     if (numel == 0) return;
@@ -243,8 +221,8 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     a8.v_absmax = static_cast<float*>(as_ptr(v_absmax));
     QuantMap* maps[2] = {&a8.m_map, &a8.v_map};
     for (int k = 0; k < 2; ++k) {
-        maps[k]->qmap = static_cast<const float*>(as_ptr(tables[2 * k]));
-        maps[k]->codes = static_cast<const uint8_t*>(as_ptr(tables[2 * k + 1]));
+        maps[k]->qmap = static_cast<const float*>(as_ptr(tables[3 * k]));
+        maps[k]->codes = static_cast<const uint8_t*>(as_ptr(tables[3 * k + 1]));
     }
     alignas(64) uint8_t planes[2][4 * 256];  // byte b of each map value, for the VBMI lookup
     if (uses_vbmi(simd)) {
@@ -259,13 +237,9 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     }
 
 #if defined(__x86_64__) || defined(_M_X64)
-    alignas(64) int16_t trees[2][256];
-    if (kernel == adam8_avx512) {
-        for (int k = 0; k < 2; ++k) {
-            build_tree(maps[k]->codes, trees[k]);
-            maps[k]->tree = trees[k];
-        }
-    }
+    if (kernel == adam8_avx512)  // the only path that searches the tree
+        for (int k = 0; k < 2; ++k)
+            maps[k]->tree = static_cast<const int16_t*>(as_ptr(tables[3 * k + 2]));
 #endif
 
     py::gil_scoped_release no_gil;

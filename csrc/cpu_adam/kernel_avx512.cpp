@@ -64,7 +64,7 @@ lookup_vbmi(const uint8_t* planes, const uint8_t* codes, float* out) {
 // as an implicit binary tree (node i's children are 2i and 2i + 1), and 32 buckets, as 16-bit
 // lanes, walk its eight levels at once with word permutes: after them each lane's node
 // number minus 256 is the count of steps at or below its bucket, the table's entry. Exact
-// for every bucket (the tree is built from the table; a test sweeps all of them).
+// for every bucket (quant8.py builds the tree from the table; a test sweeps all buckets).
 template <bool SIGNED>
 void quant_tree(const int16_t* tree, const float* values, float inverse, uint8_t* out) {
     __m512i t[8];
