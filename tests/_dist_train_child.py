@@ -11,9 +11,11 @@ argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated):
 - "unseeded": each rank seeded differently;
 - "export": the 16-bit model saved at the end;
 - "diverge": from the second step on, rank 1 bypasses a block (a rank-dependent branch);
-- "8bit": the 8-bit optimizer (AdamW8bit).
+- "8bit": the 8-bit optimizer (AdamW8bit);
+- "noclip": no gradient clipping.
 """
 
+import hashlib
 import json
 import os
 import random
@@ -128,7 +130,10 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
         losses.append(sum(c.all_gather_object(total)) / c.world_size)
     stats = engine.memory_stats()
     norm = engine.get_global_grad_norm()
-    weights = {n: w.sum().item() for n, w in engine.named_parameters_host()}
+    weights, digest = {}, hashlib.sha256()
+    for n, w in engine.named_parameters_host():
+        weights[n] = w.sum().item()
+        digest.update(n.encode() + w.detach().contiguous().numpy().tobytes())
     exported = None
     if "export" in options:  # every rank takes part; rank 0 writes
         exported = engine.save_16bit_model(os.path.join(nvme_dir, "export"))
@@ -138,6 +143,7 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
         "stats": stats,
         "grad_norm": norm,
         "weight_sums": weights,
+        "weight_digest": digest.hexdigest(),
         "swap_dirs": swap_dirs,
         "exported": exported,
     }

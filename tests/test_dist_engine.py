@@ -4,7 +4,9 @@ Each rank builds the same model (same seed), keeps half of every parameter in it
 all-gathers shards for forward and backward, reduce-scatters gradients in buckets and steps
 its own shards. fp32 losses agree with a single rank's to 1e-5 relative (not bitwise: a
 single rank sums the gradient over the whole batch in one backward, two ranks sum two
-half-batch gradients), and the two ranks agree with each other bitwise.
+half-batch gradients), and the two ranks agree with each other bitwise. Over the same micro
+batches (one rank accumulating the two halves), without clipping and with torch on one
+thread in both, they agree with one rank bitwise.
 """
 
 from __future__ import annotations
@@ -56,6 +58,34 @@ def test_two_ranks_train_as_one_with_8_bit_moments(tmp_path, tier):
     two = _two_ranks(tmp_path, tier, "8bit")
     _assert_same_training(one, two)
     assert two[0]["stats"]["nvme_optim_bytes_written" if tier == "nvme" else "host_bytes"] > 0
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread here, as in the rank processes (OMP_NUM_THREADS=1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("optim", ["32bit", "8bit"])
+def test_two_ranks_equal_one_bitwise_over_the_same_micro_batches(
+    tmp_path, tier, optim, one_torch_thread
+):
+    """One rank with gradient accumulation 2 over the two half batches against two ranks
+    with one half each: the gradient is then a + b on both (a/2 + b/2 and (a + b)/2 are the
+    same floats), so losses and weights agree bit for bit. Two differences are removed as
+    well: clipping (the global norm's sum of squares runs per shard, then across ranks: the
+    norm differs in the last bits, and so would the clipped step), and torch's thread count
+    (its matmul sums, hence the backward's gradients, depend on it; the ranks run on one)."""
+    options = "noclip" + (",8bit" if optim == "8bit" else "")
+    one = _one_rank(tmp_path, tier, options + ",accum")
+    two = _two_ranks(tmp_path, tier, options)
+    assert one["losses"] == two[0]["losses"] == two[1]["losses"]
+    assert one["weight_digest"] == two[0]["weight_digest"] == two[1]["weight_digest"]
+    assert len(set(one["losses"])) == STEPS  # the steps moved the weights
 
 
 def _assert_half_the_state(one: dict, two: list[dict], tier: str) -> None:

@@ -82,6 +82,10 @@ struct V {
         return _mm256_and_si256(x, _mm256_set1_epi32(0xff));
     }
     static bool lookup_block(const QuantMap&, const uint8_t*, float*) { return false; }
+    template <bool SIGNED>
+    static bool quant_block(const QuantMap&, const float*, float, uint8_t*) {
+        return false;
+    }
     static T abs(T x) {
         return _mm256_castsi256_ps(
             _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff)));

@@ -102,6 +102,10 @@ struct V {
     static T gather(const float* t, I i) { return t[i]; }
     static I gather_u8(const uint8_t* t, I i) { return t[i]; }
     static bool lookup_block(const QuantMap&, const uint8_t*, float*) { return false; }
+    template <bool SIGNED>
+    static bool quant_block(const QuantMap&, const float*, float, uint8_t*) {
+        return false;
+    }
     static T abs(T x) { return std::fabs(x); }
     static T max(T a, T b) { return b > a ? b : a; }
     static float hmax(T x) { return x; }

@@ -3,7 +3,8 @@
 Owns the scheme's numbers, computed once: the two dynamic quantization maps of
 bitsandbytes' blockwise 8-bit Adam (256 values each: signed for exp_avg, unsigned for
 exp_avg_sq) and the code tables that find the nearest value with one lookup (the twin
-and the native kernel read the same ones). It does not own any optimizer state or the Adam step
+and the native kernel read the same ones), with the same table as a search tree for the
+AVX-512 kernel. It does not own any optimizer state or the Adam step
 (`adam8.py`).
 
 [Note: the 8-bit scheme] A moment tensor is cut into blocks of `BLOCK` elements (from the
@@ -69,6 +70,12 @@ class QuantTables(NamedTuple):
     clamped), the number of midpoints between non-negative map values below the bucket's
     centre (the code itself for the unsigned map; |y|'s side of it for the signed one). Three
     bytes of padding: the kernel reads 4 bytes at a byte offset."""
+    tree: torch.Tensor
+    """[256] int16: the code table's staircase as an implicit binary search tree, for the
+    AVX-512 kernel's search in registers. Step k (1..255) is the first bucket whose code is
+    >= k (0x7fff where none is); node i (1..255) at depth d = floor(log2 i) holds step
+    (2 (i - 2^d) + 1) 2^(7 - d), so node i's children are 2i and 2i + 1 and a walk from the
+    root ends at node 256 + the code."""
 
 
 @functools.cache
@@ -81,8 +88,21 @@ def tables(signed: bool) -> QuantTables:
     lo = edges.to(torch.int32).view(torch.float32).double()
     centre = (lo[:-1] + lo[1:]) / 2
     centre[0] = 0.0  # bucket 0 takes everything below 2**-24 too
-    codes = torch.searchsorted(mids, centre, side="left").to(torch.uint8)
-    return QuantTables(qmap, torch.cat([codes, torch.zeros(3, dtype=torch.uint8)]))
+    codes = torch.searchsorted(mids, centre, side="left")
+    padded = torch.cat([codes, torch.zeros(3, dtype=torch.int64)]).to(torch.uint8)
+    return QuantTables(qmap, padded, _search_tree(codes))
+
+
+def _search_tree(codes: torch.Tensor) -> torch.Tensor:
+    """QuantTables.tree of a non-decreasing code table (int64, one entry per bucket)."""
+    assert bool((codes[1:] >= codes[:-1]).all()), "code table must be non-decreasing"
+    steps = torch.searchsorted(codes, torch.arange(256), side="left")  # [k]: first code >= k
+    steps[steps == codes.numel()] = 0x7FFF
+    node = torch.arange(1, 256)
+    depth = torch.floor(torch.log2(node.double())).long()
+    tree = torch.zeros(256, dtype=torch.int16)
+    tree[1:] = steps[(2 * (node - (1 << depth)) + 1) << (7 - depth)].to(torch.int16)
+    return tree
 
 
 def bucket_codes(yabs: torch.Tensor, signed: bool) -> torch.Tensor:
