@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from infinity.estimate.shapes import ModelShape
-from infinity.swap.grad_plan import F32, GradPlan, disk_rows
+from infinity.swap.grad_plan import FP32_NBYTES, GradPlan, disk_rows
 from infinity.swap.store import align_up, reserved_nbytes
 from infinity.zero.sub_groups import FlatLayout
 
@@ -51,7 +51,7 @@ class _GradSink:
     flight during the add that started it (see the module's note)."""
 
     def __init__(self, numels: Sequence[int]) -> None:
-        self.padded = [reserved_nbytes(n * F32) for n in numels]
+        self.padded = [reserved_nbytes(n * FP32_NBYTES) for n in numels]
         self.writing: set[int] = set()
         """Buffers a write started from in this add."""
         self.backward = True
@@ -91,7 +91,7 @@ class _GradSink:
         """An add of [start, stop) to `g` on disk: the norm rows it touches, read, added to
         and written back while the add waits."""
         lo, hi = disk_rows(start, stop - start, numel)
-        nbytes = align_up((hi - lo) * F32)
+        nbytes = align_up((hi - lo) * FP32_NBYTES)
         self.nbytes_read += nbytes
         self.nbytes_written += nbytes
         self.waited_read += nbytes

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infinity.config import Config
+from infinity.swap.grad_plan import FP32_NBYTES
 
 _PAGE = 4096
 _OPTIM_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq
 _OPTIM_BYTES_8BIT = 7  # fp32 master, two uint8 codes, their absmax: 6 + 1/32, rounded up
-_GRAD_BYTES = 4  # fp32 gradient sums, spilled with the optimizer states
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,7 +92,7 @@ def plan(
                 path=Path(zero.offload_optimizer.nvme_path),
                 parts={
                     "optimizer states": on_disk * optim_bytes,
-                    "gradients": trainable * _GRAD_BYTES,
+                    "gradients": trainable * FP32_NBYTES,  # the sums, spilled with the states
                 },
             )
         )

@@ -23,14 +23,13 @@ from collections.abc import Sequence
 import torch
 
 from infinity.accelerator import Accelerator
+from infinity.swap.grad_plan import FP32_NBYTES
 from infinity.swap.grad_tier import add_into, sum_of_squares
-
-F32 = 4
 
 
 def device_grad_bytes(numels: Sequence[int]) -> tuple[int, int]:
     """`DeviceGradTier`'s bytes over sub-groups of `numels`: (device, host)."""
-    return F32 * sum(numels), F32 * max(numels, default=0)
+    return FP32_NBYTES * sum(numels), FP32_NBYTES * max(numels, default=0)
 
 
 class DeviceGradTier:
@@ -72,7 +71,7 @@ class DeviceGradTier:
         """Sub-group `index`'s sum, copied into the host buffer: valid until the next
         `take` or `sums_of_squares`."""
         if self._host is None:
-            numel = self.host_bytes // F32
+            numel = self.host_bytes // FP32_NBYTES
             if self.accel.pin_supported():
                 self._host = self.accel.empty_pinned((numel,), torch.float32)
             else:

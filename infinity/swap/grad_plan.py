@@ -27,7 +27,9 @@ PARTIAL_FRACTION = 16
 """A gradient of at most 1/this of its sub-group, added while the sub-group is on disk, is
 added there (its rows read, added to and written back) instead of loading the sub-group: a
 layer's norm weights, reached in backward after the layer's other sub-groups were written."""
-F32 = 4
+FP32_NBYTES = 4
+"""Bytes of one fp32 element, the dtype of the gradient sums wherever they live (the one
+constant for it: the tiers, the estimate and the disk check use it)."""
 NORM_ROW_NUMEL = 4096
 """Elements per row of the norms a write records (see [Note: accurate norms] in
 grad_tier.py): an add on disk reads and writes back whole rows."""
@@ -42,7 +44,8 @@ def disk_rows(start: int, numel: int, total: int) -> tuple[int, int]:
 
 def grad_buffers(numels: Sequence[int], buffer_count: int = GRAD_BUFFERS) -> tuple[int, int]:
     """`NvmeGradTier`'s host buffers for sub-groups of `numels`: (count, bytes of each)."""
-    return min(buffer_count, max(len(numels), 1) + 1), align_up(max(numels, default=1) * F32)
+    nbytes = align_up(max(numels, default=1) * FP32_NBYTES)
+    return min(buffer_count, max(len(numels), 1) + 1), nbytes
 
 
 def grad_footprint(
@@ -51,9 +54,9 @@ def grad_footprint(
     """The gradient tier over sub-groups of `numels`: `HostGradTier`'s flat fp32 buffer,
     or `NvmeGradTier`'s `grad_buffers` and its extents (one fp32 sub-group each)."""
     if not nvme:
-        return Footprint(F32 * sum(numels))
+        return Footprint(FP32_NBYTES * sum(numels))
     count, nbytes = grad_buffers(numels, buffer_count)
-    return Footprint(count * nbytes, sum(reserved_nbytes(n * F32) for n in numels))
+    return Footprint(count * nbytes, sum(reserved_nbytes(n * FP32_NBYTES) for n in numels))
 
 
 class GradResidency(enum.Enum):

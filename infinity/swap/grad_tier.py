@@ -33,8 +33,8 @@ import torch
 
 from infinity.io.aio import aligned_empty, zeroed
 from infinity.io.extent import ExtentError, ExtentIO, Transfer
-from infinity.swap.grad_plan import F32 as _F32
 from infinity.swap.grad_plan import (
+    FP32_NBYTES,
     GRAD_BUFFERS,
     GradPlan,
     GradResidency,
@@ -121,7 +121,7 @@ class HostGradTier:
     def flat(self) -> torch.Tensor:
         """All sub-groups back to back: [sum(numels)] fp32."""
         if self._flat is None:
-            self._flat = zeroed(self.footprint.host // _F32)
+            self._flat = zeroed(self.footprint.host // FP32_NBYTES)
         return self._flat
 
     def _view(self, index: int) -> torch.Tensor:
@@ -202,7 +202,7 @@ class NvmeGradTier:
             aio, tier="grad", error=NvmeGradError, advice=ADVICE, checksums=checksums
         )
         self.aio = self.io.aio
-        sizes = {f"subgroup.{g}": n * _F32 for g, n in enumerate(self.numels)}
+        sizes = {f"subgroup.{g}": n * FP32_NBYTES for g, n in enumerate(self.numels)}
         self._extents = list(store.reserve(kind, sizes).values()) if sizes else []
         count, nbytes = grad_buffers(self.numels, buffer_count)
         self._buffers = [_Buffer(aligned_empty(nbytes, torch.uint8)) for _ in range(count)]
@@ -285,7 +285,7 @@ class NvmeGradTier:
     # -- buffers ---------------------------------------------------------------------------
 
     def _grads(self, buf: _Buffer, index: int) -> torch.Tensor:
-        return buf.data[: self.numels[index] * _F32].view(torch.float32)
+        return buf.data[: self.numels[index] * FP32_NBYTES].view(torch.float32)
 
     def _idle(self, b: int) -> bool:
         """Whether buffer `b`'s last transfer has finished (never blocks)."""
@@ -297,14 +297,14 @@ class NvmeGradTier:
         only, and those rows' norms updated (see [Note: spilled gradients])."""
         lo, hi = disk_rows(start, src.numel(), self.numels[index])
         ext = self._extents[index]
-        data = aligned_empty(align_up((hi - lo) * _F32), torch.uint8)
-        grads = data[: (hi - lo) * _F32].view(torch.float32)
+        data = aligned_empty(align_up((hi - lo) * FP32_NBYTES), torch.uint8)
+        grads = data[: (hi - lo) * FP32_NBYTES].view(torch.float32)
         self._settle_write_of(index)
         what = f"gradients of sub-group {index}"
-        self.io.read(data, ext.path, ext.offset + lo * _F32, what=what).wait()
+        self.io.read(data, ext.path, ext.offset + lo * FP32_NBYTES, what=what).wait()
         add_into(grads[start - lo : start - lo + src.numel()], src)
         self._update_norms(index, lo, grads)
-        self.io.write(data, ext.path, ext.offset + lo * _F32, what=what).wait()
+        self.io.write(data, ext.path, ext.offset + lo * FP32_NBYTES, what=what).wait()
 
     def _update_norms(self, index: int, lo: int, grads: torch.Tensor) -> None:
         norms, row = self._norms[index], _NORM_ROW_NUMEL
