@@ -31,6 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import torch
@@ -104,7 +105,11 @@ class PartitionedOptimizer:
     indices in `no_decay`; or `groups` (torch.optim's parameter groups) give each slot its
     group's betas, eps and weight decay, and a step may give one lr per group. `comm`
     (default: one process) sums the squared gradient norm over the ranks, so every rank
-    clips by the global norm and skips the same overflowing steps.
+    clips by the global norm and skips the same overflowing steps. `on_new_weights` is
+    called during the step with (flat start, new weights) of each sub-group, before they
+    are written to their homes (`infinity.assemble` gives the gathered parameters' refresh:
+    see [Note: gathered weights after a step] in assemble.py); the step's profiler ranges
+    are `profile_range`'s (the accelerator's `range`).
     """
 
     def __init__(
@@ -119,6 +124,8 @@ class PartitionedOptimizer:
         weights: HostWeights | NvmeWeights | None = None,
         grad_tier: GradTier | None = None,
         comm: Comm | None = None,
+        on_new_weights: Callable[[int, torch.Tensor], None] | None = None,
+        profile_range: Callable[[str], AbstractContextManager] = profile_range,
     ) -> None:
         self.comm = comm or SingleProcess()
         self.dtype = check_slots(slots) or torch.float32
@@ -147,11 +154,8 @@ class PartitionedOptimizer:
             for g in range(self.layout.num_sub_groups)
         ]
         load_initial(self, slots)
-        self.on_new_weights: Callable[[int, torch.Tensor], None] | None = None
-        """Called during the step with (flat start, new weights) of each sub-group, before
-        they are written to their homes (`infinity.assemble` wires it to the gathered
-        parameters' refresh: see [Note: gathered weights after a step] in assemble.py)."""
-        self.range = profile_range  # `infinity.assemble` wires the accelerator's ranges
+        self.on_new_weights = on_new_weights
+        self.range = profile_range
         self._overlap = overlap_plan(zero, self.layout, grad_tier)
         self._order = self._overlap[0] if self._overlap else None  # the sweeps' order
         sizes, fmt = self.layout.sub_group_numels, self.format
