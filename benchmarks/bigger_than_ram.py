@@ -291,7 +291,7 @@ def train(engine, args: argparse.Namespace, vocab: int, *, probes: bool = True) 
             "fwd_bwd_s": t1 - t0,
             "optimizer_step_s": t3 - t2,
             "wall_s": (t1 - t0) + (t3 - t2),
-            "optimizer_timings_s": dict(engine.optimizer.last_timings),
+            "optimizer_timings_s": dict(engine.parts.optimizer.last_timings),
             "step_bytes_read": _bytes(step_nvme, "bytes_read"),
             "step_bytes_written": _bytes(step_nvme, "bytes_written"),
             "step_nvme": step_nvme,
@@ -346,7 +346,7 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
         out = {
             "build_s": t1 - t0,
             "initialize_s": t2 - t1,
-            "sub_group_numels": [int(n) for n in engine.optimizer.state_tier.numels],
+            "sub_group_numels": [int(n) for n in engine.parts.optimizer.state_tier.numels],
             "steps": steps,
             "memory_stats": engine.memory_stats(),
             # The estimate's replay: gathers from host homes alias them (no copy, no RAM).
@@ -357,7 +357,7 @@ def run_engine(args: argparse.Namespace, mcfg, config: dict) -> dict:
             # (see infinity/accelerator/recycled.py)
             "recycled_buffers_reused": engine.accelerator.buffers.reused,
             # The gradients were kept in 16 bits (swap/grad_half.py), not as fp32 sums.
-            "half_gradients": type(engine.optimizer.grads).__name__ == "HalfGradTier",
+            "half_gradients": type(engine.parts.optimizer.grads).__name__ == "HalfGradTier",
         }
     finally:
         engine.close()

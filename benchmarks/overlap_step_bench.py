@@ -133,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             for n in names[r % len(names) :] + names[: r % len(names)]:
                 it_s, step_s, loss = one_step(engines[n], batch)
                 losses[n].append(loss)
-                ahead[n].append(engines[n].optimizer.last_timings.get("ahead_sub_groups", 0))
+                ahead[n].append(engines[n].parts.optimizer.last_timings.get("ahead_sub_groups", 0))
                 if r >= args.warmup:
                     iteration[n].append(it_s)
                     step[n].append(step_s)
             print(f"round {r}: " + ", ".join(f"{n} {step[n][-1:]}" for n in names), flush=True)
         stats = {n: e.memory_stats() for n, e in engines.items()}
-        sub_groups = engines[names[0]].optimizer.layout.num_sub_groups
+        sub_groups = engines[names[0]].parts.optimizer.layout.num_sub_groups
         for e in engines.values():
             e.close()
     med = {n: {"iteration_s": statistics.median(iteration[n]), "step_s": statistics.median(step[n])}

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     }
     engine = infinity.initialize(LlamaForCausalLM(cfg), config)
-    numel = sum(r.numel for r in engine.records)
+    numel = sum(r.numel for r in engine.parts.records)
     ids = torch.randint(args.vocab, (args.batch, args.seq))
 
     def step():

@@ -3,7 +3,7 @@
 Owns the construction order and the wiring between the parts, not any part's behaviour nor
 the training loop (the engine's). `run_facts` gives `infinity.config.resolve_run` what it
 settles the config for (the model's sizes and the ranks); `assemble` then builds each step
-from the ones before it only:
+from the ones before it only, each part given what it calls at construction:
 
 0. the model checked: something to train, `no_decay` names that exist, and with several
    ranks the same weights on every rank;
@@ -12,19 +12,22 @@ from the ones before it only:
    optimizer's state tier;
 2. the weight output over that layout, with the disk's flat extent laid out first by an
    explicit call (`lay_out_flat`);
-3. the records with their homes (`HomePlan`, `partition_model`);
+3. the records with their homes (`HomePlan`, `partition_model`), and the coordinator over
+   them;
 4. the gradient tier and the optimizer, which writes the trainable weights into their homes
-   from the build partitions (they go no further);
-5. the coordinator, with the optimizer's new weights wired straight down to it
-   (`GatheredRefresh`);
-6. the backward entry, the module hooks, the gradient reducer and the gradient hooks.
+   from the build partitions (they go no further) and is given the coordinator's refresh
+   for its new weights (`GatheredRefresh`);
+5. the backward entry, the module hooks, the gradient reducer and the gradient hooks.
 
-It returns one `PartitionedModel` that owns all of them and closes them (`close`), each even
-if an earlier one fails; a build that fails closes what it had opened.
+It returns one `PartitionedModel`, a built value: every part once, none set afterwards. Each
+part that holds something (a hook, a lock, a file, a thread) registers its undoing on one
+`contextlib.ExitStack` as soon as it is built, so a build that fails at any step closes
+what it had opened, in reverse order, and `PartitionedModel.close` does the same for a
+whole one (each even if an earlier one fails).
 
 [Note: gathered weights after a step] Trainable parameters that stay gathered between
 iterations (persistent ones) must see each step's new weights. On both tiers they take them
-from the optimizer's new weights while its sweep holds them (`on_new_weights`, wired to
+from the optimizer's new weights while its sweep holds them (`on_new_weights`, given
 `GatheredRefresh`, then the coordinator's `refresh`), not from their homes after the step:
 on the NVMe tier the disk is then busy with the next sweep's read-ahead, and small reads
 queued behind it took 13 ms each (0.35 s per step for 27 parameters at 507M); on the host
@@ -35,7 +38,9 @@ tier the values are still in cache. Anything in flight lands before the step
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -46,6 +51,7 @@ from infinity.config import Config, RunFacts
 from infinity.optim.groups import ParamGroup
 from infinity.swap import (
     NvmeParamTier,
+    StateTier,
     SwapStores,
     make_grad_tier,
     make_param_tier,
@@ -59,7 +65,6 @@ from infinity.zero import (
     Coordinator,
     HomePlan,
     ModelHooks,
-    ModuleUnit,
     OffloadParam,
     ParamState,
     PartitionedOptimizer,
@@ -109,29 +114,28 @@ class GatheredRefresh:
                 refresh(rec, weights[at : at + b - a], start=a)
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class PartitionedModel:
-    """Everything `assemble` built for one model, and their `close()`."""
+    """Everything `assemble` built for one model, each part once, and their `close()`."""
 
-    module: nn.Module
-    config: Config
-    comm: Comm
-    accelerator: Accelerator
-    swap_stores: SwapStores
+    records: list[OffloadParam]
+    """One per parameter, in model order, each with its home."""
     param_tier: NvmeParamTier | None
-    records: list[OffloadParam] = field(default_factory=list)
-    optimizer: PartitionedOptimizer | None = None
-    coordinator: Coordinator | None = None
-    entry: BackwardEntry | None = None
-    hooks: ModelHooks | None = None
-    grad_reducer: GradReducer | None = None
-    grad_offload: GradOffload | None = None
-    grad_handles: list = field(default_factory=list)
-    startup_s: dict[str, float] = field(default_factory=dict)
+    """The NVMe parameter tier (`offload_param.device` "nvme"), else None."""
+    optimizer: PartitionedOptimizer
+    coordinator: Coordinator
+    entry: BackwardEntry
+    hooks: ModelHooks
+    grad_offload: GradOffload
+    grad_reducer: GradReducer | None
+    """With several ranks, the buckets that reduce-scatter gradients into the slots."""
+    startup_s: dict[str, float]
     """Seconds `assemble` spent in each step (check, tiers, partition, optimizer, runtime)."""
+    closing: ExitStack = field(repr=False)
+    """Each part's undoing, registered as it was built: `close` runs them in reverse."""
 
-    def memory_stats(self) -> dict[str, int]:
-        """See `Engine.memory_stats`."""
+    def memory_stats(self, comm: Comm) -> dict[str, int]:
+        """See `Engine.memory_stats` (`comm`: the ranks the parts were built for)."""
         stats = self.coordinator.stats()
         # Trainable homes are the optimizer's buffers (it counts them, or they alias its fp32
         # masters); frozen ones are only ours.
@@ -155,46 +159,38 @@ class PartitionedModel:
                 pinned += pool.total_bytes
                 peak_pinned += pool.peak_bytes_in_use
         stats["pinned_bytes"], stats["peak_pinned_bytes"] = pinned, peak_pinned
-        stats["rank"], stats["world_size"] = self.comm.rank, self.comm.world_size
+        stats["rank"], stats["world_size"] = comm.rank, comm.world_size
         stats["home_numel"] = sum(r.home.numel for r in self.records)  # this rank's shards
-        stats.update(self.comm.stats())
+        stats.update(comm.stats())
         if self.grad_reducer is not None:
             stats.update(self.grad_reducer.memory_stats())
         return stats
 
     def close(self) -> None:
-        """Remove the hooks, release what is gathered, close the optimizer's tiers, the
-        parameter tier and the swap stores under them, each even if an earlier one fails."""
-        if self.hooks is not None:
-            self.hooks.remove()
-        for handle in self.grad_handles:
-            handle.remove()
-        self.grad_handles = []
-        try:
-            if self.coordinator is not None:
-                self.coordinator.abort()
-                self.accelerator.empty_cache()
-        finally:
-            self.close_stores()
+        """Undo the build in reverse: remove the gradient and module hooks, stop a step
+        begun ahead, close the gradient tier, release what is gathered, close the state
+        tier, the parameter tier and the swap stores under them, each even if an earlier one
+        fails. Idempotent."""
+        self.closing.close()
 
-    def close_stores(self) -> None:
-        """Close the optimizer's state and gradient tiers (if built), the parameter tier,
-        then the swap stores under them, each even if an earlier one fails."""
-        try:
-            if self.optimizer is not None:
-                try:
-                    try:
-                        self.optimizer.cancel_ahead()  # no step follows
-                    finally:
-                        self.optimizer.state_tier.close()
-                finally:
-                    self.optimizer.grads.close()
-        finally:
-            try:
-                if self.param_tier is not None:
-                    self.param_tier.close()
-            finally:
-                self.swap_stores.close()
+
+class _Build(NamedTuple):
+    """What every step of a build reads, and the stack each registers its undoing on."""
+
+    config: Config
+    comm: Comm
+    accelerator: Accelerator
+    closing: ExitStack
+
+
+class _Tiers(NamedTuple):
+    """Steps 1 and 2: where the parts' bytes will live."""
+
+    stores: SwapStores
+    param_tier: NvmeParamTier | None
+    state_tier: StateTier
+    plan: HomePlan
+    """The homes' plan, over the weight output (`plan.weights`) and its flat layout."""
 
 
 def assemble(
@@ -218,25 +214,37 @@ def assemble(
     align = shard_align(config.optimizer.eight_bit)
     trainable = [(n, _shard_numel(p.numel(), comm, align)) for n, p in named if p.requires_grad]
     _check_names(named, trainable, set(no_decay).union(*(g.names for g in groups)))
-    parts = PartitionedModel(
-        model, config, comm, accelerator, SwapStores(rank=comm.rank), param_tier=None
-    )
-    parts.startup_s = clock.seconds
     clock.lap("check")
-    try:
-        plan, state_tier = _tiers(parts, named, trainable)
+    with ExitStack() as closing:  # a step that raises closes what the earlier ones opened
+        build = _Build(config, comm, accelerator, closing)
+        tiers = _tiers(build, named, trainable)
         clock.lap("tiers")
-        parts.records, units, sources = partition_model(model, config, accelerator, plan)
+        records, units, sources = partition_model(model, config, accelerator, tiers.plan)
+        coordinator = Coordinator(records, config.zero_optimization, accelerator=accelerator)
+        closing.callback(_release_all, coordinator, accelerator)
         clock.lap("partition")
-        _optimizer(parts, plan, state_tier, trainable, sources, no_decay, groups)
+        by_slot = [r for r in records if r.trainable]  # model order is the slots' order
+        refresh = GatheredRefresh(by_slot, tiers.plan.weights.layout, coordinator)
+        optimizer = _optimizer(build, tiers, trainable, sources, no_decay, groups, refresh)
         del sources  # the optimizer has written them into their homes
         clock.lap("optimizer")
-        _runtime(parts, units, timer, loss_scale)
+        entry = BackwardEntry(coordinator, loss_scale=loss_scale, timer=timer)
+        by_param = {rec.param: rec for rec in records}
+        hooks = ModelHooks(model, units, by_param, coordinator, enter_backward=entry.enter)
+        closing.callback(hooks.remove)
+        grad_offload, grad_reducer = _grad_hooks(build, records, optimizer, hooks)
         clock.lap("runtime")
-    except BaseException:  # no swap directory or lock outlives a failed start
-        parts.close()
-        raise
-    return parts
+        return PartitionedModel(
+            records=records, param_tier=tiers.param_tier, optimizer=optimizer,
+            coordinator=coordinator, entry=entry, hooks=hooks, grad_offload=grad_offload,
+            grad_reducer=grad_reducer, startup_s=clock.seconds, closing=closing.pop_all(),
+        )  # fmt: skip
+
+
+def _release_all(coordinator: Coordinator, accelerator: Accelerator) -> None:
+    """Release what is gathered (from any phase) and give the device's cache back."""
+    coordinator.abort()
+    accelerator.empty_cache()
 
 
 def _check_names(
@@ -262,61 +270,63 @@ def _shard_numel(numel: int, comm: Comm, align: int) -> int:
 
 
 def _tiers(
-    parts: PartitionedModel,
-    named: list[tuple[str, nn.Parameter]],
-    trainable: list[tuple[str, int]],
-):
-    """Steps 1 and 2: the tiers, the flat layout (once), the weight output over it; returns
-    the homes' plan and the optimizer's state tier."""
-    config, comm = parts.config, parts.comm
+    build: _Build, named: list[tuple[str, nn.Parameter]], trainable: list[tuple[str, int]]
+) -> _Tiers:
+    """Steps 1 and 2: the tiers, the flat layout (once), the weight output over it."""
+    config, comm, closing = build.config, build.comm, build.closing
     zero = config.zero_optimization
+    stores = closing.enter_context(SwapStores(rank=comm.rank))
     dtype = model_dtype(config)
     names = [n for n, _ in trainable]
     on_nvme: set[str] = set()
+    param_tier = None
     if zero.offload_param.device == "nvme":
         on_nvme = frozen_on_nvme(named, zero.offload_param)
-        parts.param_tier = _param_tier(parts, named, on_nvme, dtype)
+        param_tier = _param_tier(build, stores, named, on_nvme, dtype)
+        closing.callback(param_tier.close)
     layout = optimizer_layout([n for _, n in trainable], zero)
     state_tier = make_state_tier(
         layout.sub_group_numels,
         zero.offload_optimizer,
         config.aio,
-        stores=parts.swap_stores,
+        stores=stores,
         fmt=state_format(config.optimizer),
     )
-    if parts.param_tier is not None:
-        lay_out_flat(parts.param_tier, layout, names, dtype)
-    pin = parts.accelerator if zero.offload_param.pin_memory else None
+    closing.callback(state_tier.close)
+    if param_tier is not None:
+        lay_out_flat(param_tier, layout, names, dtype)
+    pin = build.accelerator if zero.offload_param.pin_memory else None
     weights = make_weights(
-        layout, names, dtype, state_tier=state_tier, param_tier=parts.param_tier, pin=pin
+        layout, names, dtype, state_tier=state_tier, param_tier=param_tier, pin=pin
     )
     plan = HomePlan(
         weights,
         {n: i for i, n in enumerate(names)},
-        parts.param_tier,
+        param_tier,
         frozenset(on_nvme),
         comm=comm if comm.world_size > 1 else None,
-        align=shard_align(parts.config.optimizer.eight_bit),
+        align=shard_align(config.optimizer.eight_bit),
     )
-    return plan, state_tier
+    return _Tiers(stores, param_tier, state_tier, plan)
 
 
 def _param_tier(
-    parts: PartitionedModel,
+    build: _Build,
+    stores: SwapStores,
     named: list[tuple[str, nn.Parameter]],
     on_nvme: set[str],
     dtype: torch.dtype,
 ) -> NvmeParamTier:
     """The NVMe parameter tier: frozen parameters laid out one extent each (the trainable
     ones are laid out in the flat extent by `lay_out_flat`); this rank's shards of them."""
-    zero = parts.config.zero_optimization
-    align = shard_align(parts.config.optimizer.eight_bit)
-    numels = [_shard_numel(p.numel(), parts.comm, align) for _, p in named]
+    zero = build.config.zero_optimization
+    align = shard_align(build.config.optimizer.eight_bit)
+    numels = [_shard_numel(p.numel(), build.comm, align) for _, p in named]
     return make_param_tier(
         {n: (k, dtype) for (n, _), k in zip(named, numels, strict=True) if n in on_nvme},
         zero.offload_param,
-        parts.config.aio,
-        stores=parts.swap_stores,
+        build.config.aio,
+        stores=stores,
         numels=numels,
         element_size=dtype.itemsize,
         # Prefetch never reads ahead more than the whole model: a bucket larger than the
@@ -326,87 +336,80 @@ def _param_tier(
 
 
 def _optimizer(
-    parts: PartitionedModel,
-    plan: HomePlan,
-    state_tier,
+    build: _Build,
+    tiers: _Tiers,
     trainable: list[tuple[str, int]],
     sources: list[torch.Tensor],
     no_decay: Collection[str],
     groups: Sequence[ParamGroup],
-) -> None:
+    on_new_weights: GatheredRefresh,
+) -> PartitionedOptimizer:
     """Step 4: the gradient tier and the optimizer, over the layout the homes were made with."""
-    config = parts.config
+    config = build.config
     zero = config.zero_optimization
-    layout = plan.weights.layout
+    layout = tiers.plan.weights.layout
     names = [n for n, _ in trainable]
     slots = [Slot(n, k, src) for (n, k), src in zip(trainable, sources, strict=True)]
     grads = make_grad_tier(
         layout.sub_group_numels,
         zero.offload_optimizer,
         config.aio,
-        stores=parts.swap_stores,
-        accelerator=parts.accelerator,
-        half_dtype=_half_gradients(parts, slots),
+        stores=tiers.stores,
+        accelerator=build.accelerator,
+        half_dtype=_half_gradients(config, build.comm, slots),
     )
-    try:
-        parts.optimizer = PartitionedOptimizer(
-            slots,
-            optimizer=config.optimizer,
-            zero=zero,
-            state_tier=state_tier,
-            weights=plan.weights,
-            no_decay=[i for i, n in enumerate(names) if n in no_decay],
-            groups=groups,
-            grad_tier=grads,
-            comm=parts.comm,
-        )
-    except BaseException:
-        try:
-            state_tier.close()
-        finally:
-            grads.close()
-        raise
+    build.closing.callback(grads.close)
+    optimizer = PartitionedOptimizer(
+        slots,
+        optimizer=config.optimizer,
+        zero=zero,
+        state_tier=tiers.state_tier,
+        weights=tiers.plan.weights,
+        no_decay=[i for i, n in enumerate(names) if n in no_decay],
+        groups=groups,
+        grad_tier=grads,
+        comm=build.comm,
+        on_new_weights=on_new_weights,
+        profile_range=build.accelerator.range,
+    )
+    build.closing.callback(optimizer.cancel_ahead)  # no step follows
+    return optimizer
 
 
-def _runtime(
-    parts: PartitionedModel,
-    units: dict[nn.Module, ModuleUnit],
-    timer: StepTimer,
-    loss_scale: Callable[[], float] | None,
-) -> None:
-    """Steps 5 and 6: the coordinator (the optimizer's new weights wired down to it), the
-    backward entry, the hooks, the gradient reducer or offload and the gradient hooks."""
-    zero = parts.config.zero_optimization
-    optimizer, accel = parts.optimizer, parts.accelerator
-    coord = parts.coordinator = Coordinator(parts.records, zero, accelerator=accel)
-    trainable = [r for r in parts.records if r.trainable]
-    optimizer.on_new_weights = GatheredRefresh(trainable, optimizer.layout, coord)
-    optimizer.range = accel.range
-    parts.entry = BackwardEntry(coord, loss_scale=loss_scale, timer=timer)
-    by_param = {rec.param: rec for rec in parts.records}
-    parts.hooks = ModelHooks(parts.module, units, by_param, coord, enter_backward=parts.entry.enter)
+def _grad_hooks(
+    build: _Build, records: list[OffloadParam], optimizer: PartitionedOptimizer, hooks: ModelHooks
+) -> tuple[GradOffload, GradReducer | None]:
+    """Step 5's end: the gradient reducer (several ranks) or offload, and the gradient hooks
+    that hand each gradient to them."""
+    zero, comm, accel = build.config.zero_optimization, build.comm, build.accelerator
     on_device = optimizer.device_slots()  # their sums stay on the device
-    if parts.comm.world_size > 1:  # buckets that reduce-scatter gradients into the slots
-        parts.grad_reducer = GradReducer(
-            parts.comm,
+    grad_reducer = None
+    if comm.world_size > 1:  # buckets that reduce-scatter gradients into the slots
+        grad_reducer = GradReducer(
+            comm,
             optimizer.accumulate_grad,
             accel,
             bucket_numel=int(zero.reduce_bucket_size),
             overlap=zero.overlap_comm,
             contiguous=zero.contiguous_gradients,
             total_shard_numel=optimizer.layout.total,
-            align=shard_align(parts.config.optimizer.eight_bit),
+            align=shard_align(build.config.optimizer.eight_bit),
             on_device=on_device,
         )
-    parts.grad_offload = GradOffload(optimizer.accumulate_grad, accel, on_device=on_device)
-    parts.grad_handles = install_grad_hooks(
-        parts.records, parts.grad_offload.add, parts.hooks, accel, parts.grad_reducer
-    )
+    grad_offload = GradOffload(optimizer.accumulate_grad, accel, on_device=on_device)
+    handles = install_grad_hooks(records, grad_offload.add, hooks, accel, grad_reducer)
+    build.closing.callback(_remove, handles)
+    return grad_offload, grad_reducer
 
 
-def _half_gradients(parts: PartitionedModel, slots: list[Slot]) -> torch.dtype | None:
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _half_gradients(config: Config, comm: Comm, slots: list[Slot]) -> torch.dtype | None:
     """The 16-bit dtype the gradients are kept in, if they are (`keeps_half`)."""
-    config, dtype = parts.config, check_slots(slots)
+    dtype = check_slots(slots)
     half = config.zero_optimization.offload_optimizer.half_gradients
     accum = int(config.gradient_accumulation_steps)
-    return dtype if keeps_half(half, accum, dtype, parts.comm.world_size) else None
+    return dtype if keeps_half(half, accum, dtype, comm.world_size) else None

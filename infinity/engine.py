@@ -127,15 +127,12 @@ class Engine:
         # See docs/telemetry.md: always timed; the device synchronized only when asked.
         sync = self.accelerator.synchronize if self.config.wall_clock_breakdown else None
         self._timer = StepTimer(synchronize=sync)
-        self.parts = parts = assemble(
+        self.parts = assemble(
             model, self.config, comm=self.comm, accelerator=self.accelerator,
             no_decay=set(no_decay), groups=tuple(groups), timer=self._timer,
             loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
         )  # fmt: skip
-        self.records, self.optimizer = parts.records, parts.optimizer
-        self.coordinator, self.hooks, self.entry = parts.coordinator, parts.hooks, parts.entry
-        self.grad_reducer, self.grad_offload = parts.grad_reducer, parts.grad_offload
-        self.param_tier = parts.param_tier
+        """The records, tiers, optimizer, coordinator and hooks `infinity.assemble` built."""
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule: Schedule = build_schedule(
             self.config.scheduler, float(self.config.optimizer.lr)
@@ -174,25 +171,25 @@ class Engine:
             check_fp16_inputs(kwargs, "argument")
         half = fp16.enabled and fp16.auto_cast
         args, kwargs = to_device((args, kwargs), self.accelerator.device, half=half)
-        grad = torch.is_grad_enabled()
+        grad, parts = torch.is_grad_enabled(), self.parts
         # An evaluation forward belongs to no optimizer step's telemetry.
         before = None if grad else self._counters()
         start = self._timer.start() if grad else 0.0
         if grad and self.is_gradient_accumulation_boundary():  # see PartitionedOptimizer
             lrs, scale = step_lrs(self.lr_schedule), self.loss_scaler.scale
-            self.optimizer.step_ahead(lr=lrs, loss_scale=scale)
+            parts.optimizer.step_ahead(lr=lrs, loss_scale=scale)
         with (
-            self.coordinator.forward((self.module.training, grad), backward=grad),
+            parts.coordinator.forward((self.module.training, grad), backward=grad),
             self.accelerator.range("infinity::engine::forward"),
-            self.hooks.mode,
-            self.hooks.saved_tensors(),
+            parts.hooks.mode,
+            parts.hooks.saved_tensors(),
         ):
             out = self.module(*args, **kwargs)
         if not grad:
             self._deltas.skip(before, self._counters())
             return out
         self._timer.stop("forward", start)
-        return self.entry.wrap(out)
+        return parts.entry.wrap(out)
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backpropagate loss * loss_scale / gradient_accumulation_steps (DeepSpeed's meaning;
@@ -204,21 +201,21 @@ class Engine:
                 f"backward: expected a scalar loss tensor, got {type(loss).__name__} "
                 f"with shape {getattr(loss, 'shape', None)}"
             )
-        factor = self.loss_scaler.scale
+        factor, parts = self.loss_scaler.scale, self.parts
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps
         try:
             with (
-                self.coordinator.backward(),  # refused when no forward waits for its backward
-                self.entry.scaled_by_caller(),
+                parts.coordinator.backward(),  # refused when no forward waits for its backward
+                parts.entry.scaled_by_caller(),
                 self.accelerator.range("infinity::engine::backward"),
-                self.hooks.mode,
-                self.hooks.saved_tensors(),
+                parts.hooks.mode,
+                parts.hooks.saved_tensors(),
             ):
                 start = self._timer.start()
                 (loss.float() * factor).backward()
         except BaseException:
-            self.grad_offload.flush()  # what reached the hooks, as a blocking copy would have
+            parts.grad_offload.flush()  # what reached the hooks, as a blocking copy would have
             raise
         self._backwards += 1
         self._timer.stop("backward", start)
@@ -234,13 +231,13 @@ class Engine:
         last window of an epoch may be shorter): True runs the optimizer now and starts a new
         window, False only counts."""
         self._check_open("step")
-        if self._backwards == 0 and self.entry.finished == 0:
+        if self._backwards == 0 and self.parts.entry.finished == 0:
             # Adam on no gradient still moves the weights (weight decay, the moments).
             raise RuntimeError(
                 "step: no backward() since the last step(); call engine.backward(loss) (or "
                 "loss.backward()) on each micro batch's loss before engine.step()"
             )
-        self._backwards = self.entry.finished = 0
+        self._backwards = self.parts.entry.finished = 0
         ga = self.gradient_accumulation_steps
         if boundary is None:
             boundary = self.is_gradient_accumulation_boundary()
@@ -248,7 +245,7 @@ class Engine:
             self._optimizer_step()
             self.micro_steps = (self.micro_steps // ga + 1) * ga
         else:
-            self.optimizer.cancel_ahead()  # the loop's window goes on: no step yet
+            self.parts.optimizer.cancel_ahead()  # the loop's window goes on: no step yet
             self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
@@ -261,13 +258,13 @@ class Engine:
 
     def _run_optimizer(self) -> tuple[float, ...]:
         """The optimizer step proper; returns the lrs it used (one per parameter group)."""
-        start = self._timer.start()
-        if self.grad_reducer is not None:  # normally done at the end of each backward
-            self.grad_reducer.flush()
-        self.grad_offload.flush()  # likewise
-        self.coordinator.quiesce()
+        start, parts = self._timer.start(), self.parts
+        if parts.grad_reducer is not None:  # normally done at the end of each backward
+            parts.grad_reducer.flush()
+        parts.grad_offload.flush()  # likewise
+        parts.coordinator.quiesce()
         lr = step_lrs(self.lr_schedule)
-        result = self.optimizer.step(
+        result = parts.optimizer.step(
             lr=lr,
             loss_scale=self.loss_scaler.scale,
             max_grad_norm=float(self.config.gradient_clipping),
@@ -304,7 +301,7 @@ class Engine:
             window_s=self._timer.last_window_s,
             phases=phases,
             deltas=self._deltas.take(self._counters()),
-            optimizer_compute_s=self.optimizer.last_compute_s,
+            optimizer_compute_s=self.parts.optimizer.last_compute_s,
             peak_device_bytes=self.accelerator.max_memory_allocated(),
             synchronized=self._timer.synchronizes,
         )
@@ -390,7 +387,7 @@ class Engine:
         bytes (allocated, and the peak in use); this rank's figures, with `rank`,
         `world_size`, `home_numel` (the elements its homes hold: about 1/world_size of the
         model) and the comm's bytes and calls per collective."""
-        return self.parts.memory_stats()
+        return self.parts.memory_stats(self.comm)
 
     # ---- checkpoints ------------------------------------------------------------------
 
@@ -409,7 +406,7 @@ class Engine:
         position, model description...) is stored with them and handed back by
         `load_checkpoint`. Returns the tag. Call between steps (not between forward and
         backward)."""
-        self.coordinator.check_between_iterations("save_checkpoint")
+        self.parts.coordinator.check_between_iterations("save_checkpoint")
         tag = tag or checkpoint.step_tag(self.global_steps)
         engine_checkpoint.save(
             self, save_dir, tag, client_state=client_state, include_frozen=include_frozen
@@ -434,7 +431,7 @@ class Engine:
         """Resume exactly from `save_dir/tag` (default: the latest). Returns the checkpoint's
         path and the `client_state` it was saved with, as DeepSpeed does. A checkpoint.json
         without its checksum is refused unless `accept_unverified`."""
-        self.coordinator.check_between_iterations("load_checkpoint")
+        self.parts.coordinator.check_between_iterations("load_checkpoint")
         result = engine_checkpoint.load(self, save_dir, tag, accept_unverified)
         self._deltas.rebase(self._counters())  # its writes are no step's
         return result
@@ -444,7 +441,7 @@ class Engine:
         if self._base_record is None:
             frozen = {
                 r.name: (r.shape, str(r.dtype).removeprefix("torch."))
-                for r in self.records
+                for r in self.parts.records
                 if not r.trainable
             }
             self._base_record = describe_base(frozen, self._base_source)
@@ -493,5 +490,5 @@ class Engine:
         """(name, a host copy of the weights in the parameter's shape) for every parameter,
         read from its home when reached (with several ranks, gathered from every rank: all
         of them must iterate it together)."""
-        for rec in self.records:
+        for rec in self.parts.records:
             yield rec.name, engine_checkpoint.full_weights(rec)()

@@ -31,9 +31,10 @@ from infinity.zero.shard import shard_align
 if TYPE_CHECKING:
     from torch import nn
 
+    from infinity.assemble import PartitionedModel
     from infinity.comm import Comm
     from infinity.config import Config
-    from infinity.zero import Coordinator, OffloadParam, PartitionedOptimizer
+    from infinity.zero import OffloadParam
 
 
 class CheckpointedEngine(Protocol):
@@ -44,9 +45,7 @@ class CheckpointedEngine(Protocol):
     module: nn.Module
     config: Config
     comm: Comm
-    records: list[OffloadParam]
-    optimizer: PartitionedOptimizer
-    coordinator: Coordinator
+    parts: PartitionedModel
     lr_schedule: Any
     loss_scaler: Any
     global_steps: int
@@ -132,14 +131,16 @@ def save(
             f"save_checkpoint: client_state keys {clash} are the engine's own; rename them"
         )
     comm = comm_of(engine)
-    frozen = [r for r in engine.records if not r.trainable]
-    saved = engine.records if include_frozen else [r for r in engine.records if r.trainable]
-    by_name = {r.name: r for r in engine.records}
+    frozen = [r for r in engine.parts.records if not r.trainable]
+    saved = (
+        engine.parts.records if include_frozen else [r for r in engine.parts.records if r.trainable]
+    )
+    by_name = {r.name: r for r in engine.parts.records}
 
     def tensors():
         for rec in saved:
             yield f"{PARAM}{rec.name}", _weights(rec, comm)
-        for name, thunk in engine.optimizer.state_tensors():
+        for name, thunk in engine.parts.optimizer.state_tensors():
             # The slot is the padded shard: its span is saved (an 8-bit absmax whole, see
             # [Note: 8-bit state in checkpoints]).
             if comm.world_size > 1 and not name.endswith(ABSMAX):
@@ -149,7 +150,7 @@ def save(
 
     state = {
         "engine": engine.loop_state(),
-        "optimizer": engine.optimizer.state_dict(),
+        "optimizer": engine.parts.optimizer.state_dict(),
         "lr_schedule": engine.lr_schedule.state_dict(),
         "loss_scaler": engine.loss_scaler.state_dict(),
         **(client_state or {}),
@@ -180,34 +181,34 @@ def load(
     with_frozen = BASE_MODEL_KEY not in ckpt.state
     if not with_frozen:
         check_base(ckpt.state[BASE_MODEL_KEY], engine.base_record(), str(ckpt.path))
-    needed = [r for r in engine.records if r.trainable or with_frozen]
+    needed = [r for r in engine.parts.records if r.trainable or with_frozen]
     missing = [PARAM + r.name for r in needed if PARAM + r.name not in names]
     if missing:
         raise ValueError(
             f"checkpoint {ckpt.path} has no weights for {missing[:5]} "
             f"({len(missing)} missing): it was saved from a different model"
         )
-    by_name = {r.name: r for r in engine.records}
+    by_name = {r.name: r for r in engine.parts.records}
     # No transfer may still read a home the load writes (an async copy or all-gather).
-    engine.coordinator.quiesce()
+    engine.parts.coordinator.quiesce()
     saved = _Saved(ckpt.world_size, int(ckpt.state["engine"].get("shard_align", 1)))
-    engine.optimizer.load_state_dict(
+    engine.parts.optimizer.load_state_dict(
         _resharded(ckpt.state["optimizer"], by_name, saved, comm.world_size, _align(engine))
     )
     align = _align(engine)
     with ckpt.span_reader() as spans:
-        engine.optimizer.load_state_tensors(
+        engine.parts.optimizer.load_state_tensors(
             lambda name: _read_optim(
                 spans, name, by_name[name.rsplit(".", 1)[0]], comm, saved, align
             )
         )
         if with_frozen:
-            for rec in engine.records:
+            for rec in engine.parts.records:
                 if not rec.trainable:
                     rec.home.write(_read_own(spans, PARAM + rec.name, rec, comm))
-    for rec in engine.records:
+    for rec in engine.parts.records:
         if rec.trainable or with_frozen:
-            engine.coordinator.refresh(rec)
+            engine.parts.coordinator.refresh(rec)
     engine.lr_schedule.load_state_dict(ckpt.state["lr_schedule"])
     engine.loss_scaler.load_state_dict(ckpt.state["loss_scaler"])
     engine.load_loop_state(ckpt.state["engine"])
@@ -321,11 +322,11 @@ def save_16bit(engine: CheckpointedEngine, save_dir: str | os.PathLike, save_fil
             "is false; set it to true, or export a checkpoint with "
             "`infinity export CKPT --out DIR`"
         )
-    engine.coordinator.check_between_iterations("save_16bit_model")
+    engine.parts.coordinator.check_between_iterations("save_16bit_model")
     comm = engine.comm
-    dtype = engine.records[0].dtype
+    dtype = engine.parts.records[0].dtype
     dtype = dtype if dtype in model16.SIXTEEN_BIT else torch.bfloat16
-    weights = [(r.name, full_weights(r)) for r in engine.records]
+    weights = [(r.name, full_weights(r)) for r in engine.parts.records]
     if comm.rank != 0:  # the gathers are collectives: take part, write nothing
         for _, gather in weights:
             gather()

@@ -34,13 +34,13 @@ def train_counting(cfg: dict, **kwargs) -> dict:
     seen = {}
 
     def on_engine(engine) -> None:
-        seen["coord"] = engine.coordinator
+        seen["coord"] = engine.parts.coordinator
 
         def observe(event, rec) -> None:
             if event is LiveEvent.FETCH and rec.trainable:
                 fetches[rec.name] += 1
 
-        engine.coordinator.observers.append(observe)
+        engine.parts.coordinator.observers.append(observe)
 
     out = train(cfg, on_engine=on_engine, **kwargs)
     out["fetches"] = dict(fetches)

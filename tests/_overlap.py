@@ -63,16 +63,16 @@ def train(
                 mine = ids[2 * rank : 2 * rank + 2]
                 loss = engine(mine, mine)
                 engine.backward(loss)
-                assert engine.optimizer.wait_ahead()  # what can go early has gone
+                assert engine.parts.optimizer.wait_ahead()  # what can go early has gone
                 out["losses"].append(loss.item())
                 engine.step()
             out["norms"].append(engine.get_global_grad_norm())
             out["scales"].append(engine.loss_scale)
             out["skipped"].append(engine.was_step_skipped)
-            t = engine.optimizer.last_timings
+            t = engine.parts.optimizer.last_timings
             out["ahead"].append([t.get("ahead_sub_groups", 0), t.get("ahead_confirmed", 0)])
         out["weights"] = {n: digest(w) for n, w in engine.named_parameters_host()}
-        out["state"] = {n: digest(read()) for n, read in engine.optimizer.state_tensors()}
+        out["state"] = {n: digest(read()) for n, read in engine.parts.optimizer.state_tensors()}
     finally:
         engine.close()
     return out

@@ -57,7 +57,7 @@ def test_groups_lr_betas_eps_decay_and_a_lambda_per_group_match_torch(tier, tmp_
     data = batches(5)
     engine, opt = ours(net(), zero_config(tier, tmp_path))
     store = {"cpu": "HostStateTier", "nvme": "NvmeStateTier", "split": "SplitStateTier"}
-    assert type(engine.engine.optimizer.state_tier).__name__ == store[tier]
+    assert type(engine.engine.parts.optimizer.state_tier).__name__ == store[tier]
     lrs = [g["lr"] for g in groups(net())]
     assert engine.get_lr() == lrs
     got = []

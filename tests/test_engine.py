@@ -52,8 +52,8 @@ def test_forward_that_raises_recovers():
             with pytest.raises(RuntimeError, match="injected"):
                 engine(ids, ids)
             assert engine.memory_stats()["live_param_numel"] == 0
-            assert all(r.pins == 0 for r in engine.records)
-            assert not engine.hooks.stack
+            assert all(r.pins == 0 for r in engine.parts.records)
+            assert not engine.parts.hooks.stack
             engine.module.fail = False
         loss = engine(ids, ids)
         engine.backward(loss)
@@ -113,7 +113,7 @@ def test_half_precision_tracks_fp32(precision, tol):
     got, engine = run_engine(model, data, cfg)
     assert max_rel_diff(got, ref) < tol, (got, ref)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    assert all(r.home.dtype == dtype for r in engine.records)
+    assert all(r.home.dtype == dtype for r in engine.parts.records)
 
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
@@ -147,7 +147,7 @@ def test_init_builds_partitions_with_the_modules_own_init():
     for (name, a), b in zip(plain.named_parameters(), built.parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)  # reset_parameters ran on the partition
     engine = infinity.initialize(built, cfg)
-    assert all(r.param.numel() == 0 for r in engine.records)
+    assert all(r.param.numel() == 0 for r in engine.parts.records)
     x = torch.randn(2, 8)
     torch.testing.assert_close(engine(x), plain(x))
 
@@ -174,9 +174,9 @@ def test_init_with_llama_shares_partitions_and_ties():
     engine = infinity.initialize(built, cfg)
     # The partitions made under init are adopted, not copied (fp32: the optimizer's masters
     # are filled from them once).
-    frozen_or_adopted = [r for r in engine.records if not r.trainable]
+    frozen_or_adopted = [r for r in engine.parts.records if not r.trainable]
     assert not frozen_or_adopted
-    assert len(engine.records) == len(partitions)
+    assert len(engine.parts.records) == len(partitions)
     ids = batches(1, seed=13)[0]
     torch.testing.assert_close(engine(ids, ids), plain(ids, ids))
 

@@ -36,7 +36,7 @@ def test_every_tier_and_sub_group_size_gives_the_same_bits(tmp_path):
     torch.manual_seed(0)
     model, data = tiny_gpt(checkpointing=False), batches(5, seed=3)
     ref_losses, ref = run_engine(model, data, _cfg(tmp_path / "unused"))
-    assert ref.optimizer.format.eight_bit
+    assert ref.parts.optimizer.format.eight_bit
     runs = {
         "nvme": _cfg(tmp_path / "a", "nvme"),
         "split": _cfg(tmp_path / "b", "nvme", max_in_cpu=8192),
@@ -66,7 +66,7 @@ def test_nvme_bytes_are_about_half_of_32_bit(tmp_path):
             cfg["zero_optimization"]["sub_group_size"] = 32768  # pages of padding stay small
             _, engine = run_engine(model, data[:steps], cfg)
             total.append(engine.memory_stats()["nvme_optim_bytes_read"])
-            numel = sum(r.numel for r in engine.records if r.trainable)
+            numel = sum(r.numel for r in engine.parts.records if r.trainable)
             engine.close()
         read[eight_bit] = total[1] - total[0]
     assert read[True] <= 0.55 * read[False], read

@@ -57,14 +57,16 @@ def test_aliasing_changes_nothing_but_the_copies(case):
     for alias in (True, False):
         engine, accel = _engine(model, case, alias=alias)
         losses = train_steps(engine, data)
-        live = [r.param.detach().clone() for r in engine.records if r.state.name == "LIVE"]
-        homes = [r.read_full().view(r.shape) for r in engine.records if r.state.name == "LIVE"]
+        live = [r.param.detach().clone() for r in engine.parts.records if r.state.name == "LIVE"]
+        homes = [
+            r.read_full().view(r.shape) for r in engine.parts.records if r.state.name == "LIVE"
+        ]
         runs[alias] = (losses, _weights(engine), engine.memory_stats(), engine.skipped_steps)
         # What is gathered after the last step is the home's current value, either way.
         assert all(torch.equal(a, b) for a, b in zip(live, homes, strict=True))
         if alias:
             assert accel.copies.host_to_device_bytes == 0
-            assert all(r.aliased for r in engine.records if r.state.name == "LIVE")
+            assert all(r.aliased for r in engine.parts.records if r.state.name == "LIVE")
         else:
             assert accel.copies.host_to_device_bytes > 0
         engine.close()
@@ -90,7 +92,7 @@ def test_checkpoint_load_reaches_live_aliases(tmp_path):
     engine.close()
     resumed, _ = _engine(model, "fp32-kept-accum-clip", alias=True)
     train_steps(resumed, other)  # different weights, gathered (aliased) at the load
-    assert any(r.aliased for r in resumed.records)
+    assert any(r.aliased for r in resumed.parts.records)
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert train_steps(resumed, then) == expected
     resumed.close()

@@ -27,7 +27,7 @@ def test_one_rank_saves_whole_tensors_in_their_shapes(tmp_path):
     ckpt = load_checkpoint(tmp_path, "a")
     assert ckpt.world_size == 1
     saved = dict(ckpt.tensors())
-    for rec in engine.records:
+    for rec in engine.parts.records:
         assert saved[f"param/{rec.name}"].shape == rec.shape
         for field in ("master", "exp_avg", "exp_avg_sq"):
             assert saved[f"optim/{rec.name}.{field}"].shape == (rec.numel,)

@@ -31,7 +31,7 @@ def test_engine_defaults_to_one_process(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     engine = infinity.initialize(Zoo(), config())
     assert isinstance(engine.comm, comm.SingleProcess)
-    assert engine.grad_reducer is None  # one process: gradients go straight into the slots
+    assert engine.parts.grad_reducer is None  # one process: gradients go straight into the slots
     train_steps(engine, batches(2))
     stats = engine.memory_stats()
     assert (stats["rank"], stats["world_size"]) == (0, 1)

@@ -32,7 +32,9 @@ def _nvme_cfg(tmp_path, budget: int, **offload) -> dict:
 
 def _frozen_bytes(engine, home=HomeTier.NVME) -> int:
     return sum(
-        r.numel * r.itemsize for r in engine.records if not r.trainable and r.home.tier is home
+        r.numel * r.itemsize
+        for r in engine.parts.records
+        if not r.trainable and r.home.tier is home
     )
 
 
@@ -60,7 +62,7 @@ def test_frozen_base_is_read_again_when_the_budget_is_small(tmp_path):
     got += train_steps(engine, data[1:])
     stats = engine.memory_stats()
     assert stats["nvme_param_bytes_read"] - first >= 3 * _frozen_bytes(engine) // 2
-    assert stats["peak_live_param_numel"] <= 700 + engine.coordinator.largest_unit
+    assert stats["peak_live_param_numel"] <= 700 + engine.parts.coordinator.largest_unit
     assert got == pytest.approx(ref, rel=1e-5)
     engine.close()
 
@@ -71,13 +73,13 @@ def test_max_in_cpu_keeps_the_first_frozen_parameters_in_ram(tmp_path):
     room = frozen[0][1] + frozen[1][1]  # exactly the first two
     ref, _ = run_engine(model, data, config())
     got, engine = run_engine(model, data, _nvme_cfg(tmp_path, 700, max_in_cpu=room))
-    homes = {r.name: r.home.tier for r in engine.records if not r.trainable}
+    homes = {r.name: r.home.tier for r in engine.parts.records if not r.trainable}
     assert [homes[n] for n, _ in frozen[:2]] == [HomeTier.HOST] * 2
     assert all(homes[n] is HomeTier.NVME for n, _ in frozen[2:])
     assert got == ref
     engine.close()
     got, engine = run_engine(model, data, _nvme_cfg(tmp_path, 700))  # default: none in RAM
-    assert all(r.home.tier is HomeTier.NVME for r in engine.records)
+    assert all(r.home.tier is HomeTier.NVME for r in engine.parts.records)
     engine.close()
 
 
@@ -96,7 +98,7 @@ def test_checkpoint_holds_only_trainable_weights_and_resume_is_exact(tmp_path, n
     model, data, engine = _trained(tmp_path, cfg, source)
     ckpt = infinity.checkpoint.load_checkpoint(tmp_path / "ckpt")
     params = {n[len("param/") :] for n in ckpt.tensor_names() if n.startswith("param/")}
-    assert params == {r.name for r in engine.records if r.trainable}
+    assert params == {r.name for r in engine.parts.records if r.trainable}
     assert ckpt.state["base_model"]["source"] == source
     assert "proj.base.weight" in ckpt.state["base_model"]["frozen"]
     expected = train_steps(engine, data[4:])

@@ -46,7 +46,7 @@ def test_hf_causal_lm_parity(make, checkpointing):
     assert max_rel_diff(got, ref) < 1e-5, (got, ref)
     stats = engine.memory_stats()
     # The bound: the budget plus the largest unit (a module's own parameters).
-    assert stats["peak_live_param_numel"] <= budget + engine.coordinator.largest_unit
+    assert stats["peak_live_param_numel"] <= budget + engine.parts.coordinator.largest_unit
     assert stats["budget_overruns"] == 0
 
 
@@ -65,7 +65,7 @@ def test_plain_loss_backward_with_activation_checkpointing(make):
     for ids in data:
         loss = _hf_loss(engine, ids)
         loss.backward()
-        assert engine.coordinator.phase is Phase.IDLE  # ended by autograd
+        assert engine.parts.coordinator.phase is Phase.IDLE  # ended by autograd
         assert engine.memory_stats()["live_param_numel"] == 0
         engine.step()
         got.append(loss.item())

@@ -24,20 +24,20 @@ def _engine(**zero):
 def test_phase_follows_forward_and_backward(plain):
     engine = _engine()
     ids = batches(1)[0]
-    assert engine.coordinator.phase is Phase.IDLE
+    assert engine.parts.coordinator.phase is Phase.IDLE
     loss = engine(ids, ids)
-    assert engine.coordinator.phase is Phase.BACKWARD_PENDING
+    assert engine.parts.coordinator.phase is Phase.BACKWARD_PENDING
     with pytest.raises(RuntimeError, match="waiting for its backward"):
         engine.save_checkpoint("unused")
     if plain:
         loss.backward()
     else:
         engine.backward(loss)
-    assert engine.coordinator.phase is Phase.IDLE
+    assert engine.parts.coordinator.phase is Phase.IDLE
     engine.step()
     with torch.no_grad():
         engine(ids, ids)
-    assert engine.coordinator.phase is Phase.IDLE  # a no-grad forward ends at once
+    assert engine.parts.coordinator.phase is Phase.IDLE  # a no-grad forward ends at once
     engine.close()
 
 
@@ -58,7 +58,7 @@ def test_a_second_backward_of_one_forward_is_a_clear_error(plain):
         else:
             engine.backward(loss)
             engine.backward(loss)
-    assert engine.coordinator.phase is Phase.IDLE
+    assert engine.parts.coordinator.phase is Phase.IDLE
     # A forward whose backward never came is closed by the next forward: training goes on.
     engine(ids, ids)
     loss = engine(ids, ids)
@@ -78,12 +78,14 @@ def test_forward_after_a_backward_that_raised():
     loss.register_hook(boom)
     with pytest.raises(ValueError, match="boom"):
         loss.backward()
-    assert engine.coordinator.phase is Phase.BACKWARD  # left by autograd half-way
+    assert engine.parts.coordinator.phase is Phase.BACKWARD  # left by autograd half-way
     loss = engine(ids, ids)
     loss.backward()
     engine.step()
     assert all(
-        r.state is ParamState.RELEASED for r in engine.records if not r.persistent and r.trainable
+        r.state is ParamState.RELEASED
+        for r in engine.parts.records
+        if not r.persistent and r.trainable
     )
     engine.close()
 
@@ -99,8 +101,8 @@ def test_module_called_outside_the_engine():
         direct = engine.module(ids, ids)
         through = engine(ids, ids)
     assert torch.equal(direct, through)
-    assert engine.coordinator.phase is Phase.IDLE
-    assert engine.coordinator.live_numel == 0
+    assert engine.parts.coordinator.phase is Phase.IDLE
+    assert engine.parts.coordinator.live_numel == 0
     out = engine.module(ids, ids)
     with pytest.raises(RuntimeError, match="backward of module '.*': .*no engine forward waiting"):
         out.backward()
@@ -121,10 +123,12 @@ def _nvme_decisions(tmp_path, seed: int | None):
     torch.manual_seed(0)
     engine = infinity.initialize(tiny_gpt(checkpointing=True), cfg)
     if seed is not None:
-        store = engine.param_tier
+        store = engine.parts.param_tier
         store.aio = DelayedAio(store.aio, seed=seed, max_delay_s=0.002)
     log: list[tuple[str, str]] = []
-    engine.coordinator.observers.append(lambda event, rec: log.append((event.value, rec.name)))
+    engine.parts.coordinator.observers.append(
+        lambda event, rec: log.append((event.value, rec.name))
+    )
     losses = []
     for ids in batches(3, seed=7):
         loss = engine(ids, ids)
@@ -153,11 +157,11 @@ def test_nvme_gathers_are_the_same_whatever_the_read_delays(tmp_path):
 
 def _clean_state(engine) -> None:
     """After an aborted iteration: no phase, no running call, no pin, nothing waited for."""
-    assert engine.coordinator.phase is Phase.IDLE
-    assert not engine.hooks.stack and not engine.hooks._waiting
-    assert not engine.hooks.busy
-    assert all(r.pins == 0 for r in engine.records)
-    assert not engine.entry._started
+    assert engine.parts.coordinator.phase is Phase.IDLE
+    assert not engine.parts.hooks.stack and not engine.parts.hooks._waiting
+    assert not engine.parts.hooks.busy
+    assert all(r.pins == 0 for r in engine.parts.records)
+    assert not engine.parts.entry._started
 
 
 def _raise_once_in(module, where: str):
@@ -194,7 +198,7 @@ def _train(engine, ids_list, fail_at=None, where="forward", plain=False):
                 loss.backward() if plain else engine.backward(loss)
             if not plain or where == "forward":
                 _clean_state(engine)
-            engine.optimizer.zero_grad()  # what the failed backward accumulated
+            engine.parts.optimizer.zero_grad()  # what the failed backward accumulated
             torch.set_rng_state(rng)
         loss = engine(ids, ids)
         loss.backward() if plain else engine.backward(loss)
@@ -227,7 +231,7 @@ def test_forward_context_aborts_on_exception_and_notifies_subscribers():
     released, every `on_end` subscriber called once); a clean exit without gradients ends
     the iteration the same way."""
     engine = _engine()
-    coord = engine.coordinator
+    coord = engine.parts.coordinator
     ends = []
     coord.on_end.append(lambda: ends.append(coord.phase))
     with pytest.raises(KeyError), coord.forward("k", backward=True):

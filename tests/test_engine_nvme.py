@@ -32,7 +32,7 @@ def test_nvme_optimizer_states_are_bitwise_equal_to_cpu(tmp_path, dtype):
     ):
         assert torch.equal(a, b), name
     stats = got.memory_stats()
-    numel = sum(r.numel for r in got.records if r.trainable)
+    numel = sum(r.numel for r in got.parts.records if r.trainable)
     # Every step reads and writes master, exp_avg and exp_avg_sq (12 bytes per parameter).
     assert stats["nvme_optim_bytes_written"] >= 5 * 12 * numel
     assert stats["nvme_optim_bytes_read"] >= 4 * 12 * numel
@@ -93,9 +93,9 @@ def test_nvme_parameters_are_bitwise_equal_to_cpu(tmp_path, dtype):
         got.named_parameters_host(), ref.named_parameters_host(), strict=True
     ):
         assert torch.equal(a, b), name
-    assert all(r.home.host_bytes == 0 for r in got.records)  # no weights kept in host memory
+    assert all(r.home.host_bytes == 0 for r in got.parts.records)  # no weights kept in host memory
     stats = got.memory_stats()
-    trainable = sum(r.numel * r.itemsize for r in got.records if r.trainable)
+    trainable = sum(r.numel * r.itemsize for r in got.parts.records if r.trainable)
     assert stats["nvme_param_bytes_written"] >= 5 * trainable  # every step's new weights
     assert stats["nvme_param_bytes_read"] > 0
     assert stats["prefetch_hits"] > stats["prefetch_misses"]
@@ -103,7 +103,7 @@ def test_nvme_parameters_are_bitwise_equal_to_cpu(tmp_path, dtype):
     assert 0 < stats["param_pool_peak_bytes_in_use"] <= stats["param_pool_bytes"]
     assert 0 < stats["optim_host_buffer_peak_bytes"] <= stats["optim_host_buffer_bytes"]
     assert stats["pinned_bytes"] == stats["peak_pinned_bytes"] == 0  # nothing pins on the CPU
-    assert stats["peak_live_param_numel"] <= 1500 + max(r.numel for r in got.records) * 4
+    assert stats["peak_live_param_numel"] <= 1500 + max(r.numel for r in got.parts.records) * 4
     got.close()
     ref.close()
     assert not [p for p in tmp_path.rglob("*") if p.is_file()], "swap files left behind"

@@ -58,7 +58,7 @@ def test_zoo_cases(case):
     stats = engine.memory_stats()
     # Everything trainable is released between iterations; a frozen base that fits the
     # budget stays gathered (it never changes).
-    frozen = sum(r.numel for r in engine.records if not r.trainable)
+    frozen = sum(r.numel for r in engine.parts.records if not r.trainable)
     assert stats["live_param_numel"] == (frozen if case == "lora" else 0)
     # Only the engine's one accumulation hook per trainable parameter: no gradient hook is
     # left behind by an iteration (they would pile up).
@@ -66,7 +66,7 @@ def test_zoo_cases(case):
         assert len(p._backward_hooks or {}) == int(p.requires_grad)
     if case == "lora":
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        assert engine.optimizer.memory_stats()["numel"] == trainable
+        assert engine.parts.optimizer.memory_stats()["numel"] == trainable
 
 
 def test_buffers_stay_resident_and_are_used():

@@ -115,22 +115,22 @@ def test_sums_on_the_device_train_bitwise_as_host_and_nvme(tmp_path, dtype, accu
     for name, kw in placements.items():
         cfg = _cfg(tmp_path / name, dtype=dtype, accum=accum, **kw)
         losses, engine = run_engine(model, data, cfg)
-        grads, stats = engine.optimizer.grads, engine.memory_stats()
-        slots = engine.optimizer.device_slots()
+        grads, stats = engine.parts.optimizer.grads, engine.memory_stats()
+        slots = engine.parts.optimizer.device_slots()
         if name == "all-on-device":
             assert isinstance(grads, DeviceGradTier)
-            assert slots == frozenset(range(engine.optimizer.num_slots))
+            assert slots == frozenset(range(engine.parts.optimizer.num_slots))
             assert stats.get("nvme_grad_bytes_written", 0) == 0
         if name == "device-then-nvme":
             assert [type(t) for t in grads.parts] == [DeviceGradTier, NvmeGradTier]
-            assert 0 < len(slots) < engine.optimizer.num_slots
+            assert 0 < len(slots) < engine.parts.optimizer.num_slots
         if name == "device-host-nvme":
             assert isinstance(grads, SplitGradTier)
             assert [type(t) for t in grads.parts] == [DeviceGradTier, HostGradTier, NvmeGradTier]
         if name.startswith(("all", "device")):
             on_device = sum(grads.numels[: grad_split(grads.numels, _offload(cfg))[0]])
             assert stats["grad_device_bytes"] == 4 * on_device > 0
-        weights = [r.home.read() for r in engine.records]
+        weights = [r.home.read() for r in engine.parts.records]
         runs[name] = (losses, weights, engine.get_global_grad_norm(), stats)
         engine.close()
     for name in placements:
@@ -171,7 +171,7 @@ def test_an_fp16_overflow_on_the_device_skips_the_step_and_forgets_the_sums(tmp_
             engine.step()
             losses.append(loss.item())
         assert engine.skipped_steps == 1 and engine.global_steps == 2
-        runs.append((losses, [r.home.read() for r in engine.records], engine.loss_scale))
+        runs.append((losses, [r.home.read() for r in engine.parts.records], engine.loss_scale))
         engine.close()
     assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2]
     for a, b in zip(runs[0][1], runs[1][1], strict=True):
@@ -187,7 +187,7 @@ def test_a_checkpoint_resumes_exactly_with_the_sums_elsewhere(tmp_path):
     model = Zoo()
     data = batches(6)
     _, reference = run_engine(model, data, _cfg(tmp_path / "ref", on_device=0, accum=2))
-    want = [r.home.read() for r in reference.records]
+    want = [r.home.read() for r in reference.parts.records]
     reference.close()
     _, first = run_engine(model, data[:4], _cfg(tmp_path / "a", on_device=10**9, accum=2))
     first.save_checkpoint(tmp_path / "ckpt")
@@ -196,7 +196,7 @@ def test_a_checkpoint_resumes_exactly_with_the_sums_elsewhere(tmp_path):
     second = infinity.initialize(Zoo(), _cfg(tmp_path / "b", on_device=SUB_GROUP, accum=2))
     second.load_checkpoint(tmp_path / "ckpt")
     train_steps(second, data[4:])
-    for a, b in zip((r.home.read() for r in second.records), want, strict=True):
+    for a, b in zip((r.home.read() for r in second.parts.records), want, strict=True):
         assert torch.equal(a, b)
     second.close()
 

@@ -24,7 +24,7 @@ def test_8_bit_names_train_with_8_bit_moments(tmp_path, optim):
     assert trainer.infinity_config["optimizer"]["type"] == "AdamW8bit"
     out = trainer.train()
     assert out.training_loss > 0
-    assert trainer.engine.optimizer.format.eight_bit
+    assert trainer.engine.parts.optimizer.format.eight_bit
 
 
 def test_the_default_optim_runs_32_bit_moments(tmp_path):

@@ -84,7 +84,7 @@ def test_lora_on_infinity_matches_peft_with_adamw(tmp_path, where):
         model = apply_lora(LlamaForCausalLM(LlamaConfig(**TINY)), spec)
     _nonzero_adapters(model)
     engine = infinity.initialize(model, cfg)
-    trainable = {r.name for r in engine.records if r.trainable}
+    trainable = {r.name for r in engine.parts.records if r.trainable}
     assert trainable == {n for n, p in ref.named_parameters() if p.requires_grad}
     assert (
         all("lora_" in n for n in trainable) and len(trainable) == 2 * 3 * TINY["num_hidden_layers"]

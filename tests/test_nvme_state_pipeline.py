@@ -119,7 +119,7 @@ def test_engine_takes_the_switches_from_the_config_and_trains_bitwise_the_same(t
     for read, write in SWITCHES:
         cfg = _engine_cfg(tmp_path, pipeline_read=read, pipeline_write=write)
         losses, engine = run_engine(model, data, cfg)
-        store = engine.optimizer.state_tier
+        store = engine.parts.optimizer.state_tier
         assert (store.pipeline_read, store.pipeline_write) == (read, write)
         results.append((losses, [w.clone() for _, w in engine.named_parameters_host()]))
         engine.close()
@@ -170,7 +170,7 @@ def test_pin_memory_on_the_cpu_accelerator_pins_nothing_and_says_so(tmp_path):
     _, engine = run_engine(tiny_gpt(checkpointing=False), batches(1, seed=3), cfg)
     try:
         stats = engine.memory_stats()
-        assert engine.optimizer.state_tier.pool.pinned is False
+        assert engine.parts.optimizer.state_tier.pool.pinned is False
         assert stats["optim_host_buffer_pinned_bytes"] == 0
         assert stats["pinned_bytes"] == stats["peak_pinned_bytes"] == 0
     finally:

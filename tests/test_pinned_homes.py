@@ -70,7 +70,7 @@ def test_the_engine_pins_its_weight_buffer_as_the_config_asks(pin_memory):
     pins = RecordingPins()
     engine = infinity.initialize(Zoo(), cfg, accelerator=pins)
     try:
-        flat = engine.optimizer.weights.flat
+        flat = engine.parts.optimizer.weights.flat
         assert any(t is flat for t in pins.pinned) == pin_memory
     finally:
         engine.close()
@@ -101,11 +101,11 @@ def test_on_a_gpu_every_host_home_is_pinned_and_counted():
     cfg = {**config(), "bf16": {"enabled": True}}
     engine = infinity.initialize(Zoo(), cfg, accelerator=CudaAccelerator())
     try:
-        homes = [r.home for r in engine.records]
+        homes = [r.home for r in engine.parts.records]
         assert all(h.flat.is_pinned() for h in homes)
         assert engine.memory_stats()["pinned_bytes"] == (
-            engine.optimizer.weights.flat.nbytes
-            + sum(r.home.host_bytes for r in engine.records if not r.trainable)
+            engine.parts.optimizer.weights.flat.nbytes
+            + sum(r.home.host_bytes for r in engine.parts.records if not r.trainable)
         )
     finally:
         engine.close()

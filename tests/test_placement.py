@@ -199,7 +199,7 @@ def test_a_checkpoint_saved_under_one_plan_resumes_exactly_under_another(tmp_pat
 
     reference = engine_for(second)
     steps(reference, 4)
-    want = [r.home.read() for r in reference.records]
+    want = [r.home.read() for r in reference.parts.records]
     reference.close()
     saved = engine_for(first)
     steps(saved, 2)
@@ -208,7 +208,7 @@ def test_a_checkpoint_saved_under_one_plan_resumes_exactly_under_another(tmp_pat
     resumed = engine_for(second)
     resumed.load_checkpoint(tmp_path / "ckpt")
     steps(resumed, 2)
-    for a, b in zip((r.home.read() for r in resumed.records), want, strict=True):
+    for a, b in zip((r.home.read() for r in resumed.parts.records), want, strict=True):
         assert torch.equal(a, b)
     resumed.close()
 
@@ -249,7 +249,7 @@ def test_lean_buffers_lower_the_floor_and_change_no_result(tmp_path):
         for _ in range(3):
             engine.backward(engine(ids, labels=ids))
             engine.step()
-        out = [r.home.read() for r in engine.records]
+        out = [r.home.read() for r in engine.parts.records]
         engine.close()
         return out
 

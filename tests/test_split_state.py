@@ -71,7 +71,7 @@ def test_a_split_sweep_keeps_the_disk_busy_between_host_sub_groups(tmp_path):
     cfg = _cfg(tmp_path, 2 * SUB_GROUP)
     losses, engine = run_engine(Zoo(), batches(2), cfg)
     try:
-        store = engine.optimizer.state_tier
+        store = engine.parts.optimizer.state_tier
         assert isinstance(store, SplitStateTier) and store.in_ram == 2
         visited = [i for i, _ in store.sweep()]
         assert visited == interleaved_order(2, len(store.numels))
@@ -91,19 +91,19 @@ def test_every_split_trains_bitwise_as_all_ram_and_all_nvme(tmp_path, dtype, acc
     for name, in_ram, grads in placements:
         cfg = _cfg(tmp_path / name, in_ram, dtype=dtype, accum=accum, grads=grads)
         losses, engine = run_engine(model, data, cfg)
-        store = engine.optimizer.state_tier
+        store = engine.parts.optimizer.state_tier
         if name == "split":
             assert isinstance(store, SplitStateTier) and store.in_ram == 2
             assert store.stats.bytes_read > 0  # the NVMe part was really swept
             # The gradients of the sub-groups kept in RAM stay there; the others spill.
-            grads = engine.optimizer.grads
+            grads = engine.parts.optimizer.grads
             assert isinstance(grads, SplitGradTier)
             assert [type(t) for t in grads.parts] == [HostGradTier, NvmeGradTier]
             assert grads.parts[0].numels == grads.numels[:2]
         if name == "nvme-grads-in-ram":  # 16-bit gradients kept as they come at accum 1
             kept = HalfGradTier if (dtype, accum) == ("bf16", 1) else HostGradTier
-            assert isinstance(engine.optimizer.grads, kept)
-        weights = [r.home.read() for r in engine.records]
+            assert isinstance(engine.parts.optimizer.grads, kept)
+        weights = [r.home.read() for r in engine.parts.records]
         runs[name] = (losses, weights, engine.memory_stats())
         engine.close()
     for name in ("nvme", "split", "nvme-grads-in-ram"):
@@ -120,7 +120,7 @@ def test_all_of_the_state_fitting_is_the_host_tier(tmp_path):
     torch.manual_seed(0)
     engine = infinity.initialize(Zoo(), _cfg(tmp_path, 10**9))
     try:
-        assert isinstance(engine.optimizer.state_tier, HostStateTier)
+        assert isinstance(engine.parts.optimizer.state_tier, HostStateTier)
         assert engine.memory_stats().get("nvme_grad_bytes_written", 0) == 0
     finally:
         engine.close()
@@ -132,7 +132,7 @@ def test_a_checkpoint_resumes_exactly_under_another_split(tmp_path, saved, resum
     model = Zoo()
     data = batches(6)
     _, reference = run_engine(model, data, _cfg(tmp_path / "ref", resumed))
-    want = [r.home.read() for r in reference.records]
+    want = [r.home.read() for r in reference.parts.records]
     reference.close()
     _, first = run_engine(model, data[:3], _cfg(tmp_path / "a", saved))
     first.save_checkpoint(tmp_path / "ckpt")
@@ -141,6 +141,6 @@ def test_a_checkpoint_resumes_exactly_under_another_split(tmp_path, saved, resum
     second = infinity.initialize(Zoo(), _cfg(tmp_path / "b", resumed))
     second.load_checkpoint(tmp_path / "ckpt")
     train_steps(second, data[3:])
-    for a, b in zip((r.home.read() for r in second.records), want, strict=True):
+    for a, b in zip((r.home.read() for r in second.parts.records), want, strict=True):
         assert torch.equal(a, b)
     second.close()

@@ -122,7 +122,7 @@ def test_engine_accumulation_with_spilled_gradients_is_bitwise_the_host_path(tmp
     ):
         assert torch.equal(a, b), name
     stats = got.memory_stats()
-    numel = sum(r.numel for r in got.records if r.trainable)
+    numel = sum(r.numel for r in got.parts.records if r.trainable)
     assert stats["nvme_grad_bytes_written"] > 0 and stats["nvme_grad_bytes_read"] > 0
     assert stats["grad_bytes"] < 4 * numel  # a few sub-groups, not the whole gradient
     assert ref.memory_stats()["grad_bytes"] >= 4 * numel

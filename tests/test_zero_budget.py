@@ -37,7 +37,7 @@ class _Checked(Coordinator):
 
 
 def _largest_unit(engine) -> int:
-    return max(u.numel for u in engine.hooks.units.values())
+    return max(u.numel for u in engine.parts.hooks.units.values())
 
 
 @pytest.mark.parametrize("fraction", [0.15, 0.3, 0.6])
@@ -126,7 +126,7 @@ def test_persistent_parameters_stay_gathered():
     ref, _ = run_reference(model, data)
     got, engine = run_engine(model, data, config(stage3_param_persistence_threshold=40))
     assert max_rel_diff(got, ref) < 1e-5
-    live = {r.name for r in engine.records if r.state.name == "LIVE"}
+    live = {r.name for r in engine.parts.records if r.state.name == "LIVE"}
     assert live == set(small)
     assert engine.memory_stats()["live_param_numel"] == sum(
         p.numel() for p in model.parameters() if p.numel() < 40
@@ -148,14 +148,14 @@ def test_released_buffers_are_really_freed(checkpointing):
         copy.deepcopy(model), cfg, accelerator=CpuAccelerator(alias_host=False)
     )
     released = []
-    release = engine.coordinator._release
+    release = engine.parts.coordinator._release
 
     def watch(rec):
         if rec.device_tensor is not None:
             released.append((rec.name, StorageWeakRef(rec.device_tensor.untyped_storage())))
         release(rec)
 
-    engine.coordinator._release = watch
+    engine.parts.coordinator._release = watch
     ids = batches(1, seed=21)[0]
     loss = engine(ids, ids)
     assert len(released) > 10
@@ -175,10 +175,10 @@ def test_saved_views_of_aliased_weights_are_stored_by_reference(checkpointing):
     model = tiny_gpt(layers=2, hidden=32, checkpointing=checkpointing)
     cfg = config(stage3_max_live_parameters=3000, stage3_max_reuse_distance=0)
     engine = infinity.initialize(copy.deepcopy(model), cfg)
-    flat = engine.optimizer.weights.flat
-    assert any(r.home.flat.data_ptr() != flat.data_ptr() for r in engine.records)
+    flat = engine.parts.optimizer.weights.flat
+    assert any(r.home.flat.data_ptr() != flat.data_ptr() for r in engine.parts.records)
     packed, raw = [], []
-    pack = engine.hooks._pack
+    pack = engine.parts.hooks._pack
 
     def watch(t):
         out = pack(t)
@@ -188,7 +188,7 @@ def test_saved_views_of_aliased_weights_are_stored_by_reference(checkpointing):
             packed.append((out, out.rec.aliased))
         return out
 
-    engine.hooks._pack = watch
+    engine.parts.hooks._pack = watch
     ids = batches(1, seed=21)[0]
     loss = engine(ids, ids)
     engine.backward(loss)

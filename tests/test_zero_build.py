@@ -63,7 +63,7 @@ def test_an_nvme_built_model_trains_like_a_ram_built_one(tmp_path):
         norm.requires_grad_(False)  # a frozen home in RAM
         assert BuildPages([norm]).holds(norm) == (path is not None)  # built in a file
         engine = infinity.initialize(model, cfg)
-        frozen = [r.home for r in engine.records if not r.trainable]
+        frozen = [r.home for r in engine.parts.records if not r.trainable]
         homes = [h.flat for h in frozen if isinstance(h, HostHome)]
         assert len(homes) == (device == "cpu")  # the frozen one, in RAM
         # A home in RAM is anonymous memory, never a build file's mapping.
@@ -229,12 +229,12 @@ def test_a_model_kept_gathered_is_copied_once_per_step(tmp_path, tier):
     assert kept == base
     assert all(torch.equal(kept_w[n], base_w[n]) for n in base_w)
     assert stats["live_param_numel"] == numel and stats["budget_overruns"] == 0
-    assert all(r.state.name == "LIVE" for r in engine.records)
-    for rec in engine.records:  # the gathered copies hold the last step's weights
+    assert all(r.state.name == "LIVE" for r in engine.parts.records)
+    for rec in engine.parts.records:  # the gathered copies hold the last step's weights
         assert torch.equal(rec.param.detach().reshape(-1), rec.home.read())
     if tier == "nvme":  # read once at the first gather, never again
-        itemsize = engine.records[0].itemsize
-        assert stats["nvme_param_bytes_read"] <= numel * itemsize + 4096 * len(engine.records)
+        itemsize = engine.parts.records[0].itemsize
+        assert stats["nvme_param_bytes_read"] <= numel * itemsize + 4096 * len(engine.parts.records)
         assert runs[0][2]["nvme_param_bytes_read"] > 3 * numel * itemsize
     for *_, e in runs.values():
         e.close()

@@ -63,14 +63,14 @@ def test_a_bracketed_fused_head_trains_as_plain_pytorch():
     data = batches(4, seed=3)
     ref, _ = run_reference(model, data)
     engine = _engine(model)
-    engine.module.hooks = engine.hooks
+    engine.module.hooks = engine.parts.hooks
     losses = []
     for ids in data:
         loss = engine(ids, ids)
         loss.backward()
         engine.step()
         losses.append(loss.item())
-        assert not engine.hooks.stack
+        assert not engine.parts.hooks.stack
         assert engine.memory_stats()["live_param_numel"] == 0
     assert max_rel_diff(losses, ref) < 1e-5
     engine.close()
@@ -101,7 +101,7 @@ class _Crossed(nn.Module):
 
 def test_external_calls_end_in_reverse_order():
     engine = infinity.initialize(_Crossed(), config())
-    engine.module.hooks = engine.hooks
+    engine.module.hooks = engine.parts.hooks
     with pytest.raises(RuntimeError, match="not the innermost running call"):
         engine(torch.ones(1, 2))
     engine.close()

@@ -179,15 +179,15 @@ def test_the_engine_trains_bitwise_the_same_with_staged_gradients(accum):
             copy.deepcopy(model), {**config(), "gradient_accumulation_steps": accum}
         )
         if staged:  # the GPU's path, with the CPU device's null streams and events
-            engine.grad_offload.staged = True
-            engine.grad_offload._stream = engine.accelerator.new_stream()
+            engine.parts.grad_offload.staged = True
+            engine.parts.grad_offload._stream = engine.accelerator.new_stream()
         losses = []
         for ids in batches(3 * accum):
             loss = engine(ids, ids)
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-        assert (engine.grad_offload.peak_in_flight_bytes > 0) is staged
+        assert (engine.parts.grad_offload.peak_in_flight_bytes > 0) is staged
         runs.append((losses, [p.detach().clone() for p in engine.module.parameters()]))
         engine.close()
     assert runs[0][0] == runs[1][0]

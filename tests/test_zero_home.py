@@ -70,13 +70,13 @@ def test_trainable_homes_are_the_optimizers_weights(precision):
         cfg["bf16"] = {"enabled": True}
     torch.manual_seed(0)
     engine = infinity.initialize(Zoo(), cfg)
-    opt = engine.optimizer
-    for rec in engine.records:
+    opt = engine.parts.optimizer
+    for rec in engine.parts.records:
         assert isinstance(rec.home, HostHome) and rec.home.numel == rec.numel
         view = opt.home(rec.slot)
         assert rec.home.flat.data_ptr() == view.data_ptr()  # one copy, written by the step
     train_steps(engine, batches(2, seed=3))
-    for rec in engine.records:
+    for rec in engine.parts.records:
         assert torch.equal(rec.home.read(), opt.home(rec.slot))
     engine.close()
 
@@ -90,10 +90,10 @@ def test_nvme_engine_builds_nvme_homes_once(tmp_path):
     for name, p in model.named_parameters():
         p.requires_grad_(not name.startswith("norm"))
     engine = infinity.initialize(model, cfg)
-    homes = {r.name: r.home for r in engine.records}
+    homes = {r.name: r.home for r in engine.parts.records}
     assert all(isinstance(h, NvmeHome) for h in homes.values())
-    frozen = [r for r in engine.records if not r.trainable]
+    frozen = [r for r in engine.parts.records if not r.trainable]
     assert frozen and all(homes[r.name].key == r.name for r in frozen)  # own extents
     train_steps(engine, batches(2, seed=3))
-    assert {r.name: r.home for r in engine.records} == homes  # never moved
+    assert {r.name: r.home for r in engine.parts.records} == homes  # never moved
     engine.close()

@@ -21,14 +21,14 @@ ROOT = Path(infinity.__file__).parent
 def _recording_calls(engine) -> list:
     """Every call record the hooks create from now on."""
     calls = []
-    enter = engine.hooks._enter
+    enter = engine.parts.hooks._enter
 
     def spy(unit, args, kwargs):
         call = enter(unit, args, kwargs)
         calls.append(call)
         return call
 
-    engine.hooks._enter = spy
+    engine.parts.hooks._enter = spy
     return calls
 
 
@@ -56,7 +56,7 @@ def test_every_call_ends_its_backward(ckpt, plain):
             loss.backward()
         else:
             engine.backward(loss)
-        assert engine.coordinator.phase is Phase.IDLE
+        assert engine.parts.coordinator.phase is Phase.IDLE
         trainable = [c for c in calls if any(r.trainable for r in c.unit.records)]
         done = [c for c in trainable if c.state is CallState.DONE]
         ended = {c.unit for c in done}
@@ -68,9 +68,11 @@ def test_every_call_ends_its_backward(ckpt, plain):
         assert done and all(not c.grads_pending and c.inputs_pending == 0 for c in done)
         if ckpt:  # recomputed calls ran inside the backward
             assert len(calls) > len(forward)
-        assert not engine.hooks._waiting and not engine.hooks.stack
-        left = [r.name for r in engine.records if r.state is not ParamState.RELEASED]
-        assert set(left) <= {r.name for r in engine.records if not r.trainable}  # frozen may stay
+        assert not engine.parts.hooks._waiting and not engine.parts.hooks.stack
+        left = [r.name for r in engine.parts.records if r.state is not ParamState.RELEASED]
+        assert set(left) <= {
+            r.name for r in engine.parts.records if not r.trainable
+        }  # frozen may stay
         engine.step()
         losses.append(loss.item())
     assert max_rel_diff(losses, ref) < 1e-5

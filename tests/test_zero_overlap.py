@@ -70,7 +70,7 @@ def _loop(overlap: bool, tmp_path, script) -> dict:
     try:
         ahead = script(engine, batches(6, seed=5))
         weights = {n: digest(w) for n, w in engine.named_parameters_host()}
-        state = {n: digest(read()) for n, read in engine.optimizer.state_tensors()}
+        state = {n: digest(read()) for n, read in engine.parts.optimizer.state_tensors()}
     finally:
         engine.close()
     return {"weights": weights, "state": state, "ahead": ahead}
@@ -82,9 +82,9 @@ def test_a_second_backward_into_stepped_sub_groups_is_redone(tmp_path):
         for i in range(0, 6, 2):  # two backwards at the boundary, one step
             for ids in data[i : i + 2]:
                 engine.backward(engine(ids, ids))
-                assert engine.optimizer.wait_ahead()
+                assert engine.parts.optimizer.wait_ahead()
             engine.step()
-            t = engine.optimizer.last_timings
+            t = engine.parts.optimizer.last_timings
             ahead.append((t.get("ahead_sub_groups", 0), t.get("ahead_confirmed", 0)))
         return ahead
 
@@ -98,7 +98,7 @@ def test_a_window_the_loop_extends_undoes_what_began(tmp_path):
     def script(engine, data):
         for k, ids in enumerate(data):
             engine.backward(engine(ids, ids))
-            assert engine.optimizer.wait_ahead()
+            assert engine.parts.optimizer.wait_ahead()
             engine.step(boundary=k % 3 == 2)  # the HF Trainer's own windows of 3
         return engine.global_steps
 

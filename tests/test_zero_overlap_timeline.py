@@ -35,7 +35,7 @@ class RecordingAccelerator(CpuAccelerator):
     def _log(self, name: str, what: str) -> None:
         read = 0
         if self.engine is not None:
-            read = self.engine.optimizer.state_tier.memory_stats()["nvme_optim_bytes_read"]
+            read = self.engine.parts.optimizer.state_tier.memory_stats()["nvme_optim_bytes_read"]
         with self._cond:
             self.events.append((name, what, time.perf_counter(), threading.get_ident(), read))
             self._stepped += name == AHEAD and what == "exit"
@@ -59,7 +59,7 @@ class RecordingAccelerator(CpuAccelerator):
 
     def attach(self, engine) -> None:
         self.engine = engine
-        self.grads_per_backward = sum(r.trainable for r in engine.records)
+        self.grads_per_backward = sum(r.trainable for r in engine.parts.records)
 
 
 def test_the_optimizer_steps_sub_groups_during_backward_and_reads_state_beside_it(tmp_path):

@@ -305,4 +305,4 @@ class EngineOptimizer:
         )
 
     def state_dict(self) -> dict:
-        return self._engine.optimizer.state_dict()
+        return self._engine.parts.optimizer.state_dict()

@@ -58,7 +58,7 @@ def _records(params: list[nn.Parameter]) -> tuple[Engine | None, list[OffloadPar
             "none); gather each engine's parameters in a block of their own"
         )
     engine = next(iter(engines.values()))
-    by_param = {id(r.param): r for r in engine.records}
+    by_param = {id(r.param): r for r in engine.parts.records}
     return engine, list({id(r): r for r in (by_param[id(p)] for p in taken)}.values())
 
 
@@ -132,7 +132,7 @@ class GatheredParameters:
             return self
         engine = self._engine
         engine._check_open("GatheredParameters")
-        engine.coordinator.check_between_iterations("GatheredParameters")
+        engine.parts.coordinator.check_between_iterations("GatheredParameters")
         world = engine.comm.world_size
         if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
             raise ValueError(
@@ -176,10 +176,10 @@ class GatheredParameters:
             return
         if engine.comm.world_size > 1:
             values = engine.comm.broadcast_object(values, src=self.modifier_rank)
-        engine.coordinator.quiesce()  # no transfer may still read a home written here
+        engine.parts.coordinator.quiesce()  # no transfer may still read a home written here
         for rec, value in zip(records, values, strict=True):
             _set_weights(engine, rec, value)
-            engine.coordinator.refresh(rec)
+            engine.parts.coordinator.refresh(rec)
 
 
 def _set_weights(engine: Engine, rec: OffloadParam, value: torch.Tensor) -> None:
@@ -195,5 +195,5 @@ def _set_weights(engine: Engine, rec: OffloadParam, value: torch.Tensor) -> None
     shard = torch.zeros(rec.home.numel, dtype=torch.float32)
     shard[: hi - lo] = value.reshape(-1)[lo:hi].float()
     if rec.slot is not None:
-        engine.optimizer.set_masters(rec.slot, shard)
+        engine.parts.optimizer.set_masters(rec.slot, shard)
     rec.home.write(shard.to(rec.dtype))

@@ -331,7 +331,9 @@ def save_peft_adapter(engine: Engine, model: torch.nn.Module, output_dir: Path) 
     the frozen base is not written."""
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     # Only the adapter's parameters are read from their homes (the base can be far larger).
-    weights = {r.name: r.read_full().view(r.shape) for r in engine.records if r.name in trainable}
+    weights = {
+        r.name: r.read_full().view(r.shape) for r in engine.parts.records if r.name in trainable
+    }
     model.save_pretrained(output_dir, state_dict=weights)
 
 

@@ -54,7 +54,7 @@ def _route_fused_head(engine: Engine, model: torch.nn.Module) -> None:
 
     def after_backbone(module, args, output) -> None:
         if running and running[-1] is None:  # a fused forward, not a recomputation
-            running[-1] = engine.hooks.begin_external_call(
+            running[-1] = engine.parts.hooks.begin_external_call(
                 head.parameters(), (output.last_hidden_state,)
             )
 
@@ -69,7 +69,7 @@ def _route_fused_head(engine: Engine, model: torch.nn.Module) -> None:
         finally:
             call = running.pop()
             if call is not None:
-                engine.hooks.end_external_call(call, out)
+                engine.parts.hooks.end_external_call(call, out)
         return out
 
     # After the engine's own hooks, so that the backbone's call has ended when this runs.

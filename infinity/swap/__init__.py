@@ -2,7 +2,7 @@
 storage tiers of parameters, gradients and optimizer state. The I/O itself is
 `infinity.io`'s."""
 
-from infinity.swap.grad_tier import HostGradTier, NvmeGradError, NvmeGradTier
+from infinity.swap.grad_tier import GradTier, HostGradTier, NvmeGradError, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateError, NvmeStateTier
 from infinity.swap.param_tier import NvmeParamError, NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
@@ -17,6 +17,7 @@ from infinity.swap.store import SwapStore, SwapStoreError
 from infinity.swap.tiers import SwapStores, make_grad_tier, make_param_tier, make_state_tier
 
 __all__ = [
+    "GradTier",
     "HostGradTier",
     "HostStateTier",
     "NvmeGradError",

@@ -122,6 +122,17 @@ class DeviceGradTier:
         if self._flat is not None:
             self._flat.zero_()
 
+    @property
+    def on_device(self) -> int:
+        """Every sub-group here sums on the device."""
+        return len(self.numels)
+
+    def host_resident(self) -> list[bool]:
+        return [False] * len(self.numels)
+
+    def host_flat(self) -> None:
+        return None
+
     def close(self) -> None:
         """Gives the device buffer back."""
         self._flat = self._host = None

@@ -44,6 +44,8 @@ class HalfGradTier:
     gradient sums]); a sub-group that receives a second gradient before the step is summed
     in fp32 from then on."""
 
+    on_device = 0
+
     def __init__(self, numels: Sequence[int], dtype: torch.dtype) -> None:
         if dtype not in HALF_DTYPES:
             raise ValueError(f"HalfGradTier keeps fp16 or bf16 gradients, not {dtype}")
@@ -124,6 +126,13 @@ class HalfGradTier:
     def zero(self) -> None:
         for g in range(len(self.numels)):
             self.release(g)
+
+    def host_resident(self) -> list[bool]:
+        return [True] * len(self.numels)
+
+    def host_flat(self) -> None:
+        """None: the sums are 16-bit until a second gradient widens a sub-group."""
+        return None
 
     def close(self) -> None:
         """Nothing outstanding."""

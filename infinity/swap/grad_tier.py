@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -106,8 +106,68 @@ def sum_of_squares(flat: torch.Tensor) -> float:
     return sum_from_norms(row_norms(flat))
 
 
+@runtime_checkable
+class GradTier(Protocol):
+    """The fp32 gradient sums of every sub-group, wherever they live: the contract the
+    optimizer talks to (`HostGradTier`, `HalfGradTier`, `NvmeGradTier`, `DeviceGradTier`
+    and `SplitGradTier`, which puts several of them side by side). The optimizer never asks
+    which one it has; what differs between them is said by `on_device`, `host_resident` and
+    `host_flat`."""
+
+    numels: list[int]
+    """Elements of each sub-group."""
+
+    @property
+    def on_device(self) -> int:
+        """How many of the first sub-groups sum on the accelerator's device (their gradients
+        are added there, never copied to the host in backward)."""
+        ...
+
+    def add(self, index: int, start: int, src: torch.Tensor) -> None:
+        """Elements [start, start + src.numel()) of sub-group `index` += src."""
+        ...
+
+    def sums_of_squares(self) -> list[float]:
+        """One value per sub-group, in order (see [Note: accurate norms]): the global norm
+        is made of them."""
+        ...
+
+    def take(self, index: int) -> torch.Tensor:
+        """Sub-group `index`'s sum for the step, [numel] in host memory."""
+        ...
+
+    def release(self, index: int) -> None:
+        """The step is done with sub-group `index`: it reads as zeros from now on."""
+        ...
+
+    def zero(self) -> None:
+        """Forget every sum (a skipped step)."""
+        ...
+
+    def host_resident(self) -> list[bool]:
+        """For each sub-group, whether its sum stays in host memory from backward to the
+        step, `take` a view of it that is safe to read while backward adds to others (a step
+        ahead reads those: see [Note: the overlapped step] in infinity/zero/overlap.py)."""
+        ...
+
+    def host_flat(self) -> torch.Tensor | None:
+        """Every sub-group's sum back to back in one fp32 host buffer, if the tier keeps
+        them so; else None."""
+        ...
+
+    def close(self) -> None:
+        """Wait for what is outstanding and release the tier's resources. Idempotent."""
+        ...
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes held ("grad_host_bytes", and the tier's own counters)."""
+        ...
+
+
 class HostGradTier:
     """Every sub-group's gradient in one flat host buffer, allocated at first use."""
+
+    on_device = 0
 
     def __init__(self, numels: Sequence[int]) -> None:
         self.numels = list(numels)
@@ -147,6 +207,12 @@ class HostGradTier:
         if self._flat is not None:
             self._flat.zero_()
 
+    def host_resident(self) -> list[bool]:
+        return [True] * len(self.numels)
+
+    def host_flat(self) -> torch.Tensor:
+        return self.flat
+
     def close(self) -> None:
         """Nothing outstanding."""
 
@@ -184,6 +250,8 @@ class NvmeGradTier:
     checksums] in infinity/io/checksum.py). Not thread-safe: the gradient hooks and the step
     run on one thread.
     """
+
+    on_device = 0
 
     def __init__(
         self,
@@ -258,6 +326,13 @@ class NvmeGradTier:
     def zero(self) -> None:
         """Forget every gradient (a skipped step): no I/O, the reads ahead are waited for."""
         self.plan.zero(self._apply)
+
+    def host_resident(self) -> list[bool]:
+        """None: a sub-group may be written out and read back while backward runs."""
+        return [False] * len(self.numels)
+
+    def host_flat(self) -> None:
+        return None
 
     def close(self) -> None:
         """Wait for every transfer (raising the first failure not yet reported)."""

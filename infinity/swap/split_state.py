@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 from infinity.config.sections import OffloadOptimizerConfig
-from infinity.swap.grad_device import DeviceGradTier
+from infinity.swap.grad_tier import GradTier
 from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.state_tier import HostStateTier, SubGroupState, SubGroupState8, sweep_order
 
@@ -179,7 +178,7 @@ class SplitGradTier:
     next `count` sub-groups (device, host, NVMe; see `grad_split`), the same contract as
     any one of them."""
 
-    def __init__(self, numels: Sequence[int], parts: Sequence[tuple[int, Any]]) -> None:
+    def __init__(self, numels: Sequence[int], parts: Sequence[tuple[int, GradTier]]) -> None:
         self.numels = list(numels)
         if sum(count for count, _ in parts) != len(self.numels) or len(parts) < 2:
             raise ValueError(
@@ -190,22 +189,22 @@ class SplitGradTier:
         self._first = [0]
         for count, _ in parts:
             self._first.append(self._first[-1] + count)
-        self.on_device = self._first[1] if isinstance(self.parts[0], DeviceGradTier) else 0
+        self.on_device = self.parts[0].on_device
         """How many of the first sub-groups sum on the device (a `DeviceGradTier` part)."""
 
-    def _tier(self, index: int) -> tuple[Any, int]:
+    def _tier(self, index: int) -> tuple[GradTier, int]:
         if not 0 <= index < len(self.numels):
             raise IndexError(f"sub-group {index} out of range (there are {len(self.numels)})")
         k = bisect.bisect_right(self._first, index) - 1
         return self.parts[k], index - self._first[k]
 
-    def tier_of(self, index: int) -> Any:
+    def tier_of(self, index: int) -> GradTier:
         """The tier that holds sub-group `index`'s sums."""
         return self._tier(index)[0]
 
     def add(self, index: int, start: int, src) -> None:
         tier, i = self._tier(index)
-        if not isinstance(tier, DeviceGradTier) and src.device.type != "cpu":
+        if not tier.on_device and src.device.type != "cpu":
             src = src.cpu()  # a slot that straddles out of the device sub-groups
         tier.add(i, start, src)
 
@@ -223,6 +222,13 @@ class SplitGradTier:
     def zero(self) -> None:
         for tier in self.parts:
             tier.zero()
+
+    def host_resident(self) -> list[bool]:
+        return [r for tier in self.parts for r in tier.host_resident()]
+
+    def host_flat(self) -> None:
+        """None: the sums are in more than one buffer."""
+        return None
 
     def close(self) -> None:
         first = None

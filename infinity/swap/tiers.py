@@ -21,7 +21,7 @@ from infinity.io.aio import AioHandle
 from infinity.swap.grad_device import DeviceGradTier
 from infinity.swap.grad_half import HalfGradTier
 from infinity.swap.grad_plan import grad_footprint
-from infinity.swap.grad_tier import HostGradTier, NvmeGradTier
+from infinity.swap.grad_tier import GradTier, HostGradTier, NvmeGradTier
 from infinity.swap.nvme_state import NvmeStateTier, nvme_state_footprint
 from infinity.swap.param_tier import NvmeParamTier
 from infinity.swap.pool import PinnedBufferPool
@@ -127,7 +127,7 @@ def make_grad_tier(
     stores: SwapStores,
     accelerator: Accelerator | None = None,
     half_dtype: torch.dtype | None = None,
-) -> HostGradTier | HalfGradTier | NvmeGradTier | DeviceGradTier | SplitGradTier:
+) -> GradTier:
     """The gradient tier follows the optimizer state's (`gradients_spill`): with state on
     NVMe the host keeps `GRAD_BUFFERS` sub-groups of gradients and the rest go to the same
     swap store (see [Note: spilled gradients] in grad_tier.py), except those of the
@@ -139,7 +139,7 @@ def make_grad_tier(
     on_device, spill_from = grad_split(numels, offload)
     if on_device == 0 and spill_from == len(numels):  # every sum in host memory
         return HalfGradTier(numels, half_dtype) if half_dtype else HostGradTier(numels)
-    parts: list[tuple[int, object]] = []
+    parts: list[tuple[int, GradTier]] = []
     if on_device:
         if accelerator is None:
             raise ValueError(

@@ -31,7 +31,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any, NamedTuple
+from contextlib import AbstractContextManager
+from typing import NamedTuple
 
 import torch
 
@@ -39,9 +40,7 @@ from infinity.accelerator import profile_range
 from infinity.comm import Comm, SingleProcess
 from infinity.config import OptimizerConfig, ZeroConfig
 from infinity.optim.groups import ParamGroup
-from infinity.swap.grad_device import DeviceGradTier
-from infinity.swap.grad_tier import HostGradTier
-from infinity.swap.split_state import SplitGradTier
+from infinity.swap.grad_tier import GradTier
 from infinity.swap.state_tier import StateFormat, StateTier, SubGroupState
 from infinity.zero.optimizer_checks import (
     check_grad_tier,
@@ -101,12 +100,16 @@ class PartitionedOptimizer:
     default a host buffer, which `home(i)` returns). The engine adds gradients with
     `accumulate_grad(i, grad)` (`grad(i)` is the host gradient tier's view of them) and must
     drop its own copies of the partitions before the first gradient (the host gradient
-    buffer is allocated then). `grad_tier` (an `NvmeGradTier` of the same sub-groups)
-    keeps most of the gradients on NVMe. Weight decay applies to every slot except the
+    buffer is allocated then). `grad_tier` (a `GradTier` of the same sub-groups; default a
+    `HostGradTier`) keeps the gradient sums. Weight decay applies to every slot except the
     indices in `no_decay`; or `groups` (torch.optim's parameter groups) give each slot its
     group's betas, eps and weight decay, and a step may give one lr per group. `comm`
     (default: one process) sums the squared gradient norm over the ranks, so every rank
-    clips by the global norm and skips the same overflowing steps.
+    clips by the global norm and skips the same overflowing steps. `on_new_weights` is
+    called during the step with (flat start, new weights) of each sub-group, before they
+    are written to their homes (`infinity.assemble` gives the gathered parameters' refresh:
+    see [Note: gathered weights after a step] in assemble.py); the step's profiler ranges
+    are `profile_range`'s (the accelerator's `range`).
     """
 
     def __init__(
@@ -119,8 +122,10 @@ class PartitionedOptimizer:
         no_decay: Collection[int] = (),
         groups: Sequence[ParamGroup] = (),
         weights: HostWeights | NvmeWeights | None = None,
-        grad_tier: Any = None,
+        grad_tier: GradTier | None = None,
         comm: Comm | None = None,
+        on_new_weights: Callable[[int, torch.Tensor], None] | None = None,
+        profile_range: Callable[[str], AbstractContextManager] = profile_range,
     ) -> None:
         self.comm = comm or SingleProcess()
         self.dtype = check_slots(slots) or torch.float32
@@ -149,11 +154,8 @@ class PartitionedOptimizer:
             for g in range(self.layout.num_sub_groups)
         ]
         load_initial(self, slots)
-        self.on_new_weights: Callable[[int, torch.Tensor], None] | None = None
-        """Called during the step with (flat start, new weights) of each sub-group, before
-        they are written to their homes (`infinity.assemble` wires it to the gathered
-        parameters' refresh: see [Note: gathered weights after a step] in assemble.py)."""
-        self.range = profile_range  # `infinity.assemble` wires the accelerator's ranges
+        self.on_new_weights = on_new_weights
+        self.range = profile_range
         self._overlap = overlap_plan(zero, self.layout, grad_tier)
         self._order = self._overlap[0] if self._overlap else None  # the sweeps' order
         sizes, fmt = self.layout.sub_group_numels, self.format
@@ -201,12 +203,13 @@ class PartitionedOptimizer:
     def flat_grad(self) -> torch.Tensor:
         """Every slot's gradient in the flat space (padding stays zero; host gradient tier
         only: the sub-groups of the flat space are back to back in its buffer)."""
-        if not isinstance(self.grads, HostGradTier):
+        flat = self.grads.host_flat()
+        if flat is None:
             raise RuntimeError(
                 "the gradients are spilled to NVMe (offload_optimizer.device 'nvme'): there is "
                 "no flat host gradient; add to a slot's gradient with accumulate_grad(i, grad)"
             )
-        return self.grads.flat
+        return flat
 
     def accumulate_grad(self, i: int, grad: torch.Tensor) -> None:
         """Slot i's gradient += `grad` (flat tensor of the slot's numel, any float dtype; on
@@ -228,10 +231,7 @@ class PartitionedOptimizer:
         """The slots whose every sub-group sums its gradients on the device
         (`offload_optimizer.gradients_on_device`): the hooks add theirs there, never copying
         them to the host in backward."""
-        if isinstance(self.grads, DeviceGradTier):
-            return frozenset(range(self.num_slots))
-        on_device = self.grads.on_device if isinstance(self.grads, SplitGradTier) else 0
-        return self.layout.slots_within(on_device)
+        return self.layout.slots_within(self.grads.on_device)
 
     def zero_grad(self) -> None:
         self.grads.zero()

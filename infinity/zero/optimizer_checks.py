@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from infinity.config import AUTO, OptimizerConfig
 from infinity.optim import AdamHyper
-from infinity.swap.grad_tier import HostGradTier
+from infinity.swap.grad_tier import GradTier, HostGradTier
 from infinity.swap.state_tier import HostStateTier, StateFormat, StateTier
 from infinity.zero.sub_groups import FlatLayout, flat_layout
 
@@ -144,10 +144,16 @@ def check_state_tier(
     return tier
 
 
-def check_grad_tier(grad_tier, numels: list[int]):
-    """`grad_tier`, or a host tier of `numels` when None; refused when its sub-groups differ."""
+def check_grad_tier(grad_tier: GradTier | None, numels: list[int]) -> GradTier:
+    """`grad_tier`, or a host tier of `numels` when None; refused when it is no `GradTier`
+    or its sub-groups differ."""
     if grad_tier is None:
         return HostGradTier(numels)
+    if not isinstance(grad_tier, GradTier):
+        raise TypeError(
+            f"grad_tier: expected a GradTier (infinity.swap.grad_tier), got "
+            f"{type(grad_tier).__name__}; build one with infinity.swap.make_grad_tier(...)"
+        )
     if list(grad_tier.numels) != numels:
         raise ValueError(
             f"the gradient tier holds sub-groups of {list(grad_tier.numels)} elements but "

@@ -44,14 +44,11 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from infinity.config import ZeroConfig
-from infinity.swap.grad_half import HalfGradTier
-from infinity.swap.grad_tier import HostGradTier
-from infinity.swap.split_state import SplitGradTier
+from infinity.swap.grad_tier import GradTier
 from infinity.swap.state_format import StateFormat
 from infinity.swap.state_tier import StateTier, SubGroupState
 from infinity.zero.sub_groups import FlatLayout
@@ -60,9 +57,6 @@ __all__ = [
     "Ahead", "AheadCopies", "OverlapStep", "ahead_nbytes", "overlap_limit", "overlap_plan",
     "overlap_sub_groups",
 ]  # fmt: skip
-
-_HOST = (HostGradTier, HalfGradTier)
-"""Gradient tiers whose `take` is a view of host memory, safe beside backward's adds."""
 
 
 @dataclass(slots=True)
@@ -304,11 +298,9 @@ def overlap_sub_groups(
     return (order, limit) if limit else None
 
 
-def overlap_plan(zero: ZeroConfig, layout: FlatLayout, grads: Any) -> tuple[list[int], int] | None:
-    """`overlap_sub_groups` for the gradient tier `grads` (see [Note: the overlapped
-    step])."""
-    numels = layout.sub_group_numels
-    on_host = [isinstance(grads, _HOST)] * len(numels)
-    if isinstance(grads, SplitGradTier):
-        on_host = [isinstance(grads.tier_of(g), _HOST) for g in range(len(numels))]
-    return overlap_sub_groups(zero, numels, on_host)
+def overlap_plan(
+    zero: ZeroConfig, layout: FlatLayout, grads: GradTier
+) -> tuple[list[int], int] | None:
+    """`overlap_sub_groups` for the gradient tier `grads`, whose sub-groups in host memory
+    (`host_resident`) may be stepped early (see [Note: the overlapped step])."""
+    return overlap_sub_groups(zero, layout.sub_group_numels, grads.host_resident())
