@@ -82,10 +82,12 @@ __all__ = ["GatheredRefresh", "PartitionedModel", "assemble", "run_facts"]
 
 
 def run_facts(model: nn.Module, comm: Comm) -> RunFacts:
-    """What `config.resolve_run` needs to settle the "auto" values for `model` on `comm`'s
-    ranks, as this local rank runs it (the estimate resolves through the same function)."""
+    """What `config.resolve_run` needs to resolve the config for `model` on `comm`'s ranks,
+    as this local rank runs it (the estimate resolves through the same function)."""
     numels = tuple(p.numel() for p in model.parameters())
-    return RunFacts(world_size=comm.world_size, param_numels=numels, local_rank=comm.local_rank)
+    return RunFacts(
+        world_size=comm.world_size, param_numels=numels, resident=True, local_rank=comm.local_rank
+    )
 
 
 class GatheredRefresh:

@@ -1,12 +1,15 @@
 """Typed configuration, read once and handed down section by section.
 
 DeepSpeed's JSON key names (and its `stage3_` prefixes) are accepted here, at the edge, and
-mapped onto these dataclasses; nothing below this package sees raw dicts. `AUTO` marks values
-that are derived later from the model or the world size (see `Config.resolve`).
+mapped onto these dataclasses; nothing below this package sees raw dicts. In a loaded `Config`,
+`AUTO` marks values derived later from the model or the world size; `resolve_run` (the one
+resolving function) turns it and the run's facts into the frozen `ResolvedConfig` that
+everything below this package reads.
 """
 
 from infinity.config.config import Config
 from infinity.config.resolve import RunFacts, resolve_run
+from infinity.config.resolved import ResolvedConfig
 from infinity.config.scheduler_params import (
     SCHEDULER_PARAMS,
     STEP_SCHEDULES,
@@ -39,6 +42,7 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
+    "ResolvedConfig",
     "RunFacts",
     "SchedulerConfig",
     "ZeroConfig",

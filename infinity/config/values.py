@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 AUTO = "auto"
-"""Marks a value derived later from the model or the world size (see `Config.resolve`)."""
+"""Marks a value derived later from the model or the world size (see `resolve_run`)."""
 
 
 def suggest(name: str, known) -> str:

@@ -62,7 +62,7 @@ from torch import nn
 
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.comm import Comm
-from infinity.config import Config, ZeroConfig
+from infinity.config import Config, RunFacts, ZeroConfig, resolve_run
 from infinity.io.aio import zeroed
 from infinity.zero.build_files import BuildFiles, BuildPages
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
@@ -175,7 +175,7 @@ def init(
     whose weights a loader or `random_init` writes next): the partitions start as zeros and
     the memory the construction allocated is never touched."""
     local_rank = comm.local_rank if comm is not None else int(os.environ.get("LOCAL_RANK", 0))
-    config = Config.load(config).resolve().for_local_rank(local_rank)
+    config = resolve_run(Config.load(config), RunFacts(local_rank=local_rank))
     dtype = model_dtype(config)
     offload = config.zero_optimization.offload_param
     files = BuildFiles(offload.nvme_path) if builds_in_files(config) else None

@@ -1,0 +1,84 @@
+"""`ResolvedConfig`: the config as a run uses it, what `resolve_run` returns.
+
+Every component below this package reads a `ResolvedConfig` (or the section of one that it
+is handed). It is frozen, and each field that may be "auto" in a loaded `Config` is narrowed
+here to its number or flag, so no reader checks for "auto" or casts with `int(...)`. The
+classes only narrow their base's fields: the key tables, parsing and emitting are the base's
+(`parse` builds these from a resolved dict and refuses a leftover "auto" as a wrong type).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infinity.config.config import Config
+from infinity.config.sections import (
+    BF16Config,
+    FP16Config,
+    OffloadParamConfig,
+    OptimizerConfig,
+    ZeroConfig,
+)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class ResolvedOffloadParam(OffloadParamConfig):
+    """`OffloadParamConfig` with its staging buffers sized."""
+
+    buffer_size: int
+    """Elements per staging buffer (see `infinity.config.resolve.staging_numel`)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class ResolvedZero(ZeroConfig):
+    """`ZeroConfig` with every size a number of elements."""
+
+    offload_param: ResolvedOffloadParam
+    max_live_parameters: int
+    prefetch_bucket_size: int
+    max_reuse_distance: int
+    param_persistence_threshold: int
+    sub_group_size: int
+    reduce_bucket_size: int
+
+
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class ResolvedFP16(FP16Config):
+    """`FP16Config` with `enabled` a flag."""
+
+    enabled: bool
+
+
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class ResolvedBF16(BF16Config):
+    """`BF16Config` with `enabled` a flag."""
+
+    enabled: bool
+
+
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class ResolvedOptimizer(OptimizerConfig):
+    """`OptimizerConfig` with its hyperparameters numbers."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class ResolvedConfig(Config):
+    """The whole config with no "auto" left: the batch triple consistent for the run's ranks,
+    zero's sizes and staging buffers set for its model, the schedule's run length known.
+    `given_keys` is the record of the keys the user set, carried from the loaded `Config`.
+    The scheduler's params are checked with no "auto" allowed. `aio.backend` may stay
+    "auto": a choice made when the I/O engine starts, not a placeholder."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    fp16: ResolvedFP16
+    bf16: ResolvedBF16
+    optimizer: ResolvedOptimizer
+    zero_optimization: ResolvedZero
