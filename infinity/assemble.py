@@ -323,7 +323,7 @@ def _param_tier(
         element_size=dtype.itemsize,
         # Prefetch never reads ahead more than the whole model: a bucket larger than the
         # model asks for no more buffers than the model has parameters to fill.
-        prefetch_numel=min(int(zero.prefetch_bucket_size), sum(numels)),
+        prefetch_numel=min(zero.prefetch_bucket_size, sum(numels)),
     )
 
 
@@ -393,7 +393,7 @@ def _runtime(
             parts.comm,
             optimizer.accumulate_grad,
             accel,
-            bucket_numel=int(zero.reduce_bucket_size),
+            bucket_numel=zero.reduce_bucket_size,
             overlap=zero.overlap_comm,
             contiguous=zero.contiguous_gradients,
             total_shard_numel=optimizer.layout.total,
@@ -410,5 +410,5 @@ def _half_gradients(parts: PartitionedModel, slots: list[Slot]) -> torch.dtype |
     """The 16-bit dtype the gradients are kept in, if they are (`keeps_half`)."""
     config, dtype = parts.config, check_slots(slots)
     half = config.zero_optimization.offload_optimizer.half_gradients
-    accum = int(config.gradient_accumulation_steps)
+    accum = config.gradient_accumulation_steps
     return dtype if keeps_half(half, accum, dtype, parts.comm.world_size) else None

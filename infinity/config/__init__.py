@@ -9,7 +9,14 @@ everything below this package reads.
 
 from infinity.config.config import Config
 from infinity.config.resolve import RunFacts, resolve_run
-from infinity.config.resolved import ResolvedConfig
+from infinity.config.resolved import (
+    ResolvedConfig,
+    ResolvedFP16,
+    ResolvedOffloadParam,
+    ResolvedOptimizer,
+    ResolvedZero,
+    check_resolved,
+)
 from infinity.config.scheduler_params import (
     SCHEDULER_PARAMS,
     STEP_SCHEDULES,
@@ -27,7 +34,7 @@ from infinity.config.sections import (
     SchedulerConfig,
     ZeroConfig,
 )
-from infinity.config.values import AUTO
+from infinity.config.values import AUTO, leave_open, left_open
 
 __all__ = [
     "AUTO",
@@ -43,9 +50,16 @@ __all__ = [
     "OffloadParamConfig",
     "OptimizerConfig",
     "ResolvedConfig",
+    "ResolvedFP16",
+    "ResolvedOffloadParam",
+    "ResolvedOptimizer",
+    "ResolvedZero",
     "RunFacts",
     "SchedulerConfig",
     "ZeroConfig",
+    "check_resolved",
     "check_scheduler_params",
+    "leave_open",
+    "left_open",
     "resolve_run",
 ]

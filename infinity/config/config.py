@@ -16,6 +16,7 @@ from typing import Any
 
 from infinity.config.parse import emit, given_keys, parse, read_json
 from infinity.config.sections import ConfigFields
+from infinity.config.values import AUTO
 
 
 @dataclass(kw_only=True, slots=True, frozen=True, eq=False)
@@ -50,6 +51,12 @@ class Config(ConfigFields):
     def validate(self) -> None:
         """Check a Config built in code (load/from_dict already validate)."""
         parse(type(self), self.to_dict(), "")
+
+    def without_global_batch(self) -> Config:
+        """A loaded copy whose train_batch_size is derived again: it counts every rank's micro
+        batches, and a process that resolves the config for itself alone (to build the model,
+        or one rank's estimate) keeps its micro batch and accumulation. `self` is unchanged."""
+        return replace(Config.load(self), train_batch_size=AUTO)
 
     def for_local_rank(self, local_rank: int) -> Config:
         """A copy in which each `nvme_path` given as a list (one directory per local rank)

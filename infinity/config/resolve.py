@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from infinity.config.keys import KEYS
-from infinity.config.parse import parse
+from infinity.config.parse import emit, parse
 from infinity.config.resolved import ResolvedConfig
 from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
 from infinity.config.sections import ConfigFields, SchedulerConfig, ZeroConfig
@@ -68,11 +68,10 @@ def resolve_run(config: ConfigFields, facts: RunFacts) -> ResolvedConfig:
     train, micro, accum = _resolve_batch(config, facts.world_size)
     optimizer = _filled(config.optimizer, default.optimizer, ("lr", "betas", "eps", "weight_decay"))
     out = replace(
-        config,
+        _filled(config, default, ("gradient_clipping",)),
         train_batch_size=train,
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accum,
-        gradient_clipping=_filled(config, default, ("gradient_clipping",)).gradient_clipping,
         fp16=_filled(config.fp16, default.fp16, ("enabled",)),
         bf16=_filled(config.bf16, default.bf16, ("enabled",)),
         optimizer=optimizer,
@@ -81,7 +80,8 @@ def resolve_run(config: ConfigFields, facts: RunFacts) -> ResolvedConfig:
             config.scheduler, optimizer.lr, facts.total_num_steps, facts.warmup_num_steps
         ),
     )
-    resolved = replace(parse(ResolvedConfig, out.to_dict(), ""), given_keys=config.given_keys)
+    # Parsed as the narrowed types: a value left "auto" would be refused here, by type.
+    resolved = replace(parse(ResolvedConfig, emit(out), ""), given_keys=config.given_keys)
     return resolved if facts.local_rank is None else resolved.for_local_rank(facts.local_rank)
 
 

@@ -10,6 +10,7 @@ classes only narrow their base's fields: the key tables, parsing and emitting ar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from infinity.config.config import Config
 from infinity.config.sections import (
@@ -18,7 +19,9 @@ from infinity.config.sections import (
     OffloadParamConfig,
     OptimizerConfig,
     ZeroConfig,
+    section_of,
 )
+from infinity.config.values import AUTO
 
 
 @dataclass(kw_only=True, slots=True, frozen=True, eq=False)
@@ -82,3 +85,28 @@ class ResolvedConfig(Config):
     bf16: ResolvedBF16
     optimizer: ResolvedOptimizer
     zero_optimization: ResolvedZero
+
+
+NARROWED: dict[type, type] = {
+    OffloadParamConfig: ResolvedOffloadParam,
+    ZeroConfig: ResolvedZero,
+    FP16Config: ResolvedFP16,
+    BF16Config: ResolvedBF16,
+    OptimizerConfig: ResolvedOptimizer,
+}
+"""Each section with fields that may be "auto", and its resolved form."""
+
+
+def check_resolved(section: Any, path: str) -> None:
+    """Refuse a section that still holds "auto", naming the field and the fix. For the
+    public builders that take one section (a loss scaler, an optimizer, a staging pool) and
+    may be handed a loaded section rather than a `ResolvedConfig`'s; the engine's are
+    always resolved."""
+    narrowed = NARROWED.get(section_of(type(section)))
+    if narrowed is None or isinstance(section, narrowed):
+        return
+    for name in narrowed.__annotations__:
+        if getattr(section, name) == AUTO:
+            raise ValueError(
+                f"{path}.{name} is 'auto'; resolve the config first (infinity.config.resolve_run)"
+            )

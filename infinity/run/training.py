@@ -178,7 +178,7 @@ class TrainRun:
         torch.manual_seed(config.seed)
         # Building needs only the precision and pinning; `infinity.init` resolves the config
         # for one process, so the batch triple (which counts all ranks) is left to it.
-        config = Config.load({**config.to_dict(), "train_batch_size": "auto"})
+        config = config.without_global_batch()
         model = hf_auto.from_pretrained(self.model, config)
         if self.args.activation_checkpointing:
             hf_auto.enable_activation_checkpointing(model)
