@@ -870,3 +870,57 @@ def test_resolve_run_is_the_engines_and_the_estimates_one_function():
     stage2 = Config.load({**raw, "zero_optimization": {"stage": 2}})
     resident = resolve_run(stage2, RunFacts(param_numels=(10, 20), resident=True)).zero_optimization
     assert resident.max_live_parameters == 30 and resident.param_persistence_threshold == 21
+
+
+def test_the_resolved_config_is_frozen_typed_and_keeps_the_keys_the_user_set():
+    import dataclasses
+    import typing
+
+    from infinity.config import ResolvedConfig, ResolvedZero, check_resolved, left_open
+
+    cfg = Config.load(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"params": {"lr": "auto"}},
+            "zero_optimization": {
+                "stage3_prefetch_bucket_size": "auto",
+                "offload_param": {"device": "cpu"},
+            },
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+        }
+    )
+    assert cfg.given_keys == {
+        "train_micro_batch_size_per_gpu",
+        "optimizer",
+        "optimizer.lr",
+        "zero_optimization",
+        "zero_optimization.prefetch_bucket_size",
+        "zero_optimization.offload_param",
+        "zero_optimization.offload_param.device",
+        "scheduler",
+        "scheduler.type",
+        "scheduler.params",
+        "scheduler.params.warmup_num_steps",
+    }
+    assert Config.load(cfg).given_keys == cfg.given_keys  # a copy keeps the record
+    out = resolve_run(cfg, RunFacts(hidden_size=8))
+    assert isinstance(out, ResolvedConfig) and out.given_keys == cfg.given_keys
+    assert isinstance(out.zero_optimization, ResolvedZero)
+    assert out.zero_optimization.prefetch_bucket_size == int(0.9 * 8 * 8)
+    assert typing.get_type_hints(ResolvedZero)["sub_group_size"] is int
+    assert typing.get_type_hints(ResolvedConfig)["train_batch_size"] is int
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.train_batch_size = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.zero_optimization.sub_group_size = 3
+    with pytest.raises(TypeError, match="train_batch_size: expected an integer"):
+        ResolvedConfig.from_dict({**out.to_dict(), "train_batch_size": "auto"})
+    with pytest.raises(ValueError, match=r"optimizer.params.lr is 'auto'; resolve the config"):
+        check_resolved(cfg.optimizer, "optimizer.params")
+    check_resolved(out.optimizer, "optimizer.params")  # resolved: nothing to refuse
+    rank = Config.load({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2})
+    rank = rank.without_global_batch()  # one process resolves its own batch
+    assert (rank.train_batch_size, rank.train_micro_batch_size_per_gpu) == ("auto", 2)
+    assert (
+        left_open({}, "lr") and left_open({"lr": "auto"}, "lr") and not left_open({"lr": 1}, "lr")
+    )
