@@ -87,10 +87,12 @@ __all__ = ["GatheredRefresh", "PartitionedModel", "assemble", "run_facts"]
 
 
 def run_facts(model: nn.Module, comm: Comm) -> RunFacts:
-    """What `config.resolve_run` needs to settle the "auto" values for `model` on `comm`'s
-    ranks, as this local rank runs it (the estimate resolves through the same function)."""
+    """What `config.resolve_run` needs to resolve the config for `model` on `comm`'s ranks,
+    as this local rank runs it (the estimate resolves through the same function)."""
     numels = tuple(p.numel() for p in model.parameters())
-    return RunFacts(world_size=comm.world_size, param_numels=numels, local_rank=comm.local_rank)
+    return RunFacts(
+        world_size=comm.world_size, param_numels=numels, resident=True, local_rank=comm.local_rank
+    )
 
 
 class GatheredRefresh:
@@ -331,7 +333,7 @@ def _param_tier(
         element_size=dtype.itemsize,
         # Prefetch never reads ahead more than the whole model: a bucket larger than the
         # model asks for no more buffers than the model has parameters to fill.
-        prefetch_numel=min(int(zero.prefetch_bucket_size), sum(numels)),
+        prefetch_numel=min(zero.prefetch_bucket_size, sum(numels)),
     )
 
 
@@ -389,7 +391,7 @@ def _grad_hooks(
             comm,
             optimizer.accumulate_grad,
             accel,
-            bucket_numel=int(zero.reduce_bucket_size),
+            bucket_numel=zero.reduce_bucket_size,
             overlap=zero.overlap_comm,
             contiguous=zero.contiguous_gradients,
             total_shard_numel=optimizer.layout.total,
@@ -411,5 +413,5 @@ def _half_gradients(config: Config, comm: Comm, slots: list[Slot]) -> torch.dtyp
     """The 16-bit dtype the gradients are kept in, if they are (`keeps_half`)."""
     dtype = check_slots(slots)
     half = config.zero_optimization.offload_optimizer.half_gradients
-    accum = int(config.gradient_accumulation_steps)
+    accum = config.gradient_accumulation_steps
     return dtype if keeps_half(half, accum, dtype, comm.world_size) else None

@@ -141,7 +141,7 @@ class Engine:
         that has `lr` (the next step's rate; maybe `lrs`, one per parameter group), `step()`
         and `state_dict`/`load_state_dict` (`infinity.integrations.hf` puts the HF Trainer's
         own scheduler here)."""
-        self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
+        self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         self.micro_steps = 0
         self._backwards = 0
         """backward() calls since the last step(): a step without one is a mistake."""

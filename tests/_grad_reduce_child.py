@@ -8,7 +8,7 @@ import torch
 
 from infinity import comm
 from infinity.accelerator import CpuAccelerator
-from infinity.config import Config
+from infinity.config import Config, RunFacts, resolve_run
 from infinity.zero import PartitionedOptimizer, Slot
 from infinity.zero.grad_reduce import GradReducer
 from infinity.zero.shard import shard_of, take_shard
@@ -69,7 +69,7 @@ def norm() -> dict:
     c = comm.from_env(timeout=30)
     w, r = c.world_size, c.rank
     shards = [shard_of(n, w, r) for n in SIZES]
-    cfg = Config.from_dict({"optimizer": {"params": {"lr": 0.1}}}).resolve()
+    cfg = resolve_run(Config.from_dict({"optimizer": {"params": {"lr": 0.1}}}), RunFacts())
     slots = [
         Slot(name=f"p{i}", numel=s.numel, partition=torch.zeros(s.numel))
         for i, s in enumerate(shards)

@@ -14,6 +14,7 @@ import torch
 from _train_inputs import TINY, train_args, train_process, write_inputs
 
 from infinity.cli.main import build_parser, main
+from infinity.config import RunFacts, resolve_run
 from infinity.models import LlamaConfig, LlamaForCausalLM
 
 
@@ -185,7 +186,7 @@ def test_flags_override_the_config_file(tmp_path):
         "--grad-accum", "4", "--lr", "3e-3", "--nvme", str(tmp_path), "--placement", "nvme",
         "--seed", "9",
     ])  # fmt: skip
-    config = config_from_args(args).resolve(total_num_steps=10)
+    config = resolve_run(config_from_args(args), RunFacts(total_num_steps=10))
     assert config.train_micro_batch_size_per_gpu == 2
     assert config.gradient_accumulation_steps == 4
     assert config.train_batch_size == 8

@@ -12,6 +12,7 @@ from _train_inputs import train_args, write_inputs
 from test_schedules_steps import transformers_lrs
 
 from infinity.cli.main import build_parser, main
+from infinity.config import RunFacts, resolve_run
 from infinity.run.report import TAGS, tensorboard_values
 
 transformers = pytest.importorskip("transformers")
@@ -156,7 +157,7 @@ def test_flags_map_onto_the_config_sections(tmp_path):
         "train", "--model", "tiny", "--data", "x", "--lr", "2e-3", "--lr-schedule", "linear",
         "--warmup-ratio", "0.25", "--min-lr", "1e-4", "--weight-decay", "0.05",
     ])  # fmt: skip
-    config = config_from_args(args).resolve(total_num_steps=10)
+    config = resolve_run(config_from_args(args), RunFacts(total_num_steps=10))
     assert config.scheduler.type == "linear"
     assert config.scheduler.params == {
         "total_num_steps": 10, "warmup_ratio": 0.25, "min_lr": 1e-4

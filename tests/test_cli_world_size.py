@@ -8,6 +8,7 @@ import json
 import pytest
 
 from infinity.cli.main import build_parser, main
+from infinity.config import RunFacts, resolve_run
 from infinity.run.options import config_from_args
 
 
@@ -40,6 +41,9 @@ def test_train_checks_the_batch_for_its_world_size(tmp_path):
     args = build_parser().parse_args(["train", "--model", "m", "--data", "d", "--config", str(cfg)])
     assert isinstance(args, argparse.Namespace)
     assert config_from_args(args, 2).gradient_accumulation_steps == "auto"
-    assert config_from_args(args, 2).resolve(world_size=2).gradient_accumulation_steps == 2
+    assert (
+        resolve_run(config_from_args(args, 2), RunFacts(world_size=2)).gradient_accumulation_steps
+        == 2
+    )
     with pytest.raises(ValueError, match=r"world_size \(5\)"):
         config_from_args(args, 5)

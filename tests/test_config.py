@@ -17,8 +17,10 @@ from infinity.config import (
     Config,
     OffloadParamConfig,
     OptimizerConfig,
+    RunFacts,
     SchedulerConfig,
     ZeroConfig,
+    resolve_run,
 )
 
 # A ZeRO-Infinity config as DeepSpeed users write it: both offloads on NVMe, aio settings,
@@ -204,7 +206,7 @@ def test_zero_infinity_json_loads_unchanged(tmp_path):
         emitted = cfg.to_dict()
         _assert_given_values_kept(given, emitted)
         assert Config.from_dict(json.loads(json.dumps(emitted))) == cfg
-    assert cfg.resolve() == cfg  # nothing to resolve: already consistent
+    assert resolve_run(cfg, RunFacts()) == cfg  # nothing to resolve: already consistent
 
 
 def test_every_field_changed_round_trips():
@@ -238,7 +240,7 @@ def test_hf_template_loads_and_resolves():
     cfg = Config.load(HF_ZERO3)
     assert cfg.train_batch_size == AUTO and cfg.optimizer.lr == AUTO
     assert len(_autos(cfg.to_dict())) == 18  # 17 given + offload_param.buffer_size
-    out = cfg.resolve(world_size=1, hidden_size=512, total_num_steps=300)
+    out = resolve_run(cfg, RunFacts(world_size=1, hidden_size=512, total_num_steps=300))
     assert _autos(out.to_dict()) == []
     assert (out.train_batch_size, out.train_micro_batch_size_per_gpu) == (1, 1)
     assert out.gradient_accumulation_steps == 1 and out.gradient_clipping == 0.0
@@ -254,7 +256,7 @@ def test_hf_template_loads_and_resolves():
         "total_num_steps": 300,
     }
     assert cfg.optimizer.lr == AUTO  # resolve returns a new Config
-    assert out.resolve(world_size=1) == out
+    assert resolve_run(out, RunFacts(world_size=1)) == out
 
 
 # --- DeepSpeed spellings ----------------------------------------------------------------------
@@ -545,7 +547,7 @@ def test_batch_triple(train, micro, accum, world, want):
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accum,
     )
-    out = cfg.resolve(world_size=world)
+    out = resolve_run(cfg, RunFacts(world_size=world))
     got = (
         out.train_batch_size,
         out.train_micro_batch_size_per_gpu,
@@ -591,7 +593,7 @@ def test_batch_triple_inconsistent(train, micro, accum, world, match):
         gradient_accumulation_steps=accum,
     )
     with pytest.raises(ValueError, match=match):
-        cfg.resolve(world_size=world)
+        resolve_run(cfg, RunFacts(world_size=world))
 
 
 def test_resolve_zero_sizes_without_hidden_size_take_defaults():
@@ -605,18 +607,23 @@ def test_resolve_zero_sizes_without_hidden_size_take_defaults():
             }
         }
     )
-    out = cfg.resolve()
+    out = resolve_run(cfg, RunFacts())
     zero, default = out.zero_optimization, ZeroConfig()
     assert zero.reduce_bucket_size == default.reduce_bucket_size
     assert zero.prefetch_bucket_size == default.prefetch_bucket_size
     assert zero.param_persistence_threshold == default.param_persistence_threshold
     assert zero.sub_group_size == default.sub_group_size
     assert zero.offload_param.buffer_size == 100_000_000
-    assert cfg.resolve(param_numels=[12345]).zero_optimization.offload_param.buffer_size == 12345
+    assert (
+        resolve_run(cfg, RunFacts(param_numels=[12345])).zero_optimization.offload_param.buffer_size
+        == 12345
+    )
     # An embedding 8x the rest: the buffers are sized for the rest (the pool adds its own).
-    embed = cfg.resolve(param_numels=[8_000_000, 100_000, 4_000])
+    embed = resolve_run(cfg, RunFacts(param_numels=[8_000_000, 100_000, 4_000]))
     assert embed.zero_optimization.offload_param.buffer_size == 100_000
-    small = cfg.resolve(param_numels=[80_000, 10_000])  # a small model: one size, the largest
+    small = resolve_run(
+        cfg, RunFacts(param_numels=[80_000, 10_000])
+    )  # a small model: one size, the largest
     assert small.zero_optimization.offload_param.buffer_size == 80_000
 
 
@@ -637,10 +644,10 @@ def test_resolve_scheduler_autos():
     with pytest.raises(
         ValueError,
         match=r"total_num_steps: 'auto' needs the run length; "
-        r"pass Config\.resolve\(total_num_steps=\.\.\.\)",
+        r"pass RunFacts\(total_num_steps=\.\.\.\) to resolve_run",
     ):
-        cfg.resolve()
-    out = cfg.resolve(total_num_steps=5000, warmup_num_steps=100)
+        resolve_run(cfg, RunFacts())
+    out = resolve_run(cfg, RunFacts(total_num_steps=5000, warmup_num_steps=100))
     assert out.scheduler.params == {
         "total_num_steps": 5000,
         "warmup_num_steps": 100,
@@ -654,20 +661,25 @@ def test_resolve_scheduler_autos():
             }
         }
     )
-    assert warm.resolve().scheduler.params == {"warmup_max_lr": 1e-3, "warmup_num_steps": 1000}
+    assert resolve_run(warm, RunFacts()).scheduler.params == {
+        "warmup_max_lr": 1e-3,
+        "warmup_num_steps": 1000,
+    }
 
 
 def test_resolve_rejects_bad_arguments():
     with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
-        Config().resolve(world_size=0)
+        resolve_run(Config(), RunFacts(world_size=0))
     with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
-        Config().resolve(hidden_size=1.5)
+        resolve_run(Config(), RunFacts(hidden_size=1.5))
     with pytest.raises(ValueError, match=r"param_numels\[1\] must be a positive integer, got 0"):
-        Config().resolve(param_numels=[4, 0])
+        resolve_run(Config(), RunFacts(param_numels=[4, 0]))
 
 
 def test_fp16_auto_with_bf16_on_resolves():
-    out = Config.load({"fp16": {"enabled": "auto"}, "bf16": {"enabled": True}}).resolve()
+    out = resolve_run(
+        Config.load({"fp16": {"enabled": "auto"}, "bf16": {"enabled": True}}), RunFacts()
+    )
     assert out.fp16.enabled is False and out.bf16.enabled is True
 
 
@@ -692,7 +704,7 @@ def test_precision():
     assert Config.load({"bfloat16": {"enabled": True}}).precision == "bf16"
     with pytest.raises(ValueError, match="resolve"):
         _ = Config.load({"bf16": {"enabled": "auto"}}).precision
-    assert Config.load({"bf16": {"enabled": "auto"}}).resolve().precision == "fp32"
+    assert resolve_run(Config.load({"bf16": {"enabled": "auto"}}), RunFacts()).precision == "fp32"
 
 
 # --- DeepSpeed features Infinity does not implement -------------------------------------------
@@ -833,8 +845,6 @@ def test_resolve_run_is_the_engines_and_the_estimates_one_function():
     """`resolve_run`: the batch triple for the ranks, staging buffers from the parameter
     sizes, zero's buckets from the hidden size when given, stages 0-2 resident, and this
     local rank's nvme_path; the config it was given stays as it was."""
-    from infinity.config import RunFacts, resolve_run
-
     raw = {
         "train_micro_batch_size_per_gpu": 2,
         "zero_optimization": {
@@ -844,7 +854,9 @@ def test_resolve_run_is_the_engines_and_the_estimates_one_function():
         },
     }
     config = Config.load(raw)
-    facts = RunFacts(world_size=2, param_numels=(10, 1 << 23, 30), hidden_size=64, local_rank=1)
+    facts = RunFacts(
+        world_size=2, param_numels=(10, 1 << 23, 30), hidden_size=64, local_rank=1, resident=True
+    )
     out = resolve_run(config, facts)
     assert out.train_batch_size == 4 and out.gradient_accumulation_steps == 1
     assert out.zero_optimization.offload_param.buffer_size == 30  # the outlier goes alone
@@ -852,9 +864,63 @@ def test_resolve_run_is_the_engines_and_the_estimates_one_function():
     assert out.zero_optimization.offload_param.nvme_path == "/b"
     assert config.zero_optimization.offload_param.nvme_path == ["/a", "/b"]
     assert config.train_batch_size == "auto"
-    plain = resolve_run(config, RunFacts(world_size=2, param_numels=(10, 20)))
+    plain = resolve_run(config, RunFacts(world_size=2, param_numels=(10, 20), resident=True))
     assert plain.zero_optimization.prefetch_bucket_size != int(0.9 * 64 * 64)  # DeepSpeed's
     assert plain.zero_optimization.offload_param.nvme_path == ["/a", "/b"]  # no rank: whole
     stage2 = Config.load({**raw, "zero_optimization": {"stage": 2}})
-    resident = resolve_run(stage2, RunFacts(param_numels=(10, 20))).zero_optimization
+    resident = resolve_run(stage2, RunFacts(param_numels=(10, 20), resident=True)).zero_optimization
     assert resident.max_live_parameters == 30 and resident.param_persistence_threshold == 21
+
+
+def test_the_resolved_config_is_frozen_typed_and_keeps_the_keys_the_user_set():
+    import dataclasses
+    import typing
+
+    from infinity.config import ResolvedConfig, ResolvedZero, check_resolved, left_open
+
+    cfg = Config.load(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"params": {"lr": "auto"}},
+            "zero_optimization": {
+                "stage3_prefetch_bucket_size": "auto",
+                "offload_param": {"device": "cpu"},
+            },
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+        }
+    )
+    assert cfg.given_keys == {
+        "train_micro_batch_size_per_gpu",
+        "optimizer",
+        "optimizer.lr",
+        "zero_optimization",
+        "zero_optimization.prefetch_bucket_size",
+        "zero_optimization.offload_param",
+        "zero_optimization.offload_param.device",
+        "scheduler",
+        "scheduler.type",
+        "scheduler.params",
+        "scheduler.params.warmup_num_steps",
+    }
+    assert Config.load(cfg).given_keys == cfg.given_keys  # a copy keeps the record
+    out = resolve_run(cfg, RunFacts(hidden_size=8))
+    assert isinstance(out, ResolvedConfig) and out.given_keys == cfg.given_keys
+    assert isinstance(out.zero_optimization, ResolvedZero)
+    assert out.zero_optimization.prefetch_bucket_size == int(0.9 * 8 * 8)
+    assert typing.get_type_hints(ResolvedZero)["sub_group_size"] is int
+    assert typing.get_type_hints(ResolvedConfig)["train_batch_size"] is int
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.train_batch_size = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.zero_optimization.sub_group_size = 3
+    with pytest.raises(TypeError, match="train_batch_size: expected an integer"):
+        ResolvedConfig.from_dict({**out.to_dict(), "train_batch_size": "auto"})
+    with pytest.raises(ValueError, match=r"optimizer.params.lr is 'auto'; resolve the config"):
+        check_resolved(cfg.optimizer, "optimizer.params")
+    check_resolved(out.optimizer, "optimizer.params")  # resolved: nothing to refuse
+    rank = Config.load({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2})
+    rank = rank.without_global_batch()  # one process resolves its own batch
+    assert (rank.train_batch_size, rank.train_micro_batch_size_per_gpu) == ("auto", 2)
+    assert (
+        left_open({}, "lr") and left_open({"lr": "auto"}, "lr") and not left_open({"lr": 1}, "lr")
+    )

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from infinity.config import Config, FP16Config, SchedulerConfig
+from infinity.config import Config, FP16Config, RunFacts, SchedulerConfig, resolve_run
 from infinity.optim import build_loss_scaler, build_schedule
 
 lr_schedules = pytest.importorskip(
@@ -147,12 +147,12 @@ def _zero_sections():
     from test_config import HF_ZERO3, ZERO_INFINITY
 
     given = json.loads(ZERO_INFINITY)
-    resolved = Config.load(HF_ZERO3).resolve(hidden_size=256, total_num_steps=100)
+    resolved = resolve_run(Config.load(HF_ZERO3), RunFacts(hidden_size=256, total_num_steps=100))
     return [
         ("zero-infinity as written", given),
         ("zero-infinity via Infinity", Config.load(given).to_dict()),
         ("hf template resolved", resolved.to_dict()),
-        ("defaults", Config().resolve().to_dict()),
+        ("defaults", resolve_run(Config(), RunFacts()).to_dict()),
     ]
 
 

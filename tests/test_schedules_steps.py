@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from infinity.config import Config, SchedulerConfig
+from infinity.config import Config, RunFacts, SchedulerConfig, resolve_run
 from infinity.optim.schedules import build_schedule
 
 transformers = pytest.importorskip("transformers")
@@ -50,9 +50,12 @@ def transformers_lrs(
 
 
 def _ours(kind: str, steps: int, params: dict) -> list[float]:
-    cfg = Config.load(
-        {"optimizer": {"params": {"lr": LR}}, "scheduler": {"type": kind, "params": params}}
-    ).resolve(total_num_steps=steps)
+    cfg = resolve_run(
+        Config.load(
+            {"optimizer": {"params": {"lr": LR}}, "scheduler": {"type": kind, "params": params}}
+        ),
+        RunFacts(total_num_steps=steps),
+    )
     sched = build_schedule(cfg.scheduler, cfg.optimizer.lr)
     return [sched.lr_at(s) for s in range(steps)]
 
@@ -122,14 +125,17 @@ def test_bad_parameters_are_named(params, match):
 
 
 def test_a_warmup_longer_than_the_run_is_refused_when_built():
-    cfg = Config.load(
-        {
-            "scheduler": {
-                "type": "linear",
-                "params": {"total_num_steps": "auto", "warmup_num_steps": 11},
+    cfg = resolve_run(
+        Config.load(
+            {
+                "scheduler": {
+                    "type": "linear",
+                    "params": {"total_num_steps": "auto", "warmup_num_steps": 11},
+                }
             }
-        }
-    ).resolve(total_num_steps=10)
+        ),
+        RunFacts(total_num_steps=10),
+    )
     with pytest.raises(ValueError, match="warmup .11 steps. is longer than the run"):
         build_schedule(cfg.scheduler, LR)
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from infinity.config.sections import OffloadParamConfig
+from infinity.config import Config, OffloadParamConfig, RunFacts, ZeroConfig, resolve_run
 from infinity.io import aio as aio_mod
 from infinity.swap import pool as pool_mod
 from infinity.swap.pool import PinnedBufferPool, param_buffer_numels, param_pool_nbytes
@@ -154,7 +154,7 @@ def test_pins_directly_when_allowed(monkeypatch):
 
 
 def test_for_params_sizes_from_config_and_model():
-    cfg = OffloadParamConfig(device="nvme", buffer_count=3)
+    cfg = _auto([10_000, 4_000])
     pool = PinnedBufferPool.for_params(cfg, element_size=2, numels=[10_000, 4_000])
     assert pool.buffer_count == 3 and pool.buffer_bytes >= 20_000 and pool.large_bytes == 0
     # A set buffer_size under the largest parameter: that one goes through its own buffer.
@@ -163,17 +163,27 @@ def test_for_params_sizes_from_config_and_model():
     assert (pool.buffer_count, pool.buffer_bytes, pool.large_bytes) == (4, 4096, 20_480)
 
 
+def _auto(numels):
+    """offload_param with buffer_size "auto" (buffer_count 3), resolved for parameters of
+    `numels` elements: the pool takes a resolved section."""
+    loaded = Config(zero_optimization=ZeroConfig(offload_param=OffloadParamConfig(buffer_count=3)))
+    return resolve_run(loaded, RunFacts(param_numels=tuple(numels))).zero_optimization.offload_param
+
+
 def test_an_outlier_parameter_gets_its_own_buffer():
     """A parameter over 4x the rest (an embedding) has one buffer of its size; the others
     are sized for the largest of the rest. A set buffer_size that holds every parameter
     keeps one class."""
     numels = [5_000_000, 40_000, 30_000, 2_000]  # the embedding, then linear layers
-    auto = OffloadParamConfig(device="nvme", buffer_count=3)
+    auto = _auto(numels)
     assert param_buffer_numels(auto, numels) == (40_000, 5_000_000)
-    assert param_buffer_numels(auto, [100, 60, 30]) == (100, 0)  # no outlier: one class
+    few = [100, 60, 30]
+    assert param_buffer_numels(_auto(few), few) == (100, 0)  # no outlier: one class
     m = 1 << 22
-    assert param_buffer_numels(auto, [m, m, m, 5]) == (m, 0)  # three over 4x: one class
-    assert param_buffer_numels(auto, [m - 1, 5]) == (m - 1, 0)  # small: buffers cost little
+    three = [m, m, m, 5]
+    assert param_buffer_numels(_auto(three), three) == (m, 0)  # three over 4x: one class
+    tiny = [m - 1, 5]
+    assert param_buffer_numels(_auto(tiny), tiny) == (m - 1, 0)  # small: buffers cost little
     assert param_pool_nbytes(auto, element_size=2, numels=numels) == 3 * 81_920 + 10_002_432
     pool = PinnedBufferPool.for_params(auto, element_size=2, numels=numels)
     assert (pool.buffer_count, pool.buffer_bytes, pool.large_bytes) == (4, 81_920, 10_002_432)

@@ -17,6 +17,7 @@ from _engine_models import batches, config, tiny_gpt, train_steps
 from _hf_models import hf_config
 
 import infinity
+from infinity.config import RunFacts, resolve_run
 from infinity.zero.build_files import BuildFiles, BuildPages, release_build_pages
 from infinity.zero.home import HostHome
 
@@ -184,13 +185,10 @@ def test_a_full_disk_while_building_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def _zero(threshold, budget):
-    return (
-        infinity.Config.load(
-            config(stage3_param_persistence_threshold=threshold, stage3_max_live_parameters=budget)
-        )
-        .resolve()
-        .zero_optimization
+    loaded = infinity.Config.load(
+        config(stage3_param_persistence_threshold=threshold, stage3_max_live_parameters=budget)
     )
+    return resolve_run(loaded, RunFacts()).zero_optimization
 
 
 def test_persistence_stays_within_the_live_budget():

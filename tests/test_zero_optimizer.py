@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from infinity.config import OptimizerConfig, ZeroConfig
+from infinity.config import Config, OptimizerConfig, RunFacts, ZeroConfig, resolve_run
 from infinity.optim import native_adam
 from infinity.swap.state_tier import SubGroupState
 from infinity.zero import PartitionedOptimizer, Slot, sub_group_numels
@@ -91,6 +91,8 @@ def make_slots(dtype=torch.float32, seed=0, shapes=SHAPES):
 def make_opt(slots, *, sub_group_size=4096, store=None, no_decay=(), **cfg):
     optimizer = OptimizerConfig(**cfg)
     zero = ZeroConfig(sub_group_size=sub_group_size)
+    if sub_group_size == "auto":  # the optimizer takes a resolved section
+        zero = resolve_run(Config(zero_optimization=zero), RunFacts()).zero_optimization
     return PartitionedOptimizer(
         slots, optimizer=optimizer, zero=zero, state_tier=store, no_decay=no_decay
     )

@@ -23,7 +23,13 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from infinity.io import AioFallbackWarning, AioHandle, aligned_empty, available_backends
+from infinity.io import (
+    AioFallbackWarning,
+    AioHandle,
+    aligned_empty,
+    available_backends,
+    chosen_backend,
+)
 from infinity.utils.sizes import parse_size
 
 BENCH_FILE = "infinity_aio_bench.bin"
@@ -97,7 +103,7 @@ class AioBenchConfig:
         have = available_backends()
         if self.backends in (["all"], []):
             self.backends = have
-        self.backends = [have[0] if b == "auto" else b for b in self.backends]
+        self.backends = [chosen_backend(b) for b in self.backends]
         self.backends = list(dict.fromkeys(self.backends))
         for b in self.backends:
             if b not in have:

@@ -7,7 +7,7 @@ import json
 import sys
 
 from infinity.cli.train_flags import positive_int
-from infinity.config import Config
+from infinity.config import Config, RunFacts, resolve_run
 from infinity.config.resolve import check_batch
 
 
@@ -38,15 +38,16 @@ def run(args: argparse.Namespace) -> int:
         # What `infinity train` would refuse is refused here too, with or without --resolve.
         check_batch(config, args.world_size)
         if args.resolve:
-            config = config.resolve(
+            facts = RunFacts(
                 world_size=args.world_size,
                 hidden_size=args.hidden_size,
                 total_num_steps=args.total_steps,
                 warmup_num_steps=args.warmup_steps,
             )
+            config = resolve_run(config, facts)
     except (TypeError, ValueError) as exc:  # TypeError: a wrong type in the file
         message = str(exc).replace(
-            "pass Config.resolve(total_num_steps=...)", "pass --total-steps N"
+            "pass RunFacts(total_num_steps=...) to resolve_run", "pass --total-steps N"
         )  # the same advice, in this command's terms
         if args.path not in message:
             message = f"{args.path}: {message}"

@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         argparse.Namespace(**{**vars(args), "lr": None, "seed": None}), args.world_size, raw=raw
     )
     # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
-    config = Config.load({**config.to_dict(), "train_batch_size": "auto"}).for_local_rank(0)
+    config = config.without_global_batch().for_local_rank(0)
     check_fits(shape, config, args)
     gpu = GPUS.get(args.device)  # placed as `infinity train` places it (run/placement.py)
     memory = (gpu.memory_bytes, f"the {gpu.name}'s memory", gpu.memory_bytes) if gpu else None
@@ -290,7 +290,7 @@ def check_fits(shape, config: Config, args: argparse.Namespace) -> None:
 
         limit = physical_ram()
         where = f"this machine's {_size(limit)} of RAM"
-    micro = int(resolve_run(config, shape.run_facts()).train_micro_batch_size_per_gpu)
+    micro = resolve_run(config, shape.run_facts()).train_micro_batch_size_per_gpu
     itemsize = model_dtype(config).itemsize
     acts = activation_bytes(shape, micro * args.seq_len, args.seq_len, itemsize, True)
     if acts > limit:

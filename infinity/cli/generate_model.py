@@ -262,10 +262,10 @@ def engine_model(where: Path, accept_unverified: bool = False) -> Iterator[Engin
     newest complete checkpoint, read again (the newest then) if retention removes it
     mid-read; a save in progress is never read (it is not complete until renamed)."""
     import infinity
-    from infinity.config import Config
+    from infinity.config import Config, RunFacts, resolve_run
 
     config = Config.load({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
-    config = config.resolve(total_num_steps=1)
+    config = resolve_run(config, RunFacts(total_num_steps=1))
     for tries_left in range(_READ_TRIES - 1, -1, -1):
         try:
             ckpt, model, positions = _read_checkpoint(where, config, accept_unverified)

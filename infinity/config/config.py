@@ -1,33 +1,34 @@
 """The whole run configuration, `Config`: its fields (`sections.ConfigFields`) with the verbs
-that read, write, check and resolve it.
+that read, write and check it.
 
 Owns the public face of the config package: `Config.load` reads a DeepSpeed-style JSON file,
-a dict or a Config; `to_dict` writes it back; `resolve` settles "auto". It sits over the
-modules that do the work (`parse`, `resolve`), which read the fields and never this class,
-so the package's imports point one way.
+a dict or a Config and records which keys it set; `to_dict` writes it back. It sits over
+`parse`, which reads the fields and never this class, and under `resolved`/`resolve`, where
+`resolve_run` settles "auto", so the package's imports point one way.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
-from infinity.config.parse import emit, parse, read_json
-from infinity.config.resolve import resolve
+from infinity.config.parse import emit, given_keys, parse, read_json
 from infinity.config.sections import ConfigFields
+from infinity.config.values import AUTO
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
 class Config(ConfigFields):
     """The whole run configuration. Build it with `Config.load(path_or_dict)`."""
 
     @classmethod
     def load(cls, source: str | os.PathLike | Mapping[str, Any] | Config) -> Config:
-        """Read a DeepSpeed-style JSON file, a dict, or copy a Config; validate everything."""
+        """Read a DeepSpeed-style JSON file, a dict, or copy a Config; validate everything.
+        A copied Config keeps its record of the keys the user set (`given_keys`)."""
         if isinstance(source, Config):
-            return cls.from_dict(source.to_dict())
+            return replace(cls.from_dict(source.to_dict()), given_keys=source.given_keys)
         if isinstance(source, Mapping):
             return cls.from_dict(source)
         if isinstance(source, (str, os.PathLike)):
@@ -39,8 +40,9 @@ class Config(ConfigFields):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:
-        """Build from DeepSpeed keys. ValueError/TypeError name the key path and what is allowed."""
-        return parse(cls, data, "")
+        """Build from DeepSpeed keys. ValueError/TypeError name the key path and what is allowed.
+        `given_keys` records the fields `data` sets."""
+        return replace(parse(cls, data, ""), given_keys=given_keys(cls, data))
 
     def to_dict(self) -> dict[str, Any]:
         """DeepSpeed-style keys, JSON-serializable; `Config.from_dict` reads it back unchanged."""
@@ -48,18 +50,22 @@ class Config(ConfigFields):
 
     def validate(self) -> None:
         """Check a Config built in code (load/from_dict already validate)."""
-        parse(Config, self.to_dict(), "")
+        parse(type(self), self.to_dict(), "")
+
+    def without_global_batch(self) -> Config:
+        """A loaded copy whose train_batch_size is derived again: it counts every rank's micro
+        batches, and a process that resolves the config for itself alone (to build the model,
+        or one rank's estimate) keeps its micro batch and accumulation. `self` is unchanged."""
+        return replace(Config.load(self), train_batch_size=AUTO)
 
     def for_local_rank(self, local_rank: int) -> Config:
         """A copy in which each `nvme_path` given as a list (one directory per local rank)
         is this local rank's entry; `self` is unchanged. A single path serves every rank
         (each rank has its own directory under it)."""
-        out = Config.from_dict(self.to_dict())
-        zero = out.zero_optimization
-        for name, section in (
-            ("offload_param", zero.offload_param),
-            ("offload_optimizer", zero.offload_optimizer),
-        ):
+        zero = self.zero_optimization
+        chosen = {}
+        for name in ("offload_param", "offload_optimizer"):
+            section = getattr(zero, name)
             paths = section.nvme_path
             if not isinstance(paths, list):
                 continue
@@ -70,35 +76,5 @@ class Config(ConfigFields):
                     f"{local_rank}: give one per process on the node, or a single path that "
                     "all ranks share"
                 )
-            section.nvme_path = paths[local_rank]
-        return out
-
-    def resolve(
-        self,
-        *,
-        world_size: int = 1,
-        hidden_size: int | None = None,
-        total_num_steps: int | None = None,
-        warmup_num_steps: int | None = None,
-        param_numels: Sequence[int] | None = None,
-    ) -> Config:
-        """A new Config with every "auto" replaced; `self` is unchanged.
-
-        The batch triple is made consistent (train = micro * accumulation * world_size; any two
-        determine the third; one alone: accumulation 1; none: micro 1 and accumulation 1).
-        With `hidden_size`, zero sizes follow the Hugging Face integration (prefetch
-        0.9*h*h, persistence threshold 10*h). Scheduler "auto"s: warmup_min_lr 0,
-        warmup_max_lr the optimizer's lr, warmup_num_steps `warmup_num_steps` (else 1000,
-        capped at the total), total_num_steps `total_num_steps` (required if "auto").
-        `param_numels` (the model's parameter sizes) size offload_param.buffer_size (see
-        `infinity.config.resolve.staging_numel`; else 1e8, DeepSpeed's default).
-        Everything else takes its default.
-        """
-        return resolve(
-            self,
-            world_size=world_size,
-            hidden_size=hidden_size,
-            total_num_steps=total_num_steps,
-            warmup_num_steps=warmup_num_steps,
-            param_numels=param_numels,
-        )
+            chosen[name] = replace(section, nvme_path=paths[local_rank])
+        return replace(self, zero_optimization=replace(zero, **chosen)) if chosen else self

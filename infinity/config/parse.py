@@ -30,6 +30,7 @@ from infinity.config.sections import (
     OptimizerConfig,
     SchedulerConfig,
     ZeroConfig,
+    section_of,
 )
 from infinity.config.values import AUTO, suggest, to_float, to_int
 
@@ -37,15 +38,41 @@ logger = logging.getLogger(__name__)
 
 
 def _table(cls: type) -> type:
-    """The class the key tables name for `cls`: the fields of the whole config for
-    `Config`, which adds only verbs to them."""
-    return ConfigFields if issubclass(cls, ConfigFields) else cls
+    """The class the key tables name for `cls` (`sections.section_of`)."""
+    return section_of(cls)
+
+
+def _json_fields(cls_or_obj: Any) -> list:
+    """The fields of a section that are JSON keys (not `ConfigFields.given_keys`)."""
+    return [f for f in fields(cls_or_obj) if f.metadata.get("json", True)]
 
 
 def _keys_of(cls: type) -> dict[str, str]:
     """JSON key -> field name, for every accepted key of `cls`."""
     names = KEYS.get(_table(cls), {})
-    return {key: f.name for f in fields(cls) for key in names.get(f.name, (f.name,))}
+    return {key: f.name for f in _json_fields(cls) for key in names.get(f.name, (f.name,))}
+
+
+def given_keys(cls: type, data: Any, prefix: str = "") -> frozenset[str]:
+    """The dotted field paths of section `cls` that DeepSpeed-style `data` sets (any alias
+    of a key counts as its field; ignored and unsupported keys do not count)."""
+    if not isinstance(data, Mapping):
+        return frozenset()
+    if _table(cls) is OptimizerConfig:
+        params, typed = data.get("params"), {"type": data["type"]} if "type" in data else {}
+        data = {**(params if isinstance(params, Mapping) else {}), **typed}
+    keys, out = _keys_of(cls), set()
+    for key, raw in data.items():
+        name = keys.get(key)
+        if name is None:
+            continue
+        path, hint = prefix + name, _hints(cls)[name]
+        out.add(path)
+        if is_dataclass(hint):
+            out |= given_keys(hint, raw, path + ".")
+        elif isinstance(raw, Mapping):  # the scheduler's params
+            out |= {f"{path}.{k}" for k in raw}
+    return frozenset(out)
 
 
 @functools.cache
@@ -94,7 +121,7 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
 def parse(cls: type, data: Any, path: str) -> Any:
     """An instance of section `cls` from DeepSpeed-style `data` found at key path `path`."""
     special = _PARSERS.get(_table(cls))
-    obj = special(data, path) if special else cls(**_parse_fields(cls, data, path))
+    obj = special(cls, data, path) if special else cls(**_parse_fields(cls, data, path))
     after = _AFTER.get(_table(cls))
     if after:
         after(obj, path)
@@ -172,15 +199,13 @@ def _check_minimum(cls: type, name: str, value: Any, path: str) -> None:
         )
 
 
-def _parse_optimizer(data: Any, path: str) -> OptimizerConfig:
+def _parse_optimizer(cls: type, data: Any, path: str) -> OptimizerConfig:
     if not isinstance(data, Mapping):
         raise TypeError(f"{path}: expected an object with 'type' and 'params', got {data!r}")
     for key in data:
         if key not in ("type", "params"):
             raise ValueError(f"{_join(path, key)}: unknown key{suggest(key, ['type', 'params'])}")
-    values = _parse_fields(
-        OptimizerConfig, data.get("params", {}), f"{path}.params", skip=("type",)
-    )
+    values = _parse_fields(cls, data.get("params", {}), f"{path}.params", skip=("type",))
     if "type" in data:
         kind = data["type"]
         if not (isinstance(kind, str) and kind.lower() in ("adam", "adamw", "adamw8bit")):
@@ -189,20 +214,20 @@ def _parse_optimizer(data: Any, path: str) -> OptimizerConfig:
                 f"Infinity steps the fp32 master weights with CPU-Adam (AdamW8bit: 8-bit "
                 f"blockwise moments)"
             )
-        values["type"] = _convert(kind, _hints(OptimizerConfig)["type"], f"{path}.type")
+        values["type"] = _convert(kind, _hints(cls)["type"], f"{path}.type")
     betas = values.get("betas")
     for i, beta in enumerate(betas if isinstance(betas, tuple) else ()):
         if not 0.0 <= beta < 1.0:
             raise ValueError(
                 f"{path}.params.betas[{i}]: {beta!r} is out of range; it must be in [0, 1)"
             )
-    return OptimizerConfig(**values)
+    return cls(**values)
 
 
-def _parse_scheduler(data: Any, path: str) -> SchedulerConfig:
+def _parse_scheduler(cls: type, data: Any, path: str) -> SchedulerConfig:
     if not isinstance(data, Mapping):
         raise TypeError(f"{path}: expected an object with 'type' and 'params', got {data!r}")
-    values = _parse_fields(SchedulerConfig, data, path)
+    values = _parse_fields(cls, data, path)
     kind, params = values.get("type"), values.get("params", {})
     if kind is None and params:
         raise ValueError(
@@ -211,7 +236,7 @@ def _parse_scheduler(data: Any, path: str) -> SchedulerConfig:
         )
     if kind is not None:
         values["params"] = check_scheduler_params(kind, params, path=f"{path}.params")
-    return SchedulerConfig(**values)
+    return cls(**values)
 
 
 def _after_zero(zero: ZeroConfig, path: str) -> None:
@@ -271,13 +296,13 @@ def _after_config(cfg: ConfigFields, path: str) -> None:
         raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
 
 
-def _parse_aio(data: Any, path: str) -> AioConfig:
+def _parse_aio(cls: type, data: Any, path: str) -> AioConfig:
     if isinstance(data, Mapping) and data.get("use_gds", False) is not False:
         raise ValueError(
             f"{_join(path, 'use_gds')}: {data['use_gds']!r} is not supported; GPUDirect Storage "
             f"is not implemented: set it to false or remove it"
         )
-    return AioConfig(**_parse_fields(AioConfig, data, path))
+    return cls(**_parse_fields(cls, data, path))
 
 
 _PARSERS = {
@@ -306,7 +331,7 @@ def _plain(value: Any) -> Any:
 def emit(obj: Any) -> dict[str, Any]:
     """A section as DeepSpeed-style, JSON-serializable data (the inverse of `parse`)."""
     names = KEYS.get(_table(type(obj)), {})
-    out = {names.get(f.name, (f.name,))[0]: _plain(getattr(obj, f.name)) for f in fields(obj)}
+    out = {names.get(f.name, (f.name,))[0]: _plain(getattr(obj, f.name)) for f in _json_fields(obj)}
     if isinstance(obj, OptimizerConfig):
         return {"type": out.pop("type"), "params": out}
     if isinstance(obj, ConfigFields) and obj.scheduler.type is None and not obj.scheduler.params:

@@ -1,54 +1,22 @@
-"""`Config.resolve`: every "auto" replaced by a number, as DeepSpeed and its HF integration do;
-and `resolve_run`, the one place a run's config is resolved for its facts (`RunFacts`)."""
+"""`resolve_run`: the one place a loaded config is resolved, for the facts of a run
+(`RunFacts`), into a frozen `ResolvedConfig` with every "auto" replaced by a number, as
+DeepSpeed and its Hugging Face integration do."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from infinity.config.keys import KEYS
+from infinity.config.parse import emit, parse
+from infinity.config.resolved import ResolvedConfig
 from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
-from infinity.config.sections import ConfigFields, ZeroConfig
+from infinity.config.sections import ConfigFields, SchedulerConfig, ZeroConfig
 from infinity.config.values import AUTO
 
 logger = logging.getLogger(__name__)
-
-
-def resolve(
-    cfg: ConfigFields,
-    *,
-    world_size: int,
-    hidden_size: int | None,
-    total_num_steps: int | None,
-    warmup_num_steps: int | None,
-    param_numels: Sequence[int] | None,
-) -> ConfigFields:
-    """See `Config.resolve`."""
-    given = dict(
-        world_size=world_size,
-        hidden_size=hidden_size,
-        total_num_steps=total_num_steps,
-        warmup_num_steps=warmup_num_steps,
-    )
-    given.update({f"param_numels[{i}]": n for i, n in enumerate(param_numels or ())})
-    for name, value in given.items():
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"Config.resolve: {name} must be a positive integer, got {value!r}")
-    out = type(cfg).from_dict(cfg.to_dict())  # a validated deep copy
-    default = type(cfg)()
-    _resolve_batch(out, world_size)
-    _fill(out, default, ("gradient_clipping",))
-    _fill(out.fp16, default.fp16, ("enabled",))
-    _fill(out.bf16, default.bf16, ("enabled",))
-    _fill(out.optimizer, default.optimizer, ("lr", "betas", "eps", "weight_decay"))
-    _resolve_zero(out, hidden_size, param_numels)
-    _resolve_scheduler(out, total_num_steps, warmup_num_steps)
-    out.validate()
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,46 +25,79 @@ class RunFacts:
 
     world_size: int = 1
     """Ranks in the run: train_batch_size counts every rank's micro batches."""
-    param_numels: tuple[int, ...] = ()
+    param_numels: tuple[int, ...] | None = None
     """Elements of each of the model's parameters, as the engine builds them (LoRA adapters
-    included): the staging buffers' size, and the residency of stages 0-2."""
+    included): the staging buffers' size (`staging_numel`); None: DeepSpeed's 1e8."""
+    resident: bool = False
+    """Resolve as the engine runs the model and the estimate and the planner model it:
+    stages 0-2 as stage 3 with every parameter of `param_numels` resident (see [Note:
+    stages 0-2]); `param_numels` empty counts as one parameter of one element."""
     hidden_size: int | None = None
     """Sizes zero's buckets as the Hugging Face integration does; None: DeepSpeed's defaults
     (the engine, which is handed a module, knows no hidden size)."""
+    total_num_steps: int | None = None
+    """The run's optimizer steps: a schedule's "auto" total_num_steps (required then)."""
+    warmup_num_steps: int | None = None
+    """A schedule's "auto" warmup_num_steps; None: the schedule's default, capped at the
+    total."""
     local_rank: int | None = None
     """This process's entry of a per-rank nvme_path list; None leaves a list whole."""
 
 
-def resolve_run(config: ConfigFields, facts: RunFacts) -> ConfigFields:
-    """`config` resolved for a run with these facts, as the engine runs it and the estimate
-    and the placement planner model it (stages 0-2 with every parameter resident: see
-    [Note: stages 0-2]); `config` is unchanged. The engine, the estimate and the planner
-    resolve through this function only, so what the estimate prints is what the engine
-    does."""
-    resolved = resolve_stage3(
-        config,
-        param_numels=facts.param_numels,
-        world_size=facts.world_size,
-        hidden_size=facts.hidden_size,
+def resolve_run(config: ConfigFields, facts: RunFacts) -> ResolvedConfig:
+    """`config` resolved for a run with these `facts`; `config` is unchanged.
+
+    The batch triple is made consistent (train = micro * accumulation * world_size; any two
+    determine the third; one alone: accumulation 1; none: micro 1 and accumulation 1).
+    With `hidden_size`, zero sizes follow the Hugging Face integration (prefetch 0.9*h*h,
+    persistence threshold 10*h, reduce bucket h*h). Scheduler "auto"s: warmup_min_lr 0,
+    warmup_max_lr the optimizer's lr, warmup_num_steps `warmup_num_steps` (else the
+    schedule's default, capped at the total), total_num_steps `total_num_steps` (required if
+    "auto"). `param_numels` size offload_param.buffer_size (`staging_numel`; else 1e8,
+    DeepSpeed's default). Everything else takes its default. With `resident`, as the engine
+    runs it: the engine, the estimate and the planner resolve through this function only,
+    so what the estimate prints is what the engine does."""
+    numels = facts.param_numels
+    if facts.resident:  # a parameter of no elements still takes a staging slot
+        numels = tuple(max(1, n) for n in numels or ()) or (1,)
+    _check_facts(facts, numels)
+    if facts.resident and config.zero_optimization.stage < 3:
+        _warn_stage3_only(config.zero_optimization)
+        config = resident(config, numels)
+    default = ConfigFields()
+    train, micro, accum = _resolve_batch(config, facts.world_size)
+    optimizer = _filled(config.optimizer, default.optimizer, ("lr", "betas", "eps", "weight_decay"))
+    out = replace(
+        _filled(config, default, ("gradient_clipping",)),
+        train_batch_size=train,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accum,
+        fp16=_filled(config.fp16, default.fp16, ("enabled",)),
+        bf16=_filled(config.bf16, default.bf16, ("enabled",)),
+        optimizer=optimizer,
+        zero_optimization=_resolve_zero(config.zero_optimization, facts.hidden_size, numels),
+        scheduler=_resolve_scheduler(
+            config.scheduler, optimizer.lr, facts.total_num_steps, facts.warmup_num_steps
+        ),
     )
+    # Parsed as the narrowed types: a value left "auto" would be refused here, by type.
+    resolved = replace(parse(ResolvedConfig, emit(out), ""), given_keys=config.given_keys)
     return resolved if facts.local_rank is None else resolved.for_local_rank(facts.local_rank)
 
 
-def resolve_stage3(
-    cfg: ConfigFields,
-    *,
-    param_numels: Sequence[int],
-    world_size: int = 1,
-    hidden_size: int | None = None,
-) -> ConfigFields:
-    """`cfg` resolved for a model whose parameters have `param_numels` elements, as the
-    engine runs it and the estimate models it: as stage 3, with every parameter resident at
-    stages 0-2 (see [Note: stages 0-2])."""
-    numels = [max(1, n) for n in param_numels] or [1]
-    if cfg.zero_optimization.stage < 3:
-        _warn_stage3_only(cfg.zero_optimization)
-        cfg = resident(cfg, numels)
-    return cfg.resolve(world_size=world_size, hidden_size=hidden_size, param_numels=numels)
+def _check_facts(facts: RunFacts, numels: Sequence[int] | None) -> None:
+    given = dict(
+        world_size=facts.world_size,
+        hidden_size=facts.hidden_size,
+        total_num_steps=facts.total_num_steps,
+        warmup_num_steps=facts.warmup_num_steps,
+    )
+    given.update({f"param_numels[{i}]": n for i, n in enumerate(numels or ())})
+    for name, value in given.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"resolve_run: {name} must be a positive integer, got {value!r}")
 
 
 # [Note: stages 0-2] ZeRO stages 0, 1 and 2 keep every parameter whole on each rank's
@@ -136,11 +137,12 @@ def _warn_stage3_only(zero: ZeroConfig) -> None:
 def resident(cfg: ConfigFields, param_numels: Sequence[int]) -> ConfigFields:
     """A copy of `cfg` whose live budget and persistence threshold keep every parameter of
     `param_numels` elements gathered between iterations (`infinity.zero.build.persistent_flags`)."""
-    out = type(cfg).from_dict(cfg.to_dict())
-    zero = out.zero_optimization
-    zero.max_live_parameters = max(1, sum(param_numels))
-    zero.param_persistence_threshold = max(param_numels, default=0) + 1
-    return out
+    zero = replace(
+        cfg.zero_optimization,
+        max_live_parameters=max(1, sum(param_numels)),
+        param_persistence_threshold=max(param_numels, default=0) + 1,
+    )
+    return replace(cfg, zero_optimization=zero)
 
 
 OUTLIER_RATIO = 4
@@ -168,40 +170,39 @@ def staging_numel(numels: Sequence[int]) -> int:
 
 
 def check_batch(cfg: ConfigFields, world_size: int = 1) -> None:
-    """Raise the ValueError `resolve` would raise for an inconsistent train_batch_size,
+    """Raise the ValueError `resolve_run` would raise for an inconsistent train_batch_size,
     train_micro_batch_size_per_gpu and gradient_accumulation_steps, without resolving."""
-    _resolve_batch(type(cfg).from_dict(cfg.to_dict()), world_size)
+    _resolve_batch(cfg, world_size)
 
 
-def _resolve_zero(
-    cfg: ConfigFields, hidden: int | None, param_numels: Sequence[int] | None
-) -> None:
-    zero = cfg.zero_optimization
+def _resolve_zero(zero: ZeroConfig, hidden: int | None, numels: Sequence[int] | None) -> ZeroConfig:
+    sizes = {}
     if hidden is not None:  # the Hugging Face integration's sizes
-        if zero.prefetch_bucket_size == AUTO:
-            zero.prefetch_bucket_size = int(0.9 * hidden * hidden)
-        if zero.param_persistence_threshold == AUTO:
-            zero.param_persistence_threshold = 10 * hidden
-        if zero.reduce_bucket_size == AUTO:
-            zero.reduce_bucket_size = hidden * hidden
+        sizes = dict(
+            prefetch_bucket_size=int(0.9 * hidden * hidden),
+            param_persistence_threshold=10 * hidden,
+            reduce_bucket_size=hidden * hidden,
+        )
+    zero = replace(zero, **{k: v for k, v in sizes.items() if getattr(zero, k) == AUTO})
     names = ("max_live_parameters", "prefetch_bucket_size", "max_reuse_distance")
-    _fill(
-        zero,
-        type(cfg)().zero_optimization,
-        (*names, "param_persistence_threshold", "sub_group_size", "reduce_bucket_size"),
-    )
-    if zero.offload_param.buffer_size == AUTO:
+    names += ("param_persistence_threshold", "sub_group_size", "reduce_bucket_size")
+    zero = _filled(zero, ZeroConfig(), names)
+    offload = zero.offload_param
+    if offload.buffer_size == AUTO:
         # DeepSpeed's default is 1e8; with the model's sizes, see `staging_numel`.
-        zero.offload_param.buffer_size = staging_numel(param_numels) if param_numels else 10**8
+        size = staging_numel(numels) if numels else 10**8
+        zero = replace(zero, offload_param=replace(offload, buffer_size=size))
+    return zero
 
 
-def _fill(section: Any, default: Any, names: tuple[str, ...]) -> None:
-    for name in names:
-        if getattr(section, name) == AUTO:
-            setattr(section, name, getattr(default, name))
+def _filled(section: Any, default: Any, names: tuple[str, ...]) -> Any:
+    """`section` with each field of `names` that is "auto" taken from `default`."""
+    auto = {n: getattr(default, n) for n in names if getattr(section, n) == AUTO}
+    return replace(section, **auto) if auto else section
 
 
-def _resolve_batch(cfg: ConfigFields, world: int) -> None:
+def _resolve_batch(cfg: ConfigFields, world: int) -> tuple[int, int, int]:
+    """The consistent (train_batch_size, micro batch, accumulation) for `world` ranks."""
     train, micro, accum = (
         None if v == AUTO else v
         for v in (
@@ -237,21 +238,20 @@ def _resolve_batch(cfg: ConfigFields, world: int) -> None:
     else:
         micro, accum = micro or 1, accum or 1
         train = micro * accum * world
-    cfg.train_batch_size = train
-    cfg.train_micro_batch_size_per_gpu = micro
-    cfg.gradient_accumulation_steps = accum
+    return train, micro, accum
 
 
-def _resolve_scheduler(cfg: ConfigFields, total: int | None, warmup: int | None) -> None:
-    sched = cfg.scheduler
+def _resolve_scheduler(
+    sched: SchedulerConfig, lr: float, total: int | None, warmup: int | None
+) -> SchedulerConfig:
     if sched.type is None:
-        return
+        return sched
     params = dict(sched.params)
     if params.get("total_num_steps") == AUTO:
         if total is None:
             raise ValueError(
                 "scheduler.params.total_num_steps: 'auto' needs the run length; pass "
-                "Config.resolve(total_num_steps=...) or set it in the config"
+                "RunFacts(total_num_steps=...) to resolve_run or set it in the config"
             )
         params["total_num_steps"] = total
     if params.get("warmup_num_steps") == AUTO and params.get("warmup_ratio") is not None:
@@ -264,5 +264,5 @@ def _resolve_scheduler(cfg: ConfigFields, total: int | None, warmup: int | None)
         params["warmup_num_steps"] = warmup
     for name, (_, default) in SCHEDULER_PARAMS[sched.type].items():
         if params.get(name) == AUTO:
-            params[name] = cfg.optimizer.lr if name == "warmup_max_lr" else default
-    sched.params = check_scheduler_params(sched.type, params, allow_auto=False)
+            params[name] = lr if name == "warmup_max_lr" else default
+    return replace(sched, params=check_scheduler_params(sched.type, params, allow_auto=False))

@@ -77,7 +77,7 @@ def check_scheduler_params(
         if value == AUTO and name not in ("warmup_type", "last_batch_iteration"):
             if not allow_auto:
                 raise ValueError(
-                    f"{path}.{name}: 'auto' must be resolved first; call Config.resolve()"
+                    f"{path}.{name}: 'auto' must be resolved first; call resolve_run()"
                 )
             out[name] = AUTO
             continue
@@ -85,7 +85,7 @@ def check_scheduler_params(
     if "total_num_steps" in spec and "total_num_steps" not in out:
         raise ValueError(
             f"{path}.total_num_steps: required by {kind}; set it to the number of optimizer "
-            f'steps of the run (or "auto" and pass it to Config.resolve)'
+            f'steps of the run (or "auto" and pass it to resolve_run in RunFacts)'
         )
     if "warmup_ratio" in out and out.get("warmup_num_steps", AUTO) != AUTO:
         raise ValueError(

@@ -1,13 +1,15 @@
 """The typed sections: the contract every component codes against.
 
-Each component receives only its own section. Values may be `AUTO` until `Config.resolve`
-derives them; parsing, emitting and resolving live in the sibling modules, and the verbs of
-the whole (`Config`) in `infinity.config.config`, over them all.
+Each component receives only its own section. Sections are frozen values. In a loaded
+`Config` some values may be `AUTO`; `resolve_run` derives them into a `ResolvedConfig`
+(infinity/config/resolved.py), whose narrowed sections are what components read. Parsing,
+emitting and resolving live in the sibling modules, and the verbs of the whole (`Config`) in
+`infinity.config.config`, over them all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from infinity.config.values import AUTO
@@ -15,8 +17,33 @@ from infinity.config.values import AUTO
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
-@dataclass(kw_only=True, slots=True)
-class OffloadParamConfig:
+class Section:
+    """A config section's equality: the same section (`section_of`) with the same values,
+    so a resolved section equals its base's with the same numbers."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        base = section_of(type(self))
+        if not isinstance(other, Section):
+            return NotImplemented
+        if section_of(type(other)) is not base:
+            return False
+        return all(
+            getattr(self, f.name) == getattr(other, f.name) for f in fields(base) if f.compare
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # sections are compared, never keys
+
+
+def section_of(cls: type) -> type:
+    """The section `cls` is: the first of `SECTIONS` it derives from (`Config` adds only
+    verbs to the whole config's fields; a resolved section only narrows its fields' types)."""
+    return next(c for c in cls.__mro__ if c in SECTIONS)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class OffloadParamConfig(Section):
     """Where the half-precision parameter homes live between uses."""
 
     device: OffloadDevice = "cpu"
@@ -37,8 +64,8 @@ class OffloadParamConfig:
     1e9 is never read there, so here the default is 0: RAM is spent only when asked for."""
 
 
-@dataclass(kw_only=True, slots=True)
-class OffloadOptimizerConfig:
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class OffloadOptimizerConfig(Section):
     """Where fp32 master weights and Adam moments live."""
 
     device: OffloadDevice = "cpu"
@@ -104,8 +131,8 @@ class OffloadOptimizerConfig:
     sub_group_size well below the model's size for any overlap."""
 
 
-@dataclass(kw_only=True, slots=True)
-class ZeroConfig:
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class ZeroConfig(Section):
     """ZeRO stage-3 partitioning, prefetch and budget settings."""
 
     stage: int = 3
@@ -130,7 +157,7 @@ class ZeroConfig:
     """Elements per optimizer sub-group (the unit of CPU-Adam and NVMe swapping)."""
     reduce_bucket_size: int | str = 500_000_000
     """With several ranks: gradient elements reduce-scattered in one collective (a larger
-    parameter goes alone); "auto" = hidden_size^2 with `Config.resolve(hidden_size=...)`."""
+    parameter goes alone); "auto" = hidden_size^2 with `RunFacts.hidden_size`."""
     overlap_comm: bool = True
     """With several ranks: reduce-scatter a full gradient bucket while backward goes on (two
     buckets in use); False waits for each reduction before backward continues."""
@@ -142,8 +169,8 @@ class ZeroConfig:
     (DeepSpeed's stage3_ key). `infinity export` does the same from a checkpoint."""
 
 
-@dataclass(kw_only=True, slots=True)
-class FP16Config:
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class FP16Config(Section):
     """fp16 mixed precision with dynamic (or static) loss scaling."""
 
     enabled: bool | str = False
@@ -164,16 +191,16 @@ class FP16Config:
     """Cast floating-point inputs of the model's forward to fp16."""
 
 
-@dataclass(kw_only=True, slots=True)
-class BF16Config:
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class BF16Config(Section):
     """bf16 mixed precision (no loss scaling needed)."""
 
     enabled: bool | str = False
     """Train with bf16 weights and activations; "auto" resolves to false."""
 
 
-@dataclass(kw_only=True, slots=True)
-class OptimizerConfig:
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class OptimizerConfig(Section):
     """The optimizer, run by CPU-Adam on the fp32 master weights."""
 
     type: Literal["Adam", "AdamW", "AdamW8bit"] = "AdamW"
@@ -205,8 +232,8 @@ class OptimizerConfig:
         return self.type == "AdamW8bit"
 
 
-@dataclass(kw_only=True, slots=True)
-class SchedulerConfig:
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class SchedulerConfig(Section):
     """A learning-rate schedule, DeepSpeed names and parameters."""
 
     type: (
@@ -219,8 +246,8 @@ class SchedulerConfig:
     """The parameters for `type` (see `SCHEDULER_PARAMS`); missing ones take defaults."""
 
 
-@dataclass(kw_only=True, slots=True)
-class AioConfig:
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class AioConfig(Section):
     """Async I/O settings for every NVMe transfer."""
 
     block_size: int = 1 << 20
@@ -238,13 +265,13 @@ class AioConfig:
     backends; the posix backend has no submission queue)."""
     backend: Literal["auto", "io_uring", "aio", "posix"] = "auto"
     """I/O engine. "auto" picks the fastest one available when the swapper starts: a run-time
-    choice, not a placeholder, so `Config.resolve` keeps it."""
+    choice, not a placeholder, so `resolve_run` keeps it."""
 
 
-@dataclass(kw_only=True, slots=True)
-class ConfigFields:
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class ConfigFields(Section):
     """The whole run configuration's fields; `infinity.config.Config` adds its verbs (load,
-    to_dict, resolve, ...), built over the parsing and resolving modules that read these."""
+    to_dict, for_local_rank, ...), built over the parsing module that reads these."""
 
     train_batch_size: int | str = AUTO
     """Samples per optimizer step over all ranks: micro batch * accumulation * world size."""
@@ -268,12 +295,31 @@ class ConfigFields:
     """Synchronize the device around each timed part of a step (the telemetry every step
     records, docs/telemetry.md), log the breakdown every `steps_per_print` steps and return
     it from `Engine.wall_clock_breakdown()`."""
+    given_keys: frozenset[str] = field(
+        default=frozenset(), compare=False, repr=False, metadata={"json": False}
+    )
+    """The dotted field paths the user's config set ("zero_optimization.sub_group_size",
+    "optimizer.lr", "scheduler.params.warmup_num_steps"), recorded by `Config.load` from a
+    file or dict; not a JSON key. A config rebuilt from `to_dict()` records every key."""
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:
-        """ "fp16", "bf16" or "fp32", from the enabled flags (resolve "auto" first)."""
+        """ "fp16", "bf16" or "fp32", from the enabled flags (`resolve_run` settles "auto")."""
         if AUTO in (self.fp16.enabled, self.bf16.enabled):
-            raise ValueError(
-                "fp16/bf16.enabled: 'auto' must be resolved first; call Config.resolve()"
-            )
+            raise ValueError("fp16/bf16.enabled: 'auto' must be resolved first; call resolve_run()")
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+
+SECTIONS: tuple[type, ...] = (
+    OffloadParamConfig,
+    OffloadOptimizerConfig,
+    ZeroConfig,
+    FP16Config,
+    BF16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    AioConfig,
+    ConfigFields,
+)
+"""The sections the key tables name; a subclass (`Config`, the resolved sections) reads
+the tables of the first of these it derives from."""

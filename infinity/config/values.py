@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Mapping
 from typing import Any
 
 AUTO = "auto"
-"""Marks a value derived later from the model or the world size (see `Config.resolve`)."""
+"""Marks a value derived later from the model or the world size (see `resolve_run`)."""
+
+
+def left_open(node: Mapping[str, Any], key: str) -> bool:
+    """Whether a raw (JSON) config object `node` leaves `key` to be derived: left out, or
+    "auto". What the flag and integration layers ask before laying a value over a file's."""
+    return key not in node or node[key] == AUTO
+
+
+def leave_open(node: dict[str, Any], key: str) -> None:
+    """Mark `key` of a raw config object `node` to be derived ("auto") unless it is set."""
+    node.setdefault(key, AUTO)
 
 
 def suggest(name: str, known) -> str:

@@ -176,7 +176,7 @@ def _loader(engine: infinity.Engine, data: Any, collate_fn: Any, keys: dict) -> 
     c = engine.comm
     return DataLoader(
         data,
-        batch_size=int(engine.config.train_micro_batch_size_per_gpu),
+        batch_size=engine.config.train_micro_batch_size_per_gpu,
         sampler=DistributedSampler(data, num_replicas=c.world_size, rank=c.rank),
         collate_fn=collate_fn,
         drop_last=bool(keys.get("dataloader_drop_last", False)),

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity.config import Config, RunFacts, resolve_run
 from infinity.optim import ParamGroup
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,7 @@ def plan_client(
     for key in _SHARED:
         if any(key in g for g in groups):
             _shared_hyper([{**_DEFAULTS, **base, **g} for g in groups], None, only=(key,))
-    given = base.get("weight_decay", 0.0)
-    decay = 0.0 if given == "auto" else float(given)  # "auto" resolves to 0, the default
+    decay = _config_decay(config_optimizer)
     plan = _groups_plan(model, groups, default_decay=decay)
     section = None
     if plan.decay != decay or any(key in g for g in groups for key in _SHARED):
@@ -84,6 +84,12 @@ def plan_client(
         params["weight_decay"] = plan.decay
         section = {"type": (config_optimizer or {}).get("type", "AdamW"), "params": params}
     return ClientPlan(section, plan.no_decay, plan.frozen)
+
+
+def _config_decay(config_optimizer: Mapping | None) -> float:
+    """The weight decay the config's optimizer section resolves to (its default: 0)."""
+    section = {"optimizer": config_optimizer} if config_optimizer else {}
+    return resolve_run(Config.load(section), RunFacts()).optimizer.weight_decay
 
 
 def _client_optimizer_plan(

@@ -132,10 +132,10 @@ class DeepSpeedEngine:
         return self.engine.was_step_skipped
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self.engine.config.train_micro_batch_size_per_gpu)
+        return self.engine.config.train_micro_batch_size_per_gpu
 
     def train_batch_size(self) -> int:
-        return int(self.engine.config.train_batch_size)
+        return self.engine.config.train_batch_size
 
     def gradient_accumulation_steps(self) -> int:
         return self.engine.gradient_accumulation_steps

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from infinity import zero as _zero
-from infinity.config import Config
+from infinity.config import Config, RunFacts, resolve_run
 from infinity.deepspeed import comm as ds_comm
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class Init:
                 f"zero.Init: remote_device={remote_device!r} differs from the config's "
                 "zero_optimization.offload_param.device; set it there and leave remote_device out"
             )
-        precision = _zero.model_dtype(cfg.resolve())
+        precision = _zero.model_dtype(resolve_run(cfg, RunFacts()))
         if dtype is not None and dtype != precision:
             raise ValueError(
                 f"zero.Init: dtype={dtype} but the config trains in {precision}; set "

@@ -58,7 +58,7 @@ def measure_rates(
         raise ValueError(f"--device {device!r} is not known; choose one of {', '.join(DEVICES)}")
     config = resolve_run(config, shape.run_facts())
     dtype = model_dtype(config)
-    micro = int(config.train_micro_batch_size_per_gpu)
+    micro = config.train_micro_batch_size_per_gpu
     sources: dict[str, str] = {}
     gpu = GPUS.get(device)
     if gpu is None:

@@ -19,7 +19,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infinity.config import Config
+from infinity.config import ResolvedConfig
 from infinity.estimate.shapes import ModelShape
 from infinity.zero.live_plan import LivePlan, LiveTrace, kept_mask
 
@@ -118,7 +118,7 @@ _REPLAYS_KEPT = 8
 
 
 def param_fetches(
-    shape: ModelShape, config: Config, *, checkpointing: bool
+    shape: ModelShape, config: ResolvedConfig, *, checkpointing: bool
 ) -> tuple[list[Position], list[PlannedFetch]]:
     """The trace of one training iteration and the fetches of its steady state, in the
     order they are decided: iterations are replayed until two in a row fetch the same (the
@@ -130,12 +130,12 @@ def param_fetches(
     return replay.trace, replay.fetches
 
 
-def replayed(shape: ModelShape, config: Config, *, checkpointing: bool) -> Replay:
+def replayed(shape: ModelShape, config: ResolvedConfig, *, checkpointing: bool) -> Replay:
     """The replay `param_fetches` reads (see there), with its peak live set."""
     zero = config.zero_optimization
-    key = (id(shape), checkpointing, int(zero.max_live_parameters),
-           int(zero.prefetch_bucket_size), int(zero.max_reuse_distance),
-           int(zero.keep_weights_numel), tuple(shape.persistent(zero)))  # fmt: skip
+    key = (id(shape), checkpointing, zero.max_live_parameters,
+           zero.prefetch_bucket_size, zero.max_reuse_distance,
+           zero.keep_weights_numel, tuple(shape.persistent(zero)))  # fmt: skip
     kept = _REPLAYS.get(key)
     if kept is not None and kept[0] is shape:
         return kept[1]
@@ -146,13 +146,13 @@ def replayed(shape: ModelShape, config: Config, *, checkpointing: bool) -> Repla
     return result
 
 
-def _replay(shape: ModelShape, config: Config, checkpointing: bool) -> Replay:
+def _replay(shape: ModelShape, config: ResolvedConfig, checkpointing: bool) -> Replay:
     trace = training_trace(shape, checkpointing=checkpointing)
     zero = config.zero_optimization
     plan = LivePlan(
-        budget=int(zero.max_live_parameters),
-        window=int(zero.prefetch_bucket_size),
-        reuse=int(zero.max_reuse_distance),
+        budget=zero.max_live_parameters,
+        window=zero.prefetch_bucket_size,
+        reuse=zero.max_reuse_distance,
     )
     persistent = shape.persistent(zero)
     kept = kept_of(shape, config)
@@ -176,12 +176,12 @@ def _replay(shape: ModelShape, config: Config, checkpointing: bool) -> Replay:
     return Replay(trace, sink.fetches, plan.peak_live_numel, held)
 
 
-def kept_of(shape: ModelShape, config: Config) -> list[bool]:
+def kept_of(shape: ModelShape, config: ResolvedConfig) -> list[bool]:
     """Per parameter, whether it is kept across the micro batches of a step (`kept_mask`,
     the coordinator's rule, over the same sizes)."""
     zero = config.zero_optimization
     return kept_mask([p.numel for p in shape.params], [p.trainable for p in shape.params],
-                     shape.persistent(zero), int(zero.keep_weights_numel))  # fmt: skip
+                     shape.persistent(zero), zero.keep_weights_numel)  # fmt: skip
 
 
 class _LiveSink:

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
-from infinity.config import Config, resolve_run
+from infinity.config import Config, ResolvedConfig, resolve_run
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
 from infinity.estimate.placement_rungs import (
     GRADS_ON_DEVICE,
@@ -371,9 +371,11 @@ class _Evaluator:
         return lo
 
 
-def _activations(shape: ModelShape, config: Config, seq_len: int, checkpointing: bool) -> int:
+def _activations(
+    shape: ModelShape, config: ResolvedConfig, seq_len: int, checkpointing: bool
+) -> int:
     """The estimate's activation bytes of one micro batch of the resolved `config`."""
-    micro = int(config.train_micro_batch_size_per_gpu)
+    micro = config.train_micro_batch_size_per_gpu
     itemsize = model_dtype(config).itemsize
     return activation_bytes(shape, micro * seq_len, seq_len, itemsize, checkpointing)
 
@@ -422,11 +424,11 @@ def _placement(
     sz: Sizes,
     memory: tuple[int, int],
     budget: Budget,
-    cfg: Config,
+    cfg: ResolvedConfig,
 ) -> Placement:
     weights_ram = sz.weights_host_bytes if param == "cpu" else 0  # else the staging ring
     state_ram = sz.state_host_bytes - sz.state_buffer_bytes
-    accum = int(cfg.gradient_accumulation_steps)
+    accum = cfg.gradient_accumulation_steps
     read = sz.optim_read_bytes_per_step + sz.grad_read_bytes_per_step
     read += sz.param_read_bytes_per_step(accum)
     write = sz.optim_write_bytes_per_step + sz.grad_write_bytes_per_step
@@ -443,6 +445,6 @@ def _placement(
         overlap_bytes=sz.overlap_host_bytes,
         nvme_read_bytes_per_step=read, nvme_write_bytes_per_step=write,
         host_device_bytes_per_step=host_device,
-        live_parameters=int(cfg.zero_optimization.max_live_parameters),
+        live_parameters=cfg.zero_optimization.max_live_parameters,
         peak_rss_bytes=memory[0], device_bytes=memory[1], budget=budget,
     )  # fmt: skip

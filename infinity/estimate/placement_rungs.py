@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from infinity.config import Config
+from infinity.config import Config, ResolvedConfig
 from infinity.estimate.shapes import ModelShape
 from infinity.estimate.sizing import layout_of
 from infinity.swap.split_state import ram_sub_groups
@@ -150,7 +150,7 @@ def _with_kept(shape, config, rungs, device_bytes, acts, world, grads_tunable) -
 
 
 def _kept_weights(
-    shape: ModelShape, config: Config, device_bytes: int, acts: int, rung: dict[str, int]
+    shape: ModelShape, config: ResolvedConfig, device_bytes: int, acts: int, rung: dict[str, int]
 ) -> int:
     """Elements of trainable weights the device keeps beside the live set and gradient sums
     of `rung` (the config's where it sets none): at most every trainable element."""
@@ -162,19 +162,21 @@ def _kept_weights(
     return max(0, min(room // itemsize, shape.trainable_numel))
 
 
-def _free_device_bytes(shape: ModelShape, config: Config, device_bytes: int, acts: int) -> int:
+def _free_device_bytes(
+    shape: ModelShape, config: ResolvedConfig, device_bytes: int, acts: int
+) -> int:
     """The device budget less DEVICE_HEADROOM, the activations, the largest gradient, the
     one unit a gather may exceed the live budget by (see `memory_of`) and the weights the
     config keeps there."""
     itemsize = model_dtype(config).itemsize
     largest = max((p.numel for p in shape.params), default=0)
-    kept = min(int(config.zero_optimization.keep_weights_numel), shape.trainable_numel)
+    kept = min(config.zero_optimization.keep_weights_numel, shape.trainable_numel)
     free = int(device_bytes * (1 - DEVICE_HEADROOM)) - acts - 2 * largest * itemsize
     return free - kept * itemsize
 
 
 def _resident_live(
-    shape: ModelShape, config: Config, device_bytes: int, acts: int, *, reserved: int = 0
+    shape: ModelShape, config: ResolvedConfig, device_bytes: int, acts: int, *, reserved: int = 0
 ) -> int:
     """The largest live set (elements) that fits `device_bytes` beside the activations (and
     `reserved` bytes of gradient sums): see `_free_device_bytes`."""
@@ -184,13 +186,18 @@ def _resident_live(
 
 
 def _device_grads(
-    shape: ModelShape, config: Config, device_bytes: int, acts: int, world: int, kept: int = 0
+    shape: ModelShape,
+    config: ResolvedConfig,
+    device_bytes: int,
+    acts: int,
+    world: int,
+    kept: int = 0,
 ) -> int:
     """Elements of fp32 gradient sums the device holds beside the configured live set (and
     `kept` bytes of weights kept there): the first whole sub-groups that fit (see [Note:
     gradient sums on the device])."""
     itemsize = model_dtype(config).itemsize
-    live = min(int(config.zero_optimization.max_live_parameters), shape.numel) * itemsize
+    live = min(config.zero_optimization.max_live_parameters, shape.numel) * itemsize
     room = (_free_device_bytes(shape, config, device_bytes, acts) - live - kept) // 4
     numels = layout_of(shape, config, world).sub_group_numels
     return sum(numels[: ram_sub_groups(numels, room)])

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from infinity.accelerator.recycled import MIN_BYTES
-from infinity.config import Config, resolve_run
+from infinity.config import Config, ResolvedConfig, resolve_run
 from infinity.estimate.bound import Bound
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES, Rates, passes
 from infinity.estimate.pipeline import Prefetch, micro_step_s, prefetch_of
@@ -180,8 +180,8 @@ def estimate(
         shape, config, pins=gpu is not None, grads_spill=grads_spill,
         checkpointing=activation_checkpointing, aliases=alias, world_size=world_size,
     )  # fmt: skip
-    micro = int(config.train_micro_batch_size_per_gpu)
-    accum = int(config.gradient_accumulation_steps)
+    micro = config.train_micro_batch_size_per_gpu
+    accum = config.gradient_accumulation_steps
     tokens = micro * seq_len
     offload = config.zero_optimization.offload_optimizer
     pipelined = offload.pipeline_read and offload.pipeline_write
@@ -246,7 +246,7 @@ def memory_of(
 
 
 def _inputs(
-    shape: ModelShape, config: Config, rates: Rates, seq_len: int, checkpointing: bool
+    shape: ModelShape, config: ResolvedConfig, rates: Rates, seq_len: int, checkpointing: bool
 ) -> dict:
     """What the estimate was made for, as its JSON records it."""
     zero = config.zero_optimization
@@ -255,14 +255,14 @@ def _inputs(
         "dtype": config.precision,
         "device": rates.device,
         "seq_len": seq_len,
-        "micro_batch": int(config.train_micro_batch_size_per_gpu),
-        "gradient_accumulation_steps": int(config.gradient_accumulation_steps),
+        "micro_batch": config.train_micro_batch_size_per_gpu,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "activation_checkpointing": checkpointing,
         "lora_r": shape.lora_r,
         "offload_param": zero.offload_param.device,
         "offload_optimizer": zero.offload_optimizer.device,
-        "sub_group_size": int(zero.sub_group_size),
-        "max_live_parameters": int(zero.max_live_parameters),
+        "sub_group_size": zero.sub_group_size,
+        "max_live_parameters": zero.max_live_parameters,
     }
 
 

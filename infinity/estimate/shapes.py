@@ -95,7 +95,10 @@ class ModelShape:
         function): this model's parameter sizes and hidden size, on `world_size` ranks."""
         numels = tuple(p.numel for p in self.params)
         return RunFacts(
-            world_size=world_size, param_numels=numels, hidden_size=self.dims.hidden_size
+            world_size=world_size,
+            param_numels=numels,
+            resident=True,
+            hidden_size=self.dims.hidden_size,
         )
 
     @property

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infinity.config import Config, ZeroConfig
+from infinity.config import ResolvedConfig, ZeroConfig
 from infinity.estimate.grad_traffic import GradTraffic, grad_traffic
 from infinity.estimate.param_traffic import Replay, replayed
 from infinity.estimate.shapes import ModelShape
@@ -146,7 +146,7 @@ def home_numels(shape: ModelShape, world_size: int = 1, align: int = 1) -> list[
     return [shard_of(p.numel, world_size, 0, align).numel for p in shape.params]
 
 
-def layout_of(shape: ModelShape, config: Config, world_size: int = 1) -> FlatLayout:
+def layout_of(shape: ModelShape, config: ResolvedConfig, world_size: int = 1) -> FlatLayout:
     """One rank's optimizer flat space over its shards of the trainable parameters, in
     record order (`optimizer_layout`, as the engine builds it)."""
     homes = home_numels(shape, world_size, shard_align(config.optimizer.eight_bit))
@@ -156,7 +156,7 @@ def layout_of(shape: ModelShape, config: Config, world_size: int = 1) -> FlatLay
 
 def sizes(
     shape: ModelShape,
-    config: Config,
+    config: ResolvedConfig,
     *,
     pins: bool,
     grads_spill: bool | None = None,
@@ -217,7 +217,7 @@ def sizes(
 
 
 def _ahead(
-    layout: FlatLayout, config: Config, spill: bool, *, param_nvme: bool, optim_nvme: bool
+    layout: FlatLayout, config: ResolvedConfig, spill: bool, *, param_nvme: bool, optim_nvme: bool
 ) -> tuple[list[int], int]:
     """(elements of each sub-group the overlapped step may step early, the host bytes of
     their copies): `overlap_sub_groups` and `ahead_nbytes`, the engine's rules, with the
@@ -235,7 +235,7 @@ def _ahead(
 
 
 def _grads(
-    shape: ModelShape, layout: FlatLayout, config: Config, spill: bool, world_size: int = 1
+    shape: ModelShape, layout: FlatLayout, config: ResolvedConfig, spill: bool, world_size: int = 1
 ) -> tuple[Footprint, GradTraffic, int]:
     """The gradient tier's host and disk footprint, its NVMe traffic and the device bytes of
     the sums kept there: by `grad_split`, the first sub-groups on the device (with one host
@@ -249,17 +249,17 @@ def _grads(
     host += grad_footprint(numels[on_device:first], nvme=False).host
     if first == len(numels):
         half = config.zero_optimization.offload_optimizer.half_gradients
-        accum = int(config.gradient_accumulation_steps)
+        accum = config.gradient_accumulation_steps
         if not on_device and keeps_half(half, accum, model_dtype(config), world_size):
             host //= 2
         return Footprint(host), GradTraffic(0, 0, 0), device
     nvme = grad_footprint(numels[first:], nvme=True)
-    accum = int(config.gradient_accumulation_steps)
+    accum = config.gradient_accumulation_steps
     traffic = grad_traffic(shape, layout, accum, first)
     return Footprint(host + nvme.host, nvme.disk), traffic, device
 
 
-def _offloaded_numel(shape: ModelShape, layout: FlatLayout, config: Config) -> int:
+def _offloaded_numel(shape: ModelShape, layout: FlatLayout, config: ResolvedConfig) -> int:
     """Elements of the gradients backward copies to the host: those of every trainable
     parameter whose sums are not all kept on the device (`FlatLayout.slots_within`)."""
     on_device, _ = grad_split(layout.sub_group_numels, config.zero_optimization.offload_optimizer)
@@ -372,7 +372,7 @@ def frozen_footprint(
 # -- the parameter tier ------------------------------------------------------------------------
 
 
-def param_pool_bytes(shape: ModelShape, config: Config, world_size: int = 1) -> int:
+def param_pool_bytes(shape: ModelShape, config: ResolvedConfig, world_size: int = 1) -> int:
     """The NVMe parameter staging pool, sized for the homes (one rank's shards)."""
     element_size = model_dtype(config).itemsize
     param = config.zero_optimization.offload_param

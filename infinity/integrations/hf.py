@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from infinity.checkpoint.layout import LATEST
-from infinity.config import Config
+from infinity.config import Config, RunFacts, resolve_run
 from infinity.engine import Engine, initialize
 from infinity.integrations.hf_config import schedule_params, trainer_config
 from infinity.models import export_hf
@@ -187,7 +187,8 @@ class InfinityTrainer(transformers.Trainer):
     def _resolved(self, num_training_steps: int) -> Config:
         raw = schedule_params(self.infinity_config, self.args, num_training_steps)
         hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
-        return Config.load(raw).resolve(hidden_size=hidden, total_num_steps=num_training_steps)
+        facts = RunFacts(hidden_size=hidden, total_num_steps=num_training_steps)
+        return resolve_run(Config.load(raw), facts)
 
     def _ensure_engine(self, num_training_steps: int = 1) -> Engine:
         """Partition the model (once) on the first call."""

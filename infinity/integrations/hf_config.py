@@ -16,7 +16,7 @@ import copy
 import os
 from typing import Any
 
-from infinity.config import AUTO, SCHEDULER_PARAMS, Config
+from infinity.config import SCHEDULER_PARAMS, Config, leave_open, left_open
 from infinity.config.parse import read_json
 
 # (config path, TrainingArguments name(s), value from the arguments)
@@ -106,7 +106,7 @@ def _with_auto_schedule(raw: dict) -> dict:
     params = dict(sched.get("params") or {})
     for name in _SCHEDULE_FILLS:
         if name in spec:
-            params.setdefault(name, AUTO)
+            leave_open(params, name)
     return {**raw, "scheduler": {**sched, "params": params}}
 
 
@@ -178,10 +178,10 @@ def _fill(raw: dict, path: tuple[str, ...], value: Any, hf_name: str) -> str | N
     for key in path[:-1]:
         node = node.setdefault(key, {})
     key = path[-1]
-    given = node.get(key, AUTO)
-    if given == AUTO:
+    if left_open(node, key):
         node[key] = value
         return None
+    given = node[key]
     if _same(given, value):
         return None
     return f"- infinity_config {'.'.join(path)}={given!r} vs TrainingArguments {hf_name}={value!r}"

@@ -15,7 +15,7 @@ from infinity.io.aio import (
     aligned_empty,
     preallocate,
 )
-from infinity.io.aio_checks import AioError, available_backends
+from infinity.io.aio_checks import AioError, available_backends, chosen_backend
 from infinity.io.extent import ExtentError, ExtentIO, IOStats, Transfer
 
 __all__ = [
@@ -29,5 +29,6 @@ __all__ = [
     "Transfer",
     "aligned_empty",
     "available_backends",
+    "chosen_backend",
     "preallocate",
 ]

@@ -135,6 +135,12 @@ def available_backends() -> list[str]:
     return [b for b in ("io_uring", "aio", "posix") if not probe(b)]
 
 
+def chosen_backend(backend: str) -> str:
+    """The backend `backend` names: "auto" is the fastest that runs here (a choice made
+    when the engine starts; the config keeps "auto" for it)."""
+    return available_backends()[0] if backend == "auto" else backend
+
+
 def make_engine(
     backend: str,
     block_size: int,
@@ -154,10 +160,8 @@ def make_engine(
         raise ValueError(f"queue_depth must be in 1..4096, got {queue_depth}")
     if not 1 <= threads <= 256:
         raise ValueError(f"threads must be in 1..256, got {threads}")
-    name = backend
-    if backend == "auto":
-        name = available_backends()[0]
-    else:
+    name = chosen_backend(backend)
+    if name == backend:
         reason = probe(backend)
         if reason:
             raise ValueError(

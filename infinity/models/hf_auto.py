@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.config import Config
+from infinity.config import Config, RunFacts, resolve_run
 from infinity.models.config import PRESETS, preset, read_config_json
 from infinity.models.hf_load import expected_shapes, load_hf_into
 from infinity.models.random_init import random_init
@@ -186,7 +186,7 @@ def from_pretrained(model: str | os.PathLike, config, *, seed: int | None = None
     spec = model if isinstance(model, CausalLMSpec) else describe(model)
     # init needs only the dtype and pinning: a schedule's "auto" run length may stay open.
     # Built without init, nothing is copied: the loader or `random_init` writes every value.
-    with init(Config.load(config).resolve(total_num_steps=1), values=False):
+    with init(resolve_run(Config.load(config), RunFacts(total_num_steps=1)), values=False):
         built = build(spec.hf_config, init_weights=False)
     if spec.model_dir is not None:
         load_weights(built, spec.model_dir)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from infinity.config import AUTO, FP16Config
+from infinity.config import FP16Config, check_resolved
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +176,7 @@ def _check_state(scaler: LossScaler, state: Any, keys: tuple[str, ...]) -> None:
 
 def build_loss_scaler(fp16: FP16Config) -> LossScaler:
     """The scaler for `fp16`: NoScaler when disabled, static when loss_scale > 0, else dynamic."""
-    if fp16.enabled == AUTO:
-        raise ValueError("fp16.enabled: 'auto' must be resolved first; call Config.resolve()")
+    check_resolved(fp16, "fp16")
     if not fp16.enabled:
         return NoScaler()
     if fp16.loss_scale < 0:

@@ -207,7 +207,7 @@ def build_schedule(cfg: SchedulerConfig, base_lr: float) -> Schedule:
     if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or base_lr < 0:
         raise ValueError(
             f"build_schedule: base_lr must be a number >= 0, got {base_lr!r} "
-            f"(an 'auto' lr is replaced by Config.resolve())"
+            f"(resolve_run replaces an 'auto' lr)"
         )
     if cfg.type is None:
         if cfg.params:

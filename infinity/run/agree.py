@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infinity.config import Config
+from infinity.config import Config, RunFacts, resolve_run
 
 if TYPE_CHECKING:
     from infinity.models.hf_auto import CausalLMSpec
@@ -72,9 +72,8 @@ def describe_run(
     for name in _FLAGS:
         value = getattr(args, name, None)
         run["--" + name.replace("_", "-")] = list(value) if isinstance(value, tuple) else value
-    resolved = config.resolve(
-        world_size=world_size, hidden_size=model.hidden_size, total_num_steps=1
-    )
+    facts = RunFacts(world_size=world_size, hidden_size=model.hidden_size, total_num_steps=1)
+    resolved = resolve_run(config, facts)
     run["--dtype"] = resolved.precision
     for key, value in _flat(resolved.to_dict()).items():
         if key.endswith("nvme_path") or key.split(".")[0] in ("fp16", "bf16", "train_batch_size"):

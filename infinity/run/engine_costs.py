@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from infinity.config import Config, resolve_run
+from infinity.config import Config, ResolvedConfig, resolve_run
 from infinity.zero import model_dtype
 
 # [Note: capped probes] The compute probe runs one micro batch of at most PROBE_TOKENS tokens
@@ -54,7 +54,7 @@ _REPEATS = 7
 def probe_batch(shape, config: Config, seq_len: int) -> tuple[Config, int]:
     """The config and sequence length the probes run at ([Note: capped probes])."""
 
-    micro = int(resolve_run(config, shape.run_facts()).train_micro_batch_size_per_gpu)
+    micro = resolve_run(config, shape.run_facts()).train_micro_batch_size_per_gpu
     probe_seq = min(seq_len, PROBE_SEQ_LEN)
     probe_micro = min(micro, max(1, PROBE_TOKENS // probe_seq))
     if (probe_micro, probe_seq) == (micro, seq_len):
@@ -68,8 +68,8 @@ def scale_compute(rates, shape, probed: tuple[Config, int], run: tuple[Config, i
     if probed == run:
         return rates
 
-    def flops(config: Config, seq_len: int) -> int:
-        micro = int(config.train_micro_batch_size_per_gpu)
+    def flops(config: ResolvedConfig, seq_len: int) -> int:
+        micro = config.train_micro_batch_size_per_gpu
         return micro * seq_len * shape.train_flops_per_token(seq_len)
 
     ratio = flops(*run) / flops(*probed)

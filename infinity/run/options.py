@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from infinity.config import Config
+from infinity.config import Config, left_open
 from infinity.config.resolve import check_batch
 from infinity.run.schedule import apply_schedule_flags
 
@@ -66,7 +66,7 @@ def config_from_args(
     sub_group_given = any("sub_group_size" in k for k in (given_zero or {}))
     if args.micro_batch is not None or args.grad_accum is not None:
         _keep_global_batch(args, raw, base, world_size)
-        base["train_batch_size"] = "auto"  # derived again from the two that were given
+        base.pop("train_batch_size", None)  # left out: derived again from the two given
     if args.micro_batch is not None:
         base["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.grad_accum is not None:
@@ -128,9 +128,11 @@ def _with_nvme_path(raw: dict, nvme: str | list[str]) -> dict:
 def _keep_global_batch(args: argparse.Namespace, raw: dict, base: dict, world: int) -> None:
     """One of --micro-batch and --grad-accum with a config's train_batch_size: the config's
     global batch stays and the other factor is derived from it (both flags: they win)."""
-    train = raw.get("train_batch_size")
-    if train in (None, "auto") or (args.micro_batch is not None and args.grad_accum is not None):
+    if left_open(raw, "train_batch_size") or (
+        args.micro_batch is not None and args.grad_accum is not None
+    ):
         return
+    train = raw["train_batch_size"]
     flag, given, other = (
         ("--micro-batch", args.micro_batch, "gradient_accumulation_steps")
         if args.micro_batch is not None

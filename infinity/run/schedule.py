@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from infinity.config import AUTO, OptimizerConfig
+from infinity.config import OptimizerConfig, leave_open, left_open
 
 OPTIM_TYPES = {"adamw": "AdamW", "adamw_8bit": "AdamW8bit"}
 """`--optim` names and the optimizer.type each selects (docs/optimizer_8bit.md)."""
@@ -69,7 +69,8 @@ def apply_schedule_flags(args: argparse.Namespace, raw: dict, base: dict) -> Non
             f"--warmup-steps {warmup} is more than --steps {steps}: the run would end inside "
             f"its warmup; give --warmup-steps {steps} or less (or --warmup-ratio)"
         )
-    params: dict[str, Any] = {"total_num_steps": AUTO}  # the run's length, known with the data
+    params: dict[str, Any] = {}
+    leave_open(params, "total_num_steps")  # the run's length, known with the data
     if warmup is not None:
         params["warmup_num_steps"] = warmup
     if "--warmup-ratio" in flags:
@@ -80,8 +81,8 @@ def apply_schedule_flags(args: argparse.Namespace, raw: dict, base: dict) -> Non
 
 
 def _check_min_lr(min_lr: float | None, base: dict) -> None:
-    lr = ((base.get("optimizer") or {}).get("params") or {}).get("lr", AUTO)
-    lr = OptimizerConfig().lr if lr == AUTO else float(lr)
+    params = (base.get("optimizer") or {}).get("params") or {}
+    lr = OptimizerConfig().lr if left_open(params, "lr") else float(params["lr"])
     if min_lr is not None and min_lr > lr:
         raise ValueError(
             f"--min-lr {min_lr} is above the lr ({lr}, --lr or the config): the schedule "
@@ -113,8 +114,9 @@ def _apply_weight_decay(args: argparse.Namespace, raw: dict, base: dict, where: 
     decay = getattr(args, "weight_decay", None)
     if decay is None:
         return
-    given = ((raw.get("optimizer") or {}).get("params") or {}).get("weight_decay", AUTO)
-    if given != AUTO and float(given) != decay:
+    params = (raw.get("optimizer") or {}).get("params") or {}
+    given = params.get("weight_decay")
+    if not left_open(params, "weight_decay") and float(given) != decay:
         raise ValueError(
             f"--weight-decay {decay} and optimizer.params.weight_decay {given} in {where} "
             "differ; drop one of them"

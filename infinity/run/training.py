@@ -14,6 +14,7 @@ import argparse
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ import infinity
 from infinity.accelerator import get_accelerator
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.comm import CommError
-from infinity.config import Config
+from infinity.config import Config, RunFacts, resolve_run
 from infinity.data import PackedDataset
 from infinity.models import hf_auto
 from infinity.models.lora import apply_lora, lora_targets
@@ -129,9 +130,8 @@ class TrainRun:
 
     def _resolved(self, data: PackedDataset) -> tuple[Config, int]:
         world = self.ranks.world_size
-        first = self.config.resolve(
-            world_size=world, hidden_size=self.model.hidden_size, total_num_steps=1
-        )
+        facts = RunFacts(world_size=world, hidden_size=self.model.hidden_size, total_num_steps=1)
+        first = resolve_run(self.config, facts)
         micro = first.train_micro_batch_size_per_gpu
         if micro > data.num_sequences:
             # A micro batch is one forward: more sequences than the data holds is a mistake,
@@ -143,12 +143,9 @@ class TrainRun:
             )
         per_step = micro * first.gradient_accumulation_steps * world
         steps = self.args.steps or max(1, math.ceil(data.num_sequences / per_step))
-        config = self.config.resolve(
-            world_size=world,
-            hidden_size=self.model.hidden_size,
-            total_num_steps=steps,
-            param_numels=[math.prod(s) for s in self.param_shapes.values()],
-        )
+        numels = tuple(math.prod(s) for s in self.param_shapes.values())
+        facts = replace(facts, total_num_steps=steps, param_numels=numels)
+        config = resolve_run(self.config, facts)
         return config, steps
 
     def _placed(self, config: Config) -> Config:
@@ -181,7 +178,7 @@ class TrainRun:
         torch.manual_seed(config.seed)
         # Building needs only the precision and pinning; `infinity.init` resolves the config
         # for one process, so the batch triple (which counts all ranks) is left to it.
-        config = Config.load({**config.to_dict(), "train_batch_size": "auto"})
+        config = config.without_global_batch()
         model = hf_auto.from_pretrained(self.model, config)
         if self.args.activation_checkpointing:
             hf_auto.enable_activation_checkpointing(model)
@@ -229,11 +226,10 @@ class TrainRun:
 
     def _shape(self) -> RunShape:
         """The settings a resume must keep, from the flags and the config."""
-        config = self.config.resolve(
-            world_size=self.ranks.world_size,
-            hidden_size=self.model.hidden_size,
-            total_num_steps=1,
+        facts = RunFacts(
+            world_size=self.ranks.world_size, hidden_size=self.model.hidden_size, total_num_steps=1
         )
+        config = resolve_run(self.config, facts)
         return RunShape(
             dtype=config.precision,
             micro_batch=config.train_micro_batch_size_per_gpu,

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinity.accelerator import get_accelerator
-from infinity.config.resolve import staging_numel
-from infinity.config.sections import OffloadParamConfig
+from infinity.config import OffloadParamConfig, check_resolved
 from infinity.io.aio import aligned_empty
 from infinity.swap.store import ALIGN_BYTES, align_up
 
@@ -89,11 +88,12 @@ def memlock_allows(nbytes: int) -> tuple[bool, int]:
 
 def param_buffer_numels(config: OffloadParamConfig, numels: Sequence[int]) -> tuple[int, int]:
     """(elements per parameter staging buffer, elements of the outlier buffer or 0) for
-    parameters of `numels` elements: `offload_param.buffer_size` ("auto": `staging_numel`),
-    and one buffer of the largest parameter when it does not fit (see [Note: an outlier's
-    own buffer])."""
+    parameters of `numels` elements: the resolved `offload_param.buffer_size` (`resolve_run`
+    sizes an "auto" one for the model), and one buffer of the largest parameter when it does
+    not fit (see [Note: an outlier's own buffer])."""
+    check_resolved(config, "zero_optimization.offload_param")
     largest = max(numels, default=1)
-    numel = staging_numel(numels) if config.buffer_size == "auto" else int(config.buffer_size)
+    numel = config.buffer_size
     return numel, (largest if largest > numel else 0)
 
 
@@ -162,8 +162,8 @@ class PinnedBufferPool:
         prefetch_numel: int = 0,
     ) -> PinnedBufferPool:
         """The parameter staging pool from `offload_param` for parameters of `numels`
-        elements: `buffer_count` buffers of `buffer_size` elements ("auto": see [Note: an
-        outlier's own buffer]), pinned if `pin_memory`."""
+        elements: `buffer_count` buffers of `buffer_size` elements (and the outlier's: see
+        [Note: an outlier's own buffer]), pinned if `pin_memory`."""
         numel, large = param_buffer_numels(config, numels)
         depth = -(-prefetch_numel // max(numel, 1)) + 1
         # It matters when the buffers ahead of the one in use hold under half the window

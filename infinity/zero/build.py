@@ -62,7 +62,7 @@ from torch import nn
 
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.comm import Comm
-from infinity.config import Config, ZeroConfig
+from infinity.config import Config, ResolvedZero, RunFacts, resolve_run
 from infinity.io.aio import zeroed
 from infinity.zero.build_files import BuildFiles, BuildPages
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
@@ -89,7 +89,7 @@ def is_persistent(numel: int, threshold: int) -> bool:
     return numel < threshold
 
 
-def persistent_flags(numels: Sequence[int], zero: ZeroConfig) -> list[bool]:
+def persistent_flags(numels: Sequence[int], zero: ResolvedZero) -> list[bool]:
     """Which parameters (in model order) stay gathered between uses: those below
     `param_persistence_threshold`, as long as they fit the live budget. When every
     parameter fits `max_live_parameters` at once, all below the threshold do (a threshold
@@ -97,7 +97,7 @@ def persistent_flags(numels: Sequence[int], zero: ZeroConfig) -> list[bool]:
     gather copies, one refresh per step). Otherwise persistent ones stop where they would
     leave less than the largest parameter's room under the budget, so persistence never
     breaks the bound (see [Note: the live budget] in live_plan.py)."""
-    threshold, budget = int(zero.param_persistence_threshold), int(zero.max_live_parameters)
+    threshold, budget = zero.param_persistence_threshold, zero.max_live_parameters
     room = budget if sum(numels) <= budget else budget - max(numels, default=0)
     flags = []
     for numel in numels:
@@ -175,7 +175,7 @@ def init(
     whose weights a loader or `random_init` writes next): the partitions start as zeros and
     the memory the construction allocated is never touched."""
     local_rank = comm.local_rank if comm is not None else int(os.environ.get("LOCAL_RANK", 0))
-    config = Config.load(config).resolve().for_local_rank(local_rank)
+    config = resolve_run(Config.load(config), RunFacts(local_rank=local_rank))
     dtype = model_dtype(config)
     offload = config.zero_optimization.offload_param
     files = BuildFiles(offload.nvme_path) if builds_in_files(config) else None

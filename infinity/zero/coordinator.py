@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from infinity.accelerator import Accelerator
-from infinity.config import ZeroConfig
+from infinity.config import ResolvedZero
 from infinity.zero.gathered import GatheredIndex
 from infinity.zero.home import HomeTier
 from infinity.zero.iteration import HINTS, Phase
@@ -75,22 +75,22 @@ class Coordinator:
     live budget."""
 
     def __init__(
-        self, records: Iterable[OffloadParam], zero: ZeroConfig, *, accelerator: Accelerator
+        self, records: Iterable[OffloadParam], zero: ResolvedZero, *, accelerator: Accelerator
     ) -> None:
         self.records = list(records)
         self.accel = accelerator
         self.copy_stream = accelerator.new_stream()
         self.plan = LivePlan(
-            budget=int(zero.max_live_parameters),
-            window=int(zero.prefetch_bucket_size),
-            reuse=int(zero.max_reuse_distance),
+            budget=zero.max_live_parameters,
+            window=zero.prefetch_bucket_size,
+            reuse=zero.max_reuse_distance,
         )
         """The live-set policy; a record's index in it is `self.index(rec)`."""
         self._index: dict[OffloadParam, int] = {}
         self._by_index: list[OffloadParam] = []
         recs = self.records
         kept = kept_mask([r.numel for r in recs], [r.trainable for r in recs],
-                         [r.persistent for r in recs], int(zero.keep_weights_numel))  # fmt: skip
+                         [r.persistent for r in recs], zero.keep_weights_numel)  # fmt: skip
         for rec, keep in zip(recs, kept, strict=True):
             self.index(rec, kept=keep)
         self._apply = _ApplyLive(self)

@@ -67,8 +67,8 @@ from infinity.zero.sub_groups import (
     MODEL_DTYPES,
     FlatLayout,
     Slot,
+    aligned_sub_group_size,
     check_slots,
-    resolve_sub_group_size,
 )
 from infinity.zero.weights import HostWeights, NvmeWeights, aliases_masters, make_weights
 
@@ -134,7 +134,7 @@ class PartitionedOptimizer:
         self.format = state_format(optimizer)
         self.convert_state = optimizer.convert_state
         self._saved_format = self.format  # of the checkpoint being loaded
-        self.sub_group_size = resolve_sub_group_size(zero.sub_group_size)
+        self.sub_group_size = aligned_sub_group_size(zero.sub_group_size)
         self._names = [s.name for s in slots]
         self._numels = [s.numel for s in slots]
         no_decay = frozenset(check_no_decay(no_decay, len(slots)))

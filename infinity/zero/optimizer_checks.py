@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
-from infinity.config import AUTO, OptimizerConfig
+from infinity.config import OptimizerConfig, check_resolved
 from infinity.optim import AdamHyper
 from infinity.swap.grad_tier import GradTier, HostGradTier
 from infinity.swap.state_tier import HostStateTier, StateFormat, StateTier
@@ -91,12 +91,8 @@ def check_layout(
 
 def hyperparameters(cfg: OptimizerConfig) -> AdamHyper:
     """The config's hyperparameters, at lr 0: `step` puts in the scheduled lr (with_lr)."""
+    check_resolved(cfg, "optimizer.params")
     values = {"betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
-    for key, value in values.items():
-        if value == AUTO:
-            raise ValueError(
-                f"optimizer.params.{key} is 'auto'; resolve the config first (Config.resolve())"
-            )
     try:
         modes = {"adamw_mode": cfg.adamw_mode, "bias_correction": cfg.bias_correction}
         return AdamHyper.of(lr=0.0, **values, **modes)

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.config import AUTO, ZeroConfig
+from infinity.config import ZeroConfig
 
-# DeepSpeed's default for zero_optimization.sub_group_size, used when it is still "auto".
-DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 SLOT_ALIGN = 2048
 """Slots start on multiples of this many elements in the flat space (see FlatLayout)."""
 MODEL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -101,14 +99,13 @@ class FlatLayout:
         )
 
 
-def resolve_sub_group_size(value: int | str) -> int:
-    """`zero.sub_group_size` as an int rounded up to a multiple of SLOT_ALIGN: "auto" takes
-    DeepSpeed's default (1e9 elements)."""
-    if value == AUTO:
-        value = DEFAULT_SUB_GROUP_SIZE
+def aligned_sub_group_size(value: int) -> int:
+    """`zero.sub_group_size` (resolved: `infinity.config.resolve_run` settles "auto") rounded
+    up to a multiple of SLOT_ALIGN."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
-            f"zero_optimization.sub_group_size must be a positive int or 'auto', got {value!r}"
+            f"zero_optimization.sub_group_size must be a positive int, got {value!r}; "
+            "resolve the config first (infinity.config.resolve_run)"
         )
     return _align(value)
 
@@ -186,7 +183,7 @@ def flat_layout(numels: Sequence[int], sub_group_size: int) -> FlatLayout:
 def optimizer_layout(slot_numels: Sequence[int], zero: ZeroConfig) -> FlatLayout:
     """The flat layout the optimizer will make of slots of `slot_numels`: to build its state
     tier (`sub_group_numels`) and weights (`make_weights`) before constructing it."""
-    return flat_layout(slot_numels, resolve_sub_group_size(zero.sub_group_size))
+    return flat_layout(slot_numels, aligned_sub_group_size(zero.sub_group_size))
 
 
 def sub_group_numels(slot_numels: Sequence[int], zero: ZeroConfig) -> list[int]:
