@@ -210,6 +210,8 @@ open('$dir/c.txt','w').write(' '.join(random.choice(w) for _ in range(20000)))"
 }
 
 # Checkpoints go to a tmpfs when it has room: a 1B checkpoint is ~15-18 GB of disk time.
+# The runs are stopped before their final checkpoint, but `infinity train` checks the room
+# for it first: the 7B full row needs 94 GB there (the GPU machine's /dev/shm has 128 GiB).
 SCRATCH=$NVME
 shm_free_g=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 if [[ -n "$shm_free_g" ]] && ((shm_free_g >= 48)); then SCRATCH=/dev/shm; fi
