@@ -54,3 +54,34 @@ def test_dry_run_on_the_cpu_device(tmp_path):
     assert cases[0].get("profile") is None
     # Work and saves are gone.
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, "profiles"])
+
+
+def test_the_planner_places_the_big_rows_on_the_lent_machine(tmp_path):
+    """The 13B LoRA and 7B full rows, as gpu_throughput passes them to `infinity estimate`
+    for an H200 machine (125 GiB of RAM, 64 GiB of free disk): the 13B's frozen base stays
+    gathered on the GPU (every parameter live, only the adapters cross per step), and the 7B
+    fits the RAM budget and the disk."""
+    from benchmarks.gpu_throughput import CASES, GPU_CASES, _flags, _parse
+
+    assert GPU_CASES.split(",") == ["1b-ram", "1b-nvme", "13b-lora-resident", "7b-full"]
+    args = _parse(["--device", "cuda"])
+    plans = {}
+    for key in ("13b-lora-resident", "7b-full"):
+        flags = _flags(CASES[key], args, tmp_path)
+        assert "--placement" not in flags and flags[flags.index("--ram-budget") + 1] == "100G"
+        out = tmp_path / f"{key}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "infinity.cli.main", "estimate", *flags, "--device", "h200",
+             "--bench-aio", str(AIO), "--json", str(out)],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        plans[key] = json.loads(out.read_text())
+    lora = plans["13b-lora-resident"]
+    assert lora["placement"]["live_parameters"] == lora["params"] > 13e9
+    assert lora["trainable_params"] < 1e8 and lora["host_device_bytes_per_step"] < 1e9
+    assert lora["device_bytes"] < 140 * 2**30
+    full = plans["7b-full"]
+    assert full["trainable_params"] == full["params"] > 6.7e9
+    assert full["peak_rss_bytes"] <= 100 * 2**30 and full["nvme_bytes"] <= 64 * 2**30
