@@ -16,7 +16,13 @@ from _train_inputs import TRAIN_FLAGS, train_args, write_inputs
 
 from infinity.cli.main import build_parser, main
 from infinity.run.inputs import check_inputs
-from infinity.run.options import RunOptions, config_from_args, read_config_file
+from infinity.run.options import (
+    OPTION_CHOICES,
+    POSITIVE_OPTIONS,
+    RunOptions,
+    config_from_args,
+    read_config_file,
+)
 from infinity.run.ranks import join
 from infinity.run.savedir import SaveDirClaim
 from infinity.run.stop import StopSignals
@@ -72,6 +78,21 @@ def test_run_options_are_the_train_flags_with_their_defaults():
     assert RunOptions.from_args(args) == RunOptions(model="tiny")
     with pytest.raises(FrozenInstanceError):
         RunOptions(model="tiny").steps = 3  # type: ignore[misc]
+
+
+def test_run_options_refuse_what_the_flags_refuse():
+    """Built in Python, a value the flag's parser would refuse is refused, naming it; the
+    lists checked are the parser's own."""
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    actions = sub.choices["train"]._actions
+    assert {a.dest: tuple(a.choices) for a in actions if a.choices} == OPTION_CHOICES
+    positive = {a.dest for a in actions if a.type and a.type.__name__.startswith("_positive")}
+    assert positive == set(POSITIVE_OPTIONS)
+    with pytest.raises(ValueError, match="dtype='fp8'.*'bf16'"):
+        RunOptions(model="tiny", dtype="fp8")
+    with pytest.raises(ValueError, match="steps=0: must be a positive number"):
+        RunOptions(model="tiny", steps=0)
+    assert RunOptions(model="tiny", dtype="bf16", steps=1).steps == 1
 
 
 def test_a_run_built_in_python_trains_with_its_save_dir_held_and_its_records(tmp_path, inputs):

@@ -202,11 +202,12 @@ class RunOptions:
     """What one training run is asked to do: `infinity train`'s flags as one typed value.
 
     The command line builds it from its flags (`from_args`); a Python caller builds it
-    directly, `RunOptions(model="llama-tiny", data="train.jsonl", steps=2)`, and hands it to
+    directly, `RunOptions(model="tiny", data="train.jsonl", steps=2)`, and hands it to
     `infinity.run.launch.train` or `TrainRun`. Each field is the flag of the same name
     (`--save-dir` is `save_dir`) with the flag's default, so both ways mean the same run;
     the JSON config the flags override stays in `config` (a path), laid under them by
-    `config_from_args`.
+    `config_from_args`. Built directly, the values the flags' parsers would refuse are
+    refused here, naming the option (`__post_init__`).
     """
 
     model: str
@@ -264,3 +265,35 @@ class RunOptions:
     def from_args(cls, args: argparse.Namespace) -> RunOptions:
         """The options of `infinity train`'s parsed flags (each field from its flag)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def __post_init__(self) -> None:
+        for name, choices in OPTION_CHOICES.items():
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(
+                    f"RunOptions {name}={value!r}: not one of {', '.join(map(repr, choices))} "
+                    f"(--{name.replace('_', '-')}); give one of those"
+                )
+        for name in POSITIVE_OPTIONS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError(
+                    f"RunOptions {name}={value!r}: must be a positive number "
+                    f"(--{name.replace('_', '-')}); give one above 0, or None for the default"
+                )
+
+
+# The values `infinity train`'s flags accept, as their parsers check them
+# (tests/test_run_library.py holds the two to the same lists).
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {
+    "overlong": ("truncate", "drop"),
+    "dtype": ("fp32", "bf16", "fp16"),
+    "lr_schedule": ("constant", "linear", "cosine"),
+    "optim": ("adamw", "adamw_8bit"),
+    "report_to": ("none", "tensorboard"),
+    "placement": ("auto", "nvme"),
+}
+POSITIVE_OPTIONS = (
+    "steps", "seq_len", "micro_batch", "grad_accum", "lr", "eval_every", "lora_r",
+    "lora_alpha", "save_every", "keep_last", "comm_timeout", "profile",
+)  # fmt: skip

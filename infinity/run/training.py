@@ -95,7 +95,7 @@ class TrainRun:
         self.save_dir = Path(options.save_dir).expanduser()
         self.model = model
         """The transformers config of the directory (or preset) and the parameter shapes, as
-        `train.check_inputs` described and checked them."""
+        `inputs.check_inputs` described and checked them."""
         self.model_dir = self.model.model_dir
         self.config = config
         self.config_file = config_file
