@@ -49,5 +49,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from infinity.run.launch import train  # torch and the engine load only for a run
+    from infinity.run.options import RunOptions
 
-    return train(args)
+    return train(RunOptions.from_args(args))

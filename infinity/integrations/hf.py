@@ -5,7 +5,9 @@
 
 Owns the seams between the Trainer and the engine; everything else is the Trainer's own
 loop. The model is partitioned when the Trainer first needs it (training, evaluation or
-prediction) and every forward runs through the engine, which gathers parameters on use.
+prediction) and every forward runs through the engine, which gathers parameters on use;
+`evaluate()` stays the Trainer's own loop and numbers (see [Note: the Trainer's evaluation]
+in infinity/run/evaluation.py).
 The Trainer's `loss.backward()` reaches the engine as a plain backward (see [Note: plain
 backward] in infinity/engine.py): the Trainer divides its loss for accumulation, the engine
 applies the fp16 loss scale. The optimizer step, clipping and the loss scale are the

@@ -12,7 +12,6 @@ left out.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -22,6 +21,7 @@ from infinity.config import Config, RunFacts, resolve_run
 
 if TYPE_CHECKING:
     from infinity.models.hf_auto import CausalLMSpec
+    from infinity.run.options import RunOptions
 
 # Bytes of the data file read at each end for its fingerprint (with its size).
 DATA_SAMPLE_NBYTES = 1 << 20
@@ -54,9 +54,7 @@ _FLAGS = (
 )
 
 
-def describe_run(
-    args: argparse.Namespace, config: Config, model: CausalLMSpec, *, world_size: int
-) -> dict:
+def describe_run(args: RunOptions, config: Config, model: CausalLMSpec, *, world_size: int) -> dict:
     """This rank's run, as {what (a flag or config key): value} (JSON values)."""
     from infinity.run.inputs import tokenizer_dir
 
@@ -117,7 +115,7 @@ def check_same_run(comm: Any, run: dict) -> None:
         )
 
 
-def check_nvme_entries(args: argparse.Namespace, local_ranks: int) -> None:
+def check_nvme_entries(args: RunOptions, local_ranks: int) -> None:
     """--nvme A,B names one directory per process on the node: an entry no process takes
     would never be checked or used, so it is a mistake to say now."""
     if args.nvme is None:

@@ -4,7 +4,6 @@ other ranks read it), the training set checked against the model's vocabulary.""
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
@@ -12,14 +11,14 @@ from infinity.data import PackedDataset, open_dataset
 from infinity.data.tokenizer import tokenizer_files
 from infinity.models import hf_auto
 from infinity.run.inputs import tokenizer_dir
-from infinity.run.options import example_options
+from infinity.run.options import RunOptions, example_options
 from infinity.run.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
 
 def train_data(
-    args: argparse.Namespace,
+    args: RunOptions,
     ranks: Ranks,
     save_dir: Path,
     model: hf_auto.CausalLMSpec,
@@ -59,7 +58,7 @@ def train_data(
     return data
 
 
-def eval_data(args: argparse.Namespace, ranks: Ranks, save_dir: Path) -> PackedDataset | None:
+def eval_data(args: RunOptions, ranks: Ranks, save_dir: Path) -> PackedDataset | None:
     """--eval-data tokenized as the training data (its own token cache), before any
     training: a file with too few tokens fails here; None without --eval-data."""
     if args.eval_data is None:

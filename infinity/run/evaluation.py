@@ -5,6 +5,17 @@ Owns the validation set (the file tokenized with the run's tokenizer into its ow
 cache, read in file order), when an evaluation is due, and its record in metrics.jsonl:
 {"step": N, "eval_loss": x, "eval_perplexity": y, "eval_tokens": n}. The forwards run through
 the engine under torch.no_grad(): no gradients, no optimizer traffic, and no step's telemetry.
+
+[Note: the Trainer's evaluation] `InfinityTrainer.evaluate()` stays transformers' own loop
+(`Trainer.evaluation_loop`); the engine enters it only through
+`InfinityTrainer.prediction_step`, whose forward gathers the parameters as the one here does.
+The two losses are different numbers on purpose: the Trainer's eval_loss is the mean over
+samples of each batch's mean (each batch's loss repeated per sample and gathered with
+accelerate's `gather_for_metrics`, non-finite values dropped), beside its metrics, callbacks
+and predictions; this one is the mean over every label of the --eval-data file. Routing the
+Trainer through `evaluate` below would change its eval_loss, and sharing one loop would mean
+writing transformers' evaluation loop again for the loss-only case. So the project has one
+evaluation loop of its own, this one, and uses transformers' as it is.
 """
 
 from __future__ import annotations

@@ -9,16 +9,16 @@ estimate` call them; the run itself is `infinity.run.training`.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infinity.data.source import check_data_file, check_data_options
 from infinity.data.tokenizer import TOKENIZER_FILES, require_transformers, tokenizer_files
 from infinity.models import PRESETS
-from infinity.run.options import check_seed, lora_spec
+from infinity.run.options import RunOptions, check_seed, lora_spec
 from infinity.run.step import PROFILE_WARMUP_STEPS
 
 if TYPE_CHECKING:
@@ -27,12 +27,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
+def check_inputs(args: RunOptions) -> CausalLMSpec:
     """Errors that can be known before anything is built, each with its fix. Returns the
-    model's description (its config read and checked), which the run builds from."""
+    model's description (its config read and checked), which the run builds from. `args`
+    with its sample defaults (`sample_defaults`), as the run gets them."""
     from infinity.models import hf_auto
 
-    sample_defaults(args)
+    args = sample_defaults(args)
     model = Path(args.model).expanduser()
     if args.model not in PRESETS:
         if not model.exists():
@@ -73,27 +74,28 @@ def check_inputs(args: argparse.Namespace) -> CausalLMSpec:
     return model_spec
 
 
-def sample_defaults(args: argparse.Namespace) -> None:
+def sample_defaults(args: RunOptions) -> RunOptions:
     """Without --data, the sample corpus shipped in the package; for a model with no
     tokenizer (a preset without --tokenizer), UTF-8 byte tokens with it. Both said in the log
     (see [Note: which tokenizer]: bytes are chosen here only for a run that names no data,
-    on random weights)."""
+    on random weights). `args` as it is when --data is given, else a copy with them."""
     if args.data is not None:
-        return
+        return args
     from infinity.data.sample import SAMPLE_CORPUS, SAMPLE_DESCRIPTION
 
-    args.data = str(SAMPLE_CORPUS)
+    args = replace(args, data=str(SAMPLE_CORPUS))
     log.info("no --data: training on the sample corpus, %s (%s)", SAMPLE_DESCRIPTION, args.data)
     if args.model in PRESETS and args.tokenizer is None and not args.byte_tokens:
-        args.byte_tokens = True
+        args = replace(args, byte_tokens=True)
         log.info(
             "--model %s has no tokenizer: UTF-8 byte tokens (ids 0-255, BOS 256, EOS 257); "
             "`infinity generate` on the save dir uses them too",
             args.model,
         )
+    return args
 
 
-def check_eval_data(args: argparse.Namespace) -> None:
+def check_eval_data(args: RunOptions) -> None:
     """--eval-data is a data file the run can read, checked as --data is; --eval-every
     needs it."""
     eval_data = getattr(args, "eval_data", None)
@@ -109,7 +111,7 @@ def check_eval_data(args: argparse.Namespace) -> None:
         raise ValueError(f"--eval-data {eval_data}: {exc}") from None
 
 
-def _check_example_flags(args: argparse.Namespace) -> None:
+def _check_example_flags(args: RunOptions) -> None:
     """The instruction-data flags name a readable template and come with instruction data."""
     from infinity.data.examples import file_kind
 
@@ -200,7 +202,7 @@ def check_lora_rank(spec, model: CausalLMSpec) -> None:
     lora_targets(meta, spec)
 
 
-def _check_profile(args: argparse.Namespace) -> None:
+def _check_profile(args: RunOptions) -> None:
     profile = getattr(args, "profile", None)
     if profile and args.steps and args.steps < profile + PROFILE_WARMUP_STEPS:
         fewer = args.steps - PROFILE_WARMUP_STEPS
@@ -225,7 +227,7 @@ def _create_save_dir(save_dir: Path) -> None:
         ) from None
 
 
-def tokenizer_dir(args: argparse.Namespace) -> Path | None:
+def tokenizer_dir(args: RunOptions) -> Path | None:
     """Where the run's tokenizer is read from; None means UTF-8 bytes.
 
     [Note: which tokenizer] --byte-tokens asks for bytes; --tokenizer DIR names a directory;
@@ -241,7 +243,7 @@ def tokenizer_dir(args: argparse.Namespace) -> Path | None:
     return None if args.model in PRESETS else Path(args.model).expanduser()
 
 
-def check_tokenizer_dir(args: argparse.Namespace) -> None:
+def check_tokenizer_dir(args: RunOptions) -> None:
     """The tokenizer the run will use exists (its files are read later, with the data)."""
     if args.byte_tokens and args.tokenizer is not None:
         raise ValueError(

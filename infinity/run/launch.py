@@ -1,4 +1,5 @@
-"""One training run started from its options (`infinity train`'s parsed flags), to its exit code.
+"""One training run started from its options (`RunOptions`: `infinity train`'s flags, or built
+in Python), to its exit code.
 
 Owns the order before the run is built: the stop signals caught, the ranks joined (one
 without torchrun), the inputs checked on every rank and said once, the same run agreed by all
@@ -8,15 +9,14 @@ line only parses the flags and calls `train`.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infinity.config import Config
 from infinity.run.agree import check_nvme_entries, check_same_run, describe_run
-from infinity.run.inputs import check_inputs
-from infinity.run.options import config_from_args, read_config_file
+from infinity.run.inputs import check_inputs, sample_defaults
+from infinity.run.options import RunOptions, config_from_args, read_config_file
 from infinity.run.ranks import FollowedRankZero, InputsRefused, join
 from infinity.run.savedir import SaveDirClaim
 from infinity.run.stop import StopNow, StopSignals
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from infinity.models.hf_auto import CausalLMSpec
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: RunOptions) -> int:
     """Check the inputs, join the ranks, claim the save dir, then train; the exit code."""
     unmap_large_allocations()  # freed parameter-sized buffers leave RSS at once
 
@@ -37,7 +37,7 @@ def train(args: argparse.Namespace) -> int:
             ranks = held.enter_context(join(Path(args.save_dir).expanduser(), args.comm_timeout))
             signals.rank = ranks.rank if ranks.many else None
             # Checked on every rank (a path one node lacks fails there only), said once.
-            model, config, raw = ranks.check_inputs(lambda: _inputs(args, ranks))
+            args, model, config, raw = ranks.check_inputs(lambda: _inputs(args, ranks))
             if ranks.many:  # the same run on every rank, before any work is shared
                 mine = ranks.check_inputs(
                     lambda: describe_run(args, config, model, world_size=ranks.world_size)
@@ -52,19 +52,20 @@ def train(args: argparse.Namespace) -> int:
             return ranks.failed(exc)
 
 
-def _inputs(args: argparse.Namespace, ranks) -> tuple[CausalLMSpec, Config, dict]:
-    """The checked inputs: the model's description, this rank's config and the config file
-    as the user wrote it (read here, once for the run)."""
+def _inputs(args: RunOptions, ranks) -> tuple[RunOptions, CausalLMSpec, Config, dict]:
+    """The checked inputs: the options with their sample defaults, the model's description,
+    this rank's config and the config file as the user wrote it (read here, once)."""
+    args = sample_defaults(args)
     model = check_inputs(args)
     check_nvme_entries(args, getattr(ranks.comm, "local_world_size", ranks.world_size))
     raw = read_config_file(args)
     # A per-rank nvme_path list becomes this rank's directory (the disk check reads it).
     config = config_from_args(args, ranks.world_size, raw=raw).for_local_rank(ranks.local_rank)
-    return model, config, raw
+    return args, model, config, raw
 
 
 def _run(
-    args,
+    args: RunOptions,
     config: Config,
     ranks,
     signals,

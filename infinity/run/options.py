@@ -1,6 +1,7 @@
 """How `infinity train`'s flags override its JSON config, and the checks of the result.
 
-Owns `config_from_args` (used by `train` and `estimate`): the config file read and checked
+Owns `RunOptions`, the run's options as one typed value (the flags, or built from Python),
+and `config_from_args` (used by `train` and `estimate`): the config file read and checked
 with --nvme as its missing nvme_path, the flags laid over it, a config's global batch kept
 when one of --micro-batch and --grad-accum is given, and the batch triple checked for the
 run's ranks before any data is read.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +164,7 @@ def check_seed(seed: int, where: str = "--seed") -> None:
         )
 
 
-def lora_spec(args: argparse.Namespace):
+def lora_spec(args: RunOptions):
     """The run's LoRA adapters, or None without --lora-r (the other LoRA flags need it)."""
     from infinity.models.lora import LoraSpec
 
@@ -185,7 +187,7 @@ def lora_spec(args: argparse.Namespace):
     )
 
 
-def example_options(args: argparse.Namespace):
+def example_options(args: RunOptions):
     """The run's `ExampleOptions` from the instruction-data flags."""
     from infinity.data import ExampleOptions
 
@@ -195,3 +197,105 @@ def example_options(args: argparse.Namespace):
         pack=args.pack,
         overlong=args.overlong,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """What one training run is asked to do: `infinity train`'s flags as one typed value.
+
+    The command line builds it from its flags (`from_args`); a Python caller builds it
+    directly, `RunOptions(model="tiny", data="train.jsonl", steps=2)`, and hands it to
+    `infinity.run.launch.train` or `TrainRun`. Each field is the flag of the same name
+    (`--save-dir` is `save_dir`) with the flag's default, so both ways mean the same run;
+    the JSON config the flags override stays in `config` (a path), laid under them by
+    `config_from_args`. Built directly, the values the flags' parsers would refuse are
+    refused here, naming the option (`__post_init__`).
+    """
+
+    model: str
+    """A Hugging Face model directory (config.json + safetensors) or a preset name."""
+    data: str | None = None
+    """The training text or JSONL file; None: the sample corpus shipped in the package."""
+    data_field: str = "text"
+    chat_template: str | None = None
+    train_on_prompt: bool = False
+    pack: bool = False
+    overlong: str = "truncate"
+    tokenizer: str | None = None
+    byte_tokens: bool = False
+    nvme: str | None = None
+    """One NVMe directory, or a comma-separated list of one per local rank."""
+    config: str | None = None
+    """The DeepSpeed-style JSON config file the other options override."""
+    steps: int | None = None
+    seq_len: int = 512
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    lr: float | None = None
+    dtype: str | None = None
+    activation_checkpointing: bool = False
+    lr_schedule: str | None = None
+    warmup_steps: int | None = None
+    warmup_ratio: float | None = None
+    min_lr: float | None = None
+    weight_decay: float | None = None
+    optim: str | None = None
+    convert_optim_state: bool | None = None
+    eval_data: str | None = None
+    eval_every: int | None = None
+    lora_r: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] | None = None
+    save_dir: str = "runs/infinity"
+    save_every: int | None = None
+    resume: bool = False
+    overwrite: bool = False
+    keep_last: int | None = None
+    seed: int | None = None
+    no_progress: bool = False
+    comm_timeout: float | None = None
+    profile: int | None = None
+    report_to: str = "none"
+    accept_unverified_checkpoint: bool = False
+    ram_budget: int | None = None
+    """Bytes (the flag's size, parsed)."""
+    device_memory: int | None = None
+    placement: str = "auto"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        """The options of `infinity train`'s parsed flags (each field from its flag)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def __post_init__(self) -> None:
+        for name, choices in OPTION_CHOICES.items():
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(
+                    f"RunOptions {name}={value!r}: not one of {', '.join(map(repr, choices))} "
+                    f"(--{name.replace('_', '-')}); give one of those"
+                )
+        for name in POSITIVE_OPTIONS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError(
+                    f"RunOptions {name}={value!r}: must be a positive number "
+                    f"(--{name.replace('_', '-')}); give one above 0, or None for the default"
+                )
+
+
+# The values `infinity train`'s flags accept, as their parsers check them
+# (tests/test_run_library.py holds the two to the same lists).
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {
+    "overlong": ("truncate", "drop"),
+    "dtype": ("fp32", "bf16", "fp16"),
+    "lr_schedule": ("constant", "linear", "cosine"),
+    "optim": ("adamw", "adamw_8bit"),
+    "report_to": ("none", "tensorboard"),
+    "placement": ("auto", "nvme"),
+}
+POSITIVE_OPTIONS = (
+    "steps", "seq_len", "micro_batch", "grad_accum", "lr", "eval_every", "lora_r",
+    "lora_alpha", "save_every", "keep_last", "comm_timeout", "profile",
+)  # fmt: skip

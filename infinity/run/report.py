@@ -9,11 +9,14 @@ the tag "eval/loss" (and "eval/perplexity" when the record has `eval_perplexity`
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infinity.checkpoint import MetricsLog
+
+if TYPE_CHECKING:
+    from infinity.run.options import RunOptions
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -94,7 +97,7 @@ class ReportedMetrics(MetricsLog):
             self._writer = None
 
 
-def metrics_log(args: argparse.Namespace, save_dir: str | Path) -> MetricsLog:
+def metrics_log(args: RunOptions, save_dir: str | Path) -> MetricsLog:
     """The run's metrics log: plain, or reporting to TensorBoard as --report-to asks."""
     if getattr(args, "report_to", "none") == "tensorboard":
         return ReportedMetrics(save_dir)

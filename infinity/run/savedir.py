@@ -11,7 +11,6 @@ lock file are still the ones the run took.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import logging
@@ -19,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infinity.checkpoint import (
     Checkpoint,
@@ -33,6 +33,9 @@ from infinity.checkpoint.layout import LOCK
 from infinity.checkpoint.lock import plain_os_error
 from infinity.checkpoint.metrics import FILE as METRICS_FILE
 from infinity.models.lora import LoraSpec
+
+if TYPE_CHECKING:
+    from infinity.run.options import RunOptions
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +141,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def prepare_fresh(save_dir: Path, args: argparse.Namespace) -> None:
+def prepare_fresh(save_dir: Path, args: RunOptions) -> None:
     """A run without --resume: refuse a directory with checkpoints (or, with --overwrite,
     empty it); an earlier metrics.jsonl without any checkpoint is set aside, not appended to.
     (The run's tokenizer is kept there once the run is accepted: `TrainRun._run`.)"""

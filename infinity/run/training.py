@@ -10,7 +10,6 @@ says in `failures`, a step's loss and record in `step`, the --eval-data evaluati
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import time
@@ -42,7 +41,7 @@ from infinity.run.failures import (
     stopped_at_once,
 )
 from infinity.run.inputs import tokenizer_dir
-from infinity.run.options import lora_spec
+from infinity.run.options import RunOptions, lora_spec
 from infinity.run.placement import plan_run
 from infinity.run.ranks import Ranks
 from infinity.run.report import metrics_log
@@ -80,7 +79,7 @@ class TrainRun:
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        options: RunOptions,
         config: Config,
         ranks: Ranks,
         *,
@@ -88,25 +87,26 @@ class TrainRun:
         claim: SaveDirClaim | None = None,
         config_file: dict | None = None,
     ) -> None:
-        self.args = args
+        self.options = options
+        """What the run is asked to do (`RunOptions`: the flags, or built in Python)."""
         self.ranks = ranks
         """This rank's place in the run (one rank without torchrun): see ranks."""
         self.claim = claim
         """Rank 0's hold on the save directory, checked before each record and save."""
-        self.save_dir = Path(args.save_dir).expanduser()
+        self.save_dir = Path(options.save_dir).expanduser()
         self.model = model
         """The transformers config of the directory (or preset) and the parameter shapes, as
-        `train.check_inputs` described and checked them."""
+        `inputs.check_inputs` described and checked them."""
         self.model_dir = self.model.model_dir
         self.config = config
         self.config_file = config_file
         """The --config file as the user wrote it (None: read again where needed)."""
-        self.metrics = metrics_log(args, self.save_dir)  # and TensorBoard (--report-to)
+        self.metrics = metrics_log(options, self.save_dir)  # and TensorBoard (--report-to)
         self.param_shapes = self.model.param_shapes
         """HF names and shapes of the model's unique parameters (from a meta model, once)."""
         self._saved: str | None = None
         """The tag of the checkpoint of the current step, once it is saved."""
-        self.lora = lora_spec(args)
+        self.lora = lora_spec(options)
         self._lora_targets: list[str] = []
         """The layer names the adapters went on (resolved from --lora-targets or all)."""
         self.eval_data: PackedDataset | None = None
@@ -139,10 +139,11 @@ class TrainRun:
             raise ValueError(
                 f"a micro batch of {micro} sequences (--micro-batch or "
                 f"train_micro_batch_size_per_gpu) is more than the {data.num_sequences} "
-                f"sequences of {data.seq_len} tokens in {self.args.data}; lower it or use more data"
+                f"sequences of {data.seq_len} tokens in {self.options.data}; lower it or use "
+                "more data"
             )
         per_step = micro * first.gradient_accumulation_steps * world
-        steps = self.args.steps or max(1, math.ceil(data.num_sequences / per_step))
+        steps = self.options.steps or max(1, math.ceil(data.num_sequences / per_step))
         numels = tuple(math.prod(s) for s in self.param_shapes.values())
         facts = replace(facts, total_num_steps=steps, param_numels=numels)
         config = resolve_run(self.config, facts)
@@ -158,7 +159,7 @@ class TrainRun:
         given = None if file is None else file.get("zero_optimization") or {}
         plan = self.ranks.decide(
             lambda: plan_run(
-                self.args, config, self.model.hf_config, gpu=gpu,
+                self.options, config, self.model.hf_config, gpu=gpu,
                 lora_r=self.lora.r if self.lora else 0, world_size=self.ranks.world_size,
                 local_ranks=getattr(self.ranks.comm, "local_world_size", 1),
                 given_zero=given,
@@ -180,7 +181,7 @@ class TrainRun:
         # for one process, so the batch triple (which counts all ranks) is left to it.
         config = config.without_global_batch()
         model = hf_auto.from_pretrained(self.model, config)
-        if self.args.activation_checkpointing:
+        if self.options.activation_checkpointing:
             hf_auto.enable_activation_checkpointing(model)
         if self.lora is not None:
             self._lora_targets = lora_targets(model, self.lora)
@@ -195,7 +196,7 @@ class TrainRun:
             with torch.device("meta"):
                 meta = hf_auto.build(self.model.hf_config, init_weights=False)
             targets = lora_targets(meta, self.lora)
-        every = self.args.save_every
+        every = self.options.save_every
         uses = train_disk.plan(
             config,
             self.param_shapes,
@@ -203,7 +204,7 @@ class TrainRun:
                 self.param_shapes, self.lora.r if self.lora else None, targets
             ),
             save_dir=self.save_dir,
-            saves=train_disk.checkpoints_kept(steps, every, self.args.keep_last),
+            saves=train_disk.checkpoints_kept(steps, every, self.options.keep_last),
         )
         self.ranks.say(train_disk.check(uses))
 
@@ -211,7 +212,7 @@ class TrainRun:
         """Where the frozen weights come from, for the checkpoints' base record."""
         if self.model_dir is not None:
             return self.model_dir
-        return {"preset": self.args.model, "seed": config.seed, "precision": config.precision}
+        return {"preset": self.options.model, "seed": config.seed, "precision": config.precision}
 
     def _client_state(self, data: PackedDataset) -> dict:
         return {
@@ -234,7 +235,7 @@ class TrainRun:
             dtype=config.precision,
             micro_batch=config.train_micro_batch_size_per_gpu,
             grad_accum=config.gradient_accumulation_steps,
-            seq_len=self.args.seq_len,
+            seq_len=self.options.seq_len,
             seed=config.seed,
             world_size=self.ranks.world_size,
         )
@@ -252,15 +253,17 @@ class TrainRun:
         tag = self.ranks.decide(check)
         if tag is None:
             return None
-        accept = self.args.accept_unverified_checkpoint
+        accept = self.options.accept_unverified_checkpoint
         return mine[0] if mine else load_checkpoint(self.save_dir, tag, verify=False,
                                                     accept_unverified=accept)  # fmt: skip
 
     def _check_save_dir(self) -> Checkpoint | None:
-        if not self.args.resume:
-            prepare_fresh(self.save_dir, self.args)
+        if not self.options.resume:
+            prepare_fresh(self.save_dir, self.options)
             return None
-        ckpt = find_resume(self.save_dir, accept_unverified=self.args.accept_unverified_checkpoint)
+        ckpt = find_resume(
+            self.save_dir, accept_unverified=self.options.accept_unverified_checkpoint
+        )
         check_resume(ckpt, self._shape(), model=self.model.to_dict(), shapes=self.param_shapes)
         return ckpt
 
@@ -304,9 +307,9 @@ class TrainRun:
         self.resume = self._prepare_save_dir()
         # 2. The data, tokenized once into the save dir's token cache, and the validation set.
         self.data = train_data(
-            self.args, self.ranks, self.save_dir, self.model, seed=self.config.seed
+            self.options, self.ranks, self.save_dir, self.model, seed=self.config.seed
         )
-        self.eval_data = eval_data(self.args, self.ranks, self.save_dir)
+        self.eval_data = eval_data(self.options, self.ranks, self.save_dir)
         # 3. The config resolved for this model, these ranks and the run's length.
         config, self.steps = self._resolved(self.data)
         clock.lap("data")
@@ -317,7 +320,7 @@ class TrainRun:
         #    `infinity generate` once the run is accepted.
         self.ranks.decide(lambda: self._check_disk(config, self.steps))
         if self.ranks.is_main and self.resume is None:
-            record_tokenizer(self.save_dir, tokenizer_dir(self.args))
+            record_tokenizer(self.save_dir, tokenizer_dir(self.options))
         clock.lap("disk_check")
         # 6. The model, built under `infinity.init` with its weights streamed in, and LoRA.
         model = self._model(config)
@@ -356,7 +359,7 @@ class TrainRun:
         if resume is not None:
             now = self._lora_state() if self.lora is not None else None
             check_same_adapters(resume.state.get("lora"), now, self.save_dir)
-            accept = self.args.accept_unverified_checkpoint
+            accept = self.options.accept_unverified_checkpoint
             _, client_state = engine.load_checkpoint(
                 self.save_dir, resume.tag, accept_unverified=accept
             )
@@ -396,9 +399,9 @@ class TrainRun:
                 f"{engine.global_steps}. {resume_hint(self.save_dir, 'there is room')}",
             ) from exc
         self._saved = tag
-        if self.args.keep_last and self.ranks.is_main:
+        if self.options.keep_last and self.ranks.is_main:
             try:
-                prune(self.save_dir, self.args.keep_last)
+                prune(self.save_dir, self.options.keep_last)
             except OSError as exc:  # the new checkpoint is safe: retention can wait
                 log.warning("--keep-last: could not remove an old checkpoint: %s", exc)
         return tag
@@ -416,10 +419,10 @@ class TrainRun:
             total=steps,
             initial=engine.global_steps,
             unit="step",
-            disable=self.args.no_progress or not self.ranks.is_main,
+            disable=self.options.no_progress or not self.ranks.is_main,
             dynamic_ncols=True,
         )
-        profiler = start_profile(engine, self.args.profile, steps, self.save_dir)
+        profiler = start_profile(engine, self.options.profile, steps, self.save_dir)
         with bar, logging_redirect_tqdm():  # the engine's progress lines go above the bar
             # The ranks agree on a stop before each step (see ranks).
             while engine.global_steps < steps and not self.ranks.any_stop(signals.requested):
@@ -438,7 +441,7 @@ class TrainRun:
                 if self.ranks.is_main:
                     self.metrics.append(record)
                 if self.eval_data is not None and due(
-                    engine.global_steps, self.args.eval_every, steps
+                    engine.global_steps, self.options.eval_every, steps
                 ):
                     self.evaluate()
                 bar.update(1)
@@ -450,7 +453,7 @@ class TrainRun:
                 if profiler is not None and (profiler.path or profiler.error):
                     tqdm.write(profile_written(profiler))
                     profiler = None
-                every = self.args.save_every
+                every = self.options.save_every
                 if every and engine.global_steps % every == 0 and engine.global_steps < steps:
                     self._save(engine, data)
         if profiler is not None:  # the run ended before the profile did
