@@ -4,6 +4,7 @@ planner, whose candidate trials are counted apart from the run's own resolution)
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 
@@ -87,3 +88,17 @@ def test_batch_sizes_are_the_resolved_triple(raw):
         resolved.gradient_accumulation_steps,
     )
     assert batch_sizes(config, 2) == triple
+
+
+def test_a_schedule_of_auto_length_trains_and_resumes(tmp_path, inputs):
+    """The run resolves its schedule with its real length only: an explicit warmup longer
+    than one step and an "auto" total_num_steps train for 4 steps and resume to 6."""
+    model, data = inputs
+    config = tmp_path / "ds.json"
+    params = {"warmup_num_steps": 3, "total_num_steps": "auto"}
+    config.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": params}}))
+    save = tmp_path / "run"
+    assert main(train_args(model, data, save, "--steps", 4, "--config", config)) == 0
+    assert main(train_args(model, data, save, "--steps", 6, "--config", config, "--resume")) == 0
+    steps = [json.loads(line)["step"] for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]

@@ -14,6 +14,7 @@ import argparse
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ import infinity
 from infinity.accelerator import get_accelerator
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.comm import CommError
-from infinity.config import Config, RunFacts, resolve_run
+from infinity.config import Config, RunFacts, SchedulerConfig, resolve_run
 from infinity.config.resolve import batch_sizes
 from infinity.data import PackedDataset
 from infinity.models import hf_auto
@@ -227,10 +228,9 @@ class TrainRun:
         """The settings a resume must keep, from the flags and the config (the run's resolved
         config once `setup` has it; before, for the resume check, resolved for that alone)."""
         config = self.resolved
-        if config is None:
-            facts = RunFacts(world_size=self.ranks.world_size,
-                             hidden_size=self.model.hidden_size, total_num_steps=1)  # fmt: skip
-            config = resolve_run(self.config, facts)
+        if config is None:  # the run's length is not known yet, and the shape has no schedule
+            facts = RunFacts(world_size=self.ranks.world_size, hidden_size=self.model.hidden_size)
+            config = resolve_run(replace(self.config, scheduler=SchedulerConfig()), facts)
         return RunShape(
             dtype=config.precision,
             micro_batch=config.train_micro_batch_size_per_gpu,
