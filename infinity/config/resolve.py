@@ -175,6 +175,13 @@ def check_batch(cfg: ConfigFields, world_size: int = 1) -> None:
     _resolve_batch(cfg, world_size)
 
 
+def batch_sizes(cfg: ConfigFields, world_size: int = 1) -> tuple[int, int, int]:
+    """(train_batch_size, micro batch, accumulation) as `resolve_run` sets them for
+    `world_size` ranks, without resolving the rest: a run counts its steps from them before
+    it resolves its config once, with that run length."""
+    return _resolve_batch(cfg, world_size)
+
+
 def _resolve_zero(zero: ZeroConfig, hidden: int | None, numels: Sequence[int] | None) -> ZeroConfig:
     sizes = {}
     if hidden is not None:  # the Hugging Face integration's sizes

@@ -206,7 +206,7 @@ def plan_placement(
     device memory is host RAM); `runtime_bytes`: the process's RSS before the model;
     `tunable`: the keys of LEAN_BUFFERS (and GRADS_ON_DEVICE) the config leaves unset (see
     placement_rungs.py)."""
-    config = resolve_run(config, shape.run_facts(world_size))
+    config = resolve_trial(config, shape, world_size)
     acts = _activations(shape, config, seq_len, checkpointing)
     plans, evaluate = [], None
     rungs = candidates(shape, config, tunable, gpu, budget.device_bytes, acts, world_size)
@@ -283,13 +283,22 @@ def _device_error(limit: int, source: str, needed: int) -> ValueError:
     )
 
 
+def resolve_trial(config: Config, shape: ModelShape, world_size: int) -> ResolvedConfig:
+    """`config` resolved as the engine would run it for `shape` on `world_size` ranks: a
+    trial the planner or a budget check models (a candidate placement, or the config as the
+    user wrote it), never the run's own config, which `infinity.run.training` resolves once
+    and the chosen plan's keys are set on (`Placement.apply`). Every resolution here goes
+    through this one function."""
+    return resolve_run(config, shape.run_facts(world_size))
+
+
 def check_device(
     shape: ModelShape, config: Config, limit: int, source: str, *, gpu: bool, seq_len: int,
     checkpointing: bool = False, runtime_bytes: int, world_size: int = 1,
 ) -> int:  # fmt: skip
     """A run whose placement the config fixes: its device memory, or ValueError when that
     is over `limit` bytes (from `source`, e.g. "--device-memory 1.0G")."""
-    config = resolve_run(config, shape.run_facts(world_size))
+    config = resolve_trial(config, shape, world_size)
     acts = _activations(shape, config, seq_len, checkpointing)
     _, device, _ = _memory(shape, config, gpu, acts, checkpointing, runtime_bytes, world_size)
     if device > limit:
@@ -402,7 +411,7 @@ def check_budget(
 ) -> int:
     """A run whose placement the config fixes (no planning): its peak RSS, or ValueError
     when that is over `budget` (naming both and what would help)."""
-    config = resolve_run(config, shape.run_facts(world_size))
+    config = resolve_trial(config, shape, world_size)
     acts = _activations(shape, config, seq_len, checkpointing)
     _, _, peak = _memory(shape, config, gpu, acts, checkpointing, runtime_bytes, world_size)
     if not budget.fits(peak):

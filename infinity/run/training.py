@@ -24,7 +24,8 @@ import infinity
 from infinity.accelerator import get_accelerator
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.comm import CommError
-from infinity.config import Config, RunFacts, resolve_run
+from infinity.config import Config, RunFacts, SchedulerConfig, resolve_run
+from infinity.config.resolve import batch_sizes
 from infinity.data import PackedDataset
 from infinity.models import hf_auto
 from infinity.models.lora import apply_lora, lora_targets
@@ -130,9 +131,7 @@ class TrainRun:
 
     def _resolved(self, data: PackedDataset) -> tuple[Config, int]:
         world = self.ranks.world_size
-        facts = RunFacts(world_size=world, hidden_size=self.model.hidden_size, total_num_steps=1)
-        first = resolve_run(self.config, facts)
-        micro = first.train_micro_batch_size_per_gpu
+        _, micro, accum = batch_sizes(self.config, world)  # the run's length needs these first
         if micro > data.num_sequences:
             # A micro batch is one forward: more sequences than the data holds is a mistake,
             # and a large one would exhaust memory before failing.
@@ -142,11 +141,12 @@ class TrainRun:
                 f"sequences of {data.seq_len} tokens in {self.options.data}; lower it or use "
                 "more data"
             )
-        per_step = micro * first.gradient_accumulation_steps * world
+        per_step = micro * accum * world
         steps = self.options.steps or max(1, math.ceil(data.num_sequences / per_step))
         numels = tuple(math.prod(s) for s in self.param_shapes.values())
-        facts = replace(facts, total_num_steps=steps, param_numels=numels)
-        config = resolve_run(self.config, facts)
+        facts = RunFacts(world_size=world, hidden_size=self.model.hidden_size,
+                         total_num_steps=steps, param_numels=numels)  # fmt: skip
+        config = resolve_run(self.config, facts)  # the run's one resolution
         return config, steps
 
     def _placed(self, config: Config) -> Config:
@@ -226,11 +226,12 @@ class TrainRun:
         }
 
     def _shape(self) -> RunShape:
-        """The settings a resume must keep, from the flags and the config."""
-        facts = RunFacts(
-            world_size=self.ranks.world_size, hidden_size=self.model.hidden_size, total_num_steps=1
-        )
-        config = resolve_run(self.config, facts)
+        """The settings a resume must keep, from the flags and the config (the run's resolved
+        config once `setup` has it; before, for the resume check, resolved for that alone)."""
+        config = self.resolved
+        if config is None:  # the run's length is not known yet, and the shape has no schedule
+            facts = RunFacts(world_size=self.ranks.world_size, hidden_size=self.model.hidden_size)
+            config = resolve_run(replace(self.config, scheduler=SchedulerConfig()), facts)
         return RunShape(
             dtype=config.precision,
             micro_batch=config.train_micro_batch_size_per_gpu,

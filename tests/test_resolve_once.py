@@ -1,0 +1,104 @@
+"""One `infinity train` run resolves its config once: `resolve_run` is counted at every
+module that imported it, during a tiny run in this process (with and without the placement
+planner, whose candidate trials are counted apart from the run's own resolution)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+
+import pytest
+from _train_inputs import train_args, write_inputs
+
+import infinity.config.resolve as resolve_module
+from infinity.cli.main import main
+from infinity.config import Config, RunFacts
+from infinity.config.resolve import batch_sizes
+
+ORIGINAL = resolve_module.resolve_run
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return write_inputs(tmp_path_factory.mktemp("once"))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Each `resolve_run` call during the test, by the module and function that made it."""
+    seen: Counter[str] = Counter()
+
+    def counted(config, facts):
+        caller = sys._getframe(1)
+        seen[f"{caller.f_globals['__name__']}.{caller.f_code.co_name}"] += 1
+        return ORIGINAL(config, facts)
+
+    counted.__wrapped__ = ORIGINAL  # a module imported under another test's patch has one
+    for name, module in list(sys.modules.items()):
+        if name != "infinity" and not name.startswith("infinity."):
+            continue
+        found = vars(module).get("resolve_run")
+        if found is ORIGINAL or getattr(found, "__wrapped__", None) is ORIGINAL:
+            monkeypatch.setattr(module, "resolve_run", counted)
+    return seen
+
+
+def _by_module(calls: Counter[str], prefix: str) -> int:
+    return sum(n for name, n in calls.items() if name.startswith(prefix))
+
+
+def test_a_run_resolves_its_config_once(tmp_path, inputs, calls):
+    model, data = inputs
+    # Two saves (--save-every 1): the step records and checkpoints reuse the run's value.
+    assert main(train_args(model, data, tmp_path / "run", "--steps", 2, "--save-every", 1)) == 0
+    print(dict(calls))
+    assert _by_module(calls, "infinity.run.training") == 1, dict(calls)
+    assert _by_module(calls, "infinity.estimate.placement") == 0, dict(calls)
+
+
+def test_the_planner_trials_are_apart_from_the_run(tmp_path, inputs, calls):
+    model, data = inputs
+    nvme = tmp_path / "ssd"
+    nvme.mkdir()
+    args = train_args(model, data, tmp_path / "run", "--steps", 2, "--nvme", nvme)
+    assert main([*args, "--placement", "auto"]) == 0
+    print(dict(calls))
+    assert _by_module(calls, "infinity.run.training") == 1, dict(calls)
+    # The planner resolves the candidate configs it compares, through one helper.
+    trials = {n for n in calls if n.startswith("infinity.estimate.placement")}
+    assert trials == {"infinity.estimate.placement.resolve_trial"}, dict(calls)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {},
+        {"train_batch_size": 8},
+        {"train_batch_size": 8, "gradient_accumulation_steps": 2},
+        {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
+    ],
+)
+def test_batch_sizes_are_the_resolved_triple(raw):
+    config = Config.load(raw)
+    resolved = ORIGINAL(config, RunFacts(world_size=2))
+    triple = (
+        resolved.train_batch_size,
+        resolved.train_micro_batch_size_per_gpu,
+        resolved.gradient_accumulation_steps,
+    )
+    assert batch_sizes(config, 2) == triple
+
+
+def test_a_schedule_of_auto_length_trains_and_resumes(tmp_path, inputs):
+    """The run resolves its schedule with its real length only: an explicit warmup longer
+    than one step and an "auto" total_num_steps train for 4 steps and resume to 6."""
+    model, data = inputs
+    config = tmp_path / "ds.json"
+    params = {"warmup_num_steps": 3, "total_num_steps": "auto"}
+    config.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": params}}))
+    save = tmp_path / "run"
+    assert main(train_args(model, data, save, "--steps", 4, "--config", config)) == 0
+    assert main(train_args(model, data, save, "--steps", 6, "--config", config, "--resume")) == 0
+    steps = [json.loads(line)["step"] for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
