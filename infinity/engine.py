@@ -127,12 +127,7 @@ class Engine:
         # See docs/telemetry.md: always timed; the device synchronized only when asked.
         sync = self.accelerator.synchronize if self.config.wall_clock_breakdown else None
         self._timer = StepTimer(synchronize=sync)
-        self.parts = assemble(
-            model, self.config, comm=self.comm, accelerator=self.accelerator,
-            no_decay=set(no_decay), groups=tuple(groups), timer=self._timer,
-            loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
-        )  # fmt: skip
-        """The records, tiers, optimizer, coordinator and hooks `infinity.assemble` built."""
+        # Built before the parts, which hold files and hooks: a refusal here leaks nothing.
         self.loss_scaler = build_loss_scaler(self.config.fp16)
         self.lr_schedule: Schedule = build_schedule(
             self.config.scheduler, float(self.config.optimizer.lr)
@@ -141,6 +136,12 @@ class Engine:
         that has `lr` (the next step's rate; maybe `lrs`, one per parameter group), `step()`
         and `state_dict`/`load_state_dict` (`infinity.integrations.hf` puts the HF Trainer's
         own scheduler here)."""
+        self.parts = assemble(
+            model, self.config, comm=self.comm, accelerator=self.accelerator,
+            no_decay=set(no_decay), groups=tuple(groups), timer=self._timer,
+            loss_scale=(lambda: self.loss_scaler.scale) if fp16 else None,
+        )  # fmt: skip
+        """The records, tiers, optimizer, coordinator and hooks `infinity.assemble` built."""
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         self.micro_steps = 0
         self._backwards = 0
