@@ -7,7 +7,13 @@ import os
 import pytest
 import torch
 
-from infinity.config.sections import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from infinity.config import Config, RunFacts, resolve_run
+from infinity.config.sections import (
+    AioConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    ZeroConfig,
+)
 from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.state_tier import HostStateTier
 from infinity.swap.store import SwapStoreError
@@ -30,7 +36,9 @@ def test_cpu_offload_is_the_host_tier(tmp_path):
 
 def test_both_nvme_tiers_share_one_store(tmp_path):
     opt = OffloadOptimizerConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=3)
-    par = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=2)
+    loaded = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=2)
+    config = Config(zero_optimization=ZeroConfig(offload_param=loaded))  # buffer_size "auto"
+    par = resolve_run(config, RunFacts(param_numels=(1000, 10))).zero_optimization.offload_param
     with SwapStores(run_id="r") as stores:
         state = make_state_tier([100, 50], opt, AIO, stores=stores)
         # buffer_count 3, but two sub-groups use no more than two buffers
