@@ -5,6 +5,10 @@ the CPU both ways: gathers aliasing host homes (the default) and copying them, a
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,3 +45,24 @@ def quiet_root_logger():
 def swap(tmp_path):
     with SwapStore(tmp_path, run_id="t") as store:
         yield store
+
+
+@pytest.fixture
+def run_bench():
+    """Runs a benchmark as its command line does (`run_bench("-m", "benchmarks.x", *args)` or
+    `run_bench("benchmarks/x.py", *args)`) from the repository root, with the root on
+    PYTHONPATH and `env` added to the environment; returns the finished process, its output
+    as text."""
+    root = Path(__file__).resolve().parents[1]
+
+    def run(*argv: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=root,
+            env=dict(os.environ, PYTHONPATH=str(root), **env),
+        )
+
+    return run

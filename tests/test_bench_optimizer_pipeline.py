@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_optimizer_pipeline_bench_tiny(tmp_path):
+def test_optimizer_pipeline_bench_tiny(tmp_path, run_bench):
     out = tmp_path / "r.json"
     swap = tmp_path / "swap"
     swap.mkdir()
     args = ["--path", str(swap), "--state-gib", "0.001", "--sub-group-numel", "4096"]
     args += ["--rounds", "2", "--backend", "posix", "--buffer-count", "3", "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.optimizer_pipeline_bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
+    proc = run_bench("-m", "benchmarks.optimizer_pipeline_bench", *args)
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(out.read_text())
     assert rec["identical"] is True

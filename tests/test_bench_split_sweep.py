@@ -3,26 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_split_sweep_bench_tiny(tmp_path):
+def test_split_sweep_bench_tiny(tmp_path, run_bench):
     out, swap = tmp_path / "r.json", tmp_path / "swap"
     args = ["--path", str(swap), "--ram-gib", "0.0004", "--nvme-gib", "0.0002"]
     args += ["--sub-group-numel", "4096", "--rounds", "2", "--backend", "posix", "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.split_sweep_bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
+    proc = run_bench("-m", "benchmarks.split_sweep_bench", *args)
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(out.read_text())
     assert (rec["sub_groups_in_ram"], rec["sub_groups_on_nvme"]) == (9, 4)
@@ -32,18 +19,11 @@ def test_split_sweep_bench_tiny(tmp_path):
     assert list(swap.iterdir()) == []  # the swap store cleaned up
 
 
-def test_estimate_fixed_probes_sets_the_cpu_rates(tmp_path):
+def test_estimate_fixed_probes_sets_the_cpu_rates(tmp_path, run_bench):
     out = tmp_path / "e.json"
     rates = ["--adam-numel-per-s", "1e9", "--norm-bytes-per-s", "2e10"]
     est = ["--model", "llama-1b", "--device", "h100", "--seq-len", "256", "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/estimate_fixed_probes.py", *rates, "--", *est],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
+    proc = run_bench("benchmarks/estimate_fixed_probes.py", *rates, "--", *est, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(out.read_text())
     assert rec["rates"]["adam_numel_per_s"] == 1e9

@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_swap_checksum_bench_tiny(tmp_path):
+def test_swap_checksum_bench_tiny(tmp_path, run_bench):
     out = tmp_path / "r.json"
     swap = tmp_path / "swap"
     swap.mkdir()
     args = ["--path", str(swap), "--state-gib", "0.001", "--sub-group-numel", "4096"]
     args += ["--rounds", "3", "--backend", "posix", "--buffer-count", "3", "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.swap_checksum_bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
+    proc = run_bench("-m", "benchmarks.swap_checksum_bench", *args)
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(out.read_text())
     assert rec["identical"] is True  # checking changes no result
@@ -37,16 +24,17 @@ def test_swap_checksum_bench_tiny(tmp_path):
     assert list(swap.iterdir()) == []  # the swap store cleaned up
 
 
-def test_swap_checksum_step_bench_tiny(tmp_path):
+def test_swap_checksum_step_bench_tiny(tmp_path, run_bench):
     out = tmp_path / "r.json"
     args = ["--path", str(tmp_path), "--model", "tiny", "--steps", "2", "--rounds", "1"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.swap_checksum_step_bench", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
+    proc = run_bench(
+        "-m",
+        "benchmarks.swap_checksum_step_bench",
+        *args,
+        "--json",
+        str(out),
         timeout=300,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), INFINITY_ACCELERATOR="cpu"),
+        INFINITY_ACCELERATOR="cpu",
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rec = json.loads(out.read_text())
