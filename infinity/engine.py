@@ -47,7 +47,7 @@ from infinity.accelerator import Accelerator, get_accelerator
 from infinity.assemble import assemble, run_facts
 from infinity.checkpoint.base_model import describe_base
 from infinity.comm import Comm, from_env
-from infinity.config import Config, resolve_run
+from infinity.config import Config, resolve_run, resolved_for
 from infinity.optim import ParamGroup, Schedule, build_loss_scaler, build_schedule, step_lrs
 from infinity.utils.batch import check_fp16_inputs, to_device
 from infinity.utils.profiler import StepProfiler
@@ -115,11 +115,13 @@ class Engine:
         as {"preset": ..., "seed": ...}): checkpoints, which leave them out, record it and
         refuse to resume on another base. `comm` connects the ranks (default:
         `infinity.comm.from_env()`); the engine closes it only if it made it."""
-        config = Config.load(config)
         self.accelerator = accelerator or get_accelerator()
         self._owns_comm = comm is None
         self.comm: Comm = comm if comm is not None else from_env(device=self.accelerator.device)
-        self.config = resolve_run(config, run_facts(model, self.comm))
+        facts = run_facts(model, self.comm)  # a run that resolved for these hands it over as is
+        if not resolved_for(config, facts):
+            config = resolve_run(Config.load(config), facts)
+        self.config = config
         self.module = model
         self._base_source = base_model
         self._base_record: dict | None = None

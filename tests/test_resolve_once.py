@@ -1,6 +1,8 @@
 """One `infinity train` run resolves its config once: `resolve_run` is counted at every
 module that imported it, during a tiny run in this process (with and without the placement
-planner, whose candidate trials are counted apart from the run's own resolution)."""
+planner, whose candidate trials are counted apart from the run's own resolution, and with
+LoRA, whose adapters' sizes the run reads off a meta model); the engine takes the run's
+value only when it was resolved for the engine's own facts."""
 
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ def test_a_run_resolves_its_config_once(tmp_path, inputs, calls):
     print(dict(calls))
     assert _by_module(calls, "infinity.run.training") == 1, dict(calls)
     assert _by_module(calls, "infinity.estimate.placement") == 0, dict(calls)
+    # Nothing else resolves it again: the model's build and the engine take the run's value.
+    assert sum(calls.values()) == 1, dict(calls)
 
 
 def test_the_planner_trials_are_apart_from_the_run(tmp_path, inputs, calls):
@@ -68,6 +72,7 @@ def test_the_planner_trials_are_apart_from_the_run(tmp_path, inputs, calls):
     # The planner resolves the candidate configs it compares, through one helper.
     trials = {n for n in calls if n.startswith("infinity.estimate.placement")}
     assert trials == {"infinity.estimate.placement.resolve_trial"}, dict(calls)
+    assert sum(n for name, n in calls.items() if name not in trials) == 1, dict(calls)
 
 
 @pytest.mark.parametrize(
@@ -102,3 +107,38 @@ def test_a_schedule_of_auto_length_trains_and_resumes(tmp_path, inputs):
     assert main(train_args(model, data, save, "--steps", 6, "--config", config, "--resume")) == 0
     steps = [json.loads(line)["step"] for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_lora_run_resolves_once_with_its_adapters_sizes(tmp_path, inputs, calls):
+    model, data = inputs
+    args = train_args(model, data, tmp_path / "run", "--steps", 1, "--lora-r", 4)
+    assert main(args) == 0
+    assert sum(calls.values()) == 1, dict(calls)
+
+
+def test_the_engine_resolves_a_config_made_for_other_facts():
+    """A `ResolvedConfig` made for another world size, other parameters or no residency is
+    resolved again for the engine's own; one made for its facts is taken as it is."""
+    from torch import nn
+
+    from infinity.assemble import run_facts
+    from infinity.comm import from_env
+    from infinity.config import resolved_for
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    comm = from_env()
+    try:
+        facts = run_facts(model, comm)
+    finally:
+        comm.close()
+    config = Config.load({"train_micro_batch_size_per_gpu": 1})
+    mine = ORIGINAL(config, facts)
+    assert resolved_for(mine, facts)
+    assert not resolved_for(config, facts)  # loaded, not resolved
+    others = [
+        RunFacts(world_size=2, param_numels=facts.param_numels, resident=True),
+        RunFacts(param_numels=(12, 3), resident=True, local_rank=facts.local_rank),
+        RunFacts(param_numels=facts.param_numels, local_rank=facts.local_rank),
+    ]
+    for other in others:
+        assert not resolved_for(ORIGINAL(config, other), facts), other

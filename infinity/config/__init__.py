@@ -8,13 +8,14 @@ everything below this package reads.
 """
 
 from infinity.config.config import Config
-from infinity.config.resolve import RunFacts, resolve_run
+from infinity.config.resolve import resolve_run, resolved_for
 from infinity.config.resolved import (
     ResolvedConfig,
     ResolvedFP16,
     ResolvedOffloadParam,
     ResolvedOptimizer,
     ResolvedZero,
+    RunFacts,
     check_resolved,
 )
 from infinity.config.scheduler_params import (
@@ -62,4 +63,5 @@ __all__ = [
     "leave_open",
     "left_open",
     "resolve_run",
+    "resolved_for",
 ]

@@ -6,42 +6,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from infinity.config.keys import KEYS
 from infinity.config.parse import emit, parse
-from infinity.config.resolved import ResolvedConfig
+from infinity.config.resolved import ResolvedConfig, RunFacts
 from infinity.config.scheduler_params import SCHEDULER_PARAMS, check_scheduler_params
 from infinity.config.sections import ConfigFields, SchedulerConfig, ZeroConfig
 from infinity.config.values import AUTO
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RunFacts:
-    """What a run knows that its config does not, and that its "auto" values follow."""
-
-    world_size: int = 1
-    """Ranks in the run: train_batch_size counts every rank's micro batches."""
-    param_numels: tuple[int, ...] | None = None
-    """Elements of each of the model's parameters, as the engine builds them (LoRA adapters
-    included): the staging buffers' size (`staging_numel`); None: DeepSpeed's 1e8."""
-    resident: bool = False
-    """Resolve as the engine runs the model and the estimate and the planner model it:
-    stages 0-2 as stage 3 with every parameter of `param_numels` resident (see [Note:
-    stages 0-2]); `param_numels` empty counts as one parameter of one element."""
-    hidden_size: int | None = None
-    """Sizes zero's buckets as the Hugging Face integration does; None: DeepSpeed's defaults
-    (the engine, which is handed a module, knows no hidden size)."""
-    total_num_steps: int | None = None
-    """The run's optimizer steps: a schedule's "auto" total_num_steps (required then)."""
-    warmup_num_steps: int | None = None
-    """A schedule's "auto" warmup_num_steps; None: the schedule's default, capped at the
-    total."""
-    local_rank: int | None = None
-    """This process's entry of a per-rank nvme_path list; None leaves a list whole."""
 
 
 def resolve_run(config: ConfigFields, facts: RunFacts) -> ResolvedConfig:
@@ -81,8 +56,25 @@ def resolve_run(config: ConfigFields, facts: RunFacts) -> ResolvedConfig:
         ),
     )
     # Parsed as the narrowed types: a value left "auto" would be refused here, by type.
-    resolved = replace(parse(ResolvedConfig, emit(out), ""), given_keys=config.given_keys)
+    resolved = replace(
+        parse(ResolvedConfig, emit(out), ""), given_keys=config.given_keys, facts=facts
+    )
     return resolved if facts.local_rank is None else resolved.for_local_rank(facts.local_rank)
+
+
+def resolved_for(config: Any, facts: RunFacts) -> bool:
+    """True when `config` is a `ResolvedConfig` that `resolve_run` made for the ranks,
+    parameter sizes, residency and local rank of `facts`: resolving it again for `facts`
+    would give it back (its "auto"s are numbers already; the hidden size and the run's
+    length only ever fill an "auto"), so a caller handed one takes it as it is."""
+    made = getattr(config, "facts", None) if isinstance(config, ResolvedConfig) else None
+    return made is not None and all(
+        getattr(made, name) == getattr(facts, name) for name in BUILT_FROM
+    )
+
+
+BUILT_FROM = ("world_size", "param_numels", "resident", "local_rank")
+"""The `RunFacts` fields a resolved config's numbers depend on once no "auto" is left."""
 
 
 def _check_facts(facts: RunFacts, numels: Sequence[int] | None) -> None:

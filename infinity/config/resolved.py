@@ -9,7 +9,7 @@ classes only narrow their base's fields: the key tables, parsing and emitting ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from infinity.config.config import Config
@@ -22,6 +22,31 @@ from infinity.config.sections import (
     section_of,
 )
 from infinity.config.values import AUTO
+
+
+@dataclass(frozen=True, slots=True)
+class RunFacts:
+    """What a run knows that its config does not, and that its "auto" values follow."""
+
+    world_size: int = 1
+    """Ranks in the run: train_batch_size counts every rank's micro batches."""
+    param_numels: tuple[int, ...] | None = None
+    """Elements of each of the model's parameters, as the engine builds them (LoRA adapters
+    included): the staging buffers' size (`staging_numel`); None: DeepSpeed's 1e8."""
+    resident: bool = False
+    """Resolve as the engine runs the model and the estimate and the planner model it:
+    stages 0-2 as stage 3 with every parameter of `param_numels` resident (see [Note:
+    stages 0-2]); `param_numels` empty counts as one parameter of one element."""
+    hidden_size: int | None = None
+    """Sizes zero's buckets as the Hugging Face integration does; None: DeepSpeed's defaults
+    (the engine, which is handed a module, knows no hidden size)."""
+    total_num_steps: int | None = None
+    """The run's optimizer steps: a schedule's "auto" total_num_steps (required then)."""
+    warmup_num_steps: int | None = None
+    """A schedule's "auto" warmup_num_steps; None: the schedule's default, capped at the
+    total."""
+    local_rank: int | None = None
+    """This process's entry of a per-rank nvme_path list; None leaves a list whole."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True, eq=False)
@@ -85,6 +110,11 @@ class ResolvedConfig(Config):
     bf16: ResolvedBF16
     optimizer: ResolvedOptimizer
     zero_optimization: ResolvedZero
+    facts: RunFacts | None = field(
+        default=None, compare=False, repr=False, metadata={"json": False}
+    )
+    """What `resolve_run` resolved it for (see `infinity.config.resolve.resolved_for`); not a
+    JSON key."""
 
 
 NARROWED: dict[type, type] = {

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
-from infinity.config import Config, ResolvedConfig, resolve_run
+from infinity.config import Config, ResolvedConfig, SchedulerConfig, resolve_run
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
 from infinity.estimate.placement_rungs import (
     GRADS_ON_DEVICE,
@@ -118,7 +118,8 @@ class Placement:
     placement_rungs.py), keyed as LEAN_BUFFERS."""
 
     def apply(self, config: Config) -> Config:
-        """`config` with the plan's keys set."""
+        """`config` (as loaded: the run resolves it once, after) with the plan's keys set; its
+        record of the keys the user set is kept."""
         raw = config.to_dict()
         zero = raw.setdefault("zero_optimization", {})
         set_buffers(zero, self.buffers)
@@ -127,7 +128,7 @@ class Placement:
         optim = zero.setdefault("offload_optimizer", {})
         optim.update(device=self.optim_device, max_in_cpu=self.optim_max_in_cpu,
                      gradients_in_cpu=self.gradients_in_cpu)  # fmt: skip
-        return Config.load(raw)
+        return replace(Config.load(raw), given_keys=config.given_keys)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -288,8 +289,9 @@ def resolve_trial(config: Config, shape: ModelShape, world_size: int) -> Resolve
     trial the planner or a budget check models (a candidate placement, or the config as the
     user wrote it), never the run's own config, which `infinity.run.training` resolves once
     and the chosen plan's keys are set on (`Placement.apply`). Every resolution here goes
-    through this one function."""
-    return resolve_run(config, shape.run_facts(world_size))
+    through this one function. A trial places the state, not the schedule: the schedule is
+    left out, so a run whose schedule waits for its length is planned before it is known."""
+    return resolve_run(replace(config, scheduler=SchedulerConfig()), shape.run_facts(world_size))
 
 
 def check_device(

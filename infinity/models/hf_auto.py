@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.config import Config, RunFacts, resolve_run
+from infinity.config import Config, ResolvedConfig, RunFacts, resolve_run
 from infinity.models.config import PRESETS, preset, read_config_json
 from infinity.models.hf_load import expected_shapes, load_hf_into
 from infinity.models.random_init import random_init
@@ -184,9 +184,12 @@ def from_pretrained(model: str | os.PathLike, config, *, seed: int | None = None
     random weights are drawn on every core from `seed` (default: `torch.initial_seed()`; see
     [Note: reproducible parallel init] in infinity/models/random_init.py)."""
     spec = model if isinstance(model, CausalLMSpec) else describe(model)
-    # init needs only the dtype and pinning: a schedule's "auto" run length may stay open.
-    # Built without init, nothing is copied: the loader or `random_init` writes every value.
-    with init(resolve_run(Config.load(config), RunFacts(total_num_steps=1)), values=False):
+    # init needs only the dtype and pinning: a schedule's "auto" run length may stay open
+    # (a run hands over the config it resolved once). Built without init, nothing is
+    # copied: the loader or `random_init` writes every value.
+    if not isinstance(config, ResolvedConfig):
+        config = resolve_run(Config.load(config), RunFacts(total_num_steps=1))
+    with init(config, values=False):
         built = build(spec.hf_config, init_weights=False)
     if spec.model_dir is not None:
         load_weights(built, spec.model_dir)

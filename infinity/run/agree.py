@@ -1,6 +1,6 @@
 """What the ranks of one `infinity train` run must share, checked before anything is built.
 
-Owns the run's description as each rank resolved it (`describe_run`: the model, tokenizer
+Owns the run's description as each rank loaded it (`describe_run`: the model, tokenizer
 and data by content, sequence length, precision, batch, schedule, LoRA, seed, steps and the
 save directory, in the flags' names) and the check that every rank has the same one
 (`check_same_run`), and that an --nvme list names one directory per process on the node
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infinity.config import Config, RunFacts, resolve_run
+from infinity.config import Config
 
 if TYPE_CHECKING:
     from infinity.models.hf_auto import CausalLMSpec
@@ -35,6 +35,7 @@ _FLAG_OF_KEY = {
 }
 # Flags compared as given (the files are compared by content instead of by path).
 _FLAGS = (
+    "dtype",
     "data_field",
     "train_on_prompt",
     "pack",
@@ -54,7 +55,7 @@ _FLAGS = (
 )
 
 
-def describe_run(args: RunOptions, config: Config, model: CausalLMSpec, *, world_size: int) -> dict:
+def describe_run(args: RunOptions, config: Config, model: CausalLMSpec) -> dict:
     """This rank's run, as {what (a flag or config key): value} (JSON values)."""
     from infinity.run.inputs import tokenizer_dir
 
@@ -70,12 +71,14 @@ def describe_run(args: RunOptions, config: Config, model: CausalLMSpec, *, world
     for name in _FLAGS:
         value = getattr(args, name, None)
         run["--" + name.replace("_", "-")] = list(value) if isinstance(value, tuple) else value
-    facts = RunFacts(world_size=world_size, hidden_size=model.hidden_size, total_num_steps=1)
-    resolved = resolve_run(config, facts)
-    run["--dtype"] = resolved.precision
-    for key, value in _flat(resolved.to_dict()).items():
-        if key.endswith("nvme_path") or key.split(".")[0] in ("fp16", "bf16", "train_batch_size"):
-            continue  # a per-rank directory may differ; precision is --dtype
+    # The config as loaded, before it is resolved: each rank resolves it once, later, for
+    # facts that are the same on every rank (the model, the world size, the run's length),
+    # so equal loaded configs resolve to equal values; their "auto"s compare as written.
+    for key, value in _flat(config.to_dict()).items():
+        if key.endswith("nvme_path"):
+            continue  # a per-rank directory may differ
+        if args.dtype is not None and key in ("fp16.enabled", "bf16.enabled"):
+            continue  # the flag set them: compared as --dtype
         if key in _FLAG_OF_KEY:
             run[_FLAG_OF_KEY[key]] = value
         else:

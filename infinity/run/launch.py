@@ -39,9 +39,7 @@ def train(args: RunOptions) -> int:
             # Checked on every rank (a path one node lacks fails there only), said once.
             args, model, config, raw = ranks.check_inputs(lambda: _inputs(args, ranks))
             if ranks.many:  # the same run on every rank, before any work is shared
-                mine = ranks.check_inputs(
-                    lambda: describe_run(args, config, model, world_size=ranks.world_size)
-                )
+                mine = ranks.check_inputs(lambda: describe_run(args, config, model))
                 ranks.check_inputs(lambda: check_same_run(ranks.comm, mine))
             return _run(args, config, ranks, signals, held, model, raw)
         except (FollowedRankZero, InputsRefused):

@@ -11,7 +11,6 @@ says in `failures`, a step's loss and record in `step`, the --eval-data evaluati
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,14 +23,14 @@ import infinity
 from infinity.accelerator import get_accelerator
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.comm import CommError
-from infinity.config import Config, RunFacts, SchedulerConfig, resolve_run
-from infinity.config.resolve import batch_sizes
+from infinity.config import Config, ResolvedConfig, RunFacts, SchedulerConfig, resolve_run
 from infinity.data import PackedDataset
 from infinity.models import hf_auto
 from infinity.models.lora import apply_lora, lora_targets
 from infinity.run import disk as train_disk
 from infinity.run.data import eval_data, train_data
 from infinity.run.evaluation import EvalResult, due, evaluate
+from infinity.run.facts import engine_numels, run_steps
 from infinity.run.failures import (
     close_quietly,
     error,
@@ -122,32 +121,23 @@ class TrainRun:
         self.data: PackedDataset | None = None
         self.steps = 0
         """The optimizer steps the run ends at (--steps, or one pass over the data)."""
-        self.resolved: Config | None = None
+        self.resolved: ResolvedConfig | None = None
         """The config resolved for this model and these ranks, with the placement applied."""
         self.resume: Checkpoint | None = None
         """The checkpoint `train` continues from (--resume), else None."""
 
     # -- building ------------------------------------------------------------------------
 
-    def _resolved(self, data: PackedDataset) -> tuple[Config, int]:
-        world = self.ranks.world_size
-        _, micro, accum = batch_sizes(self.config, world)  # the run's length needs these first
-        if micro > data.num_sequences:
-            # A micro batch is one forward: more sequences than the data holds is a mistake,
-            # and a large one would exhaust memory before failing.
-            raise ValueError(
-                f"a micro batch of {micro} sequences (--micro-batch or "
-                f"train_micro_batch_size_per_gpu) is more than the {data.num_sequences} "
-                f"sequences of {data.seq_len} tokens in {self.options.data}; lower it or use "
-                "more data"
-            )
-        per_step = micro * accum * world
-        steps = self.options.steps or max(1, math.ceil(data.num_sequences / per_step))
-        numels = tuple(math.prod(s) for s in self.param_shapes.values())
-        facts = RunFacts(world_size=world, hidden_size=self.model.hidden_size,
-                         total_num_steps=steps, param_numels=numels)  # fmt: skip
-        config = resolve_run(self.config, facts)  # the run's one resolution
-        return config, steps
+    def _resolved(self, config: Config, steps: int) -> ResolvedConfig:
+        """`config` (placed) resolved once, with the facts the engine checks it against
+        (`infinity.config.resolved_for`): the ranks, every parameter's size as the engine
+        builds the model, this local rank; and the hidden size and the run's length, which
+        only fill an "auto"."""
+        numels = engine_numels(self.model, self.lora)
+        facts = RunFacts(world_size=self.ranks.world_size, param_numels=numels, resident=True,
+                         local_rank=self.ranks.local_rank, hidden_size=self.model.hidden_size,
+                         total_num_steps=steps)  # fmt: skip
+        return resolve_run(config, facts)  # the run's one resolution
 
     def _placed(self, config: Config) -> Config:
         """`config` with the planner's placement when it decides (see [Note: when the
@@ -173,13 +163,10 @@ class TrainRun:
             write_json(plan.to_dict(), self.save_dir / "placement.json")
         return plan.apply(config)
 
-    def _model(self, config: Config) -> torch.nn.Module:
+    def _model(self, config: ResolvedConfig) -> torch.nn.Module:
         """The transformers class of the directory's config.json (a preset: Llama), built
         under `infinity.init` with the weights streamed into the partitions."""
         torch.manual_seed(config.seed)
-        # Building needs only the precision and pinning; `infinity.init` resolves the config
-        # for one process, so the batch triple (which counts all ranks) is left to it.
-        config = config.without_global_batch()
         model = hf_auto.from_pretrained(self.model, config)
         if self.options.activation_checkpointing:
             hf_auto.enable_activation_checkpointing(model)
@@ -306,16 +293,19 @@ class TrainRun:
         # 1. The save dir: the checkpoint to resume from, checked against this run's
         #    settings, or a fresh directory (decided on rank 0, before anything is built).
         self.resume = self._prepare_save_dir()
-        # 2. The data, tokenized once into the save dir's token cache, and the validation set.
+        # 2. The data, tokenized once into the save dir's token cache, the validation set, and
+        #    the run's length (--steps or one pass).
         self.data = train_data(
             self.options, self.ranks, self.save_dir, self.model, seed=self.config.seed
         )
         self.eval_data = eval_data(self.options, self.ranks, self.save_dir)
-        # 3. The config resolved for this model, these ranks and the run's length.
-        config, self.steps = self._resolved(self.data)
+        self.steps = run_steps(self.options, self.config, self.data, self.ranks.world_size)
         clock.lap("data")
-        # 4. The placement plan, made on rank 0 and applied to the config as its keys.
-        self.resolved = config = self._placed(config)
+        # 3. The placement plan, made on rank 0 and applied to the config as its keys.
+        placed = self._placed(self.config)
+        # 4. The config resolved once, for this model, these ranks and the run's length:
+        #    the model's build and the engine take this value as it is.
+        self.resolved = config = self._resolved(placed, self.steps)
         clock.lap("placement")
         # 5. The disk space the placed run needs, checked once; the tokenizer kept for
         #    `infinity generate` once the run is accepted.

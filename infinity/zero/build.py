@@ -62,7 +62,7 @@ from torch import nn
 
 from infinity.accelerator import Accelerator, get_accelerator
 from infinity.comm import Comm
-from infinity.config import Config, ResolvedZero, RunFacts, resolve_run
+from infinity.config import Config, ResolvedConfig, ResolvedZero, RunFacts, resolve_run
 from infinity.io.aio import zeroed
 from infinity.zero.build_files import BuildFiles, BuildPages
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
@@ -167,7 +167,7 @@ def _adoptable(param: torch.Tensor, dtype: torch.dtype, accel: Accelerator, pin:
 
 @contextlib.contextmanager
 def init(
-    config: Config | dict | str, *, comm: Comm | None = None, values: bool = True
+    config: Config | ResolvedConfig | dict | str, *, comm: Comm | None = None, values: bool = True
 ) -> Iterator[None]:
     """Create every parameter registered inside this block directly as a host partition.
     `comm` (default: $LOCAL_RANK) picks this rank's entry of a per-rank `nvme_path` list.
@@ -175,7 +175,10 @@ def init(
     whose weights a loader or `random_init` writes next): the partitions start as zeros and
     the memory the construction allocated is never touched."""
     local_rank = comm.local_rank if comm is not None else int(os.environ.get("LOCAL_RANK", 0))
-    config = resolve_run(Config.load(config), RunFacts(local_rank=local_rank))
+    if isinstance(config, ResolvedConfig):  # a run's own: only its precision and pinning used
+        config = config.for_local_rank(local_rank)
+    else:
+        config = resolve_run(Config.load(config), RunFacts(local_rank=local_rank))
     dtype = model_dtype(config)
     offload = config.zero_optimization.offload_param
     files = BuildFiles(offload.nvme_path) if builds_in_files(config) else None
