@@ -369,6 +369,20 @@ def test_ranks_launched_with_different_flags_are_refused_naming_them(inputs, tmp
     assert not (save / "metrics.jsonl").exists() and list_checkpoints(save) == []
 
 
+def test_ranks_agree_on_a_schedule_whose_length_waits_for_the_data(inputs, tmp_path):
+    """The ranks compare the config as loaded: a warmup of 3 steps with an "auto" total (known
+    only once the data is read) trains under torchrun as it does on one rank."""
+    save, logs = tmp_path / "run", tmp_path / "logs"
+    config = tmp_path / "ds.json"
+    params = {"warmup_num_steps": 3, "total_num_steps": "auto"}
+    config.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": params}}))
+    args = _args(inputs, save, "--micro-batch", 1, "--steps", 4, "--config", config)
+    code, out = _finish(_torchrun(args, logs))
+    assert code == 0, out + _rank_log(logs, 0, "stderr")
+    steps = [json.loads(line)["step"] for line in (save / "metrics.jsonl").open()]
+    assert steps == [1, 2, 3, 4]
+
+
 # -- the pieces, in one process ---------------------------------------------------------------
 
 
