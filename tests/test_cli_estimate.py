@@ -273,6 +273,8 @@ def test_engine_probe_runs_on_the_runs_tier_at_its_sizes_and_leaves_nothing(tmp_
     host = probe_engine_costs(torch.float32, **lora)
     assert host.run_sized and host.gather_copy_bytes_per_s == 0.0  # gathers alias RAM homes
     full = probe_engine_costs(torch.float32, nvme_path=tmp_path, like=like)
-    assert not full.run_sized and full.module_overhead_s > 0
+    # A difference of two timings of the tiny model: positive when the machine is quiet, but
+    # its sign is noise under load (it is clamped at 0), so only its range is asserted here.
+    assert not full.run_sized and full.module_overhead_s >= 0
     assert full.gather_copy_bytes_per_s == 0.0  # the tiny model's copies say nothing
     assert list(tmp_path.iterdir()) == []
