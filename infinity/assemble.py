@@ -37,6 +37,7 @@ tier the values are still in cache. Anything in flight lands before the step
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Collection, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from torch import nn
 
 from infinity.accelerator import Accelerator
 from infinity.comm import Comm
-from infinity.config import Config, RunFacts
+from infinity.config import Config, ResolvedConfig, RunFacts, resolve_run, resolved_for
 from infinity.optim.groups import ParamGroup
 from infinity.swap import (
     NvmeParamTier,
@@ -83,7 +84,7 @@ from infinity.zero.shard import check_same_weights, shard_align, shard_of
 from infinity.zero.sub_groups import FlatLayout, check_slots
 from infinity.zero.weights import lay_out_flat
 
-__all__ = ["GatheredRefresh", "PartitionedModel", "assemble", "run_facts"]
+__all__ = ["GatheredRefresh", "PartitionedModel", "assemble", "run_config", "run_facts"]
 
 
 def run_facts(model: nn.Module, comm: Comm) -> RunFacts:
@@ -93,6 +94,16 @@ def run_facts(model: nn.Module, comm: Comm) -> RunFacts:
     return RunFacts(
         world_size=comm.world_size, param_numels=numels, resident=True, local_rank=comm.local_rank
     )
+
+
+def run_config(
+    config: Config | dict | str | os.PathLike, model: nn.Module, comm: Comm
+) -> ResolvedConfig:
+    """The config `model` runs with on `comm`'s ranks: `config` as it is when it was resolved
+    for exactly these facts (a training run resolves once and hands it over), else resolved
+    here through `config.resolve_run`."""
+    facts = run_facts(model, comm)
+    return config if resolved_for(config, facts) else resolve_run(Config.load(config), facts)
 
 
 class GatheredRefresh:

@@ -44,10 +44,10 @@ from torch import nn
 
 from infinity import checkpoint, engine_checkpoint
 from infinity.accelerator import Accelerator, get_accelerator
-from infinity.assemble import assemble, run_facts
+from infinity.assemble import assemble, run_config
 from infinity.checkpoint.base_model import describe_base
 from infinity.comm import Comm, from_env
-from infinity.config import Config, resolve_run, resolved_for
+from infinity.config import Config
 from infinity.optim import ParamGroup, Schedule, build_loss_scaler, build_schedule, step_lrs
 from infinity.utils.batch import check_fp16_inputs, to_device
 from infinity.utils.profiler import StepProfiler
@@ -118,10 +118,7 @@ class Engine:
         self.accelerator = accelerator or get_accelerator()
         self._owns_comm = comm is None
         self.comm: Comm = comm if comm is not None else from_env(device=self.accelerator.device)
-        facts = run_facts(model, self.comm)  # a run that resolved for these hands it over as is
-        if not resolved_for(config, facts):
-            config = resolve_run(Config.load(config), facts)
-        self.config = config
+        self.config = run_config(config, model, self.comm)
         self.module = model
         self._base_source = base_model
         self._base_record: dict | None = None

@@ -82,3 +82,18 @@ def test_the_style_guide_states_these_limits():
     rule = style.split("1. **Sizes.**", 1)[1].split("\n2. ", 1)[0]
     assert f"under {MAX_MODULE_LINES} lines" in rule
     assert f"a function under {MAX_FUNCTION_LINES}" in rule
+
+
+MAX_ENGINE_LINES = 400
+
+
+def test_the_engine_class_stays_small():
+    """`Engine` is the training loop over the parts `assemble` built, not their builder: a
+    growing class is the sign that a part's mechanism is moving into it."""
+    tree = ast.parse((PKG / "engine.py").read_text())
+    (engine,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    lines = engine.end_lineno - engine.lineno + 1
+    assert lines < MAX_ENGINE_LINES, (
+        f"Engine is {lines} lines (the limit is under {MAX_ENGINE_LINES}): move a concept's "
+        "mechanism into the part that owns it (infinity/assemble.py builds the parts)"
+    )
