@@ -56,6 +56,21 @@ def test_json_file_is_written_whole_and_says_so(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["est.json"]  # no temporary left
 
 
+def test_a_config_with_auto_precision_and_an_auto_run_length_is_estimated(tmp_path):
+    """What `infinity train` accepts, the estimate takes: "auto" precision is resolved as the
+    run resolves it, and a schedule whose total waits for the data is left out (the estimate
+    models memory and time, not the schedule)."""
+    config = tmp_path / "ds.json"
+    params = {"warmup_num_steps": 3, "total_num_steps": "auto"}
+    config.write_text(json.dumps({
+        "bf16": {"enabled": "auto"},
+        "scheduler": {"type": "WarmupDecayLR", "params": params},
+    }))  # fmt: skip
+    out = tmp_path / "est.json"
+    assert _estimate("--model", "tiny", "--device", "h100", "--config", config, "--json", out) == 0
+    assert json.loads(out.read_text())["inputs"]["dtype"] == "fp32"
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

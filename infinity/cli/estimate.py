@@ -11,10 +11,11 @@ import argparse
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from infinity.cli.train_flags import positive_int
-from infinity.config import Config, resolve_run
+from infinity.config import Config, ResolvedConfig, SchedulerConfig, resolve_run
 from infinity.estimate.hardware import PROCESS_FLOOR_BYTES
 from infinity.models import PRESETS
 from infinity.run.inputs import check_lora_rank, check_seq_len
@@ -196,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
     )
     # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
     config = config.without_global_batch().for_local_rank(0)
+    # It models memory and time, not the schedule, whose "auto" length waits for the data.
+    config = replace(config, scheduler=SchedulerConfig())
     check_fits(shape, config, args)
     gpu = GPUS.get(args.device)  # placed as `infinity train` places it (run/placement.py)
     memory = (gpu.memory_bytes, f"the {gpu.name}'s memory", gpu.memory_bytes) if gpu else None
@@ -210,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     probe_config, probe_seq_len = config, args.seq_len
     if args.device == "cpu":
         probe_config, probe_seq_len = probe_batch(shape, config, args.seq_len)
-    rates = _rates(args, shape, config, probe_config, probe_seq_len)
+    resolved = resolve_run(config, shape.run_facts())  # its precision, as the engine's
+    rates = _rates(args, shape, resolved, probe_config, probe_seq_len)
     rates = scale_compute(rates, shape, (probe_config, probe_seq_len), (config, args.seq_len))
     est = estimate(
         shape,
@@ -241,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rates(args: argparse.Namespace, shape, config: Config, probe_config: Config, seq_len: int):
+def _rates(
+    args: argparse.Namespace, shape, config: ResolvedConfig, probe_config: Config, seq_len: int
+):
     """The machine's rates for the estimate: on the CPU device with the engine probed at the
     run's sizes (its hooks and copies take the cores that compute), else a GPU's figures."""
     from infinity.estimate import measure_rates
@@ -290,8 +296,9 @@ def check_fits(shape, config: Config, args: argparse.Namespace) -> None:
 
         limit = physical_ram()
         where = f"this machine's {_size(limit)} of RAM"
-    micro = resolve_run(config, shape.run_facts()).train_micro_batch_size_per_gpu
-    itemsize = model_dtype(config).itemsize
+    resolved = resolve_run(config, shape.run_facts())
+    micro = resolved.train_micro_batch_size_per_gpu
+    itemsize = model_dtype(resolved).itemsize
     acts = activation_bytes(shape, micro * args.seq_len, args.seq_len, itemsize, True)
     if acts > limit:
         raise ValueError(

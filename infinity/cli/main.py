@@ -67,6 +67,13 @@ def _exit_on_late_signals(code: int) -> None:
         signal.signal(sig, exit_now)
 
 
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+"""Other packages' loggers that warn at import about nothing a command uses, shown with
+--verbose only: transformers imports torchao wherever it is installed (the dev extra has it,
+for the 8-bit comparison), and torchao then says that its CUDA kernels do not load and
+registers enums in a way torch calls deprecated, five lines before every command's output."""
+
+
 def _command(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -74,6 +81,9 @@ def _command(argv: list[str] | None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
