@@ -17,6 +17,7 @@ import infinity.config.resolve as resolve_module
 from infinity.cli.main import main
 from infinity.config import Config, RunFacts
 from infinity.config.resolve import batch_sizes
+from infinity.estimate.placement import Budget, Placement, Tiers
 
 ORIGINAL = resolve_module.resolve_run
 
@@ -142,3 +143,62 @@ def test_the_engine_resolves_a_config_made_for_other_facts():
     ]
     for other in others:
         assert not resolved_for(ORIGINAL(config, other), facts), other
+
+
+def _plan(param: str, optim: str, buffers: dict) -> Placement:
+    none = Tiers(0, 0)
+    nvme = optim == "nvme"
+    return Placement(
+        param_device=param, param_max_in_cpu=123 if param == "nvme" else 0,
+        optim_device=optim, optim_max_in_cpu=456 if nvme else 0, gradients_in_cpu=nvme,
+        weights=none, frozen=none, state=none, grads=none, buffers_bytes=0, overlap_bytes=0,
+        nvme_read_bytes_per_step=0, nvme_write_bytes_per_step=0, host_device_bytes_per_step=0,
+        live_parameters=0, peak_rss_bytes=0, device_bytes=0, budget=Budget(1, "test"),
+        buffers=buffers,
+    )  # fmt: skip
+
+
+NUMELS = (4096 * 32000, 4096 * 4096, 4096 * 4096, 4096, 11008 * 4096, 4096 * 32000)
+LEAN = {"stage3_max_live_parameters": 300_000_000, "offload_param.buffer_count": 3,
+        "offload_optimizer.buffer_count": 3, "keep_weights_numel": 1000}  # fmt: skip
+
+
+DEVICES = [("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
+"""(offload_param.device, offload_optimizer.device); parameters go to NVMe at stage 3 only."""
+
+
+@pytest.mark.parametrize(
+    "stage, devices",
+    [(stage, d) for stage in (0, 1, 2, 3) for d in DEVICES if stage == 3 or d[0] == "cpu"],
+)
+@pytest.mark.parametrize("buffers", [{}, LEAN], ids=["default", "lean"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {},
+        {"train_batch_size": 16},
+        {"gradient_accumulation_steps": 4, "scheduler": {"type": "WarmupDecayLR", "params": {
+            "warmup_num_steps": 3, "total_num_steps": "auto"}}},
+    ],
+    ids=["bare", "global-batch", "auto-schedule"],
+)  # fmt: skip
+def test_planning_then_resolving_once_equals_resolving_around_the_plan(
+    tmp_path, stage, devices, buffers, raw
+):
+    """The run plans on the loaded config and resolves once after; the engine used to
+    resolve the run's resolved config again after the plan was applied. The plan's keys are
+    numbers and devices, never "auto", so the two orders give the same config."""
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    for section in zero.values():
+        if isinstance(section, dict):
+            section["nvme_path"] = str(tmp_path)
+    config = Config.load({**raw, "zero_optimization": zero})
+    plan = _plan(*devices, buffers)
+    run = dict(hidden_size=4096, total_num_steps=10)
+    engine = dict(world_size=2, param_numels=NUMELS, resident=True, local_rank=0)
+    then = RunFacts(world_size=2, param_numels=NUMELS, **run)
+    before = ORIGINAL(plan.apply(ORIGINAL(config, then)), RunFacts(**engine))
+    now = ORIGINAL(plan.apply(config), RunFacts(**run, **engine))
+    assert now.to_dict() == before.to_dict()
