@@ -28,9 +28,11 @@ PARTIAL_FRACTION = 16
 """A gradient of at most 1/this of its sub-group, added while the sub-group is on disk, is
 added there (its rows read, added to and written back) instead of loading the sub-group: a
 layer's norm weights, reached in backward after the layer's other sub-groups were written."""
-NORM_ROW_NUMEL = 4096
-"""Elements per row of the norms a write records (see [Note: accurate norms] in
-grad_tier.py): an add on disk reads and writes back whole rows."""
+NORM_ROW_NUMEL = 2048
+"""Elements per row of the global norm (see [Note: the norm's order] in grad_tier.py): a
+divisor of the slots' alignment (`infinity.zero.sub_groups.SLOT_ALIGN`), and what the shards
+are aligned to (`infinity.zero.shard.shard_align`). A write records its norms by rows; an
+add on disk reads and writes back whole rows."""
 
 
 def disk_rows(start: int, numel: int, total: int) -> tuple[int, int]:
