@@ -96,6 +96,23 @@ def test_two_ranks_equal_one_bitwise_over_the_same_micro_batches(
         assert one["grad_norm"] < 1e6
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("optim", ["32bit", "8bit"])
+def test_two_ranks_resumed_equal_one_rank_uninterrupted_bitwise(
+    tmp_path, tier, optim, one_torch_thread
+):
+    """Two ranks save a checkpoint before the last step and resume from it in new engines,
+    clipping biting at every step: the same bits as one rank that never stopped (the
+    masters, the moments, 8-bit codes and absmax, the step count and the schedule all come
+    back exactly)."""
+    options = "clip" + (",8bit" if optim == "8bit" else "")
+    one = _one_rank(tmp_path, tier, options + ",accum")
+    two = _two_ranks(tmp_path, tier, options + ",resume")
+    assert one["losses"] == two[0]["losses"] == two[1]["losses"]
+    assert one["grad_norm"] == two[0]["grad_norm"] == two[1]["grad_norm"] > 1.0
+    assert one["weight_digest"] == two[0]["weight_digest"] == two[1]["weight_digest"]
+
+
 def _assert_half_the_state(one: dict, two: list[dict], tier: str) -> None:
     s1 = one["stats"]
     assert (s1["rank"], s1["world_size"]) == (0, 1)
