@@ -1,19 +1,30 @@
 """The global norm's sum is exact, so its order cannot matter: `ExactSum` against a rational
 reference, and one rank's gradient norm against the same gradients sharded over 2-4 ranks,
-at any torch thread count (see [Note: the norm's order] in infinity/swap/grad_tier.py)."""
+on every gradient tier, at any torch thread count (see [Note: the norm's order] in
+infinity/swap/grad_tier.py)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from fractions import Fraction
 
 import pytest
 import torch
 
-from infinity.swap.grad_tier import HostGradTier, row_norms, tail_norm
+from infinity.accelerator import get_accelerator
+from infinity.config.sections import AioConfig
+from infinity.swap.grad_device import DeviceGradTier
+from infinity.swap.grad_tier import HostGradTier, NvmeGradTier, row_norms, tail_norm
+from infinity.swap.split_state import SplitGradTier
+from infinity.swap.store import SwapStore
 from infinity.utils.exact_sum import ExactSum
 from infinity.zero.shard import shard_align, shard_of
 from infinity.zero.sub_groups import flat_layout
+
+AIO = AioConfig(backend="posix", block_size=1 << 16, queue_depth=4)
+_KINDS = (f"grad.{i}" for i in itertools.count())
+"""A swap store kind of its own for each NVMe tier of a test."""
 
 
 def _wide(n: int, seed: int) -> torch.Tensor:
@@ -68,16 +79,30 @@ def test_a_short_last_row_is_measured_as_a_padded_row():
     assert torch.equal(tail_norm(x[2048:]), row_norms(padded).rows[1])
 
 
-def _flat_of(shards: list[torch.Tensor], layout) -> torch.Tensor:
-    flat = torch.zeros(layout.total)
-    for slot, values in enumerate(shards):
-        flat[layout.offsets[slot] : layout.offsets[slot] + values.numel()] = values
-    return flat
+def _tier(kind: str, numels: list[int], store: SwapStore):
+    """A gradient tier of `kind` over sub-groups of `numels`: NVMe with two buffers (the
+    sub-groups spill as they are filled), the CPU device, or a split of device, host and
+    NVMe."""
+    accel = get_accelerator()
+    if kind == "host":
+        return HostGradTier(numels)
+    if kind == "nvme":
+        return NvmeGradTier(numels, store=store, aio=AIO, buffer_count=2, kind=next(_KINDS))
+    if kind == "device":
+        return DeviceGradTier(numels, accel)
+    third = max(1, len(numels) // 3)
+    rest = len(numels) - 2 * third
+    parts = [(third, DeviceGradTier(numels[:third], accel))]
+    parts.append((third, HostGradTier(numels[third : 2 * third])))
+    nvme = NvmeGradTier(numels[2 * third :], store=store, aio=AIO, kind=next(_KINDS))
+    parts.append((rest, nvme))
+    return SplitGradTier(numels, parts)
 
 
-def _rank_sum(params: list[torch.Tensor], world: int, rank: int, eight_bit: bool, sub: int):
-    """One rank's exact sum of squares over its shards, through a `HostGradTier` laid out
-    as the optimizer lays out that rank's slots."""
+def _rank_sum(params, world: int, rank: int, eight_bit: bool, sub: int, kind: str, store):
+    """One rank's exact sum of squares over its shards, through a gradient tier of `kind`
+    laid out as the optimizer lays out that rank's slots, filled from the last sub-group to
+    the first as backward fills them."""
     align = shard_align(eight_bit)
     shards = []
     for p in params:
@@ -86,11 +111,16 @@ def _rank_sum(params: list[torch.Tensor], world: int, rank: int, eight_bit: bool
         shard[: s.stop - s.start] = p[s.start : s.stop]
         shards.append(shard)
     layout = flat_layout([s.numel() for s in shards], sub)
-    tier = HostGradTier(layout.sub_group_numels)
-    tier.flat.copy_(_flat_of(shards, layout))
-    total = ExactSum()
-    for s in tier.sums_of_squares():
-        total += s
+    flat = torch.zeros(layout.total)
+    for slot, values in enumerate(shards):
+        flat[layout.offsets[slot] : layout.offsets[slot] + values.numel()] = values
+    numels = layout.sub_group_numels
+    tier = _tier(kind, numels, store)
+    for g in reversed(range(len(numels))):
+        start = layout.range(g)[0]
+        tier.add(g, 0, flat[start : start + numels[g]])
+    total = sum(tier.sums_of_squares(), ExactSum())
+    tier.close()
     return total
 
 
@@ -101,21 +131,28 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("kind", ["host", "nvme", "device", "split"])
 @pytest.mark.parametrize("eight_bit", [False, True])
-def test_the_norm_of_sharded_gradients_is_one_ranks_bit_for_bit(eight_bit, restore_threads):
+def test_the_norm_of_sharded_gradients_is_one_ranks_bit_for_bit(
+    tmp_path, eight_bit, kind, restore_threads
+):
     """Parameters of awkward sizes, sharded over 2, 3 and 4 ranks (reduced as the
-    all-reduce does: the bins added), each rank on 1 or 3 torch threads, give one rank's
-    exact sum on one thread."""
+    all-reduce does: the bins added), each rank on 1 or 3 torch threads and on any gradient
+    tier, give one rank's exact sum on one thread in host memory."""
     gen = torch.Generator().manual_seed(3)
     params = [torch.randn(n, generator=gen) * 10.0 ** float(e) for n, e in
               ((70_001, -3), (5, 2), (2048, 0), (100_000, -1), (129, 1), (40_960, -6))]  # fmt: skip
     torch.set_num_threads(1)
-    one = _rank_sum(params, 1, 0, eight_bit, sub=2048 * 20)
-    for threads in (1, 3):
-        torch.set_num_threads(threads)
-        for world in (2, 3, 4):
-            ranks = [_rank_sum(params, world, r, eight_bit, sub=2048 * 7) for r in range(world)]
-            assert sum(ranks, ExactSum()) == one, (threads, world)
+    with SwapStore(str(tmp_path), run_id="t") as store:
+        one = _rank_sum(params, 1, 0, eight_bit, 2048 * 20, "host", store)
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            for world in (2, 3, 4):
+                ranks = [
+                    _rank_sum(params, world, r, eight_bit, 2048 * 7, kind, store)
+                    for r in range(world)
+                ]
+                assert sum(ranks, ExactSum()) == one, (threads, world)
     # Exact over the rows, whose norms are within fp32 rounding of the true ones.
     want = sum(float(p.double().square().sum()) for p in params)
     assert abs(one.value() - want) < 1e-6 * want
