@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from bench_record import machine, write_json
 
+from infinity.zero.shard import shard_align, shard_of
+
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast_object", "all_gather_object")
 
 
@@ -81,11 +83,12 @@ def engine_config(args, world: int) -> dict:
     }
 
 
-def zero3_bytes(shapes: list[int], world: int, itemsize: int = 4) -> dict[str, int]:
+def zero3_bytes(shapes: list[int], world: int, itemsize: int = 4, align: int = 1) -> dict[str, int]:
     """ZeRO-3's traffic per step (accumulation 1) in algorithm bytes: each parameter's padded
-    buffer (W shards of ceil(N / W)) all-gathered in forward and in backward, its gradient
-    reduce-scattered once."""
-    padded = sum(world * -(-n // world) for n in shapes) * itemsize
+    buffer (W shards of ceil(N / W), rounded up to `align`: Infinity's shards are whole rows
+    of the global norm, `infinity.zero.shard.shard_align`) all-gathered in forward and in
+    backward, its gradient reduce-scattered once."""
+    padded = sum(world * shard_of(n, world, 0, align).numel for n in shapes) * itemsize
     return {"all_gather": 2 * padded, "reduce_scatter": padded, "total": 3 * padded}
 
 
@@ -127,6 +130,7 @@ def worker(args) -> None:
         return
     per_step = {op: statistics.median(c.get(f"comm_{op}_bytes", 0) for c in counted) for op in OPS}
     expected = zero3_bytes(shapes, world)
+    rule = zero3_bytes(shapes, world, align=shard_align(eight_bit=False))
     moved = per_step["all_gather"] + per_step["reduce_scatter"]
     record = {
         "world_size": world,
@@ -142,6 +146,8 @@ def worker(args) -> None:
         },
         "zero3_bytes_per_step": expected,
         "measured_over_zero3": (moved / expected["total"]) if world > 1 else None,
+        "shard_rule_bytes_per_step": rule,
+        "measured_over_shard_rule": (moved / rule["total"]) if world > 1 else None,
         "memory_stats": stats,
     }
     Path(args.worker).write_text(json.dumps(record))
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"world {world}: step {rec['median_step_s']:.3f} s, all-gather "
                 f"{bytes_['all_gather'] / 1e6:.1f} MB, reduce-scatter "
                 f"{bytes_['reduce_scatter'] / 1e6:.1f} MB per step (ZeRO-3: "
-                f"{rec['zero3_bytes_per_step']['total'] / 1e6:.1f} MB)",
+                f"{rec['zero3_bytes_per_step']['total'] / 1e6:.1f} MB, with shards of whole "
+                f"norm rows {rec['shard_rule_bytes_per_step']['total'] / 1e6:.1f} MB)",
                 flush=True,
             )
     result = {

@@ -12,7 +12,11 @@ argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated):
 - "export": the 16-bit model saved at the end;
 - "diverge": from the second step on, rank 1 bypasses a block (a rank-dependent branch);
 - "8bit": the 8-bit optimizer (AdamW8bit);
-- "noclip": no gradient clipping.
+- "noclip": no gradient clipping;
+- "wideclip": clipping at a norm no step reaches (1e6; by default 1.0, which every step
+  exceeds);
+- "resume": before the last step, a checkpoint saved, the engine closed, a new one built
+  and the checkpoint loaded into it.
 """
 
 import hashlib
@@ -80,8 +84,6 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     figures."""
     if "delay" in options and c.rank == 1:
         AioHandle.from_config = staticmethod(lambda cfg, **kw: DelayedAio(seed=os.getpid()))
-    torch.manual_seed(c.rank if "unseeded" in options else 0)  # the same weights everywhere
-    model = tiny_gpt(layers=2, hidden=64) if "gpt" in options else Zoo(d=64, lora="lora" in options)
     zero = {}
     if "kept" in options:
         zero = {"overlap_comm": False, "contiguous_gradients": False, "reduce_bucket_size": 300}
@@ -104,10 +106,16 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     micro = per_rank // accum
     cfg["gradient_accumulation_steps"] = accum
     cfg["train_micro_batch_size_per_gpu"] = micro
-    # The global norm's sum runs in another order on two ranks: "noclip" for bitwise parity.
-    cfg["gradient_clipping"] = 0.0 if "noclip" in options else 1.0
+    cfg["gradient_clipping"] = 0.0 if "noclip" in options else 1e6 if "wideclip" in options else 1.0
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    engine = infinity.initialize(model, cfg, comm=c)
+
+    def build():
+        torch.manual_seed(c.rank if "unseeded" in options else 0)  # the same weights everywhere
+        lora = "lora" in options
+        model = tiny_gpt(layers=2, hidden=64) if "gpt" in options else Zoo(d=64, lora=lora)
+        return infinity.initialize(model, cfg, comm=c)
+
+    engine = build()
     swap_dirs = sorted(
         os.path.relpath(os.path.join(root, d), nvme_dir)
         for root, dirs, _ in os.walk(nvme_dir)
@@ -118,6 +126,11 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     for step, ids in enumerate(batches(steps, batch=GLOBAL_BATCH, seq=8)):
         if "diverge" in options and step == 1 and c.rank == 1:
             engine.module.skip = {1}
+        if "resume" in options and step == steps - 1:  # a new engine from the checkpoint
+            engine.save_checkpoint(os.path.join(nvme_dir, "ckpt"))
+            engine.close()
+            engine = build()
+            engine.load_checkpoint(os.path.join(nvme_dir, "ckpt"))
         mine = ids[c.rank * per_rank : (c.rank + 1) * per_rank]
         total = 0.0
         for k in range(accum):

@@ -60,7 +60,7 @@ def test_the_tier_sums_and_measures_as_the_host_tier():
     assert device.sums_of_squares() == host.sums_of_squares()
     for index in range(3):
         assert torch.equal(device.take(index), host.take(index))
-        assert sum_of_squares(device.take(index)) > 0
+        assert float(sum_of_squares(device.take(index))) > 0
         device.release(index)
         assert not device.take(index).any()  # released: zeros
     stats = device.memory_stats()

@@ -13,6 +13,8 @@ import itertools
 import pytest
 
 from infinity.swap.grad_plan import (
+    DISK_ROW_NUMEL,
+    NORM_ROW_NUMEL,
     PARTIAL_FRACTION,
     GradPlan,
     GradResidency,
@@ -146,3 +148,4 @@ def test_buffers_and_rows():
     assert grad_buffers([10]) == (2, 4096)  # one sub-group needs no third buffer
     assert disk_rows(5000, 10, 100_000) == (4096, 8192)
     assert disk_rows(8190, 4, 9000) == (4096, 9000)
+    assert DISK_ROW_NUMEL % NORM_ROW_NUMEL == 0  # an add re-measures whole rows of the norm

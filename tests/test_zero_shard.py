@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from infinity.comm import SingleProcess
+from infinity.swap.grad_plan import NORM_ROW_NUMEL
+from infinity.utils.quant_blocks import BLOCK
 from infinity.zero.shard import check_same_weights, fingerprint, shard_align, shard_of, take_shard
+from infinity.zero.sub_groups import SLOT_ALIGN
 
 
 @pytest.mark.parametrize(
@@ -44,14 +47,15 @@ def test_fingerprint_sees_a_changed_element_and_same_weights_pass():
 
 @pytest.mark.parametrize("numel", [0, 1, 255, 700, 4096, 10_001])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_8_bit_shards_start_on_a_block_of_the_whole_parameter(numel, world):
-    align = shard_align(eight_bit=True)
-    assert align == 256 and shard_align(eight_bit=False) == 1
+@pytest.mark.parametrize("eight_bit", [False, True])
+def test_shards_start_on_a_norm_row_and_a_block_of_the_whole_parameter(numel, world, eight_bit):
+    align = shard_align(eight_bit=eight_bit)
+    assert align == NORM_ROW_NUMEL == 2048 and align % BLOCK == 0 and SLOT_ALIGN % align == 0
     shards = [shard_of(numel, world, r, align) for r in range(world)]
-    if world == 1:  # one rank: the parameter itself, as 32-bit runs have it
+    if world == 1:  # one rank: the parameter itself
         assert shards[0] == shard_of(numel, 1, 0)
     else:
-        assert shards[0].numel % 256 == 0 and shards[0].numel >= -(-numel // world)
-        assert shards[0].numel < -(-numel // world) + 256
+        assert shards[0].numel % align == 0 and shards[0].numel >= -(-numel // world)
+        assert shards[0].numel < -(-numel // world) + align
     assert [s.start for s in shards] == [min(r * shards[0].numel, numel) for r in range(world)]
     assert sum(s.stop - s.start for s in shards) == numel

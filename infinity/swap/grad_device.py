@@ -32,6 +32,7 @@ import torch
 
 from infinity.accelerator import Accelerator
 from infinity.swap.grad_tier import add_into, sum_of_squares
+from infinity.utils.exact_sum import ExactSum
 from infinity.utils.sizes import FP32_BYTES
 
 
@@ -72,7 +73,7 @@ class DeviceGradTier:
         else:  # one kernel: the piecewise add only spares the host allocator
             dst.add_(src)
 
-    def sums_of_squares(self) -> list[float]:
+    def sums_of_squares(self) -> list[ExactSum]:
         """One value per sub-group, in order, measured on the host (see [Note: the norm's
         copies run ahead])."""
         count, out = len(self.numels), []

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from infinity.swap.grad_tier import add_into, sum_of_squares
+from infinity.utils.exact_sum import ExactSum
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -103,7 +104,7 @@ class HalfGradTier:
             self._settled[index] = True
         return view
 
-    def sums_of_squares(self) -> list[float]:
+    def sums_of_squares(self) -> list[ExactSum]:
         """One value per sub-group, in order, as `HostGradTier` computes them."""
         out = []
         for g in range(len(self.numels)):

@@ -28,16 +28,22 @@ PARTIAL_FRACTION = 16
 """A gradient of at most 1/this of its sub-group, added while the sub-group is on disk, is
 added there (its rows read, added to and written back) instead of loading the sub-group: a
 layer's norm weights, reached in backward after the layer's other sub-groups were written."""
-NORM_ROW_NUMEL = 4096
-"""Elements per row of the norms a write records (see [Note: accurate norms] in
-grad_tier.py): an add on disk reads and writes back whole rows."""
+NORM_ROW_NUMEL = 2048
+"""Elements per row of the global norm (see [Note: the norm's order] in grad_tier.py): a
+divisor of the slots' alignment (`infinity.zero.sub_groups.SLOT_ALIGN`), and what the shards
+are aligned to (`infinity.zero.shard.shard_align`). A write records its norms by rows."""
+DISK_ROW_NUMEL = 4096
+"""Elements an add on disk reads and writes back in whole spans of (16 KiB, a multiple of the
+norm's rows, whose norms it measures again): the I/O the engine has always done, which the
+estimate counts."""
 
 
 def disk_rows(start: int, numel: int, total: int) -> tuple[int, int]:
-    """The rows [lo, hi) (in elements) that an add on disk of elements [start, start +
-    numel) of a sub-group of `total` elements reads, adds to and writes back."""
-    row = NORM_ROW_NUMEL
-    return start // row * row, min(-(-(start + numel) // row) * row, total)
+    """The elements [lo, hi) that an add on disk of elements [start, start + numel) of a
+    sub-group of `total` elements reads, adds to and writes back: whole spans of
+    `DISK_ROW_NUMEL` (the last one cut at `total`), so whole rows of the norm."""
+    span = DISK_ROW_NUMEL
+    return start // span * span, min(-(-(start + numel) // span) * span, total)
 
 
 def grad_buffers(numels: Sequence[int], buffer_count: int = GRAD_BUFFERS) -> tuple[int, int]:

@@ -11,8 +11,8 @@ know what the optimizer computes from them.
 so a sub-group is filled while it is one of the most recently used and written to disk once
 it drops out of them (read back and added to at the next micro-step of an accumulation
 window, the read of the sub-group below starting while backward fills the current one).
-Every write records the norms of what it wrote by rows of 4096 elements, so at the step the
-global norm is the in-order sum of one value per sub-group made from them, without reading
+Every write records the norms of what it wrote by rows of 2048 elements, so at the step the
+global norm is the exact sum of one value per sub-group made from them, without reading
 the gradients: the host tier computes the same rows the same way, and the two give bitwise
 the same norm. A small gradient (at most 1/`PARTIAL_FRACTION` of its sub-group, e.g. a
 layer's norm weights, reached in backward after the rest of its layer) added to a sub-group
@@ -43,6 +43,7 @@ from infinity.swap.grad_plan import (
 )
 from infinity.swap.grad_plan import NORM_ROW_NUMEL as _NORM_ROW_NUMEL
 from infinity.swap.store import SwapStore, align_up
+from infinity.utils.exact_sum import ExactSum
 from infinity.utils.sizes import FP32_BYTES
 
 logger = logging.getLogger(__name__)
@@ -82,26 +83,49 @@ def row_norms(flat: torch.Tensor) -> Norms:
     """The norms a sum of squares is made of (see `sum_of_squares`)."""
     rows = flat.numel() // _NORM_ROW_NUMEL * _NORM_ROW_NUMEL
     norms = torch.linalg.vector_norm(flat[:rows].view(-1, _NORM_ROW_NUMEL), dim=1)
-    tail = torch.linalg.vector_norm(flat[rows:]) if rows < flat.numel() else None
-    return Norms(norms, tail)
+    return Norms(norms, tail_norm(flat[rows:]) if rows < flat.numel() else None)
 
 
-def sum_from_norms(norms: Norms) -> float:
-    total = torch.zeros((), dtype=torch.float64)
-    if norms.rows.numel():
-        total += norms.rows.double().square().sum()
+def tail_norm(tail: torch.Tensor) -> torch.Tensor:
+    """The norm of a short last row, measured as a whole row padded with zeros: the same
+    bits as the row it is on another rank, where the slot's padding follows it (see [Note:
+    the norm's order])."""
+    row = torch.zeros(1, _NORM_ROW_NUMEL, dtype=tail.dtype)
+    row[0, : tail.numel()] = tail
+    return torch.linalg.vector_norm(row, dim=1)[0]
+
+
+def sum_from_norms(norms: Norms) -> ExactSum:
+    total = ExactSum.of_squares(norms.rows)
     if norms.tail is not None:
-        total += norms.tail.double().square()
-    return float(total.item())
+        total += ExactSum.of_squares(norms.tail.reshape(1))
+    return total
 
 
-def sum_of_squares(flat: torch.Tensor) -> float:
-    """Sum of squares of a flat fp32 tensor, computed in fp64 (inf/NaN propagate).
+def sum_of_squares(flat: torch.Tensor) -> ExactSum:
+    """Sum of squares of a flat fp32 tensor, exact over its rows (inf/NaN propagate).
 
     [Note: accurate norms] One fp32 `vector_norm` over 1e8 elements came out 1% low on this
     machine (its accumulators grow too large to add small terms). Rows of `_NORM_ROW_NUMEL`
-    reduced in fp32, then summed in fp64, are within 1e-8 and faster (one pass, better
-    vectorized); see benchmarks/zero_optimizer_bench.py for the step's timings.
+    reduced in fp32, their squares then summed exactly, are within 1e-8 and faster (one
+    pass, better vectorized); see benchmarks/zero_optimizer_bench.py for the step's timings.
+
+    [Note: the norm's order] Two ranks that each hold half of every parameter must clip by
+    the same global norm, to the last bit, as one rank that holds them whole: otherwise the
+    clip coefficient, and with it every weight, differs in its last bits. A sum of squares in
+    fp32 or fp64 depends on the order and grouping of its terms, and the terms are grouped
+    differently on every world size (one rank's flat space is every parameter whole; each of
+    two ranks has half of each), so no order of adding can be the same on both. Two things
+    make the norm the same whatever the ranks: (1) the rows are the same everywhere. A row
+    is `_NORM_ROW_NUMEL` elements of one parameter, starting at a multiple of it in the
+    parameter (`shard_align` rounds the shards to whole rows, slots and sub-groups start on
+    whole rows), measured by one fp32 `vector_norm` per row whose order inside the row does
+    not depend on the thread count (torch gives each row to one thread), a short last row
+    as a whole row padded with zeros (`tail_norm`), so a row's norm is the same bits on any
+    rank, tier or thread count; rows of padding are zero. (2) The rows' squares are added
+    exactly (`infinity.utils.exact_sum.ExactSum`, fp64 integers by exponent), within a
+    sub-group, across sub-groups and by the ranks' all-reduce: an exact sum has no order.
+    The total is rounded once, so the norm is the same bits on one rank and on any number.
     """
     return sum_from_norms(row_norms(flat))
 
@@ -127,9 +151,9 @@ class GradTier(Protocol):
         """Elements [start, start + src.numel()) of sub-group `index` += src."""
         ...
 
-    def sums_of_squares(self) -> list[float]:
-        """One value per sub-group, in order (see [Note: accurate norms]): the global norm
-        is made of them."""
+    def sums_of_squares(self) -> list[ExactSum]:
+        """One exact sum per sub-group, in order (see [Note: the norm's order]): the global
+        norm is made of them."""
         ...
 
     def take(self, index: int) -> torch.Tensor:
@@ -191,7 +215,7 @@ class HostGradTier:
         """Elements [start, start + src.numel()) of sub-group `index` += src."""
         add_into(self._view(index)[start : start + src.numel()], src)
 
-    def sums_of_squares(self) -> list[float]:
+    def sums_of_squares(self) -> list[ExactSum]:
         """One value per sub-group, in order (see [Note: spilled gradients])."""
         return [sum_of_squares(self._view(g)) for g in range(len(self.numels))]
 
@@ -298,14 +322,14 @@ class NvmeGradTier:
 
     # -- the step --------------------------------------------------------------------------
 
-    def sums_of_squares(self) -> list[float]:
+    def sums_of_squares(self) -> list[ExactSum]:
         """One value per sub-group, in order: recorded when written, computed for those in
         host buffers (see [Note: spilled gradients])."""
         self._check_usable("sums_of_squares")
         out = []
         for g, state in enumerate(self.residency):
             if state is GradResidency.ZERO:
-                out.append(0.0)
+                out.append(ExactSum())
             elif state is GradResidency.HOST:
                 out.append(sum_of_squares(self._grads(self._buffers[self.plan.where[g]], g)))
             else:
@@ -390,7 +414,7 @@ class NvmeGradTier:
             part = row_norms(grads[:full])
             norms.rows[lo // row : (lo + full) // row] = part.rows
         if full < grads.numel():
-            self._norms[index] = Norms(norms.rows, torch.linalg.vector_norm(grads[full:]))
+            self._norms[index] = Norms(norms.rows, tail_norm(grads[full:]))
 
     def _start_write(self, index: int, buf: _Buffer) -> None:
         """Start writing the buffer's sub-group to disk, recording its norms; the buffer is

@@ -36,6 +36,7 @@ from infinity.config.sections import OffloadOptimizerConfig
 from infinity.swap.grad_tier import GradTier
 from infinity.swap.nvme_state import NvmeStateTier
 from infinity.swap.state_tier import HostStateTier, SubGroupState, SubGroupState8, sweep_order
+from infinity.utils.exact_sum import ExactSum
 
 
 def ram_sub_groups(numels: Sequence[int], max_in_cpu: int) -> int:
@@ -208,7 +209,7 @@ class SplitGradTier:
             src = src.cpu()  # a slot that straddles out of the device sub-groups
         tier.add(i, start, src)
 
-    def sums_of_squares(self) -> list[float]:
+    def sums_of_squares(self) -> list[ExactSum]:
         return [s for tier in self.parts for s in tier.sums_of_squares()]
 
     def take(self, index: int):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from infinity.swap.state_tier import HostStateTier
+from infinity.utils.exact_sum import ExactSum
 from infinity.zero.build_files import release_build_pages
 
 
@@ -87,11 +88,11 @@ def write_masters(opt: Any, i: int, values: torch.Tensor) -> None:
 
 def scaled_norm(grads: Any, comm: Any) -> float:
     """The global L2 norm of the (loss-scaled) gradient sums over every rank."""
-    # In sub-group order on every gradient tier, so host and NVMe give the same bits (see
-    # [Note: spilled gradients]); inf/NaN anywhere propagates into the norm.
-    total = 0.0
+    # Exact sums, so the same bits whatever the tier, the sub-groups or the ranks (see
+    # [Note: the norm's order] in infinity/swap/grad_tier.py); inf/NaN propagate.
+    total = ExactSum()
     for s in grads.sums_of_squares():
         total += s
     if comm.world_size > 1:  # the shards' padding is zero: it adds nothing
-        total = float(comm.all_reduce_(torch.tensor([total], dtype=torch.float64)))
-    return math.sqrt(total)
+        total = ExactSum(comm.all_reduce_(total.bins))  # a sum of integers below 2^53: exact
+    return math.sqrt(total.value())

@@ -3,13 +3,15 @@
 World size W, rank r, a parameter of N elements: the shard size is S = ceil(N / W), and
 rank r keeps elements [r*S, (r+1)*S) of the parameter flattened and zero-padded to W*S. Its
 unpadded span is (min(r*S, N), min((r+1)*S, N)), empty for a tiny parameter on a high rank.
-With W == 1, S == N and the span is the whole parameter. With several ranks and the 8-bit
-optimizer state, S is rounded up to a multiple of `align` (256, the quantization block), so
-every rank's shard starts on a block of the whole parameter: block k holds elements
-[256k, 256k + 256) at any world size, and the blocks' absmax are the same (the runs are
-bitwise one rank's, and the state reshards). 32-bit runs keep align 1. The padding is
-never trained: its gradient is zero (so its Adam update is too, without weight decay) and
-all-gathers drop it.
+With W == 1, S == N and the span is the whole parameter. With several ranks S is rounded
+up to a multiple of `align` (`shard_align`: 2048, the global norm's row, which the 8-bit
+state's quantization block of 256 divides), so every rank's shard starts on a row and on a
+block of the whole parameter: row k holds elements [2048k, 2048k + 2048) at any world size,
+and so do the 8-bit blocks. The rows' norms, and so the global norm and the clip, are the
+same bits on one rank and on several (see [Note: the norm's order] in
+infinity/swap/grad_tier.py), and so are the blocks' absmax (the runs are bitwise one
+rank's, and the state reshards). The padding is never trained: its gradient is zero (so its
+Adam update is too, without weight decay) and all-gathers drop it.
 Each rank keeps its shard of the weights it built itself, so every rank must build the same
 weights: `check_same_weights` compares a fingerprint of them across ranks before sharding.
 """
@@ -17,6 +19,7 @@ weights: `check_same_weights` compares a fingerprint of them across ranks before
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from infinity.comm import Comm
+from infinity.swap.grad_plan import NORM_ROW_NUMEL
 from infinity.utils.quant_blocks import BLOCK
 
 _SAMPLES = 256
@@ -46,8 +50,9 @@ class Shard(NamedTuple):
 
 
 def shard_align(eight_bit: bool) -> int:
-    """The shards' alignment in elements: the 8-bit state's block, else 1 (see above)."""
-    return BLOCK if eight_bit else 1
+    """The shards' alignment in elements with several ranks: whole rows of the global norm,
+    and whole blocks of the 8-bit state (see above)."""
+    return math.lcm(NORM_ROW_NUMEL, BLOCK if eight_bit else 1)
 
 
 def shard_of(numel: int, world_size: int, rank: int, align: int = 1) -> Shard:
