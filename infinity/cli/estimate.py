@@ -192,13 +192,7 @@ def run(args: argparse.Namespace) -> int:
     check_lora_rank(LoraSpec(r=args.lora_r) if args.lora_r else None, spec)
     shape = model_shape(spec.hf_config, lora_r=args.lora_r or 0)
     raw = read_config_file(args)  # once: the config and what the user set in it
-    config = config_from_args(
-        argparse.Namespace(**{**vars(args), "lr": None, "seed": None}), args.world_size, raw=raw
-    )
-    # The estimate is one rank's: its micro batch and accumulation, the global batch checked.
-    config = config.without_global_batch().for_local_rank(0)
-    # It models memory and time, not the schedule, whose "auto" length waits for the data.
-    config = replace(config, scheduler=SchedulerConfig())
+    config = _one_rank_config(args, raw)
     check_fits(shape, config, args)
     gpu = GPUS.get(args.device)  # placed as `infinity train` places it (run/placement.py)
     memory = (gpu.memory_bytes, f"the {gpu.name}'s memory", gpu.memory_bytes) if gpu else None
@@ -243,6 +237,16 @@ def run(args: argparse.Namespace) -> int:
         if args.json != "-":
             print(f"wrote {args.json}")
     return 0
+
+
+def _one_rank_config(args: argparse.Namespace, raw: dict) -> Config:
+    """The flags over the config file `raw`, as one rank of the run uses them: its micro batch
+    and accumulation (the global batch checked), its nvme_path entry, and no schedule (the
+    estimate models memory and time; an "auto" run length would wait for the data)."""
+    flags = argparse.Namespace(**{**vars(args), "lr": None, "seed": None})
+    config = config_from_args(flags, args.world_size, raw=raw)
+    config = config.without_global_batch().for_local_rank(0)
+    return replace(config, scheduler=SchedulerConfig())
 
 
 def _rates(
