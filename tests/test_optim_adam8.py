@@ -24,6 +24,7 @@ from infinity.optim.quant8 import (
     bucket_codes,
     dequantize,
     dynamic_map,
+    index_codes,
     quantize,
     tables,
 )
@@ -96,6 +97,15 @@ def test_the_code_table_gives_the_nearest_value(signed):
     assert ((got - y).abs() <= (nearest - y).abs() + y * 2.0**-10).all()
     far = ((y[:, None] - mids[None, :]).abs() > y[:, None] * 2.0**-10).all(dim=1)
     assert torch.equal(got[far], nearest[far]) and far.float().mean() > 0.5
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_coarse_index_gives_the_code_table_entry_for_every_half(signed):
+    """The VBMI kernel's coarse index, read as the kernel reads it, against the code table
+    for each of the 2^15 fp16 magnitudes h of |y| * 2^10 (zero, subnormal, normal, inf, NaN)."""
+    h = torch.arange(1 << 15)
+    yabs = h.to(torch.int16).view(torch.float16).float() / 1024
+    assert torch.equal(index_codes(h, signed), bucket_codes(yabs, signed))
 
 
 def test_quantize_round_trip():

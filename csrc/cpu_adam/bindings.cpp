@@ -186,7 +186,7 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
 }
 
 // The 8-bit step: the same checks and constants as adam_step, the moments as codes and
-// absmax, and the six quantization tables (quant8.py) as addresses.
+// absmax, and the eight quantization tables (quant8.py) as addresses.
 void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_codes,
                 uintptr_t m_absmax, uintptr_t v_absmax, size_t numel,
                 const std::string& grad_dtype, uintptr_t half_out, const std::string& half_dtype,
@@ -202,8 +202,8 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, after this update)");
     if (tile_numel == 0 || tile_numel % kBlock)
         throw std::invalid_argument("tile_numel must be a positive multiple of 256");
-    if (tables.size() != 6)
-        throw std::invalid_argument("tables must be six addresses (qmap, codes, tree) x 2");
+    if (tables.size() != 8)
+        throw std::invalid_argument("tables must be eight addresses (qmap, codes, tree, index) x 2");
     for (uintptr_t t : tables)
         if (!t) throw std::invalid_argument("null quantization table address");
     if (numel == 0) return;
@@ -221,8 +221,8 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     a8.v_absmax = static_cast<float*>(as_ptr(v_absmax));
     QuantMap* maps[2] = {&a8.m_map, &a8.v_map};
     for (int k = 0; k < 2; ++k) {
-        maps[k]->qmap = static_cast<const float*>(as_ptr(tables[3 * k]));
-        maps[k]->codes = static_cast<const uint8_t*>(as_ptr(tables[3 * k + 1]));
+        maps[k]->qmap = static_cast<const float*>(as_ptr(tables[4 * k]));
+        maps[k]->codes = static_cast<const uint8_t*>(as_ptr(tables[4 * k + 1]));
     }
     alignas(64) uint8_t planes[2][4 * 256];  // byte b of each map value, for the VBMI lookup
     if (uses_vbmi(simd)) {
@@ -233,13 +233,14 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
                 for (int b = 0; b < 4; ++b) planes[k][256 * b + c] = (bits >> (8 * b)) & 0xff;
             }
             maps[k]->planes = planes[k];
+            maps[k]->index = static_cast<const uint8_t*>(as_ptr(tables[4 * k + 3]));
         }
     }
 
 #if defined(__x86_64__) || defined(_M_X64)
     if (kernel == adam8_avx512)  // the only path that searches the tree
         for (int k = 0; k < 2; ++k)
-            maps[k]->tree = static_cast<const int16_t*>(as_ptr(tables[3 * k + 2]));
+            maps[k]->tree = static_cast<const int16_t*>(as_ptr(tables[4 * k + 2]));
 #endif
 
     py::gil_scoped_release no_gil;
