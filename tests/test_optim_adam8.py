@@ -102,10 +102,13 @@ def test_the_code_table_gives_the_nearest_value(signed):
 @pytest.mark.parametrize("signed", [True, False])
 def test_the_coarse_index_gives_the_code_table_entry_for_every_half(signed):
     """The VBMI kernel's coarse index, read as the kernel reads it, against the code table
-    for each of the 2^15 fp16 magnitudes h of |y| * 2^10 (zero, subnormal, normal, inf, NaN)."""
+    for each of the 2^15 fp16 magnitudes h of |y| * 2^10 (zero, subnormal, normal, inf, NaN),
+    with either sign bit."""
     h = torch.arange(1 << 15)
     yabs = h.to(torch.int16).view(torch.float16).float() / 1024
-    assert torch.equal(index_codes(h, signed), bucket_codes(yabs, signed))
+    expected = bucket_codes(yabs, signed)
+    assert torch.equal(index_codes(h, signed), expected)
+    assert torch.equal(index_codes(h | 0x8000, signed), expected)
 
 
 def test_quantize_round_trip():

@@ -48,7 +48,7 @@ struct QuantMap {
     const uint8_t* codes = nullptr;  // per bucket of |y| (bits >> kBucketShift): its code side
     const uint8_t* planes = nullptr;  // [4][256] byte b of each qmap value: the VBMI lookup
     const int16_t* tree = nullptr;    // [256] the code table's steps as a search tree (AVX-512)
-    const uint8_t* index = nullptr;   // [1024] the code table as a coarse index (AVX-512 VBMI)
+    const uint8_t* index = nullptr;   // [896] the code table as a coarse index (AVX-512 VBMI)
 };
 
 constexpr size_t kBlock = 256;                     // elements per absmax

@@ -115,16 +115,18 @@ void quant_tree(const int16_t* tree, const float* values, float inverse, uint8_t
 }
 
 // [Note: quantizing by a coarse index] With VBMI, 64 values find their codes with a few byte
-// permutes instead of the tree's eight levels. h, the fp16 bits of |y| * 2^10 rounded toward
-// zero, is the bucket plus 1024 (from 2^-24 up; lower h is bucket 0, higher the top bucket):
-// the bucket in one conversion. h's top six bits name a region; each region has a shift
-// (15 where the region has one code) and an offset, so key = (h >> shift) + offset cuts the
-// region into power-of-two intervals, at most 128 keys in all. A key gives its interval's
-// first code and the positions (h's low byte, minus one) of the at most 3 (signed) or 5
-// (unsigned) steps inside it: the code is the first code plus the steps the low byte passes.
-// quant8.py builds the index from the code table and checks it on every h; the sweep test
-// compares the kernel. y * 2^10 is exact unless the scaled reciprocal overflows: such a block
-// takes the tree.
+// permutes instead of the tree's eight levels. h, the fp16 bits of y * 2^10 rounded toward
+// zero, is the bucket of |y| plus 1024 (from 2^-24 up; lower is bucket 0, higher the top
+// bucket) beside y's sign: the bucket in one conversion. h's bits 9..14 name a region, whose
+// word holds a shift (16 where the region has one code, else at most 8) and an offset:
+// key = (h >> shift) + offset, in 7 bits, cuts the region into power-of-two intervals, at
+// most 128 keys in all (h's sign lands on bit 7 of the key or above, or is shifted out). A
+// key gives its interval's first code and the positions (h's low byte, minus one) of the
+// at most 3 (signed) or 5 (unsigned) steps inside it: the code is the first code plus the
+// steps the low byte passes. quant8.py builds the index from the code table and checks it
+// on every h; the sweep test compares the kernel. y * 2^10 is exact unless the scaled
+// reciprocal overflows: such a block takes the tree. y < 0 is h <= -1024 as int16: a
+// negative NaN is above, and a -0 or tiny negative y below -1024 has code 0 either way.
 constexpr float kMaxIndexInverse = 3.0e35f;  // * 1024 stays finite
 
 template <bool SIGNED>
@@ -132,36 +134,30 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c"))
 quant_index(const uint8_t* index, const float* values, float inverse, uint8_t* out) {
     constexpr int kSteps = SIGNED ? 3 : 5;
     const auto table = [index](int at) { return _mm512_loadu_si512(index + at); };
-    const __m512i shift_lo = table(0), shift_hi = table(64), off_lo = table(128);
-    const __m512i off_hi = table(192), first_lo = table(256), first_hi = table(320);
+    const __m512i word_lo = table(0), word_hi = table(64), first_lo = table(128);
+    const __m512i first_hi = table(192);
     __m512i step_lo[kSteps], step_hi[kSteps];
     for (int j = 0; j < kSteps; ++j) {
-        step_lo[j] = table(384 + 128 * j);
-        step_hi[j] = table(448 + 128 * j);
+        step_lo[j] = table(256 + 128 * j);
+        step_hi[j] = table(320 + 128 * j);
     }
     alignas(64) uint8_t even[64];  // byte 2i of the pair (w0, w1): value i's low byte
     for (int i = 0; i < 64; ++i) even[i] = static_cast<uint8_t>(2 * i);
-    const __m512i evens = _mm512_load_si512(even), magnitude = _mm512_set1_epi16(0x7fff);
+    const __m512i evens = _mm512_load_si512(even), below = _mm512_set1_epi16(-1023);
     const __m512i one = _mm512_set1_epi8(1), k127 = _mm512_set1_epi8(127);
     const __m512 inv = _mm512_set1_ps(inverse * 1024.0f);
-    const auto key_of = [&](__m512i w) {
-        const __m512i region = _mm512_srli_epi16(w, 9);
-        const __m512i shift = _mm512_permutex2var_epi16(shift_lo, region, shift_hi);
-        const __m512i off = _mm512_permutex2var_epi16(off_lo, region, off_hi);
-        return _mm512_add_epi16(_mm512_srlv_epi16(w, shift), off);
+    const auto key_of = [&](__m512i h) {
+        const __m512i word = _mm512_permutex2var_epi16(word_lo, _mm512_srli_epi16(h, 9), word_hi);
+        return _mm512_add_epi16(_mm512_srlv_epi16(h, _mm512_srli_epi16(word, 8)), word);
     };
     for (size_t k = 0; k < kBlock; k += 64) {
-        __m512 y[4];
         __m256i h[4];
-        for (int j = 0; j < 4; ++j) {
-            y[j] = _mm512_mul_ps(_mm512_loadu_ps(values + k + 16 * j), inv);
-            h[j] = _mm512_cvtps_ph(y[j], _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        }
+        for (int j = 0; j < 4; ++j)
+            h[j] = _mm512_cvtps_ph(_mm512_mul_ps(_mm512_loadu_ps(values + k + 16 * j), inv),
+                                   _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
         const __m512i w0 = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
         const __m512i w1 = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
-        const __m512i key = _mm512_permutex2var_epi8(key_of(_mm512_and_si512(w0, magnitude)),
-                                                     evens,
-                                                     key_of(_mm512_and_si512(w1, magnitude)));
+        const __m512i key = _mm512_permutex2var_epi8(key_of(w0), evens, key_of(w1));
         const __m512i low = _mm512_permutex2var_epi8(w0, evens, w1);
         __m512i code = _mm512_permutex2var_epi8(first_lo, key, first_hi);
         for (int j = 0; j < kSteps; ++j) {
@@ -169,12 +165,9 @@ quant_index(const uint8_t* index, const float* values, float inverse, uint8_t* o
             code = _mm512_mask_add_epi8(code, _mm512_cmpgt_epu8_mask(low, at), code, one);
         }
         if constexpr (SIGNED) {
-            __mmask16 neg[4];
-            for (int j = 0; j < 4; ++j)
-                neg[j] = _mm512_cmp_ps_mask(y[j], _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __mmask64 below = _mm512_kunpackd(_mm512_kunpackw(neg[3], neg[2]),
-                                                    _mm512_kunpackw(neg[1], neg[0]));
-            code = _mm512_mask_blend_epi8(below, _mm512_add_epi8(code, k127),
+            const __mmask64 neg = _mm512_kunpackd(_mm512_cmplt_epi16_mask(w1, below),
+                                                  _mm512_cmplt_epi16_mask(w0, below));
+            code = _mm512_mask_blend_epi8(neg, _mm512_add_epi8(code, k127),
                                           _mm512_subs_epu8(k127, code));
         }
         _mm512_storeu_si512(out + k, code);

@@ -77,10 +77,10 @@ class QuantTables(NamedTuple):
     (2 (i - 2^d) + 1) 2^(7 - d), so node i's children are 2i and 2i + 1 and a walk from the
     root ends at node 256 + the code."""
     index: torch.Tensor
-    """[1024] uint8: the code table as a coarse index, for the AVX-512 VBMI kernel (see
-    [Note: quantizing by a coarse index]): 64 int16 shifts and 64 int16 offsets (one per
-    region), then the first code of each of up to 128 keys and `INDEX_STEPS` planes of 128
-    step positions."""
+    """[896] uint8: the code table as a coarse index, for the AVX-512 VBMI kernel (see
+    [Note: quantizing by a coarse index]): 64 int16 region words (shift << 8 | offset), then
+    the first code of each of up to 128 keys and `INDEX_STEPS` planes of 128 step
+    positions."""
 
 
 @functools.cache
@@ -129,6 +129,8 @@ def _coarse_index(codes: torch.Tensor, signed: bool) -> torch.Tensor:
     assert bool((full[1:] - full[:-1] <= 1).all()), "a step must raise the code by one"
     limit = 3 if signed else INDEX_STEPS
     shifts, offsets = torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
+    # A flat region shifts all of h out, its sign bit too (a shift of 16 leaves 0); the
+    # others shift by at most 8, so h's sign bit lands on bit 7 of the key or above it.
     first = torch.zeros(_INDEX_KEYS, dtype=torch.int64)
     steps = torch.full((INDEX_STEPS, _INDEX_KEYS), _NO_STEP, dtype=torch.int64)
     flat_keys: dict[int, int] = {}
@@ -139,10 +141,10 @@ def _coarse_index(codes: torch.Tensor, signed: bool) -> torch.Tensor:
         if seg[0] == seg[-1]:  # one code: a key shared by every such region (shift all out)
             key = flat_keys.setdefault(int(seg[0]), keys)
             keys += key == keys
-            shifts[region], offsets[region], first[key] = 15, key, seg[0]
+            shifts[region], offsets[region], first[key] = 16, key, seg[0]
             continue
         shift = next(s for s in range(8, -1, -1) if _fits(seg, 1 << s, limit))
-        shifts[region], offsets[region] = shift, (keys - (lo >> shift)) & 0xFFFF
+        shifts[region], offsets[region] = shift, (keys - (lo >> shift)) & 0xFF
         for start in range(0, 512, 1 << shift):
             part = seg[start : start + (1 << shift)]
             at = (part[1:] != part[:-1]).nonzero().flatten() + 1
@@ -150,7 +152,7 @@ def _coarse_index(codes: torch.Tensor, signed: bool) -> torch.Tensor:
             steps[: at.numel(), keys] = ((lo + start + at) & 0xFF) - 1
             keys += 1
     assert keys <= _INDEX_KEYS, f"coarse index needs {keys} keys"
-    words = torch.cat([shifts, offsets]).to(torch.int32).to(torch.int16).view(torch.uint8)
+    words = (shifts << 8 | offsets).to(torch.int16).view(torch.uint8)
     return torch.cat([words, first.to(torch.uint8), steps.flatten().to(torch.uint8)])
 
 
@@ -161,14 +163,15 @@ def _fits(seg: torch.Tensor, width: int, limit: int) -> bool:
 
 
 def index_codes(h: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The code side the coarse index gives each 15-bit h (int64), as the kernel reads it."""
+    """The code side the coarse index gives each 16-bit h (int64, its sign bit ignored), as
+    the kernel reads it: key = low 7 bits of (h >> shift) + offset."""
     index = tables(signed).index
-    words = index[:256].view(torch.int16).long() & 0xFFFF
-    shifts, offsets = words[:64], words[64:]
-    region = h >> 9
-    key = ((h >> shifts[region]) + offsets[region]) & 0x7F
-    first = index[256:384].long()
-    steps = index[384:].view(INDEX_STEPS, _INDEX_KEYS).long()
+    words = index[:128].view(torch.int16).long()
+    word = words[(h >> 9) & 63]
+    shift = word >> 8
+    key = (torch.where(shift < 16, h >> shift.clamp_max(15), 0) + word) & 0x7F
+    first = index[128:256].long()
+    steps = index[256:].view(INDEX_STEPS, _INDEX_KEYS).long()
     return first[key] + ((h & 0xFF)[None, :] > steps[:, key]).sum(dim=0)
 
 
