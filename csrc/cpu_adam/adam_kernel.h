@@ -47,6 +47,7 @@ struct QuantMap {
     const float* qmap = nullptr;    // [256] the value of each code
     const uint8_t* codes = nullptr;  // per bucket of |y| (bits >> kBucketShift): its code side
     const uint8_t* planes = nullptr;  // [4][256] byte b of each qmap value: the VBMI lookup
+    const uint8_t* mirror = nullptr;  // [4][128] byte b of qmap[127 + k]: a symmetric map's
     const int16_t* tree = nullptr;    // [256] the code table's steps as a search tree (AVX-512)
     const uint8_t* index = nullptr;   // [896] the code table as a coarse index (AVX-512 VBMI)
 };

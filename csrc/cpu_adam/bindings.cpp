@@ -110,6 +110,20 @@ DType parse_dtype(const std::string& name, bool allow_none, const char* what) {
                                             : "'fp32', 'fp16' or 'bf16'"));
 }
 
+// The four byte planes of qmap[127 + k], k = 0..127, when the map is symmetric as the signed
+// dynamic map is (qmap[127 - k] = -qmap[127 + k], qmap[127] = 0, qmap[255] = 1): then the
+// VBMI step reads one 128-entry plane per byte. False, and nothing to use, otherwise.
+bool mirror_planes(const float* qmap, uint8_t* out) {
+    uint32_t bits[256];
+    std::memcpy(bits, qmap, sizeof bits);
+    if (bits[127] != 0 || bits[255] != 0x3f800000u) return false;
+    for (int k = 1; k < 128; ++k)
+        if (bits[127 - k] != (bits[127 + k] ^ 0x80000000u) || (bits[127 + k] >> 31)) return false;
+    for (int k = 0; k < 128; ++k)
+        for (int b = 0; b < 4; ++b) out[128 * b + k] = (bits[127 + k] >> (8 * b)) & 0xff;
+    return true;
+}
+
 void* as_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
 // The hyperparameters of one step, read once from infinity.optim.AdamHyper (which has
@@ -225,6 +239,7 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
         maps[k]->codes = static_cast<const uint8_t*>(as_ptr(tables[4 * k + 1]));
     }
     alignas(64) uint8_t planes[2][4 * 256];  // byte b of each map value, for the VBMI lookup
+    alignas(64) uint8_t mirror[4 * 128];      // the signed map's magnitudes (lookup_mirror)
     if (uses_vbmi(simd)) {
         for (int k = 0; k < 2; ++k) {
             for (int c = 0; c < 256; ++c) {
@@ -233,6 +248,7 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
                 for (int b = 0; b < 4; ++b) planes[k][256 * b + c] = (bits >> (8 * b)) & 0xff;
             }
             maps[k]->planes = planes[k];
+            if (k == 0 && mirror_planes(maps[k]->qmap, mirror)) maps[k]->mirror = mirror;
             maps[k]->index = static_cast<const uint8_t*>(as_ptr(tables[4 * k + 3]));
         }
     }

@@ -57,6 +57,40 @@ lookup_vbmi(const uint8_t* planes, const uint8_t* codes, float* out) {
     }
 }
 
+// The signed map's half of that lookup: its codes 127 - k and 127 + k (k = 1..127) hold
+// opposite values and 255 holds 1.0, so four planes of the 128 magnitudes at 127 + k
+// (k = 0..127) need one 128-entry permute each instead of two and a blend; k = |c - 127|
+// is 128 only for 1.0, whose two high bytes are set afterwards, and the sign bit is set for
+// the codes below 127. The same bits as lookup_vbmi; bindings.cpp checks the symmetry.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c"))) void
+lookup_mirror(const uint8_t* planes, const uint8_t* codes, float* out) {
+    alignas(64) uint8_t order[64];  // as lookup_vbmi
+    for (int lane = 0; lane < 4; ++lane)
+        for (int k = 0; k < 4; ++k)
+            for (int j = 0; j < 4; ++j) order[16 * lane + 4 * k + j] = 16 * k + 4 * lane + j;
+    const __m512i ov = _mm512_load_si512(order), k127 = _mm512_set1_epi8(127);
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i t[8];
+    for (int r = 0; r < 8; ++r) t[r] = _mm512_loadu_si512(planes + 64 * r);
+    for (size_t q = 0; q < kBlock; q += 64) {
+        const __m512i c = _mm512_permutexvar_epi8(ov, _mm512_loadu_si512(codes + q));
+        const __m512i k = _mm512_abs_epi8(_mm512_sub_epi8(c, k127));
+        const __mmask64 neg = _mm512_cmplt_epu8_mask(c, k127);
+        const __mmask64 one = _mm512_cmpeq_epi8_mask(c, _mm512_set1_epi8(-1));
+        __m512i b[4];
+        for (int p = 0; p < 4; ++p) b[p] = _mm512_permutex2var_epi8(t[2 * p], k, t[2 * p + 1]);
+        b[2] = _mm512_mask_mov_epi8(b[2], one, sign);  // 1.0f: 0x3f800000
+        b[3] = _mm512_mask_mov_epi8(b[3], one, _mm512_set1_epi8(0x3f));
+        b[3] = _mm512_mask_add_epi8(b[3], neg, b[3], sign);  // a magnitude's bit 7 is 0
+        const __m512i w0 = _mm512_unpacklo_epi8(b[0], b[1]), w1 = _mm512_unpackhi_epi8(b[0], b[1]);
+        const __m512i w2 = _mm512_unpacklo_epi8(b[2], b[3]), w3 = _mm512_unpackhi_epi8(b[2], b[3]);
+        _mm512_storeu_si512(out + q, _mm512_unpacklo_epi16(w0, w2));
+        _mm512_storeu_si512(out + q + 16, _mm512_unpackhi_epi16(w0, w2));
+        _mm512_storeu_si512(out + q + 32, _mm512_unpacklo_epi16(w1, w3));
+        _mm512_storeu_si512(out + q + 48, _mm512_unpackhi_epi16(w1, w3));
+    }
+}
+
 // [Note: quantizing by a search tree] The code of |y| is the code table's entry for its bucket
 // (quant8.py), and that table is a staircase: 255 (unsigned) or 128 (signed) steps. A gather
 // from it costs a load per lane, most of the 8-bit step on the CPUs measured. Here the
@@ -231,8 +265,12 @@ struct V {
     }
     // A block's map values by the byte planes when the caller set them (VBMI), else false.
     static bool lookup_block(const QuantMap& map, const uint8_t* codes, float* out) {
-        if (map.planes == nullptr) return false;
-        lookup_vbmi(map.planes, codes, out);
+        if (map.mirror != nullptr)
+            lookup_mirror(map.mirror, codes, out);
+        else if (map.planes != nullptr)
+            lookup_vbmi(map.planes, codes, out);
+        else
+            return false;
         return true;
     }
     // A block's codes by the coarse index or the search tree where the caller set them
