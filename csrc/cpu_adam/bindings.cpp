@@ -93,6 +93,7 @@ bool uses_vbmi(const std::string& requested) {
 Kernel8Fn kernel8_for(const std::string& requested) {
     const KernelFn k = kernel_for(requested);  // validates the request
 #if defined(__x86_64__) || defined(_M_X64)
+    if (uses_vbmi(requested)) return adam8_avx512vbmi;
     if (k == adam_avx512) return adam8_avx512;
     if (k == adam_avx2) return adam8_avx2;
 #endif
@@ -254,7 +255,7 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     }
 
 #if defined(__x86_64__) || defined(_M_X64)
-    if (kernel == adam8_avx512)  // the only path that searches the tree
+    if (kernel == adam8_avx512 || kernel == adam8_avx512vbmi)  // the paths with the tree
         for (int k = 0; k < 2; ++k)
             maps[k]->tree = static_cast<const int16_t*>(as_ptr(tables[4 * k + 2]));
 #endif
