@@ -295,13 +295,18 @@ struct V {
 // The 8-bit step again, for CPUs with VBMI: the same loop over a V whose byte permutes look
 // up 64 codes into registers (no buffer between the dequantize and the update) and find
 // codes by the coarse index. Consts and load_grad are the ones above.
-namespace vbmi {
+// Its target list replaces the file's for this part (not nested: one list per function).
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512vbmi"))), apply_to = function)
+#pragma clang attribute pop
+#pragma clang attribute push(                                                   \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c"))), \
+    apply_to = function)
 #else
+#pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c")
 #endif
+namespace vbmi {
 
 struct V : ::infinity_adam::V {
     static constexpr size_t kGroup = 64;
@@ -327,12 +332,16 @@ struct V : ::infinity_adam::V {
 
 #include "adam8_body.inc"
 
+}  // namespace vbmi
 #if defined(__clang__)
 #pragma clang attribute pop
+#pragma clang attribute push(                                      \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 #endif
-}  // namespace vbmi
 
 }  // namespace
 
