@@ -221,9 +221,10 @@ def _every_bucket() -> torch.Tensor:
 
 @needs_native
 def test_every_bucket_quantizes_alike_on_every_level():
-    """The kernels' code search (a tree on AVX-512, a table gather elsewhere) against the
-    twin's table for every bucket of both maps, both signs. beta1 = beta2 = 0 make the new
-    moments g and g * g, and a 1.0 heading each block makes every absmax 1."""
+    """The kernels' code search (a coarse index with VBMI, a tree on AVX-512, a table gather
+    elsewhere) against the twin's table for every bucket of both maps, both signs.
+    beta1 = beta2 = 0 make the new moments g and g * g, and a 1.0 heading each block makes
+    every absmax 1."""
     y = _every_bucket()
     g = torch.cat([y, -y, y.sqrt()])  # m sees y and -y; v sees y * y and (about) y
     body = BLOCK - 1

@@ -218,7 +218,8 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     if (tile_numel == 0 || tile_numel % kBlock)
         throw std::invalid_argument("tile_numel must be a positive multiple of 256");
     if (tables.size() != 8)
-        throw std::invalid_argument("tables must be eight addresses (qmap, codes, tree, index) x 2");
+        throw std::invalid_argument(
+            "tables must be eight addresses (qmap, codes, tree, index) x 2");
     for (uintptr_t t : tables)
         if (!t) throw std::invalid_argument("null quantization table address");
     if (numel == 0) return;

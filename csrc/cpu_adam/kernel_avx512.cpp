@@ -22,7 +22,9 @@
 namespace infinity_adam {
 namespace {
 
-#define INFINITY_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c")))
+// The target of the code that only the "avx512vbmi" level runs (bindings.cpp checks the CPU).
+#define INFINITY_VBMI \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c")))
 
 // [Note: byte-plane lookup] Dequantizing by a memory gather costs a load per lane, and on
 // the CPUs measured it was most of the 8-bit step. With AVX-512 VBMI, 64 codes are looked
@@ -163,8 +165,8 @@ void quant_tree(const int16_t* tree, const float* values, float inverse, uint8_t
 constexpr float kMaxIndexInverse = 3.0e35f;  // * 1024 stays finite
 
 template <bool SIGNED>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c"))) void
-quant_index(const uint8_t* index, const float* values, float inverse, uint8_t* out) {
+INFINITY_VBMI void quant_index(const uint8_t* index, const float* values, float inverse,
+                               uint8_t* out) {
     constexpr int kSteps = SIGNED ? 3 : 5;
     const auto table = [index](int at) { return _mm512_loadu_si512(index + at); };
     const __m512i word_lo = table(0), word_hi = table(64), first_lo = table(128);
@@ -358,5 +360,7 @@ void adam8_avx512vbmi(const Adam8Args& a, size_t begin, size_t end) {
 #else
 #pragma GCC pop_options
 #endif
+
+#undef INFINITY_VBMI
 
 #endif  // x86-64
