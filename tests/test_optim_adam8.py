@@ -244,6 +244,24 @@ def test_every_bucket_quantizes_alike_on_every_level():
 
 
 @needs_native
+def test_tiny_blocks_quantize_alike_on_every_level():
+    """Blocks whose absmax is so small that 2^10 / absmax overflows (the VBMI index falls back
+    to the tree there), and all-zero ones, give the scalar path's codes on every level."""
+    n = 4 * BLOCK
+    g = torch.cat([torch.linspace(-1e-35, 1e-35, 2 * BLOCK), torch.zeros(BLOCK),
+                   torch.linspace(-1e-37, 3e-37, BLOCK)])  # fmt: skip
+    results = []
+    for level in LEVELS:
+        state = [torch.zeros(n), *_zero_state(n)]
+        adam8_step_flat(state[0], g, *state[1:], step=1, hyper=HYPERS["adamw-wd"], simd=level)
+        results.append(state)
+    assert results[-1][1].ne(ZERO_CODE_SIGNED).any(), "the tiny gradients left no codes"
+    for level, got in zip(LEVELS, results, strict=True):
+        for a, b in zip(got, results[-1], strict=True):
+            assert torch.equal(a, b), f"{level} differs from scalar"
+
+
+@needs_native
 def test_tiles_and_threads_do_not_change_results():
     h = HYPERS["adamw-wd"]
     expected = _run("native", "auto", 70_000, h, tile_numel=1 << 20)
