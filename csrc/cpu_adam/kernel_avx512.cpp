@@ -157,7 +157,7 @@ void quant_tree(const int16_t* tree, const float* values, float inverse, uint8_t
 // key = (h >> shift) + offset, in 7 bits, cuts the region into power-of-two intervals, at
 // most 128 keys in all (h's sign lands on bit 7 of the key or above, or is shifted out). A
 // key gives its interval's first code and the positions (h's low byte, minus one) of the
-// at most 3 (signed) or 5 (unsigned) steps inside it: the code is the first code plus the
+// at most 2 (signed) or 5 (unsigned) steps inside it: the code is the first code plus the
 // steps the low byte passes. quant8.py builds the index from the code table and checks it
 // on every h; the sweep test compares the kernel. y * 2^10 is exact unless the scaled
 // reciprocal overflows: such a block takes the tree. y < 0 is h <= -1024 as int16: a
@@ -167,7 +167,7 @@ constexpr float kMaxIndexInverse = 3.0e35f;  // * 1024 stays finite
 template <bool SIGNED>
 INFINITY_VBMI void quant_index(const uint8_t* index, const float* values, float inverse,
                                uint8_t* out) {
-    constexpr int kSteps = SIGNED ? 3 : 5;
+    constexpr int kSteps = SIGNED ? 2 : 5;
     const auto table = [index](int at) { return _mm512_loadu_si512(index + at); };
     const __m512i word_lo = table(0), word_hi = table(64), first_lo = table(128);
     const __m512i first_hi = table(192);

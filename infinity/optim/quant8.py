@@ -111,7 +111,7 @@ def _search_tree(codes: torch.Tensor) -> torch.Tensor:
 
 
 INDEX_STEPS = 5
-"""Step planes of the coarse index: a key's interval holds at most 3 (signed) or 5 steps."""
+"""Step planes of the coarse index: a key's interval holds at most 2 (signed) or 5 steps."""
 _INDEX_KEYS = 128  # one byte permute reads 128 entries
 _NO_STEP = 255  # a step position no byte exceeds
 
@@ -127,7 +127,7 @@ def _coarse_index(codes: torch.Tensor, signed: bool) -> torch.Tensor:
     """QuantTables.index of a non-decreasing code table (int64, one entry per bucket)."""
     full = _half_codes(codes)
     assert bool((full[1:] - full[:-1] <= 1).all()), "a step must raise the code by one"
-    limit = 3 if signed else INDEX_STEPS
+    limit = 2 if signed else INDEX_STEPS
     shifts, offsets = torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
     # A flat region shifts all of h out, its sign bit too (a shift of 16 leaves 0); the
     # others shift by at most 8, so h's sign bit lands on bit 7 of the key or above it.
