@@ -24,6 +24,7 @@ from infinity.optim.quant8 import (
     bucket_codes,
     dequantize,
     dynamic_map,
+    index_codes,
     quantize,
     tables,
 )
@@ -96,6 +97,18 @@ def test_the_code_table_gives_the_nearest_value(signed):
     assert ((got - y).abs() <= (nearest - y).abs() + y * 2.0**-10).all()
     far = ((y[:, None] - mids[None, :]).abs() > y[:, None] * 2.0**-10).all(dim=1)
     assert torch.equal(got[far], nearest[far]) and far.float().mean() > 0.5
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_coarse_index_gives_the_code_table_entry_for_every_half(signed):
+    """The VBMI kernel's coarse index, read as the kernel reads it, against the code table
+    for each of the 2^15 fp16 magnitudes h of |y| * 2^10 (zero, subnormal, normal, inf, NaN),
+    with either sign bit."""
+    h = torch.arange(1 << 15)
+    yabs = h.to(torch.int16).view(torch.float16).float() / 1024
+    expected = bucket_codes(yabs, signed)
+    assert torch.equal(index_codes(h, signed), expected)
+    assert torch.equal(index_codes(h | 0x8000, signed), expected)
 
 
 def test_quantize_round_trip():
@@ -208,9 +221,10 @@ def _every_bucket() -> torch.Tensor:
 
 @needs_native
 def test_every_bucket_quantizes_alike_on_every_level():
-    """The kernels' code search (a tree on AVX-512, a table gather elsewhere) against the
-    twin's table for every bucket of both maps, both signs. beta1 = beta2 = 0 make the new
-    moments g and g * g, and a 1.0 heading each block makes every absmax 1."""
+    """The kernels' code search (a coarse index with VBMI, a tree on AVX-512, a table gather
+    elsewhere) against the twin's table for every bucket of both maps, both signs.
+    beta1 = beta2 = 0 make the new moments g and g * g, and a 1.0 heading each block makes
+    every absmax 1."""
     y = _every_bucket()
     g = torch.cat([y, -y, y.sqrt()])  # m sees y and -y; v sees y * y and (about) y
     body = BLOCK - 1
@@ -227,6 +241,24 @@ def test_every_bucket_quantizes_alike_on_every_level():
         for a, b, name in zip(native[1:3], twin[1:3], ["m", "v"], strict=True):
             bad = (a != b).nonzero()
             assert bad.numel() == 0, f"{level}: {name} codes differ at {bad[:5].tolist()}"
+
+
+@needs_native
+def test_tiny_blocks_quantize_alike_on_every_level():
+    """Blocks whose absmax is so small that 2^10 / absmax overflows (the VBMI index falls back
+    to the tree there), and all-zero ones, give the scalar path's codes on every level."""
+    n = 4 * BLOCK
+    g = torch.cat([torch.linspace(-1e-35, 1e-35, 2 * BLOCK), torch.zeros(BLOCK),
+                   torch.linspace(-1e-37, 3e-37, BLOCK)])  # fmt: skip
+    results = []
+    for level in LEVELS:
+        state = [torch.zeros(n), *_zero_state(n)]
+        adam8_step_flat(state[0], g, *state[1:], step=1, hyper=HYPERS["adamw-wd"], simd=level)
+        results.append(state)
+    assert results[-1][1].ne(ZERO_CODE_SIGNED).any(), "the tiny gradients left no codes"
+    for level, got in zip(LEVELS, results, strict=True):
+        for a, b in zip(got, results[-1], strict=True):
+            assert torch.equal(a, b), f"{level} differs from scalar"
 
 
 @needs_native

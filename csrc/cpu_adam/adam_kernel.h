@@ -47,7 +47,9 @@ struct QuantMap {
     const float* qmap = nullptr;    // [256] the value of each code
     const uint8_t* codes = nullptr;  // per bucket of |y| (bits >> kBucketShift): its code side
     const uint8_t* planes = nullptr;  // [4][256] byte b of each qmap value: the VBMI lookup
+    const uint8_t* mirror = nullptr;  // [4][128] byte b of qmap[127 + k]: a symmetric map's
     const int16_t* tree = nullptr;    // [256] the code table's steps as a search tree (AVX-512)
+    const uint8_t* index = nullptr;   // [896] the code table as a coarse index (AVX-512 VBMI)
 };
 
 constexpr size_t kBlock = 256;                     // elements per absmax
@@ -78,6 +80,7 @@ void adam_avx2(const AdamArgs& a, size_t begin, size_t end);
 void adam_avx512(const AdamArgs& a, size_t begin, size_t end);
 void adam8_avx2(const Adam8Args& a, size_t begin, size_t end);
 void adam8_avx512(const Adam8Args& a, size_t begin, size_t end);
+void adam8_avx512vbmi(const Adam8Args& a, size_t begin, size_t end);
 #endif
 #if defined(__aarch64__)
 void adam_neon(const AdamArgs& a, size_t begin, size_t end);

@@ -93,6 +93,7 @@ bool uses_vbmi(const std::string& requested) {
 Kernel8Fn kernel8_for(const std::string& requested) {
     const KernelFn k = kernel_for(requested);  // validates the request
 #if defined(__x86_64__) || defined(_M_X64)
+    if (uses_vbmi(requested)) return adam8_avx512vbmi;
     if (k == adam_avx512) return adam8_avx512;
     if (k == adam_avx2) return adam8_avx2;
 #endif
@@ -108,6 +109,20 @@ DType parse_dtype(const std::string& name, bool allow_none, const char* what) {
     throw std::invalid_argument(std::string(what) + " dtype '" + name + "' is not supported; use " +
                                 (allow_none ? "'fp16', 'bf16' or '' (no copy)"
                                             : "'fp32', 'fp16' or 'bf16'"));
+}
+
+// The four byte planes of qmap[127 + k], k = 0..127, when the map is symmetric as the signed
+// dynamic map is (qmap[127 - k] = -qmap[127 + k], qmap[127] = 0, qmap[255] = 1): then the
+// VBMI step reads one 128-entry plane per byte. False, and nothing to use, otherwise.
+bool mirror_planes(const float* qmap, uint8_t* out) {
+    uint32_t bits[256];
+    std::memcpy(bits, qmap, sizeof bits);
+    if (bits[127] != 0 || bits[255] != 0x3f800000u) return false;
+    for (int k = 1; k < 128; ++k)
+        if (bits[127 - k] != (bits[127 + k] ^ 0x80000000u) || (bits[127 + k] >> 31)) return false;
+    for (int k = 0; k < 128; ++k)
+        for (int b = 0; b < 4; ++b) out[128 * b + k] = (bits[127 + k] >> (8 * b)) & 0xff;
+    return true;
 }
 
 void* as_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
@@ -186,7 +201,7 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
 }
 
 // The 8-bit step: the same checks and constants as adam_step, the moments as codes and
-// absmax, and the six quantization tables (quant8.py) as addresses.
+// absmax, and the eight quantization tables (quant8.py) as addresses.
 void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_codes,
                 uintptr_t m_absmax, uintptr_t v_absmax, size_t numel,
                 const std::string& grad_dtype, uintptr_t half_out, const std::string& half_dtype,
@@ -202,8 +217,9 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     if (step < 1) throw std::invalid_argument("step must be >= 1 (1-based, after this update)");
     if (tile_numel == 0 || tile_numel % kBlock)
         throw std::invalid_argument("tile_numel must be a positive multiple of 256");
-    if (tables.size() != 6)
-        throw std::invalid_argument("tables must be six addresses (qmap, codes, tree) x 2");
+    if (tables.size() != 8)
+        throw std::invalid_argument(
+            "tables must be eight addresses (qmap, codes, tree, index) x 2");
     for (uintptr_t t : tables)
         if (!t) throw std::invalid_argument("null quantization table address");
     if (numel == 0) return;
@@ -221,10 +237,11 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     a8.v_absmax = static_cast<float*>(as_ptr(v_absmax));
     QuantMap* maps[2] = {&a8.m_map, &a8.v_map};
     for (int k = 0; k < 2; ++k) {
-        maps[k]->qmap = static_cast<const float*>(as_ptr(tables[3 * k]));
-        maps[k]->codes = static_cast<const uint8_t*>(as_ptr(tables[3 * k + 1]));
+        maps[k]->qmap = static_cast<const float*>(as_ptr(tables[4 * k]));
+        maps[k]->codes = static_cast<const uint8_t*>(as_ptr(tables[4 * k + 1]));
     }
     alignas(64) uint8_t planes[2][4 * 256];  // byte b of each map value, for the VBMI lookup
+    alignas(64) uint8_t mirror[4 * 128];      // the signed map's magnitudes (lookup_mirror)
     if (uses_vbmi(simd)) {
         for (int k = 0; k < 2; ++k) {
             for (int c = 0; c < 256; ++c) {
@@ -233,13 +250,15 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
                 for (int b = 0; b < 4; ++b) planes[k][256 * b + c] = (bits >> (8 * b)) & 0xff;
             }
             maps[k]->planes = planes[k];
+            if (k == 0 && mirror_planes(maps[k]->qmap, mirror)) maps[k]->mirror = mirror;
+            maps[k]->index = static_cast<const uint8_t*>(as_ptr(tables[4 * k + 3]));
         }
     }
 
 #if defined(__x86_64__) || defined(_M_X64)
-    if (kernel == adam8_avx512)  // the only path that searches the tree
+    if (kernel == adam8_avx512 || kernel == adam8_avx512vbmi)  // the paths with the tree
         for (int k = 0; k < 2; ++k)
-            maps[k]->tree = static_cast<const int16_t*>(as_ptr(tables[3 * k + 2]));
+            maps[k]->tree = static_cast<const int16_t*>(as_ptr(tables[4 * k + 2]));
 #endif
 
     py::gil_scoped_release no_gil;

@@ -129,6 +129,6 @@ def check_buffers8(
 
 
 def native_tables() -> tuple[torch.Tensor, ...]:
-    """The six tables the kernel reads: (qmap, codes, tree) of the signed then the unsigned
-    map."""
+    """The eight tables the kernel reads: (qmap, codes, tree, index) of the signed then the
+    unsigned map."""
     return (*tables(True), *tables(False))

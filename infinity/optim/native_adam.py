@@ -204,7 +204,7 @@ def adam8_step_native(
     tile_numel: int = 1 << 16,
 ) -> None:
     """One flat 8-bit Adam step in the native kernel; the buffers must already pass
-    `check_buffers8` (adam8.py) and `tables` are quant8's six (`native_tables`)."""
+    `check_buffers8` (adam8.py) and `tables` are quant8's eight (`native_tables`)."""
     if _native is None or not hasattr(_native, "adam8_step"):
         raise ValueError(f"the native 8-bit Adam is not built; {BUILD_HINT}")
     if simd not in SIMD_CHOICES:

@@ -4,8 +4,8 @@ Owns the scheme's numbers, computed once: the two dynamic quantization maps of
 bitsandbytes' blockwise 8-bit Adam (256 values each: signed for exp_avg, unsigned for
 exp_avg_sq) and the code tables that find the nearest value with one lookup (the twin
 and the native kernel read the same ones), with the same table as a search tree for the
-AVX-512 kernel. It does not own any optimizer state or the Adam step
-(`adam8.py`).
+AVX-512 kernel and as a coarse index for its VBMI level. It does not own any optimizer
+state or the Adam step (`adam8.py`).
 
 [Note: the 8-bit scheme] A moment tensor is cut into blocks of `BLOCK` elements (from the
 start of each slot: slots start on multiples of it), and each block keeps one fp32 absmax
@@ -76,6 +76,11 @@ class QuantTables(NamedTuple):
     >= k (0x7fff where none is); node i (1..255) at depth d = floor(log2 i) holds step
     (2 (i - 2^d) + 1) 2^(7 - d), so node i's children are 2i and 2i + 1 and a walk from the
     root ends at node 256 + the code."""
+    index: torch.Tensor
+    """[896] uint8: the code table as a coarse index, for the AVX-512 VBMI kernel (see
+    [Note: quantizing by a coarse index]): 64 int16 region words (shift << 8 | offset), then
+    the first code of each of up to 128 keys and `INDEX_STEPS` planes of 128 step
+    positions."""
 
 
 @functools.cache
@@ -90,7 +95,7 @@ def tables(signed: bool) -> QuantTables:
     centre[0] = 0.0  # bucket 0 takes everything below 2**-24 too
     codes = torch.searchsorted(mids, centre, side="left")
     padded = torch.cat([codes, torch.zeros(3, dtype=torch.int64)]).to(torch.uint8)
-    return QuantTables(qmap, padded, _search_tree(codes))
+    return QuantTables(qmap, padded, _search_tree(codes), _coarse_index(codes, signed))
 
 
 def _search_tree(codes: torch.Tensor) -> torch.Tensor:
@@ -103,6 +108,71 @@ def _search_tree(codes: torch.Tensor) -> torch.Tensor:
     tree = torch.zeros(256, dtype=torch.int16)
     tree[1:] = steps[(2 * (node - (1 << depth)) + 1) << (7 - depth)].to(torch.int16)
     return tree
+
+
+INDEX_STEPS = 5
+"""Step planes of the coarse index: a key's interval holds at most 2 (signed) or 5 steps."""
+_INDEX_KEYS = 128  # one byte permute reads 128 entries
+_NO_STEP = 255  # a step position no byte exceeds
+
+
+def _half_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The code of every 15-bit h (the fp16 bits of |y| * 2**10, rounded toward zero): h
+    is bucket + 1024 from 2**-24 up, lower h is bucket 0, higher the top bucket."""
+    bucket = (torch.arange(1 << 15) - (1 << 10)).clamp(0, codes.numel() - 1)
+    return codes[bucket]
+
+
+def _coarse_index(codes: torch.Tensor, signed: bool) -> torch.Tensor:
+    """QuantTables.index of a non-decreasing code table (int64, one entry per bucket)."""
+    full = _half_codes(codes)
+    assert bool((full[1:] - full[:-1] <= 1).all()), "a step must raise the code by one"
+    limit = 2 if signed else INDEX_STEPS
+    shifts, offsets = torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
+    # A flat region shifts all of h out, its sign bit too (a shift of 16 leaves 0); the
+    # others shift by at most 8, so h's sign bit lands on bit 7 of the key or above it.
+    first = torch.zeros(_INDEX_KEYS, dtype=torch.int64)
+    steps = torch.full((INDEX_STEPS, _INDEX_KEYS), _NO_STEP, dtype=torch.int64)
+    flat_keys: dict[int, int] = {}
+    keys = 0
+    for region in range(64):
+        lo = region << 9
+        seg = full[lo : lo + 512]
+        if seg[0] == seg[-1]:  # one code: a key shared by every such region (shift all out)
+            key = flat_keys.setdefault(int(seg[0]), keys)
+            keys += key == keys
+            shifts[region], offsets[region], first[key] = 16, key, seg[0]
+            continue
+        shift = next(s for s in range(8, -1, -1) if _fits(seg, 1 << s, limit))
+        shifts[region], offsets[region] = shift, (keys - (lo >> shift)) & 0xFF
+        for start in range(0, 512, 1 << shift):
+            part = seg[start : start + (1 << shift)]
+            at = (part[1:] != part[:-1]).nonzero().flatten() + 1
+            first[keys] = part[0]
+            steps[: at.numel(), keys] = ((lo + start + at) & 0xFF) - 1
+            keys += 1
+    assert keys <= _INDEX_KEYS, f"coarse index needs {keys} keys"
+    words = (shifts << 8 | offsets).to(torch.int16).view(torch.uint8)
+    return torch.cat([words, first.to(torch.uint8), steps.flatten().to(torch.uint8)])
+
+
+def _fits(seg: torch.Tensor, width: int, limit: int) -> bool:
+    """Whether every `width`-aligned interval of `seg` holds at most `limit` steps."""
+    parts = seg.view(-1, width)
+    return bool((parts[:, -1] - parts[:, 0] <= limit).all())
+
+
+def index_codes(h: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The code side the coarse index gives each 16-bit h (int64, its sign bit ignored), as
+    the kernel reads it: key = low 7 bits of (h >> shift) + offset."""
+    index = tables(signed).index
+    words = index[:128].view(torch.int16).long()
+    word = words[(h >> 9) & 63]
+    shift = word >> 8
+    key = (torch.where(shift < 16, h >> shift.clamp_max(15), 0) + word) & 0x7F
+    first = index[128:256].long()
+    steps = index[256:].view(INDEX_STEPS, _INDEX_KEYS).long()
+    return first[key] + ((h & 0xFF)[None, :] > steps[:, key]).sum(dim=0)
 
 
 def bucket_codes(yabs: torch.Tensor, signed: bool) -> torch.Tensor:
