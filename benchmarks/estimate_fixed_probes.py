@@ -26,10 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # Defaults: the quiet probes of 2026-11-28 (load 0.6): 13.02B elements in 5.96 s; 8-bit
-    # at 0.44x of it (12.1 against 5.3 ms per 20M in RAM, BENCHMARKS.md); 52 GB in 1.13 s.
+    # Defaults: the quiet probes of 2026-11-28 (load 0.6): 13.02B elements in 5.96 s; 52 GB
+    # in 1.13 s. 8-bit at 0.97x of it since the VBMI kernel's coarse index (20M with the bf16
+    # copy, two threads: 10.8 against 10.5 ms in one `bench adam` run, BENCHMARKS.md run 6;
+    # 0.44x with the tree before, --adam8-numel-per-s 0.96e9).
     p.add_argument("--adam-numel-per-s", type=float, default=2.18e9)
-    p.add_argument("--adam8-numel-per-s", type=float, default=0.96e9)
+    p.add_argument("--adam8-numel-per-s", type=float, default=2.12e9)
     p.add_argument("--norm-bytes-per-s", type=float, default=46e9)
     args = p.parse_args(argv[:split])
 
