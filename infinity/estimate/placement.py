@@ -288,7 +288,7 @@ def resolve_trial(config: Config, shape: ModelShape, world_size: int) -> Resolve
     """`config` resolved as the engine would run it for `shape` on `world_size` ranks: a
     trial the planner or a budget check models (a candidate placement, or the config as the
     user wrote it), never the run's own config, which `infinity.run.training` resolves once
-    and the chosen plan's keys are set on (`Placement.apply`). Every resolution here goes
+    after the chosen plan's keys are set on it (`Placement.apply`). Every resolution here goes
     through this one function. A trial places the state, not the schedule: the schedule is
     left out, so a run whose schedule waits for its length is planned before it is known."""
     return resolve_run(replace(config, scheduler=SchedulerConfig()), shape.run_facts(world_size))
