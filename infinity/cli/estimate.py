@@ -11,11 +11,10 @@ import argparse
 import os
 import shutil
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from infinity.cli.train_flags import positive_int
-from infinity.config import Config, ResolvedConfig, SchedulerConfig, resolve_run
+from infinity.config import Config, ResolvedConfig, resolve_run
 from infinity.estimate.hardware import PROCESS_FLOOR_BYTES
 from infinity.models import PRESETS
 from infinity.run.inputs import check_lora_rank, check_seq_len
@@ -246,7 +245,7 @@ def _one_rank_config(args: argparse.Namespace, raw: dict) -> Config:
     flags = argparse.Namespace(**{**vars(args), "lr": None, "seed": None})
     config = config_from_args(flags, args.world_size, raw=raw)
     config = config.without_global_batch().for_local_rank(0)
-    return replace(config, scheduler=SchedulerConfig())
+    return config.without_schedule()
 
 
 def _rates(

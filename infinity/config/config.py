@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from infinity.config.parse import emit, given_keys, parse, read_json
-from infinity.config.sections import ConfigFields
+from infinity.config.sections import ConfigFields, SchedulerConfig
 from infinity.config.values import AUTO
 
 
@@ -57,6 +57,12 @@ class Config(ConfigFields):
         batches, and a process that resolves the config for itself alone (to build the model,
         or one rank's estimate) keeps its micro batch and accumulation. `self` is unchanged."""
         return replace(Config.load(self), train_batch_size=AUTO)
+
+    def without_schedule(self) -> Config:
+        """A copy with no schedule, for what models memory and time rather than the run (a
+        planner's trial, an estimate, a resume's settings): a schedule's "auto" run length
+        would wait for data those never read. `self` is unchanged."""
+        return replace(self, scheduler=SchedulerConfig())
 
     def for_local_rank(self, local_rank: int) -> Config:
         """A copy in which each `nvme_path` given as a list (one directory per local rank)

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 
-from infinity.config import Config, ResolvedConfig, SchedulerConfig, resolve_run
+from infinity.config import Config, ResolvedConfig, resolve_run
 from infinity.estimate.hardware import CUDA_RUNTIME_HOST_BYTES
 from infinity.estimate.placement_rungs import (
     GRADS_ON_DEVICE,
@@ -291,7 +291,7 @@ def resolve_trial(config: Config, shape: ModelShape, world_size: int) -> Resolve
     after the chosen plan's keys are set on it (`Placement.apply`). Every resolution here goes
     through this one function. A trial places the state, not the schedule: the schedule is
     left out, so a run whose schedule waits for its length is planned before it is known."""
-    return resolve_run(replace(config, scheduler=SchedulerConfig()), shape.run_facts(world_size))
+    return resolve_run(config.without_schedule(), shape.run_facts(world_size))
 
 
 def check_device(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ import infinity
 from infinity.accelerator import get_accelerator
 from infinity.checkpoint import Checkpoint, load_checkpoint, prune
 from infinity.comm import CommError
-from infinity.config import Config, ResolvedConfig, RunFacts, SchedulerConfig, resolve_run
+from infinity.config import Config, ResolvedConfig, RunFacts, resolve_run
 from infinity.data import PackedDataset
 from infinity.models import hf_auto
 from infinity.models.lora import apply_lora, lora_targets
@@ -218,7 +217,7 @@ class TrainRun:
         config = self.resolved
         if config is None:  # the run's length is not known yet, and the shape has no schedule
             facts = RunFacts(world_size=self.ranks.world_size, hidden_size=self.model.hidden_size)
-            config = resolve_run(replace(self.config, scheduler=SchedulerConfig()), facts)
+            config = resolve_run(self.config.without_schedule(), facts)
         return RunShape(
             dtype=config.precision,
             micro_batch=config.train_micro_batch_size_per_gpu,
