@@ -18,6 +18,7 @@ from infinity.cli.main import main
 from infinity.config import Config, RunFacts
 from infinity.config.resolve import batch_sizes
 from infinity.estimate.placement import Budget, Placement, Tiers
+from infinity.models import hf_auto
 
 ORIGINAL = resolve_module.resolve_run
 
@@ -110,11 +111,27 @@ def test_a_schedule_of_auto_length_trains_and_resumes(tmp_path, inputs):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_lora_run_resolves_once_with_its_adapters_sizes(tmp_path, inputs, calls):
+def test_a_lora_run_resolves_once_with_its_adapters_sizes(tmp_path, inputs, calls, monkeypatch):
+    """...and reads the adapters' sizes and their targets off one meta model of its own
+    (before it, the model's spec reads the shapes off one, and the inputs' check, shared
+    with `infinity estimate`, the targets off another)."""
     model, data = inputs
+    built = hf_auto.build
+    on_meta: list[str] = []
+
+    def counted(*args, **kwargs):
+        out = built(*args, **kwargs)
+        if next(out.parameters()).is_meta:
+            on_meta.append(sys._getframe(1).f_globals["__name__"])
+        return out
+
+    monkeypatch.setattr(hf_auto, "build", counted)
     args = train_args(model, data, tmp_path / "run", "--steps", 1, "--lora-r", 4)
     assert main(args) == 0
     assert sum(calls.values()) == 1, dict(calls)
+    assert sorted(on_meta) == [
+        "infinity.models.hf_auto", "infinity.run.facts", "infinity.run.inputs"
+    ], on_meta  # fmt: skip
 
 
 def test_the_engine_resolves_a_config_made_for_other_facts():

@@ -12,7 +12,7 @@ from infinity.config import Config
 from infinity.config.resolve import batch_sizes
 from infinity.data import PackedDataset
 from infinity.models import hf_auto
-from infinity.models.lora import LoraSpec, apply_lora
+from infinity.models.lora import LoraSpec, apply_lora, lora_targets
 from infinity.run.options import RunOptions
 
 
@@ -31,11 +31,16 @@ def run_steps(options: RunOptions, config: Config, data: PackedDataset, world_si
     return options.steps or max(1, math.ceil(data.num_sequences / per_step))
 
 
-def engine_numels(spec: hf_auto.CausalLMSpec, lora: LoraSpec | None) -> tuple[int, ...]:
+def engine_numels(
+    spec: hf_auto.CausalLMSpec, lora: LoraSpec | None
+) -> tuple[tuple[int, ...], list[str] | None]:
     """Each parameter's elements, in the order the engine meets them (`model.parameters()`:
-    each tied parameter once), with `lora`'s adapters where `apply_lora` puts them."""
+    each tied parameter once), with `lora`'s adapters where `apply_lora` puts them; and the
+    layer names the adapters go on (None without LoRA). One meta model answers both."""
     if lora is None:  # the unique parameters, in model order
-        return tuple(math.prod(s) for s in spec.param_shapes.values())
+        return tuple(math.prod(s) for s in spec.param_shapes.values()), None
     with torch.device("meta"):
-        meta = apply_lora(hf_auto.build(spec.hf_config, init_weights=False), lora)
-    return tuple(p.numel() for p in meta.parameters())
+        meta = hf_auto.build(spec.hf_config, init_weights=False)
+        targets = lora_targets(meta, lora)
+        meta = apply_lora(meta, lora)
+    return tuple(p.numel() for p in meta.parameters()), targets

@@ -10,6 +10,7 @@ says in `failures`, a step's loss and record in `step`, the --eval-data evaluati
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -132,11 +133,16 @@ class TrainRun:
         (`infinity.config.resolved_for`): the ranks, every parameter's size as the engine
         builds the model, this local rank; and the hidden size and the run's length, which
         only fill an "auto"."""
-        numels = engine_numels(self.model, self.lora)
+        numels, _ = self._engine_numels
         facts = RunFacts(world_size=self.ranks.world_size, param_numels=numels, resident=True,
                          local_rank=self.ranks.local_rank, hidden_size=self.model.hidden_size,
                          total_num_steps=steps)  # fmt: skip
         return resolve_run(config, facts)  # the run's one resolution
+
+    @functools.cached_property
+    def _engine_numels(self) -> tuple[tuple[int, ...], list[str] | None]:
+        """`engine_numels` of the model and LoRA, found once (one meta model)."""
+        return engine_numels(self.model, self.lora)
 
     def _placed(self, config: Config) -> Config:
         """`config` with the planner's placement when it decides (see [Note: when the
@@ -177,11 +183,7 @@ class TrainRun:
 
     def _check_disk(self, config: Config, steps: int) -> None:
         """Print the disk space the run needs; refuse to start without it (disk)."""
-        targets = None
-        if self.lora is not None:
-            with torch.device("meta"):
-                meta = hf_auto.build(self.model.hf_config, init_weights=False)
-            targets = lora_targets(meta, self.lora)
+        _, targets = self._engine_numels
         every = self.options.save_every
         uses = train_disk.plan(
             config,
