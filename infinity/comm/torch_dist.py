@@ -9,22 +9,23 @@ skips without one).
 the exact gradient norm's integer bins, the logged loss, the stop flag, a user's tensor
 through `deepspeed.comm.all_reduce`; and the object collectives (the cross-rank checks, the
 ranks' agreement before a run) pickle into CPU tensors. A group with NCCL alone has no
-backend for CPU tensors ("No backend type associated with device type cpu"), so a group
-made here for a CUDA device is "cpu:gloo,cuda:nccl" (torch's device-mapped backend string):
+backend for CPU tensors ("No backend type associated with device type cpu"), so a group made
+here for a CUDA device is "cpu:gloo,cuda:nccl" (torch's device-mapped backend string):
 device tensors go over NCCL, CPU tensors and the object collectives over gloo, and the
 barrier is gloo's monitored barrier, which names the ranks that did not arrive. gloo rather
 than staging every CPU tensor through the device: those tensors are a few bytes, a round
 trip through the device would synchronize the host with it for each, and the object
-collectives would then depend on which device is current. The cost is gloo's own
-connections beside NCCL's, made at the same rendezvous.
-`dist.get_backend()` then returns that whole string, so what carries a device type is read
-from the group's backend config (`device_backends`), never by comparing names. A group the
-program made itself (`dist.init_process_group("nccl")`) is adopted as it is: when it has
-no backend for CPU tensors, a CPU tensor is staged through this communicator's device (a
-copy there, the collective, a copy back in place), synchronously since the copy back needs
-the result, so every verb takes CPU tensors on any group. Such a group's object
-collectives run on the current CUDA device, which must then be this rank's: the command
-line and `deepspeed.init_distributed` set it from LOCAL_RANK before the group is used.
+collectives would then depend on which device is current. The cost is gloo's own connections
+beside NCCL's, made at the same rendezvous. `dist.get_backend()` then returns that whole
+string, so what carries a device type is read from the group's backend config
+(`device_backends`), never by comparing names. A group the program made itself
+(`dist.init_process_group("nccl")`; the Hugging Face Trainer's, made by accelerate on CUDA,
+is one) is adopted as it is: when it has no backend for CPU tensors, a CPU tensor is staged
+through this communicator's device (a copy there, the collective, a copy back in place),
+synchronously since the copy back needs the result, so every verb takes CPU tensors on any
+group. Such a group's object collectives run on the current CUDA device, which must then be
+this rank's: the command line and `deepspeed.init_distributed` set it from LOCAL_RANK before
+the group is used.
 
 [Note: timeouts and dead ranks] Every collective waits at most `timeout_s` (the process
 group's timeout). With gloo, a rank that exits closes its connections, so its peers fail at
