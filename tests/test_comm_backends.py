@@ -189,3 +189,14 @@ def test_deepspeed_init_distributed_joins_on_its_local_device(monkeypatch):
     monkeypatch.setattr(ds_comm, "_COMM", None)
     ds_comm.init_distributed(timeout=60)  # no torchrun: the current device is left alone
     assert made_current == [1] and joined[-1] == torch.device("cuda", 1)
+
+
+def test_deepspeed_zero_init_makes_the_local_device_current_before_the_build(monkeypatch):
+    import infinity.deepspeed.comm as ds_comm
+    from infinity.deepspeed import zero
+
+    made_current: list = []
+    monkeypatch.setattr(ds_comm, "use_local_device", made_current.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    zero.Init(enabled=False)
+    assert made_current == [1]

@@ -31,12 +31,16 @@ def shared() -> Comm:
     return _COMM
 
 
-def _join(timeout_s: float | None = None) -> Comm:
-    """The group on this rank's device: under torchrun the CUDA device of LOCAL_RANK is
-    made current first (as DeepSpeed's engine does), since the collectives of a group the
-    script made with NCCL alone run on the current device."""
+def use_rank_device() -> None:
+    """Under torchrun, make LOCAL_RANK's CUDA device the current one (as DeepSpeed's engine
+    and zero.Init do): the accelerator takes the current device when first used, and the
+    object collectives of a group the script made with NCCL alone run on it."""
     if os.environ.get("LOCAL_RANK"):
         use_local_device(int(os.environ["LOCAL_RANK"]))
+
+
+def _join(timeout_s: float | None = None) -> Comm:
+    use_rank_device()
     return from_env(timeout_s, device=get_accelerator().device)
 
 
