@@ -24,8 +24,8 @@ is one) is adopted as it is: when it has no backend for CPU tensors, a CPU tenso
 through this communicator's device (a copy there, the collective, a copy back in place),
 synchronously since the copy back needs the result, so every verb takes CPU tensors on any
 group. Such a group's object collectives run on the current CUDA device, which must then be
-this rank's: the command line and `deepspeed.init_distributed` set it from LOCAL_RANK before
-the group is used.
+this rank's: the command line and the DeepSpeed shim (`init_distributed`, `zero.Init`) set
+it from LOCAL_RANK before the group is used.
 
 [Note: timeouts and dead ranks] Every collective waits at most `timeout_s` (the process
 group's timeout). With gloo, a rank that exits closes its connections, so its peers fail at
