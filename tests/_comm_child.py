@@ -8,8 +8,27 @@ import time
 import torch
 
 from infinity import comm
+from infinity.comm import torch_dist
 
 scenario = sys.argv[1]
+
+
+def spy_on_transport() -> list[torch.Tensor]:
+    """The output tensor of each collective the transport is handed, kept alive (so their
+    storages can be compared with the callers')."""
+    handed: list[torch.Tensor] = []
+
+    def spy(fn):
+        def call(out, *args, **kwargs):
+            handed.append(out)
+            return fn(out, *args, **kwargs)
+
+        return call
+
+    torch_dist._ALL_GATHER = spy(torch_dist._ALL_GATHER)
+    torch_dist._REDUCE_SCATTER = spy(torch_dist._REDUCE_SCATTER)
+    torch_dist.dist.all_reduce = spy(torch_dist.dist.all_reduce)
+    return handed
 
 
 def collectives() -> dict:
@@ -18,6 +37,9 @@ def collectives() -> dict:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     c = comm.from_env(timeout=20, device=device)
+    handed = spy_on_transport()
+    if os.environ.get("COMM_TEST_STAGE"):  # as on a group without a backend for CPU tensors
+        c._stage = device
     r, w = c.rank, c.world_size
     out: dict = {"rank": r, "world_size": w, "local_rank": c.local_rank}
     shard = torch.arange(3, dtype=torch.float32, device=device) + 10 * r
@@ -32,9 +54,12 @@ def collectives() -> dict:
     mine = torch.empty(4, device=device)
     c.reduce_scatter_into(mine, flat, async_op=True).wait()
     out["reduce_scatter"] = mine.tolist()
-    out["all_reduce_sum"] = c.all_reduce_(torch.tensor([1.0, r], device=device)).tolist()
+    summed = c.all_reduce_(torch.tensor([1.0, r], device=device))
+    out["all_reduce_sum"] = summed.tolist()
     maxed = c.all_reduce_(torch.tensor([float(r), -r], device=device), op="max")
     out["all_reduce_max"] = maxed.tolist()
+    callers = [t.untyped_storage().data_ptr() for t in (full, half, mine, summed, maxed)]
+    out["saw_callers_tensors"] = [t.untyped_storage().data_ptr() in callers for t in handed]
     out["backend"] = getattr(c, "backend", None)
     out["broadcast"] = c.broadcast_object({"from": r}, src=1)
     out["gathered"] = c.all_gather_object(("rank", r))

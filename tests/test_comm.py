@@ -98,11 +98,11 @@ def test_describe_mismatch_names_position_and_each_rank():
 # ---- two gloo ranks ---------------------------------------------------------------------
 
 
-def _two_ranks_collectives(device: str) -> None:
-    env = {"COMM_TEST_DEVICE": device}
+def _two_ranks_collectives(device: str, stage: bool = False) -> list[dict]:
+    env = {"COMM_TEST_DEVICE": device, "COMM_TEST_STAGE": "1" if stage else ""}
     res = rank_results(run_ranks("_comm_child.py", ["collectives"], env=env))
     for r, out in enumerate(res):
-        assert out["backend"] == ("nccl" if device == "cuda" else "gloo")
+        assert out["backend"] == ("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
         assert (out["rank"], out["world_size"], out["local_rank"]) == (r, 2, r)
         assert out["all_gather"] == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
         assert out["all_gather_bf16"] == out["all_gather"]
@@ -118,10 +118,21 @@ def _two_ranks_collectives(device: str) -> None:
         assert s["comm_reduce_scatter_bytes"] == 8 * 4
         assert s["comm_all_reduce_bytes"] == 2 * 8 and s["comm_all_reduce_calls"] == 2
         assert s["comm_barrier_calls"] == 1 and s["comm_broadcast_object_calls"] == 1
+    return res
 
 
 def test_two_ranks_collectives_and_counters():
-    _two_ranks_collectives("cpu")
+    for out in _two_ranks_collectives("cpu"):
+        assert out["saw_callers_tensors"] == [True] * 5  # 2 gathers, 1 scatter, 2 reduces
+
+
+def test_staged_cpu_tensors_give_the_same_numbers_through_copies():
+    # The seam: `_stage` set to the CPU makes two gloo ranks take the path a CPU tensor takes
+    # on a group without a CPU backend (copied out, the collective, copied back in place):
+    # the same results as above, written into the callers' tensors, which the transport
+    # never saw.
+    for out in _two_ranks_collectives("cpu", stage=True):
+        assert out["saw_callers_tensors"] == [False] * 5
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices")

@@ -2,8 +2,8 @@
 
 `Comm` is the interface (ranks, flat all-gather and reduce-scatter, all-reduce, object
 collectives, barrier, byte/call counters, the cross-rank collective check); `SingleProcess`
-is the world of one, `TorchDistributed` a gloo (CPU) or NCCL (CUDA) process group, and
-`from_env()` picks between them from torchrun's environment.
+is the world of one, `TorchDistributed` a process group (gloo on the CPU; on CUDA NCCL, with
+gloo for CPU tensors), and `from_env()` picks between them from torchrun's environment.
 """
 
 from __future__ import annotations

@@ -25,8 +25,10 @@ def from_env(
     """`TorchDistributed` under torchrun (RANK, WORLD_SIZE > 1, LOCAL_RANK, MASTER_ADDR and
     MASTER_PORT set) or when the program already initialized torch.distributed;
     `SingleProcess` otherwise. `timeout` (seconds) bounds every collective (default:
-    $INFINITY_COMM_TIMEOUT_S, else 600); `device` picks the backend (CUDA: NCCL, else
-    gloo); `check` the collective-sequence check (default: $INFINITY_COMM_CHECK)."""
+    $INFINITY_COMM_TIMEOUT_S, else 600); `device` picks the backend (CUDA: NCCL with gloo
+    for CPU tensors, else gloo; `backend_for`) and is where CPU tensors are staged on an
+    adopted group that has no CPU backend; `check` the collective-sequence check (default:
+    $INFINITY_COMM_CHECK)."""
     timeout_s = _timeout(timeout)
     if dist.is_initialized():
         return TorchDistributed(device=device, timeout_s=timeout_s, check=check)

@@ -1,17 +1,41 @@
 """`TorchDistributed`: the collectives over a torch.distributed process group.
 
 gloo when the device is the CPU (tested: this is how the CPU-only test suite runs several
-ranks), NCCL when it is a CUDA device (written to the same interface, untested until a GPU
-machine runs it).
+ranks); on a CUDA device NCCL for device tensors and gloo for CPU ones, in one group (see
+[Note: which backend carries what]; tests/test_comm_backends.py checks both on one GPU and
+skips without one).
+
+[Note: which backend carries what] Some collectives carry CPU tensors whatever the device:
+the exact gradient norm's integer bins, the logged loss, the stop flag, a user's tensor
+through `deepspeed.comm.all_reduce`; and the object collectives (the cross-rank checks, the
+ranks' agreement before a run) pickle into CPU tensors. A group with NCCL alone has no
+backend for CPU tensors ("No backend type associated with device type cpu"), so a group made
+here for a CUDA device is "cpu:gloo,cuda:nccl" (torch's device-mapped backend string):
+device tensors go over NCCL, CPU tensors and the object collectives over gloo, and the
+barrier is gloo's monitored barrier, which names the ranks that did not arrive. gloo rather
+than staging every CPU tensor through the device: those tensors are a few bytes, a round
+trip through the device would synchronize the host with it for each, and the object
+collectives would then depend on which device is current. The cost is gloo's own connections
+beside NCCL's, made at the same rendezvous. `dist.get_backend()` then returns that whole
+string, so what carries a device type is read from the group's backend config
+(`device_backends`), never by comparing names. A group the program made itself
+(`dist.init_process_group("nccl")`; the Hugging Face Trainer's, made by accelerate on CUDA,
+is one) is adopted as it is: when it has no backend for CPU tensors, a CPU tensor is staged
+through this communicator's device (a copy there, the collective, a copy back in place),
+synchronously since the copy back needs the result, so every verb takes CPU tensors on any
+group. Such a group's object collectives run on the current CUDA device, which must then be
+this rank's: the command line and the DeepSpeed shim (`init_distributed`, `zero.Init`) set
+it from LOCAL_RANK before the group is used.
 
 [Note: timeouts and dead ranks] Every collective waits at most `timeout_s` (the process
 group's timeout). With gloo, a rank that exits closes its connections, so its peers fail at
 their next collective at once ("Connection closed by peer"); a rank that is alive but stuck
 (a hung disk, an endless loop) makes its peers fail after `timeout_s`. Either way the
 failure reaches the caller as `CommError` naming this rank and the collective, and `barrier`
-(gloo's monitored barrier) names the ranks that did not arrive. With NCCL, torch's watchdog
-aborts the communicator after `timeout_s` and tears the process down (the default
-TORCH_NCCL_ASYNC_ERROR_HANDLING), since a kernel stuck on the device cannot be interrupted.
+(gloo's monitored barrier) names the ranks that did not arrive. For the device tensors on
+NCCL, torch's watchdog aborts the communicator after `timeout_s` and tears the process down
+(the default TORCH_NCCL_ASYNC_ERROR_HANDLING), since a kernel stuck on the device cannot be
+interrupted; the CPU tensors and the barrier of a "cpu:gloo,cuda:nccl" group fail as gloo's.
 
 [Note: leaving the group] A gloo group runs threads of its own that take the GIL; if the group
 is still alive while the interpreter shuts down, one of them can take a GIL that is no longer
@@ -51,8 +75,17 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def backend_for(device: torch.device | str | None) -> str:
-    """ "nccl" for a CUDA device, "gloo" otherwise."""
-    return "nccl" if torch.device(device or "cpu").type == "cuda" else "gloo"
+    """The backend of a group made for `device`: "cpu:gloo,cuda:nccl" for a CUDA device
+    (see [Note: which backend carries what]), "gloo" otherwise."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device or "cpu").type == "cuda" else "gloo"
+
+
+def device_backends(group: Any = None) -> dict[str, str]:
+    """The backend carrying each device type's tensors in `group` (default: the world), from
+    torch's record of how the group was made: "gloo" gives {"cpu": "gloo", "cuda": "gloo"},
+    "nccl" {"cuda": "nccl"}, "cpu:gloo,cuda:nccl" both."""
+    pairs = (pair.partition(":") for pair in dist.get_backend_config(group).split(","))
+    return {device.strip(): backend.strip() for device, _, backend in pairs if backend}
 
 
 class TorchDistributed(Comm):
@@ -89,6 +122,11 @@ class TorchDistributed(Comm):
                 **kwargs,
             )
         self.backend = dist.get_backend()
+        self.backends = device_backends()
+        """The backend per device type (`device_backends`)."""
+        self._stage = self._staging_device()
+        """Where CPU tensors go for their collectives when the group has no backend for
+        them; None when it has one."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if rank is not None and (rank, world_size) != (self.rank, self.world_size):
@@ -104,14 +142,50 @@ class TorchDistributed(Comm):
         logger.debug("joined %s process group as rank %d of %d", self.backend, self.rank,
                      self.world_size)  # fmt: skip
 
+    def _staging_device(self) -> torch.device | None:
+        """This communicator's device when the group has no backend for CPU tensors (they
+        are staged there), else None; refuses a device the group has no backend for."""
+        if self.device.type not in self.backends:
+            if self._owns:
+                dist.destroy_process_group()
+            raise ValueError(
+                f"the process group (backend {self.backend!r}) has no backend for "
+                f"{self.device.type} tensors, the device given ({self.device}); pass the "
+                f"device the group serves, or initialize it with {backend_for(self.device)!r}"
+            )
+        return None if "cpu" in self.backends else self.device
+
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        return self._stage is not None and tensor.device.type == "cpu"
+
+    def _through_stage(
+        self, collective: Any, out: torch.Tensor, inp: torch.Tensor | None, **kwargs: Any
+    ) -> None:
+        """`collective(out[, inp])` on copies on the staging device, then `out` written in
+        place (see [Note: which backend carries what]); `inp` None: in place on `out`."""
+        if inp is None:
+            staged = out.to(self._stage, copy=True)
+            collective(staged, **kwargs)
+        else:
+            staged = torch.empty_like(out, device=self._stage)
+            collective(staged, inp.to(self._stage, copy=True), **kwargs)
+        out.copy_(staged)
+
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Any:
+        if self._staged(out):
+            return self._through_stage(_ALL_GATHER, out, shard)
         return _ALL_GATHER(out, shard, async_op=async_op)
 
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, async_op: bool) -> Any:
+        if self._staged(out):
+            return self._through_stage(_REDUCE_SCATTER, out, flat, op=dist.ReduceOp.SUM)
         return _REDUCE_SCATTER(out, flat, op=dist.ReduceOp.SUM, async_op=async_op)
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        if self._staged(tensor):
+            return self._through_stage(dist.all_reduce, tensor, None, op=_REDUCE[op])
         dist.all_reduce(tensor, op=_REDUCE[op])
+        return None
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
         box = [obj if self.rank == src else None]
@@ -124,9 +198,13 @@ class TorchDistributed(Comm):
         return out
 
     def _barrier(self) -> None:
-        if self.backend == "gloo":  # names the ranks that did not arrive
+        if self.backends.get("cpu") == "gloo":  # names the ranks that did not arrive
+            # The group's own method: dist.monitored_barrier refuses any backend string
+            # but "gloo", "cpu:gloo,cuda:nccl" included, though its gloo part has one.
             timeout = datetime.timedelta(seconds=self.timeout_s)
-            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+            dist.group.WORLD.monitored_barrier(timeout, wait_all_ranks=True)
+        elif self.device.index is not None:  # NCCL's barrier on this rank's device
+            dist.barrier(device_ids=[self.device.index])
         else:
             dist.barrier()
 

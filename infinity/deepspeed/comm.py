@@ -9,10 +9,12 @@ NotImplementedError naming what to use instead.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
+from infinity.accelerator import get_accelerator, use_local_device
 from infinity.comm import Comm, from_env
 
 logger = logging.getLogger(__name__)
@@ -25,8 +27,21 @@ def shared() -> Comm:
     from the environment on first use; never closed by an engine)."""
     global _COMM
     if _COMM is None:
-        _COMM = from_env()
+        _COMM = _join()
     return _COMM
+
+
+def use_rank_device() -> None:
+    """Under torchrun, make LOCAL_RANK's CUDA device the current one (as DeepSpeed's engine
+    and zero.Init do): the accelerator takes the current device when first used, and the
+    object collectives of a group the script made with NCCL alone run on it."""
+    if os.environ.get("LOCAL_RANK"):
+        use_local_device(int(os.environ["LOCAL_RANK"]))
+
+
+def _join(timeout_s: float | None = None) -> Comm:
+    use_rank_device()
+    return from_env(timeout_s, device=get_accelerator().device)
 
 
 def init_distributed(
@@ -42,8 +57,9 @@ def init_distributed(
     world_size: int = -1,
 ) -> None:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...); one
-    process when launched without it. The backend follows the device (NCCL on CUDA, gloo on
-    the CPU); `rank`/`world_size` must agree with the environment."""
+    process when launched without it. The backend follows the device (on CUDA NCCL, with
+    gloo for CPU tensors; gloo on the CPU); a group the script already made is adopted.
+    `rank`/`world_size` must agree with the environment."""
     del dist_backend, auto_mpi_discovery, distributed_port, verbose, dist_init_required, config
     if init_method is not None:
         raise NotImplementedError(
@@ -66,7 +82,7 @@ def _with_timeout(timeout: Any) -> Comm:
     global _COMM
     seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
     if _COMM is None:
-        _COMM = from_env(seconds)
+        _COMM = _join(seconds)
     return _COMM
 
 

@@ -98,6 +98,7 @@ class Init:
                 f"zero.Init: dtype={dtype} but the config trains in {precision}; set "
                 "fp16.enabled or bf16.enabled to match, or leave dtype out"
             )
+        ds_comm.use_rank_device()  # before the build picks its device
         self._cm = _zero.init(cfg) if enabled and module is None else contextlib.nullcontext()
 
     def __enter__(self) -> Init:

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from infinity.accelerator import use_local_device
+from infinity.accelerator import get_accelerator, use_local_device
 from infinity.comm import CommError, from_env
 
 T = TypeVar("T")
@@ -71,11 +71,12 @@ USER_ERRORS = (ValueError, OSError, NotImplementedError, ImportError, CommError)
 @contextlib.contextmanager
 def join(save_dir: Path, timeout_s: float | None) -> Iterator[Ranks]:
     """This process's `Ranks`: under torchrun it joins the process group (its device picked
-    by LOCAL_RANK) and leaves it on exit; otherwise a world of one."""
+    by LOCAL_RANK before any collective, the group's backends by that device) and leaves it
+    on exit; otherwise a world of one."""
     use_local_device(int(os.environ.get("LOCAL_RANK", "0") or 0))
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun
         follow_launcher()
-    comm = from_env(timeout_s)
+    comm = from_env(timeout_s, device=get_accelerator().device)
     try:
         ranks = Ranks(comm, save_dir)
         ranks.configure_logging()
