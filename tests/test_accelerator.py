@@ -79,3 +79,56 @@ def test_ranges_are_recorded_while_a_profiler_runs(accel):
     with torch.profiler.profile(activities=activities) as prof, accel.range("infinity::test::op"):
         torch.ones(4).sum()
     assert "infinity::test::op" in {e.key for e in prof.key_averages()}
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    """torch.cuda as a host with four devices would answer, device 0 current; the calls to
+    set_device recorded (no CUDA is touched: the accelerator only names its device here)."""
+    made: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: made[-1] if made else 0)
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    for var in ("LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    return made
+
+
+@pytest.mark.parametrize(
+    "env, device, made",
+    [
+        ({}, 0, []),  # one process: the current device
+        ({"LOCAL_RANK": "2", "WORLD_SIZE": "4"}, 2, [2]),  # torchrun, nothing set: the rank's
+        ({"LOCAL_RANK": "0", "WORLD_SIZE": "4"}, 0, []),
+        ({"LOCAL_RANK": "5", "WORLD_SIZE": "8"}, 0, []),  # sees fewer: keeps its own
+    ],
+)
+def test_a_launched_rank_trains_on_its_local_device(four_gpus, monkeypatch, env, device, made):
+    from infinity.accelerator.cuda import CudaAccelerator
+
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert CudaAccelerator().device == torch.device("cuda", device)
+    assert four_gpus == made
+
+
+def test_a_device_the_program_chose_is_kept_under_a_launcher(four_gpus, monkeypatch):
+    from infinity.accelerator.cuda import CudaAccelerator
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torch.cuda.set_device(3)
+    assert CudaAccelerator().device == torch.device("cuda", 3)
+    assert four_gpus == [3]
+
+
+def test_use_local_device_takes_the_one_device_a_launcher_made_visible(four_gpus, monkeypatch):
+    from infinity.accelerator import use_local_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="LOCAL_RANK is 1 but this host sees 1 CUDA"):
+        use_local_device(1)  # two processes on one device: refused
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    use_local_device(1)
+    assert four_gpus == [0]

@@ -52,6 +52,8 @@ def use_local_device(local_rank: int) -> None:
     import torch
 
     count = torch.cuda.device_count()
+    if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        local_rank = 0  # the launcher gave each process its own device
     if not 0 <= local_rank < count:
         raise ValueError(
             f"LOCAL_RANK is {local_rank} but this host sees {count} CUDA device(s); start at "

@@ -6,6 +6,7 @@ This is the only module (with its package) allowed to touch `torch.cuda`; a test
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -40,6 +41,23 @@ class CudaEvent(Event):
         return self.raw.query()
 
 
+def launched_index() -> int:
+    """The device this process trains on: the current one; or, when a launcher (torchrun)
+    started several processes (WORLD_SIZE > 1) and the current device is still the default
+    0, the device of LOCAL_RANK, made current, as DeepSpeed's engine picks it. Without this
+    a script calling `infinity.initialize` under torchrun would put every local rank on
+    device 0. A process that sees fewer devices than its LOCAL_RANK (CUDA_VISIBLE_DEVICES
+    set per rank) keeps the current one."""
+    current = torch.cuda.current_device()
+    local = int(os.environ.get("LOCAL_RANK") or 0)
+    if current != 0 or int(os.environ.get("WORLD_SIZE") or 1) <= 1:
+        return current
+    if 0 < local < torch.cuda.device_count():
+        torch.cuda.set_device(local)
+        return local
+    return current
+
+
 class CudaAccelerator(Accelerator):
     name = "cuda"
 
@@ -50,7 +68,7 @@ class CudaAccelerator(Accelerator):
                 "the CUDA accelerator was requested but torch sees no CUDA device; "
                 "install a CUDA build of torch or set INFINITY_ACCELERATOR=cpu"
             )
-        index = torch.cuda.current_device() if index is None else index
+        index = launched_index() if index is None else index
         self.device = torch.device("cuda", index)
 
     def new_stream(self) -> Stream:
