@@ -21,6 +21,17 @@ backward goes on (two buffers, the older reduction is waited for when a third is
 otherwise backward waits for each one. Every rank fills the buckets in the same hook order
 (the same graph), so the collectives match; the end of each backward (an autograd callback
 queued by the first gradient) issues the last, partial bucket and waits for all of them.
+
+The buckets are in the communication dtype (`Config.communication_dtype`: DeepSpeed's
+`communication_data_type`, the training dtype where it is null); each gradient is cast into
+its bucket by the copy that lays it out, in the hook or at the issue, so every mode above
+reduces in that dtype. The division by W and the add into the fp32 slots do not depend on
+it. It decides the bits with 16-bit gradients: one rank accumulating two micro batches adds
+a/2 and b/2 into its fp32 sums (the loss is divided by the accumulation), and two ranks
+with one each sum a + b, then halve it. In fp32 that is the same one fp32 addition, so two
+ranks equal one bit for bit (halving is exact); in 16 bits the sum is rounded to 16 bits
+first, an error one rank does not make. "fp32" costs twice the bucket memory and
+reduce-scatter bytes of the 16-bit dtype (`comm_reduce_scatter_bytes` counts the buffers).
 """
 
 from __future__ import annotations
@@ -80,6 +91,7 @@ class GradReducer:
         total_shard_numel: int,
         on_device: Collection[int] = (),
         align: int = 1,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if bucket_numel < 1:
             raise ValueError(f"reduce_bucket_size must be >= 1 element, got {bucket_numel}")
@@ -92,6 +104,8 @@ class GradReducer:
         self.accel = accelerator
         self.overlap = overlap
         self.contiguous = contiguous
+        self.dtype = dtype
+        """The buckets' dtype, each gradient cast into it; None: each gradient's own."""
         # Rows never need to be longer than every trainable shard together.
         self.row_capacity = max(1, min(-(-bucket_numel // self.world_size), total_shard_numel))
         self._open: _Bucket | None = None
@@ -109,14 +123,13 @@ class GradReducer:
         self._at_end.arm()  # the end of this backward flushes the rest
         n = grad.numel()
         s = shard_of(n, self.world_size, 0, self.align).numel
+        dtype = self.dtype or grad.dtype
         bucket = self._open
-        if bucket is not None and (
-            bucket.row_numel + s > bucket.capacity or bucket.dtype != grad.dtype
-        ):
+        if bucket is not None and (bucket.row_numel + s > bucket.capacity or bucket.dtype != dtype):
             self._issue(bucket)
             bucket = None
         if bucket is None:
-            bucket = self._open = self._new_bucket(grad, s)
+            bucket = self._open = self._new_bucket(dtype, grad.device, s)
         entry = _BucketSlot(slot, n, s, bucket.row_numel)
         bucket.entries.append(entry)
         bucket.row_numel += s
@@ -141,36 +154,38 @@ class GradReducer:
         return {"grad_bucket_bytes": self._pooled_bytes}
 
     # -- internals ----------------------------------------------------------------------
-    def _new_bucket(self, grad: torch.Tensor, s: int) -> _Bucket:
+    def _new_bucket(self, dtype: torch.dtype, device: torch.device, s: int) -> _Bucket:
         if s > self.row_capacity:  # a bucket of its own, sized to it
-            buf = self._alloc(s, grad) if self.contiguous else None
-            return _Bucket(grad.dtype, s, buf, pooled=False)
+            buf = self._alloc(s, dtype, device) if self.contiguous else None
+            return _Bucket(dtype, s, buf, pooled=False)
         buf = None
         if self.contiguous:
-            buf = self._pooled_buffer(grad)
-        return _Bucket(grad.dtype, self.row_capacity, buf, pooled=self.contiguous)
+            buf = self._pooled_buffer(dtype, device)
+        return _Bucket(dtype, self.row_capacity, buf, pooled=self.contiguous)
 
-    def _pooled_buffer(self, grad: torch.Tensor) -> torch.Tensor:
+    def _pooled_buffer(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         for i, b in enumerate(self._buffers):
-            if b.dtype == grad.dtype and b.device == grad.device:
+            if b.dtype == dtype and b.device == device:
                 return self._buffers.pop(i)
         if self._allocated >= self._pool_size and self._in_flight:
             self._complete(self._in_flight.popleft())  # gives its buffer back
-            return self._pooled_buffer(grad)
+            return self._pooled_buffer(dtype, device)
         self._allocated += 1
-        buf = self._alloc(self.row_capacity, grad)
+        buf = self._alloc(self.row_capacity, dtype, device)
         self._pooled_bytes += buf.nbytes
         return buf
 
-    def _alloc(self, row: int, grad: torch.Tensor) -> torch.Tensor:
-        return torch.empty(self.world_size, row, dtype=grad.dtype, device=grad.device)
+    def _alloc(self, row: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.world_size, row, dtype=dtype, device=device)
 
     def _issue(self, bucket: _Bucket) -> None:
         if self._open is bucket:
             self._open = None
         used = bucket.row_numel
         if bucket.buffer is None:  # gradients kept: lay them out now
-            rows = self._alloc(used, bucket.entries[0].grad)
+            kept = bucket.entries[0].grad
+            assert kept is not None
+            rows = self._alloc(used, bucket.dtype, kept.device)
             for e in bucket.entries:
                 _scatter_rows(rows, e, e.grad)
                 e.grad = None
@@ -206,8 +221,8 @@ class GradReducer:
 
 
 def _scatter_rows(rows: torch.Tensor, entry: _BucketSlot, grad: torch.Tensor) -> None:
-    """Row q of `rows` at the entry's offset := elements [q*S, (q+1)*S) of `grad`, zero
-    past N."""
+    """Row q of `rows` at the entry's offset := elements [q*S, (q+1)*S) of `grad` (cast to
+    the rows' dtype by the copy), zero past N."""
     s, n, at = entry.shard, entry.numel, entry.offset
     flat = grad.reshape(-1)
     for q in range(rows.shape[0]):
