@@ -37,7 +37,7 @@ reduce-scatter bytes of the 16-bit dtype (`comm_reduce_scatter_bytes` counts the
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,8 +106,7 @@ class GradReducer:
         self.contiguous = contiguous
         self.dtype = dtype
         """The buckets' dtype, each gradient cast into it; None: each gradient's own."""
-        # Rows never need to be longer than every trainable shard together.
-        self.row_capacity = max(1, min(-(-bucket_numel // self.world_size), total_shard_numel))
+        self.row_capacity = bucket_row_numel(bucket_numel, self.world_size, total_shard_numel)
         self._open: _Bucket | None = None
         self._in_flight: deque[_Bucket] = deque()
         self._buffers: list[torch.Tensor] = []  # free pooled [W, row_capacity] buffers
@@ -218,6 +217,41 @@ class GradReducer:
         for e in bucket.entries:
             self.accumulate(e.slot, mean[e.offset : e.offset + e.shard])
         bucket.out = bucket.work = None
+
+
+def bucket_row_numel(bucket_numel: int, world_size: int, total_shard_numel: int) -> int:
+    """Elements per row of a pooled bucket buffer: reduce_bucket_size / W, rounded up, but
+    never longer than every trainable shard together (`total_shard_numel`)."""
+    return max(1, min(-(-bucket_numel // world_size), total_shard_numel))
+
+
+def pooled_bucket_nbytes(
+    shard_numels: Sequence[int],
+    world_size: int,
+    bucket_numel: int,
+    total_shard_numel: int,
+    *,
+    overlap: bool,
+    contiguous: bool,
+    itemsize: int,
+) -> int:
+    """Bytes of the pooled [W, row] bucket buffers `GradReducer` allocates (its
+    `grad_bucket_bytes`), for trainable shards of `shard_numels` elements in the buckets'
+    dtype of `itemsize` bytes: none without `contiguous` (the rows are laid out when a
+    bucket is issued); one buffer when the shards that fit a row all fit in one, else the
+    pool (two with `overlap`: one filling while the other's reduction runs). A shard
+    longer than a row is a bucket of its own, allocated for it, not pooled; where such a
+    bucket splits pooled ones that would fit in one, the hook order decides and the pool
+    is counted (an upper bound)."""
+    if world_size < 2 or not contiguous:
+        return 0
+    row = bucket_row_numel(bucket_numel, world_size, total_shard_numel)
+    pooled = [s for s in shard_numels if s <= row]
+    if not pooled:
+        return 0
+    split = sum(pooled) > row or len(pooled) < len(shard_numels)
+    buffers = 2 if overlap and split else 1
+    return buffers * world_size * row * itemsize
 
 
 def _scatter_rows(rows: torch.Tensor, entry: _BucketSlot, grad: torch.Tensor) -> None:
