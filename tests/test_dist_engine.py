@@ -226,9 +226,13 @@ def test_two_ranks_equal_one_bitwise_in_16_bits_with_fp32_communication(
 ):
     """communication_data_type "fp32": two ranks sum the 16-bit gradients of their micro
     batches in fp32, as one rank accumulating both adds them into its fp32 sums, so losses,
-    norms, loss scales, skips and weights are the same bits (see [Note: gradient buckets]
-    in infinity/zero/grad_reduce.py). Reduced in the training dtype (the default) the sum
-    is rounded to 16 bits first: the two differ, which is what the key is for."""
+    norms, skips and weights are the same bits (see [Note: gradient buckets] in
+    infinity/zero/grad_reduce.py). fp16: the accumulating rank's loss scale is twice the
+    ranks', so every micro batch's backward runs at the same scale (at one scale for both,
+    the halved loss rounds subnormal fp16 gradients differently: the third step's norm was
+    34.1431715567 against 34.1431715612 at 2^12). Reduced in the training dtype (the
+    default) the sum is rounded to 16 bits first: the two differ, which is what the key is
+    for, and the buckets move half the bytes."""
     one = _one_rank(tmp_path, "cpu", dtype + options + ",accum")
     (tmp_path / "fp32").mkdir()
     two = _two_ranks(tmp_path / "fp32", "cpu", dtype + options + ",comm32")

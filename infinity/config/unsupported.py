@@ -145,7 +145,7 @@ ZERO: dict[str, Unsupported] = {
         "frozen weights are kept in the training dtype, not quantized", (False,)
     ),
     "zero_quantized_gradients": Unsupported(
-        "gradients are reduce-scattered in the training dtype and accumulated in fp32, not "
+        "gradients are reduce-scattered in communication_data_type and accumulated in fp32, not "
         "quantized (ZeRO++ qgZ)",
         (False,),
     ),

@@ -26,12 +26,18 @@ The buckets are in the communication dtype (`Config.communication_dtype`: DeepSp
 `communication_data_type`, the training dtype where it is null); each gradient is cast into
 its bucket by the copy that lays it out, in the hook or at the issue, so every mode above
 reduces in that dtype. The division by W and the add into the fp32 slots do not depend on
-it. It decides the bits with 16-bit gradients: one rank accumulating two micro batches adds
-a/2 and b/2 into its fp32 sums (the loss is divided by the accumulation), and two ranks
-with one each sum a + b, then halve it. In fp32 that is the same one fp32 addition, so two
-ranks equal one bit for bit (halving is exact); in 16 bits the sum is rounded to 16 bits
-first, an error one rank does not make. "fp32" costs twice the bucket memory and
-reduce-scatter bytes of the 16-bit dtype (`comm_reduce_scatter_bytes` counts the buffers).
+it. It decides the bits with 16-bit gradients. One rank accumulating two micro batches
+backpropagates each at half the loss (the loss is divided by the accumulation) and adds the
+16-bit gradients a/2 and b/2 into its fp32 sums; two ranks backpropagate one each, sum
+a + b and halve it. In fp32 buckets that sum is the same one fp32 addition and the halving
+is exact, so two ranks equal one bit for bit wherever each 16-bit gradient at half the
+loss is exactly half the one at the whole loss: in bf16 (whose range holds any gradient),
+and in fp16 unless a scaled gradient is subnormal (halving one drops its last bit; with
+the accumulating rank's loss scale twice as large both compute the same fp16 gradients,
+which is how tests/test_dist_engine.py compares fp16 bit for bit). In 16-bit buckets the
+sum is rounded to 16 bits first, an error one rank never makes. "fp32" costs twice the
+bucket memory and reduce-scatter bytes of a 16-bit dtype (`comm_reduce_scatter_bytes`
+counts the buffers).
 """
 
 from __future__ import annotations
