@@ -22,6 +22,7 @@ from infinity.config import (
     ZeroConfig,
     resolve_run,
 )
+from infinity.config.resolve import check_communication_dtype
 
 # A ZeRO-Infinity config as DeepSpeed users write it: both offloads on NVMe, aio settings,
 # float literals for sizes, and harmless DeepSpeed-only keys.
@@ -743,19 +744,22 @@ def test_communication_data_type_resolves_null_to_the_training_dtype(precision, 
 def test_a_16_bit_communication_dtype_other_than_the_training_dtype_is_refused(
     precision, comm, why
 ):
+    """Refused by the run's whole config (resolve_run, `infinity config`), not by the file's
+    parse: `infinity train --dtype` may set the precision over it."""
     raw = {"communication_data_type": comm}
     if precision != "fp32":
         raw[precision] = {"enabled": True}
-    with pytest.raises(
-        ValueError,
-        match=rf"^communication_data_type: '{comm}' is not supported when training in "
-        rf"{precision}: .*{why}",
-    ):
-        Config.load(raw)
+    cfg = Config.load(raw)
+    message = rf"^communication_data_type: '{comm}' is not supported when training in "
+    with pytest.raises(ValueError, match=message + rf"{precision}: .*{why}"):
+        resolve_run(cfg, RunFacts())
+    with pytest.raises(ValueError, match=rf"{precision}: .*{why}"):
+        check_communication_dtype(cfg)
 
 
 def test_communication_data_type_is_checked_once_an_auto_precision_is_settled():
     cfg = Config.load({"communication_data_type": "bf16", "bf16": {"enabled": "auto"}})
+    check_communication_dtype(cfg)  # not yet known
     with pytest.raises(ValueError, match=r"'bf16' is not supported when training in fp32"):
         resolve_run(cfg, RunFacts())  # "auto" resolves to false: fp32
     with pytest.raises(

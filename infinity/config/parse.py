@@ -294,38 +294,6 @@ def _in_cpu_needs_nvme(offload: OffloadParamConfig | OffloadOptimizerConfig, pat
 def _after_config(cfg: ConfigFields, path: str) -> None:
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
-    _check_communication_dtype(cfg)
-
-
-# Why each 16-bit communication dtype other than the training dtype is refused, by
-# (communication dtype, training dtype): each would round or overflow what the training
-# dtype's own reduction keeps, and none is a bandwidth choice worth that here.
-_COMM_REFUSED = {
-    ("fp16", "bf16"): "bf16 gradients can exceed fp16's range (65504) and a bf16 run has no "
-    "loss scale to skip the step it overflows",
-    ("bf16", "fp16"): "bf16 keeps 8 significant bits, fewer than the fp16 gradients' 11, so "
-    "the sums would lose precision the fp16 reduction keeps",
-    ("fp16", "fp32"): "the fp32 gradients would be rounded to 16 bits, and with no loss scale "
-    "small ones lost and large ones overflowed",
-    ("bf16", "fp32"): "the fp32 gradients would be rounded to 8 significant bits before they "
-    "are summed",
-}
-
-
-def _check_communication_dtype(cfg: ConfigFields) -> None:
-    """communication_data_type is null, "fp32" or the training dtype (once it is known: an
-    "auto" precision is checked again when `resolve_run` has settled it)."""
-    comm = cfg.communication_data_type
-    if comm in (None, "fp32") or AUTO in (cfg.fp16.enabled, cfg.bf16.enabled):
-        return
-    training = cfg.precision
-    why = _COMM_REFUSED.get((comm, training))
-    if why is not None:
-        fix = "remove it" if training == "fp32" else f"remove it (the training dtype, {training})"
-        raise ValueError(
-            f"communication_data_type: {comm!r} is not supported when training in {training}: "
-            f"{why}; {fix} or set it to 'fp32'"
-        )
 
 
 def _parse_aio(cls: type, data: Any, path: str) -> AioConfig:
