@@ -286,10 +286,10 @@ class ConfigFields(Section):
     communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
     """With several ranks, the dtype gradients are reduce-scattered in (DeepSpeed's key;
     `communication_dtype` is the one in effect): null, the training dtype; "fp32" sums the
-    ranks' gradients in fp32, so W ranks give the bits one rank accumulating the same micro
-    batches gives (at twice a 16-bit run's bucket memory and reduce-scatter bytes). A 16-bit
-    dtype other than the training dtype is refused (see [Note: gradient buckets] in
-    infinity/zero/grad_reduce.py)."""
+    ranks' gradients in fp32, so two ranks give the bits one rank accumulating the same
+    micro batches gives (at twice a 16-bit run's bucket memory and reduce-scatter bytes; see
+    [Note: gradient buckets] in infinity/zero/grad_reduce.py). A 16-bit dtype other than the
+    training dtype is refused (`infinity.config.resolve.check_communication_dtype`)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
