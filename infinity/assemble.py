@@ -70,6 +70,7 @@ from infinity.zero import (
     ParamState,
     PartitionedOptimizer,
     Slot,
+    communication_dtype,
     frozen_on_nvme,
     install_grad_hooks,
     make_weights,
@@ -408,6 +409,7 @@ def _grad_hooks(
             total_shard_numel=optimizer.layout.total,
             align=shard_align(build.config.optimizer.eight_bit),
             on_device=on_device,
+            dtype=communication_dtype(build.config),
         )
     grad_offload = GradOffload(optimizer.accumulate_grad, accel, on_device=on_device)
     handles = install_grad_hooks(records, grad_offload.add, hooks, accel, grad_reducer)

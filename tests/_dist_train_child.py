@@ -16,7 +16,15 @@ argv: tier (cpu|nvme), nvme directory, steps, options (comma-separated):
 - "wideclip": clipping at a norm no step reaches (1e6; by default 1.0, which every step
   exceeds);
 - "resume": before the last step, a checkpoint saved, the engine closed, a new one built
-  and the checkpoint loaded into it.
+  and the checkpoint loaded into it;
+- "bf16", "fp16": train in that dtype. fp16: a dynamic loss scale, halved at each overflow,
+  from 2^8 times the accumulation: backward scales a micro batch's loss by the loss scale
+  over the accumulation, so every micro batch is scaled by 2^8 on one rank accumulating and
+  on ranks that do not, and both compute the same fp16 gradients (at one scale for both the
+  halving would drop the last bit of every subnormal fp16 gradient on one of them);
+- "comm32": communication_data_type "fp32" (the gradients reduce-scattered in fp32);
+- "spike": the second step's loss multiplied by 2^20 before backward, which overflows fp16
+  at any loss scale here (on one rank and on two alike): a skipped step.
 """
 
 import hashlib
@@ -108,6 +116,13 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
     cfg["train_micro_batch_size_per_gpu"] = micro
     cfg["gradient_clipping"] = 0.0 if "noclip" in options else 1e6 if "wideclip" in options else 1.0
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if "bf16" in options:
+        cfg["bf16"] = {"enabled": True}
+    if "fp16" in options:  # each micro batch's backward scaled by 2^8 (see "fp16" above)
+        power = 8 + accum.bit_length() - 1
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": power, "hysteresis": 1}
+    if "comm32" in options:
+        cfg["communication_data_type"] = "fp32"
 
     def build():
         torch.manual_seed(c.rank if "unseeded" in options else 0)  # the same weights everywhere
@@ -122,7 +137,7 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
         for d in dirs
         if d.startswith("rank")
     )
-    losses = []
+    losses, norms, scales, skipped = [], [], [], []
     for step, ids in enumerate(batches(steps, batch=GLOBAL_BATCH, seq=8)):
         if "diverge" in options and step == 1 and c.rank == 1:
             engine.module.skip = {1}
@@ -136,17 +151,21 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
         for k in range(accum):
             part = mine[k * micro : (k + 1) * micro]
             loss = engine(part, part)
-            engine.backward(loss)
+            spike = 2.0**20 if "spike" in options and step == 1 else 1.0
+            engine.backward(loss * spike)
             engine.step()
             total += loss.item() / accum
         # The loss of the global batch: the mean of the ranks' equal-sized means.
         losses.append(sum(c.all_gather_object(total)) / c.world_size)
+        norms.append(engine.get_global_grad_norm())
+        scales.append(engine.loss_scale)
+        skipped.append(engine.was_step_skipped)
     stats = engine.memory_stats()
     norm = engine.get_global_grad_norm()
     weights, digest = {}, hashlib.sha256()
     for n, w in engine.named_parameters_host():
         weights[n] = w.sum().item()
-        digest.update(n.encode() + w.detach().contiguous().numpy().tobytes())
+        digest.update(n.encode() + w.detach().contiguous().view(torch.uint8).numpy().tobytes())
     exported = None
     if "export" in options:  # every rank takes part; rank 0 writes
         exported = engine.save_16bit_model(os.path.join(nvme_dir, "export"))
@@ -155,6 +174,9 @@ def train(c: comm.Comm, tier: str, nvme_dir: str, steps: int, options: set[str])
         "losses": losses,
         "stats": stats,
         "grad_norm": norm,
+        "norms": norms,
+        "scales": scales,
+        "skipped": skipped,
         "weight_sums": weights,
         "weight_digest": digest.hexdigest(),
         "swap_dirs": swap_dirs,

@@ -16,12 +16,15 @@ from infinity.zero.shard import shard_of, take_shard
 SIZES = [5, 7, 1, 300, 64, 3]
 
 
-def grads_of(rank: int, micro: int) -> list[torch.Tensor]:
+def grads_of(rank: int, micro: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + micro)
-    return [torch.randn(n, generator=g) for n in SIZES]
+    return [torch.randn(n, generator=g).to(dtype) for n in SIZES]
 
 
-def reduce(bucket: int, overlap: bool, contiguous: bool) -> dict:
+def reduce(bucket: int, overlap: bool, contiguous: bool, half: bool) -> dict:
+    """`half`: bf16 gradients reduced in fp32 buckets (communication_data_type "fp32"): the
+    sums are then those of the bf16 values in fp32, exactly."""
+    dtype = torch.bfloat16 if half else torch.float32
     c = comm.from_env(timeout=30)
     w, r = c.world_size, c.rank
     shards = [shard_of(n, w, r) for n in SIZES]
@@ -38,8 +41,9 @@ def reduce(bucket: int, overlap: bool, contiguous: bool) -> dict:
         overlap=overlap,
         contiguous=contiguous,
         total_shard_numel=sum(s.numel for s in shards),
+        dtype=torch.float32 if half else None,
     )
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in SIZES]
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in SIZES]
 
     def hook(p, i):
         reducer.add(i, p.grad.reshape(-1))
@@ -48,21 +52,24 @@ def reduce(bucket: int, overlap: bool, contiguous: bool) -> dict:
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(lambda p, i=i: hook(p, i))
     for micro in range(2):  # two backwards accumulate
-        mine = grads_of(r, micro)
+        mine = grads_of(r, micro, dtype)
         loss = sum((p * g).sum() for p, g in zip(params, mine, strict=True))
         loss.backward()
     ok = True
     for i, (n, s) in enumerate(zip(SIZES, shards, strict=True)):
         want = torch.zeros(n)
         for micro in range(2):
-            total = grads_of(0, micro)[i].clone()
+            total = grads_of(0, micro, dtype)[i].float()
             for q in range(1, w):
-                total += grads_of(q, micro)[i]
+                total += grads_of(q, micro, dtype)[i].float()
             want += total / w
         ok &= torch.equal(slots[i], take_shard(want, s))
     stats = c.stats()
     c.close()
-    return {"equal": bool(ok), "buckets": reducer.buckets_issued, "stats": stats}
+    pooled = reducer.memory_stats()["grad_bucket_bytes"]
+    shard_numels = [s.numel for s in shards]
+    return {"equal": bool(ok), "buckets": reducer.buckets_issued, "stats": stats,
+            "pooled": pooled, "shards": shard_numels}  # fmt: skip
 
 
 def norm() -> dict:
@@ -88,8 +95,8 @@ def norm() -> dict:
 
 scenario = sys.argv[1]
 if scenario == "reduce":
-    b, o, ct = sys.argv[2:5]
-    result = reduce(int(b), o == "1", ct == "1")
+    b, o, ct, half = sys.argv[2:6]
+    result = reduce(int(b), o == "1", ct == "1", half == "1")
 else:
     result = norm()
 print("RESULT " + json.dumps(result), flush=True)

@@ -38,3 +38,12 @@ def test_errors_name_file_and_key(tmp_path, capsys):
     assert "ds.json: fp16.enabled: expected true or false or 'auto', got 'yes'" in err
     assert main(["config", str(tmp_path / "missing.json")]) == 1
     assert "missing.json' does not exist" in capsys.readouterr().err
+
+
+def test_a_communication_dtype_the_precision_refuses_is_one_error(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "communication_data_type": "FP16"}))
+    assert main(["config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "ds.json: communication_data_type: 'fp16' is not supported when training in bf16" in err
+    assert "Traceback" not in err

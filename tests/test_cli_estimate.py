@@ -293,3 +293,20 @@ def test_engine_probe_runs_on_the_runs_tier_at_its_sizes_and_leaves_nothing(tmp_
     assert not full.run_sized and full.module_overhead_s >= 0
     assert full.gather_copy_bytes_per_s == 0.0  # the tiny model's copies say nothing
     assert list(tmp_path.iterdir()) == []
+
+
+def test_two_ranks_show_the_gradient_buckets_in_the_communication_dtype(tmp_path, capsys):
+    """With several ranks the device row counts the gradient buckets and a line the bytes
+    they reduce-scatter, in communication_data_type: "fp32" doubles both for bf16."""
+    terms = {}
+    for comm in (None, "fp32"):
+        config = tmp_path / f"{comm}.json"
+        config.write_text(json.dumps({"bf16": {"enabled": True}, "communication_data_type": comm}))
+        out = tmp_path / f"{comm}-est.json"
+        argv = ["--model", "tiny", "--device", "h100", "--world-size", 2, "--config", config]
+        assert _estimate(*argv, "--json", out) == 0
+        report = capsys.readouterr().out
+        assert "gradient buckets" in report and f"({comm or 'bf16'})" in report
+        terms[comm] = json.loads(out.read_text())["terms"]
+    for key in ("grad_bucket_device_bytes", "reduce_scatter_bytes_per_micro_step"):
+        assert terms["fp32"][key] == 2 * terms[None][key] > 0, key

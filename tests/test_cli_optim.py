@@ -53,3 +53,15 @@ def test_an_8_bit_run_resumes_and_refuses_32_bit(tmp_path, capsys, inputs):
     assert "--convert-optim-state" in err and "adamw_8bit" in err and "Traceback" not in err
     assert main(train_args(model, data, save, *resume, "--optim", "adamw_8bit")) == 0
     assert '"step": 3' in (save / "metrics.jsonl").read_text()
+
+
+def test_the_communication_dtype_is_checked_against_the_precision_the_flags_set(tmp_path):
+    """A file's communication_data_type "bf16" is the training dtype under --dtype bf16, and
+    refused under the file's own fp32 (`infinity train` refuses it before the data is read)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"communication_data_type": "bf16"}))
+    base = ["train", "--model", "tiny", "--data", "x", "--config", str(path)]
+    config = config_from_args(build_parser().parse_args([*base, "--dtype", "bf16"]))
+    assert config.communication_dtype == "bf16"
+    with pytest.raises(ValueError, match=r"'bf16' is not supported when training in fp32"):
+        config_from_args(build_parser().parse_args(base))

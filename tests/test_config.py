@@ -22,6 +22,7 @@ from infinity.config import (
     ZeroConfig,
     resolve_run,
 )
+from infinity.config.resolve import check_communication_dtype
 
 # A ZeRO-Infinity config as DeepSpeed users write it: both offloads on NVMe, aio settings,
 # float literals for sizes, and harmless DeepSpeed-only keys.
@@ -707,6 +708,66 @@ def test_precision():
     assert resolve_run(Config.load({"bf16": {"enabled": "auto"}}), RunFacts()).precision == "fp32"
 
 
+@pytest.mark.parametrize(
+    "precision, comm, resolved",
+    [
+        ("fp32", None, "fp32"),
+        ("bf16", None, "bf16"),
+        ("fp16", "FP32", "fp32"),
+        ("bf16", "bf16", "bf16"),
+    ],
+)
+def test_communication_data_type_resolves_null_to_the_training_dtype(precision, comm, resolved):
+    raw = {"communication_data_type": comm}
+    if precision != "fp32":
+        raw[precision] = {"enabled": True}
+    cfg = Config.load(raw)
+    assert cfg.communication_data_type == (comm.lower() if comm else None)
+    assert cfg.communication_dtype == resolved
+    assert resolve_run(cfg, RunFacts()).communication_dtype == resolved
+    assert "communication_data_type" in cfg.given_keys
+
+
+@pytest.mark.parametrize(
+    "precision, comm, why",
+    [
+        (
+            "bf16",
+            "fp16",
+            r"exceed fp16's range .*remove it \(the training dtype, bf16\) or set it to 'fp32'$",
+        ),
+        ("fp16", "bf16", r"8 significant bits, fewer than the fp16 gradients' 11"),
+        ("fp32", "bf16", r"rounded to 8 significant bits .*; remove it or set it to 'fp32'$"),
+        ("fp32", "fp16", r"rounded to 16 bits"),
+    ],
+)
+def test_a_16_bit_communication_dtype_other_than_the_training_dtype_is_refused(
+    precision, comm, why
+):
+    """Refused by the run's whole config (resolve_run, `infinity config`), not by the file's
+    parse: `infinity train --dtype` may set the precision over it."""
+    raw = {"communication_data_type": comm}
+    if precision != "fp32":
+        raw[precision] = {"enabled": True}
+    cfg = Config.load(raw)
+    message = rf"^communication_data_type: '{comm}' is not supported when training in "
+    with pytest.raises(ValueError, match=message + rf"{precision}: .*{why}"):
+        resolve_run(cfg, RunFacts())
+    with pytest.raises(ValueError, match=rf"{precision}: .*{why}"):
+        check_communication_dtype(cfg)
+
+
+def test_communication_data_type_is_checked_once_an_auto_precision_is_settled():
+    cfg = Config.load({"communication_data_type": "bf16", "bf16": {"enabled": "auto"}})
+    check_communication_dtype(cfg)  # not yet known
+    with pytest.raises(ValueError, match=r"'bf16' is not supported when training in fp32"):
+        resolve_run(cfg, RunFacts())  # "auto" resolves to false: fp32
+    with pytest.raises(
+        ValueError, match=r"communication_data_type: 'fp8' is not one of 'fp16', 'bf16', 'fp32'"
+    ):
+        Config.load({"communication_data_type": "fp8"})
+
+
 # --- DeepSpeed features Infinity does not implement -------------------------------------------
 
 UNSUPPORTED = [  # (key path, value, part of the reason)
@@ -715,7 +776,7 @@ UNSUPPORTED = [  # (key path, value, part of the reason)
     ("zero_optimization.zero_hpz_partition_size", 8, r"hierarchical partitioning"),
     ("zero_optimization.mics_shard_size", 8, r"MiCS"),
     ("zero_optimization.offload_optimizer.ratio", 0.3, r"partial optimizer offload"),
-    ("communication_data_type", "fp16", r"reduce-scattered in the training dtype"),
+    ("gradient_predivide_factor", 2.0, r"communication_data_type .* averaged in fp32"),
     ("prescale_gradients", True, r"dividing by the world size after the sum"),
     ("sparse_attention", {"mode": "fixed"}, r"block-sparse attention"),
     ("pipeline", {"stages": 2}, r"without pipeline parallelism"),
@@ -750,7 +811,6 @@ def test_unsupported_features_left_off_are_accepted():
         "amp": {"enabled": False},
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
-        "communication_data_type": None,
         "sequence_parallel_size": 1,
         "data_efficiency": {"enabled": False, "seed": 1234},
         "tensorboard": {"enabled": False, "output_path": "tb"},

@@ -203,3 +203,48 @@ def test_a_rank_dependent_branch_is_reported_not_hung(tmp_path):
         assert "CollectiveMismatchError" in p.stderr, p.stderr[-2000:]
         assert "the ranks issued different collectives in optimizer step 2" in p.stderr
         assert "rank 0: all_gather(" in p.stderr and "rank 1: " in p.stderr
+
+
+def _same_bits(one: dict, two: dict, ratio: float) -> bool:
+    """Losses, per-step norms and skips, and the weights: the same bits; the loss scales in
+    `ratio` (fp16: the ratio of the accumulations, see "fp16" in _dist_train_child.py)."""
+    keys = ("losses", "norms", "skipped")
+    same = all([repr(x) for x in one[k]] == [repr(x) for x in two[k]] for k in keys)
+    same = same and one["scales"] == [ratio * s for s in two["scales"]]
+    return same and one["weight_digest"] == two["weight_digest"]
+
+
+@pytest.mark.parametrize(
+    "dtype, options",
+    # bf16 with buckets filled in the hook and reduced beside backward; fp16 (a dynamic loss
+    # scale, a spike that overflows: a skipped step) with the gradients kept until their
+    # small bucket is reduced, synchronously
+    [("bf16", ""), ("fp16", ",kept,spike")],
+)
+def test_two_ranks_equal_one_bitwise_in_16_bits_with_fp32_communication(
+    tmp_path, dtype, options, one_torch_thread
+):
+    """communication_data_type "fp32": two ranks sum the 16-bit gradients of their micro
+    batches in fp32, as one rank accumulating both adds them into its fp32 sums, so losses,
+    norms, skips and weights are the same bits (see [Note: gradient buckets] in
+    infinity/zero/grad_reduce.py). fp16: the accumulating rank's loss scale is twice the
+    ranks', so every micro batch's backward runs at the same scale (at one scale for both,
+    the halved loss rounds subnormal fp16 gradients differently: the third step's norm was
+    34.1431715567 against 34.1431715612 at 2^12). Reduced in the training dtype (the
+    default) the sum is rounded to 16 bits first: the two differ, which is what the key is
+    for, and the buckets move half the bytes."""
+    one = _one_rank(tmp_path, "cpu", dtype + options + ",accum")
+    (tmp_path / "fp32").mkdir()
+    two = _two_ranks(tmp_path / "fp32", "cpu", dtype + options + ",comm32")
+    assert two[0]["weight_digest"] == two[1]["weight_digest"]
+    ratio = 2.0 if dtype == "fp16" else 1.0
+    assert _same_bits(one, two[0], ratio), (one["norms"], two[0]["norms"])
+    assert len(set(one["losses"])) == STEPS  # the steps moved the weights
+    if dtype == "fp16":
+        assert one["skipped"] == [False, True, False]  # the spike overflowed, on both
+        assert one["scales"] == [2.0**9, 2.0**8, 2.0**8]  # over 2 micro batches: 2^8 each
+    (tmp_path / "16").mkdir()
+    half = _two_ranks(tmp_path / "16", "cpu", dtype + options)
+    assert not _same_bits(one, half[0], ratio), half[0]["norms"]
+    bytes_ = [r[0]["stats"]["comm_reduce_scatter_bytes"] for r in (two, half)]
+    assert bytes_[0] == 2 * bytes_[1] > 0  # fp32 buckets: twice the 16-bit bytes

@@ -35,14 +35,17 @@ from infinity.models import LlamaConfig
 )
 def test_two_ranks_hold_and_move_what_the_estimate_says(tmp_path, param, optim, keep):
     """`keep`: elements of trainable weights kept across the micro batches of a step (two
-    micro batches a step, so what is kept is read once where the rest is read twice). The
-    8-bit case: shards rounded up to 256 elements, in the estimate as in the engine."""
+    micro batches a step, so what is kept is read once where the rest is read twice), with
+    the gradients reduce-scattered in fp32 (communication_data_type; the others in bf16).
+    The 8-bit case: shards rounded up to 256 elements, in the estimate as in the engine."""
     eight_bit = optim.endswith("-8bit")
     optim = optim.removesuffix("-8bit")
     cfg = _config(tmp_path, param=param, optim=optim, stage3_max_live_parameters=50000,
                   accum=2 if keep else 1, keep_weights_numel=keep)  # fmt: skip
     if eight_bit:
         cfg["optimizer"]["type"] = "AdamW8bit"
+    if keep:
+        cfg["communication_data_type"] = "fp32"
     args = [str(tmp_path), json.dumps(cfg), "2"]
     ranks = rank_results(run_ranks("_estimate_ranks_child.py", args, timeout_s=240))
     shape = model_shape(LlamaConfig(**SHAPE))
@@ -64,3 +67,13 @@ def test_two_ranks_hold_and_move_what_the_estimate_says(tmp_path, param, optim, 
         assert (sz.kept_read_bytes_per_step > 0) == bool(keep)
         assert _delta(stats, "nvme_grad_bytes_read") == sz.grad_read_bytes_per_step
         assert _delta(stats, "nvme_grad_bytes_written") == sz.grad_write_bytes_per_step
+        # the gradient buckets, in the communication dtype: their buffers and what they move
+        assert stats[-1]["grad_bucket_bytes"] == sz.grad_bucket_device_bytes > 0
+        moved = accum * sz.reduce_scatter_bytes_per_micro_step
+        assert _delta(stats, "comm_reduce_scatter_bytes") == moved > 0
+    if keep:  # in fp32, twice the bytes of the training dtype's (bf16) buckets
+        half = Config.load({**cfg, "communication_data_type": None})
+        bf16 = sizes(shape, resolve_config(half, shape), pins=False, world_size=2)
+        moved = sz.reduce_scatter_bytes_per_micro_step
+        assert moved == 2 * bf16.reduce_scatter_bytes_per_micro_step
+        assert sz.grad_bucket_device_bytes == 2 * bf16.grad_bucket_device_bytes

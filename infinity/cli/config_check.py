@@ -8,7 +8,7 @@ import sys
 
 from infinity.cli.train_flags import positive_int
 from infinity.config import Config, RunFacts, resolve_run
-from infinity.config.resolve import check_batch
+from infinity.config.resolve import check_batch, check_communication_dtype
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         config = Config.load(args.path)
         # What `infinity train` would refuse is refused here too, with or without --resolve.
         check_batch(config, args.world_size)
+        check_communication_dtype(config)
         if args.resolve:
             facts = RunFacts(
                 world_size=args.world_size,

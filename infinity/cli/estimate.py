@@ -383,6 +383,11 @@ def _memory_lines(est) -> list[str]:
                 f", weights kept across micro batches {s.kept_device_bytes / _GIB:.1f} GiB"
                 if s.kept_device_bytes
                 else ""
+            )
+            + (
+                f", gradient buckets {s.grad_bucket_device_bytes / _GIB:.1f} GiB"
+                if s.grad_bucket_device_bytes
+                else ""
             ),
         ),
         _row(
@@ -409,6 +414,7 @@ def _time_lines(est, world_size: int) -> list[str]:
         f"  {'  of which gradients':<28}{s.grad_read_bytes_per_step / _GB:9.1f} GB "
         f"/ {s.grad_write_bytes_per_step / _GB:.1f} GB",
         f"  {'host <-> device':<28}{est.host_device_bytes_per_step / _GB:9.1f} GB",
+        *_reduce_line(est),
         "",
         f"time per step {t.step_s:.2f} s ({est.tokens_per_step / t.step_s:,.0f} tokens/s"
         f"{' per rank' if world_size > 1 else ''}); "
@@ -420,6 +426,16 @@ def _time_lines(est, world_size: int) -> list[str]:
         *(f"  {label:<28}{value:9.2f} s" for label, value, shown in waits if shown),
         *(["", *t.timeline.lines()] if t.timeline else []),
     ]
+
+
+def _reduce_line(est) -> list[str]:
+    """The gradients' reduce-scatter per step, with several ranks (in the bytes the comm
+    counts, in communication_data_type)."""
+    s, accum = est.sizes, est.inputs["gradient_accumulation_steps"]
+    if not s.reduce_scatter_bytes_per_micro_step:
+        return []
+    moved = accum * s.reduce_scatter_bytes_per_micro_step / _GB
+    return [f"  {'gradient reduce-scatter':<28}{moved:9.1f} GB   ({est.inputs['comm_dtype']})"]
 
 
 def _plural(n: int) -> str:

@@ -55,6 +55,7 @@ def resolve_run(config: ConfigFields, facts: RunFacts) -> ResolvedConfig:
             config.scheduler, optimizer.lr, facts.total_num_steps, facts.warmup_num_steps
         ),
     )
+    check_communication_dtype(out)  # the precision settled
     # Parsed as the narrowed types: a value left "auto" would be refused here, by type.
     resolved = replace(
         parse(ResolvedConfig, emit(out), ""), given_keys=config.given_keys, facts=facts
@@ -159,6 +160,39 @@ def staging_numel(numels: Sequence[int]) -> int:
     if not ordinary or not few or largest < OUTLIER_MIN_NUMEL:
         return largest
     return max(ordinary)
+
+
+# Why each 16-bit communication dtype other than the training dtype is refused, by
+# (communication dtype, training dtype): each would round or overflow what the training
+# dtype's own reduction keeps, and none is a bandwidth choice worth that here.
+_COMM_REFUSED = {
+    ("fp16", "bf16"): "bf16 gradients can exceed fp16's range (65504) and a bf16 run has no "
+    "loss scale to skip the step it overflows",
+    ("bf16", "fp16"): "bf16 keeps 8 significant bits, fewer than the fp16 gradients' 11, so "
+    "the sums would lose precision the fp16 reduction keeps",
+    ("fp16", "fp32"): "the fp32 gradients would be rounded to 16 bits, and with no loss scale "
+    "small ones lost and large ones overflowed",
+    ("bf16", "fp32"): "the fp32 gradients would be rounded to 8 significant bits before they "
+    "are summed",
+}
+
+
+def check_communication_dtype(cfg: ConfigFields) -> None:
+    """Refuse a communication_data_type that is not null, "fp32" or the training dtype.
+    Checked on the run's whole config (`resolve_run`, and early where `check_batch` is), not
+    when a file is parsed: flags may set the precision after it (`infinity train --dtype`).
+    An "auto" precision passes here until `resolve_run` has settled it."""
+    comm = cfg.communication_data_type
+    if comm in (None, "fp32") or AUTO in (cfg.fp16.enabled, cfg.bf16.enabled):
+        return
+    training = cfg.precision
+    why = _COMM_REFUSED.get((comm, training))
+    if why is not None:
+        fix = "remove it" if training == "fp32" else f"remove it (the training dtype, {training})"
+        raise ValueError(
+            f"communication_data_type: {comm!r} is not supported when training in {training}: "
+            f"{why}; {fix} or set it to 'fp32'"
+        )
 
 
 def check_batch(cfg: ConfigFields, world_size: int = 1) -> None:

@@ -283,6 +283,13 @@ class ConfigFields(Section):
     """Clip gradients to this global L2 norm; 0 disables clipping."""
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
+    communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
+    """With several ranks, the dtype gradients are reduce-scattered in (DeepSpeed's key;
+    `communication_dtype` is the one in effect): null, the training dtype; "fp32" sums the
+    ranks' gradients in fp32, so two ranks give the bits one rank accumulating the same
+    micro batches gives (at twice a 16-bit run's bucket memory and reduce-scatter bytes; see
+    [Note: gradient buckets] in infinity/zero/grad_reduce.py). A 16-bit dtype other than the
+    training dtype is refused (`infinity.config.resolve.check_communication_dtype`)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
@@ -308,6 +315,12 @@ class ConfigFields(Section):
         if AUTO in (self.fp16.enabled, self.bf16.enabled):
             raise ValueError("fp16/bf16.enabled: 'auto' must be resolved first; call resolve_run()")
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    @property
+    def communication_dtype(self) -> Literal["fp32", "fp16", "bf16"]:
+        """The dtype gradients are reduce-scattered in: `communication_data_type`, or the
+        training dtype where it is null (so an "auto" precision must be resolved first)."""
+        return self.communication_data_type or self.precision
 
 
 SECTIONS: tuple[type, ...] = (

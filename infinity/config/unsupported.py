@@ -54,8 +54,12 @@ def _same(value: Any, allowed: Any) -> bool:
 
 _DATA_PARALLEL = "Infinity shards ZeRO stage 3 with offload over data-parallel ranks only"
 # [Note: gradient buckets] in infinity/zero/grad_reduce.py: the reduce-scatter sums the
-# device gradients in the training dtype; each rank divides its shard by the world size in fp32.
-_GRAD_REDUCE = "gradients are reduce-scattered in the training dtype and averaged in fp32"
+# device gradients in communication_data_type; each rank divides its shard by the world size
+# in fp32.
+_GRAD_REDUCE = (
+    "gradients are reduce-scattered in communication_data_type (the training dtype unless "
+    "set) and averaged in fp32"
+)
 
 _METRICS = (
     "the engine does not log to it; `infinity train` writes metrics.jsonl, and a training "
@@ -67,10 +71,6 @@ TOP_LEVEL: dict[str, Unsupported] = {
         "the model runs in the fp16/bf16 training dtype itself (fp16.auto_cast casts the "
         "inputs); enable fp16 or bf16 instead",
         (OFF,),
-    ),
-    "communication_data_type": Unsupported(
-        f"{_GRAD_REDUCE}; another communication dtype is not implemented",
-        (None, "fp32"),
     ),
     "prescale_gradients": Unsupported(
         f"{_GRAD_REDUCE}, dividing by the world size after the sum; scaling before it is "
@@ -145,7 +145,7 @@ ZERO: dict[str, Unsupported] = {
         "frozen weights are kept in the training dtype, not quantized", (False,)
     ),
     "zero_quantized_gradients": Unsupported(
-        "gradients are reduce-scattered in the training dtype and accumulated in fp32, not "
+        "gradients are reduce-scattered in communication_data_type and accumulated in fp32, not "
         "quantized (ZeRO++ qgZ)",
         (False,),
     ),

@@ -223,11 +223,12 @@ def memory_of(
     runtime_bytes: int | None,
 ) -> tuple[int, int, int]:
     """(device bytes, steady RSS, peak RSS) of the run: the live set, the activations, the
-    largest gradient and the gradient sums kept there on the device; on the CPU device
-    (`gpu` False) that memory is host RAM, less what gathers alias of host homes."""
+    largest gradient, and the gradient sums and gradient buckets kept there on the device;
+    on the CPU device (`gpu` False) that memory is host RAM, less what gathers alias of
+    host homes."""
     largest = max((p.numel for p in shape.params if p.trainable), default=0)
     device = sz.peak_live_numel * sz.itemsize + acts + largest * sz.itemsize
-    device += sz.grad_device_bytes + sz.kept_device_bytes
+    device += sz.grad_device_bytes + sz.kept_device_bytes + sz.grad_bucket_device_bytes
     if recycled and (sz.gather_bytes_per_micro_step or sz.kept_gather_bytes_per_step):
         device += recycled_slack_bytes(shape, sz.itemsize)
     runtime = current_rss() if runtime_bytes is None else runtime_bytes
@@ -253,6 +254,7 @@ def _inputs(
     return {
         "model_params": shape.numel,
         "dtype": config.precision,
+        "comm_dtype": config.communication_dtype,
         "device": rates.device,
         "seq_len": seq_len,
         "micro_batch": config.train_micro_batch_size_per_gpu,

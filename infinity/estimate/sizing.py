@@ -28,7 +28,8 @@ from infinity.swap.pool import param_pool_nbytes
 from infinity.swap.split_state import grad_split, state_in_ram
 from infinity.swap.state_tier import StateFormat, host_state_footprint
 from infinity.swap.store import reserved_nbytes
-from infinity.zero import model_dtype
+from infinity.zero import communication_dtype, model_dtype
+from infinity.zero.grad_reduce import pooled_bucket_nbytes
 from infinity.zero.optimizer_state import state_format
 from infinity.zero.overlap import ahead_nbytes, overlap_sub_groups
 from infinity.zero.param import frozen_nvme_mask
@@ -120,6 +121,12 @@ class Sizes:
     ahead_numels: tuple[int, ...] = ()
     """Elements of each sub-group the overlapped step may step during the last backward, in
     the order it would (the first ones backward finishes)."""
+    grad_bucket_device_bytes: int = 0
+    """With several ranks, the gradient buckets' pooled buffers on the device, in the
+    communication dtype (`pooled_bucket_nbytes`; memory_stats' `grad_bucket_bytes`)."""
+    reduce_scatter_bytes_per_micro_step: int = 0
+    """With several ranks, the bytes one backward reduce-scatters: W rows of every
+    trainable shard, in the communication dtype (`comm_reduce_scatter_bytes`)."""
 
     @property
     def nvme_bytes(self) -> int:
@@ -212,8 +219,28 @@ def sizes(
         peak_live_numel=replay.peak_live_numel, **fetched,
         trainable_numel=shape.trainable_numel,
         flat_numel=layout.total, num_sub_groups=layout.num_sub_groups, itemsize=itemsize,
-        ahead_numels=tuple(early),  # the overlapped step's
+        ahead_numels=tuple(early), **_buckets(shape, homes, layout, config, world_size),
     )  # fmt: skip
+
+
+def _buckets(
+    shape: ModelShape, homes: Sequence[int], layout: FlatLayout, config: ResolvedConfig, world: int
+) -> dict[str, int]:
+    """The device bytes of the gradient buckets and the bytes one backward reduce-scatters
+    with `world` ranks, by `GradReducer`'s rules, in the communication dtype (none on one
+    rank); keyed as `Sizes`' fields."""
+    if world < 2:
+        return {}
+    zero, itemsize = config.zero_optimization, communication_dtype(config).itemsize
+    shards = [h for p, h in zip(shape.params, homes, strict=True) if p.trainable]
+    pooled = pooled_bucket_nbytes(
+        shards, world, zero.reduce_bucket_size, layout.total,
+        overlap=zero.overlap_comm, contiguous=zero.contiguous_gradients, itemsize=itemsize,
+    )  # fmt: skip
+    return {
+        "grad_bucket_device_bytes": pooled,
+        "reduce_scatter_bytes_per_micro_step": world * sum(shards) * itemsize,
+    }
 
 
 def _ahead(

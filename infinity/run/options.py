@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from infinity.config import Config, left_open
-from infinity.config.resolve import check_batch
+from infinity.config.resolve import check_batch, check_communication_dtype
 from infinity.run.schedule import apply_schedule_flags
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,10 @@ def config_from_args(
     config = Config.load(base)
     if args.seed is None:
         check_seed(config.seed, f"the seed in {args.config}")
-    # The batch triple is checked now, not after the data is tokenized.
+    # The batch triple is checked now, not after the data is tokenized; the communication
+    # dtype against the precision the flags set.
     check_batch(config, world_size)
+    check_communication_dtype(config)
     return config
 
 

@@ -11,7 +11,7 @@ into its slots (`grad_reduce`).
 """
 
 from infinity.zero.backward_entry import BackwardEntry
-from infinity.zero.build import HomePlan, init, model_dtype, partition_model
+from infinity.zero.build import HomePlan, communication_dtype, init, model_dtype, partition_model
 from infinity.zero.coordinator import Coordinator, LiveEvent
 from infinity.zero.home import HomeTier, HostHome, NvmeHome, ParamHome
 from infinity.zero.hooks import CallState, GatherOnUse, ModelHooks, install_grad_hooks
@@ -43,6 +43,7 @@ __all__ = [
     "Slot",
     "StepResult",
     "Trace",
+    "communication_dtype",
     "frozen_on_nvme",
     "init",
     "install_grad_hooks",

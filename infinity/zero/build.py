@@ -83,6 +83,11 @@ def model_dtype(config: Config) -> torch.dtype:
     return _DTYPES[config.precision]
 
 
+def communication_dtype(config: Config) -> torch.dtype:
+    """The dtype gradients are reduce-scattered in (`Config.communication_dtype`)."""
+    return _DTYPES[config.communication_dtype]
+
+
 def is_persistent(numel: int, threshold: int) -> bool:
     """A parameter below `param_persistence_threshold` elements stays gathered between uses
     (within the live budget: see `persistent_flags`)."""
