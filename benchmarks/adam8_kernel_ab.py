@@ -42,12 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--half", action="store_true", help="also write a bf16 copy")
+    parser.add_argument("--grad", choices=["bf16", "fp32"], default="bf16", help="grad dtype")
     args = parser.parse_args(argv)
     builds = {b.split("=")[0]: load_build(*b.split("=", 1)) for b in args.builds}
     n, torch_gen = args.numel, torch.manual_seed(0)
     param = torch.randn(n, generator=torch_gen)
-    grad = (torch.randn(n, generator=torch_gen) * 1e-2).bfloat16()
-    half = torch.empty(n, dtype=torch.bfloat16) if args.half else None
+    grad_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.grad]
+    grad = (torch.randn(n, generator=torch_gen) * 1e-2).to(grad_dtype)
     tables = [t.data_ptr() for t in native_tables()]
     states, times = {}, {name: [] for name in builds}
     for name, build in builds.items():
@@ -55,12 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         states[name] = [param.clone(), torch.full((n,), ZERO_CODE_SIGNED, dtype=torch.uint8),
                         torch.zeros(n, dtype=torch.uint8), torch.zeros(block_count(n)),
                         torch.zeros(block_count(n))]  # fmt: skip
+        if args.half:  # each build's own copy: compared with the rest of the state
+            states[name].append(torch.zeros(n, dtype=torch.bfloat16))
     hyper = AdamHyper(lr=1e-3, weight_decay=0.01)
     for step in range(1, args.rounds + 3):
         for name, build in builds.items():
-            p, mc, vc, ma, va = states[name]
+            p, mc, vc, ma, va, *half = states[name]
             call = [p.data_ptr(), grad.data_ptr(), mc.data_ptr(), vc.data_ptr(), ma.data_ptr(),
-                    va.data_ptr(), n, "bf16", half.data_ptr() if args.half else 0,
+                    va.data_ptr(), n, args.grad, half[0].data_ptr() if args.half else 0,
                     "bf16" if args.half else "", step, hyper, 1.0]  # fmt: skip
             start = time.perf_counter()
             try:
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             if step > 2:  # two warm-up steps
                 times[name].append((time.perf_counter() - start) * 1e3)
     print(os.popen("uptime").read().strip())
-    print(f"numel {n:,}  threads {args.threads}  half {args.half}  rounds {args.rounds}")
+    print(f"numel {n:,}  threads {args.threads}  grad {args.grad}  half {args.half}  "
+          f"rounds {args.rounds}")  # fmt: skip
     first = next(iter(states.values()))
     for name, ms in times.items():
         same = all(torch.equal(a, b) for a, b in zip(states[name], first, strict=True))

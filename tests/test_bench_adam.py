@@ -53,6 +53,20 @@ def test_config_and_counts_are_checked():
         BenchConfig(dtypes=["fp8"])
     with pytest.raises(ValueError, match="peer"):
         BenchConfig(peers=["apex"])
+    with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
+        BenchConfig(threads=0)
+
+
+@pytest.mark.skipif(not native_adam.available(), reason="infinity._cpu_adam is not built")
+def test_threads_apply_to_the_run_and_are_restored(tmp_path):
+    out = tmp_path / "one.json"
+    before = native_adam.num_threads()
+    argv = ["bench", "adam", "--numel", "3K", "--peer", "infinity", "--dtype", "fp32",
+            "--threads", "1", "--warmup", "0", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    machine = json.loads(out.read_text())["machine"]
+    assert machine["native_threads"] == 1 and machine["torch_threads"] == 1
+    assert native_adam.num_threads() == before
 
 
 def test_the_8_bit_rows_sit_beside_torchaos(tmp_path):

@@ -288,3 +288,43 @@ def test_bad_buffers_are_refused():
         adam8_step_flat(param, grad, m, v, torch.zeros(3), av, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="exp_avg and exp_avg_sq share memory"):
         adam8_step_flat(param, grad, m, m, am, av, step=1, lr=1e-3)
+
+
+def _awkward_floats(gen: torch.Generator) -> torch.Tensor:
+    """Normal floats with, in some 16-lane vectors only, the ones a bf16 conversion may
+    treat differently: denormals, NaNs of both signs and other payloads, infinities, zeros,
+    exact bf16 ties (even and odd) and the largest float (which rounds to infinity)."""
+    x = torch.randn(4 * BLOCK, generator=gen)
+    odd = [0x00000001, 0x807FFFFF, 0x00400000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFA12345,
+           0x7F800000, 0xFF800000, 0x00000000, 0x80000000, 0x3F808000, 0x3F818000, 0x7F7FFFFF,
+           0x00800000, 0x3F807FFF]  # fmt: skip
+    special = torch.tensor(odd, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x[16:32] = special  # one vector of them
+    x[100] = special[0]  # one denormal among normals
+    x[300] = special[4]  # one negative NaN among normals
+    x[512:528] = torch.tensor([1 + 0x1111 * k for k in range(16)], dtype=torch.int32).view(
+        torch.float32
+    )  # a vector of denormals
+    return x
+
+
+@needs_native
+def test_the_bf16_copy_of_awkward_weights_is_alike_on_every_level():
+    """A step that leaves the weights as they are (lr 0) writes their bf16 copy: every level
+    gives the scalar path's bits, where vcvtneps2bf16 would not ([Note: the bf16 copy by
+    one instruction] in kernel_avx512.cpp)."""
+    gen = torch.Generator().manual_seed(7)
+    start, grad = _awkward_floats(gen), torch.randn(4 * BLOCK, generator=gen) * 1e-2
+    results = []
+    for level in LEVELS:
+        param, half = start.clone(), torch.empty(4 * BLOCK, dtype=torch.bfloat16)
+        state = _zero_state(param.numel())
+        adam8_step_flat(param, grad, *state, step=1, hyper=AdamHyper(lr=0.0), half_out=half,
+                        simd=level)  # fmt: skip
+        results.append([param, half])
+    bits = results[-1][0].view(torch.int32)
+    assert ((bits & 0x7F800000) == 0).logical_and((bits & 0x7FFFFF) != 0).sum() >= 17
+    assert (bits == torch.tensor(0xFFC00000, dtype=torch.int64).to(torch.int32)).any()
+    for level, (param, half) in zip(LEVELS, results, strict=True):
+        assert torch.equal(param.view(torch.int32), results[-1][0].view(torch.int32)), level
+        assert torch.equal(half.view(torch.int16), results[-1][1].view(torch.int16)), level

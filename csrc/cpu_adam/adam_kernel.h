@@ -81,6 +81,7 @@ void adam_avx512(const AdamArgs& a, size_t begin, size_t end);
 void adam8_avx2(const Adam8Args& a, size_t begin, size_t end);
 void adam8_avx512(const Adam8Args& a, size_t begin, size_t end);
 void adam8_avx512vbmi(const Adam8Args& a, size_t begin, size_t end);
+void adam8_avx512bf16(const Adam8Args& a, size_t begin, size_t end);
 #endif
 #if defined(__aarch64__)
 void adam_neon(const AdamArgs& a, size_t begin, size_t end);

@@ -39,6 +39,15 @@ bool cpu_has_avx512vbmi() {
 #endif
 }
 
+// VBMI and AVX512_BF16: the 8-bit step's bf16 copy by one conversion instruction.
+bool cpu_has_avx512bf16() {
+#if defined(__x86_64__) || defined(_M_X64)
+    return cpu_has_avx512vbmi() && __builtin_cpu_supports("avx512bf16");
+#else
+    return false;
+#endif
+}
+
 bool cpu_has_avx2() {
 #if defined(__x86_64__) || defined(_M_X64)
     __builtin_cpu_init();
@@ -52,6 +61,7 @@ bool cpu_has_avx2() {
 // The levels this CPU can run, fastest first; "scalar" is always last.
 std::vector<std::string> simd_levels() {
     std::vector<std::string> out;
+    if (cpu_has_avx512bf16()) out.push_back("avx512bf16");
     if (cpu_has_avx512vbmi()) out.push_back("avx512vbmi");
     if (cpu_has_avx512()) out.push_back("avx512");
     if (cpu_has_avx2()) out.push_back("avx2");
@@ -74,7 +84,8 @@ KernelFn kernel_for(const std::string& requested) {
                                     "it supports: " + have + "); pass one of those or 'auto'");
     }
 #if defined(__x86_64__) || defined(_M_X64)
-    if (level == "avx512" || level == "avx512vbmi") return adam_avx512;  // same 32-bit path
+    if (level == "avx512" || level == "avx512vbmi" || level == "avx512bf16")
+        return adam_avx512;  // same 32-bit path
     if (level == "avx2") return adam_avx2;
 #endif
 #if defined(__aarch64__)
@@ -83,17 +94,24 @@ KernelFn kernel_for(const std::string& requested) {
     return adam_scalar;
 }
 
+// The level a request names: "auto" is the fastest this CPU runs.
+std::string level_of(const std::string& requested) {
+    static const std::vector<std::string> levels = simd_levels();
+    return requested == "auto" ? levels.front() : requested;
+}
+
 // Whether a request runs the 8-bit step's VBMI lookup (kernel_for has validated it).
 bool uses_vbmi(const std::string& requested) {
-    static const std::vector<std::string> levels = simd_levels();
-    return requested == "avx512vbmi" || (requested == "auto" && levels.front() == "avx512vbmi");
+    const std::string level = level_of(requested);
+    return level == "avx512vbmi" || level == "avx512bf16";
 }
 
 // The 8-bit step's path for a level: NEON has none yet, so aarch64 runs the scalar one.
 Kernel8Fn kernel8_for(const std::string& requested) {
     const KernelFn k = kernel_for(requested);  // validates the request
 #if defined(__x86_64__) || defined(_M_X64)
-    if (uses_vbmi(requested)) return adam8_avx512vbmi;
+    if (uses_vbmi(requested))
+        return level_of(requested) == "avx512bf16" ? adam8_avx512bf16 : adam8_avx512vbmi;
     if (k == adam_avx512) return adam8_avx512;
     if (k == adam_avx2) return adam8_avx2;
 #endif
@@ -256,7 +274,8 @@ void adam8_step(uintptr_t param, uintptr_t grad, uintptr_t m_codes, uintptr_t v_
     }
 
 #if defined(__x86_64__) || defined(_M_X64)
-    if (kernel == adam8_avx512 || kernel == adam8_avx512vbmi)  // the paths with the tree
+    if (kernel == adam8_avx512 || kernel == adam8_avx512vbmi ||
+        kernel == adam8_avx512bf16)  // the paths with the tree
         for (int k = 0; k < 2; ++k)
             maps[k]->tree = static_cast<const int16_t*>(as_ptr(tables[4 * k + 2]));
 #endif

@@ -10,6 +10,7 @@ the same parameters in one run, plus a STREAM-like copy; for each gradient dtype
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -18,7 +19,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -51,6 +52,8 @@ class BenchConfig:
     """Untimed runs before the timed ones."""
     repeats: int = 7
     """Timed runs; the median is reported."""
+    threads: int | None = None
+    """Threads of the native kernel and of torch (None: their defaults, the usable cores)."""
 
     def __post_init__(self) -> None:
         if self.numel < 1:
@@ -65,6 +68,8 @@ class BenchConfig:
                 raise ValueError(f"peer {p!r} is not one of {', '.join(PEERS)}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0, got {self.repeats}/{self.warmup}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}; omit it for all cores")
 
 
 def parse_count(text: str) -> int:
@@ -278,12 +283,35 @@ def _available(name: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def thread_count(threads: int | None) -> Iterator[None]:
+    """Runs the block with `threads` native-kernel and torch threads, then restores both."""
+    if threads is None:
+        yield
+        return
+    before = (native_adam.num_threads(), torch.get_num_threads())
+    if native_adam.available():
+        native_adam.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if native_adam.available():
+            native_adam.set_num_threads(before[0])
+        torch.set_num_threads(before[1])
+
+
 def run(cfg: BenchConfig) -> dict:
     """Measures every (peer, grad dtype, half copy) row; returns one JSON-able record.
 
     For each gradient dtype and half-copy setting, all implementations and the copies run
     round-robin on the same buffers; each row reports the median of its repeats.
     """
+    with thread_count(cfg.threads):
+        return _run(cfg)
+
+
+def _run(cfg: BenchConfig) -> dict:
     record = {"config": asdict(cfg), "machine": machine_info(), "rows": [], "copy": {}}
     buf = Buffers(cfg.numel, DTYPES[cfg.half_dtype])
     copies = copy_fns(cfg.numel)
@@ -330,7 +358,8 @@ def format_table(record: dict) -> str:
     copy = record["copy"]
     lines = [
         f"numel {record['config']['numel']:,}  machine {record['machine']['cpu']} "
-        f"({record['machine']['cores']} cores, {', '.join(record['machine']['simd_levels'])})",
+        f"({record['machine']['cores']} cores, {record['machine']['native_threads']} kernel "
+        f"threads, {', '.join(record['machine']['simd_levels'])})",
         "copy bandwidth: "
         + ", ".join(f"{k.removesuffix('_GBps')} {v:.1f} GB/s" for k, v in copy.items()),
         f"{'impl':<14}{'grad':<6}{'half':<6}{'ms':>9}{'Gparam/s':>10}{'GB/s':>8}{'%copy':>7}",
@@ -358,6 +387,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="implementation to measure (repeatable; default all)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int,
+                        help="kernel and torch threads (default: the usable cores)")  # fmt: skip
     parser.add_argument("--json", metavar="FILE", help="write the record as JSON here")
     parser.set_defaults(func=main)
 
@@ -370,6 +401,7 @@ def main(args: argparse.Namespace) -> int:
         peers=args.peer or list(PEERS),
         warmup=args.warmup,
         repeats=args.repeats,
+        threads=args.threads,
     )
     record = run(cfg)
     print(format_table(record))

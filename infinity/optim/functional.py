@@ -6,9 +6,10 @@ the reference. Both take the hyperparameters as one `AdamHyper`. State (paramete
 lives in tensors the caller owns.
 
 [Note: choosing the implementation] `backend` is "native", "torch" or "auto" (native when
-built); `simd` forces a native SIMD level ("avx512vbmi", "avx512", "avx2", "neon", "scalar")
-or "auto" (the fastest this CPU runs; "avx512vbmi" differs from "avx512" in the 8-bit step's
-table lookup only). When an argument is None, the environment variables
+built); `simd` forces a native SIMD level ("avx512bf16", "avx512vbmi", "avx512", "avx2",
+"neon", "scalar") or "auto" (the fastest this CPU runs; "avx512vbmi" differs from "avx512" in
+the 8-bit step's table lookup only, "avx512bf16" from "avx512vbmi" in its bf16 copy's
+conversion only; all give the same bits). When an argument is None, the environment variables
 INFINITY_ADAM_BACKEND and INFINITY_ADAM_SIMD decide, then "auto". A forced SIMD level needs the
 native kernel, so it is an error when the kernel is not built rather than a silent fallback.
 """

@@ -33,7 +33,7 @@ if _native is not None and not hasattr(_native, "HYPER_FIELDS"):
 # Torch dtype -> the kernel's dtype name.
 GRAD_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 HALF_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-SIMD_CHOICES = ("auto", "avx512vbmi", "avx512", "avx2", "neon", "scalar")
+SIMD_CHOICES = ("auto", "avx512bf16", "avx512vbmi", "avx512", "avx2", "neon", "scalar")
 BUILD_HINT = "build it with `python setup.py build_ext --inplace` (needs a C++17 compiler)"
 
 
