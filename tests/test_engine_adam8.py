@@ -121,3 +121,16 @@ def test_the_other_format_is_refused_unless_converted(tmp_path, saved_8bit):
     assert losses == pytest.approx(want, rel=2e-2)
     for e in (engine, same):
         e.close()
+
+
+def test_memory_stats_say_the_state_format(tmp_path):
+    """The engine's `memory_stats()` carries `optim_state_bits`, as docs/optimizer_8bit.md
+    says (the optimizer's own stats had it; the engine's dropped it)."""
+    for eight_bit, bits in ((True, 8), (False, 32)):
+        engine = infinity.initialize(
+            tiny_gpt(checkpointing=False), _cfg(tmp_path, eight_bit=eight_bit)
+        )
+        try:
+            assert engine.memory_stats()["optim_state_bits"] == bits
+        finally:
+            engine.close()
