@@ -48,6 +48,29 @@ def test_the_overlapped_step_is_bitwise_the_serial_one(tmp_path, dtype, clip, ac
 
 
 @pytest.mark.parametrize(
+    "dtype, clip, accum, tier, lora_r",
+    [("fp16", "loose", 1, "nvme", 0), ("bf16", "biting", 4, "cpu", 4)],
+)
+def test_8_bit_moments_and_lora_overlapped_are_bitwise_serial(
+    tmp_path, dtype, clip, accum, tier, lora_r
+):
+    """The 8-bit state (its codes and absmax copied and restored) and LoRA adapters (a frozen
+    base: only the adapters' sub-groups step early), early steps kept and redone alike."""
+    runs = {}
+    for overlap in (False, True):
+        cfg = overlap_config(
+            dtype=dtype, clip=clip, accum=accum, tier=tier, overlap=overlap,
+            nvme_dir=str(tmp_path / ("b" if overlap else "a")),
+        )  # fmt: skip
+        cfg["optimizer"]["type"] = "AdamW8bit"
+        runs[overlap] = train(cfg, lora_r=lora_r)
+    same_bits(runs[True], runs[False])
+    kept = [c for a, c in runs[True]["ahead"] if a]
+    assert len(kept) == len(runs[True]["ahead"])  # every step began during backward
+    assert (max(kept) > 0) == (clip == "loose")
+
+
+@pytest.mark.parametrize(
     "dtype, clip, accum, tier",
     [("fp32", "loose", 4, "cpu"), ("bf16", "biting", 1, "nvme"), ("fp16", "off", 1, "cpu")],
 )
