@@ -107,8 +107,12 @@ def test_the_other_format_is_refused_unless_converted(tmp_path, saved_8bit):
     first.close()
     other = _cfg(tmp_path, eight_bit=not saved_8bit)
     engine = infinity.initialize(copy.deepcopy(model), other)
-    with pytest.raises(ValueError, match="--convert-optim-state"):
+    with pytest.raises(ValueError, match="--convert-optim-state") as err:
         engine.load_checkpoint(tmp_path / "ckpt")
+    # The fix in every switch's words: the CLI's, the config's and the Trainer's.
+    saved = "'AdamW8bit'" if saved_8bit else "'AdamW'"
+    assert f"optimizer.type {saved}" in str(err.value)
+    assert ("optim='adamw_bnb_8bit'" if saved_8bit else "optim='adamw_torch'") in str(err.value)
     engine.close()
     other["optimizer"]["params"]["convert_state"] = True
     engine = infinity.initialize(copy.deepcopy(model), other)
