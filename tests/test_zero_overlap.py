@@ -83,6 +83,23 @@ def test_two_ranks_overlapped_are_bitwise_serial(tmp_path, dtype, clip, accum, t
     assert results[0]["True"]["losses"] != results[1]["True"]["losses"]  # each its own batch
 
 
+def test_ranks_that_stepped_different_sub_groups_early_agree(tmp_path):
+    """How far each rank's worker got before the step is its own timing; the weights'
+    publication (a collective refreshing the gathered copies) must come in the same order on
+    every rank whatever was stepped early, kept or redone: here rank 1 steps one sub-group
+    early, rank 0 all it can, and clipping bites (every early step redone). Before, the
+    redone ones were published after the rest, in a rank's own order: the collectives did
+    not match (gloo: "Received data size doesn't match expected size")."""
+    args = ["fp32", "biting", "1", "cpu", str(tmp_path), "uneven"]
+    results = rank_results(run_ranks("_overlap_child.py", args, timeout_s=120))
+    for runs in results:
+        same_bits(runs["True"], runs["False"])
+    assert [min(a for a, _ in r["True"]["ahead"]) for r in results] == [
+        min(a for a, _ in results[0]["True"]["ahead"]),
+        1,
+    ]
+
+
 def _loop(overlap: bool, tmp_path, script) -> dict:
     """`script(engine, batches)` on the tiny GPT; weights and state digests after it."""
     cfg = overlap_config(
