@@ -145,3 +145,17 @@ def test_a_window_the_loop_extends_undoes_what_began(tmp_path):
     serial, overlapped = _loop(False, tmp_path, script), _loop(True, tmp_path, script)
     assert serial["ahead"] == overlapped["ahead"] == 2
     assert overlapped["weights"] == serial["weights"] and overlapped["state"] == serial["state"]
+
+
+def test_an_overlap_that_cannot_step_anything_early_says_why(tmp_path, caplog):
+    """overlap_step on, the state on NVMe, the gradient sums not kept in RAM: nothing can be
+    stepped early; the engine says so and names the key, instead of running serially in
+    silence."""
+    cfg = overlap_config(
+        dtype="bf16", clip="off", accum=1, tier="nvme", nvme_dir=str(tmp_path), overlap=True
+    )
+    del cfg["zero_optimization"]["offload_optimizer"]["gradients_in_cpu"]
+    with caplog.at_level("WARNING", logger="infinity.zero.overlap"):
+        engine = infinity.initialize(tiny_gpt(checkpointing=False), cfg)
+    engine.close()
+    assert "overlap_step" in caplog.text and "gradients_in_cpu" in caplog.text, caplog.text

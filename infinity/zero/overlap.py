@@ -42,6 +42,7 @@ updates a home in place: only after its gradient is final).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ from infinity.swap.grad_tier import GradTier
 from infinity.swap.state_format import StateFormat
 from infinity.swap.state_tier import StateTier, SubGroupState
 from infinity.zero.sub_groups import FlatLayout
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Ahead", "AheadCopies", "OverlapStep", "ahead_nbytes", "overlap_limit", "overlap_plan",
@@ -308,5 +311,19 @@ def overlap_plan(
     zero: ZeroConfig, layout: FlatLayout, grads: GradTier
 ) -> tuple[list[int], int] | None:
     """`overlap_sub_groups` for the gradient tier `grads`, whose sub-groups in host memory
-    (`host_resident`) may be stepped early (see [Note: the overlapped step])."""
-    return overlap_sub_groups(zero, layout.sub_group_numels, grads.host_resident())
+    (`host_resident`) may be stepped early (see [Note: the overlapped step]); with the key
+    on and nothing to step early, a warning says why."""
+    numels, on_host = layout.sub_group_numels, grads.host_resident()
+    plan = overlap_sub_groups(zero, numels, on_host)
+    offload = zero.offload_optimizer
+    if offload.overlap_step and plan is None and numels:
+        logger.warning(
+            "offload_optimizer.overlap_step: no sub-group can be stepped early, the step runs "
+            "serially: the last sub-group (%d elements) %s",
+            numels[-1],
+            f"is over overlap_numel {offload.overlap_numel}; raise it or lower sub_group_size"
+            if on_host[-1]
+            else "has its gradient sums off the host (with the optimizer state on NVMe, set "
+            "offload_optimizer.gradients_in_cpu true)",
+        )
+    return plan
