@@ -158,6 +158,7 @@ class PartitionedModel:
         stats["host_bytes"] = host + optim["host_bytes"]
         prefixes = ("nvme_", "optim_host_buffer", "optim_overlap", "grad_")
         stats.update({k: v for k, v in optim.items() if k.startswith(prefixes)})
+        stats["optim_state_bits"] = optim["optim_state_bits"]  # 8-bit or 32-bit moments
         # Pinned: the host homes (offload_param.pin_memory; the trainable ones are the
         # optimizer's weight buffer) and the NVMe pipelines' buffers.
         homes = sum(r.home.pinned_bytes for r in self.records if not r.trainable)

@@ -10,6 +10,7 @@ import torch
 from _engine_models import batches, config, tiny_gpt
 
 import infinity
+from infinity.models.lora import LoraSpec, apply_lora
 
 STEPS = 4
 CLIPS = {"off": 0.0, "loose": 1e6, "biting": 1e-3}
@@ -40,14 +41,28 @@ def digest(t: torch.Tensor) -> str:
 
 
 def train(
-    cfg: dict, *, comm=None, rank: int = 0, world: int = 1, accelerator=None, on_engine=None
+    cfg: dict,
+    *,
+    comm=None,
+    rank: int = 0,
+    world: int = 1,
+    accelerator=None,
+    on_engine=None,
+    lora_r: int = 0,
 ) -> dict:
     """STEPS optimizer steps of the tiny GPT on this rank's share of fixed batches: per step
     the loss, grad norm, loss scale and whether it was skipped; at the end digests of every
     weight and optimizer state tensor, and what was stepped early. `on_engine(engine)` is
-    called once it is built."""
+    called once it is built; `lora_r` puts adapters (B drawn, not zero) on every linear layer
+    of the blocks, the base frozen."""
     torch.manual_seed(0)
     model = tiny_gpt(checkpointing=False)
+    if lora_r:
+        model = apply_lora(model, LoraSpec(r=lora_r))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
     kwargs = {} if comm is None else {"comm": comm}
     if accelerator is not None:
         kwargs["accelerator"] = accelerator

@@ -81,3 +81,18 @@ def test_the_8_bit_rows_sit_beside_torchaos(tmp_path):
     peer = [r for r in rows if r["impl"] == "torchao-8bit"]
     assert peer and (all("skipped" in r for r in peer) or len(peer) == 2)
     assert bytes_per_param("bf16", False, eight_bit=True) == 14
+
+
+def test_bad_flags_are_refused_with_the_fix_before_measuring(tmp_path, capsys):
+    """A count argparse cannot read keeps parse_count's message (argparse alone printed
+    "invalid parse_count value"); 1e6 is a count; an unwritable --json is refused before the
+    minutes of measuring, not after them."""
+    assert parse_count("1e6") == 1_000_000 and parse_count("2.5E7") == 25_000_000
+    with pytest.raises(SystemExit):
+        main(["bench", "adam", "--numel", "lots"])
+    assert "cannot read 'LOTS' as a count; write e.g. 100M" in capsys.readouterr().err
+    for where in (tmp_path / "absent" / "a.json", tmp_path):
+        argv = ["bench", "adam", "--numel", "1K", "--peer", "infinity", "--json", str(where)]
+        assert main(argv) == 1
+        out = capsys.readouterr()
+        assert f"--json {where}" in out.err and "copy bandwidth" not in out.out

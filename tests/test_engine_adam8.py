@@ -107,8 +107,12 @@ def test_the_other_format_is_refused_unless_converted(tmp_path, saved_8bit):
     first.close()
     other = _cfg(tmp_path, eight_bit=not saved_8bit)
     engine = infinity.initialize(copy.deepcopy(model), other)
-    with pytest.raises(ValueError, match="--convert-optim-state"):
+    with pytest.raises(ValueError, match="--convert-optim-state") as err:
         engine.load_checkpoint(tmp_path / "ckpt")
+    # The fix in every switch's words: the CLI's, the config's and the Trainer's.
+    saved = "'AdamW8bit'" if saved_8bit else "'AdamW'"
+    assert f"optimizer.type {saved}" in str(err.value)
+    assert ("optim='adamw_bnb_8bit'" if saved_8bit else "optim='adamw_torch'") in str(err.value)
     engine.close()
     other["optimizer"]["params"]["convert_state"] = True
     engine = infinity.initialize(copy.deepcopy(model), other)
@@ -121,3 +125,16 @@ def test_the_other_format_is_refused_unless_converted(tmp_path, saved_8bit):
     assert losses == pytest.approx(want, rel=2e-2)
     for e in (engine, same):
         e.close()
+
+
+def test_memory_stats_say_the_state_format(tmp_path):
+    """The engine's `memory_stats()` carries `optim_state_bits`, as docs/optimizer_8bit.md
+    says (the optimizer's own stats had it; the engine's dropped it)."""
+    for eight_bit, bits in ((True, 8), (False, 32)):
+        engine = infinity.initialize(
+            tiny_gpt(checkpointing=False), _cfg(tmp_path, eight_bit=eight_bit)
+        )
+        try:
+            assert engine.memory_stats()["optim_state_bits"] == bits
+        finally:
+            engine.close()

@@ -58,3 +58,13 @@ def test_the_13b_headline_keeps_its_8_bit_state_in_ram(tmp_path):
     moved = {k: e["terms"]["optim_read_bytes_per_step"] for k, e in est.items()}
     assert moved["adamw_8bit"] <= 0.05 * moved["adamw"], moved
     assert eight["placement"]["peak_rss_bytes"] <= 120 * 2**30
+
+
+def test_the_plan_names_the_state_it_places(tmp_path, capsys):
+    """The placement printed by `infinity estimate` (and `infinity train`) calls 8-bit state
+    8-bit (it said fp32)."""
+    argv = ["estimate", "--model", "tiny", "--nvme", str(tmp_path), "--ram-budget", "4G",
+            "--optim", "adamw_8bit"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state (8-bit)" in out and "optimizer state (fp32)" not in out, out

@@ -48,6 +48,29 @@ def test_the_overlapped_step_is_bitwise_the_serial_one(tmp_path, dtype, clip, ac
 
 
 @pytest.mark.parametrize(
+    "dtype, clip, accum, tier, lora_r",
+    [("fp16", "loose", 1, "nvme", 0), ("bf16", "biting", 4, "cpu", 4)],
+)
+def test_8_bit_moments_and_lora_overlapped_are_bitwise_serial(
+    tmp_path, dtype, clip, accum, tier, lora_r
+):
+    """The 8-bit state (its codes and absmax copied and restored) and LoRA adapters (a frozen
+    base: only the adapters' sub-groups step early), early steps kept and redone alike."""
+    runs = {}
+    for overlap in (False, True):
+        cfg = overlap_config(
+            dtype=dtype, clip=clip, accum=accum, tier=tier, overlap=overlap,
+            nvme_dir=str(tmp_path / ("b" if overlap else "a")),
+        )  # fmt: skip
+        cfg["optimizer"]["type"] = "AdamW8bit"
+        runs[overlap] = train(cfg, lora_r=lora_r)
+    same_bits(runs[True], runs[False])
+    kept = [c for a, c in runs[True]["ahead"] if a]
+    assert len(kept) == len(runs[True]["ahead"])  # every step began during backward
+    assert (max(kept) > 0) == (clip == "loose")
+
+
+@pytest.mark.parametrize(
     "dtype, clip, accum, tier",
     [("fp32", "loose", 4, "cpu"), ("bf16", "biting", 1, "nvme"), ("fp16", "off", 1, "cpu")],
 )
@@ -58,6 +81,23 @@ def test_two_ranks_overlapped_are_bitwise_serial(tmp_path, dtype, clip, accum, t
         same_bits(runs["True"], runs["False"])
         assert min(a for a, _ in runs["True"]["ahead"]) > 0
     assert results[0]["True"]["losses"] != results[1]["True"]["losses"]  # each its own batch
+
+
+def test_ranks_that_stepped_different_sub_groups_early_agree(tmp_path):
+    """How far each rank's worker got before the step is its own timing; the weights'
+    publication (a collective refreshing the gathered copies) must come in the same order on
+    every rank whatever was stepped early, kept or redone: here rank 1 steps one sub-group
+    early, rank 0 all it can, and clipping bites (every early step redone). Before, the
+    redone ones were published after the rest, in a rank's own order: the collectives did
+    not match (gloo: "Received data size doesn't match expected size")."""
+    args = ["fp32", "biting", "1", "cpu", str(tmp_path), "uneven"]
+    results = rank_results(run_ranks("_overlap_child.py", args, timeout_s=120))
+    for runs in results:
+        same_bits(runs["True"], runs["False"])
+    assert [min(a for a, _ in r["True"]["ahead"]) for r in results] == [
+        min(a for a, _ in results[0]["True"]["ahead"]),
+        1,
+    ]
 
 
 def _loop(overlap: bool, tmp_path, script) -> dict:
@@ -105,3 +145,17 @@ def test_a_window_the_loop_extends_undoes_what_began(tmp_path):
     serial, overlapped = _loop(False, tmp_path, script), _loop(True, tmp_path, script)
     assert serial["ahead"] == overlapped["ahead"] == 2
     assert overlapped["weights"] == serial["weights"] and overlapped["state"] == serial["state"]
+
+
+def test_an_overlap_that_cannot_step_anything_early_says_why(tmp_path, caplog):
+    """overlap_step on, the state on NVMe, the gradient sums not kept in RAM: nothing can be
+    stepped early; the engine says so and names the key, instead of running serially in
+    silence."""
+    cfg = overlap_config(
+        dtype="bf16", clip="off", accum=1, tier="nvme", nvme_dir=str(tmp_path), overlap=True
+    )
+    del cfg["zero_optimization"]["offload_optimizer"]["gradients_in_cpu"]
+    with caplog.at_level("WARNING", logger="infinity.zero.overlap"):
+        engine = infinity.initialize(tiny_gpt(checkpointing=False), cfg)
+    engine.close()
+    assert "overlap_step" in caplog.text and "gradients_in_cpu" in caplog.text, caplog.text

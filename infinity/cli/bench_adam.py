@@ -79,8 +79,11 @@ def parse_count(text: str) -> int:
     try:
         if text and text[-1] in scale:
             return int(float(text[:-1]) * scale[text[-1]])
-        return int(text)
-    except ValueError:
+        value = float(text)  # 25000, or 1e6 as configs write sizes
+        if not value.is_integer():
+            raise ValueError(text)
+        return int(value)
+    except (ValueError, OverflowError):
         raise ValueError(
             f"cannot read {text!r} as a count; write e.g. 100M, 1.5G or 25000"
         ) from None
@@ -376,9 +379,29 @@ def format_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def _count_arg(text: str) -> int:
+    """`parse_count` for argparse, which prints an ArgumentTypeError's message (and only a
+    generic one for a ValueError)."""
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _check_json_path(path: str) -> None:
+    """Refuse a --json file that cannot be written before measuring, not after."""
+    where = os.path.abspath(path)
+    parent = os.path.dirname(where)
+    if os.path.isdir(where) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(
+            f"--json {path}: cannot write a file there (a directory, or its folder is missing"
+            " or read-only); name a file in a writable folder"
+        )
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("adam", help="CPU-Adam throughput vs torch and DeepSpeed")
-    parser.add_argument("--numel", type=parse_count, default=100_000_000,
+    parser.add_argument("--numel", type=_count_arg, default=100_000_000,
                         help="parameters per step, e.g. 100M (default 100M)")  # fmt: skip
     parser.add_argument("--dtype", action="append", choices=list(DTYPES),
                         help="gradient dtype (repeatable; default all)")  # fmt: skip
@@ -394,6 +417,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.json:
+        _check_json_path(args.json)
     cfg = BenchConfig(
         numel=args.numel,
         dtypes=args.dtype or ["fp32", "bf16", "fp16"],

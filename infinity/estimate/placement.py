@@ -112,6 +112,8 @@ class Placement:
     device_bytes: int
     """The estimate's device memory (the live set, activations; host RAM on the CPU device)."""
     budget: Budget
+    eight_bit_state: bool = False
+    """The state's moments are 8-bit (AdamW8bit): its rows are labelled so."""
     buffers: dict[str, int] = field(default_factory=dict)
     """The buffer, live-set and device-gradient settings the plan changed (see [Note: lean
     buffers], [Note: resident on the device] and [Note: gradient sums on the device] in
@@ -138,7 +140,7 @@ class Placement:
         rows = [
             ("16-bit trainable weights", self.weights),
             ("frozen parameters", self.frozen),
-            ("optimizer state (fp32)", self.state),
+            (f"optimizer state ({'8-bit' if self.eight_bit_state else 'fp32'})", self.state),
             ("gradients (fp32)", self.grads),
         ]
         margin = self.budget.margin_bytes
@@ -458,4 +460,5 @@ def _placement(
         host_device_bytes_per_step=host_device,
         live_parameters=cfg.zero_optimization.max_live_parameters,
         peak_rss_bytes=memory[0], device_bytes=memory[1], budget=budget,
+        eight_bit_state=cfg.optimizer.eight_bit,
     )  # fmt: skip

@@ -420,6 +420,8 @@ class PartitionedOptimizer:
                 self.state_tier.write(index, ahead.after)
             self._publish(index, ahead.new)
 
+        redone: list[tuple[int, SubGroupState]] = []
+
         def redo(index: int, ahead: Ahead) -> None:
             if ahead.before is None:  # stepped on a copy: the live state is as it was
                 return run(index, self.state_tier.resident(index))
@@ -427,7 +429,7 @@ class PartitionedOptimizer:
             self.last_compute_s += self._update_into(
                 new, index, ahead.before, kernel=base, grad_scale=grad_scale
             )
-            self.state_tier.write(index, ahead.before)
+            redone.append((index, ahead.before))  # written once the sweep is through
             self._publish(index, new)
 
         try:
@@ -436,6 +438,8 @@ class PartitionedOptimizer:
                     run(index, state)
             else:
                 ahead.settle(confirm=confirm, run=run, publish=confirm_ahead, redo=redo)
+                for index, state in redone:  # over what the sweep wrote back for them
+                    self.state_tier.write(index, state)
         finally:
             self.weights.finish()
         self.step_count = step

@@ -81,10 +81,16 @@ def check_format(saved: StateFormat, configured: StateFormat, convert: bool) -> 
     raise ValueError(
         f"the checkpoint's optimizer state is {saved.value} ({_words(saved)}) but this run's "
         f"optimizer is {configured.value} ({_words(configured)}); resume with the same "
-        f"optimizer (--optim {saved.value}), or convert the state explicitly with "
+        f"optimizer ({_switches(saved)}), or convert the state explicitly with "
         f"--convert-optim-state (config: optimizer.params.convert_state true), which "
         f"{'quantizes' if configured.eight_bit else 'dequantizes'} the moments once"
     )
+
+
+def _switches(fmt: StateFormat) -> str:
+    """The optimizer `fmt` is, as each entry point spells it (CLI, config, HF Trainer)."""
+    kind, trainer = ("AdamW8bit", "adamw_bnb_8bit") if fmt.eight_bit else ("AdamW", "adamw_torch")
+    return f"--optim {fmt.value}; config optimizer.type {kind!r}; Trainer optim={trainer!r}"
 
 
 def _words(fmt: StateFormat) -> str:

@@ -27,20 +27,22 @@ it was final (`spoiled`). Then its kernel saw the same inputs as the serial kern
 (same state, same gradient sums, same constants, same element offsets in the same runs, so
 the same SIMD/scalar split) and its outputs are those bits; confirming only publishes the
 new weights and releases the gradients, as the serial step does after its kernel. Anything
-else is undone exactly: the rest of the sweep runs serially with the real coefficient, and
-each speculated sub-group is stepped again from its `before` copy (a bitwise copy, so the
-kernel sees the serial inputs) and written back; on overflow (or a step that does not come)
-`before` is written back unchanged and the gradients stay. The norm itself is computed after
-the worker has stopped, from the same sums in the same order. Sub-groups are independent,
-so the order of the sweep changes nothing. The gradient hooks fire after a parameter's last
-use in a backward, so a parameter whose sub-group is final is not read again before the step
-(with fp32 weights that alias the masters, the worker updates a home in place: only after
-its gradient is final).
+else is undone exactly: each speculated sub-group is stepped again from its `before` copy
+(a bitwise copy, so the kernel sees the serial inputs), then the rest of the sweep runs
+serially with the real coefficient, and the redone states are written back after it (new
+weights are published in the sweep's order on every rank: see `settle`); on overflow (or a
+step that does not come) `before` is written back unchanged and the gradients stay. The norm
+itself is computed after the worker has stopped, from the same sums in the same order.
+Sub-groups are independent, so the order of the sweep changes nothing. The gradient hooks
+fire after a parameter's last use in a backward, so a parameter whose sub-group is final is
+not read again before the step (with fp32 weights that alias the masters, the worker
+updates a home in place: only after its gradient is final).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,6 +54,8 @@ from infinity.swap.grad_tier import GradTier
 from infinity.swap.state_format import StateFormat
 from infinity.swap.state_tier import StateTier, SubGroupState
 from infinity.zero.sub_groups import FlatLayout
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Ahead", "AheadCopies", "OverlapStep", "ahead_nbytes", "overlap_limit", "overlap_plan",
@@ -231,21 +235,26 @@ class OverlapStep:
         publish: Callable[[int, Ahead], None],
         redo: Callable[[int, Ahead], None],
     ) -> None:
-        """The step proper, once the norm is known: publish the sub-groups stepped early
-        if `confirm` (and not spoiled), `run` the serial pass on the rest of the sweep, then
-        `redo` the others (from their state before)."""
+        """The step proper, once the norm is known: the sub-groups stepped early, in the
+        sweep's order, published if `confirm` (and not spoiled), else `redo`ne (from their
+        state before), then the serial pass `run` on the rest of the sweep.
+
+        Each publication refreshes the gathered copies, a collective with several ranks,
+        and how far each rank's worker got is its own timing: so every rank publishes in
+        the sweep's order whatever it stepped early, kept or redid (a redo after the rest
+        put a rank's collectives out of step with the others')."""
         kept = {g: a for g, a in self.ahead.items() if confirm and g not in self.spoiled}
         self.confirmed = len(kept)
-        for g, ahead in kept.items():
-            publish(g, ahead)
+        for g, ahead in self.ahead.items():  # the sweep's first sub-groups, in its order
+            if g in kept:
+                publish(g, ahead)
+            else:
+                redo(g, ahead)
         if self.current is not None:
             run(*self.current)
             self.current = None
         for g, state in self._sweep:
             run(g, state)
-        for g, ahead in self.ahead.items():
-            if g not in kept:
-                redo(g, ahead)
         self.ahead.clear()
 
     # -- the worker --------------------------------------------------------------------
@@ -302,5 +311,19 @@ def overlap_plan(
     zero: ZeroConfig, layout: FlatLayout, grads: GradTier
 ) -> tuple[list[int], int] | None:
     """`overlap_sub_groups` for the gradient tier `grads`, whose sub-groups in host memory
-    (`host_resident`) may be stepped early (see [Note: the overlapped step])."""
-    return overlap_sub_groups(zero, layout.sub_group_numels, grads.host_resident())
+    (`host_resident`) may be stepped early (see [Note: the overlapped step]); with the key
+    on and nothing to step early, a warning says why."""
+    numels, on_host = layout.sub_group_numels, grads.host_resident()
+    plan = overlap_sub_groups(zero, numels, on_host)
+    offload = zero.offload_optimizer
+    if offload.overlap_step and plan is None and numels:
+        logger.warning(
+            "offload_optimizer.overlap_step: no sub-group can be stepped early, the step runs "
+            "serially: the last sub-group (%d elements) %s",
+            numels[-1],
+            f"is over overlap_numel {offload.overlap_numel}; raise it or lower sub_group_size"
+            if on_host[-1]
+            else "has its gradient sums off the host (with the optimizer state on NVMe, set "
+            "offload_optimizer.gradients_in_cpu true)",
+        )
+    return plan
