@@ -159,3 +159,17 @@ def test_an_overlap_that_cannot_step_anything_early_says_why(tmp_path, caplog):
         engine = infinity.initialize(tiny_gpt(checkpointing=False), cfg)
     engine.close()
     assert "overlap_step" in caplog.text and "gradients_in_cpu" in caplog.text, caplog.text
+
+
+def test_an_overlap_whose_sums_stay_on_the_device_names_that_key(tmp_path, caplog):
+    """The gradient sums all kept on the device: nothing is in host memory to step early;
+    the warning names gradients_on_device, not a key that would change nothing."""
+    cfg = overlap_config(
+        dtype="bf16", clip="off", accum=1, tier="cpu", nvme_dir=str(tmp_path), overlap=True
+    )
+    cfg["zero_optimization"]["offload_optimizer"]["gradients_on_device"] = 10**9
+    with caplog.at_level("WARNING", logger="infinity.zero.overlap"):
+        engine = infinity.initialize(tiny_gpt(checkpointing=False), cfg)
+    engine.close()
+    said = " ".join(r.getMessage() for r in caplog.records if r.name == "infinity.zero.overlap")
+    assert "gradients_on_device" in said and "gradients_in_cpu" not in said, said

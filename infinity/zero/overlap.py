@@ -51,6 +51,7 @@ import torch
 
 from infinity.config import ZeroConfig
 from infinity.swap.grad_tier import GradTier
+from infinity.swap.split_state import grad_split
 from infinity.swap.state_format import StateFormat
 from infinity.swap.state_tier import StateTier, SubGroupState
 from infinity.zero.sub_groups import FlatLayout
@@ -321,9 +322,22 @@ def overlap_plan(
             "offload_optimizer.overlap_step: no sub-group can be stepped early, the step runs "
             "serially: the last sub-group (%d elements) %s",
             numels[-1],
-            f"is over overlap_numel {offload.overlap_numel}; raise it or lower sub_group_size"
-            if on_host[-1]
-            else "has its gradient sums off the host (with the optimizer state on NVMe, set "
-            "offload_optimizer.gradients_in_cpu true)",
+            _why_not_early(offload, numels, on_host[-1]),
         )
     return plan
+
+
+def _why_not_early(offload, numels: Sequence[int], on_host: bool) -> str:
+    """Why the last sub-group (the first backward finishes) cannot be stepped early, and
+    the key that would let it."""
+    if on_host:
+        return f"is over overlap_numel {offload.overlap_numel}; raise it or lower sub_group_size"
+    if grad_split(numels, offload)[0] == len(numels):
+        return (
+            "has its gradient sums kept on the device (offload_optimizer.gradients_on_device "
+            f"{offload.gradients_on_device}); early steps read sums in host memory: lower it"
+        )
+    return (
+        "has its gradient sums spilled to NVMe with its state; set "
+        "offload_optimizer.gradients_in_cpu true"
+    )
