@@ -147,3 +147,16 @@ def test_aio_vs_fio_script(tmp_path, fio):
         )
     assert "/ fio =" in proc.stdout
     assert not (tmp_path / "infinity_aio_bench.bin").exists()
+
+
+def test_an_unwritable_json_is_refused_before_the_sweep(tmp_path, capsys):
+    """The sweep takes minutes: a --json that cannot be written is refused first, by the
+    check `infinity estimate` and `bench adam` share (infinity.utils.fsio)."""
+    from infinity.cli.main import main
+
+    for where, why in ((tmp_path / "absent" / "a.json", "does not exist"), (tmp_path, "directory")):
+        argv = ["bench", "aio", "--path", str(tmp_path), "--json", str(where)]
+        assert main(argv) == 1
+        out = capsys.readouterr()
+        assert f"--json {where}" in out.err and why in out.err and "Traceback" not in out.err
+        assert "GB/s" not in out.out  # nothing measured

@@ -26,6 +26,7 @@ import torch
 
 from infinity.optim import AdamHyper, adam_step_flat, native_adam
 from infinity.optim.adam8 import adam8_step_flat
+from infinity.utils.fsio import check_output_file
 from infinity.utils.quant_blocks import block_count
 
 log = logging.getLogger(__name__)
@@ -388,17 +389,6 @@ def _count_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _check_json_path(path: str) -> None:
-    """Refuse a --json file that cannot be written before measuring, not after."""
-    where = os.path.abspath(path)
-    parent = os.path.dirname(where)
-    if os.path.isdir(where) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ValueError(
-            f"--json {path}: cannot write a file there (a directory, or its folder is missing"
-            " or read-only); name a file in a writable folder"
-        )
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("adam", help="CPU-Adam throughput vs torch and DeepSpeed")
     parser.add_argument("--numel", type=_count_arg, default=100_000_000,
@@ -418,7 +408,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.json:
-        _check_json_path(args.json)
+        check_output_file("--json", args.json)
     cfg = BenchConfig(
         numel=args.numel,
         dtypes=args.dtype or ["fp32", "bf16", "fp16"],

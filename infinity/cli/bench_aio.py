@@ -30,6 +30,7 @@ from infinity.io import (
     available_backends,
     chosen_backend,
 )
+from infinity.utils.fsio import check_output_file
 from infinity.utils.sizes import parse_size
 
 BENCH_FILE = "infinity_aio_bench.bin"
@@ -315,6 +316,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.json:
+        check_output_file("--json", args.json)  # before the sweep, not after it
     result = run(config_from_args(args))
     print(format_table(result))
     if args.json:

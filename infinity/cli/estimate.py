@@ -8,7 +8,6 @@ is `infinity.estimate`.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from infinity.run.inputs import check_lora_rank, check_seq_len
 from infinity.run.options import config_from_args, read_config_file
 from infinity.run.placement import add_placement_flags, plan_run
 from infinity.run.schedule import add_optim_flag
-from infinity.utils.fsio import write_json
+from infinity.utils.fsio import check_output_file, write_json
 
 _GIB = float(1 << 30)
 _GB = 1e9
@@ -148,17 +147,8 @@ def check_paths(args: argparse.Namespace) -> None:
             f"--bench-aio {args.bench_aio}: no such file; run `infinity bench aio --path DIR "
             "--json FILE` first and pass FILE"
         )
-    if args.json and args.json != "-":
-        out = Path(args.json).expanduser()
-        parent = out.parent
-        if out.is_dir():
-            raise ValueError(f"--json {args.json} is a directory; give a file name in it")
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            why = "does not exist" if not parent.exists() else "is not a writable directory"
-            raise ValueError(
-                f"--json {args.json}: {parent} {why}; create it or give another path "
-                "('-' writes to stdout)"
-            )
+    if args.json:
+        check_output_file("--json", args.json)
 
 
 def disk_advice(nvme_bytes: int, path: str | None) -> str | None:

@@ -72,6 +72,23 @@ def write_file_atomic(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(parent)
 
 
+def check_output_file(flag: str, dest: str) -> None:
+    """Refuse an output file `flag` names that cannot be written (a directory, or a folder
+    that is missing or read-only), before the work whose result it would hold; '-' is
+    stdout."""
+    if dest == "-":
+        return
+    path = Path(dest).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{flag} {dest} is a directory; give a file name in it")
+    parent = path.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        why = "does not exist" if not parent.exists() else "is not a writable directory"
+        raise ValueError(
+            f"{flag} {dest}: {parent} {why}; create it or give another path ('-' writes to stdout)"
+        )
+
+
 def write_json(out: dict, dest: str) -> None:
     """`out` to `dest` ('-': stdout), through a temporary file renamed into place so an
     interrupted write never leaves half a file under the name."""
