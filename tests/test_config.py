@@ -451,6 +451,26 @@ ERRORS = [
         ValueError,
         r"aio\.queue_dept: unknown key \(did you mean 'queue_depth'\?\)",
     ),
+    # a known key one section off: where it goes, not a guess at a nearby name
+    (
+        {"zero_optimization": {"overlap_step": True}},
+        ValueError,
+        r"^zero_optimization\.overlap_step: unknown key here; it is a key of "
+        r"'zero_optimization\.offload_optimizer': move it to "
+        r"'zero_optimization\.offload_optimizer\.overlap_step'$",
+    ),
+    (
+        {"zero_optimization": {"gradient_clipping": 1.0}},
+        ValueError,
+        r"it is a key of the top level: move it to 'gradient_clipping'$",
+    ),
+    ({"lr": 1e-4}, ValueError, r"^lr: .* move it to 'optimizer\.params\.lr'$"),
+    (
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu", "sub_group_size": 8}}},
+        ValueError,
+        r"move it to 'zero_optimization\.sub_group_size'$",
+    ),
+    ({"zero_optimization": {"type": "x"}}, ValueError, r"^zero_optimization\.type: unknown key$"),
     # combinations
     (
         {"zero_optimization": {"offload_param": {"device": "nvme"}}},

@@ -105,6 +105,13 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
         name = keys.get(key)
         if name is None or name in skip:
             known = sorted(k for k, n in keys.items() if n not in skip) + sorted(ignored)
+            homes = [home for home in _homes(str(key)) if home != path]
+            if homes:
+                at = " or ".join(repr(h) if h else "the top level" for h in homes)
+                raise ValueError(
+                    f"{where}: unknown key here; it is a key of {at}: move it to "
+                    f"{_join(homes[0], str(key))!r}"
+                )
             raise ValueError(f"{where}: unknown key{suggest(str(key), known + list(unsupported))}")
         value = _convert(raw, _hints(cls)[name], where)
         _check_minimum(cls, name, value, where)
@@ -116,6 +123,37 @@ def _parse_fields(cls: type, data: Any, path: str, *, skip: tuple[str, ...] = ()
             )
         values[name], seen[name] = value, key
     return values
+
+
+def _section_in(hint: Any) -> type | None:
+    """The section class a field's type hint holds (itself, or in an Optional), or None."""
+    if is_dataclass(hint):
+        return hint
+    return next((a for a in typing.get_args(hint) if is_dataclass(a)), None)
+
+
+@functools.cache
+def _sections() -> tuple[tuple[str, type], ...]:
+    """(key path, class) of every section of the config, the top level ("") first; the
+    optimizer's fields are read under its "params"."""
+    out, todo = [], [("", ConfigFields)]
+    while todo:
+        path, cls = todo.pop(0)
+        out.append((f"{path}.params" if _table(cls) is OptimizerConfig else path, cls))
+        for f in _json_fields(cls):
+            inner = _section_in(_hints(cls)[f.name])
+            if inner is not None:
+                key = KEYS.get(_table(cls), {}).get(f.name, (f.name,))[0]
+                todo.append((_join(path, key), inner))
+    return tuple(out)
+
+
+def _homes(key: str) -> list[str]:
+    """The key paths of the sections that accept `key` (a key put one level off is told
+    where it goes, not matched against unrelated names)."""
+    if key in ("type", "params"):  # a key of several sections, too general to place
+        return []
+    return [path for path, cls in _sections() if key in _keys_of(cls)]
 
 
 def parse(cls: type, data: Any, path: str) -> Any:
