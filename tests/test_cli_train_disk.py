@@ -85,3 +85,29 @@ def test_plan_by_tier(tmp_path):
     assert parts["parameters"] == (5100 + 30) * 2 + 2 * 4096  # the frozen base + adapters
     assert parts["1 checkpoint(s)"] == 30 * 14
     assert train_disk.check(lora, free=lambda p: 10**12).startswith("disk: ")
+
+
+def test_a_resumed_runs_checkpoints_are_not_counted_twice(tmp_path):
+    """A run resumed after a full disk was refused though it had room: the checkpoints it
+    had saved were counted as still to be written, on top of the space they take."""
+    from infinity.config import Config
+
+    shapes, per = {"a.weight": (100, 50)}, 5000 * 14
+    cfg = Config.load({"bf16": {"enabled": True}})
+
+    def need(saved):
+        uses = train_disk.plan(cfg, shapes, trainable=5000, save_dir=tmp_path, saves=3, saved=saved)
+        return dict(uses[-1].parts)
+
+    assert need((0, 0)) == {"3 checkpoint(s)": 3 * per}
+    assert need((2, 2 * per)) == {"3 checkpoint(s), 2 of them there already": per}
+    # more there than will be kept (an earlier, larger --keep-last): still room for one
+    assert need((5, 5 * per)) == {"3 checkpoint(s), 5 of them there already": per}
+    # what is there is measured from the save dir's complete checkpoints only
+    for tag, nbytes in (("step1", 300), ("step2", 500)):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "checkpoint.json").write_text("{}")
+        (tmp_path / tag / "rank00000.safetensors").write_bytes(b"\0" * nbytes)
+    (tmp_path / ".tmp.step3").mkdir()  # an interrupted save is not a checkpoint
+    (tmp_path / ".tmp.step3" / "rank00000.safetensors").write_bytes(b"\0" * 999)
+    assert train_disk.checkpoints_on_disk(tmp_path) == (2, 300 + 500 + 2 * 2)

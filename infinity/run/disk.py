@@ -9,7 +9,9 @@ Owns the formula, per file system (the NVMe swap directory and --save-dir may sh
 - optimizer states on NVMe: fp32 master, Adam m and v (12 bytes per trainable element) and
   the fp32 gradient sums that spill there (4 bytes);
 - checkpoints: the trainable weights in the model dtype + 12 bytes of optimizer state per
-  trainable element each (the frozen base is left out), times the number of saves.
+  trainable element each (the frozen base is left out), times the number of saves, less the
+  bytes of the run's checkpoints already there (a resumed run's: their space is taken, not
+  free, and `--keep-last` rotates them out), but never less than one checkpoint.
 
 A run whose disks lack it is refused before anything is built, naming both numbers.
 """
@@ -23,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infinity.checkpoint.reader import list_checkpoints
 from infinity.config import Config
 from infinity.utils.sizes import FP32_BYTES
 
@@ -65,9 +68,11 @@ def plan(
     trainable: int,
     save_dir: Path,
     saves: int,
+    saved: tuple[int, int] = (0, 0),
 ) -> list[DiskUse]:
     """What the run writes where: `shapes` are the base model's parameters, `trainable`
-    the optimizer's elements (adapters included), `saves` how many checkpoints are kept."""
+    the optimizer's elements (adapters included), `saves` how many checkpoints are kept,
+    `saved` (count, bytes) of the checkpoints in `save_dir` already (`checkpoints_on_disk`)."""
     itemsize = {"fp32": 4}.get(config.precision, 2)
     optim_bytes = _OPTIM_BYTES_8BIT if config.optimizer.eight_bit else _OPTIM_BYTES
     zero = config.zero_optimization
@@ -97,8 +102,18 @@ def plan(
             )
         )
     per_ckpt = trainable * (itemsize + optim_bytes)
-    uses.append(DiskUse(path=save_dir, parts={f"{saves} checkpoint(s)": saves * per_ckpt}))
+    count, nbytes = saved
+    label = f"{saves} checkpoint(s)" + (f", {count} of them there already" if count else "")
+    more = max(min(saves, 1) * per_ckpt, saves * per_ckpt - nbytes)
+    uses.append(DiskUse(path=save_dir, parts={label: more}))
     return uses
+
+
+def checkpoints_on_disk(save_dir: Path) -> tuple[int, int]:
+    """(count, bytes) of the complete checkpoints in `save_dir`."""
+    tags = list_checkpoints(save_dir)
+    files = (f for tag in tags for f in (save_dir / tag).rglob("*") if f.is_file())
+    return len(tags), sum(f.stat().st_size for f in files)
 
 
 def _existing(path: Path) -> Path:

@@ -193,6 +193,7 @@ class TrainRun:
             ),
             save_dir=self.save_dir,
             saves=train_disk.checkpoints_kept(steps, every, self.options.keep_last),
+            saved=train_disk.checkpoints_on_disk(self.save_dir),
         )
         self.ranks.say(train_disk.check(uses))
 
