@@ -111,3 +111,34 @@ def test_a_resumed_runs_checkpoints_are_not_counted_twice(tmp_path):
     (tmp_path / ".tmp.step3").mkdir()  # an interrupted save is not a checkpoint
     (tmp_path / ".tmp.step3" / "rank00000.safetensors").write_bytes(b"\0" * 999)
     assert train_disk.checkpoints_on_disk(tmp_path) == (2, 300 + 500 + 2 * 2)
+
+
+def test_a_short_disk_names_the_swap_left_by_runs_that_are_gone(tmp_path):
+    """Killed runs leave their swap directories (only a clean exit removes them): a disk
+    they fill is refused with what they hold and where, not only 'free space'."""
+    import fcntl
+    import os
+
+    from infinity.config import Config
+
+    gone = tmp_path / "infinity-pid1" / "rank0"  # a lock nobody holds: its run is gone
+    gone.mkdir(parents=True)
+    (gone / "lock").write_text("1")
+    (gone / "optim.swp").write_bytes(b"\0" * 40_000)
+    alive = tmp_path / "infinity-pid2" / "rank0"  # a lock held: a live run's, not named
+    alive.mkdir(parents=True)
+    fd = os.open(alive / "lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+        cfg = Config.load({"zero_optimization": {"stage": 3, "offload_optimizer": nvme}})
+        uses = train_disk.plan(
+            cfg, {"a.weight": (100, 50)}, trainable=5000, save_dir=tmp_path / "s", saves=1
+        )
+        with pytest.raises(ValueError) as err:
+            train_disk.check(uses, free=lambda p: 0)
+    finally:
+        os.close(fd)
+    msg = str(err.value)
+    assert "0.04 MB there is held by swap directories of runs that are gone" in msg
+    assert str(gone) in msg and str(alive) not in msg

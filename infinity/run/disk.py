@@ -27,6 +27,7 @@ from pathlib import Path
 
 from infinity.checkpoint.reader import list_checkpoints
 from infinity.config import Config
+from infinity.swap.store import find_stale_dirs
 from infinity.utils.sizes import FP32_BYTES
 
 _PAGE = 4096
@@ -142,10 +143,23 @@ def check(uses: list[DiskUse], *, free=None) -> str:
             raise ValueError(
                 f"the run needs {_gb(need)} of disk on the file system of {where} ({what}) but "
                 f"only {_gb(avail)} are free there; free space, point --nvme / --save-dir at a "
-                "larger disk, or save less often (--save-every)"
+                "larger disk, or save less often (--save-every)" + _stale_note(group)
             )
         lines.append(f"disk: {_gb(need)} needed on {where} ({what}); {_gb(avail)} free")
     return "\n".join(lines)
+
+
+def _stale_note(group: list[DiskUse]) -> str:
+    """What swap directories of runs that are gone (killed, crashed) hold under the group's
+    paths: nothing reuses them, and only their owner removes them at its exit."""
+    dirs = sorted({d for u in group for d in find_stale_dirs(str(u.path))})
+    if not dirs:
+        return ""
+    held = sum(f.stat().st_size for d in dirs for f in Path(d).rglob("*") if f.is_file())
+    return (
+        f". {_gb(held)} there is held by swap directories of runs that are gone (safe to "
+        f"remove): {', '.join(dirs)}"
+    )
 
 
 def _gb(n: int) -> str:
