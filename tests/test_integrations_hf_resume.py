@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from infinity.checkpoint import load_checkpoint  # noqa: E402
+from infinity.checkpoint.layout import LATEST  # noqa: E402
 from infinity.integrations.hf import ENGINE_TAG, InfinityTrainer  # noqa: E402
 
 
@@ -73,3 +74,35 @@ def test_resuming_from_an_earlier_checkpoint_in_the_same_output_dir_overwrites(t
     assert (out / "checkpoint-6" / ENGINE_TAG / "checkpoint.json").stat().st_mtime_ns != first
     assert not [p for p in (out / "checkpoint-6").iterdir() if p.name.startswith(".tmp")]
     assert load_checkpoint(out / "checkpoint-6", ENGINE_TAG).step == 6  # it verifies
+
+
+def test_resume_true_skips_a_checkpoint_whose_save_did_not_finish(tmp_path, caplog):
+    """A run killed while saving checkpoint-N leaves the folder without trainer_state.json
+    (the Trainer writes it last), or with the engine's state unfinished: the Trainer's own
+    pick for resume_from_checkpoint=True, the highest N, failed on it with FileNotFoundError.
+    The newest finished one is taken instead, and the run ends as one never stopped."""
+    out = tmp_path / "out"
+
+    def trainer():
+        return InfinityTrainer(
+            model=hf_model(transformers, "qwen2"),
+            args=_args(out, max_steps=6, save_strategy="steps", save_steps=2),
+            train_dataset=_dataset(),
+            infinity_config=INFINITY,
+        )
+
+    full = trainer()
+    full.train()
+    (out / "checkpoint-6" / "trainer_state.json").unlink()  # killed before its last file
+    (out / "checkpoint-4" / LATEST).unlink()  # killed inside the engine's save
+    again = trainer()
+    with caplog.at_level("WARNING", logger="infinity.integrations.hf"):
+        again.train(resume_from_checkpoint=True)
+    assert "checkpoint-6, checkpoint-4 did not finish saving" in caplog.text
+    assert "resuming from checkpoint-2" in caplog.text
+    assert again.engine.global_steps == 6
+    assert _logs(again, "loss")[-4:] == _logs(full, "loss")[-4:]
+    for name in ("checkpoint-2", "checkpoint-4", "checkpoint-6"):
+        (out / name / "trainer_state.json").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=r"checkpoint-6, checkpoint-4, checkpoint-2 did not "):
+        trainer().train(resume_from_checkpoint=True)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from infinity.checkpoint.layout import LATEST
+from infinity.checkpoint.reader import latest_tag, list_checkpoints
 from infinity.config import Config, RunFacts, resolve_run
 from infinity.engine import Engine, initialize
 from infinity.integrations.hf_config import schedule_params, trainer_config
@@ -266,6 +267,13 @@ class InfinityTrainer(transformers.Trainer):
 
     # ---- saving and resuming -----------------------------------------------------------
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """The Trainer's `train`; `resume_from_checkpoint=True` takes the newest checkpoint
+        whose save finished (`last_complete_checkpoint`), not the highest-numbered folder."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """A Hugging Face directory streamed from the homes (one tensor in memory at a
         time), with the tokenizer and the training arguments, as the Trainer saves them."""
@@ -310,6 +318,38 @@ class InfinityTrainer(transformers.Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             self.engine.load_checkpoint(checkpoint, tag=ENGINE_TAG)
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str:
+    """The newest `checkpoint-N` folder in `output_dir` whose save finished: the engine's
+    state complete (`latest` naming it) and the Trainer's state written, which the Trainer
+    writes last. A run killed while saving leaves a folder without them, and the Trainer's
+    own choice (the highest N) would then fail on its missing trainer_state.json."""
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*"):
+        number = path.name.removeprefix("checkpoint-")
+        if number.isdigit() and path.is_dir():
+            found.append((int(number), path))
+    unfinished = []
+    for _, path in sorted(found, reverse=True):
+        state = path / transformers.trainer.TRAINER_STATE_NAME
+        if (
+            state.is_file()
+            and latest_tag(path) == ENGINE_TAG
+            and ENGINE_TAG in list_checkpoints(path)
+        ):
+            if unfinished:
+                log.warning(
+                    "resume_from_checkpoint=True: %s did not finish saving (a run stopped "
+                    "part way); resuming from %s", ", ".join(unfinished), path.name,
+                )  # fmt: skip
+            return str(path)
+        unfinished.append(path.name)
+    why = f"; {', '.join(unfinished)} did not finish saving" if unfinished else ""
+    raise ValueError(
+        f"No valid checkpoint found in output directory ({output_dir}){why}: start without "
+        "resume_from_checkpoint, or pass the folder of a finished save"
+    )
 
 
 def _unwrap_optimizer(optimizer) -> _EngineOptimizer:
