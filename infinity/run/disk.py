@@ -155,7 +155,8 @@ def _stale_note(group: list[DiskUse]) -> str:
     dirs = sorted({d for u in group for d in find_stale_dirs(str(u.path))})
     if not dirs:
         return ""
-    held = sum(f.stat().st_size for d in dirs for f in Path(d).rglob("*") if f.is_file())
+    # Blocks, not sizes: what removing them frees (the moments' files are sparse).
+    held = sum(f.stat().st_blocks * 512 for d in dirs for f in Path(d).rglob("*") if f.is_file())
     return (
         f". {_gb(held)} there is held by swap directories of runs that are gone (safe to "
         f"remove): {', '.join(dirs)}"
