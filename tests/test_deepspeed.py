@@ -41,7 +41,7 @@ def net(seed: int = 0, **kw) -> Net:
     return Net(**kw)
 
 
-def torch_losses(data, make_opt, make_sched=None) -> list[float]:
+def torch_losses(data, make_opt, make_sched=None, clip: float = 0.0) -> list[float]:
     model = net()
     opt = make_opt(model)
     sched = make_sched(opt) if make_sched else None
@@ -49,6 +49,8 @@ def torch_losses(data, make_opt, make_sched=None) -> list[float]:
     for x, y in data:
         loss = model(x, y)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         if sched:
@@ -70,6 +72,7 @@ def train(engine, data) -> list[float]:
 def adamw_config(**extra) -> dict:
     return {
         "train_batch_size": 4,
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         **extra,
     }
@@ -77,7 +80,9 @@ def adamw_config(**extra) -> dict:
 
 def test_getting_started_pattern_matches_torch_and_resumes_from_its_tag(tmp_path):
     # DeepSpeed's getting-started loop, as written for DeepSpeed, but for the import.
-    (tmp_path / "ds.json").write_text(json.dumps(adamw_config()))
+    config = adamw_config()
+    del config["gradient_clipping"]  # as the getting-started config: DeepSpeed's default
+    (tmp_path / "ds.json").write_text(json.dumps(config))
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
@@ -95,8 +100,11 @@ def test_getting_started_pattern_matches_torch_and_resumes_from_its_tag(tmp_path
         losses.append(loss.item())
         if step == 2:
             assert model_engine.save_checkpoint(tmp_path / "ck", "mid", client_state={"step": step})
-    ref = torch_losses(data, lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01))
-    assert losses == pytest.approx(ref, abs=1e-5)
+    # The config names no gradient_clipping: DeepSpeed's default clips at norm 1.0.
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01)  # noqa: E731
+    assert losses == pytest.approx(torch_losses(data, adamw, clip=1.0), abs=1e-5)
+    assert losses != pytest.approx(torch_losses(data, adamw), abs=1e-5)  # the clip mattered
+    assert model_engine.gradient_clipping() == 1.0
 
     other = net(seed=7)  # different weights: the checkpoint must bring them back
     resumed, _, _, _ = deepspeed.initialize(args=cmd_args, model=other)
@@ -232,7 +240,10 @@ def test_client_lambda_lr_sets_the_lr_get_lr_returns_and_torch_reaches():
     client = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(client, lam)
     engine, opt, _, back = deepspeed.initialize(
-        model=model, optimizer=client, lr_scheduler=sched, config={"train_batch_size": 4}
+        model=model,
+        optimizer=client,
+        lr_scheduler=sched,
+        config={"train_batch_size": 4, "gradient_clipping": 0.0},
     )
     assert back is sched and engine.get_lr() == [LR]
     data = batches(4)
@@ -320,7 +331,7 @@ def test_client_adam_is_l2_decay_and_param_groups_skip_decay_as_torch_does():
         model = net()
         client = cls(groups(model), lr=LR, betas=(0.8, 0.99), eps=1e-6)
         engine, *_ = deepspeed.initialize(
-            model=model, optimizer=client, config={"train_batch_size": 4}
+            model=model, optimizer=client, config={"train_batch_size": 4, "gradient_clipping": 0.0}
         )
         ref = torch_losses(
             data, lambda m, cls=cls: cls(groups(m), lr=LR, betas=(0.8, 0.99), eps=1e-6)
@@ -346,12 +357,12 @@ def test_unsupported_optimizers_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="optimizer=SGD is not supported.*Adam or AdamW"):
         deepspeed.initialize(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            config={"train_batch_size": 4},
+            config={"train_batch_size": 4, "gradient_clipping": 0.0},
         )  # fmt: skip
     with pytest.raises(ValueError, match="amsgrad=True"):
         deepspeed.initialize(
             model=net(), optimizer=torch.optim.Adam(net().parameters(), amsgrad=True),
-            config={"train_batch_size": 4},
+            config={"train_batch_size": 4, "gradient_clipping": 0.0},
         )  # fmt: skip
     both = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="both to initialize.. and in the config"):
@@ -443,7 +454,10 @@ def test_a_client_schedulers_state_resumes_with_the_checkpoint(tmp_path):
         client = torch.optim.AdamW(model.parameters(), lr=LR)
         sched = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
         engine, *_ = deepspeed.initialize(
-            model=model, optimizer=client, lr_scheduler=sched, config={"train_batch_size": 4}
+            model=model,
+            optimizer=client,
+            lr_scheduler=sched,
+            config={"train_batch_size": 4, "gradient_clipping": 0.0},
         )
         if load:
             engine.load_checkpoint(tmp_path / "ck")
@@ -476,7 +490,11 @@ def test_model_parameters_groups_with_the_configs_optimizer_decay_as_torch():
 
 def test_model_parameters_take_single_tensor_groups_and_an_auto_decay():
     model = net()
-    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    config = {
+        "train_batch_size": 4,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+    }
     config["optimizer"]["params"]["weight_decay"] = "auto"
     groups = [{"params": model.b.weight}, {"params": model.b.bias, "weight_decay": 0.0}]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)

@@ -42,6 +42,11 @@ __all__ = [
     "zero",
 ]
 
+_DEEPSPEED_DEFAULTS = {"gradient_clipping": 1.0}
+"""Keys whose DeepSpeed default differs from Infinity's: a DeepSpeed config that leaves
+them out gets DeepSpeed's value (DeepSpeed >= 0.16 clips gradients at norm 1.0 by default;
+Infinity's own config does not clip unless asked)."""
+
 _LOADER_KEYS = ("dataloader_drop_last",)
 """Top-level DeepSpeed keys this layer reads (for `training_data`) before the engine's config."""
 
@@ -82,6 +87,8 @@ def initialize(
         )
     raw = _config_dict(args, config, config_params)
     loader_keys = {k: raw.pop(k) for k in _LOADER_KEYS if k in raw}
+    for key, value in _DEEPSPEED_DEFAULTS.items():
+        raw.setdefault(key, value)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(
             model_parameters if model_parameters is not None else model.parameters()
