@@ -417,7 +417,7 @@ def test_what_is_not_implemented_says_what_to_do():
         (lambda: engine.backward(engine(*batches(1)[0]), retain_graph=True), "one forward"),
         (lambda: deepspeed.comm.all_gather, "torch.distributed"),
         (lambda: engine.train_batch, "pipeline"),
-        (lambda: engine.no_sync, "backward"),
+        (lambda: engine.no_sync().__enter__(), "stage 3's gradient partitioning"),
         (lambda: engine.load_checkpoint("x", load_module_only=True), "infinity export"),
         (lambda: engine.step(lr_kwargs={"a": 1}), "client torch lr scheduler"),
         (lambda: deepspeed.initialize(model=net(), config={}, mpu=object()), "data-parallel"),
@@ -500,3 +500,40 @@ def test_model_parameters_take_single_tensor_groups_and_an_auto_decay():
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     assert [n for n, p in model.named_parameters() if p.requires_grad] == ["b.weight", "b.bias"]
     assert len(train(engine, batches(2))) == 2
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_at_stages_0_and_1_accumulates_as_without_it_and_refuses_a_step_inside(stage):
+    # DeepSpeed's accumulation pattern: every micro batch but the last inside no_sync().
+    config = adamw_config(
+        train_batch_size=4, gradient_accumulation_steps=2, zero_optimization={"stage": stage}
+    )
+    data = batches(4, size=2)
+    plain, *_ = deepspeed.initialize(model=net(), config=config)
+    engine, *_ = deepspeed.initialize(model=net(), config=config)
+    for i, (x, y) in enumerate(data):
+        plain.backward(plain(x, y))
+        plain.step()
+        if i % 2 == 0:
+            with engine.no_sync():
+                engine.backward(engine(x, y))
+                with pytest.raises(RuntimeError, match="inside no_sync"):
+                    engine.step()
+        else:
+            engine.backward(engine(x, y))
+        engine.step()
+    assert engine.global_steps == plain.global_steps == 2
+    for a, b in zip(engine.module.parameters(), plain.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_training_dataloader_and_monitor_are_deepspeeds_attributes():
+    data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
+    engine, _, loader, _ = deepspeed.initialize(
+        model=net(), config=adamw_config(), training_data=data
+    )
+    assert engine.training_dataloader is loader and len(loader) == 2
+    bare, *_ = deepspeed.initialize(model=net(), config=adamw_config())
+    assert bare.training_dataloader is None
+    assert engine.monitor.enabled is False  # no monitor block: DeepSpeed's is off too
+    engine.monitor.write_events([("Train/loss", 1.0, 0)])

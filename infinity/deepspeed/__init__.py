@@ -44,7 +44,7 @@ __all__ = [
 
 _DEEPSPEED_DEFAULTS = {"gradient_clipping": 1.0}
 """Keys whose DeepSpeed default differs from Infinity's: a DeepSpeed config that leaves
-them out gets DeepSpeed's value (DeepSpeed >= 0.16 clips gradients at norm 1.0 by default;
+them out gets DeepSpeed's value (DeepSpeed 0.19 clips gradients at norm 1.0 by default;
 Infinity's own config does not clip unless asked)."""
 
 _LOADER_KEYS = ("dataloader_drop_last",)
@@ -112,7 +112,9 @@ def initialize(
     facade = EngineOptimizer(engine, holder)
     loader = _loader(engine, training_data, collate_fn, loader_keys)
     return (
-        DeepSpeedEngine(engine, optimizer=facade, lr_scheduler=schedule),
+        DeepSpeedEngine(
+            engine, optimizer=facade, lr_scheduler=schedule, training_dataloader=loader
+        ),
         facade,
         loader,
         schedule,
