@@ -537,3 +537,12 @@ def test_training_dataloader_and_monitor_are_deepspeeds_attributes():
     assert bare.training_dataloader is None
     assert engine.monitor.enabled is False  # no monitor block: DeepSpeed's is off too
     engine.monitor.write_events([("Train/loss", 1.0, 0)])
+
+
+@pytest.mark.parametrize(("kind", "fix"), [("OneCycle", "OneCycleLR"), ("LRRangeTest", "LambdaLR")])
+def test_deepspeed_schedulers_not_run_here_are_refused_naming_the_torch_scheduler(kind, fix):
+    config = adamw_config(scheduler={"type": kind, "params": {}})
+    with pytest.raises(ValueError, match=rf"scheduler.type: DeepSpeed's '{kind}'.*lr_scheduler="):
+        deepspeed.initialize(model=net(), config=config)
+    with pytest.raises(ValueError, match=fix):
+        deepspeed.initialize(model=net(), config=config)

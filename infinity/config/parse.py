@@ -224,9 +224,24 @@ def _parse_optimizer(cls: type, data: Any, path: str) -> OptimizerConfig:
     return cls(**values)
 
 
+_DEEPSPEED_ONLY_SCHEDULERS = {
+    "onecycle": "torch.optim.lr_scheduler.OneCycleLR",
+    "lrrangetest": "a torch.optim.lr_scheduler.LambdaLR growing the lr",
+}
+"""DeepSpeed scheduler types with no schedule here -> the torch scheduler that replaces them."""
+
+
 def _parse_scheduler(cls: type, data: Any, path: str) -> SchedulerConfig:
     if not isinstance(data, Mapping):
         raise TypeError(f"{path}: expected an object with 'type' and 'params', got {data!r}")
+    kind = data.get("type")
+    if isinstance(kind, str) and kind.lower() in _DEEPSPEED_ONLY_SCHEDULERS:
+        raise ValueError(
+            f"{path}.type: DeepSpeed's {kind!r} is not implemented; use one of "
+            f"{', '.join(SCHEDULER_PARAMS)}, or with infinity.deepspeed "
+            f"pass a torch scheduler as initialize(lr_scheduler=...), e.g. "
+            f"{_DEEPSPEED_ONLY_SCHEDULERS[kind.lower()]}, which drives the lr at each step"
+        )
     values = _parse_fields(cls, data, path)
     kind, params = values.get("type"), values.get("params", {})
     if kind is None and params:
