@@ -546,3 +546,16 @@ def test_deepspeed_schedulers_not_run_here_are_refused_naming_the_torch_schedule
         deepspeed.initialize(model=net(), config=config)
     with pytest.raises(ValueError, match=fix):
         deepspeed.initialize(model=net(), config=config)
+
+
+def test_bf16_float32_input_is_one_error_naming_the_cast_not_a_dtype_mismatch_inside():
+    # DeepSpeed 0.19.8 (and this engine before) stopped inside the first layer with
+    # "mat1 and mat2 must have the same dtype, but got Float and BFloat16".
+    engine, *_ = deepspeed.initialize(model=net(), config=adamw_config(bf16={"enabled": True}))
+    x, y = batches(1)[0]
+    with pytest.raises(TypeError, match=r"argument\[0\] is a float32 tensor.*bf16.*bfloat16"):
+        engine(x, y)
+    loss = engine(x.bfloat16(), y.bfloat16())  # bf16 inputs run
+    engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 1
