@@ -266,9 +266,10 @@ def _after_zero(zero: ZeroConfig, path: str) -> None:
         return
     if zero.offload_param.device == "nvme":
         raise ValueError(
-            f"{_join(path, 'offload_param.device')}: 'nvme' needs stage 3, as in DeepSpeed: "
-            f"at stage {zero.stage} every parameter stays on the device; set stage 3 to "
-            "offload the parameters, or remove offload_param"
+            f"{_join(path, 'offload_param.device')}: 'nvme' needs stage 3: at stage "
+            f"{zero.stage} every parameter stays on the device (DeepSpeed ignores the key "
+            "there without a word); set stage 3 to offload the parameters, or remove "
+            "offload_param"
         )
 
 
