@@ -559,3 +559,15 @@ def test_bf16_float32_input_is_one_error_naming_the_cast_not_a_dtype_mismatch_in
     engine.backward(loss)
     engine.step()
     assert engine.global_steps == 1
+
+
+def test_deepspeeds_checkpoint_and_data_types_blocks_are_read_not_unknown():
+    # DeepSpeed 0.19.8 accepts both blocks; they were refused as "unknown key".
+    for key, same, other in [
+        ("checkpoint", {"tag_validation": "Warn"}, {"tag_validation": "Fail"}),
+        ("data_types", {"grad_accum_dtype": "fp32"}, {"grad_accum_dtype": "bf16"}),
+    ]:
+        engine, *_ = deepspeed.initialize(model=net(), config=adamw_config(**{key: same}))
+        train(engine, batches(1))
+        with pytest.raises(ValueError, match=rf"{key}: a section is not supported by Infinity"):
+            deepspeed.initialize(model=net(), config=adamw_config(**{key: other}))
