@@ -414,6 +414,7 @@ def test_what_is_not_implemented_says_what_to_do():
         (lambda: deepspeed.ops, "CPU-Adam runs inside the engine"),
         (lambda: deepspeed.checkpointing, "torch.utils.checkpoint"),
         (lambda: deepspeed.init_inference, "infinity generate"),
+        (lambda: deepspeed.utils, "zero_to_fp32.*GatheredParameters"),
         (lambda: engine.backward(engine(*batches(1)[0]), retain_graph=True), "one forward"),
         (lambda: deepspeed.comm.all_gather, "torch.distributed"),
         (lambda: engine.train_batch, "pipeline"),

@@ -204,6 +204,9 @@ _NOT_PORTED = {
     "launcher": "there is no deepspeed launcher: start ranks with `torchrun --nproc_per_node N "
     "script.py`",
     "tp_model_init": "tensor parallelism is not implemented: data-parallel ranks only",
+    "utils": "there is no zero_to_fp32 consolidation of a checkpoint: take the full weights "
+    "from the live engine, inside zero.GatheredParameters(list(engine.module.parameters())) "
+    "(fp32 in an fp32 run) or with engine.save_16bit_model(dir)",
 }
 
 
