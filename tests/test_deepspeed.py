@@ -572,3 +572,15 @@ def test_deepspeeds_checkpoint_and_data_types_blocks_are_read_not_unknown():
         train(engine, batches(1))
         with pytest.raises(ValueError, match=rf"{key}: a section is not supported by Infinity"):
             deepspeed.initialize(model=net(), config=adamw_config(**{key: other}))
+
+
+def test_no_optimizer_anywhere_warns_what_steps_instead(caplog):
+    # DeepSpeed 0.19.8 initializes, then refuses backward(): "must provide optimizer".
+    with caplog.at_level(logging.WARNING):
+        engine, *_ = deepspeed.initialize(model=net(), config={"train_batch_size": 4})
+    assert "no optimizer" in caplog.text and "AdamW at lr 1e-3" in caplog.text
+    assert engine.get_lr() == [1e-3]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        deepspeed.initialize(model=net(), config=adamw_config())
+    assert "no optimizer" not in caplog.text

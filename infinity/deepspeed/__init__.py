@@ -11,6 +11,7 @@ ops) raises NotImplementedError naming what to do instead. docs/deepspeed.md has
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,8 @@ from infinity.deepspeed.client import (
 )
 from infinity.deepspeed.comm import init_distributed
 from infinity.deepspeed.engine import DeepSpeedEngine
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DeepSpeedEngine",
@@ -98,6 +101,8 @@ def initialize(
             "initialize: an optimizer is given both to initialize() and in the config's "
             "'optimizer' section; keep one of them"
         )
+    if optimizer is None and "optimizer" not in raw:
+        _warn_default_optimizer()
     plan = plan_client(model, optimizer, model_parameters, raw.get("optimizer"))
     if plan.optimizer is not None:
         raw["optimizer"] = plan.optimizer
@@ -118,6 +123,14 @@ def initialize(
         facade,
         loader,
         schedule,
+    )
+
+
+def _warn_default_optimizer() -> None:
+    logger.warning(
+        "initialize: no optimizer (neither optimizer= nor the config's 'optimizer' section); "
+        "DeepSpeed would refuse backward(), here the engine steps with Infinity's default, "
+        "AdamW at lr 1e-3; add an 'optimizer' section to choose"
     )
 
 
