@@ -166,9 +166,10 @@ class Engine:
         engine (see [Note: plain backward])."""
         self._check_open("forward")
         fp16 = self.config.fp16
-        if fp16.enabled and not fp16.auto_cast:
-            check_fp16_inputs(args, "argument")
-            check_fp16_inputs(kwargs, "argument")
+        if self.config.precision != "fp32" and not fp16.auto_cast:
+            bf16 = self.config.precision == "bf16"
+            check_fp16_inputs(args, "argument", bf16=bf16)
+            check_fp16_inputs(kwargs, "argument", bf16=bf16)
         half = fp16.enabled and fp16.auto_cast
         args, kwargs = to_device((args, kwargs), self.accelerator.device, half=half)
         grad, parts = torch.is_grad_enabled(), self.parts

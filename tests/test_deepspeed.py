@@ -41,7 +41,7 @@ def net(seed: int = 0, **kw) -> Net:
     return Net(**kw)
 
 
-def torch_losses(data, make_opt, make_sched=None) -> list[float]:
+def torch_losses(data, make_opt, make_sched=None, clip: float = 0.0) -> list[float]:
     model = net()
     opt = make_opt(model)
     sched = make_sched(opt) if make_sched else None
@@ -49,6 +49,8 @@ def torch_losses(data, make_opt, make_sched=None) -> list[float]:
     for x, y in data:
         loss = model(x, y)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         if sched:
@@ -70,6 +72,7 @@ def train(engine, data) -> list[float]:
 def adamw_config(**extra) -> dict:
     return {
         "train_batch_size": 4,
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         **extra,
     }
@@ -77,7 +80,9 @@ def adamw_config(**extra) -> dict:
 
 def test_getting_started_pattern_matches_torch_and_resumes_from_its_tag(tmp_path):
     # DeepSpeed's getting-started loop, as written for DeepSpeed, but for the import.
-    (tmp_path / "ds.json").write_text(json.dumps(adamw_config()))
+    config = adamw_config()
+    del config["gradient_clipping"]  # as the getting-started config: DeepSpeed's default
+    (tmp_path / "ds.json").write_text(json.dumps(config))
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
@@ -95,8 +100,11 @@ def test_getting_started_pattern_matches_torch_and_resumes_from_its_tag(tmp_path
         losses.append(loss.item())
         if step == 2:
             assert model_engine.save_checkpoint(tmp_path / "ck", "mid", client_state={"step": step})
-    ref = torch_losses(data, lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01))
-    assert losses == pytest.approx(ref, abs=1e-5)
+    # The config names no gradient_clipping: DeepSpeed's default clips at norm 1.0.
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01)  # noqa: E731
+    assert losses == pytest.approx(torch_losses(data, adamw, clip=1.0), abs=1e-5)
+    assert losses != pytest.approx(torch_losses(data, adamw), abs=1e-5)  # the clip mattered
+    assert model_engine.gradient_clipping() == 1.0
 
     other = net(seed=7)  # different weights: the checkpoint must bring them back
     resumed, _, _, _ = deepspeed.initialize(args=cmd_args, model=other)
@@ -232,7 +240,10 @@ def test_client_lambda_lr_sets_the_lr_get_lr_returns_and_torch_reaches():
     client = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(client, lam)
     engine, opt, _, back = deepspeed.initialize(
-        model=model, optimizer=client, lr_scheduler=sched, config={"train_batch_size": 4}
+        model=model,
+        optimizer=client,
+        lr_scheduler=sched,
+        config={"train_batch_size": 4, "gradient_clipping": 0.0},
     )
     assert back is sched and engine.get_lr() == [LR]
     data = batches(4)
@@ -285,7 +296,7 @@ def test_stages_0_1_2_3_give_equal_losses_and_0_2_keep_every_parameter_resident(
 
 def test_stage_keys_that_make_no_sense_below_3_are_refused_or_ignored(caplog):
     nvme = {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}
-    with pytest.raises(ValueError, match="'nvme' needs stage 3"):
+    with pytest.raises(ValueError, match="'nvme' needs stage 3.*DeepSpeed ignores the key"):
         deepspeed.initialize(model=net(), config=adamw_config(zero_optimization=nvme))
     keys = {"stage": 1, "stage3_max_live_parameters": 1000, "stage3_prefetch_bucket_size": 5}
     with caplog.at_level(logging.WARNING):
@@ -320,7 +331,7 @@ def test_client_adam_is_l2_decay_and_param_groups_skip_decay_as_torch_does():
         model = net()
         client = cls(groups(model), lr=LR, betas=(0.8, 0.99), eps=1e-6)
         engine, *_ = deepspeed.initialize(
-            model=model, optimizer=client, config={"train_batch_size": 4}
+            model=model, optimizer=client, config={"train_batch_size": 4, "gradient_clipping": 0.0}
         )
         ref = torch_losses(
             data, lambda m, cls=cls: cls(groups(m), lr=LR, betas=(0.8, 0.99), eps=1e-6)
@@ -346,12 +357,12 @@ def test_unsupported_optimizers_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="optimizer=SGD is not supported.*Adam or AdamW"):
         deepspeed.initialize(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            config={"train_batch_size": 4},
+            config={"train_batch_size": 4, "gradient_clipping": 0.0},
         )  # fmt: skip
     with pytest.raises(ValueError, match="amsgrad=True"):
         deepspeed.initialize(
             model=net(), optimizer=torch.optim.Adam(net().parameters(), amsgrad=True),
-            config={"train_batch_size": 4},
+            config={"train_batch_size": 4, "gradient_clipping": 0.0},
         )  # fmt: skip
     both = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="both to initialize.. and in the config"):
@@ -403,10 +414,11 @@ def test_what_is_not_implemented_says_what_to_do():
         (lambda: deepspeed.ops, "CPU-Adam runs inside the engine"),
         (lambda: deepspeed.checkpointing, "torch.utils.checkpoint"),
         (lambda: deepspeed.init_inference, "infinity generate"),
+        (lambda: deepspeed.utils, "zero_to_fp32.*GatheredParameters"),
         (lambda: engine.backward(engine(*batches(1)[0]), retain_graph=True), "one forward"),
         (lambda: deepspeed.comm.all_gather, "torch.distributed"),
         (lambda: engine.train_batch, "pipeline"),
-        (lambda: engine.no_sync, "backward"),
+        (lambda: engine.no_sync().__enter__(), "stage 3's gradient partitioning"),
         (lambda: engine.load_checkpoint("x", load_module_only=True), "infinity export"),
         (lambda: engine.step(lr_kwargs={"a": 1}), "client torch lr scheduler"),
         (lambda: deepspeed.initialize(model=net(), config={}, mpu=object()), "data-parallel"),
@@ -443,7 +455,10 @@ def test_a_client_schedulers_state_resumes_with_the_checkpoint(tmp_path):
         client = torch.optim.AdamW(model.parameters(), lr=LR)
         sched = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
         engine, *_ = deepspeed.initialize(
-            model=model, optimizer=client, lr_scheduler=sched, config={"train_batch_size": 4}
+            model=model,
+            optimizer=client,
+            lr_scheduler=sched,
+            config={"train_batch_size": 4, "gradient_clipping": 0.0},
         )
         if load:
             engine.load_checkpoint(tmp_path / "ck")
@@ -476,9 +491,96 @@ def test_model_parameters_groups_with_the_configs_optimizer_decay_as_torch():
 
 def test_model_parameters_take_single_tensor_groups_and_an_auto_decay():
     model = net()
-    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    config = {
+        "train_batch_size": 4,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+    }
     config["optimizer"]["params"]["weight_decay"] = "auto"
     groups = [{"params": model.b.weight}, {"params": model.b.bias, "weight_decay": 0.0}]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     assert [n for n, p in model.named_parameters() if p.requires_grad] == ["b.weight", "b.bias"]
     assert len(train(engine, batches(2))) == 2
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_at_stages_0_and_1_accumulates_as_without_it_and_refuses_a_step_inside(stage):
+    # DeepSpeed's accumulation pattern: every micro batch but the last inside no_sync().
+    config = adamw_config(
+        train_batch_size=4, gradient_accumulation_steps=2, zero_optimization={"stage": stage}
+    )
+    data = batches(4, size=2)
+    plain, *_ = deepspeed.initialize(model=net(), config=config)
+    engine, *_ = deepspeed.initialize(model=net(), config=config)
+    for i, (x, y) in enumerate(data):
+        plain.backward(plain(x, y))
+        plain.step()
+        if i % 2 == 0:
+            with engine.no_sync():
+                engine.backward(engine(x, y))
+                with pytest.raises(RuntimeError, match="inside no_sync"):
+                    engine.step()
+        else:
+            engine.backward(engine(x, y))
+        engine.step()
+    assert engine.global_steps == plain.global_steps == 2
+    for a, b in zip(engine.module.parameters(), plain.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_training_dataloader_and_monitor_are_deepspeeds_attributes():
+    data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
+    engine, _, loader, _ = deepspeed.initialize(
+        model=net(), config=adamw_config(), training_data=data
+    )
+    assert engine.training_dataloader is loader and len(loader) == 2
+    bare, *_ = deepspeed.initialize(model=net(), config=adamw_config())
+    assert bare.training_dataloader is None
+    assert engine.monitor.enabled is False  # no monitor block: DeepSpeed's is off too
+    engine.monitor.write_events([("Train/loss", 1.0, 0)])
+
+
+@pytest.mark.parametrize(("kind", "fix"), [("OneCycle", "OneCycleLR"), ("LRRangeTest", "LambdaLR")])
+def test_deepspeed_schedulers_not_run_here_are_refused_naming_the_torch_scheduler(kind, fix):
+    config = adamw_config(scheduler={"type": kind, "params": {}})
+    with pytest.raises(ValueError, match=rf"scheduler.type: DeepSpeed's '{kind}'.*lr_scheduler="):
+        deepspeed.initialize(model=net(), config=config)
+    with pytest.raises(ValueError, match=fix):
+        deepspeed.initialize(model=net(), config=config)
+
+
+def test_bf16_float32_input_is_one_error_naming_the_cast_not_a_dtype_mismatch_inside():
+    # DeepSpeed 0.19.8 (and this engine before) stopped inside the first layer with
+    # "mat1 and mat2 must have the same dtype, but got Float and BFloat16".
+    engine, *_ = deepspeed.initialize(model=net(), config=adamw_config(bf16={"enabled": True}))
+    x, y = batches(1)[0]
+    with pytest.raises(TypeError, match=r"argument\[0\] is a float32 tensor.*bf16.*bfloat16"):
+        engine(x, y)
+    loss = engine(x.bfloat16(), y.bfloat16())  # bf16 inputs run
+    engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 1
+
+
+def test_deepspeeds_checkpoint_and_data_types_blocks_are_read_not_unknown():
+    # DeepSpeed 0.19.8 accepts both blocks; they were refused as "unknown key".
+    for key, same, other in [
+        ("checkpoint", {"tag_validation": "Warn"}, {"tag_validation": "Fail"}),
+        ("data_types", {"grad_accum_dtype": "fp32"}, {"grad_accum_dtype": "bf16"}),
+    ]:
+        engine, *_ = deepspeed.initialize(model=net(), config=adamw_config(**{key: same}))
+        train(engine, batches(1))
+        with pytest.raises(ValueError, match=rf"{key}: a section is not supported by Infinity"):
+            deepspeed.initialize(model=net(), config=adamw_config(**{key: other}))
+
+
+def test_no_optimizer_anywhere_warns_what_steps_instead(caplog):
+    # DeepSpeed 0.19.8 initializes, then refuses backward(): "must provide optimizer".
+    with caplog.at_level(logging.WARNING):
+        engine, *_ = deepspeed.initialize(model=net(), config={"train_batch_size": 4})
+    assert "no optimizer" in caplog.text and "AdamW at lr 1e-3" in caplog.text
+    assert engine.get_lr() == [1e-3]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        deepspeed.initialize(model=net(), config=adamw_config())
+    assert "no optimizer" not in caplog.text

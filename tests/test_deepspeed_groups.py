@@ -34,7 +34,7 @@ def zero_config(tier: str, tmp_path) -> dict:
     if tier == "split":  # four sub-groups of one slot each: two in RAM, two on NVMe
         offload["max_in_cpu"] = 4096
         zero["sub_group_size"] = 2048
-    return {"train_batch_size": 4, "zero_optimization": zero}
+    return {"train_batch_size": 4, "gradient_clipping": 0.0, "zero_optimization": zero}
 
 
 def ours(model, config, *, cls=torch.optim.AdamW):
@@ -71,7 +71,7 @@ def test_groups_lr_betas_eps_decay_and_a_lambda_per_group_match_torch(tier, tmp_
 
 def test_client_adam_groups_are_l2_decay_per_group_as_torch():
     data = batches(4)
-    engine, _ = ours(net(), {"train_batch_size": 4}, cls=torch.optim.Adam)
+    engine, _ = ours(net(), {"train_batch_size": 4, "gradient_clipping": 0.0}, cls=torch.optim.Adam)
     assert train(engine, data) == pytest.approx(_reference(data, torch.optim.Adam), abs=1e-5)
 
 
@@ -91,12 +91,14 @@ def test_a_resume_continues_each_groups_lr_and_state_as_the_uninterrupted_run(ti
 
 
 def test_a_checkpoint_of_other_groups_is_refused_naming_the_fix(tmp_path):
-    first, _ = ours(net(), {"train_batch_size": 4})
+    first, _ = ours(net(), {"train_batch_size": 4, "gradient_clipping": 0.0})
     train(first, batches(1))
     first.save_checkpoint(tmp_path / "ck")
     model = net()
     client = torch.optim.AdamW([{**g, "eps": 1e-3} for g in groups(model)])
-    other, *_ = deepspeed.initialize(model=model, optimizer=client, config={"train_batch_size": 4})
+    other, *_ = deepspeed.initialize(
+        model=model, optimizer=client, config={"train_batch_size": 4, "gradient_clipping": 0.0}
+    )
     with pytest.raises(ValueError, match="resume with the same parameter groups"):
         other.load_checkpoint(tmp_path / "ck")
 
@@ -105,9 +107,12 @@ def test_one_group_trains_with_the_same_bits_as_the_configs_optimizer():
     data = batches(4)
     model = net()
     client = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=client, config={"train_batch_size": 4})
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=client, config={"train_batch_size": 4, "gradient_clipping": 0.0}
+    )
     config = {
         "train_batch_size": 4,
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
     }
     plain, *_ = deepspeed.initialize(model=net(), config=config)
@@ -120,7 +125,11 @@ def test_one_group_trains_with_the_same_bits_as_the_configs_optimizer():
 
 def test_model_parameters_groups_of_other_lrs_are_refused_naming_a_client_optimizer():
     model = net()
-    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    config = {
+        "train_batch_size": 4,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
     for key, value in (("lr", 0.1), ("eps", 1e-3), ("weight_decay", 0.5)):
         params = [{"params": [model.a.weight], key: value}, {"params": [model.b.weight]}]
         if key == "weight_decay":

@@ -262,9 +262,24 @@ def _parse_optimizer(cls: type, data: Any, path: str) -> OptimizerConfig:
     return cls(**values)
 
 
+_DEEPSPEED_ONLY_SCHEDULERS = {
+    "onecycle": "torch.optim.lr_scheduler.OneCycleLR",
+    "lrrangetest": "a torch.optim.lr_scheduler.LambdaLR growing the lr",
+}
+"""DeepSpeed scheduler types with no schedule here -> the torch scheduler that replaces them."""
+
+
 def _parse_scheduler(cls: type, data: Any, path: str) -> SchedulerConfig:
     if not isinstance(data, Mapping):
         raise TypeError(f"{path}: expected an object with 'type' and 'params', got {data!r}")
+    kind = data.get("type")
+    if isinstance(kind, str) and kind.lower() in _DEEPSPEED_ONLY_SCHEDULERS:
+        raise ValueError(
+            f"{path}.type: DeepSpeed's {kind!r} is not implemented; use one of "
+            f"{', '.join(SCHEDULER_PARAMS)}, or with infinity.deepspeed "
+            f"pass a torch scheduler as initialize(lr_scheduler=...), e.g. "
+            f"{_DEEPSPEED_ONLY_SCHEDULERS[kind.lower()]}, which drives the lr at each step"
+        )
     values = _parse_fields(cls, data, path)
     kind, params = values.get("type"), values.get("params", {})
     if kind is None and params:
@@ -289,9 +304,10 @@ def _after_zero(zero: ZeroConfig, path: str) -> None:
         return
     if zero.offload_param.device == "nvme":
         raise ValueError(
-            f"{_join(path, 'offload_param.device')}: 'nvme' needs stage 3, as in DeepSpeed: "
-            f"at stage {zero.stage} every parameter stays on the device; set stage 3 to "
-            "offload the parameters, or remove offload_param"
+            f"{_join(path, 'offload_param.device')}: 'nvme' needs stage 3: at stage "
+            f"{zero.stage} every parameter stays on the device (DeepSpeed ignores the key "
+            "there without a word); set stage 3 to offload the parameters, or remove "
+            "offload_param"
         )
 
 

@@ -131,6 +131,15 @@ TOP_LEVEL: dict[str, Unsupported] = {
     "dump_state": Unsupported(
         "`infinity config FILE` prints the configuration as Infinity reads it", (False,)
     ),
+    "checkpoint": Unsupported(
+        "checkpoints are Infinity's own checksummed directories: every save checks its tag, "
+        "and a checkpoint loads on any world size as it is",
+        ({}, {"tag_validation": "Warn"}, {"tag_validation": "warn"}),
+    ),
+    "data_types": Unsupported(
+        "gradients are always accumulated in fp32",
+        ({}, {"grad_accum_dtype": None}, {"grad_accum_dtype": "fp32"}),
+    ),
 }
 
 ZERO: dict[str, Unsupported] = {

@@ -11,6 +11,7 @@ ops) raises NotImplementedError naming what to do instead. docs/deepspeed.md has
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +34,8 @@ from infinity.deepspeed.client import (
 from infinity.deepspeed.comm import init_distributed
 from infinity.deepspeed.engine import DeepSpeedEngine
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DeepSpeedEngine",
     "add_config_arguments",
@@ -41,6 +44,11 @@ __all__ = [
     "initialize",
     "zero",
 ]
+
+_DEEPSPEED_DEFAULTS = {"gradient_clipping": 1.0}
+"""Keys whose DeepSpeed default differs from Infinity's: a DeepSpeed config that leaves
+them out gets DeepSpeed's value (DeepSpeed 0.19 clips gradients at norm 1.0 by default;
+Infinity's own config does not clip unless asked)."""
 
 _LOADER_KEYS = ("dataloader_drop_last",)
 """Top-level DeepSpeed keys this layer reads (for `training_data`) before the engine's config."""
@@ -82,6 +90,8 @@ def initialize(
         )
     raw = _config_dict(args, config, config_params)
     loader_keys = {k: raw.pop(k) for k in _LOADER_KEYS if k in raw}
+    for key, value in _DEEPSPEED_DEFAULTS.items():
+        raw.setdefault(key, value)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(
             model_parameters if model_parameters is not None else model.parameters()
@@ -91,6 +101,8 @@ def initialize(
             "initialize: an optimizer is given both to initialize() and in the config's "
             "'optimizer' section; keep one of them"
         )
+    if optimizer is None and "optimizer" not in raw:
+        _warn_default_optimizer()
     plan = plan_client(model, optimizer, model_parameters, raw.get("optimizer"))
     if plan.optimizer is not None:
         raw["optimizer"] = plan.optimizer
@@ -105,10 +117,20 @@ def initialize(
     facade = EngineOptimizer(engine, holder)
     loader = _loader(engine, training_data, collate_fn, loader_keys)
     return (
-        DeepSpeedEngine(engine, optimizer=facade, lr_scheduler=schedule),
+        DeepSpeedEngine(
+            engine, optimizer=facade, lr_scheduler=schedule, training_dataloader=loader
+        ),
         facade,
         loader,
         schedule,
+    )
+
+
+def _warn_default_optimizer() -> None:
+    logger.warning(
+        "initialize: no optimizer (neither optimizer= nor the config's 'optimizer' section); "
+        "DeepSpeed would refuse backward(), here the engine steps with Infinity's default, "
+        "AdamW at lr 1e-3; add an 'optimizer' section to choose"
     )
 
 
@@ -195,6 +217,9 @@ _NOT_PORTED = {
     "launcher": "there is no deepspeed launcher: start ranks with `torchrun --nproc_per_node N "
     "script.py`",
     "tp_model_init": "tensor parallelism is not implemented: data-parallel ranks only",
+    "utils": "there is no zero_to_fp32 consolidation of a checkpoint: take the full weights "
+    "from the live engine, inside zero.GatheredParameters(list(engine.module.parameters())) "
+    "(fp32 in an fp32 run) or with engine.save_16bit_model(dir)",
 }
 
 

@@ -7,6 +7,7 @@ name with no equivalent here raises NotImplementedError naming what to do instea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -25,8 +26,6 @@ NOT_PORTED: dict[str, str] = {
     "is_pipe_parallel": _PIPELINE,
     "set_train_batch_size": "set train_batch_size in the config; the batch is fixed per run",
     "set_train_micro_batch_size": "set train_micro_batch_size_per_gpu in the config",
-    "no_sync": "accumulation needs no sync context: call backward() on each micro batch "
-    "and step() after each; the engine reduces at the boundary",
     "get_mom": "the betas are the optimizer's: read optimizer.param_groups[0]['betas']",
     "load_universal_checkpoint": "checkpoints here load on any world size as they are",
     "mpu": "model parallelism is not implemented: data-parallel ranks only",
@@ -37,14 +36,30 @@ NOT_PORTED: dict[str, str] = {
 """DeepSpeed engine names with no equivalent here -> why, and what to do instead."""
 
 
+class Monitor:
+    """DeepSpeed's `engine.monitor` with no monitor enabled (the config's `tensorboard`,
+    `wandb`, `csv_monitor` blocks are refused, naming metrics.jsonl): `enabled` is False and
+    `write_events` writes nothing, as DeepSpeed's does then."""
+
+    enabled = False
+
+    def write_events(self, event_list: list) -> None:
+        del event_list
+
+
 class DeepSpeedEngine:
     """What `infinity.deepspeed.initialize` returns first: `engine(batch)`,
     `engine.backward(loss)`, `engine.step()`, with DeepSpeed's accessors."""
 
-    def __init__(self, engine: Engine, *, optimizer: Any, lr_scheduler: Any) -> None:
+    def __init__(
+        self, engine: Engine, *, optimizer: Any, lr_scheduler: Any, training_dataloader: Any = None
+    ) -> None:
         self.engine = engine
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.monitor = Monitor()
+        self._in_no_sync = False
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -71,7 +86,30 @@ class DeepSpeedEngine:
                 f"step(lr_kwargs={lr_kwargs!r}): the schedule takes no per-step arguments "
                 "here; drive the lr with a client torch lr scheduler instead"
             )
+        if self._in_no_sync:
+            raise RuntimeError(
+                "step() inside no_sync(): leave the no_sync block before step(), as DeepSpeed "
+                "requires"
+            )
         self.engine.step()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's no_sync at stages 0 and 1: backward() inside it is reduced with the rest
+        of the accumulation at the boundary, as the engine always does (so nothing changes);
+        stages 2 and 3 refuse it, as DeepSpeed does."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise NotImplementedError(
+                f"no_sync() is incompatible with ZeRO stage {stage}'s gradient partitioning "
+                "(DeepSpeed refuses it too): call backward() on each micro batch and step() "
+                "after each; the engine reduces at the accumulation boundary"
+            )
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
 
     def train(self, mode: bool = True) -> DeepSpeedEngine:
         self.engine.train(mode)

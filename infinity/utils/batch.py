@@ -23,21 +23,27 @@ def to_device(obj: Any, device: torch.device, *, half: bool) -> Any:
     return pytree.tree_map_only(torch.Tensor, move, obj)
 
 
-def check_fp16_inputs(obj: Any, where: str = "input") -> None:
-    """Refuse a floating-point tensor other than fp16 in a batch for an fp16 model without
-    `fp16.auto_cast`: its first layer would stop with a dtype mismatch deep inside the
-    forward. DeepSpeed's engine passes such inputs through unchanged (and fails the same
-    way); its `fp16.auto_cast` key casts them, as here. A 0-dim tensor passes (the
+def check_fp16_inputs(obj: Any, where: str = "input", *, bf16: bool = False) -> None:
+    """Refuse a floating-point tensor other than fp16 (bf16 with `bf16`) in a batch for a
+    half-precision model without `fp16.auto_cast`: its first layer would stop with a dtype
+    mismatch deep inside the forward. DeepSpeed's engine passes such inputs through
+    unchanged (and fails the same way); its `fp16.auto_cast` key casts them, as here (bf16
+    has no such key: the inputs are cast by the caller). A 0-dim tensor passes (the
     Trainer's `num_items_in_batch`): in torch's type promotion a 0-dim tensor never widens
-    an fp16 operand, so it cannot cause that mismatch."""
+    a half operand, so it cannot cause that mismatch."""
+    want = torch.bfloat16 if bf16 else torch.float16
+    fix = (
+        "bf16 (bf16.enabled): pass .to(torch.bfloat16) tensors"
+        if bf16
+        else 'fp16 (fp16.enabled): set "fp16": {"enabled": true, "auto_cast": true} in the '
+        "config to cast floating-point inputs to fp16, or pass .half() tensors"
+    )
     for path, t in pytree.tree_flatten_with_path(obj)[0]:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             continue
-        if t.is_floating_point() and t.dtype != torch.float16:
+        if t.is_floating_point() and t.dtype != want:
             raise TypeError(
                 f"forward: {where}{pytree.keystr(path)} is a "
                 f"{str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)} "
-                "but the model runs in fp16 (fp16.enabled): set "
-                '"fp16": {"enabled": true, "auto_cast": true} in the config to cast '
-                "floating-point inputs to fp16, or pass .half() tensors"
+                f"but the model runs in {fix}"
             )
